@@ -1,0 +1,49 @@
+"""What every command shares: the stderr console, JSON output, and the user-error boundary."""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import lru_cache
+from typing import Any
+
+import click
+
+from piper_plan.errors import EXIT_USER_ERROR, PiperError
+
+
+@lru_cache(maxsize=1)
+def console():
+    """The one rich Console for human output; on stderr so stdout stays machine-readable."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def print_json(obj: Any) -> None:
+    """Machine output: one JSON document on stdout."""
+    click.echo(json.dumps(obj, indent=2, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+class UserError(click.ClickException):
+    """A PiperError on its way out of the CLI: printed as ``error: <one line>``, exit code 2."""
+
+    exit_code = EXIT_USER_ERROR
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def fail(message: str) -> None:
+    """Raise a user error from inside a command."""
+    raise PiperError(message)

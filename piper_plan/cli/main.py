@@ -1,0 +1,79 @@
+"""The ``piper`` command: a click group whose subcommands are imported only when used.
+
+Each command lives in its own module (one file per command, as in hatch); this file only maps
+names to modules so that ``piper --help`` stays fast and the planner never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from piper_plan import __version__
+
+# name -> (module, attribute, one-line help shown by `piper --help` without importing the module)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "models": ("piper_plan.cli.models", "models_cmd", "List the model catalog."),
+    "model": ("piper_plan.cli.models", "model_group", "Show or import one model spec."),
+    "platforms": ("piper_plan.cli.platforms", "platforms_cmd", "List the platform catalog."),
+    "platform": ("piper_plan.cli.platforms", "platform_group", "Show one platform spec."),
+    "estimate": ("piper_plan.cli.estimate", "estimate_cmd", "Predict memory and step time of one parallel plan."),
+    "plan": ("piper_plan.cli.plan", "plan_cmd", "Search and rank every valid parallel configuration."),
+    "calibrate": ("piper_plan.cli.calibrate", "calibrate_group", "Measure a machine (GEMM, attention, collectives)."),
+    "bench": ("piper_plan.cli.bench", "bench_group", "Communication benchmarks (flat vs HALO all-to-all)."),
+    "migrate": ("piper_plan.cli.migrate", "migrate_group", "Expert migration: simulate the swap planner."),
+    "run": ("piper_plan.cli.run", "run_cmd", "Run the training runtime on a plan.json (alias of python -m piper_plan.runtime.train)."),
+    "launch": ("piper_plan.cli.launch", "launch_cmd", "Write (and submit) a Slurm job for a plan."),
+    "status": ("piper_plan.cli.status", "status_cmd", "Show a Slurm job and its run directory."),
+    "compare": ("piper_plan.cli.compare", "compare_cmd", "Measured (metrics.jsonl) vs predicted (plan.json)."),
+    "validate": ("piper_plan.cli.validate", "validate_cmd", "Predict published measurements and report the error."),
+    "reproduce": ("piper_plan.cli.reproduce", "reproduce_group", "Regenerate the paper's tables and figures."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group that imports a subcommand's module only when that subcommand runs."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name, (module, _, _) in COMMANDS.items() if _module_exists(module))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        if not _module_exists(module):
+            return None
+        return getattr(importlib.import_module(module), attr)
+
+    def invoke(self, ctx: click.Context):
+        from piper_plan.cli.common import UserError
+        from piper_plan.errors import PiperError
+
+        try:
+            return super().invoke(ctx)
+        except PiperError as exc:
+            raise UserError(str(exc)) from None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def _module_exists(module: str) -> bool:
+    from importlib.util import find_spec
+
+    return find_spec(module) is not None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="piper")
+def cli() -> None:
+    """piper: plan, calibrate and launch Mixture-of-Experts training on HPC machines."""
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="piper")

@@ -1,0 +1,246 @@
+"""ModelSpec: the architecture of a (MoE) transformer, enough to count its parameters and FLOPs exactly.
+
+Layer i (0-based) is a MoE layer when ``moe`` is set and ``moe.layers`` selects it; every other layer
+runs ``dense_ffn``. Parameter counting lives in ``piper_plan.specs.params`` and follows the reference
+implementations (Hugging Face ``transformers`` modules) so that counts match them to the integer.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from piper_plan.specs.base import Spec
+
+
+class AttentionSpec(Spec):
+    """Self-attention of one layer: MHA, GQA or MLA (DeepSeek's multi-head latent attention)."""
+
+    kind: Literal["mha", "gqa", "mla"] = "gqa"
+    """mha: num_kv_heads = num_heads; gqa: grouped KV heads; mla: low-rank compressed Q and KV."""
+    num_heads: PositiveInt
+    """Query heads."""
+    num_kv_heads: PositiveInt | None = None
+    """Key/value heads (GQA); defaults to num_heads. Ignored for MLA."""
+    head_dim: PositiveInt | None = None
+    """Per-head width of q/k/v; defaults to hidden_size / num_heads (Llama 4, Qwen3-MoE, gpt-oss set it)."""
+    qkv_bias: bool = False
+    """q, k and v projections carry a bias (Qwen2, gpt-oss)."""
+    o_bias: bool = False
+    """Output projection carries a bias (gpt-oss)."""
+    qk_norm: Literal["none", "per_head", "full", "weightless"] = "none"
+    """Norm on q and k: per_head (a head_dim-wide RMSNorm, Qwen3), full (over all heads, OLMoE), weightless (L2, Llama 4)."""
+    sinks: bool = False
+    """One learned attention-sink logit per head (gpt-oss)."""
+    q_lora_rank: PositiveInt | None = None
+    """MLA: rank of the query compression; None = full-rank query projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: PositiveInt | None = None
+    """MLA: rank of the joint key/value compression."""
+    qk_nope_head_dim: PositiveInt | None = None
+    """MLA: per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: PositiveInt | None = None
+    """MLA: per-head query/key width with rotary embedding (the key part is shared by all heads)."""
+    v_head_dim: PositiveInt | None = None
+    """MLA: per-head value width."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AttentionSpec":
+        if self.kind == "mla":
+            missing = [f for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                       if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"kind=mla needs {', '.join(missing)}")
+            return self
+        kv = self.kv_heads
+        if self.kind == "mha" and kv != self.num_heads:
+            raise ValueError(f"kind=mha needs num_kv_heads == num_heads, got num_kv_heads={kv}, num_heads={self.num_heads}")
+        if self.num_heads % kv:
+            raise ValueError(f"num_kv_heads={kv} must divide num_heads={self.num_heads}")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (num_heads for MHA and MLA)."""
+        if self.kind == "mla":
+            return self.num_heads
+        return self.num_kv_heads or self.num_heads
+
+
+class FFNSpec(Spec):
+    """A dense feed-forward block (also the shape of one expert)."""
+
+    intermediate_size: PositiveInt
+    """Inner width d_ffn."""
+    gated: bool = True
+    """Gated (SwiGLU: 3 matrices) or plain (2 matrices, e.g. GELU)."""
+    bias: bool = False
+    """Linear layers carry biases."""
+
+
+class MoELayersSpec(Spec):
+    """Which layers are MoE: layer i is MoE iff i >= first_k_dense and i % every == phase, or i in explicit."""
+
+    first_k_dense: int = Field(default=0, ge=0)
+    """The first k layers are dense (DeepSeek's first_k_dense_replace)."""
+    every: PositiveInt = 1
+    """A MoE layer every n-th layer (DeepSeek's moe_layer_freq; Llama 4's interleave_moe_layer_step)."""
+    phase: int = Field(default=0, ge=0)
+    """Offset inside the period: Llama 4 uses (i + 1) % step == 0, i.e. phase = step - 1."""
+    explicit: list[int] | None = None
+    """An explicit list of MoE layer indices (overrides the rule above)."""
+
+    def is_moe(self, layer: int) -> bool:
+        if self.explicit is not None:
+            return layer in self.explicit
+        return layer >= self.first_k_dense and layer % self.every == self.phase
+
+
+class MoESpec(Spec):
+    """The Mixture-of-Experts block of a MoE layer."""
+
+    num_experts: PositiveInt
+    """Routed experts per MoE layer (E)."""
+    top_k: PositiveInt
+    """Routed experts per token (k)."""
+    expert: FFNSpec
+    """Shape of one routed expert (gated = 3 matrices, plain = 2)."""
+    num_shared_experts: int = Field(default=0, ge=0)
+    """Always-active shared experts (DeepSeek, Qwen2-MoE, Llama 4)."""
+    shared_expert: FFNSpec | None = None
+    """Shape of one shared expert; defaults to the routed expert's shape."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate Linear(d, 1) on the shared expert output (Qwen2-MoE)."""
+    router_bias: bool = False
+    """The router Linear carries a bias (gpt-oss). DeepSeek-V3's correction bias is a buffer, not a parameter."""
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scoring function."""
+    layers: MoELayersSpec = MoELayersSpec()
+    """Which layers are MoE."""
+    parallel_dense_ffn: FFNSpec | None = None
+    """A dense MLP beside the experts in every MoE layer (Arctic's residual MLP)."""
+    capacity_factor: float | None = Field(default=None, gt=0)
+    """Tokens per expert are capped at capacity_factor x (tokens x k / E); None = dropless."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoESpec":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        return self
+
+    @property
+    def shared(self) -> FFNSpec:
+        """Shape of one shared expert."""
+        return self.shared_expert or self.expert
+
+
+class NormSpec(Spec):
+    """Normalisation layers."""
+
+    kind: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """RMSNorm (weight only) or LayerNorm."""
+    bias: bool = False
+    """LayerNorm with a bias (doubles its parameters)."""
+    per_layer: int = Field(default=2, ge=0)
+    """Norms per transformer layer (2 = pre-attention + pre-MLP; Arctic 3, Grok-1 4)."""
+    final: bool = True
+    """A final norm before the LM head."""
+
+
+class ModelSpec(Spec):
+    """A decoder-only transformer, dense or MoE."""
+
+    name: str = Field(min_length=1)
+    """Catalog name, lowercase and hyphenated (mixtral-8x7b)."""
+    source: str = Field(min_length=1)
+    """Where the configuration comes from (paper, model card, config.json)."""
+    notes: str = ""
+    """Assumptions and approximations, said plainly."""
+    vocab_size: PositiveInt | None
+    """Vocabulary; None = no embedding and no LM head (the papers' abstract models)."""
+    hidden_size: PositiveInt
+    """Model width d."""
+    num_layers: PositiveInt
+    """Transformer layers L."""
+    max_seq_len: PositiveInt | None = None
+    """Longest sequence the model supports (max_position_embeddings); None = unknown / unbounded."""
+    attention: AttentionSpec
+    """Self-attention."""
+    dense_ffn: FFNSpec | None = None
+    """The MLP of non-MoE layers (required when some layer is dense)."""
+    moe: MoESpec | None = None
+    """Mixture-of-Experts block of MoE layers; None = dense model."""
+    parallel_attn_mlp: bool = False
+    """Attention and MLP read the same input (parallel residual, Arctic); no parameter change."""
+    tie_embeddings: bool = False
+    """LM head shares the input embedding matrix."""
+    learned_position_embeddings: bool = False
+    """A learned position table of max_seq_len x d (GPT-2/Megatron GPT)."""
+    norm: NormSpec = NormSpec()
+    """Normalisation layers."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        if self.attention.kind != "mla" and self.attention.head_dim is None and self.hidden_size % self.attention.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.attention.num_heads}; set attention.head_dim")
+        if self.num_dense_layers and self.dense_ffn is None:
+            raise ValueError(f"{self.num_dense_layers} layers are dense but dense_ffn is not set")
+        if self.learned_position_embeddings and self.max_seq_len is None:
+            raise ValueError("learned_position_embeddings needs max_seq_len")
+        if self.moe is not None and self.moe.layers.explicit is not None:
+            bad = [i for i in self.moe.layers.explicit if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"moe.layers.explicit has indices {bad} outside 0..{self.num_layers - 1}")
+        return self
+
+    # ---- derived structure -------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        """Per-head q/k width (MLA: nope + rope)."""
+        a = self.attention
+        if a.kind == "mla":
+            return a.qk_nope_head_dim + a.qk_rope_head_dim
+        return a.head_dim or self.hidden_size // a.num_heads
+
+    @cached_property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of MoE layers."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.num_layers) if self.moe.layers.is_moe(i))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_layers > 0
+
+    # ---- parameters --------------------------------------------------------------------
+    @cached_property
+    def params(self):
+        """Parameter counts by component (exact integers)."""
+        from piper_plan.specs.params import count_params
+
+        return count_params(self)
+
+    @property
+    def total_params(self) -> int:
+        return self.params.total
+
+    @property
+    def active_params(self) -> int:
+        """Active per token, including the input embedding (see models.md's convention)."""
+        return self.params.active
+
+
+
