@@ -1,0 +1,39 @@
+"""Specs: cross-field validation names every value; derived numbers are properties."""
+
+import pytest
+from pydantic import ValidationError
+
+from piper_plan.catalog import load_model
+from piper_plan.errors import PiperError
+from piper_plan.specs import ParallelPlan, TrainingSpec, check_plan, even_split
+
+
+def test_plan_ep_must_divide_dp_tp():
+    with pytest.raises(ValidationError, match=r"ep x etp = 3 x 1 must divide dp x tp = 4 x 1"):
+        ParallelPlan(dp=4, ep=3)
+
+
+def test_edp_is_derived():
+    assert ParallelPlan(dp=4, pp=2, ep=2).edp == 2
+    assert ParallelPlan(dp=4, pp=2, ep=2).world == 8
+
+
+def test_check_plan_names_every_value():
+    model = load_model("mixtral-8x7b")
+    plan = ParallelPlan(dp=6, ep=3, num_microbatches=1)
+    with pytest.raises(PiperError) as err:
+        check_plan(plan, model, TrainingSpec(global_batch=12), world=8)
+    text = str(err.value)
+    assert "ep=3 must divide num_experts=8" in text
+    assert "= 6 must equal the world size 8" in text
+    assert "num_microbatches=1 must equal global_batch / (dp x mbs) = 12 / (6 x 1)" in text
+
+
+def test_even_split_puts_extra_layers_late():
+    # 10 layers over 4 stages: 2, 2, 3, 3 (stage 0 carries the embedding and the most in-flight micro-batches)
+    assert even_split(10, 4) == [2, 2, 3, 3]
+    assert sum(even_split(61, 16)) == 61
+
+
+def test_state_bytes_default_is_papers_16():
+    assert TrainingSpec().state_bytes_per_param == 16
