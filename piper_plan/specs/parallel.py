@@ -37,6 +37,8 @@ class ParallelPlan(Spec):
     """Model chunks per rank for the interleaved schedule (1 otherwise)."""
     recompute: Recompute = "none"
     """Activation recomputation."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms and dropout split over tp (needs tp > 1 to matter)."""
     zero: Literal[0, 1] = 0
     """ZeRO stage: 1 shards optimizer state over dp (dense) and edp (experts)."""
     a2a: A2A = "flat"

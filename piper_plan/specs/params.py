@@ -77,16 +77,20 @@ def attention_params(attn: AttentionSpec, hidden: int, head_dim: int) -> int:
 
 
 def _mla_params(attn: AttentionSpec, hidden: int) -> int:
-    """DeepseekV2/V3Attention: q_a (+ norm) -> q_b, kv_a_with_mqa (+ norm) -> kv_b, o."""
-    h = attn.num_heads
+    """DeepseekV2/V3Attention: q_a (+ norm) -> q_b, kv_a_with_mqa (+ norm) -> kv_b, o.
+
+    With ``attention_bias`` (our qkv_bias / o_bias) transformers puts a bias on q_a, kv_a and o only
+    (q_b, kv_b and a full-rank q_proj never carry one).
+    """
+    h, qb = attn.num_heads, attn.qkv_bias
     qk_head = attn.qk_nope_head_dim + attn.qk_rope_head_dim
     if attn.q_lora_rank is None:
         n = hidden * h * qk_head
     else:
-        n = hidden * attn.q_lora_rank + attn.q_lora_rank + attn.q_lora_rank * h * qk_head
-    n += hidden * (attn.kv_lora_rank + attn.qk_rope_head_dim) + attn.kv_lora_rank
+        n = linear_params(hidden, attn.q_lora_rank, qb) + attn.q_lora_rank + attn.q_lora_rank * h * qk_head
+    n += linear_params(hidden, attn.kv_lora_rank + attn.qk_rope_head_dim, qb) + attn.kv_lora_rank
     n += attn.kv_lora_rank * h * (attn.qk_nope_head_dim + attn.v_head_dim)
-    n += h * attn.v_head_dim * hidden
+    n += linear_params(h * attn.v_head_dim, hidden, attn.o_bias)
     return n
 
 

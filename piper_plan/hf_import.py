@@ -1,0 +1,267 @@
+"""Hugging Face ``config.json`` -> ModelSpec, for the MoE and dense families piper knows.
+
+Each family's converter reads the fields the reference implementation reads (transformers'
+``modeling_<type>.py``; DeepSeekMoE v1 and Arctic from their published remote code) and builds the
+spec dict, so that the spec's parameter count equals the count of the model transformers builds
+(``scripts/check_hf_counts.py`` checks it on the meta device). Pure: no I/O except ``import_hf_file``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from piper_plan.catalog import parse_spec, read_structured
+from piper_plan.errors import PiperError
+from piper_plan.specs import ModelSpec
+
+_MISSING = object()
+
+
+class _Config:
+    """A config mapping that turns a missing or bad field into one PiperError line naming it."""
+
+    def __init__(self, data: dict, path: str, prefix: str = ""):
+        self.data, self.path, self.prefix = data, path, prefix
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        value = self.data.get(key, default)
+        if value is _MISSING:
+            raise PiperError("missing field in the Hugging Face config", path=self.path, field=self.prefix + key)
+        return value
+
+    def int_(self, key: str, default: Any = _MISSING, minimum: int = 1) -> int | None:
+        """A whole number >= minimum (None passes through when it is the default)."""
+        value = self.get(key, default)
+        if value is None and default is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise PiperError(f"must be an integer >= {minimum}, got {value!r}", path=self.path,
+                             field=self.prefix + key)
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        return bool(self.get(key, default))
+
+    def sub(self, key: str) -> "_Config":
+        value = self.get(key)
+        if not isinstance(value, dict):
+            raise PiperError(f"expected a mapping, got {type(value).__name__}", path=self.path, field=self.prefix + key)
+        return _Config(value, self.path, f"{self.prefix}{key}.")
+
+
+# ---- shared pieces --------------------------------------------------------------------------------
+
+def _base(c: _Config, hidden: str = "hidden_size", layers: str = "num_hidden_layers",
+          max_pos: str = "max_position_embeddings") -> dict:
+    return {"vocab_size": c.int_("vocab_size"), "hidden_size": c.int_(hidden), "num_layers": c.int_(layers),
+            "max_seq_len": c.int_(max_pos, None), "tie_embeddings": c.flag("tie_word_embeddings", False)}
+
+
+def _gqa(c: _Config, *, heads: str = "num_attention_heads", kv: str = "num_key_value_heads",
+         head_dim: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
+         qk_norm: str = "none", sinks: bool = False) -> dict:
+    num_heads = c.int_(heads)
+    num_kv = c.int_(kv, None) or num_heads
+    attn = {"kind": "mha" if num_kv == num_heads else "gqa", "num_heads": num_heads, "num_kv_heads": num_kv,
+            "head_dim": head_dim, "qkv_bias": qkv_bias, "o_bias": o_bias, "qk_norm": qk_norm, "sinks": sinks}
+    return {k: v for k, v in attn.items() if v is not None}
+
+
+def _mla(c: _Config) -> dict:
+    bias = c.flag("attention_bias", False)
+    return {"kind": "mla", "num_heads": c.int_("num_attention_heads"), "q_lora_rank": c.int_("q_lora_rank", None),
+            "kv_lora_rank": c.int_("kv_lora_rank"), "qk_nope_head_dim": c.int_("qk_nope_head_dim"),
+            "qk_rope_head_dim": c.int_("qk_rope_head_dim"), "v_head_dim": c.int_("v_head_dim"),
+            "qkv_bias": bias, "o_bias": bias}
+
+
+def _ffn(width: int, gated: bool = True, bias: bool = False) -> dict:
+    return {"intermediate_size": width, "gated": gated, "bias": bias}
+
+
+def _sparse_step_layers(c: _Config, num_layers: int) -> dict:
+    """Qwen2/3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    step = c.int_("decoder_sparse_step", 1)
+    dense_only = c.get("mlp_only_layers", None) or []
+    if not dense_only:
+        return {"every": step, "phase": step - 1}
+    return {"explicit": [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]}
+
+
+# ---- families -------------------------------------------------------------------------------------
+
+def _mixtral(c: _Config) -> dict:
+    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", None)),
+            "moe": {"num_experts": c.int_("num_local_experts"), "top_k": c.int_("num_experts_per_tok"),
+                    "expert": _ffn(c.int_("intermediate_size"))}}
+
+
+def _qwen_moe(c: _Config, qwen3: bool) -> dict:
+    spec = _base(c)
+    if qwen3:
+        bias = c.flag("attention_bias", False)
+        attn = _gqa(c, head_dim=c.int_("head_dim", None), qkv_bias=bias, o_bias=bias, qk_norm="per_head")
+    else:
+        attn = _gqa(c, qkv_bias=c.flag("qkv_bias", True))
+    moe = {"num_experts": c.int_("num_experts"), "top_k": c.int_("num_experts_per_tok"),
+           "expert": _ffn(c.int_("moe_intermediate_size")), "layers": _sparse_step_layers(c, spec["num_layers"])}
+    if not qwen3:
+        moe.update(num_shared_experts=1, shared_expert=_ffn(c.int_("shared_expert_intermediate_size")),
+                   shared_expert_gate=True)
+    return {**spec, "attention": attn, "dense_ffn": _ffn(c.int_("intermediate_size")), "moe": moe}
+
+
+def _deepseek(c: _Config, mla: bool) -> dict:
+    """DeepSeekMoE v1 (MHA), V2 / V3 / Kimi K2 (MLA): first_k_dense_replace dense layers, then MoE
+    every moe_layer_freq layers (the reference code's rule; transformers' V2/V3 assume freq 1)."""
+    mlp_bias = c.flag("mlp_bias", False)
+    bias = c.flag("attention_bias", False)
+    attn = _mla(c) if mla else _gqa(c, qkv_bias=bias, o_bias=bias)
+    shared = c.int_("n_shared_experts", None, minimum=0) or 0
+    moe = {"num_experts": c.int_("n_routed_experts"), "top_k": c.int_("num_experts_per_tok"),
+           "expert": _ffn(c.int_("moe_intermediate_size")), "num_shared_experts": shared,
+           "scoring": "sigmoid" if c.get("scoring_func", "softmax") == "sigmoid" else "softmax",
+           "layers": {"first_k_dense": c.int_("first_k_dense_replace", 0, minimum=0),
+                      "every": c.int_("moe_layer_freq", 1)}}
+    if shared and mlp_bias:
+        # The reference code builds the shared experts as ONE MLP of width n_shared x moe_intermediate_size;
+        # that is the same weights as n_shared experts, but one set of biases.
+        moe.update(num_shared_experts=1, shared_expert=_ffn(shared * c.int_("moe_intermediate_size"), bias=True))
+    return {**_base(c), "attention": attn, "dense_ffn": _ffn(c.int_("intermediate_size"), bias=mlp_bias), "moe": moe}
+
+
+def _dbrx(c: _Config) -> dict:
+    attn_c, ffn_c = c.sub("attn_config"), c.sub("ffn_config")
+    heads = c.int_("n_heads")
+    kv = attn_c.int_("kv_n_heads", 1)
+    return {**_base(c, "d_model", "n_layers", "max_seq_len"),
+            "attention": {"kind": "mha" if kv == heads else "gqa", "num_heads": heads, "num_kv_heads": kv},
+            "moe": {"num_experts": ffn_c.int_("moe_num_experts", 4), "top_k": ffn_c.int_("moe_top_k", 1),
+                    "expert": _ffn(ffn_c.int_("ffn_hidden_size", 3584))},
+            "norm": {"kind": "layernorm", "bias": False}}
+
+
+def _olmoe(c: _Config) -> dict:
+    bias = c.flag("attention_bias", False)
+    return {**_base(c), "attention": _gqa(c, qkv_bias=bias, o_bias=bias, qk_norm="full"),
+            "moe": {"num_experts": c.int_("num_experts"), "top_k": c.int_("num_experts_per_tok"),
+                    "expert": _ffn(c.int_("intermediate_size"))}}
+
+
+def _gpt_oss(c: _Config) -> dict:
+    bias = c.flag("attention_bias", True)
+    top_k = c.int_("num_experts_per_tok", None) or c.int_("experts_per_token")
+    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", 64), qkv_bias=bias, o_bias=bias, sinks=True),
+            "moe": {"num_experts": c.int_("num_local_experts"), "top_k": top_k,
+                    "expert": _ffn(c.int_("intermediate_size"), bias=True), "router_bias": True}}
+
+
+def _llama4(c: _Config) -> dict:
+    """Llama 4 text model: MoE layers = moe_layers, else those with (i + 1) % interleave_moe_layer_step == 0."""
+    bias = c.flag("attention_bias", False)
+    qk_norm = "weightless" if c.flag("use_qk_norm", True) else "none"
+    explicit = c.get("moe_layers", None)
+    step = c.int_("interleave_moe_layer_step", 1)
+    layers = {"explicit": list(explicit)} if explicit is not None else {"every": step, "phase": step - 1}
+    attn = _gqa(c, head_dim=c.int_("head_dim", 128), qkv_bias=bias, o_bias=bias, qk_norm=qk_norm)
+    return {**_base(c), "attention": attn,
+            "dense_ffn": _ffn(c.int_("intermediate_size_mlp")),
+            "moe": {"num_experts": c.int_("num_local_experts"), "top_k": c.int_("num_experts_per_tok"),
+                    "expert": _ffn(c.int_("intermediate_size")), "num_shared_experts": 1, "scoring": "sigmoid",
+                    "layers": layers}}
+
+
+def _arctic(c: _Config) -> dict:
+    """Snowflake Arctic (modeling_arctic.py): MoE iff (i + 1) % moe_layer_frequency == 0; a MoE layer with
+    use_residual adds a gated MLP of width hidden_size and a third norm beside the experts."""
+    freq = c.int_("moe_layer_frequency", 2)
+    residual = c.flag("use_residual", False)
+    if residual and freq != 1:
+        raise PiperError(f"use_residual with moe_layer_frequency={freq} is not supported (allowed: 1), "
+                         "because the residual norm exists only in MoE layers",
+                         path=c.path, field="moe_layer_frequency")
+    d = c.int_("hidden_size")
+    moe = {"num_experts": c.int_("num_local_experts"), "top_k": c.int_("num_experts_per_tok"),
+           "expert": _ffn(c.int_("intermediate_size")), "layers": {"every": freq, "phase": freq - 1}}
+    if residual:
+        moe["parallel_dense_ffn"] = _ffn(d)
+    return {**_base(c), "attention": _gqa(c), "dense_ffn": _ffn(c.int_("intermediate_size")), "moe": moe,
+            "parallel_attn_mlp": c.flag("parallel_attn_mlp_res", False),
+            "norm": {"per_layer": 3 if residual else 2}}
+
+
+def _llama(c: _Config) -> dict:
+    bias = c.flag("attention_bias", False)
+    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", None), qkv_bias=bias, o_bias=bias),
+            "dense_ffn": _ffn(c.int_("intermediate_size"), bias=c.flag("mlp_bias", False))}
+
+
+def _mistral(c: _Config) -> dict:
+    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", None)),
+            "dense_ffn": _ffn(c.int_("intermediate_size"))}
+
+
+def _qwen2(c: _Config) -> dict:
+    return {**_base(c), "attention": _gqa(c, qkv_bias=True), "dense_ffn": _ffn(c.int_("intermediate_size"))}
+
+
+def _qwen3(c: _Config) -> dict:
+    bias = c.flag("attention_bias", False)
+    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", None), qkv_bias=bias, o_bias=bias,
+                                          qk_norm="per_head"),
+            "dense_ffn": _ffn(c.int_("intermediate_size"))}
+
+
+CONVERTERS: dict[str, Callable[[_Config], dict]] = {
+    "mixtral": _mixtral,
+    "qwen2_moe": lambda c: _qwen_moe(c, qwen3=False),
+    "qwen3_moe": lambda c: _qwen_moe(c, qwen3=True),
+    "deepseek": lambda c: _deepseek(c, mla=False),
+    "deepseek_v2": lambda c: _deepseek(c, mla=True),
+    "deepseek_v3": lambda c: _deepseek(c, mla=True),
+    "kimi_k2": lambda c: _deepseek(c, mla=True),
+    "dbrx": _dbrx,
+    "olmoe": _olmoe,
+    "gpt_oss": _gpt_oss,
+    "llama4": _llama4,
+    "llama4_text": _llama4,
+    "arctic": _arctic,
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(CONVERTERS))
+
+
+def default_name(config: dict, path: str) -> str:
+    """Catalog-style name: the repo name of ``_name_or_path``, else the file name (its folder for config.json),
+    lowercased and hyphenated."""
+    stem = Path(path).stem
+    raw = config.get("_name_or_path") or (stem if stem != "config" else Path(path).resolve().parent.name)
+    name = re.sub(r"[^a-z0-9.]+", "-", str(raw).rstrip("/").split("/")[-1].lower()).strip("-")
+    return name or "model"
+
+
+def spec_from_hf_config(config: dict, path: str, name: str | None = None) -> ModelSpec:
+    """The ModelSpec of a parsed HF config; errors name ``path`` and the offending field."""
+    model_type = config.get("model_type")
+    if model_type not in CONVERTERS:
+        raise PiperError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
+                         path=path, field="model_type")
+    cfg = _Config(config, path)
+    if model_type == "llama4":
+        cfg = cfg.sub("text_config")
+    data = {"name": name or default_name(config, path),
+            "source": f"Hugging Face config.json ({path}, model_type {model_type}), imported by piper model import",
+            **CONVERTERS[model_type](cfg)}
+    if model_type == "llama4":
+        data["notes"] = "Text model only (vision encoder and projector not counted)."
+    return parse_spec(ModelSpec, data, path)
+
+
+def import_hf_file(path: str | Path, name: str | None = None) -> ModelSpec:
+    """Read a config.json and convert it."""
+    return spec_from_hf_config(read_structured(Path(path)), str(path), name)

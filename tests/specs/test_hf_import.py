@@ -1,0 +1,131 @@
+"""Hugging Face config.json import: counts equal transformers' own count of the same config.
+
+The integers below were measured with scripts/check_hf_counts.py (transformers 5.24.0, models built on
+the meta device: sum of numel; active = total - routed experts + routed experts x top_k / E); arctic and
+deepseek (v1) are not in transformers: arctic is models.md's hand-derived integer, deepseek-moe-16b is
+checked against its published 16.4B / 2.8B (DeepSeekMoE arXiv:2401.06066). test_hf_counts_transformers.py
+re-measures them whenever transformers is installed.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from piper_plan.catalog import load_model, parse_spec, spec_to_yaml
+from piper_plan.errors import PiperError
+from piper_plan.hf_import import SUPPORTED_MODEL_TYPES, import_hf_file, spec_from_hf_config
+from piper_plan.specs import ModelSpec
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+TRANSFORMERS_COUNTS = {
+    "dbrx-base.json": (131_596_523_520, 36_469_708_800),          # DBRX blog: 132B / 36B
+    "deepseek-v2.json": (235_741_434_880, 21_375_800_320),
+    "deepseek-v3.json": (671_026_404_352, 37_552_282_624),
+    "gpt-oss-20b.json": (20_914_757_184, 4_187_440_704),          # OpenAI model card: 20.9B (3.6B active w/o embedding)
+    "kimi-k2.json": (1_026_408_209_408, 32_861_477_888),          # built as deepseek_v3
+    "llama-3.1-8b.json": (8_030_261_248, 8_030_261_248),
+    "llama4-maverick.json": (400_711_848_960, 17_184_691_200),
+    "llama4-scout-multimodal.json": (107_769_861_120, 17_172_894_720),
+    "llama4-scout.json": (107_769_861_120, 17_172_894_720),
+    "mistral-7b-v0.1.json": (7_241_732_096, 7_241_732_096),
+    "mixtral-8x22b.json": (140_620_634_112, 39_152_031_744),
+    "mixtral-8x7b.json": (46_702_792_704, 12_879_925_248),
+    "olmoe-1b-7b-0924.json": (6_919_161_856, 1_282_017_280),     # OLMoE paper: 6.9B / 1.3B
+    "qwen1.5-moe-a2.7b.json": (14_315_784_192, 2_689_173_504),   # Qwen blog: 14.3B / 2.7B
+    "qwen2-7b.json": (7_615_616_512, 7_615_616_512),
+    "qwen3-30b-a3b.json": (30_532_122_624, 3_353_032_704),       # Qwen3 report: 30.5B / 3.3B
+    "qwen3-8b.json": (8_190_735_360, 8_190_735_360),
+    # small variants that exercise the flags (biases, head_dim, tied embeddings, layer rules)
+    "variants/dbrx-tiny.json": (181_440, 126_144),
+    "variants/deepseek-v2-lite-bias.json": (250_720, 176_992),
+    "variants/deepseek-v3-no-dense.json": (286_432, 138_976),
+    "variants/gpt-oss-tiny.json": (159_840, 109_664),
+    "variants/llama-biases-tied.json": (166_464, 166_464),
+    "variants/llama4-text-explicit.json": (206_912, 170_048),
+    "variants/mistral-head-dim.json": (188_992, 188_992),
+    "variants/mixtral-tied-head-dim.json": (239_168, 165_440),
+    "variants/olmoe-gqa.json": (281_536, 134_080),
+    "variants/qwen2-moe-sparse-step.json": (184_832, 160_256),
+    "variants/qwen2-tied.json": (140_352, 140_352),
+    "variants/qwen3-bias.json": (132_224, 132_224),
+    "variants/qwen3-moe-head-dim.json": (244_544, 195_392),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(TRANSFORMERS_COUNTS))
+def test_import_equals_transformers_count(fixture):
+    spec = import_hf_file(FIXTURES / fixture)
+    assert (spec.total_params, spec.active_params) == TRANSFORMERS_COUNTS[fixture]
+
+
+@pytest.mark.parametrize("fixture, catalog", [
+    ("mixtral-8x7b.json", "mixtral-8x7b"), ("mixtral-8x22b.json", "mixtral-8x22b"),
+    ("deepseek-v2.json", "deepseek-v2"), ("deepseek-v3.json", "deepseek-v3"), ("kimi-k2.json", "kimi-k2"),
+    ("llama4-scout.json", "llama4-scout"), ("llama4-scout-multimodal.json", "llama4-scout"),
+    ("llama4-maverick.json", "llama4-maverick"), ("arctic.json", "arctic"),
+])
+def test_published_configs_import_to_the_catalog_counts(fixture, catalog):
+    imported, listed = import_hf_file(FIXTURES / fixture), load_model(catalog)
+    assert imported.params == listed.params
+    assert imported.moe_layers == listed.moe_layers
+
+
+def test_deepseek_v1_matches_published_headline():
+    # DeepSeekMoE 16B (arXiv:2401.06066): 16.4B total, 2.8B active; tolerance 1% (printed to 3 digits).
+    spec = import_hf_file(FIXTURES / "deepseek-moe-16b.json")
+    assert math.isclose(spec.total_params, 16.4e9, rel_tol=0.01)
+    assert math.isclose(spec.active_params, 2.8e9, rel_tol=0.02)
+    assert spec.moe_layers == tuple(range(1, 28))
+
+
+def test_every_supported_type_has_a_fixture():
+    types = set()
+    for path in FIXTURES.rglob("*.json"):
+        cfg = json.loads(path.read_text())
+        types.add(cfg["model_type"])
+    assert set(SUPPORTED_MODEL_TYPES) <= types
+
+
+def test_layer_rules_follow_the_reference_code():
+    qwen = import_hf_file(FIXTURES / "variants/qwen2-moe-sparse-step.json")
+    assert qwen.moe_layers == (1,)          # (i + 1) % 2 == 0 -> 1, 3; layer 3 is in mlp_only_layers
+    llama4 = import_hf_file(FIXTURES / "variants/llama4-text-explicit.json")
+    assert llama4.moe_layers == (1, 2)      # explicit moe_layers
+
+
+def test_unsupported_model_type_names_the_supported_ones():
+    with pytest.raises(PiperError) as err:
+        import_hf_file(FIXTURES / "grok-1.json")
+    text = str(err.value)
+    assert "grok-1.json" in text and "model_type" in text
+    assert all(t in text for t in SUPPORTED_MODEL_TYPES)
+
+
+def test_missing_and_bad_fields_name_the_field():
+    cfg = json.loads((FIXTURES / "mixtral-8x7b.json").read_text())
+    del cfg["num_local_experts"]
+    with pytest.raises(PiperError, match=r"cfg.json: num_local_experts: missing field"):
+        spec_from_hf_config(cfg, "cfg.json")
+    cfg = json.loads((FIXTURES / "dbrx-base.json").read_text())
+    cfg["ffn_config"]["moe_top_k"] = 0
+    with pytest.raises(PiperError, match=r"ffn_config.moe_top_k: must be an integer >= 1, got 0"):
+        spec_from_hf_config(cfg, "cfg.json")
+
+
+def test_name_comes_from_name_or_path_or_file():
+    cfg = json.loads((FIXTURES / "mixtral-8x7b.json").read_text())
+    assert spec_from_hf_config(cfg, "x/config.json").name == "x"
+    named = {**cfg, "_name_or_path": "mistralai/Mixtral-8x7B-v0.1"}
+    assert spec_from_hf_config(named, "c.json").name == "mixtral-8x7b-v0.1"
+    assert spec_from_hf_config(cfg, "c.json", name="mine").name == "mine"
+
+
+@pytest.mark.parametrize("fixture", sorted(TRANSFORMERS_COUNTS)[:6])
+def test_imported_spec_round_trips_through_yaml(fixture):
+    import yaml
+
+    spec = import_hf_file(FIXTURES / fixture)
+    assert parse_spec(ModelSpec, yaml.safe_load(spec_to_yaml(spec)), "roundtrip") == spec
