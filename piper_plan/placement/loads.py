@@ -1,0 +1,140 @@
+"""Per-expert token loads for the migration planner: synthetic (Zipf, Dirichlet) or measured (a runtime
+``metrics.jsonl``, DESIGN.md "Shared file formats": ``expert_tokens`` per MoE layer by logical expert id).
+
+Shapes: loads are float ``[L, E]`` (``L`` MoE layers, ``E`` experts), tokens routed to each expert.
+Generators are pure (numpy ``Generator`` in, array out); only :func:`read_metrics_loads` touches a file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from piper_plan.errors import PiperError
+
+DEFAULT_TOKENS_PER_LAYER = 1 << 20
+"""Routed token-slots per layer of synthetic loads (tokens x top_k); only the shares matter to the planner."""
+
+SKEW_HELP = "zipf:S (S >= 0), dirichlet:A (A > 0), uniform, or a metrics.jsonl file"
+
+
+@dataclass(frozen=True)
+class Skew:
+    """A parsed ``--skew``: kind is zipf, dirichlet, uniform or file; value the exponent / concentration."""
+
+    kind: str
+    value: float | None = None
+    path: Path | None = None
+
+    def describe(self) -> str:
+        return str(self.path) if self.kind == "file" else (f"{self.kind}:{self.value:g}" if self.value is not None else self.kind)
+
+
+def parse_skew(text: str) -> Skew:
+    """``zipf:1.2`` / ``dirichlet:0.3`` / ``uniform`` / a file path -> Skew; anything else is a PiperError."""
+    kind, sep, value = text.partition(":")
+    if kind in ("zipf", "dirichlet") and sep:
+        number = _parse_float(value, text)
+        if (kind == "zipf" and number < 0) or (kind == "dirichlet" and number <= 0):
+            raise PiperError(f"--skew {text!r}: {kind} needs {'S >= 0' if kind == 'zipf' else 'A > 0'}; allowed {SKEW_HELP}")
+        return Skew(kind, number)
+    if text == "uniform":
+        return Skew("uniform")
+    path = Path(text)
+    if path.suffix in (".jsonl", ".json") or path.exists():
+        return Skew("file", path=path)
+    raise PiperError(f"--skew {text!r} is neither a distribution nor an existing file; allowed {SKEW_HELP}")
+
+
+def _parse_float(value: str, text: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise PiperError(f"--skew {text!r}: {value!r} is not a number; allowed {SKEW_HELP}") from None
+    if not np.isfinite(number):
+        raise PiperError(f"--skew {text!r}: value must be finite; allowed {SKEW_HELP}")
+    return number
+
+
+def zipf_loads(num_experts: int, exponent: float, num_layers: int, rng: np.random.Generator,
+               tokens: float = DEFAULT_TOKENS_PER_LAYER) -> np.ndarray:
+    """Expected loads ``[L, E]``: the i-th most popular expert gets a share proportional to 1 / i^exponent
+    (Zipf's law); which expert is the i-th is a fresh random permutation per layer."""
+    shares = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** exponent
+    shares /= shares.sum()
+    return np.stack([tokens * shares[rng.permutation(num_experts)] for _ in range(num_layers)])
+
+
+def dirichlet_loads(num_experts: int, alpha: float, num_layers: int, rng: np.random.Generator,
+                    tokens: float = DEFAULT_TOKENS_PER_LAYER) -> np.ndarray:
+    """Loads ``[L, E]`` with shares drawn from a symmetric Dirichlet(alpha): small alpha = strong skew."""
+    return tokens * rng.dirichlet(np.full(num_experts, alpha), size=num_layers)
+
+
+def synthetic_loads(skew: Skew, num_experts: int, num_layers: int, seed: int) -> np.ndarray:
+    """Loads ``[L, E]`` for a zipf / dirichlet / uniform Skew."""
+    rng = np.random.default_rng(seed)
+    if skew.kind == "zipf":
+        return zipf_loads(num_experts, skew.value, num_layers, rng)
+    if skew.kind == "dirichlet":
+        return dirichlet_loads(num_experts, skew.value, num_layers, rng)
+    assert skew.kind == "uniform", skew
+    return np.full((num_layers, num_experts), DEFAULT_TOKENS_PER_LAYER / num_experts)
+
+
+# ---- measured loads -------------------------------------------------------------------------------------
+def read_metrics_loads(path: str | Path, last_steps: int | None = None) -> np.ndarray:
+    """Sum of ``expert_tokens`` over the steps of a runtime ``metrics.jsonl`` -> float ``[L, E]``.
+
+    ``expert_tokens`` is a list (one entry per MoE layer, in layer order) of per-expert counts indexed by
+    logical expert id, or a mapping from layer index to such a list. Lines without it are skipped;
+    ``last_steps`` keeps only the last N lines that carry it.
+    """
+    path = Path(path)
+    rows = [_layer_rows(obj, path, line) for line, obj in _json_lines(path) if obj.get("expert_tokens") is not None]
+    if not rows:
+        raise PiperError("no line carries expert_tokens (a runtime metrics.jsonl with MoE layers is expected)",
+                         path=str(path))
+    rows = rows[-last_steps:] if last_steps else rows
+    shapes = {r.shape for r in rows}
+    if len(shapes) != 1:
+        raise PiperError(f"expert_tokens changes shape between lines: {sorted(shapes)}", path=str(path))
+    return np.sum(rows, axis=0)
+
+
+def _json_lines(path: Path):
+    """(line number, object) for each non-empty line; unreadable files and bad JSON are PiperErrors."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PiperError(f"cannot read loads file: {exc.strerror or exc}", path=str(path)) from None
+    except UnicodeDecodeError:
+        raise PiperError("cannot read loads file: not UTF-8 text (a metrics.jsonl is expected)", path=str(path)) from None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise PiperError(f"line {number}: malformed JSON: {exc.msg}", path=str(path)) from None
+        if not isinstance(obj, dict):
+            raise PiperError(f"line {number}: expected a JSON object, got {type(obj).__name__}", path=str(path))
+        yield number, obj
+
+
+def _layer_rows(obj: dict, path: Path, line: int) -> np.ndarray:
+    """One line's expert_tokens -> float ``[L, E]``."""
+    tokens = obj["expert_tokens"]
+    try:
+        if isinstance(tokens, dict):
+            tokens = [tokens[k] for k in sorted(tokens, key=int)]
+        rows = np.asarray(tokens, dtype=np.float64)
+    except (TypeError, ValueError):
+        rows = None
+    if rows is None or rows.ndim != 2 or rows.shape[1] == 0 or (rows < 0).any() or not np.isfinite(rows).all():
+        raise PiperError(f"line {line}: field expert_tokens must be [layers][experts] non-negative counts",
+                         path=str(path))
+    return rows
