@@ -1,0 +1,292 @@
+"""Calibration curves: log-space interpolation of measured points, with a flag wherever we extrapolate.
+
+Everything here is vectorised over numpy arrays (the search evaluates many plans at once).
+
+- ``LogInterpolator``: piecewise-linear interpolation of log(value) over log(coordinates) (scipy's
+  ``LinearNDInterpolator`` on a Delaunay triangulation; ``np.interp`` when the points lie on a line).
+  Coordinates that never vary in the data (every GEMM has groups=1, say) are dropped: a query that differs
+  there is answered from the remaining coordinates and flagged as extrapolated. Outside the convex hull of
+  the data the nearest measured point answers, flagged.
+- Collectives: per (op, scope), one log-log curve of seconds vs bytes per measured group size; between
+  group sizes log-linear; beyond the largest message seconds grow linearly with bytes at the last
+  bandwidth, below the smallest the smallest time is kept (latency floor); beyond the measured group sizes
+  the nearest one is rescaled by nccl-tests' bus-bandwidth factor (busbw is meant to be independent of
+  the rank count). All of these are flagged. One rank, or zero bytes, costs nothing (not flagged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from piper_plan.calibration.io import read_if_present
+from piper_plan.calibration.schema import ATTENTION, COLLECTIVES, GEMM, busbw_factor, source_kind
+
+_RANK_TOL = 1e-9
+_OFF_TOL = 1e-6
+
+
+class LogInterpolator:
+    """log(value) linear in log(coordinates). points: [P, D] > 0, values: [P] > 0."""
+
+    def __init__(self, points: np.ndarray, values: np.ndarray):
+        x, y = _mean_duplicates(np.log(np.asarray(points, float)), np.log(np.asarray(values, float)))
+        self.center = x.mean(axis=0)
+        self.basis = _principal_axes(x - self.center)
+        self.z = (x - self.center) @ self.basis
+        self.y = y
+        self._build()
+
+    def _build(self) -> None:
+        from scipy.spatial import Delaunay, QhullError
+
+        self.tri = None
+        if self.basis.shape[1] == 1:
+            order = np.argsort(self.z[:, 0])
+            self.z, self.y = self.z[order], self.y[order]
+        elif self.basis.shape[1] >= 2:
+            try:
+                self.tri = Delaunay(self.z)
+            except QhullError:  # a layout scipy cannot triangulate: nearest point only, flagged
+                self.tri = None
+
+    def __call__(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """query [N, D] > 0 -> (values [N], extrapolated [N] bool). Repeated query rows are computed once."""
+        query = np.asarray(query, float)
+        codes = pd.DataFrame(query).groupby(list(range(query.shape[1])), sort=False).ngroup().to_numpy()
+        _, first = np.unique(codes, return_index=True)  # first row of each distinct query, in code order
+        values, extrapolated = self._evaluate(query[first])
+        return values[codes], extrapolated[codes]
+
+    def _evaluate(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        xq = np.log(query) - self.center
+        zq = xq @ self.basis
+        off = np.linalg.norm(xq - zq @ self.basis.T, axis=1) > _OFF_TOL
+        log_v, outside = self._interpolate(zq)
+        return np.exp(log_v), off | outside
+
+    def _interpolate(self, zq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rank = self.basis.shape[1]
+        if rank == 0:
+            return np.full(len(zq), self.y[0]), np.zeros(len(zq), bool)
+        if rank == 1:
+            z = zq[:, 0]
+            lo, hi = self.z[0, 0], self.z[-1, 0]
+            outside = (z < lo - _OFF_TOL) | (z > hi + _OFF_TOL)
+            return np.interp(z, self.z[:, 0], self.y), outside
+        return self._barycentric(zq)
+
+    def _barycentric(self, zq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Linear interpolation on the Delaunay simplices (tolerant on the hull's faces); nearest point outside."""
+        simplex = self.tri.find_simplex(zq, tol=_OFF_TOL) if self.tri is not None else np.full(len(zq), -1)
+        inside = simplex >= 0
+        v = np.empty(len(zq))
+        if inside.any():
+            s = simplex[inside]
+            t = self.tri.transform[s]  # [N, r+1, r]: affine map to barycentric coordinates
+            b = np.einsum("nij,nj->ni", t[:, :-1], zq[inside] - t[:, -1])
+            weights = np.concatenate([b, 1 - b.sum(axis=1, keepdims=True)], axis=1)
+            v[inside] = (weights * self.y[self.tri.simplices[s]]).sum(axis=1)
+        if (~inside).any():
+            from scipy.spatial import cKDTree
+
+            _, nearest = cKDTree(self.z).query(zq[~inside])
+            v[~inside] = self.y[nearest]
+        return v, ~inside
+
+
+def _mean_duplicates(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Average y over identical rows of x (repeated measurements of one point)."""
+    uniq, inverse = np.unique(np.round(x, 12), axis=0, return_inverse=True)
+    sums = np.zeros(len(uniq))
+    np.add.at(sums, inverse.ravel(), y)
+    return uniq, sums / np.bincount(inverse.ravel())
+
+
+def _principal_axes(centered: np.ndarray) -> np.ndarray:
+    """Orthonormal basis [D, r] of the subspace the points span (r = 0 for a single point)."""
+    if len(centered) < 2:
+        return np.zeros((centered.shape[1], 0))
+    _, s, vt = np.linalg.svd(centered, full_matrices=False)
+    keep = s > _RANK_TOL * max(1.0, s.max())
+    return vt[keep].T
+
+
+# --------------------------------------------------------------------------------------- collectives
+
+
+@dataclass(frozen=True)
+class CollectiveCurve:
+    """One (op, scope): log seconds vs log bytes for each measured group size."""
+
+    op: str
+    ranks: np.ndarray  # sorted unique group sizes
+    log_bytes: list[np.ndarray] = field(repr=False)
+    log_seconds: list[np.ndarray] = field(repr=False)
+
+    @classmethod
+    def from_frame(cls, op: str, frame: pd.DataFrame) -> "CollectiveCurve":
+        ranks_all = (frame["num_nodes"] * frame["ranks_per_node"]).to_numpy()
+        ranks = np.unique(ranks_all)
+        xs, ys = [], []
+        for r in ranks:
+            sub = frame[ranks_all == r]
+            x, y = _mean_duplicates(np.log(sub[["bytes_per_rank"]].to_numpy(float)), np.log(sub["seconds"].to_numpy(float)))
+            xs.append(x[:, 0])
+            ys.append(y)
+        return cls(op, ranks, xs, ys)
+
+    def seconds(self, num_ranks: np.ndarray, bytes_per_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        r, b = np.broadcast_arrays(np.asarray(num_ranks, float), np.asarray(bytes_per_rank, float))
+        out, ext = np.zeros(r.shape), np.zeros(r.shape, bool)
+        for value in np.unique(r):
+            mask = (r == value) & (b > 0)
+            if value <= 1 or not mask.any():
+                continue
+            out[mask], ext[mask] = self._at_ranks(float(value), b[mask])
+        return out, ext
+
+    def _at_ranks(self, r: float, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        i = int(np.searchsorted(self.ranks, r))
+        if i < len(self.ranks) and self.ranks[i] == r:
+            return self._on_curve(i, b)
+        if i == 0 or i == len(self.ranks):
+            j = 0 if i == 0 else len(self.ranks) - 1
+            s, _ = self._on_curve(j, b)
+            scale = busbw_factor(self.op, int(round(r))) / busbw_factor(self.op, int(self.ranks[j]))
+            return s * scale, np.ones(len(b), bool)
+        (s0, e0), (s1, e1) = self._on_curve(i - 1, b), self._on_curve(i, b)
+        t = (np.log(r) - np.log(self.ranks[i - 1])) / (np.log(self.ranks[i]) - np.log(self.ranks[i - 1]))
+        return np.exp((1 - t) * np.log(s0) + t * np.log(s1)), e0 | e1
+
+    def _on_curve(self, i: int, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        xb, ys = self.log_bytes[i], self.log_seconds[i]
+        lb = np.log(b)
+        log_s = np.interp(lb, xb, ys)
+        above = lb > xb[-1] + _OFF_TOL
+        log_s = np.where(above, ys[-1] + (lb - xb[-1]), log_s)  # constant bandwidth beyond the largest size
+        return np.exp(log_s), above | (lb < xb[0] - _OFF_TOL)
+
+
+# --------------------------------------------------------------------------------------- the API
+
+
+def _closest_key(wanted: tuple, available: list[tuple]) -> tuple:
+    """The available key agreeing with ``wanted`` on the most leading fields (dtype first, then pass, causal)."""
+    def score(key: tuple) -> tuple:
+        return tuple(int(a == b) for a, b in zip(wanted, key))
+
+    return max(available, key=score)
+
+
+class Calibration:
+    """A platform's measured curves (calibration/<platform>/*.csv). Queries broadcast over numpy arrays."""
+
+    def __init__(self, directory: Path, gemm: pd.DataFrame | None, attention: pd.DataFrame | None,
+                 collectives: pd.DataFrame | None):
+        self.directory = Path(directory)
+        self.gemm = gemm if gemm is not None else pd.DataFrame(columns=GEMM.column_names)
+        self.attention = attention if attention is not None else pd.DataFrame(columns=ATTENTION.column_names)
+        self.collectives = collectives if collectives is not None else pd.DataFrame(columns=COLLECTIVES.column_names)
+        self.sources: list[str] = _sources(self.directory, (self.gemm, self.attention, self.collectives))
+        """One line per table: how many rows, and how many are seed / measured / imported."""
+        self.notes: list[str] = []
+        """Fallbacks taken while answering queries (a dtype or pass that had no rows), for the output."""
+        self._cache: dict = {}
+
+    # GEMM ------------------------------------------------------------------------------------------
+    def gemm_flops_per_s(self, m, n, k, dtype: str, groups=1) -> tuple[np.ndarray, np.ndarray]:
+        """Achieved FLOP/s (2 m n k groups / seconds) of forward GEMMs [m x k] @ [k x n], and the extrapolated mask."""
+        m, n, k, g = np.broadcast_arrays(*(np.asarray(v, float) for v in (m, n, k, groups)))
+        if self.gemm.empty:
+            raise _no_rows(self.directory, GEMM.filename)
+        key, fell_back = self._key(self.gemm, ("dtype",), (dtype,), GEMM.filename)
+        interp = self._gemm_interp(key)
+        query = np.stack([np.maximum(v.ravel(), 1.0) for v in (m, n, k, g)], axis=1)
+        tflops, ext = interp(query)
+        return (tflops * 1e12).reshape(m.shape), (ext | fell_back).reshape(m.shape)
+
+    def _gemm_interp(self, key: tuple) -> LogInterpolator:
+        cache_key = ("gemm", key)
+        if cache_key not in self._cache:
+            rows = self.gemm[self.gemm["dtype"] == key[0]]
+            self._cache[cache_key] = LogInterpolator(rows[["m", "n", "k", "groups"]].to_numpy(float), rows["tflops"].to_numpy(float))
+        return self._cache[cache_key]
+
+    # attention -------------------------------------------------------------------------------------
+    def attention_flops_per_s(self, seq_len, num_heads, head_dim, causal: bool, pass_: str,
+                              dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        """Achieved FLOP/s of the attention core (schema.attention_flops convention), and the extrapolated mask."""
+        s, h, d = np.broadcast_arrays(*(np.asarray(v, float) for v in (seq_len, num_heads, head_dim)))
+        if self.attention.empty:
+            raise _no_rows(self.directory, ATTENTION.filename)
+        key, fell_back = self._key(self.attention, ("dtype", "pass", "causal"), (dtype, pass_, bool(causal)), ATTENTION.filename)
+        cache_key = ("attention", key)
+        if cache_key not in self._cache:
+            rows = self.attention[(self.attention["dtype"] == key[0]) & (self.attention["pass"] == key[1])
+                                  & (self.attention["causal"] == key[2])]
+            self._cache[cache_key] = LogInterpolator(rows[["seq_len", "num_heads", "head_dim"]].to_numpy(float),
+                                                     rows["tflops"].to_numpy(float))
+        query = np.stack([np.maximum(v.ravel(), 1.0) for v in (s, h, d)], axis=1)
+        tflops, ext = self._cache[cache_key](query)
+        return (tflops * 1e12).reshape(s.shape), (ext | fell_back).reshape(s.shape)
+
+    # collectives -----------------------------------------------------------------------------------
+    def has_collective(self, op: str, scope: str) -> bool:
+        c = self.collectives
+        return bool(((c["op"] == op) & (c["scope"] == scope)).any())
+
+    def collective_seconds(self, op: str, scope: str, num_ranks, bytes_per_rank) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds of one ``op`` over ``num_ranks`` ranks spanning ``scope`` with nccl-tests ``size`` = bytes_per_rank."""
+        if not self.has_collective(op, scope):
+            have = sorted({f"{o}/{s}" for o, s in zip(self.collectives["op"], self.collectives["scope"])})
+            raise _no_rows(self.directory, COLLECTIVES.filename, f" for op={op} scope={scope}; has {have} (check has_collective first)")
+        cache_key = ("coll", op, scope)
+        if cache_key not in self._cache:
+            c = self.collectives
+            self._cache[cache_key] = CollectiveCurve.from_frame(op, c[(c["op"] == op) & (c["scope"] == scope)])
+        return self._cache[cache_key].seconds(num_ranks, bytes_per_rank)
+
+    # helpers ---------------------------------------------------------------------------------------
+    def _key(self, frame: pd.DataFrame, columns: tuple, wanted: tuple, filename: str) -> tuple[tuple, bool]:
+        available = sorted(set(frame[list(columns)].itertuples(index=False, name=None)), key=str)
+        if wanted in available:
+            return wanted, False
+        chosen = _closest_key(wanted, available)
+        note = f"{filename}: no rows for {dict(zip(columns, wanted))}; used {dict(zip(columns, chosen))} (flagged extrapolated)"
+        if note not in self.notes:
+            self.notes.append(note)
+        return chosen, True
+
+
+def _no_rows(directory: Path, filename: str, what: str = ""):
+    from piper_plan.errors import PiperError
+
+    return PiperError(f"no calibration rows{what}", path=str(directory / filename))
+
+
+def _sources(directory: Path, frames: tuple) -> list[str]:
+    lines = []
+    for table, frame in zip((GEMM, ATTENTION, COLLECTIVES), frames):
+        if frame.empty:
+            continue
+        kinds = frame["source"].map(source_kind).value_counts().to_dict()
+        parts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        lines.append(f"{directory / table.filename}: {len(frame)} rows ({parts})")
+    return lines
+
+
+def load_calibration(platform: str | Path) -> Calibration | None:
+    """The calibration of a platform name (calibration/<name>/) or a directory path; None if it has no CSVs."""
+    from piper_plan.catalog import calibration_dir
+
+    directory = Path(platform) if isinstance(platform, Path) or "/" in str(platform) else calibration_dir(str(platform))
+    if not directory.is_dir():
+        return None
+    frames = [read_if_present(directory, t) for t in (GEMM, ATTENTION, COLLECTIVES)]
+    if all(f is None or f.empty for f in frames):
+        return None
+    return Calibration(directory, *frames)

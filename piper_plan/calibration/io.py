@@ -1,0 +1,157 @@
+"""Read and write calibration CSVs: validation that names the file and line, atomic merge writes.
+
+A bad value is a PiperError "calibration/x/gemm.csv: line 7: column tflops: 'abc' is not a number".
+Line numbers count the header as line 1, as an editor shows them. Writes go through
+``piper_plan.fileio.atomic_write_text``: a reader (or an interrupted sweep) sees the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from piper_plan.calibration.schema import TABLES, Column, Table
+from piper_plan.errors import PiperError
+from piper_plan.fileio import atomic_write_json, atomic_write_text
+
+_TRUE = {"true", "1", "yes"}
+_FALSE = {"false", "0", "no"}
+
+
+def read_table(path: str | Path, table: Table) -> pd.DataFrame:
+    """Load and validate one calibration CSV; an empty file (header only) gives an empty frame."""
+    path = Path(path)
+    raw = _read_raw(path)
+    missing = [c for c in table.column_names if c not in raw.columns]
+    if missing:
+        raise PiperError(f"line 1: missing columns {missing}; a {table.filename} has {table.column_names}", path=str(path))
+    out = {c.name: [_convert(path, i + 2, c, v) for i, v in enumerate(raw[c.name])] for c in table.columns}
+    frame = pd.DataFrame(out, columns=table.column_names)
+    _check_unique(path, frame, table)
+    return frame
+
+
+def _read_raw(path: Path) -> pd.DataFrame:
+    if not path.is_file():
+        raise PiperError("file not found", path=str(path))
+    text = path.read_text(encoding="utf-8")
+    rows = list(csv.reader(io.StringIO(text)))
+    rows = [r for r in rows if r]  # blank lines
+    if not rows:
+        raise PiperError("line 1: empty file, expected a header row", path=str(path))
+    header = [h.strip() for h in rows[0]]
+    for line, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise PiperError(f"line {line}: {len(row)} fields, the header has {len(header)}", path=str(path))
+    return pd.DataFrame([[v.strip() for v in r] for r in rows[1:]], columns=header, dtype=object)
+
+
+def _convert(path: Path, line: int, col: Column, value: str):
+    where = f"line {line}: column {col.name}"
+    if col.kind == "str":
+        if col.choices is not None and value not in col.choices:
+            raise PiperError(f"{where}: {value!r} is not one of {list(col.choices)}", path=str(path))
+        if col.name == "source" and not value:
+            raise PiperError(f"{where}: empty; every row names what measured it or its citation", path=str(path))
+        return value
+    if col.kind == "bool":
+        low = value.lower()
+        if low not in _TRUE | _FALSE:
+            raise PiperError(f"{where}: {value!r} is not a boolean (true/false)", path=str(path))
+        return low in _TRUE
+    number = _parse_number(path, where, col, value)
+    _check_range(path, where, col, number)
+    return number
+
+
+def _parse_number(path: Path, where: str, col: Column, value: str):
+    try:
+        number = float(value)
+    except ValueError:
+        raise PiperError(f"{where}: {value!r} is not a number", path=str(path)) from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise PiperError(f"{where}: {value!r} is not a finite number", path=str(path))
+    if col.kind == "int":
+        if number != int(number):
+            raise PiperError(f"{where}: {value!r} is not an integer", path=str(path))
+        return int(number)
+    return number
+
+
+def _check_range(path: Path, where: str, col: Column, number: float) -> None:
+    if col.min_value is None:
+        return
+    ok = number >= col.min_value if col.min_inclusive else number > col.min_value
+    if not ok:
+        bound = ">=" if col.min_inclusive else ">"
+        raise PiperError(f"{where}: {number!r} out of range, allowed {bound} {col.min_value:g}", path=str(path))
+
+
+def _check_unique(path: Path, frame: pd.DataFrame, table: Table) -> None:
+    dup = frame.duplicated(list(table.key), keep="first")
+    if dup.any():
+        line = int(dup.to_numpy().nonzero()[0][0]) + 2
+        raise PiperError(f"line {line}: repeats the point {list(table.key)} of an earlier row", path=str(path))
+
+
+def table_path(directory: str | Path, table: Table) -> Path:
+    return Path(directory) / table.filename
+
+
+def read_if_present(directory: str | Path, table: Table) -> pd.DataFrame | None:
+    """The validated table of ``directory``, or None if its file does not exist."""
+    path = table_path(directory, table)
+    return read_table(path, table) if path.is_file() else None
+
+
+def render_csv(frame: pd.DataFrame, table: Table) -> str:
+    """CSV text of ``frame`` in the table's column order; floats with 6 significant digits, bools lower case."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(table.column_names)
+    for row in frame[table.column_names].itertuples(index=False):
+        writer.writerow([_fmt(v) for v in row])
+    return buf.getvalue()
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def merge_rows(directory: str | Path, table: Table, rows: Iterable[dict]) -> Path:
+    """Add ``rows`` to ``directory/<table>.csv`` (a new row replaces an old one at the same key), atomically."""
+    path = table_path(directory, table)
+    new = pd.DataFrame(list(rows), columns=table.column_names)
+    old = read_table(path, table) if path.is_file() else None
+    frame = new if old is None or old.empty else pd.concat([old, new], ignore_index=True)
+    frame = frame.drop_duplicates(list(table.key), keep="last").sort_values(list(table.key), kind="stable")
+    return atomic_write_text(path, render_csv(frame, table))
+
+
+def measured_keys(directory: str | Path, table: Table) -> set[tuple]:
+    """Keys of the points already in ``directory`` (for --resume)."""
+    frame = read_if_present(directory, table)
+    if frame is None:
+        return set()
+    return set(frame[list(table.key)].itertuples(index=False, name=None))
+
+
+def write_metadata(directory: str | Path, metadata: dict) -> Path:
+    """metadata.json, merged into any existing one (a later sweep adds its section), atomically."""
+    path = Path(directory) / "metadata.json"
+    old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    old.update(metadata)
+    return atomic_write_json(path, old)
+
+
+def all_tables() -> list[Table]:
+    return list(TABLES.values())

@@ -1,0 +1,120 @@
+"""Parse nccl-tests / rccl-tests text output into collectives.csv rows.
+
+The table both print (nccl-tests README and PERFORMANCE.md; rccl-tests is a fork with the same format):
+
+    #                                                              out-of-place                       in-place
+    #       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+    #        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+         1048576        262144     float     sum      -1    45.12   23.24   43.57      0    44.90   23.35   43.79      0
+
+Older releases have no ``root`` column and call ``#wrong`` ``error`` (printed as ``0e+00``); with ``-c 0`` the
+check column reads ``N/A``. Columns are found by the header names, so either layout parses. ``size`` is the
+per-rank byte count nccl-tests defines for each op (all_to_all: the whole send buffer; all_gather: the
+gathered output) -- exactly the ``bytes_per_rank`` of collectives.csv. Out-of-place numbers are used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from piper_plan.calibration.schema import OPS, SCOPES
+from piper_plan.errors import PiperError
+
+_TIME_UNITS = {"(us)": 1e-6, "(ms)": 1e-3, "(s)": 1.0}
+
+
+@dataclass(frozen=True)
+class NcclTestsRow:
+    """One data line: out-of-place time and bandwidths (SI seconds, GB/s as printed)."""
+
+    line: int
+    size_bytes: int
+    seconds: float
+    algbw_GBps: float
+    busbw_GBps: float
+    wrong: str
+
+
+def parse_nccl_tests(text: str, path: str = "<text>") -> list[NcclTestsRow]:
+    """All data rows of an nccl-tests / rccl-tests log; a malformed data line is an error naming the line."""
+    columns, unit, rows = None, 1e-6, []
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("#"):
+            columns, unit = _header(stripped, columns, unit)
+            continue
+        if not _looks_like_data(stripped):
+            continue  # banners some launchers print ("nccl-tests version ...", srun notes)
+        if columns is None:
+            raise PiperError(f"line {number}: data before the '# size count type ...' header", path=path)
+        rows.append(_row(stripped, columns, unit, number, path))
+    if not rows:
+        raise PiperError("no nccl-tests data rows found (expected a '# size count type ... time algbw busbw' table)", path=path)
+    return rows
+
+
+def _header(line: str, columns: list[str] | None, unit: float) -> tuple[list[str] | None, float]:
+    tokens = line.lstrip("#").split()
+    if tokens[:2] == ["size", "count"]:
+        return tokens, unit
+    if tokens[:1] == ["(B)"] and columns is not None:
+        units = [t for t in tokens if t in _TIME_UNITS]
+        return columns, _TIME_UNITS[units[0]] if units else unit
+    return columns, unit
+
+
+def _looks_like_data(line: str) -> bool:
+    return line.split()[0].isdigit()
+
+
+def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> NcclTestsRow:
+    tokens = line.split()
+    if len(tokens) < columns.index("busbw") + 1 or len(tokens) > len(columns):
+        raise PiperError(f"line {number}: {len(tokens)} fields, the header has {len(columns)}: {line!r}", path=path)
+    i_time, i_alg, i_bus = columns.index("time"), columns.index("algbw"), columns.index("busbw")
+    try:
+        size = int(tokens[0])
+        seconds = float(tokens[i_time]) * unit
+        algbw, busbw = float(tokens[i_alg]), float(tokens[i_bus])
+    except ValueError:
+        raise PiperError(f"line {number}: not a number in {line!r}", path=path) from None
+    if size < 0 or seconds <= 0:
+        raise PiperError(f"line {number}: size {size} / time {tokens[i_time]} out of range (size >= 0, time > 0)", path=path)
+    wrong = tokens[i_bus + 1] if len(tokens) > i_bus + 1 else ""
+    return NcclTestsRow(number, size, seconds, algbw, busbw, wrong)
+
+
+def rows_to_collectives(rows: list[NcclTestsRow], op: str, scope: str, num_nodes: int, ranks_per_node: int,
+                        source: str) -> list[dict]:
+    """collectives.csv rows (zero-byte lines dropped: nothing to calibrate)."""
+    check_op_scope(op, scope)
+    return [
+        {"op": op, "scope": scope, "num_nodes": num_nodes, "ranks_per_node": ranks_per_node,
+         "bytes_per_rank": r.size_bytes, "seconds": r.seconds, "algbw_GBps": r.algbw_GBps,
+         "busbw_GBps": r.busbw_GBps, "source": source}
+        for r in rows if r.size_bytes > 0
+    ]
+
+
+def check_op_scope(op: str, scope: str) -> None:
+    if op not in OPS:
+        raise PiperError(f"--op {op!r} is not one of {list(OPS)}")
+    if scope not in SCOPES:
+        raise PiperError(f"--scope {scope!r} is not one of {list(SCOPES)}")
+
+
+def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per_node: int) -> list[dict]:
+    """Parse one nccl-tests / rccl-tests log file into collectives.csv rows."""
+    check_op_scope(op, scope)
+    path = Path(path)
+    if not path.is_file():
+        raise PiperError("file not found", path=str(path))
+    rows = parse_nccl_tests(path.read_text(encoding="utf-8", errors="replace"), str(path))
+    wrong = [r.line for r in rows if r.wrong not in ("", "0", "0e+00", "N/A")]
+    if wrong:
+        raise PiperError(f"lines {wrong[:5]}: nccl-tests reports wrong results (#wrong != 0); not importing", path=str(path))
+    source = f"imported: nccl-tests output {path.name} ({op}, {num_nodes} nodes x {ranks_per_node} ranks, out-of-place)"
+    return rows_to_collectives(rows, op, scope, num_nodes, ranks_per_node, source)

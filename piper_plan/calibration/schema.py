@@ -1,0 +1,146 @@
+"""The calibration CSV schema (DESIGN.md, "Shared file formats"): columns, units, allowed values and ranges.
+
+One table per file: ``gemm.csv``, ``attention.csv``, ``collectives.csv``. Every row carries a ``source``:
+``measured: <command> on <host> <date>`` for rows ``piper calibrate`` wrote, ``seed: <citation>; <derivation>``
+for rows derived from published numbers, ``imported: <file>`` for nccl-tests / rccl-tests output.
+Units live in the column names where they are not SI (``algbw_GBps``); ``seconds`` and ``bytes_per_rank`` are SI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+PASSES = ("fwd", "bwd")
+OPS = ("all_to_all", "halo_all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
+SCOPES = ("node", "switch", "group", "system")
+SOURCE_KINDS = ("measured", "seed", "imported")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One CSV column: its kind ('int', 'float', 'str', 'bool'), allowed values or numeric range, and meaning."""
+
+    name: str
+    kind: str
+    doc: str
+    choices: tuple[str, ...] | None = None
+    min_value: float | None = None
+    min_inclusive: bool = True
+
+
+def _pos_int(name: str, doc: str) -> Column:
+    return Column(name, "int", doc, min_value=1)
+
+
+def _pos_float(name: str, doc: str) -> Column:
+    return Column(name, "float", doc, min_value=0.0, min_inclusive=False)
+
+
+@dataclass(frozen=True)
+class Table:
+    """One calibration file: its columns in order and the columns that identify one measured point."""
+
+    name: str
+    columns: tuple[Column, ...]
+    key: tuple[str, ...]
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.csv"
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+
+SOURCE = Column("source", "str", "what measured the row (measured: command + host) or the citation + derivation (seed:)")
+
+GEMM = Table(
+    "gemm",
+    (
+        Column("device", "str", "device name"),
+        Column("dtype", "str", "operand dtype", choices=DTYPES),
+        _pos_int("m", "rows of the left operand = tokens"),
+        _pos_int("n", "output features"),
+        _pos_int("k", "input features (the reduced dimension)"),
+        _pos_int("groups", "GEMMs of this shape run as one grouped call (1 = plain)"),
+        _pos_float("seconds", "time of the whole call (all groups), median over repeats"),
+        _pos_float("tflops", "2 m n k groups / seconds / 1e12"),
+        SOURCE,
+    ),
+    key=("device", "dtype", "m", "n", "k", "groups"),
+)
+
+ATTENTION = Table(
+    "attention",
+    (
+        Column("device", "str", "device name"),
+        Column("dtype", "str", "q/k/v dtype", choices=DTYPES),
+        Column("pass", "str", "fwd or bwd (bwd = the gradient of q, k, v)", choices=PASSES),
+        _pos_int("batch", "sequences per call"),
+        _pos_int("seq_len", "tokens per sequence (query = key length)"),
+        _pos_int("num_heads", "query heads"),
+        _pos_int("num_kv_heads", "key/value heads (= num_heads for MHA)"),
+        _pos_int("head_dim", "features per head"),
+        Column("causal", "bool", "causal mask"),
+        _pos_float("seconds", "time of one call, median over repeats"),
+        _pos_float("tflops", "attention FLOPs / seconds / 1e12; FLOPs = 4 b h s^2 d (fwd), x2 for bwd, x1/2 if causal"),
+        SOURCE,
+    ),
+    key=("device", "dtype", "pass", "batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "causal"),
+)
+
+COLLECTIVES = Table(
+    "collectives",
+    (
+        Column("op", "str", "collective", choices=OPS),
+        Column("scope", "str", "widest network scope the group spans", choices=SCOPES),
+        _pos_int("num_nodes", "nodes in the group"),
+        _pos_int("ranks_per_node", "ranks of the group on each node"),
+        _pos_int("bytes_per_rank", "nccl-tests 'size' for this op (bytes)"),
+        _pos_float("seconds", "time of one call (the slowest rank), median over repeats"),
+        _pos_float("algbw_GBps", "bytes_per_rank / seconds / 1e9 (nccl-tests algbw)"),
+        Column("busbw_GBps", "float", "algbw x the op's factor from nccl-tests PERFORMANCE.md", min_value=0.0),
+        SOURCE,
+    ),
+    key=("op", "scope", "num_nodes", "ranks_per_node", "bytes_per_rank"),
+)
+
+TABLES: dict[str, Table] = {t.name: t for t in (GEMM, ATTENTION, COLLECTIVES)}
+
+
+def gemm_flops(m, n, k, groups=1):
+    """FLOPs of ``groups`` forward GEMMs [m x k] @ [k x n]: 2 m n k each (a multiply and an add)."""
+    return 2.0 * m * n * k * groups
+
+
+def attention_flops(batch, seq_len, num_heads, head_dim, causal, pass_: str):
+    """Attention-core FLOPs (scores and weighted sum; no projections): 4 b h s^2 d forward.
+
+    QK^T and PV are two matmuls of 2 b h s^2 d each (FlashAttention's benchmark convention); the backward
+    pass has twice the matmuls (dQ, dK, dV, dP), so 8 b h s^2 d; a causal mask halves both, as in
+    FlashAttention's ``flops(..., causal)``. Scalar or numpy arrays.
+    """
+    fwd = 4.0 * batch * num_heads * seq_len**2 * head_dim
+    factor = {"fwd": 1.0, "bwd": 2.0}[pass_]
+    import numpy as np
+
+    return fwd * factor * np.where(causal, 0.5, 1.0)
+
+
+def busbw_factor(op: str, num_ranks: int) -> float:
+    """busbw / algbw per nccl-tests PERFORMANCE.md: all_reduce 2(n-1)/n; all_gather, reduce_scatter and
+    all_to_all (n-1)/n; p2p (sendrecv) 1. HALO all-to-all moves the same data as all_to_all."""
+    n = num_ranks
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "halo_all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def source_kind(source: str) -> str:
+    """'measured', 'seed' or 'imported' from a row's source text (its prefix before ':')."""
+    head = source.split(":", 1)[0].strip().lower()
+    return head if head in SOURCE_KINDS else "seed"

@@ -1,0 +1,41 @@
+"""Render the sbatch script of a multi-node collective sweep from PlatformSpec.launch (pure text)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from piper_plan.fileio import atomic_write_text
+
+
+def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool = False, account: str | None = None,
+                        time_limit: str = "00:30:00", python_cmd: str = "python3") -> str:
+    """One srun task per device, RANK/WORLD_SIZE from SLURM_* (bench_collectives reads them; OLCF advises
+    srun over torchrun on Frontier), MASTER_ADDR = the job's first node."""
+    launch, per_node = platform.launch, platform.devices_per_node
+    lines = ["#!/bin/bash", f"#SBATCH --job-name=piper-calibrate-{platform.name}", f"#SBATCH --nodes={num_nodes}",
+             f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --time={time_limit}",
+             f"#SBATCH --output=piper-calibrate-{platform.name}-%j.out"]
+    lines += [f"#SBATCH --partition={launch.partition}"] if launch.partition else []
+    lines += [f"#SBATCH --account={account}"] if account else []
+    lines += [f"#SBATCH {opt}" for opt in launch.sbatch]
+    lines += ["", "set -euo pipefail", f"# platform {platform.name}; launch settings: {launch.source}"]
+    lines += [f"module load {m}" for m in launch.modules]
+    lines += [f'export {k}="{v}"' for k, v in launch.env.items()]
+    lines += ['export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              "export MASTER_PORT=${MASTER_PORT:-29500}", ""]
+    srun = ["srun", f"--nodes={num_nodes}", f"--ntasks={num_nodes * per_node}", f"--ntasks-per-node={per_node}",
+            f"--cpus-per-task={launch.cpus_per_task}"]
+    srun += [f"--gpus-per-task={launch.gpus_per_task}"] if launch.gpus_per_task else []
+    srun += list(launch.srun)
+    cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform", platform.name,
+           "--out", str(out_dir), "--resume"] + (["--quick"] if quick else [])
+    lines.append(shlex.join(srun + cmd))
+    return "\n".join(lines) + "\n"
+
+
+def write_script(path: Path, text: str) -> Path:
+    """Write the script atomically and make it executable."""
+    atomic_write_text(path, text)
+    path.chmod(0o755)
+    return path

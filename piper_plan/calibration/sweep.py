@@ -1,0 +1,315 @@
+"""Orchestration of ``piper calibrate``: the GEMM and attention sweeps in this process, the collective
+sweep in a distributed environment (or a local gloo group this module spawns), resume, metadata.
+
+Rows reach the CSVs in small batches through atomic merges, so an interrupted sweep keeps what it measured
+and never leaves a truncated file; ``resume`` skips points already in the CSVs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform as pyplatform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from piper_plan.errors import PiperError
+
+KINDS = ("gemm", "attention", "collectives")
+LOCAL_NODES = 2
+"""Emulated nodes of the local gloo group (ranks = LOCAL_NODES x the platform's devices_per_node)."""
+_FLUSH_EVERY = 5
+
+
+class Reporter:
+    """Progress sink; the CLI passes a rich progress bar, tests the silent default."""
+
+    def start(self, task: str, total: int) -> None: ...
+
+    def advance(self, task: str, label: str, done: int | None = None) -> None: ...
+
+    def say(self, text: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    platform: str
+    out_dir: Path
+    quick: bool = False
+    resume: bool = False
+    only: tuple[str, ...] = KINDS
+    command: str = "piper calibrate"
+    collective_timeout_s: float = 1800.0
+
+
+@dataclass
+class SweepResult:
+    rows_written: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+
+
+def parse_only(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return KINDS
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise PiperError(f"--only {text!r}: unknown {bad}; allowed a comma list of {list(KINDS)}")
+    return kinds
+
+
+def run_calibration(opts: SweepOptions, reporter: Reporter | None = None) -> SweepResult:
+    """Run the selected sweeps and write calibration/<platform>/; returns counts and timings."""
+    from piper_plan.catalog import load_platform
+
+    reporter = reporter or Reporter()
+    platform = load_platform(opts.platform)
+    result = SweepResult()
+    source = f"measured: {opts.command} on {socket.gethostname()} {_today()}"
+    if "gemm" in opts.only or "attention" in opts.only:
+        _compute_sweeps(opts, platform, source, reporter, result)
+    if "collectives" in opts.only:
+        _collective_sweep(opts, platform, source, reporter, result)
+    _write_run_metadata(opts, platform, result)
+    return result
+
+
+# ------------------------------------------------------------------------------ GEMM and attention
+
+
+def _compute_sweeps(opts, platform, source, reporter, result) -> None:
+    import torch
+
+    from piper_plan.calibration.timing import device_name
+
+    torch.set_num_threads(1)  # one CPU rank = one core of this machine (platforms/local-cpu.yaml)
+    if platform.launch.device == "cuda" and not torch.cuda.is_available():
+        raise PiperError(f"platform {platform.name} has launch.device=cuda but torch sees no GPU here; run on a compute "
+                         f"node, or --only collectives / a CPU platform (local-cpu)")
+    device = torch.device("cuda", 0) if platform.launch.device == "cuda" else torch.device("cpu")
+    name = device_name(device)
+    if "gemm" in opts.only:
+        _sweep_gemm(opts, device, name, source, reporter, result)
+    if "attention" in opts.only:
+        _sweep_attention(opts, device, name, source, reporter, result)
+    _device_metadata(opts.out_dir, device, name, platform)
+
+
+def _repeats(quick: bool) -> tuple[int, int]:
+    return (5, 2) if quick else (20, 5)
+
+
+def _sweep_gemm(opts, device, name, source, reporter, result) -> None:
+    from piper_plan.calibration.bench_gemm import gemm_points, measure_gemm
+    from piper_plan.calibration.io import measured_keys
+    from piper_plan.calibration.schema import GEMM, gemm_flops
+
+    points = gemm_points(device.type, opts.quick)
+    done = measured_keys(opts.out_dir, GEMM) if opts.resume else set()
+    todo = [p for p in points if p.key(name) not in done]
+    result.skipped["gemm"] = len(points) - len(todo)
+    repeats, warmup = _repeats(opts.quick)
+
+    def measure(p):
+        seconds, _how = measure_gemm(p, device, repeats, warmup)
+        return {"device": name, "dtype": p.dtype, "m": p.m, "n": p.n, "k": p.k, "groups": p.groups,
+                "seconds": seconds, "tflops": gemm_flops(p.m, p.n, p.k, p.groups) / seconds / 1e12, "source": source}
+
+    _measure_all("gemm", GEMM, todo, measure, opts, reporter, result)
+
+
+def _sweep_attention(opts, device, name, source, reporter, result) -> None:
+    from piper_plan.calibration.bench_attention import attention_points, measure_attention
+    from piper_plan.calibration.io import measured_keys
+    from piper_plan.calibration.schema import ATTENTION, attention_flops
+
+    points = attention_points(device.type, opts.quick)
+    done = measured_keys(opts.out_dir, ATTENTION) if opts.resume else set()
+    todo = [p for p in points if p.key(name) not in done]
+    result.skipped["attention"] = len(points) - len(todo)
+    repeats, warmup = _repeats(opts.quick)
+
+    def measure(p):
+        seconds = measure_attention(p, device, repeats, warmup)
+        flops = float(attention_flops(p.batch, p.seq_len, p.num_heads, p.head_dim, p.causal, p.pass_))
+        return {"device": name, "dtype": p.dtype, "pass": p.pass_, "batch": p.batch, "seq_len": p.seq_len,
+                "num_heads": p.num_heads, "num_kv_heads": p.num_heads, "head_dim": p.head_dim, "causal": p.causal,
+                "seconds": seconds, "tflops": flops / seconds / 1e12, "source": source}
+
+    _measure_all("attention", ATTENTION, todo, measure, opts, reporter, result)
+
+
+def _measure_all(task, table, todo, measure, opts, reporter, result) -> None:
+    """Measure each point; merge rows every few points and on any exit (an interrupt keeps them)."""
+    from piper_plan.calibration.io import merge_rows
+
+    t0, pending, written = time.perf_counter(), [], 0
+    reporter.start(task, len(todo))
+    try:
+        for p in todo:
+            pending.append(measure(p))
+            reporter.advance(task, p.label)
+            if len(pending) >= _FLUSH_EVERY:
+                merge_rows(opts.out_dir, table, pending)
+                written, pending = written + len(pending), []
+    finally:
+        if pending:
+            merge_rows(opts.out_dir, table, pending)
+            written += len(pending)
+        result.rows_written[task] = written
+        result.seconds[task] = round(time.perf_counter() - t0, 2)
+
+
+def _device_metadata(out_dir: Path, device, name: str, platform) -> None:
+    """Facts for the platform file: memory per rank, copy bandwidth (measured here), device name."""
+    from piper_plan.calibration.io import write_metadata
+
+    facts = {"name": name, "type": device.type, "copy_bandwidth_GBps": round(_copy_bandwidth_GBps(device), 2)}
+    if device.type == "cpu":
+        facts["memory_bytes_per_rank"] = _mem_total_bytes() // platform.node.devices_per_node
+        facts["ranks_per_node"] = platform.node.devices_per_node
+    else:
+        import torch
+
+        facts["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    write_metadata(out_dir, {"device": facts})
+
+
+def _copy_bandwidth_GBps(device, size_bytes: int = 256 * 2**20) -> float:
+    """STREAM-copy style: bytes read + written by one ``dst.copy_(src)`` of ``size_bytes``, per second."""
+    import torch
+
+    from piper_plan.calibration.timing import median_seconds
+
+    src = torch.empty(size_bytes // 4, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, warmup=2, repeats=5)
+    return 2 * size_bytes / seconds / 1e9
+
+
+def _mem_total_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024  # kB (KiB) -> bytes
+    raise PiperError("cannot read MemTotal from /proc/meminfo")
+
+
+# ------------------------------------------------------------------------------ collectives
+
+
+def _collective_sweep(opts, platform, source, reporter, result) -> None:
+    from piper_plan.calibration import bench_collectives as bc
+
+    env = bc.dist_env()
+    t0 = time.perf_counter()
+    if env is not None:
+        meta = bc.run(env, platform, str(opts.out_dir), opts.quick, opts.resume, bc.OPS_MEASURED, source)
+        if env.rank == 0:
+            _merge_meta(opts.out_dir, {"collectives": meta})
+    elif platform.launch.backend == "gloo":
+        result.rows_written["collectives"] = spawn_local_sweep(opts, platform, source, reporter)
+    else:
+        result.messages.append(launch_hint(platform.name))
+        return
+    result.seconds["collectives"] = round(time.perf_counter() - t0, 2)
+
+
+def launch_hint(platform: str) -> str:
+    return (f"collectives skipped: no distributed environment (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS) and "
+            f"platform {platform} uses nccl. Across real nodes run `piper calibrate slurm --platform {platform} "
+            f"--nodes N --submit`, or inside an allocation `srun -N N -n <ranks> python -m "
+            f"piper_plan.calibration.bench_collectives --platform {platform} --out calibration/{platform}`.")
+
+
+def spawn_local_sweep(opts, platform, source, reporter) -> int:
+    """Run bench_collectives as LOCAL_NODES x devices_per_node local processes over gloo (emulated nodes);
+    returns the number of points measured."""
+    per_node = platform.node.devices_per_node
+    world = LOCAL_NODES * per_node
+    args = [sys.executable, "-m", "piper_plan.calibration.bench_collectives", "--platform", opts.platform,
+            "--out", str(opts.out_dir), "--source", source] + (["--quick"] if opts.quick else []) + (["--resume"] if opts.resume else [])
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(per_node), "PIPER_EMULATE_TOPOLOGY": f"{LOCAL_NODES}x{per_node}",
+            "OMP_NUM_THREADS": "1", "PIPER_PROGRESS_PIPE": "1"}
+    with tempfile.TemporaryDirectory(prefix="piper-calib-") as logs:
+        procs = [_start_rank(args, base, r, per_node, Path(logs)) for r in range(world)]
+        try:
+            measured = _follow_progress(procs[0], reporter)
+            codes = [p.wait(timeout=opts.collective_timeout_s) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        if any(codes):
+            tails = "; ".join(f"rank {r}: {_tail(Path(logs) / f'rank{r}.err')}" for r, c in enumerate(codes) if c)
+            raise PiperError(f"local collective sweep failed (exit codes {codes}): {tails}")
+    return measured
+
+
+def _start_rank(args, base, rank: int, per_node: int, logs: Path) -> subprocess.Popen:
+    env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % per_node)}
+    err = open(logs / f"rank{rank}.err", "w")
+    out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+    return subprocess.Popen(args, env=env, stdout=out, stderr=err, text=True, cwd=os.getcwd())
+
+
+def _follow_progress(proc: subprocess.Popen, reporter: Reporter) -> int:
+    from piper_plan.calibration.bench_collectives import PROGRESS_PREFIX
+
+    started, measured = False, 0
+    for line in proc.stdout:
+        if not line.startswith(PROGRESS_PREFIX):
+            continue
+        msg = json.loads(line[len(PROGRESS_PREFIX):])
+        if not started:
+            reporter.start("collectives", msg["total"])
+            started = True
+        reporter.advance("collectives", msg["label"], done=msg["done"])
+        measured += 1
+    return measured
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    text = path.read_text(errors="replace").strip().splitlines() if path.is_file() else []
+    return " | ".join(text[-lines:]) or "(no output)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ metadata
+
+
+def _merge_meta(out_dir: Path, data: dict) -> None:
+    from piper_plan.calibration.io import write_metadata
+
+    write_metadata(out_dir, data)
+
+
+def _write_run_metadata(opts: SweepOptions, platform, result: SweepResult) -> None:
+    versions = {"python": pyplatform.python_version()}
+    for mod in ("torch", "numpy", "scipy", "pandas"):
+        module = sys.modules.get(mod)
+        if module is not None:
+            versions[mod] = getattr(module, "__version__", "?")
+    _merge_meta(opts.out_dir, {
+        "platform": platform.name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "command": opts.command, "versions": versions,
+        "last_run": {"rows_written": result.rows_written, "skipped": result.skipped, "seconds": result.seconds,
+                     "quick": opts.quick, "resume": opts.resume, "only": list(opts.only)},
+    })
+
+
+def _today() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d")

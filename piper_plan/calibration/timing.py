@@ -1,0 +1,73 @@
+"""Timing for the bench drivers (torch imported by the caller): warm-up, repeats, median.
+
+GPUs (CUDA or ROCm/HIP, both ``torch.cuda``): CUDA events around the kernel. CPU: ``time.perf_counter``.
+A sample repeats the call until it lasts ``min_sample_s``, so microsecond kernels are not timer noise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def median_seconds(fn: Callable[[], object], device, warmup: int, repeats: int, min_sample_s: float = 1e-3) -> float:
+    """Median seconds of one ``fn()`` call over ``repeats`` samples, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    inner = _inner_calls(fn, device, min_sample_s)
+    samples = [_sample(fn, device, inner) / inner for _ in range(repeats)]
+    return statistics.median(samples)
+
+
+def _inner_calls(fn, device, min_sample_s: float) -> int:
+    one = _sample(fn, device, 1)
+    return max(1, min(1000, int(min_sample_s / max(one, 1e-9)) + 1)) if one < min_sample_s else 1
+
+
+def _sample(fn, device, calls: int) -> float:
+    if device.type == "cuda":
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3  # ms -> s
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - t0
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32}[name]
+
+
+def device_name(device) -> str:
+    """The vendor's name of ``device`` (GPU name, or the CPU model from /proc/cpuinfo)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    import platform as pyplatform
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + " (1 rank)"
+    return pyplatform.processor() or "cpu"

@@ -1,0 +1,171 @@
+"""``piper calibrate``: measure a machine, import nccl-tests output, show the curves, write a Slurm sweep job."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import click
+
+from piper_plan.cli.common import console, print_json
+from piper_plan.errors import PiperError
+
+
+@click.group("calibrate", invoke_without_command=True)
+@click.option("--platform", "platform_name", default=None, help="Platform catalog name or YAML path (local-cpu, frontier).")
+@click.option("--quick", is_flag=True, help="A small sweep (well under 2 minutes on a 2-core machine).")
+@click.option("--resume", is_flag=True, help="Skip points already in the CSVs.")
+@click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Output directory (default calibration/<platform>/).")
+@click.pass_context
+def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, out_dir) -> None:
+    """Measure GEMM, attention and collectives on this machine; write calibration/<platform>/*.csv."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if platform_name is None:
+        raise PiperError("--platform is required (for example: piper calibrate --platform local-cpu --quick)")
+    from piper_plan.calibration.sweep import SweepOptions, parse_only, run_calibration
+
+    opts = SweepOptions(platform=platform_name, out_dir=_out_dir(platform_name, out_dir), quick=quick, resume=resume,
+                        only=parse_only(only), command=_command_line(platform_name, quick, resume, only, out_dir))
+    t0 = time.perf_counter()
+    with _RichReporter() as reporter:
+        result = run_calibration(opts, reporter)
+    for message in result.messages:
+        console().print(message, markup=False)
+    written = ", ".join(f"{k} {n} rows" for k, n in result.rows_written.items()) or "nothing"
+    skipped = ", ".join(f"{k} {n}" for k, n in result.skipped.items() if n)
+    console().print(f"wrote {written} to {opts.out_dir}" + (f" (skipped already measured: {skipped})" if skipped else "")
+                    + f" in {time.perf_counter() - t0:.1f} s", markup=False)
+
+
+def _command_line(platform_name, quick, resume, only, out_dir) -> str:
+    """The command as a user would retype it (recorded in every row's source and in metadata.json)."""
+    args = ["piper", "calibrate", "--platform", platform_name] + ["--quick"] * quick + ["--resume"] * resume
+    args += ["--only", only] if only else []
+    args += ["--out", out_dir] if out_dir else []
+    return shlex.join(args)
+
+
+def _out_dir(platform_name: str, out_dir: str | None) -> Path:
+    from piper_plan.catalog import calibration_dir, load_platform
+
+    if out_dir:
+        return Path(out_dir).resolve()
+    return calibration_dir(load_platform(platform_name).name).resolve()
+
+
+class _RichReporter:
+    """A rich progress bar (with ETA) per sweep, on stderr."""
+
+    def __enter__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("{task.fields[name]:<11}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[label]}", markup=False), console=console())
+        self.tasks: dict[str, int] = {}
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def start(self, task: str, total: int) -> None:
+        self.tasks[task] = self.progress.add_task(task, total=total, name=task, label="")
+
+    def advance(self, task: str, label: str, done: int | None = None) -> None:
+        if done is None:
+            self.progress.advance(self.tasks[task])
+        else:
+            self.progress.update(self.tasks[task], completed=done)
+        self.progress.update(self.tasks[task], label=label)
+
+    def say(self, text: str) -> None:
+        self.progress.console.print(text, markup=False)
+
+
+@calibrate_group.command("import-nccl-tests")
+@click.argument("file", type=click.Path())
+@click.option("--op", required=True, help="all_to_all, all_reduce, all_gather, reduce_scatter, p2p, halo_all_to_all.")
+@click.option("--nodes", "num_nodes", type=click.IntRange(min=1), required=True, help="Nodes the test ran on.")
+@click.option("--ranks-per-node", type=click.IntRange(min=1), required=True, help="Ranks (GPUs) per node.")
+@click.option("--scope", required=True, help="Widest scope the ranks spanned: node, switch, group, system.")
+@click.option("--platform", "platform_name", default="frontier", show_default=True, help="Platform whose calibration to extend.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Directory (default calibration/<platform>/).")
+@click.option("--json", "as_json", is_flag=True, help="Print the imported rows as JSON on stdout.")
+def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_name, out_dir, as_json) -> None:
+    """Parse nccl-tests / rccl-tests output into collectives.csv rows."""
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.calibration.nccl_tests import import_file
+    from piper_plan.calibration.schema import COLLECTIVES
+
+    rows = import_file(file, op, scope, num_nodes, ranks_per_node)
+    directory = _out_dir(platform_name, out_dir)
+    path = merge_rows(directory, COLLECTIVES, rows)
+    if as_json:
+        print_json(rows)
+    console().print(f"imported {len(rows)} rows ({op}, {scope}, {num_nodes} x {ranks_per_node}) into {path}", markup=False)
+
+
+@calibrate_group.command("show")
+@click.option("--platform", "platform_name", default="local-cpu", show_default=True, help="Platform name or calibration directory.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None, help="Write a PNG of the curves (needs matplotlib).")
+@click.option("--json", "as_json", is_flag=True, help="Print the curve summary as JSON on stdout.")
+def show_cmd(platform_name, plot_file, as_json) -> None:
+    """The calibration curves as tables: seed vs measured rows, and the ranges beyond which the model extrapolates."""
+    from piper_plan.calibration import load_calibration
+    from piper_plan.calibration.report import summary, render_tables
+
+    cal = load_calibration(Path(platform_name) if Path(platform_name).is_dir() else platform_name)
+    if cal is None:
+        raise PiperError(f"no calibration CSVs for {platform_name!r}; run `piper calibrate --platform {platform_name}`")
+    data = summary(cal)
+    if as_json:
+        print_json(data)
+    else:
+        render_tables(cal, data, console())
+    if plot_file:
+        from piper_plan.calibration.report import plot_curves
+
+        plot_curves(cal, plot_file)
+        console().print(f"wrote {plot_file}", markup=False)
+
+
+@calibrate_group.command("slurm")
+@click.option("--platform", "platform_name", default="frontier", show_default=True)
+@click.option("--nodes", "num_nodes", type=click.IntRange(min=1), required=True, help="Nodes to sweep over.")
+@click.option("--quick", is_flag=True, help="The small sweep.")
+@click.option("--account", default=None, help="#SBATCH -A (project account).")
+@click.option("--time", "time_limit", default="00:30:00", show_default=True, help="#SBATCH -t.")
+@click.option("--python", "python_cmd", default="python3", show_default=True, help="Python with piper installed, on the nodes.")
+@click.option("--output", "script_path", type=click.Path(dir_okay=False), default=None,
+              help="Script path (default calibration/<platform>/calibrate-<N>n.sbatch).")
+@click.option("--submit", is_flag=True, help="Submit it with sbatch.")
+def slurm_cmd(platform_name, num_nodes, quick, account, time_limit, python_cmd, script_path, submit) -> None:
+    """Write (and submit) the sbatch script that runs the collective sweep across N nodes."""
+    from piper_plan.calibration.slurm import render_sweep_script, write_script
+    from piper_plan.catalog import load_platform
+
+    platform = load_platform(platform_name)
+    directory = _out_dir(platform_name, None)
+    path = Path(script_path) if script_path else directory / f"calibrate-{num_nodes}n.sbatch"
+    text = render_sweep_script(platform, num_nodes, directory, quick=quick, account=account,
+                               time_limit=time_limit, python_cmd=python_cmd)
+    write_script(path, text)
+    console().print(f"wrote {path}", markup=False)
+    if submit:
+        _submit(path)
+
+
+def _submit(path: Path) -> None:
+    try:
+        done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise PiperError("sbatch not found: run this on a Slurm login node, or submit the script yourself") from None
+    if done.returncode != 0:
+        raise PiperError(f"sbatch failed: {done.stderr.strip() or done.stdout.strip()}", path=str(path))
+    console().print(done.stdout.strip(), markup=False)

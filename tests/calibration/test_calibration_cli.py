@@ -1,0 +1,78 @@
+"""`piper calibrate` argument errors, the Slurm sweep script, and the hint without a distributed environment."""
+
+from __future__ import annotations
+
+import os
+
+from click.testing import CliRunner
+
+from piper_plan.cli.main import cli
+
+
+def test_missing_platform_and_bad_only_exit_2(tmp_path):
+    none = CliRunner().invoke(cli, ["calibrate"])
+    assert none.exit_code == 2 and "--platform is required" in none.output
+    bad = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--only", "gemm,fft", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "unknown ['fft']" in bad.output
+
+
+def test_nccl_platform_without_distributed_env_explains_how_to_launch(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    result = CliRunner().invoke(cli, ["calibrate", "--platform", "frontier", "--only", "collectives", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "piper calibrate slurm --platform frontier" in result.output and "srun" in result.output
+    assert not (tmp_path / "collectives.csv").exists()
+
+
+def test_slurm_script_from_launch_block(tmp_path):
+    script = tmp_path / "cal.sbatch"
+    result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "4", "--account", "abc123",
+                                      "--output", str(script)])
+    assert result.exit_code == 0, result.output
+    text = script.read_text()
+    lines = text.splitlines()
+    assert "#SBATCH --nodes=4" in lines and "#SBATCH --account=abc123" in lines and "#SBATCH --partition=batch" in lines
+    srun = next(line for line in lines if line.startswith("srun "))
+    for part in ("--ntasks=32", "--ntasks-per-node=8", "--cpus-per-task=7", "--gpus-per-task=1", "--gpu-bind=closest",
+                 "-m piper_plan.calibration.bench_collectives --platform frontier", "--resume"):
+        assert part in srun
+    assert "module load rccl-net-plugin" in lines and 'export NCCL_SOCKET_IFNAME="hsn0"' in lines
+    assert os.access(script, os.X_OK)
+
+
+def test_slurm_script_cpu_platform_has_no_gpus(tmp_path):
+    script = tmp_path / "cpu.sbatch"
+    result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--output", str(script)])
+    assert result.exit_code == 0, result.output
+    srun = next(line for line in script.read_text().splitlines() if line.startswith("srun "))
+    assert "--ntasks=4" in srun and "gpus-per-task" not in srun
+
+
+def test_gpu_platform_without_gpu_refuses_compute_sweep(tmp_path):
+    result = CliRunner().invoke(cli, ["calibrate", "--platform", "frontier", "--only", "gemm", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "torch sees no GPU" in result.output
+    assert not (tmp_path / "gemm.csv").exists()
+
+
+def test_dist_env_from_srun_torchrun_and_emulation():
+    from piper_plan.calibration.bench_collectives import DistEnv, dist_env
+
+    srun = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NUM_NODES": "2"}
+    assert dist_env(srun) == DistEnv(rank=9, world_size=16, local_rank=1, ranks_per_node=8)
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert dist_env(torchrun) == DistEnv(3, 4, 1, 2)
+    assert dist_env({"RANK": "3", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "2x4"}) == DistEnv(3, 8, 3, 4)
+    assert dist_env({}) is None
+
+
+def test_frontier_groups_cover_every_scope():
+    from piper_plan.calibration.bench_collectives import DistEnv, p2p_groups, plan_groups
+    from piper_plan.catalog import load_platform
+
+    net = load_platform("frontier").network  # 4 nodes per switch, 128 per group
+    groups = plan_groups(DistEnv(0, 8 * 256, 0, 8), net, quick=True)
+    assert [(g.scope, g.num_nodes, len(g.ranks)) for g in groups] == [
+        ("node", 1, 8), ("switch", 4, 32), ("group", 128, 1024), ("system", 256, 2048)]
+    pairs = p2p_groups(DistEnv(0, 8 * 8, 0, 8), net)
+    assert [(p.scope, p.ranks) for p in pairs] == [("node", (0, 1)), ("switch", (0, 24)), ("group", (0, 56))]

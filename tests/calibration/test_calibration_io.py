@@ -1,0 +1,88 @@
+"""Calibration CSV loading (errors name file and line) and atomic merge writes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from piper_plan.calibration.io import measured_keys, merge_rows, read_table
+from piper_plan.calibration.schema import COLLECTIVES, GEMM
+from piper_plan.errors import PiperError
+
+HEADER = "device,dtype,m,n,k,groups,seconds,tflops,source\n"
+ROW = "cpu,fp32,{m},512,256,1,{s},{t},measured: test\n"
+
+
+def _gemm(tmp_path: Path, *lines: str) -> Path:
+    path = tmp_path / "gemm.csv"
+    path.write_text(HEADER + "".join(lines))
+    return path
+
+
+def _row(m=64, seconds=1e-3):
+    return {"device": "cpu", "dtype": "fp32", "m": m, "n": 512, "k": 256, "groups": 1, "seconds": seconds,
+            "tflops": 2 * m * 512 * 256 / seconds / 1e12, "source": "measured: test"}
+
+
+def test_reads_typed_values(tmp_path):
+    frame = read_table(_gemm(tmp_path, ROW.format(m=64, s=0.001, t=0.5)), GEMM)
+    assert frame.loc[0, "m"] == 64 and frame.loc[0, "tflops"] == 0.5 and frame.loc[0, "dtype"] == "fp32"
+
+
+@pytest.mark.parametrize("line, message", [
+    (ROW.format(m="abc", s=0.001, t=0.5), "line 3: column m: 'abc' is not a number"),
+    (ROW.format(m=64, s=-1, t=0.5), "line 3: column seconds: -1.0 out of range"),
+    (ROW.format(m=6.5, s=0.001, t=0.5), "line 3: column m: '6.5' is not an integer"),
+    (ROW.format(m=64, s=0.001, t=0.5).replace("fp32", "fp64"), "line 3: column dtype: 'fp64' is not one of"),
+    ("cpu,fp32,64,512\n", "line 3: 4 fields, the header has 9"),
+    (ROW.format(m=64, s=0.001, t="nan"), "line 3: column tflops: 'nan' is not a finite number"),
+    (ROW.format(m=32, s=0.001, t=0.5), "line 3: repeats the point"),
+])
+def test_bad_value_names_file_and_line(tmp_path, line, message):
+    path = _gemm(tmp_path, ROW.format(m=32, s=0.001, t=0.5), line)
+    with pytest.raises(PiperError) as err:
+        read_table(path, GEMM)
+    assert str(err.value).startswith(str(path)) and message in str(err.value)
+
+
+def test_missing_column_and_empty_source(tmp_path):
+    path = tmp_path / "gemm.csv"
+    path.write_text("device,dtype,m\ncpu,fp32,4\n")
+    with pytest.raises(PiperError, match=r"line 1: missing columns \['n', 'k'"):
+        read_table(path, GEMM)
+    with pytest.raises(PiperError, match="line 2: column source: empty"):
+        read_table(_gemm(tmp_path, "cpu,fp32,4,4,4,1,1,1,\n"), GEMM)
+
+
+def test_merge_replaces_same_key_and_sorts(tmp_path):
+    merge_rows(tmp_path, GEMM, [_row(256), _row(64)])
+    merge_rows(tmp_path, GEMM, [_row(64, seconds=2e-3), _row(16)])
+    frame = read_table(tmp_path / "gemm.csv", GEMM)
+    assert list(frame.m) == [16, 64, 256]
+    assert frame.set_index("m").loc[64, "seconds"] == pytest.approx(2e-3)
+    assert measured_keys(tmp_path, GEMM) == {("cpu", "fp32", m, 512, 256, 1) for m in (16, 64, 256)}
+
+
+def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
+    merge_rows(tmp_path, GEMM, [_row(64)])
+    before = (tmp_path / "gemm.csv").read_text()
+
+    def boom(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        merge_rows(tmp_path, GEMM, [_row(128)])
+    monkeypatch.undo()
+    assert (tmp_path / "gemm.csv").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemm.csv"]  # no temp file left behind
+
+
+def test_collectives_busbw_may_be_zero_but_seconds_not(tmp_path):
+    path = tmp_path / "collectives.csv"
+    path.write_text(",".join(COLLECTIVES.column_names) + "\nall_reduce,node,1,1,1024,1e-5,0.1,0,measured: x\n"
+                    "all_reduce,node,1,2,1024,0,0.1,0,measured: x\n")
+    with pytest.raises(PiperError, match="line 3: column seconds: 0.0 out of range, allowed > 0"):
+        read_table(path, COLLECTIVES)

@@ -1,0 +1,116 @@
+"""nccl-tests / rccl-tests output -> collectives.csv rows. Samples follow the formats the projects document
+(nccl-tests README and PERFORMANCE.md; rccl-tests README), in their current and their older (v2.0) layouts."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from piper_plan.calibration.io import read_table
+from piper_plan.calibration.nccl_tests import parse_nccl_tests
+from piper_plan.calibration.schema import COLLECTIVES
+from piper_plan.cli.main import cli
+from piper_plan.errors import PiperError
+
+NCCL_TESTS = """\
+# nThread 1 nGpus 1 minBytes 1024 maxBytes 1048576 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0
+#
+# Using devices
+#  Rank  0 Group  0 Pid 123456 on    gpu-a01 device  0 [0x07] NVIDIA A100-SXM4-80GB
+#  Rank  1 Group  0 Pid 123457 on    gpu-a02 device  0 [0x07] NVIDIA A100-SXM4-80GB
+#
+#                                                              out-of-place                       in-place
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+           0             0     float    none      -1     0.19    0.00    0.00      0     0.18    0.00    0.00    N/A
+        1024            16     float    none      -1    25.61    0.04    0.02      0    24.98    0.04    0.02    N/A
+     1048576         16384     float    none      -1    60.12   17.44    8.72      0    59.87   17.51    8.76    N/A
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 4.37
+#
+"""
+
+RCCL_TESTS = """\
+# nThread 1 nGpus 1 minBytes 8 maxBytes 134217728 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0
+#
+rccl-tests: Version develop:ae3e635
+# Using devices
+#  Rank  0 Group  0 Pid  46730 on frontier00001 device  0 [0000:c1:00] AMD Instinct MI250X
+#  Rank  1 Group  0 Pid  46731 on frontier00001 device  1 [0000:c6:00] AMD Instinct MI250X
+#
+#                                                              out-of-place                       in-place
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+     8388608       2097152     float     sum      -1    140.0   59.92  104.86      0    139.5   60.13  105.23      0
+   134217728      33554432     float     sum      -1   1820.4   73.73  129.03      0   1818.2   73.82  129.18      0
+# Out of bounds values : 0 OK
+"""
+
+OLD_NCCL_TESTS = """\
+# nThread 1 nGpus 8 minBytes 8 maxBytes 134217728 step: 2(factor) warmup iters: 5 iters: 20 validation: 1
+#
+# Using devices
+#   Rank  0 Pid  40527 on  dgx1 device  0 [0x06] Tesla V100-SXM2-16GB
+#
+#                                                     out-of-place                       in-place
+#       size         count    type   redop     time   algbw   busbw  error     time   algbw   busbw  error
+#        (B)    (elements)                     (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+     4194304       1048576   float     sum    84.10   49.87   87.28  0e+00    83.94   49.97   87.44  0e+00
+"""
+
+
+def test_nccl_tests_current_layout():
+    rows = parse_nccl_tests(NCCL_TESTS)
+    assert [r.size_bytes for r in rows] == [0, 1024, 1048576]
+    assert rows[2].seconds == pytest.approx(60.12e-6) and rows[2].algbw_GBps == 17.44 and rows[2].busbw_GBps == 8.72
+    assert rows[2].line == 12
+
+
+def test_rccl_tests_with_banner_line():
+    rows = parse_nccl_tests(RCCL_TESTS)
+    assert [(r.size_bytes, r.seconds, r.busbw_GBps) for r in rows] == [(8388608, pytest.approx(140.0e-6), 104.86),
+                                                                        (134217728, pytest.approx(1820.4e-6), 129.03)]
+
+
+def test_old_layout_without_root_column():
+    (row,) = parse_nccl_tests(OLD_NCCL_TESTS)
+    assert (row.size_bytes, row.seconds, row.algbw_GBps, row.wrong) == (4194304, pytest.approx(84.10e-6), 49.87, "0e+00")
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ("     1048576         16384     float\n", "line 10: 3 fields"),
+    ("     1048576         16384     float    none      -1    abc   17.44    8.72      0\n", "line 10: not a number"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
+    text = "".join(NCCL_TESTS.splitlines(keepends=True)[:9]) + bad_line
+    with pytest.raises(PiperError) as err:
+        parse_nccl_tests(text, "a2a.log")
+    assert str(err.value).startswith("a2a.log: ") and message in str(err.value)
+
+
+def test_no_table_is_an_error():
+    with pytest.raises(PiperError, match="no nccl-tests data rows"):
+        parse_nccl_tests("srun: error: something\n", "x.log")
+
+
+def test_cli_import_writes_rows(tmp_path):
+    log = tmp_path / "alltoall.log"
+    log.write_text(NCCL_TESTS)
+    out = tmp_path / "cal"
+    result = CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_to_all", "--nodes", "2",
+                                      "--ranks-per-node", "1", "--scope", "switch", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    frame = read_table(out / "collectives.csv", COLLECTIVES)
+    assert list(frame.bytes_per_rank) == [1024, 1048576]  # the zero-byte line carries no information
+    assert frame.seconds.tolist() == pytest.approx([25.61e-6, 60.12e-6])
+    assert set(frame.num_nodes) == {2} and frame.source.str.startswith("imported:").all()
+
+
+def test_cli_import_errors_exit_2(tmp_path):
+    log = tmp_path / "bad.log"
+    log.write_text(NCCL_TESTS.replace("    8.72      0", "    8.72      3"))
+    args = ["calibrate", "import-nccl-tests", str(log), "--nodes", "2", "--ranks-per-node", "1", "--out", str(tmp_path)]
+    wrong = CliRunner().invoke(cli, args + ["--op", "all_to_all", "--scope", "switch"])
+    assert wrong.exit_code == 2 and "#wrong" in wrong.output and "bad.log" in wrong.output
+    scope = CliRunner().invoke(cli, args + ["--op", "all_to_all", "--scope", "rack"])
+    assert scope.exit_code == 2 and "--scope 'rack'" in scope.output

@@ -1,0 +1,117 @@
+"""The quick CPU sweep end to end (4 gloo ranks as 2 nodes x 2, spawned by `piper calibrate`), resume, interrupt."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from piper_plan.calibration import load_calibration
+from piper_plan.calibration.bench_attention import attention_points
+from piper_plan.calibration.bench_gemm import gemm_points
+from piper_plan.calibration.io import merge_rows, read_table
+from piper_plan.calibration.schema import ATTENTION, COLLECTIVES, GEMM, busbw_factor
+from piper_plan.calibration.sweep import Reporter, SweepOptions, run_calibration
+from piper_plan.cli.main import cli
+
+pytestmark = pytest.mark.distributed
+
+OLD_GEMM = {"dtype": "fp32", "m": 8, "n": 512, "k": 256, "groups": 1, "seconds": 1.0, "tflops": 2 * 8 * 512 * 256 / 1e12,
+            "source": "measured: kept by --resume"}
+OLD_COLL = {"op": "all_reduce", "scope": "node", "num_nodes": 1, "ranks_per_node": 2, "bytes_per_rank": 1024,
+            "seconds": 1.0, "algbw_GBps": 1.024e-6, "busbw_GBps": 1.024e-6, "source": "measured: kept by --resume"}
+
+
+def _cpu_name() -> str:
+    import torch
+
+    from piper_plan.calibration.timing import device_name
+
+    return device_name(torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """One quick sweep with --resume over a directory that already holds one GEMM and one collective point."""
+    out = tmp_path_factory.mktemp("local-cpu")
+    merge_rows(out, GEMM, [{"device": _cpu_name(), **OLD_GEMM}])
+    merge_rows(out, COLLECTIVES, [OLD_COLL])
+    result = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--quick", "--resume", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_quick_sweep_writes_every_point(swept):
+    assert len(read_table(swept / "gemm.csv", GEMM)) == len(gemm_points("cpu", quick=True))
+    assert len(read_table(swept / "attention.csv", ATTENTION)) == len(attention_points("cpu", quick=True))
+    coll = read_table(swept / "collectives.csv", COLLECTIVES)
+    # 5 ops x 2 groups (node: 2 ranks of node 0; switch: all 4 ranks, or the rank pair 0-2 for p2p) x 6 sizes
+    assert len(coll) == 60
+    assert sorted(set(zip(coll.op, coll.scope, coll.num_nodes, coll.ranks_per_node)))[:4] == [
+        ("all_gather", "node", 1, 2), ("all_gather", "switch", 2, 2), ("all_reduce", "node", 1, 2), ("all_reduce", "switch", 2, 2)]
+    ranks = coll.num_nodes * coll.ranks_per_node
+    factor = [busbw_factor(op, n) for op, n in zip(coll.op, ranks)]
+    assert (coll.algbw_GBps * factor).tolist() == pytest.approx(coll.busbw_GBps.tolist(), rel=1e-4)
+    assert (coll.algbw_GBps * coll.seconds * 1e9).tolist() == pytest.approx(coll.bytes_per_rank.tolist(), rel=1e-4)
+
+
+def test_resume_kept_points_already_measured(swept):
+    gemm = read_table(swept / "gemm.csv", GEMM).set_index(["dtype", "m", "n", "k", "groups"])
+    assert gemm.loc[("fp32", 8, 512, 256, 1), "source"] == "measured: kept by --resume"
+    coll = read_table(swept / "collectives.csv", COLLECTIVES).set_index(["op", "scope", "ranks_per_node", "bytes_per_rank"])
+    assert coll.loc[("all_reduce", "node", 2, 1024), "seconds"] == 1.0
+    assert (coll.source.str.startswith("measured: piper calibrate")).sum() == 59
+
+
+def test_metadata_and_loader(swept):
+    meta = json.loads((swept / "metadata.json").read_text())
+    assert meta["platform"] == "local-cpu" and meta["collectives"]["world_size"] == 4
+    assert meta["collectives"]["ranks_per_node"] == 2 and meta["versions"]["torch"]
+    assert meta["last_run"]["skipped"]["gemm"] == 1 and meta["device"]["memory_bytes_per_rank"] > 0
+    cal = load_calibration(swept)
+    flops, ext = cal.gemm_flops_per_s(64, 512, 256, "fp32")
+    assert flops > 0 and not ext
+    sec, ext = cal.collective_seconds("all_to_all", "switch", 4, 2**16)
+    assert sec > 0 and not ext
+
+
+def test_show_json_reports_ranges(swept):
+    result = CliRunner().invoke(cli, ["calibrate", "show", "--platform", str(swept), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    fp32 = next(c for c in data["gemm"] if c["dtype"] == "fp32")
+    assert fp32["range"]["m"] == [8, 1024] and fp32["kinds"] == {"measured": fp32["rows"]}
+    a2a = next(c for c in data["collectives"] if c["op"] == "all_to_all" and c["scope"] == "switch")
+    assert a2a["num_ranks"] == [4] and a2a["bytes_per_rank"] == [1024, 2**20]
+
+
+class _StopAfter(Reporter):
+    def __init__(self, n: int):
+        self.n = n
+
+    def advance(self, task, label, done=None):
+        self.n -= 1
+        if self.n == 0:
+            raise KeyboardInterrupt
+
+
+def test_interrupted_sweep_keeps_measured_rows(tmp_path):
+    opts = SweepOptions(platform="local-cpu", out_dir=tmp_path, quick=True, only=("gemm",))
+    with pytest.raises(KeyboardInterrupt):
+        run_calibration(opts, _StopAfter(7))
+    assert len(read_table(tmp_path / "gemm.csv", GEMM)) == 7  # 5 flushed + 2 written on the way out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    result = run_calibration(SweepOptions(platform="local-cpu", out_dir=tmp_path, quick=True, resume=True, only=("gemm",)))
+    assert result.skipped["gemm"] == 7 and result.rows_written["gemm"] == len(gemm_points("cpu", quick=True)) - 7
+
+
+def test_calibration_modules_import_no_torch():
+    code = ("import sys, piper_plan.calibration, piper_plan.calibration.sweep, piper_plan.calibration.bench_gemm, "
+            "piper_plan.calibration.bench_attention, piper_plan.calibration.bench_collectives, "
+            "piper_plan.calibration.nccl_tests, piper_plan.calibration.slurm, piper_plan.calibration.report\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "False"
