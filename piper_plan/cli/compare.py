@@ -1,0 +1,85 @@
+"""`piper compare RUN_DIR`: measured (metrics.jsonl) vs predicted (plan.json) as a table or --json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from piper_plan.cli.common import console, print_json
+from piper_plan.errors import PiperError
+
+
+def find_plan(run_dir: Path) -> Path:
+    """plan.json in the run directory, else beside it (launch writes DIR/plan.json and runs in DIR/run)."""
+    for candidate in (run_dir / "plan.json", run_dir.parent / "plan.json"):
+        if candidate.is_file():
+            return candidate
+    raise PiperError(f"no plan.json in {run_dir} or {run_dir.parent}", path=str(run_dir))
+
+
+def find_metrics(run_dir: Path) -> Path:
+    for candidate in (run_dir / "metrics.jsonl", run_dir / "run" / "metrics.jsonl"):
+        if candidate.is_file():
+            return candidate
+    raise PiperError("no metrics.jsonl (has the run written a step yet?)", path=str(run_dir))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise PiperError(f"line {number}: malformed JSON: {exc.msg}", path=str(path)) from None
+    if not records:
+        raise PiperError("no step records", path=str(path))
+    return records
+
+
+def read_prediction(path: Path) -> dict:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    prediction = data.get("prediction")
+    if not isinstance(prediction, dict):
+        raise PiperError("field prediction: missing (save the plan with `piper plan --save` / `estimate --save`)",
+                         path=str(path))
+    return prediction
+
+
+@click.command("compare")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Each quantity as {predicted, measured, rel_error} on stdout.")
+def compare_cmd(run_dir: str, as_json: bool) -> None:
+    """Measured vs predicted step time, tokens/s, all-to-all share and memory per stage."""
+    from piper_plan.compare import compare
+
+    run = Path(run_dir)
+    metrics_path = find_metrics(run)
+    plan_path = find_plan(metrics_path.parent)
+    result = compare(read_prediction(plan_path), read_metrics(metrics_path))
+    result = {"run_dir": str(metrics_path.parent), "plan": str(plan_path), **result}
+    if as_json:
+        print_json(result)
+    else:
+        _table(result)
+
+
+def _fmt(value, scale: float = 1.0, digits: int = 4) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}g}"
+
+
+def _table(result: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{result['run_dir']}: predicted vs measured ({result['steps_measured']} steady steps)")
+    for col in ("quantity", "predicted", "measured", "error %"):
+        table.add_column(col, justify="left" if col == "quantity" else "right")
+    rows = [("step time (s)", result["step_time_s"], 1.0), ("tokens/s", result["tokens_per_s"], 1.0),
+            ("all-to-all share (%)", result["a2a_share"], 100.0)]
+    rows += [(f"memory stage {i} (GiB)", q, 1 / 2**30) for i, q in enumerate(result["memory_bytes_per_stage"])]
+    for name, q, scale in rows:
+        table.add_row(name, _fmt(q["predicted"], scale), _fmt(q["measured"], scale), _fmt(q["rel_error"], 100.0, 3))
+    console().print(table)

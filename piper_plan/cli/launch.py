@@ -1,0 +1,105 @@
+"""`piper launch`: write (and with --submit, submit) a Slurm job that runs piper's runtime on a plan."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from piper_plan.cli.common import console, print_json
+from piper_plan.errors import PiperError
+
+
+@click.command("launch")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="plan.json from `piper plan --save` / `estimate --save`.")
+@click.option("--model", help="Model name or path (plan from options: runs the search).")
+@click.option("--platform", help="Platform name or path (plan from options).")
+@click.option("--nodes", type=int, help="Nodes (plan from options).")
+@click.option("--seq", "seq_len", type=int, default=4096, show_default=True, help="Plan from options: sequence length.")
+@click.option("--global-batch", type=int, default=1024, show_default=True, help="Plan from options: sequences per step.")
+@click.option("--strategy", type=click.Choice(["general", "piper"]), default="general", show_default=True,
+              help="Plan from options: search strategy (see piper plan).")
+@click.option("--a2a", type=click.Choice(["flat", "halo", "any"]), default="any", show_default=True,
+              help="Plan from options: all-to-all algorithm.")
+@click.option("--migration", is_flag=True, help="Plan from options: enable expert migration.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Job directory to write.")
+@click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
+@click.option("--dry-run", is_flag=True, help="Print the script on stdout; write nothing.")
+@click.option("--steps", type=int, help="Training steps (default: the plan's runtime.steps).")
+@click.option("--account", help="Slurm account (#SBATCH --account).")
+@click.option("--partition", help="Slurm partition (default: the platform's).")
+@click.option("--time", "time_", help="Wall time [D-]HH:MM:SS (default: from the predicted step time).")
+@click.option("--job-name", help="Slurm job name.")
+@click.option("--force", is_flag=True, help="Write into a non-empty --out directory.")
+@click.option("--json", "as_json", is_flag=True, help="Machine output on stdout.")
+@click.pass_context
+def launch_cmd(ctx, plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration, out_dir, submit,
+               dry_run, steps, account, partition, time_, job_name, force, as_json):
+    """Write DIR/job.sbatch, DIR/plan.json and DIR/README.md for a plan; --submit sends it to Slurm.
+
+    The plan is --plan plan.json, or the best runnable plan `piper plan` finds for --model/--platform/--nodes."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
+        if _plan_source(plan_path, model, platform, nodes) is None:
+            plan_path = str(Path(tmp) / "plan.json")
+            _search_plan(ctx, plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration)
+        _launch(plan_path, out_dir, submit, dry_run, steps, account, partition, time_, job_name, force, as_json)
+
+
+def _search_plan(ctx, save_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration) -> None:
+    """The best plan the runtime can run, from `piper plan`'s search (its tables go to stderr)."""
+    from piper_plan.cli.plan import plan_cmd
+
+    ctx.invoke(plan_cmd, model_name=model, platform_name=platform, nodes_text=str(nodes), seq_len=seq_len,
+               global_batch=global_batch, strategy=strategy, a2a=a2a, migration=migration, runnable=True,
+               top=3, save_path=save_path)
+
+
+def _launch(plan_path, out_dir, submit, dry_run, steps, account, partition, time_, job_name, force, as_json):
+    from piper_plan.launch import job as joblib
+    from piper_plan.launch.render import LaunchOptions
+
+    options = LaunchOptions(steps=steps, account=account, partition=partition, time=time_, job_name=job_name)
+    prepared = joblib.prepare(Path(plan_path), Path(out_dir), options, python=sys.executable)
+    if dry_run:
+        click.echo(prepared.script, nl=False)
+        return
+    joblib.check_out_dir(prepared.out_dir, force)
+    joblib.write_job(prepared)
+    job_id = joblib.submit_job(prepared) if submit else None
+    _report(prepared, job_id, joblib.pending_reason(job_id) if job_id else None, as_json)
+
+
+def _plan_source(plan_path, model, platform, nodes) -> str | None:
+    """--plan, or None when the plan comes from --model/--platform/--nodes (all three needed)."""
+    if plan_path and (model or platform or nodes):
+        raise PiperError("give either --plan or --model/--platform/--nodes, not both")
+    if plan_path:
+        return plan_path
+    if model and platform and nodes:
+        return None
+    raise PiperError("give --plan plan.json (from `piper plan --save`), or all of --model, --platform and --nodes")
+
+
+def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) -> None:
+    out = str(prepared.out_dir)
+    if as_json:
+        print_json({"job_id": job_id, "out": out, "blocked_reason": blocked, "script": str(prepared.script_path),
+                    "nodes": prepared.job.nodes, "world": prepared.job.world, "steps": prepared.job.steps,
+                    "time": prepared.job.time, "partition": prepared.job.partition})
+        return
+    c = console()
+    c.print(f"wrote {prepared.script_path}, {prepared.out_dir / 'plan.json'}, {prepared.out_dir / 'README.md'}",
+            markup=False)
+    c.print(f"{prepared.job.nodes} nodes x {prepared.job.ranks_per_node} ranks = {prepared.job.world}, "
+            f"{prepared.job.steps} steps, time {prepared.job.time}", markup=False)
+    if job_id:
+        c.print(f"submitted job {job_id}; follow it with: piper status {job_id}", markup=False)
+        if blocked:
+            c.print(f"warning: Slurm holds job {job_id} with Reason={blocked}: it may never start as requested",
+                    markup=False)
+        click.echo(job_id)
+    else:
+        c.print(f"submit with: sbatch {prepared.script_path}", markup=False)

@@ -1,0 +1,51 @@
+"""`piper status JOB`: the job's Slurm state and what its run directory holds (last step, checkpoint)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from piper_plan.cli.common import console, print_json
+from piper_plan.errors import PiperError
+
+
+def run_dir_summary(run_dir: Path) -> dict:
+    """Last metrics line, step count and latest checkpoint of a run directory."""
+    metrics, latest = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "latest"
+    out: dict = {"run_dir": str(run_dir), "steps_logged": 0, "last": None,
+                 "checkpoint": latest.read_text().strip() if latest.is_file() else None}
+    if metrics.is_file():
+        lines = [ln for ln in metrics.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        out["steps_logged"] = len(lines)
+        if lines:
+            last = json.loads(lines[-1])
+            out["last"] = {k: last.get(k) for k in ("step", "loss", "step_time_s", "tokens_per_s")}
+    return out
+
+
+@click.command("status")
+@click.argument("job_id")
+@click.option("--dir", "job_dir", type=click.Path(file_okay=False), help="Job directory (default: the job's WorkDir).")
+@click.option("--json", "as_json", is_flag=True, help="Machine output on stdout.")
+def status_cmd(job_id: str, job_dir: str | None, as_json: bool) -> None:
+    """Slurm state (squeue / scontrol) and the run directory of a piper job."""
+    from piper_plan.launch import submit
+
+    info = submit.job_info(job_id)
+    state = submit.squeue_state(job_id) or (info or {}).get("JobState")
+    if info is None and job_dir is None:
+        raise PiperError(f"job {job_id}: Slurm does not know it (finished long ago?); pass --dir JOB_DIR")
+    base = Path(job_dir) if job_dir else Path(info.get("WorkDir", "."))
+    result = {"job_id": job_id, "state": state, "reason": (info or {}).get("Reason"),
+              "nodes": (info or {}).get("NodeList"), "restarts": (info or {}).get("Restarts"),
+              "run": run_dir_summary(base / "run")}
+    if as_json:
+        print_json(result)
+        return
+    c, run = console(), result["run"]
+    c.print(f"job {job_id}: {state} (reason {result['reason']}, nodes {result['nodes']}, "
+            f"restarts {result['restarts']})", markup=False)
+    c.print(f"run {run['run_dir']}: {run['steps_logged']} steps logged, last {run['last']}, "
+            f"checkpoint {run['checkpoint']}", markup=False)

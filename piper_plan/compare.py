@@ -1,0 +1,89 @@
+"""Measured (the runtime's metrics.jsonl) vs predicted (plan.json's ``prediction``): pure, no I/O.
+
+Every quantity is ``{"predicted", "measured", "rel_error"}`` with ``rel_error = (predicted - measured) / measured``
+(DESIGN.md, compare format); a quantity missing on either side has ``rel_error = None``.
+Measured values are steady-state: the first step (warm-up: allocation, gloo/NCCL connection set-up) is left out
+when there is more than one step; times are medians over steps (robust to a stray slow step), memory is the
+maximum over steps (a peak).
+"""
+
+from __future__ import annotations
+
+from statistics import median
+
+A2A_KEY_PARTS = ("dispatch", "combine", "a2a", "all_to_all")
+"""Prediction breakdown entries counted as expert all-to-all time when the prediction has no ``a2a_share``."""
+
+
+def quantity(predicted: float | None, measured: float | None) -> dict:
+    rel = None
+    if predicted is not None and measured not in (None, 0):
+        rel = (predicted - measured) / measured
+    return {"predicted": predicted, "measured": measured, "rel_error": rel}
+
+
+def steady_steps(records: list[dict]) -> list[dict]:
+    """Records without the warm-up step (kept when it is the only one); the last record per step wins
+    (a resumed run may repeat steps)."""
+    by_step = {r["step"]: r for r in records}
+    ordered = [by_step[s] for s in sorted(by_step)]
+    return ordered[1:] if len(ordered) > 1 else ordered
+
+
+def _median_of(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return median(values) if values else None
+
+
+def measured_a2a_share(records: list[dict]) -> float | None:
+    """Median over steps of (all-to-all seconds / step seconds)."""
+    shares = [r["time_s"]["a2a"] / r["step_time_s"] for r in records
+              if isinstance((r.get("time_s") or {}).get("a2a"), (int, float)) and r.get("step_time_s")]
+    return median(shares) if shares else None
+
+
+def predicted_a2a_share(prediction: dict) -> float | None:
+    if isinstance(prediction.get("a2a_share"), (int, float)):
+        return prediction["a2a_share"]
+    breakdown = (prediction.get("time") or {}).get("breakdown") or {}
+    step = prediction.get("step_time_s")
+    a2a = [s for name, s in breakdown.items() if any(p in name for p in A2A_KEY_PARTS)]
+    return sum(a2a) / step if a2a and step else None
+
+
+def _stage_bytes(entry) -> float | None:
+    if isinstance(entry, (int, float)):
+        return entry
+    if isinstance(entry, dict):
+        return entry.get("total_bytes", entry.get("peak_bytes"))
+    return None
+
+
+def measured_memory_per_stage(records: list[dict]) -> list[float | None]:
+    """Per stage, the maximum over all steps (warm-up included: a peak is a peak)."""
+    stages = max((len(r.get("memory_bytes") or []) for r in records), default=0)
+    out = []
+    for i in range(stages):
+        values = [_stage_bytes(r["memory_bytes"][i]) for r in records if len(r.get("memory_bytes") or []) > i]
+        values = [x for x in values if x is not None]
+        out.append(max(values) if values else None)
+    return out
+
+
+def predicted_memory_per_stage(prediction: dict) -> list[float | None]:
+    return [_stage_bytes(s) for s in (prediction.get("memory") or {}).get("per_stage") or []]
+
+
+def compare(prediction: dict, records: list[dict]) -> dict:
+    """The comparison of one run: step time, tokens/s, all-to-all share, memory per stage."""
+    steady = steady_steps(records)
+    pred_mem, meas_mem = predicted_memory_per_stage(prediction), measured_memory_per_stage(records)
+    stages = max(len(pred_mem), len(meas_mem))
+    pad = lambda xs: xs + [None] * (stages - len(xs))  # noqa: E731
+    return {
+        "steps_measured": len(steady),
+        "step_time_s": quantity(prediction.get("step_time_s"), _median_of(steady, "step_time_s")),
+        "tokens_per_s": quantity(prediction.get("tokens_per_s"), _median_of(steady, "tokens_per_s")),
+        "a2a_share": quantity(predicted_a2a_share(prediction), measured_a2a_share(steady)),
+        "memory_bytes_per_stage": [quantity(p, m) for p, m in zip(pad(pred_mem), pad(meas_mem))],
+    }

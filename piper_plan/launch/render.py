@@ -1,0 +1,217 @@
+"""Render an sbatch script from a plan and its platform: a PURE function of (JobSpec, template text).
+
+``job_spec`` derives every count from the plan (nodes, ranks per node, world, steps) and validates every value;
+``render_sbatch`` fills a reviewed template (``platforms/templates/<platform.launch.template>``) whose
+placeholders are ``{{name}}``. Bash's own ``$VAR`` syntax passes through untouched. A template that names an
+unknown placeholder is an error (so a template and this code cannot drift).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from piper_plan.errors import PiperError
+from piper_plan.launch import validate as v
+
+REQUEUE_EXIT_CODE = 75
+"""The runtime exits with this (EX_TEMPFAIL, sysexits.h) after checkpointing on SIGUSR1/SIGTERM."""
+SIGNAL_LEAD_S = 180
+"""Seconds before the time limit at which Slurm sends USR1 (``--signal=B:USR1@180``): time to write a checkpoint."""
+MASTER_PORT_BASE = 29500
+"""torch.distributed's default port; the job adds SLURM_JOB_ID % 1000 so jobs sharing a node differ."""
+SWITCH_WAIT = "00:30:00"
+"""How long Slurm may hold the job for a compact (fewest-switch) allocation before taking any (``--switches=N@T``)."""
+STARTUP_S = 600.0
+"""Wall-time allowance for module loads, imports and rendezvous when --time is not given (an assumption)."""
+TIME_MARGIN = 2.0
+"""Predicted training time is multiplied by this for the default --time (predictions are estimates)."""
+
+PLACEHOLDER_RE = re.compile(r"\{\{([a-z_]+)\}\}")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What the user may set on the command line; None = derive from the plan / platform."""
+
+    steps: int | None = None
+    account: str | None = None
+    partition: str | None = None
+    time: str | None = None
+    job_name: str | None = None
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Every validated value a template may need. Counts come from the plan."""
+
+    platform: str
+    template: str
+    job_name: str
+    nodes: int
+    ranks_per_node: int
+    world: int
+    cpus_per_task: int
+    gpus_per_task: int
+    steps: int
+    time: str
+    partition: str | None
+    account: str | None
+    switches: int | None
+    out_dir: str
+    run_dir: str
+    plan_file: str
+    python: str
+    plan_summary: str
+    modules: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    srun_extra: tuple[str, ...] = ()
+    sbatch_extra: tuple[str, ...] = ()
+    command: tuple[str, ...] = field(default=())
+
+
+def expert_groups_span_nodes(plan, devices_per_node: int) -> bool:
+    """True when some expert-parallel group (ep x etp consecutive ranks of a stage's dp x tp block, DESIGN.md
+    rank order) holds ranks of more than one node."""
+    group = plan.ep * plan.etp
+    block = plan.dp * plan.tp
+    for stage in range(plan.pp):
+        for start in range(stage * block, (stage + 1) * block, group):
+            if start // devices_per_node != (start + group - 1) // devices_per_node:
+                return True
+    return False
+
+
+def switches_needed(nodes: int, nodes_per_switch: int) -> int:
+    """Fewest leaf switches that can hold ``nodes`` nodes."""
+    return math.ceil(nodes / nodes_per_switch)
+
+
+def default_time(steps: int, step_time_s: float | None) -> str:
+    """Wall time for ``steps`` predicted steps: TIME_MARGIN x steps x step time + STARTUP_S + SIGNAL_LEAD_S,
+    rounded up to whole minutes, at least 10 minutes."""
+    train_s = TIME_MARGIN * steps * (step_time_s or 0.0)
+    minutes = max(10, math.ceil((train_s + STARTUP_S + SIGNAL_LEAD_S) / 60))
+    return v.format_wall_time(minutes * 60)
+
+
+def _runtime_value(plan_file, key: str, default=None):
+    runtime = getattr(plan_file, "runtime", None)
+    if runtime is None:
+        return default
+    value = runtime.get(key) if isinstance(runtime, dict) else getattr(runtime, key, None)
+    return default if value is None else value
+
+
+def _prediction_value(plan_file, key: str):
+    prediction = getattr(plan_file, "prediction", None) or {}
+    return prediction.get(key) if isinstance(prediction, dict) else getattr(prediction, key, None)
+
+
+def _given(value, default):
+    """The option when the user gave one (an empty string is given, and refused by validation)."""
+    return default if value is None else value
+
+
+def _optional_name(value: str | None, field: str) -> str | None:
+    return None if value is None else v.slurm_name(value, field)
+
+
+def plan_summary(plan_file) -> str:
+    p = plan_file.parallel
+    return (f"model={plan_file.model.name} platform={plan_file.platform.name} nodes={plan_file.nodes} "
+            f"pp={p.pp} dp={p.dp} tp={p.tp} ep={p.ep} etp={p.etp} edp={p.edp} mbs={p.mbs} "
+            f"num_microbatches={p.num_microbatches} schedule={p.schedule} a2a={p.a2a}")
+
+
+def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: LaunchOptions,
+             command: tuple[str, ...] | None = None) -> JobSpec:
+    """Derive and validate everything a template needs from a plan file (``planfile.PlanFile``)."""
+    platform, plan, nodes = plan_file.platform, plan_file.parallel, v.positive_int(plan_file.nodes, "nodes")
+    dpn = platform.devices_per_node
+    if plan.world != nodes * dpn:
+        raise PiperError(f"parallel: pp x dp x tp = {plan.world} ranks, but nodes x devices_per_node = "
+                         f"{nodes} x {dpn} = {nodes * dpn}; the plan must fill its nodes", path=plan_path)
+    launch = platform.launch
+    steps = v.positive_int(options.steps if options.steps is not None else _runtime_value(plan_file, "steps", 100), "steps")
+    out_dir, plan_path = v.abs_path(out_dir, "--out"), v.abs_path(plan_path, "--plan")
+    run_dir = f"{out_dir}/run"
+    python = v.abs_path(python, "python")
+    span = nodes > 1 and platform.network.nodes_per_switch > 1 and expert_groups_span_nodes(plan, dpn)
+    return JobSpec(
+        platform=platform.name, template=launch.template,
+        job_name=v.job_name(_given(options.job_name, f"piper-{plan_file.model.name}-{nodes}n")),
+        nodes=nodes, ranks_per_node=dpn, world=plan.world,
+        cpus_per_task=launch.cpus_per_task, gpus_per_task=launch.gpus_per_task, steps=steps,
+        time=v.wall_time(options.time) if options.time is not None
+        else default_time(steps, _prediction_value(plan_file, "step_time_s")),
+        partition=_optional_name(_given(options.partition, launch.partition), "partition"),
+        account=_optional_name(options.account, "account"),
+        switches=switches_needed(nodes, platform.network.nodes_per_switch) if span else None,
+        out_dir=out_dir, run_dir=run_dir, plan_file=plan_path, python=python,
+        plan_summary=plan_summary(plan_file),
+        modules=tuple(v.module_name(m) for m in launch.modules),
+        env=tuple(v.env_pair(k, val) for k, val in launch.env.items()),
+        srun_extra=tuple(v.option_token(o, "launch.srun") for o in launch.srun),
+        sbatch_extra=tuple(v.option_token(o, "launch.sbatch") for o in launch.sbatch),
+        command=command or (python, "-m", "piper_plan.runtime.train", "--plan", plan_path,
+                            "--steps", str(steps), "--out", run_dir),
+    )
+
+
+def _optional_sbatch(job: JobSpec) -> str:
+    lines = []
+    if job.partition:
+        lines.append(f"--partition={job.partition}")
+    if job.account:
+        lines.append(f"--account={job.account}")
+    if job.switches:
+        lines.append(f"--switches={job.switches}@{SWITCH_WAIT}")
+    lines.extend(job.sbatch_extra)
+    return "\n".join(f"#SBATCH {line}" for line in lines)
+
+
+def template_values(job: JobSpec) -> dict[str, str]:
+    """Placeholder -> text. Values in ``#SBATCH`` lines are validated tokens; body values are shell-quoted."""
+    q = v.shell_quote
+    return {
+        "job_name": job.job_name, "nodes": str(job.nodes), "ranks_per_node": str(job.ranks_per_node),
+        "world": str(job.world), "cpus_per_task": str(job.cpus_per_task), "gpus_per_task": str(job.gpus_per_task),
+        "gpu_sbatch": "", "time": job.time, "out_dir": job.out_dir, "signal_lead_s": str(SIGNAL_LEAD_S),
+        "optional_sbatch": _optional_sbatch(job),
+        "module_lines": "\n".join(f"module load {q(m)}" for m in job.modules),
+        "env_lines": "\n".join(f'export {k}="{val}"' for k, val in job.env),
+        "master_port_base": str(MASTER_PORT_BASE), "run_dir": q(job.run_dir), "plan_file": q(job.plan_file),
+        "plan_summary": job.plan_summary, "srun_extra": " ".join(q(o) for o in job.srun_extra),
+        "command": " ".join(q(a) for a in job.command), "requeue_exit_code": str(REQUEUE_EXIT_CODE),
+        "steps": str(job.steps), "python": q(job.python),
+    }
+
+
+def fill_template(template: str, values: dict[str, str]) -> str:
+    """Replace every ``{{name}}``; an unknown name is an error."""
+    unknown = sorted(set(PLACEHOLDER_RE.findall(template)) - set(values))
+    if unknown:
+        raise PiperError(f"template names unknown placeholders {unknown}; known: {sorted(values)}")
+    return PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], template)
+
+
+def render_sbatch(job: JobSpec, template: str) -> str:
+    """The sbatch script text for ``job`` (pure)."""
+    return fill_template(template, template_values(job))
+
+
+def template_path(template: str) -> Path:
+    from piper_plan.catalog import platforms_dir
+
+    return platforms_dir() / "templates" / template
+
+
+def load_template(template: str) -> str:
+    """The template file's text (I/O; kept apart from the pure render)."""
+    path = template_path(template)
+    if not path.is_file():
+        raise PiperError(f"launch.template={template!r}: no such file {path}", field="launch.template")
+    return path.read_text(encoding="utf-8")

@@ -1,0 +1,84 @@
+"""A thin wrapper around Slurm's sbatch / squeue / scontrol. Slurm's own refusal reason is passed on verbatim."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from piper_plan.errors import PiperError
+
+TIMEOUT_S = 60.0
+
+
+def _slurm(tool: str, args: list[str], cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    exe = shutil.which(tool)
+    if exe is None:
+        raise PiperError(f"{tool} not found on PATH: this machine has no Slurm client; copy the job directory "
+                         f"to a login node of the cluster and run `sbatch job.sbatch` there")
+    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _reason(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    return " / ".join(lines) or f"exit code {proc.returncode}"
+
+
+def submit(script: str | Path, extra_args: list[str] | None = None) -> str:
+    """``sbatch --parsable script``; returns the job id. Slurm's refusal becomes a PiperError with its reason."""
+    script = Path(script)
+    proc = _slurm("sbatch", ["--parsable", *(extra_args or []), str(script)], cwd=script.parent)
+    if proc.returncode != 0:
+        raise PiperError(f"sbatch refused the job: {_reason(proc)}", path=str(script))
+    job_id = proc.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise PiperError(f"sbatch printed no job id: {proc.stdout.strip()!r}", path=str(script))
+    return job_id
+
+
+@dataclass(frozen=True)
+class TestOnly:
+    """The answer of ``sbatch --test-only``."""
+
+    ok: bool
+    message: str
+
+
+def test_only(script: str | Path) -> TestOnly:
+    """``sbatch --test-only script``: would Slurm accept and schedule this job? (runs nothing)"""
+    script = Path(script)
+    proc = _slurm("sbatch", ["--test-only", str(script)], cwd=script.parent)
+    return TestOnly(ok=proc.returncode == 0, message=_reason(proc))
+
+
+TestOnly.__test__ = False  # not a pytest class
+test_only.__test__ = False
+
+
+def job_info(job_id: str) -> dict[str, str] | None:
+    """``scontrol show job -o JOB`` as a dict (JobState, WorkDir, StdOut, NodeList, Reason, RestartCnt, ...);
+    None when Slurm no longer knows the job."""
+    if not str(job_id).isdigit():
+        raise PiperError(f"job id {job_id!r} is not allowed; allowed: a number")
+    proc = _slurm("scontrol", ["show", "job", "-o", str(job_id)])
+    if proc.returncode != 0:
+        return None
+    return parse_scontrol(proc.stdout)
+
+
+def parse_scontrol(text: str) -> dict[str, str]:
+    """``Key=Value Key=Value ...`` (one line, values without spaces except the last keys) -> dict."""
+    info: dict[str, str] = {}
+    for token in text.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            info[key] = value
+    return info
+
+
+def squeue_state(job_id: str) -> str | None:
+    """The job's state as squeue prints it (PENDING, RUNNING, ...); None when it left the queue."""
+    proc = _slurm("squeue", ["-h", "-j", str(job_id), "-o", "%T"])
+    state = proc.stdout.strip()
+    return state or None

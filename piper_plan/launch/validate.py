@@ -1,0 +1,95 @@
+"""Validation and shell quoting of every value that reaches an sbatch script.
+
+Two kinds of places take values in a job script:
+
+- ``#SBATCH`` lines are parsed by sbatch itself, not by a shell: quoting does not work there, so values
+  must be plain tokens (allow-lists below; whitespace, newlines and shell metacharacters are refused).
+- the script body is bash: every value is a validated token *and* passed through ``shlex.quote``;
+  environment values may reference other variables (``$USER``, ``${SLURM_JOB_ID}``) and nothing else.
+
+Every failure is a PiperError naming the field, the value (repr, so a newline shows) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from piper_plan.errors import PiperError
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""Job names, partitions, accounts: letters, digits, '.', '_', '-' (first a letter or digit)."""
+PATH_RE = re.compile(r"/[A-Za-z0-9._/+@,=~-]*")
+"""Absolute paths without whitespace, quotes, '$', '%', '*', ';', '&', '|', '<', '>', '(', ')', '`' or '\\'."""
+TIME_RE = re.compile(r"(?:(\d{1,3})-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
+"""Slurm wall time [D-]HH:MM:SS."""
+MODULE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*")
+"""Lmod module names, optionally with /version."""
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_VALUE_RE = re.compile(r"(?:[A-Za-z0-9_./:,=@+%-]|\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\})*")
+"""Plain characters plus ``$NAME`` / ``${NAME}`` references; no command substitution, quotes or spaces."""
+OPTION_RE = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(?:=[A-Za-z0-9._:/@,+=-]+)?")
+"""One sbatch/srun option token: ``--gpu-bind=closest``, ``-C nvme`` is two tokens and not allowed."""
+
+
+def _check(value: object, pattern: re.Pattern, field: str, allowed: str) -> str:
+    text = str(value)
+    if not pattern.fullmatch(text):
+        raise PiperError(f"{field}={text!r} is not allowed; allowed: {allowed}", field=field)
+    return text
+
+
+def job_name(value: str) -> str:
+    return _check(value, NAME_RE, "job_name", "1-128 of letters, digits, '.', '_', '-' (no spaces or shell characters)")
+
+
+def slurm_name(value: str, field: str) -> str:
+    """A partition or account name."""
+    return _check(value, NAME_RE, field, "letters, digits, '.', '_', '-' (no spaces or shell characters)")
+
+
+def abs_path(value: str, field: str) -> str:
+    return _check(value, PATH_RE, field, "an absolute path of letters, digits and . _ / + @ , = ~ - "
+                  "(no spaces, quotes, '$', '%' or shell metacharacters)")
+
+
+def wall_time(value: str) -> str:
+    """Slurm [D-]HH:MM:SS; returned unchanged."""
+    _check(value, TIME_RE, "time", "[D-]HH:MM:SS, e.g. 02:00:00")
+    return str(value)
+
+
+def wall_time_seconds(value: str) -> int:
+    days, hours, minutes, seconds = TIME_RE.fullmatch(wall_time(value)).groups()
+    return ((int(days or 0) * 24 + int(hours)) * 60 + int(minutes)) * 60 + int(seconds)
+
+
+def format_wall_time(seconds: float) -> str:
+    """Seconds -> HH:MM:SS (hours may exceed 24; Slurm accepts that)."""
+    total = int(round(seconds))
+    return f"{total // 3600:02d}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def module_name(value: str) -> str:
+    return _check(value, MODULE_RE, "launch.modules", "module names of letters, digits and . _ / + -")
+
+
+def env_pair(key: str, value: str) -> tuple[str, str]:
+    _check(key, ENV_KEY_RE, "launch.env", "variable names [A-Za-z_][A-Za-z0-9_]*")
+    _check(value, ENV_VALUE_RE, f"launch.env.{key}", "letters, digits, . _ / : , = @ + % - and $NAME / ${NAME}")
+    return key, str(value)
+
+
+def option_token(value: str, field: str) -> str:
+    return _check(value, OPTION_RE, field, "one option token like --gpu-bind=closest (no spaces or shell characters)")
+
+
+def positive_int(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PiperError(f"{field}={value!r} is not allowed; allowed: a positive integer", field=field)
+    return value
+
+
+def shell_quote(value: object) -> str:
+    """A single shell word for bash (``shlex.quote``)."""
+    return shlex.quote(str(value))

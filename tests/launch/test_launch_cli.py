@@ -1,0 +1,138 @@
+"""`piper launch` / `piper compare` through the CLI: injection, --force, --dry-run, refusals, compare numbers."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from launch_plans import write_plan
+from piper_plan.cli.main import cli
+from piper_plan.compare import compare
+
+INJECTIONS = ["a;rm -rf /", "x\n#SBATCH --nodes=999", "$(id)", "`id`", "a b", "a'b", 'a"b', "a|b", "a&&b", "../x", ""]
+
+
+def run(*args, env=None):
+    return CliRunner().invoke(cli, [str(a) for a in args], env=env)
+
+
+@pytest.fixture
+def plan(tmp_path):
+    return write_plan(tmp_path / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8})
+
+
+@pytest.mark.parametrize("option", ["--job-name", "--partition", "--account", "--time"])
+@pytest.mark.parametrize("value", INJECTIONS)
+def test_injection_is_rejected_and_nothing_written(tmp_path, plan, option, value):
+    out = tmp_path / "job"
+    result = run("launch", "--plan", plan, "--out", out, option, value)
+    assert result.exit_code == 2, result.output
+    assert option.lstrip("-").replace("-", "_").replace("job_name", "job_name") in result.output or "not allowed" in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("bad", ["job dir", "job$HOME", "job;x", "job\nx", "job%j", "job`x`"])
+def test_out_path_injection_is_rejected(tmp_path, plan, bad):
+    result = run("launch", "--plan", plan, "--out", tmp_path / bad)
+    assert result.exit_code == 2 and "--out" in result.output
+    assert not (tmp_path / bad).exists()
+
+
+def test_env_injection_in_platform_is_rejected(tmp_path):
+    from launch_plans import platform_dict
+
+    data = platform_dict("frontier")
+    data["launch"]["env"]["EVIL"] = "$(touch /tmp/pwned)"
+    plan = write_plan(tmp_path / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8}, platform_data=data)
+    result = run("launch", "--plan", plan, "--out", tmp_path / "job")
+    assert result.exit_code == 2 and "launch.env.EVIL" in result.output
+
+
+def test_writes_three_files_and_force(tmp_path, plan):
+    out = tmp_path / "job"
+    first = run("launch", "--plan", plan, "--out", out, "--json")
+    assert first.exit_code == 0, first.output
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "job.sbatch", "plan.json"]
+    assert json.loads((out / "plan.json").read_text())["nodes"] == 2
+    report = json.loads(first.stdout)
+    assert report["job_id"] is None and report["out"] == str(out) and report["world"] == 16
+    again = run("launch", "--plan", plan, "--out", out)
+    assert again.exit_code == 2 and "--force" in again.output
+    forced = run("launch", "--plan", plan, "--out", out, "--force", "--steps", "9")
+    assert forced.exit_code == 0, forced.output
+    assert "--steps 9" in (out / "job.sbatch").read_text()
+
+
+def test_dry_run_prints_and_writes_nothing(tmp_path, plan):
+    out = tmp_path / "job"
+    result = run("launch", "--plan", plan, "--out", out, "--dry-run")
+    assert result.exit_code == 0 and result.stdout.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in result.stdout
+    assert not out.exists()
+
+
+def test_plan_outside_runtime_capability_is_refused(tmp_path):
+    plan = write_plan(tmp_path / "plan.json", "frontier", 2, {"pp": 2, "dp": 4, "tp": 2, "ep": 4})
+    result = run("launch", "--plan", plan, "--out", tmp_path / "job")
+    assert result.exit_code == 2 and "parallel.tp=2" in result.output
+    assert not (tmp_path / "job").exists()
+
+
+def test_no_sbatch_on_path_is_a_clear_error(tmp_path, plan):
+    result = run("launch", "--plan", plan, "--out", tmp_path / "job", "--submit", env={"PATH": str(tmp_path)})
+    assert result.exit_code == 2 and "sbatch not found on PATH" in result.output
+
+
+def test_plan_from_options_runs_the_search(tmp_path):
+    out = tmp_path / "j"
+    result = run("launch", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "2", "--seq", "64",
+                 "--global-batch", "8", "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "plan.json").read_text())
+    assert saved["nodes"] == 2 and saved["parallel"]["tp"] == 1  # --runnable: the runtime has no tp
+    assert json.loads(result.stdout[result.stdout.index("{"):])["world"] == 4
+    half = run("launch", "--model", "tiny-moe", "--out", tmp_path / "k")
+    assert half.exit_code == 2 and "--platform" in half.output
+
+
+# compare: hand-made numbers. Steps 1..3; step 1 is warm-up and left out.
+RECORDS = [
+    {"step": 1, "step_time_s": 9.0, "tokens_per_s": 10.0, "time_s": {"a2a": 1.0},
+     "memory_bytes": [{"total_bytes": 100}, {"total_bytes": 300}]},
+    {"step": 2, "step_time_s": 2.0, "tokens_per_s": 50.0, "time_s": {"a2a": 0.5},
+     "memory_bytes": [{"total_bytes": 120}, {"total_bytes": 250}]},
+    {"step": 3, "step_time_s": 2.5, "tokens_per_s": 40.0, "time_s": {"a2a": 0.5},
+     "memory_bytes": [{"total_bytes": 110}, {"total_bytes": 260}]},
+]
+PREDICTION = {"step_time_s": 1.5, "tokens_per_s": 60.0,
+              "time": {"breakdown": {"compute/attention": 1.0, "moe/dispatch/intra_node": 0.2, "moe/combine/intra_node": 0.1}},
+              "memory": {"peak_bytes": 330, "per_stage": [{"total_bytes": 150}, {"total_bytes": 330}]}}
+
+
+def test_compare_numbers():
+    result = compare(PREDICTION, RECORDS)
+    assert result["steps_measured"] == 2
+    # measured step time = median(2.0, 2.5) = 2.25; rel = (1.5 - 2.25) / 2.25 = -1/3
+    assert result["step_time_s"]["measured"] == 2.25
+    assert result["step_time_s"]["rel_error"] == pytest.approx(-1 / 3)
+    # tokens/s: median(50, 40) = 45; (60 - 45) / 45 = 1/3
+    assert result["tokens_per_s"]["rel_error"] == pytest.approx(1 / 3)
+    # a2a share: measured median(0.5/2.0, 0.5/2.5) = median(0.25, 0.2) = 0.225; predicted (0.2 + 0.1) / 1.5 = 0.2
+    assert result["a2a_share"]["measured"] == pytest.approx(0.225)
+    assert result["a2a_share"]["predicted"] == pytest.approx(0.2)
+    # memory: max over all steps, per stage: 120 and 300
+    mem = result["memory_bytes_per_stage"]
+    assert [m["measured"] for m in mem] == [120, 300]
+    assert mem[0]["rel_error"] == pytest.approx((150 - 120) / 120) and mem[1]["rel_error"] == pytest.approx(0.1)
+
+
+def test_compare_cli_json(tmp_path):
+    job = tmp_path / "job"
+    (job / "run").mkdir(parents=True)
+    write_plan(job / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8}, prediction=PREDICTION)
+    (job / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    result = run("compare", job / "run", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["step_time_s"]["rel_error"] == pytest.approx(-1 / 3)
+    table = run("compare", job)
+    assert table.exit_code == 0, table.output

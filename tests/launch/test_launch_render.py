@@ -1,0 +1,115 @@
+"""Rendering is pure: parse the emitted #SBATCH lines and srun line and check every count against the plan."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch_plans import write_plan
+from piper_plan.errors import PiperError
+from piper_plan.launch import render
+from piper_plan.launch.job import prepare, read_plan
+from piper_plan.launch.render import LaunchOptions
+from piper_plan.specs import ParallelPlan
+
+
+def sbatch_options(script: str) -> dict[str, str]:
+    """'#SBATCH --key=value' lines -> {key: value} ('' for flags)."""
+    out = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = line[len("#SBATCH "):].strip().lstrip("-").partition("=")
+            out[key] = value
+    return out
+
+
+def srun_words(script: str) -> list[str]:
+    """The words of the training srun command (continuation lines joined)."""
+    text = script.replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("srun -N") and "piper_plan" in ln)
+    return shlex.split(line.split("&")[0])
+
+
+def render_for(tmp_path, platform, nodes, parallel, **opts):
+    plan = write_plan(tmp_path / "src.json", platform, nodes, parallel)
+    return prepare(plan, tmp_path / "job", LaunchOptions(**opts), python=sys.executable)
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_frontier_counts_come_from_the_plan(tmp_path, nodes):
+    # world = nodes x 8 GCDs; pp=2 -> dp = 4 x nodes; ep = 8 fits inside one node (consecutive ranks)
+    prepared = render_for(tmp_path, "frontier", nodes, {"pp": 2, "dp": 4 * nodes, "ep": 4 * nodes if nodes == 1 else 8})
+    opts = sbatch_options(prepared.script)
+    assert opts["nodes"] == str(nodes)
+    assert opts["ntasks-per-node"] == "8" and opts["cpus-per-task"] == "7" and opts["gpus-per-task"] == "1"
+    assert opts["partition"] == "batch" and opts["signal"] == f"B:USR1@{render.SIGNAL_LEAD_S}" and "requeue" in opts
+    assert "switches" not in opts  # every expert group lies inside one node
+    words = srun_words(prepared.script)
+    assert words[words.index("-n") + 1] == str(8 * nodes)
+    assert words[words.index("-N") + 1] == str(nodes)
+    assert "--gpu-bind=closest" in words and words[words.index("-c") + 1] == "7"
+    assert words[words.index("--steps") + 1] == "4"
+    assert "module load rccl-net-plugin" in prepared.script.splitlines()
+    assert 'export NCCL_SOCKET_IFNAME="hsn0"' in prepared.script.splitlines()
+
+
+def test_frontier_switches_when_expert_groups_span_nodes(tmp_path):
+    # 8 nodes x 8 = 64 ranks, pp=1, dp=64, ep=16: each expert group spans 2 nodes -> ceil(8 / 4) = 2 switches
+    prepared = render_for(tmp_path, "frontier", 8, {"dp": 64, "ep": 16})
+    assert sbatch_options(prepared.script)["switches"] == f"2@{render.SWITCH_WAIT}"
+
+
+def test_expert_groups_span_nodes():
+    assert not render.expert_groups_span_nodes(ParallelPlan(dp=8, ep=8), 8)
+    assert render.expert_groups_span_nodes(ParallelPlan(dp=16, ep=16), 8)
+    # pp=3 stages of dp=4 on 4-device nodes: stage blocks start at 0, 4, 8 -> aligned, groups of 4 fit
+    assert not render.expert_groups_span_nodes(ParallelPlan(pp=3, dp=4, ep=4), 4)
+    # 6-rank blocks, ep=3 on 4-device nodes: group [3, 4, 5] crosses node 0 -> node 1
+    assert render.expert_groups_span_nodes(ParallelPlan(dp=6, ep=3), 4)
+
+
+def test_default_time_from_prediction():
+    # 2 x 100 steps x 3.0 s + 600 s start-up + 180 s signal lead = 1380 s = 23 min
+    assert render.default_time(100, 3.0) == "00:23:00"
+    assert render.default_time(1, None) == "00:13:00"  # 780 s -> 13 min
+    assert render.default_time(10_000, 10.0) == "55:47:00"  # 200000 + 780 = 200780 s -> 3347 min = 55 h 47 min
+
+
+def test_options_reach_the_script(tmp_path):
+    prepared = render_for(tmp_path, "frontier", 2, {"pp": 2, "dp": 8, "ep": 8}, steps=7, account="CSC123",
+                          partition="extended", time="01:30:00", job_name="moe.run-1")
+    opts = sbatch_options(prepared.script)
+    assert (opts["account"], opts["partition"], opts["time"], opts["job-name"]) == ("CSC123", "extended", "01:30:00", "moe.run-1")
+    words = srun_words(prepared.script)
+    assert words[words.index("--steps") + 1] == "7"
+    assert words[words.index("--plan") + 1] == str(tmp_path / "job" / "plan.json")
+
+
+@pytest.mark.parametrize("platform,nodes,parallel", [
+    ("frontier", 2, {"pp": 2, "dp": 8, "ep": 8}), ("dgx-h100", 2, {"dp": 16, "ep": 8}),
+    ("local-cpu", 2, {"pp": 2, "dp": 2, "ep": 2})])
+def test_scripts_are_valid_bash(tmp_path, platform, nodes, parallel):
+    prepared = render_for(tmp_path, platform, nodes, parallel)
+    proc = subprocess.run(["bash", "-n"], input=prepared.script, text=True, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not re.search(r"\{\{[a-z_]+\}\}", prepared.script)
+
+
+def test_plan_must_fill_its_nodes(tmp_path):
+    plan = write_plan(tmp_path / "p.json", "frontier", 1, {"dp": 8, "ep": 8})
+    plan.write_text(plan.read_text().replace('"nodes": 1', '"nodes": 2'))
+    with pytest.raises(PiperError, match="16"):
+        prepare(plan, tmp_path / "job", LaunchOptions(), python=sys.executable)
+
+
+def test_unknown_placeholder_is_an_error():
+    with pytest.raises(PiperError, match="nodez"):
+        render.fill_template("#SBATCH --nodes={{nodez}}\n", {"nodes": "2"})
+
+
+def test_read_plan_keeps_the_degrees(tmp_path):
+    plan = read_plan(write_plan(tmp_path / "p.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 4}))
+    assert (plan.nodes, plan.parallel.pp, plan.parallel.dp, plan.parallel.ep, plan.parallel.edp) == (2, 2, 8, 4, 2)

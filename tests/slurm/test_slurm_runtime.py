@@ -1,0 +1,73 @@
+"""Real Slurm end to end with piper's runtime: launch -> train tiny MoE on 2 emulated nodes -> compare;
+USR1 -> checkpoint -> requeue -> resume gives the same final loss as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from importlib.util import find_spec
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import wait_for_job, wait_until
+from piper_plan.cli.main import cli
+from test_slurm_launch import cpu_plan, launch
+
+pytestmark = pytest.mark.slurm
+
+
+def data_pp(plan) -> int:
+    return json.loads(plan.read_text())["parallel"]["pp"]
+
+
+@pytest.mark.skipif(find_spec("piper_plan.runtime.train") is None, reason="runtime (piper_plan.runtime.train) not there yet")
+def test_end_to_end_tiny_moe_and_compare(slurm_cluster, tmp_path):
+    """piper plan --save -> piper launch --submit -> the runtime trains (halo, migration on) -> piper compare."""
+    plan = tmp_path / "plan.json"
+    planned = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "2",
+                                       "--seq", "64", "--global-batch", "8", "--strategy", "piper", "--a2a", "halo",
+                                       "--migration", "--runnable", "--save", str(plan)])
+    assert planned.exit_code == 0, planned.output
+    data = json.loads(plan.read_text())
+    assert data["parallel"]["a2a"] == "halo" and data["migration"]["enabled"] and data["nodes"] == 2
+    result = launch("--plan", plan, "--out", tmp_path / "job", "--submit", "--json", "--steps", "4", "--time", "00:08:00")
+    assert result.exit_code == 0, result.output
+    job_id = json.loads(result.stdout)["job_id"]
+    info = wait_for_job(job_id, timeout_s=400)
+    assert info.get("JobState") == "COMPLETED", (tmp_path / "job" / f"slurm-{job_id}.out").read_text()
+    compared = CliRunner().invoke(cli, ["compare", str(tmp_path / "job" / "run"), "--json"])
+    assert compared.exit_code == 0, compared.output
+    data = json.loads(compared.stdout)
+    assert data["steps_measured"] == 3  # 4 steps, the first (warm-up) left out
+    for key in ("step_time_s", "tokens_per_s", "a2a_share"):
+        q = data[key]
+        assert q["predicted"] > 0 and q["measured"] > 0
+        assert q["rel_error"] == (q["predicted"] - q["measured"]) / q["measured"]
+    assert len(data["memory_bytes_per_stage"]) == data_pp(plan)
+
+
+@pytest.mark.skipif(find_spec("piper_plan.runtime.train") is None, reason="runtime (piper_plan.runtime.train) not there yet")
+def test_requeue_resume_equals_uninterrupted(slurm_cluster, tmp_path):
+    """Two jobs of one plan side by side (2 nodes each): one runs straight through; the other gets USR1
+    mid-run -> checkpoint -> exit 75 -> scontrol requeue -> restart with --resume. Same final loss."""
+    steps = 12
+    plan = cpu_plan(tmp_path / "plan.json")
+    ids = {}
+    for name in ("straight", "requeued"):
+        result = launch("--plan", plan, "--out", tmp_path / name, "--submit", "--json", "--steps", steps,
+                        "--time", "00:08:00", "--job-name", f"piper-{name}")
+        assert result.exit_code == 0, result.output
+        ids[name] = json.loads(result.stdout)["job_id"]
+    metrics = tmp_path / "requeued" / "run" / "metrics.jsonl"
+    lines = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
+    wait_until(lambda: lines() >= 3, 240, "3 logged steps of the requeued job")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", ids["requeued"]], check=True)
+    infos = {name: wait_for_job(job_id, timeout_s=400) for name, job_id in ids.items()}
+    log = (tmp_path / "requeued" / f"slurm-{ids['requeued']}.out").read_text()
+    assert all(i.get("JobState") == "COMPLETED" for i in infos.values()), (infos, log)
+    assert int(infos["requeued"]["Restarts"]) == 1 and "requeueing job" in log and "--resume" in log
+    straight, requeued = (json.loads((tmp_path / n / "run" / "summary.json").read_text()) for n in ids)
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert requeued["final_loss"] == straight["final_loss"]
