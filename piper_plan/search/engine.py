@@ -1,0 +1,201 @@
+"""One search: enumerate the space, evaluate it with the cost model in one vectorised call, rank it.
+
+Also the node-count questions built on it: a sweep over node counts and the smallest allocation that fits.
+Pure computation (no rich, no click, no torch); the CLI renders what this returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+
+from piper_plan.errors import PiperError
+from piper_plan.search import rank
+from piper_plan.search.space import CANDIDATE_FIELDS, SearchOptions, describe, enumerate_space, world_size
+
+EvaluateFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Everything one search found for one node count."""
+
+    nodes: int
+    world: int
+    fields: dict[str, np.ndarray]
+    """The structurally valid candidates (what the cost model evaluated)."""
+    evaluation: Any
+    """The cost model's Evaluation of ``fields``."""
+    candidates_total: int
+    """Every candidate enumerated: feasible + sum(reasons)."""
+    reasons: dict[str, int]
+    """Reason -> rejected candidates (structural, duplicates, out_of_memory, not_runnable)."""
+    order: np.ndarray
+    """Feasible candidates, best first (indices into ``fields``)."""
+    pareto: np.ndarray
+    """Feasible candidates on the tokens/s vs peak-memory front, fastest first."""
+    memory_limit_bytes: float
+    search_seconds: float
+    unsupported: dict[str, int] = field(default_factory=dict)
+    """--runnable: runtime feature the rejected candidates need -> count."""
+
+    @property
+    def feasible(self) -> int:
+        return len(self.order)
+
+    @property
+    def best(self) -> int | None:
+        return int(self.order[0]) if len(self.order) else None
+
+    def row(self, i: int) -> dict:
+        """Candidate ``i``: degrees, names and predicted figures as plain Python values."""
+        ev = self.evaluation
+        out = describe(self.fields, i)
+        for name in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "peak_memory_bytes",
+                     "a2a_share"):
+            out[name] = float(np.asarray(getattr(ev, name))[i])
+        out["peak_memory_bytes"] = int(round(out["peak_memory_bytes"]))
+        out["fits"] = bool(np.asarray(ev.fits)[i]) and out["peak_memory_bytes"] <= self.memory_limit_bytes
+        return out
+
+
+def default_evaluate() -> EvaluateFn:
+    """The cost model's vectorised ``evaluate`` (imported when first needed)."""
+    from piper_plan.cost.evaluate import evaluate
+
+    return evaluate
+
+
+def make_candidates(fields: dict[str, np.ndarray]):
+    """``piper_plan.cost.evaluate.Candidates`` from arrays; a plain namespace when the cost package is absent."""
+    try:
+        from piper_plan.cost.evaluate import Candidates
+    except ImportError:
+        return SimpleNamespace(**{k: fields[k] for k in CANDIDATE_FIELDS})
+    return Candidates(**{k: fields[k] for k in CANDIDATE_FIELDS})
+
+
+def search(model, platform, training, nodes: int, options: SearchOptions = SearchOptions(), *,
+           calibration=None, placement: str = "compact", evaluate: EvaluateFn | None = None,
+           unsupported: Callable | None = None) -> SearchResult:
+    """Search every candidate of ``nodes`` nodes; ``unsupported`` (capability.unsupported_features) keeps runnable ones."""
+    check_inputs(model, platform, training, nodes)
+    start = time.perf_counter()
+    space = enumerate_space(model, platform, training, nodes, options)
+    evaluate = evaluate or default_evaluate()
+    ev = evaluate(model, platform, training, nodes, make_candidates(space.fields), calibration=calibration,
+                  placement=placement)
+    limit = rank.memory_limit_bytes(platform, options.memory_headroom)
+    fits = rank.fits_mask(ev, platform, options.memory_headroom)
+    reasons = [space.reasons, {rank.OUT_OF_MEMORY: int(np.count_nonzero(~fits))}]
+    features: dict[str, int] = {}
+    if unsupported is not None and fits.any():
+        ok, features = rank.runnable_mask(rank_subset(space.fields, fits), model, unsupported)
+        reasons.append({rank.NOT_RUNNABLE: int(np.count_nonzero(~ok))})
+        fits = _narrow(fits, ok)
+    order = rank.rank_order(space.fields, ev, fits)
+    pareto = rank.pareto_front(ev.tokens_per_s, ev.peak_memory_bytes, order)
+    merged = {k: v for k, v in rank.merge_reasons(*reasons).items() if v}
+    return SearchResult(nodes=nodes, world=world_size(platform, nodes), fields=space.fields, evaluation=ev,
+                        candidates_total=space.total, reasons=merged, order=order, pareto=pareto,
+                        memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features)
+
+
+def rank_subset(fields: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v[mask] for k, v in fields.items()}
+
+
+def _narrow(mask: np.ndarray, ok_of_selected: np.ndarray) -> np.ndarray:
+    """Within the True entries of ``mask``, keep those where ``ok_of_selected`` (aligned to them) is True."""
+    out = mask.copy()
+    out[np.flatnonzero(mask)[~ok_of_selected]] = False
+    return out
+
+
+def check_inputs(model, platform, training, nodes: int) -> None:
+    """One-line user errors for inputs no search can answer."""
+    if nodes < 1:
+        raise PiperError(f"nodes={nodes}; must be >= 1", field="--nodes")
+    if nodes > platform.node_limit:
+        raise PiperError(f"nodes={nodes} exceeds {platform.name}'s {platform.node_limit} nodes", field="--nodes")
+    if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
+        raise PiperError(f"seq_len={training.seq_len} exceeds {model.name}'s max_seq_len={model.max_seq_len}",
+                         field="--seq")
+
+
+# ---- node counts ------------------------------------------------------------------------------------
+def sweep(model, platform, training, node_counts: list[int], options: SearchOptions = SearchOptions(),
+          **kwargs) -> list[SearchResult]:
+    """One search per node count (ascending)."""
+    return [search(model, platform, training, n, options, **kwargs) for n in sorted(set(node_counts))]
+
+
+def scaling_rows(results: list[SearchResult]) -> list[dict]:
+    """Per node count: the best plan's throughput and the efficiency against the smallest count that fits.
+
+    efficiency = (tokens/s per device at n) / (tokens/s per device at the base), i.e. strong scaling of
+    the same model and batch; 1.0 is perfect.
+    """
+    base = next((r for r in results if r.feasible), None)
+    rows = []
+    for r in results:
+        row = {"nodes": r.nodes, "world": r.world, "feasible": r.feasible, "best": None, "speedup": None,
+               "efficiency": None}
+        if r.feasible:
+            best = r.row(r.best)
+            per_device = best["tokens_per_s"] / r.world
+            base_tps = base.row(base.best)["tokens_per_s"]
+            row.update(best=best, speedup=best["tokens_per_s"] / base_tps,
+                       efficiency=per_device / (base_tps / base.world))
+        rows.append(row)
+    return rows
+
+
+def parse_node_range(text: str) -> list[int]:
+    """'64' -> [64]; '8..64' -> 8, 16, 32, 64 (doubling from A, B always included)."""
+    try:
+        if ".." not in text:
+            return [int(text)]
+        a_text, b_text = text.split("..", 1)
+        a, b = int(a_text), int(b_text)
+    except ValueError:
+        raise PiperError(f"{text!r} is not a node count or a range A..B of node counts", field="--nodes") from None
+    if a < 1 or b < a:
+        raise PiperError(f"range {text!r} needs 1 <= A <= B", field="--nodes")
+    counts, n = [], a
+    while n < b:
+        counts.append(n)
+        n *= 2
+    return counts + [b]
+
+
+def min_nodes(model, platform, training, options: SearchOptions = SearchOptions(), *, start: int = 1,
+              **kwargs) -> tuple[int | None, SearchResult | None]:
+    """The smallest node count >= ``start`` whose search has a feasible plan: doubling, then bisection.
+
+    Bisection assumes that fitting is monotone in the node count between the last failure and the first
+    success (true of memory; a batch-divisibility gap can break it, in which case the doubling answer stands).
+    """
+    limit = platform.node_limit
+    lo, n, found = start - 1, start, None
+    while n <= limit:
+        r = search(model, platform, training, n, options, **kwargs)
+        if r.feasible:
+            found = r
+            break
+        lo, n = n, min(n * 2, limit) if n < limit else limit + 1
+    if found is None:
+        return None, None
+    hi = found.nodes
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        r = search(model, platform, training, mid, options, **kwargs)
+        if r.feasible:
+            hi, found = mid, r
+        else:
+            lo = mid
+    return hi, found

@@ -1,0 +1,145 @@
+"""``piper plan`` through click (in-process): JSON contract, exit codes, sweep, CSV, --save, bad input."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "search"))
+from standin import standin_evaluate  # noqa: E402
+
+from piper_plan.cli.main import cli  # noqa: E402
+from piper_plan.search import engine  # noqa: E402
+
+try:
+    from piper_plan.cost.evaluate import evaluate as REAL_EVALUATE
+except ImportError:
+    REAL_EVALUATE = None
+
+
+@pytest.fixture(autouse=True)
+def _evaluator(monkeypatch):
+    """The real cost model when it exists; the numpy stand-in until then."""
+    if REAL_EVALUATE is None:
+        monkeypatch.setattr(engine, "default_evaluate", lambda: standin_evaluate)
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, ["plan", *args])
+
+
+def test_json_has_the_contract_fields():
+    res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "16", "--json", "--top", "5")
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.stdout)
+    for key in ("candidates_evaluated", "feasible", "infeasible_reasons", "search_seconds", "plans"):
+        assert key in obj
+    assert obj["candidates_evaluated"] == obj["feasible"] + sum(obj["infeasible_reasons"].values())
+    assert 0 < len(obj["plans"]) <= 5
+    for p in obj["plans"]:
+        for key in ("dp", "tp", "pp", "ep", "step_time_s", "tokens_per_s", "mfu", "tflops_per_device", "peak_memory_bytes"):
+            assert key in p
+        assert p["pp"] * p["dp"] * p["tp"] == 128
+    tps = [p["tokens_per_s"] for p in obj["plans"]]
+    assert tps == sorted(tps, reverse=True)
+
+
+def test_piper_strategy_json_at_1024_gcds():
+    res = _run("--model", "piper-weak-1.7t", "--platform", "frontier", "--nodes", "128", "--strategy", "piper", "--json",
+               "--top", "0")
+    assert res.exit_code == 0, res.output
+    plans = json.loads(res.stdout)["plans"]
+    assert plans and {(p["pp"], p["ep"], p["tp"]) for p in plans} == {(32, 32, 1)}
+
+
+def test_nothing_fits_exit_3_with_closest_and_nodes_needed():
+    res = _run("--model", "deepseek-v3", "--platform", "frontier", "--nodes", "1", "--json")
+    assert res.exit_code == 3, res.output
+    obj = json.loads(res.stdout)
+    assert obj["feasible"] == 0 and obj["plans"] == []
+    assert len(obj["closest"]) == 5 and all(c["overflow_bytes"] > 0 for c in obj["closest"])
+    assert obj["nodes_needed"] is not None and obj["nodes_needed"] > 1
+    check = _run("--model", "deepseek-v3", "--platform", "frontier", "--nodes", str(obj["nodes_needed"]), "--json")
+    assert check.exit_code == 0
+
+
+def test_sweep_json_has_efficiency_per_node_count():
+    res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "4..16", "--json")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["sweep"]
+    assert [r["nodes"] for r in rows] == [4, 8, 16]
+    first = next(r for r in rows if r["best"])
+    assert first["efficiency"] == pytest.approx(1.0)
+
+
+def test_min_nodes_json():
+    res = _run("--model", "mixtral-8x22b", "--platform", "frontier", "--min-nodes", "--json")
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.stdout)
+    assert obj["feasible"] > 0
+    below = _run("--model", "mixtral-8x22b", "--platform", "frontier", "--nodes", str(obj["nodes"] - 1), "--json")
+    assert obj["nodes"] == 1 or below.exit_code == 3
+
+
+def test_csv_rows_are_ranked_plans():
+    res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--csv", "--top", "3")
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(io.StringIO(res.stdout)))
+    assert len(rows) == 3 and float(rows[0]["tokens_per_s"]) >= float(rows[2]["tokens_per_s"])
+
+
+def test_runnable_and_explain_json():
+    res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--runnable", "--explain", "--json")
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.stdout)
+    assert all(p["tp"] == 1 and p["schedule"] in ("gpipe", "1f1b") for p in obj["plans"])
+    assert obj["infeasible_reasons"]["not_runnable"] > 0
+    ex = obj["explain"]
+    assert ex["winner"]["tokens_per_s"] >= ex["runner_up"]["tokens_per_s"]
+    assert ex["breakdown"]
+
+
+def test_human_output_goes_to_stderr():
+    res = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1",
+                                   "--seq", "512", "--global-batch", "64", "--explain"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout == ""
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "mixtrl-8x7b", "--nodes", "4"], "mixtral-8x7b"),
+    (["--model", "mixtral-8x7b", "--nodes", "0"], "nodes=0"),
+    (["--model", "mixtral-8x7b", "--nodes", "4", "--seq", "65536"], "max_seq_len"),
+    (["--model", "tiny-moe", "--nodes", "8", "--seq", "256", "--global-batch", "4"], "global_batch=4"),
+    (["--model", "mixtral-8x7b", "--nodes", "4", "--memory-headroom", "1.5"], "headroom"),
+    (["--model", "mixtral-8x7b"], "--nodes"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    res = _run("--platform", "frontier", *args)
+    assert res.exit_code == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
+
+
+def test_save_writes_a_plan_file(tmp_path):
+    pytest.importorskip("piper_plan.planfile")
+    if REAL_EVALUATE is None:
+        pytest.skip("piper_plan.cost.evaluate not written yet")
+    from piper_plan.planfile import read_plan_file
+
+    out = tmp_path / "plan.json"
+    res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--runnable", "--migration",
+               "--save", str(out), "--json", "--top", "1")
+    assert res.exit_code == 0, res.output
+    best = json.loads(res.stdout)["plans"][0]
+    pf = read_plan_file(out)
+    assert pf.nodes == 8
+    assert (pf.parallel.dp, pf.parallel.pp, pf.parallel.ep, pf.parallel.tp) == (best["dp"], best["pp"], best["ep"], best["tp"])
+    assert pf.migration["enabled"] if isinstance(pf.migration, dict) else pf.migration.enabled
+    assert pf.prediction["tokens_per_s"] == pytest.approx(best["tokens_per_s"], rel=1e-6)

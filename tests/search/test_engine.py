@@ -1,0 +1,125 @@
+"""One search end to end, node sweeps, the smallest allocation, bad input, layering."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from piper_plan.capability import unsupported_features
+from piper_plan.catalog import load_model, load_platform
+from piper_plan.errors import PiperError
+from piper_plan.search import engine
+from piper_plan.search.space import SearchOptions
+from piper_plan.specs import TrainingSpec
+from standin import standin_evaluate
+
+FRONTIER = load_platform("frontier")
+
+
+def _real_evaluate():
+    try:
+        from piper_plan.cost.evaluate import evaluate
+    except ImportError:
+        return None
+    return evaluate
+
+
+EVALUATORS = [pytest.param(standin_evaluate, id="standin"),
+              pytest.param(_real_evaluate(), id="cost", marks=pytest.mark.skipif(_real_evaluate() is None,
+                                                                                   reason="piper_plan.cost.evaluate not written yet"))]
+
+
+@pytest.mark.parametrize("evaluate", EVALUATORS)
+def test_search_counts_add_up_and_ranking_is_by_tokens(evaluate):
+    r = engine.search(load_model("mixtral-8x7b"), FRONTIER, TrainingSpec(), 16, evaluate=evaluate)
+    assert r.candidates_total == r.feasible + sum(r.reasons.values())
+    assert r.feasible > 0
+    tps = np.asarray(r.evaluation.tokens_per_s)[r.order]
+    assert np.all(np.diff(tps) <= 0)
+    peak = np.asarray(r.evaluation.peak_memory_bytes)[r.order]
+    assert np.all(peak <= FRONTIER.device.memory_bytes)
+    assert r.pareto[0] == r.order[0]
+    assert np.all(np.diff(np.asarray(r.evaluation.peak_memory_bytes)[r.pareto]) < 0)
+
+
+@pytest.mark.parametrize("evaluate", EVALUATORS)
+def test_weak_scaling_1024_gcds_piper_strategy_admits_exactly_pp32_ep32(evaluate):
+    # piper-paper.md: under PP x EP = 1024, EP | 256, PP <= 32, EP <= g N_h = 32 only PP = 32, EP = 32 remain.
+    r = engine.search(load_model("piper-weak-1.7t"), FRONTIER, TrainingSpec(), 128, SearchOptions(strategy="piper"),
+                      evaluate=evaluate)
+    assert r.feasible > 0
+    assert set(r.fields["pp"][r.order].tolist()) == {32}
+    assert set(r.fields["ep"][r.order].tolist()) == {32}
+
+
+def test_runnable_keeps_only_what_the_runtime_runs():
+    model = load_model("mixtral-8x7b")
+    r = engine.search(model, FRONTIER, TrainingSpec(), 16, evaluate=standin_evaluate, unsupported=unsupported_features)
+    assert r.feasible > 0 and r.reasons["not_runnable"] > 0
+    assert np.all(r.fields["tp"][r.order] == 1)
+    assert r.candidates_total == r.feasible + sum(r.reasons.values())
+
+
+def test_memory_headroom_removes_tight_plans():
+    model = load_model("mixtral-8x7b")
+    loose = engine.search(model, FRONTIER, TrainingSpec(), 4, evaluate=standin_evaluate)
+    tight = engine.search(model, FRONTIER, TrainingSpec(), 4, SearchOptions(memory_headroom=0.3), evaluate=standin_evaluate)
+    assert tight.feasible < loose.feasible
+    assert np.all(np.asarray(tight.evaluation.peak_memory_bytes)[tight.order] <= 0.7 * FRONTIER.device.memory_bytes)
+
+
+def test_parse_node_range():
+    assert engine.parse_node_range("64") == [64]
+    assert engine.parse_node_range("8..64") == [8, 16, 32, 64]
+    assert engine.parse_node_range("3..20") == [3, 6, 12, 20]
+    for bad in ("x", "8..4", "0..4", "1..y"):
+        with pytest.raises(PiperError):
+            engine.parse_node_range(bad)
+
+
+def test_min_nodes_is_the_smallest_count_that_fits():
+    model, training = load_model("mixtral-8x22b"), TrainingSpec()
+    n, result = engine.min_nodes(model, FRONTIER, training, evaluate=standin_evaluate)
+    assert n is not None and n > 1 and result.nodes == n and result.feasible > 0
+    assert engine.search(model, FRONTIER, training, n - 1, evaluate=standin_evaluate).feasible == 0
+
+
+def test_scaling_rows_efficiency():
+    model, training = load_model("mixtral-8x7b"), TrainingSpec()
+    rows = engine.scaling_rows(engine.sweep(model, FRONTIER, training, [4, 8, 16], evaluate=standin_evaluate))
+    assert [r["nodes"] for r in rows] == [4, 8, 16]
+    assert rows[0]["efficiency"] == pytest.approx(1.0)
+    for r in rows[1:]:
+        per_dev = r["best"]["tokens_per_s"] / r["world"]
+        base = rows[0]["best"]["tokens_per_s"] / rows[0]["world"]
+        assert r["efficiency"] == pytest.approx(per_dev / base)
+
+
+def test_bad_inputs_are_user_errors():
+    model = load_model("mixtral-8x7b")
+    with pytest.raises(PiperError, match="nodes=0"):
+        engine.search(model, FRONTIER, TrainingSpec(), 0, evaluate=standin_evaluate)
+    with pytest.raises(PiperError, match="max_seq_len=32768"):
+        engine.search(model, FRONTIER, TrainingSpec(seq_len=65536), 4, evaluate=standin_evaluate)
+    with pytest.raises(PiperError, match="exceeds"):
+        engine.search(model, FRONTIER, TrainingSpec(), 10**6, evaluate=standin_evaluate)
+
+
+def test_search_imports_neither_torch_rich_nor_click():
+    code = ("import sys, piper_plan.search.engine, piper_plan.search.rank, piper_plan.search.space; "
+            "print(sorted(m for m in ('torch', 'rich', 'click') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(_real_evaluate() is None, reason="piper_plan.cost.evaluate not written yet")
+@pytest.mark.parametrize("name,nodes", [("piper-weak-110b", 8), ("deepseek-v3", 128), ("xmoe-large", 10)])
+def test_no_ranked_plan_beats_the_hardware(name, nodes):
+    # MFU and HFU are fractions of the dense peak (191.5 TFLOPS per GCD): a plan above 1 is a modelling error.
+    r = engine.search(load_model(name), FRONTIER, TrainingSpec(), nodes)
+    assert r.feasible > 0
+    assert np.all(np.asarray(r.evaluation.hfu)[r.order] <= 1.0)
+    assert np.all(np.asarray(r.evaluation.mfu)[r.order] <= 1.0)

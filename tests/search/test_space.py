@@ -1,0 +1,128 @@
+"""Candidate generation: hand-derived counts, brute force = vectorised, the paper's PP x EP restriction."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from piper_plan.catalog import load_model, load_platform
+from piper_plan.errors import PiperError
+from piper_plan.search.space import (A2A, CANDIDATE_FIELDS, RECOMPUTE, SCHEDULES, SearchOptions, describe, divisors,
+                                     enumerate_space)
+from piper_plan.specs import ParallelPlan, TrainingSpec, check_plan
+
+FRONTIER = load_platform("frontier")
+ONE_COMBO = SearchOptions(schedules=("1f1b",), recompute=("none",), zero=(0,), a2a="flat", mbs=(1,))
+
+
+def test_divisors():
+    assert divisors(1) == [1]
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(16384) == [2**i for i in range(15)]
+
+
+def test_tiny_moe_one_node_counts_by_hand():
+    # tiny-moe: L=4, 4 heads / 2 KV heads, E=8, expert d_ffn=128; 1 Frontier node = 8 devices, batch 8, mbs 1.
+    # (pp, tp) with pp x tp | 8: (1,1) (1,2) (1,4) (1,8) (2,1) (2,2) (2,4) (4,1) (4,2) (8,1) = 10 pairs;
+    # ep in {1,2,4,8}, etp in {1,2,4,8} -> 160 rows.
+    # pp=8 > 4 layers: 16 rows. tp in {4,8} does not divide 2 KV heads: (1,4) (1,8) (2,4) -> 48 rows.
+    # etp must divide tp: tp=1 keeps etp=1 (12 of 16 rejected), tp=2 keeps etp in {1,2} (8 rejected):
+    # 3 x 12 + 3 x 8 = 60 rows. Then ep x etp | dp x tp: (1,1) P=8: 4 ok; (1,2) P=8: 4 + 3 ok, 1 not;
+    # (2,1) P=4: 3 ok, 1 not; (2,2) P=4: 3 + 2 ok, 3 not; (4,1) P=2: 2 ok, 2 not; (4,2) P=2: 2 + 1 ok, 5 not.
+    # Valid 4+7+3+5+2+3 = 24; ep_etp_not_divisor_ranks 0+1+1+3+2+5 = 12; 16 + 48 + 60 + 12 + 24 = 160.
+    space = enumerate_space(load_model("tiny-moe"), FRONTIER, TrainingSpec(global_batch=8, seq_len=512), 1, ONE_COMBO)
+    assert space.total == 160
+    assert len(space) == 24
+    assert space.reasons == {"pp_exceeds_layers": 16, "tp_not_divisor_heads": 48, "etp_not_divisor_tp": 60,
+                             "ep_etp_not_divisor_ranks": 12}
+
+
+@pytest.mark.parametrize("name,nodes", [("tiny-moe", 2), ("mixtral-8x7b", 16), ("deepseek-v3", 128),
+                                        ("tiny-dense", 4), ("piper-weak-862b", 64)])
+def test_every_candidate_is_counted_once(name, nodes):
+    space = enumerate_space(load_model(name), FRONTIER, TrainingSpec(), nodes)
+    assert space.total == len(space) + sum(space.reasons.values())
+    keys = np.stack([space.fields[k] for k in CANDIDATE_FIELDS], axis=1)
+    assert len(np.unique(keys, axis=0)) == len(space)     # no duplicates among the valid ones
+
+
+def _brute_force_valid(model, training, world: int, dpn: int) -> set[tuple]:
+    """The same space by a Python loop per candidate, validated by specs.check_plan plus the node rules."""
+    out = set()
+    divs, mbs_values = divisors(world), (1, 2, 4, 8)
+    ep_values = sorted(set(divs) | set(divisors(model.moe.num_experts)))
+    for pp, tp, ep, etp, mbs in itertools.product(divs, divs, ep_values, divisors(dpn), mbs_values):
+        if world % (pp * tp) or tp > dpn or tp % etp or model.moe.expert.intermediate_size % etp:
+            continue
+        dp = world // (pp * tp)
+        if (dp * tp) % (ep * etp) or training.global_batch % (dp * mbs):
+            continue
+        for sched, rec, zero, a2a in itertools.product(SCHEDULES, RECOMPUTE, (0, 1), A2A):
+            vs = 2 if sched == "interleaved" else 1
+            m = training.global_batch // (dp * mbs)
+            plan = ParallelPlan(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, mbs=mbs, num_microbatches=m, schedule=sched,
+                                virtual_stages=vs, recompute=rec, zero=zero, a2a=a2a)
+            try:
+                check_plan(plan, model, training, world)
+            except PiperError:
+                continue
+            if sched == "interleaved" and (pp < 2 or pp * vs > model.num_layers):
+                continue
+            if (pp == 1 and sched == "gpipe") or (ep == 1 and a2a == "halo") or (dp == 1 and plan.edp == 1 and zero):
+                continue   # duplicates of a kept candidate
+            out.add((dp, tp, pp, ep, etp, mbs, m, SCHEDULES.index(sched), vs, RECOMPUTE.index(rec), zero,
+                     A2A.index(a2a)))
+    return out
+
+
+def test_vectorised_equals_brute_force_with_check_plan():
+    model, training = load_model("tiny-moe"), TrainingSpec(global_batch=16, seq_len=512)
+    space = enumerate_space(model, FRONTIER, training, 2)
+    got = {tuple(int(space.fields[k][i]) for k in CANDIDATE_FIELDS) for i in range(len(space))}
+    assert got == _brute_force_valid(model, training, 16, 8)
+    assert len(got) > 100
+
+
+def test_candidates_describe_as_valid_plans():
+    model, training = load_model("mixtral-8x7b"), TrainingSpec()
+    space = enumerate_space(model, FRONTIER, training, 8)
+    for i in range(0, len(space), max(1, len(space) // 200)):
+        d = describe(space.fields, i)
+        check_plan(ParallelPlan(**{k: d[k] for k in CANDIDATE_FIELDS}), model, training, 64)
+
+
+def test_piper_strategy_weak_scaling_1024_gcds_structurally_admits_only_pp32_ep32():
+    # Paper: PP x EP = 1024, EP | 256 experts, PP <= 32 layers, EP <= g N_h = 8 x 4 = 32 -> only PP = EP = 32.
+    space = enumerate_space(load_model("piper-weak-1.7t"), FRONTIER, TrainingSpec(), 128, SearchOptions(strategy="piper"))
+    assert len(space) > 0
+    assert set(space.fields["pp"].tolist()) == {32}
+    assert set(space.fields["ep"].tolist()) == {32}
+    assert np.all(space.fields["tp"] == 1) and np.all(space.fields["dp"] == space.fields["ep"])
+
+
+def test_piper_strategy_rules_at_64_gcds():
+    space = enumerate_space(load_model("piper-weak-110b"), FRONTIER, TrainingSpec(), 8, SearchOptions(strategy="piper"))
+    f = space.fields
+    assert np.all(f["pp"] * f["ep"] == 64) and np.all(f["ep"] <= 32) and np.all(16 % f["ep"] == 0)
+    assert set(f["pp"].tolist()) == {4, 8, 16, 32}   # ep in {16, 8, 4, 2} (16 experts), pp <= 32 layers
+
+
+def test_a2a_option_restricts_the_algorithm():
+    model, training = load_model("mixtral-8x7b"), TrainingSpec()
+    halo = enumerate_space(model, FRONTIER, training, 4, SearchOptions(a2a="halo"))
+    assert set(halo.fields["a2a"].tolist()) == {A2A.index("halo")}
+    flat = enumerate_space(model, FRONTIER, training, 4, SearchOptions(a2a="flat"))
+    assert set(flat.fields["a2a"].tolist()) == {A2A.index("flat")}
+
+
+def test_batch_that_no_dp_divides_is_a_user_error():
+    # tiny-moe on 8 nodes (64 devices): pp <= 4 layers and tp <= 2 KV heads, so dp >= 8; a batch of 4 fails all.
+    with pytest.raises(PiperError, match="global_batch=4"):
+        enumerate_space(load_model("tiny-moe"), FRONTIER, TrainingSpec(global_batch=4, seq_len=256), 8)
+
+
+def test_code_tables_match_the_cost_model_contract():
+    evaluate = pytest.importorskip("piper_plan.cost.evaluate")
+    assert (evaluate.SCHEDULES, evaluate.RECOMPUTE, evaluate.A2A) == (SCHEDULES, RECOMPUTE, A2A)
