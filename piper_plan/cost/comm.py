@@ -1,0 +1,133 @@
+"""Communication time of collectives per network scope: calibrated curves when present, else alpha-beta.
+
+``bytes_per_rank`` follows nccl-tests' ``size`` per op (all_reduce: the buffer; all_gather / reduce_scatter:
+the full gathered buffer; all_to_all: a rank's whole send buffer; p2p: the message). Alpha-beta fallback
+(Thakur, Rabenseifner & Gropp 2005; the busbw factors of nccl-tests' PERFORMANCE.md), with the per-rank
+bandwidth B and latency alpha of the widest scope the group crosses (PlatformSpec.network.scopes):
+
+    all_reduce      2 (n-1)/n S / B + 2 (n-1) alpha       (ring)
+    reduce_scatter  (n-1)/n S / B + (n-1) alpha           all_gather: the same
+    all_to_all      (n-1)/n S / B + (n-1) alpha           (one scope; multi-node: see a2a_seconds)
+    p2p             S / B + alpha
+
+Expert all-to-all over a group of n ranks on ``nodes`` nodes, g = n / nodes ranks per node, each rank
+sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/n:
+
+- flat: intra- and inter-node peers at once, one message per peer:
+  ``max(L / B_node + (g-1) alpha_node, R / B_scope + (n-g) alpha_scope)``
+- HALO (Piper paper): phase I (local rows, intra-node) runs beside phase II (remote rows packed per
+  destination node, one message per remote node, all the node's NICs: B_scope per rank as for flat), and
+  phase III redistributes what arrived inside the node: (g-1)/g of R. Phase III forwards each received
+  block as it lands, and the block that needs no forwarding goes last, so III streams behind II:
+  ``max(I, II, III) + alpha_node`` (the pipeline fill). [modelling assumption; the paper gives no formula]
+  When II dominates (NIC-bound), HALO saves (n - g - nodes + 1) remote latencies and is never slower than
+  flat; on one node it is flat.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from piper_plan.specs.platform import SCOPES, PlatformSpec
+
+OPS = ("all_to_all", "halo_all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def scope_tables(platform: PlatformSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(bandwidth B/s, latency s) per scope index; a scope the platform does not list takes the next wider one."""
+    scopes = platform.network.scopes
+    bw, lat = np.zeros(len(SCOPES)), np.zeros(len(SCOPES))
+    known = [s for s in SCOPES if s in scopes]
+    for i, name in enumerate(SCOPES):
+        use = name if name in scopes else next((s for s in known if SCOPES.index(s) >= i), known[-1])
+        bw[i], lat[i] = scopes[use].bandwidth_GBps * 1e9, scopes[use].latency_us * 1e-6
+    return bw, lat
+
+
+def alpha_beta_seconds(op: str, n, nbytes, bandwidth_Bps, latency_s):
+    """Alpha-beta time of one collective (see the module docstring); 0 when n == 1."""
+    n = np.asarray(n, float)
+    frac = (n - 1) / np.maximum(n, 1)
+    if op == "all_reduce":
+        t = 2 * frac * nbytes / bandwidth_Bps + 2 * (n - 1) * latency_s
+    elif op == "p2p":
+        t = nbytes / bandwidth_Bps + latency_s
+    else:
+        t = frac * nbytes / bandwidth_Bps + (n - 1) * latency_s
+    return np.where(n > 1, t, 0.0) if op != "p2p" else t
+
+
+class Network:
+    """Collective times on one platform, calibrated per (op, scope) where data exists."""
+
+    def __init__(self, platform: PlatformSpec, calibration=None):
+        self.platform, self.calibration = platform, calibration
+        self.bw, self.lat = scope_tables(platform)
+        self.extrapolated = False
+        self.calibrated_ops: set[str] = set()
+
+    def _calibrated(self, op: str, scope: str) -> bool:
+        return self.calibration is not None and self.calibration.has_collective(op, scope)
+
+    def seconds(self, op: str, n, nbytes, scope):
+        """Time of ``op`` over n ranks whose widest scope index is ``scope`` (arrays broadcast)."""
+        n, nbytes, scope = np.broadcast_arrays(np.asarray(n, float), np.asarray(nbytes, float), np.asarray(scope))
+        out = alpha_beta_seconds(op, n, nbytes, self.bw[scope], self.lat[scope])
+        for i, name in enumerate(SCOPES):
+            if not self._calibrated(op, name):
+                continue
+            mask = (scope == i) & (n > 1)
+            if np.any(mask):
+                t, extra = self.calibration.collective_seconds(op, name, n[mask], nbytes[mask])
+                out = out.copy()
+                out[mask] = t
+                self.extrapolated |= bool(np.any(extra))
+                self.calibrated_ops.add(f"{op}@{name}")
+        return out
+
+    def a2a_phases(self, n, nodes, nbytes, scope):
+        """Alpha-beta phase times of a multi-node all-to-all: (local, remote_flat, remote_halo, redistribute)."""
+        n = np.asarray(n, float)
+        nodes = np.maximum(np.asarray(nodes, float), 1)
+        g = n / nodes
+        local = nbytes * (g - 1) / np.maximum(n, 1)
+        remote = nbytes * (n - g) / np.maximum(n, 1)
+        bw_s, lat_s, bw_n, lat_n = self.bw[scope], self.lat[scope], self.bw[0], self.lat[0]
+        t_local = local / bw_n + (g - 1) * lat_n
+        t_flat_remote = remote / bw_s + (n - g) * lat_s
+        t_halo_remote = remote / bw_s + (nodes - 1) * lat_s
+        t_redistribute = remote * (g - 1) / g / bw_n + (g - 1) * lat_n
+        return t_local, t_flat_remote, t_halo_remote, t_redistribute
+
+    def a2a_seconds(self, algo, n, nodes, nbytes, scope) -> tuple[np.ndarray, np.ndarray]:
+        """(intra-node seconds, inter-node seconds) of one expert all-to-all; algo 0 flat, 1 HALO.
+
+        The split names where the time goes (``moe/dispatch/intra_node`` / ``inter_node``); their sum is the
+        time of the collective."""
+        n, nodes, nbytes, scope, algo = np.broadcast_arrays(np.asarray(n, float), np.asarray(nodes, float),
+                                                            np.asarray(nbytes, float), np.asarray(scope),
+                                                            np.asarray(algo))
+        t_local, t_flat_r, t_halo_r, t_redis = self.a2a_phases(n, nodes, nbytes, scope)
+        multi = (nodes > 1) & (n > 1)
+        flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local)
+        g = n / np.maximum(nodes, 1)
+        halo_total = np.maximum(np.maximum(t_local, t_halo_r), t_redis) + np.where(g > 1, self.lat[0], 0.0)
+        total = np.where(multi & (algo == 1), halo_total, flat_total)
+        total = self._calibrated_a2a(total, algo, n, nbytes, scope, multi)
+        inter = np.where(multi, np.minimum(total, np.where(algo == 1, t_halo_r, t_flat_r)), 0.0)
+        return total - inter, inter
+
+    def _calibrated_a2a(self, total, algo, n, nbytes, scope, multi):
+        for op, code in (("all_to_all", 0), ("halo_all_to_all", 1)):
+            for i, name in enumerate(SCOPES):
+                if not self._calibrated(op, name):
+                    continue
+                which = (algo == 0) | ~multi if code == 0 else (algo == 1) & multi   # HALO on one node is flat
+                mask = (scope == i) & (n > 1) & which
+                if np.any(mask):
+                    t, extra = self.calibration.collective_seconds(op, name, n[mask], nbytes[mask])
+                    total = total.copy()
+                    total[mask] = t
+                    self.extrapolated |= bool(np.any(extra))
+                    self.calibrated_ops.add(f"{op}@{name}")
+        return total

@@ -1,0 +1,66 @@
+"""Compute time = FLOPs / achieved FLOP/s, the achieved rate by kernel shape.
+
+With calibration data (``Calibration.gemm_flops_per_s`` / ``attention_flops_per_s``, measured by
+``piper calibrate`` or seeded from published profiles) the rate of every GEMM is looked up by its shape
+(m, n, k, groups); a point outside the measured range is extrapolated and flagged. Without calibration the
+platform's roofline fallback is used and the output says so:
+
+    achieved = efficiency.gemm x min(peak, intensity x memory_bandwidth),  intensity = 2 m n k / (bytes moved)
+
+(Williams et al. 2009, roofline), bytes moved = (m k + k n + m n) x dtype bytes; tall-and-skinny GEMMs (an
+expert that sees few tokens) have low intensity and come out memory-bound, as the Piper paper observes.
+Elementwise kernels (norms, activations, residual adds, permutes) are memory-bound: bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from piper_plan.specs.platform import PlatformSpec
+
+
+class Rates:
+    """Achieved FLOP/s lookups for one platform, dtype and (optional) calibration."""
+
+    def __init__(self, platform: PlatformSpec, dtype: str, calibration=None):
+        self.platform, self.dtype, self.calibration = platform, dtype, calibration
+        self.peak = platform.peak_flops(dtype)
+        self.bandwidth_Bps = platform.device.memory_bandwidth_GBps * 1e9
+        self.elem_bytes = 4 if dtype == "fp32" else 2
+        self.extrapolated = False
+
+    @property
+    def source(self) -> str:
+        if self.calibration is not None:
+            return "calibration"
+        return f"roofline fallback (efficiency.gemm={self.platform.efficiency.gemm}, " \
+               f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source})"
+
+    def gemm_flops_per_s(self, m, n, k, groups=1):
+        """Achieved FLOP/s of a [m x k] @ [k x n] GEMM (``groups`` of them in one grouped call)."""
+        if self.calibration is not None:
+            rate, extra = self.calibration.gemm_flops_per_s(m, n, k, self.dtype, groups)
+            self.extrapolated |= bool(np.any(extra))
+            return np.asarray(rate, float)
+        m, n, k = (np.maximum(np.asarray(x, float), 1.0) for x in (m, n, k))
+        intensity = 2 * m * n * k / ((m * k + k * n + m * n) * self.elem_bytes)
+        return self.platform.efficiency.gemm * np.minimum(self.peak, intensity * self.bandwidth_Bps)
+
+    def gemm_seconds(self, m, n, k, groups=1, backward=False):
+        """Seconds of the forward GEMM, or of its two backward GEMMs (input grad [m,n]x[n,k], weight grad [k,m]x[m,n])."""
+        flops = 2.0 * m * n * k * groups
+        if not backward:
+            return flops / self.gemm_flops_per_s(m, n, k, groups)
+        return flops / self.gemm_flops_per_s(m, k, n, groups) + flops / self.gemm_flops_per_s(k, n, m, groups)
+
+    def attention_flops_per_s(self, seq_len, num_heads, head_dim, pass_: str):
+        """Achieved FLOP/s of causal attention (fwd or bwd)."""
+        if self.calibration is not None:
+            rate, extra = self.calibration.attention_flops_per_s(seq_len, num_heads, head_dim, True, pass_, self.dtype)
+            self.extrapolated |= bool(np.any(extra))
+            return np.asarray(rate, float)
+        return self.platform.efficiency.attention * self.peak * np.ones_like(np.asarray(num_heads, float))
+
+    def memory_seconds(self, nbytes):
+        """Seconds to stream ``nbytes`` through device memory (elementwise kernels, optimizer step)."""
+        return nbytes / self.bandwidth_Bps

@@ -1,0 +1,70 @@
+"""FLOPs per token, per layer and component: forward, backward, recompute; and the MFU convention.
+
+A matrix multiply ``[m x k] @ [k x n]`` costs 2 m n k FLOPs; per token, a Linear(k, n) costs 2 k n = 2 x its
+weights. Backward = 2 x forward for every GEMM (input and weight gradients). Attention scores: ``Q K^T`` and
+``P V`` cost 2 s x (qk width) and 2 s x (v width) per token and head; causal kernels (flash attention) skip
+the masked half, so hardware FLOPs count half (unfused attention computes the whole block); flash attention's backward recomputes the scores, 5 GEMMs
+against the forward's 2, i.e. 2.5 x forward (Dao et al. 2022).
+
+MFU follows PaLM (Chowdhery et al. 2022, appendix B) and DESIGN.md: ``6 N + 12 L H Q T`` per token with N the
+active non-embedding parameters (an untied LM head included) and attention counted non-causal, no recompute.
+:func:`model_flops_per_token` is the one owner of that convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from piper_plan.cost.params import layer_params
+from piper_plan.specs.model import ModelSpec
+
+FLASH_BACKWARD_FACTOR = 2.5      # flash attention backward: 5 score-sized GEMMs vs 2 forward (Dao et al. 2022)
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs per token of each component of one layer (unsplit), hardware count (causal halved)."""
+
+    attention_proj: float      # q/k/v/o projections (MLA compressions included)
+    attention_core: float      # Q K^T and P V, causal
+    dense_mlp: float           # MLP of a dense layer
+    router: float
+    experts: float             # the top_k routed experts one token visits
+    shared: float              # shared experts + parallel dense MLP
+    lm_head: float             # per token of the last stage
+
+
+def score_widths(model: ModelSpec) -> tuple[int, int, int]:
+    """(heads, qk width, v width) of the attention scores."""
+    a = model.attention
+    if a.kind == "mla":
+        return a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+    return a.num_heads, model.head_dim, model.head_dim
+
+
+def layer_flops(model: ModelSpec, seq_len: int, flash: bool = True) -> LayerFlops:
+    """Forward FLOPs per token of one layer's components. Flash attention skips the masked half of the
+    causal score matrix; unfused attention (``flash=False``, Megatron's baddbmm + masked softmax) computes
+    all of it and masks afterwards."""
+    lp = layer_params(model)
+    heads, qk, v = score_widths(model)
+    moe = model.moe
+    return LayerFlops(
+        attention_proj=2.0 * lp.attention,
+        attention_core=2.0 * seq_len * heads * (qk + v) / (2 if flash else 1),
+        dense_mlp=2.0 * lp.dense_mlp,
+        router=2.0 * lp.router,
+        experts=2.0 * lp.expert * (moe.top_k if moe else 0),
+        shared=2.0 * (lp.shared + lp.parallel_dense),
+        lm_head=2.0 * (model.vocab_size or 0) * model.hidden_size,
+    )
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """PaLM model FLOPs per token: 6 N + 12 L H Q T (Chowdhery et al. 2022, appendix B), training, no recompute.
+
+    N = active non-embedding parameters incl. an untied LM head; the attention term 6 L H T (Q_qk + Q_v)
+    is PaLM's 12 L H Q T with separate q/k and v widths (MLA), counted non-causal as PaLM does."""
+    heads, qk, v = score_widths(model)
+    n_active = model.params.active_excluding_embedding
+    return 6.0 * n_active + 6.0 * model.num_layers * heads * (qk + v) * seq_len

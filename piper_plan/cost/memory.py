@@ -1,0 +1,172 @@
+"""Memory per pipeline stage, for one rank: training state and activations. Pure numpy; arrays broadcast.
+
+Training state: working weights + gradients + fp32 master + optimizer state, bytes per parameter from the
+TrainingSpec (the Piper paper's 16 B = 2 + 2 + 4 + 8; Megatron's 18 B with fp32 gradients). ZeRO-1 shards
+master + optimizer state over dp (dense parameters) and edp (expert parameters) (Rajbhandari et al. 2020).
+
+Activations saved for backward, per layer per micro-batch, follow Korthikanti et al. 2022 (arXiv 2205.05198,
+section 4, Table 2) term by term, generalised to GQA / MLA, gated MLPs, flash attention and MoE:
+``s b h (34 + 5 a s / h)`` for a dense GPT layer without parallelism, ``s b h (10 + 24/t + 5 a s/(h t))``
+with tensor parallelism, everything divided by t with sequence parallelism; selective recompute drops the
+s^2 terms, full recompute keeps only the layer input. The Piper paper's per-layer terms (12 b s d + 4 b H s^2
+attention, 2 b s k (3 d_ffn + d) experts) are the dropout-free, non-flash special case (tests show both).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from piper_plan.cost.options import CostOptions
+from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, layer_params, moe_prefix, rank_stage_params
+from piper_plan.specs.model import ModelSpec
+from piper_plan.specs.parallel import ParallelPlan
+from piper_plan.specs.training import TrainingSpec
+
+LSE_BYTES = 4          # flash attention keeps one fp32 log-sum-exp per query row and head (Dao 2022)
+ROUTER_BYTES = 4       # router logits and probabilities in fp32 (Megatron-Core router, fp32 for stability)
+
+
+# ---- training state ------------------------------------------------------------------------------
+def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero) -> dict[str, np.ndarray]:
+    """Weights, gradients and master + optimizer bytes of one rank holding ``dense`` and ``expert`` params."""
+    keep = training.master_bytes + training.optimizer_bytes
+    shard_dense = np.where(zero >= 1, dp, 1)
+    shard_expert = np.where(zero >= 1, edp, 1)
+    return {
+        "weights": (dense + expert) * training.weight_bytes,
+        "gradients": (dense + expert) * training.grad_bytes,
+        "optimizer": dense * keep / shard_dense + expert * keep / shard_expert,
+    }
+
+
+# ---- activations of one layer for one micro-batch ------------------------------------------------
+def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs):
+    """(kept, core): bytes of one attention block that stay through any recompute but full, and the
+    attention-core part that selective recompute drops (the s^2 score matrices without flash)."""
+    a, s, d, ab = model.attention, training.seq_len, model.hidden_size, training.activation_bytes
+    tokens = mbs * s
+    sp = tp if opts.sequence_parallel else 1
+    heads_local = a.num_heads / tp
+    kept = 2 * tokens * d * ab / sp                          # norm input + QKV input (norm output)
+    if a.kind == "mla":
+        latent = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
+        kept = kept + 2 * tokens * latent * ab               # compressed q / kv before and after their norms
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        kept = kept + tokens * heads_local * (2 * qk + a.v_head_dim) * ab
+        v_dim = a.v_head_dim
+    else:
+        kept = kept + tokens * (heads_local + 2 * a.kv_heads / tp) * model.head_dim * ab
+        v_dim = model.head_dim
+    kept = kept + tokens * heads_local * v_dim * ab          # output-projection input (= attention output)
+    if opts.dropout:
+        kept = kept + tokens * d / sp                        # 1-byte dropout mask after the projection
+    if training.flash_attention:
+        return kept + tokens * heads_local * LSE_BYTES, 0.0 * kept
+    per_score = 5 if opts.dropout else 4                     # softmax out 2 + mask 1 + dropout out 2 | scores 2 + probs 2
+    core = mbs * heads_local * s * s * per_score
+    return kept, core
+
+
+def ffn_activation_bytes(ffn, rows, ab, tp):
+    """Intermediates of one MLP over ``rows`` token rows, split over tp: gated 3 x d_ffn (gate, up, product),
+    plain 2 x d_ffn (activation input and output)."""
+    per_row = (3 if ffn.gated else 2) * ffn.intermediate_size
+    return rows * per_row * ab / tp
+
+
+def dense_mlp_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs):
+    """One dense MLP block: norm input, MLP input, intermediates, dropout mask."""
+    tokens, d, ab = mbs * training.seq_len, model.hidden_size, training.activation_bytes
+    sp = tp if opts.sequence_parallel else 1
+    out = 2 * tokens * d * ab / sp + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp)
+    return out + (tokens * d / sp if opts.dropout else 0)
+
+
+def routed_rows(model: ModelSpec, training: TrainingSpec, tp, mbs, ep):
+    """Rows (token copies) the busiest rank of an ep group receives per MoE layer and micro-batch.
+
+    Tokens per rank are mbs x s / tp (Megatron-Core requires sequence parallelism for MoE with tp > 1);
+    each is sent to top_k experts. Dropless: the mean times routing_skew (expected max / mean per rank);
+    a capacity factor pads every expert to capacity_factor x the mean (Fedus et al. 2021). With etp > 1
+    the etp ranks of an expert-tensor group gather each other's rows (etp x received rows per rank, each
+    1/etp of the expert's width), as Megatron-Core's expert tensor parallelism does."""
+    moe = model.moe
+    sent = mbs * training.seq_len / tp * moe.top_k
+    load = moe.capacity_factor if moe.capacity_factor is not None else training.routing_skew
+    return sent, sent * load
+
+
+def routing_skew_from_histogram(tokens_per_expert, ep: int) -> float:
+    """Expected max / mean tokens per expert-parallel rank from a measured histogram (tokens per expert,
+    one MoE layer or summed), experts placed contiguously, num_experts / ep per rank (DESIGN.md)."""
+    counts = np.asarray(tokens_per_expert, float)
+    if counts.size % ep:
+        from piper_plan.errors import PiperError
+
+        raise PiperError(f"histogram has {counts.size} experts, not divisible by ep={ep}", field="routing_skew")
+    per_rank = counts.reshape(ep, -1).sum(axis=1)
+    mean = per_rank.mean()
+    return float(per_rank.max() / mean) if mean > 0 else 1.0
+
+
+def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, ep, etp):
+    """One MoE block, by component: norm/input, router, dispatch+combine buffers, routed experts, shared."""
+    moe, d, ab = model.moe, model.hidden_size, training.activation_bytes
+    tokens = mbs * training.seq_len
+    sp = tp if opts.sequence_parallel else 1
+    sent, received = routed_rows(model, training, tp, mbs, ep)
+    out = {
+        "moe_input": 2 * tokens * d * ab / sp,                                # norm input + router/dispatch input
+        "router": tokens / tp * (2 * moe.num_experts * ROUTER_BYTES + moe.top_k * ROUTER_BYTES),
+        "buffers": 2 * sent * d * ab,                                         # dispatch send + combine receive
+        "experts": received * etp * d * ab + ffn_activation_bytes(moe.expert, received * etp, ab, etp),
+        "shared": 0.0 * tp,
+    }
+    if moe.num_shared_experts:
+        out["shared"] = moe.num_shared_experts * ffn_activation_bytes(moe.shared, tokens, ab, tp)
+    if moe.parallel_dense_ffn is not None:
+        out["shared"] = out["shared"] + ffn_activation_bytes(moe.parallel_dense_ffn, tokens, ab, tp)
+    if opts.dropout:
+        out["moe_input"] = out["moe_input"] + tokens * d / sp
+    return out
+
+
+def layer_input_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs):
+    """What full recompute keeps per layer: its input (Korthikanti: 2 s b h, / t with sequence parallelism)."""
+    sp = tp if opts.sequence_parallel else 1
+    return mbs * training.seq_len * model.hidden_size * training.activation_bytes / sp
+
+
+# ---- micro-batches in flight ---------------------------------------------------------------------
+def in_flight(schedule, stage, pp, num_microbatches, virtual_stages):
+    """Micro-batches whose activations stage ``stage`` holds at its peak, in units of the stage's layers.
+
+    GPipe: all M. 1F1B: min(pp - i, M) (Narayanan et al. 2021). Interleaved 1F1B (Megatron-LM):
+    (pp - i - 1) x 2 + (v - 1) x pp + 1 chunks in flight, each 1/v of the stage's layers, capped at M x v;
+    on stage 0 that is Korthikanti's L (1 + (p - 1)/(p v)) layers' worth."""
+    m = num_microbatches
+    out = np.minimum(pp - stage, m).astype(float)
+    if np.any(schedule == 0):
+        out = np.where(schedule == 0, m, out)
+    if np.any(schedule == 2):
+        chunks = np.minimum((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, m * virtual_stages)
+        out = np.where(schedule == 2, chunks / virtual_stages, out)
+    return out
+
+
+# ---- public helper -------------------------------------------------------------------------------
+def rank_param_counts(model: ModelSpec, plan: ParallelPlan) -> list[dict]:
+    """Per pipeline stage, for ONE rank of that stage: {"dense", "expert", "total"} parameter counts."""
+    lp, prefix = layer_params(model), moe_prefix(model)
+    out = []
+    for i in range(plan.pp):
+        if plan.layers_per_stage is not None:
+            start, end = explicit_stage_bounds(plan.layers_per_stage, i)
+        else:
+            start, end = even_stage_bounds(model.num_layers, plan.pp, i)
+        layers, moe = int(end - start), int(prefix[end] - prefix[start])
+        dense, expert = rank_stage_params(lp, layers, moe, np.bool_(i == 0), np.bool_(i == plan.pp - 1),
+                                          plan.tp, plan.ep, plan.etp)
+        dense, expert = int(round(float(dense))), int(round(float(expert)))
+        out.append({"dense": dense, "expert": expert, "total": dense + expert})
+    return out

@@ -1,0 +1,30 @@
+"""Modelling choices that are not facts of the model, the platform or the plan: stated, never silent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Explicit assumptions of the resource model (defaults = the pessimistic, nothing-overlapped case)."""
+
+    sequence_parallel: bool = True
+    """With tp > 1, norms / dropout activations are split over tp too (Megatron's sequence parallelism,
+    Korthikanti et al. 2022); False = tensor parallelism only (activations outside the tp region replicated)."""
+    dropout: bool = False
+    """Dropout layers (and their 1-byte masks) are present (Megatron GPT in Korthikanti's Table 2); modern
+    MoE pre-training runs without dropout."""
+    tp_overlap: float = 0.0
+    """Fraction of tensor-parallel collective time hidden behind compute."""
+    a2a_overlap: float = 0.0
+    """Fraction of expert all-to-all time hidden behind compute (e.g. shared experts or the other micro-batch)."""
+    p2p_overlap: float = 0.0
+    """Fraction of pipeline p2p time hidden behind compute."""
+    dp_overlap: float = 0.0
+    """Fraction of data-parallel gradient sync hidden behind the backward pass of the last micro-batch."""
+    migration_fraction: float = 0.0
+    """Amortised expert-migration time as a fraction of step time (the Piper paper bounds it below 5%)."""
+
+
+DEFAULT_OPTIONS = CostOptions()

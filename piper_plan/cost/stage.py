@@ -1,0 +1,228 @@
+"""One pipeline stage, for one rank: memory by component and time per micro-batch by component.
+
+Every function takes candidate arrays (shape [N]) and stage arrays (shape [S, N]) and broadcasts; the
+only Python loops are over components. Names of the returned dicts are the hierarchical breakdown names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from piper_plan.cost import memory as mem
+from piper_plan.cost.comm import Network
+from piper_plan.cost.compute import Rates
+from piper_plan.cost.flops import FLASH_BACKWARD_FACTOR, LayerFlops, layer_flops
+from piper_plan.cost.options import CostOptions
+from piper_plan.cost.params import LayerParams, layer_params, rank_stage_params
+from piper_plan.specs.model import ModelSpec
+from piper_plan.specs.platform import PlatformSpec
+from piper_plan.specs.training import TrainingSpec
+
+FULL, SELECTIVE = 2, 1          # RECOMPUTE codes
+
+
+@dataclass
+class Context:
+    """Everything about (model, platform, training) that does not depend on the candidate."""
+
+    model: ModelSpec
+    platform: PlatformSpec
+    training: TrainingSpec
+    opts: CostOptions
+    lp: LayerParams
+    lf: LayerFlops
+    rates: Rates
+    net: Network
+
+
+def make_context(model, platform, training, opts, calibration=None) -> Context:
+    return Context(model, platform, training, opts, layer_params(model), layer_flops(model, training.seq_len, training.flash_attention),
+                   Rates(platform, training.dtype, calibration), Network(platform, calibration))
+
+
+@dataclass
+class StageShape:
+    """Which layers a stage holds: arrays [S, N]."""
+
+    layers: np.ndarray
+    moe_layers: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+    @property
+    def dense_layers(self):
+        return self.layers - self.moe_layers
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+def layer_activations(ctx: Context, c) -> dict:
+    """Per-layer, per-micro-batch activation bytes by component (arrays [N])."""
+    m, t, o = ctx.model, ctx.training, ctx.opts
+    kept, core = mem.attention_activation_bytes(m, t, o, c.tp, c.mbs)
+    out = {"attention": kept, "attention_core": core + 0.0 * kept,
+           "mlp": mem.dense_mlp_activation_bytes(m, t, o, c.tp, c.mbs) if m.dense_ffn is not None else 0.0 * kept,
+           "input": mem.layer_input_bytes(m, t, o, c.tp, c.mbs)}
+    if m.moe is not None:
+        for name, value in mem.moe_activation_bytes(m, t, o, c.tp, c.mbs, c.ep, c.etp).items():
+            out[f"moe/{name}"] = value + 0.0 * kept
+    return out
+
+
+def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.ndarray]:
+    """Bytes per rank of a stage by component (arrays shaped like ``st``); ``total`` includes overheads.
+    ``flight``: micro-batches in flight (memory.in_flight); ``acts``: layer_activations(ctx, c)."""
+    dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
+    out = mem.state_bytes(ctx.training, dense, expert, c.dp, c.edp, c.zero)
+    core = np.where(c.recompute == 0, acts["attention_core"], 0.0)
+    keep_all = c.recompute != FULL
+    layer_sum = lambda value, count: np.where(keep_all, value * count * flight, 0.0)  # noqa: E731
+    out["activations/attention"] = layer_sum(acts["attention"] + core, st.layers)
+    out["activations/mlp"] = layer_sum(acts["mlp"], st.dense_layers)
+    for k in _moe_names(acts):
+        out[f"activations/{k}"] = layer_sum(acts[k], st.moe_layers)
+    out["activations/recompute_inputs"] = np.where(keep_all, 0.0, acts["input"] * st.layers * flight)
+    out["activations/recompute_working"] = np.where(keep_all, 0.0, _working(st, acts))
+    out.update(_end_activations(ctx, c, st, flight))
+    tensors = sum(out.values())
+    out["fragmentation"] = tensors * ctx.platform.memory.fragmentation
+    out["framework"] = np.zeros_like(tensors) + ctx.platform.memory.framework_bytes
+    out["total"] = tensors + out["fragmentation"] + out["framework"]
+    return out
+
+
+def _moe_names(acts) -> list[str]:
+    return [k for k in acts if k.startswith("moe/")]
+
+
+def _layer_totals(acts):
+    """(dense layer, MoE layer) activation bytes with everything kept (no recompute)."""
+    attn = acts["attention"] + acts["attention_core"]
+    moe_sum = acts["moe_total"] if "moe_total" in acts else sum((acts[k] for k in _moe_names(acts)), 0.0)
+    return attn + acts["mlp"], attn + moe_sum
+
+
+def _working(st: StageShape, acts):
+    """Full recompute rebuilds one layer's activations at a time: the largest layer of the stage."""
+    per_dense, per_moe = _layer_totals(acts)
+    return np.maximum(np.where(st.dense_layers > 0, per_dense, 0), np.where(st.moe_layers > 0, per_moe, 0))
+
+
+def stage_memory_total(ctx: Context, c, st: StageShape, flight, acts, params):
+    """``stage_memory(...)["total"]`` with few array operations (the search's hot path); equal to it.
+    ``params``: rank_stage_params(...) of these stages."""
+    t, lp = ctx.training, ctx.lp
+    keep = t.master_bytes + t.optimizer_bytes
+    per_dense_param = t.weight_bytes + t.grad_bytes + keep / np.where(c.zero >= 1, c.dp, 1)
+    per_expert_param = t.weight_bytes + t.grad_bytes + keep / np.where(c.zero >= 1, c.edp, 1)
+    dense, expert = params
+    kept_all = c.recompute != FULL
+    core = np.where(c.recompute == 0, acts["attention_core"], 0.0)
+    moe_sum = acts["moe_total"] if "moe_total" in acts else sum((acts[k] for k in _moe_names(acts)), 0.0)
+    dense_act = np.where(kept_all, acts["attention"] + core + acts["mlp"], acts["input"])
+    moe_act = np.where(kept_all, acts["attention"] + core + moe_sum, acts["input"])
+    layers_act = flight * (st.dense_layers * dense_act + st.moe_layers * moe_act)
+    layers_act = layers_act + np.where(kept_all, 0.0, _working(st, acts))
+    ends = _end_activations(ctx, c, st, flight)
+    tensors = dense * per_dense_param + expert * per_expert_param + layers_act + sum(ends.values())
+    return tensors * (1 + ctx.platform.memory.fragmentation) + ctx.platform.memory.framework_bytes
+
+
+def _end_activations(ctx: Context, c, st: StageShape, flight) -> dict:
+    """Embedding output on the first stage (kept per micro-batch in flight); on the last stage, the logits
+    of one micro-batch in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy)."""
+    m, t = ctx.model, ctx.training
+    tokens = c.mbs * t.seq_len
+    sp = np.where(ctx.opts.sequence_parallel, c.tp, 1)
+    emb = tokens * m.hidden_size * t.activation_bytes / sp * flight
+    logits = tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+    return {"activations/embedding": np.where(st.first, emb, 0.0), "activations/logits": np.where(st.last, logits, 0.0)}
+
+
+# ---- time per micro-batch ------------------------------------------------------------------------
+def _gemm(ctx: Context, m, n, k, groups=1):
+    """(forward, backward) seconds of one GEMM shape."""
+    r = ctx.rates
+    return r.gemm_seconds(m, n, k, groups), r.gemm_seconds(m, n, k, groups, backward=True)
+
+
+def _ffn_gemms(ctx: Context, ffn, rows, tp, groups=1, count=1):
+    """(fwd, bwd) seconds of ``count`` MLPs of shape ``ffn`` over ``rows`` rows (per group), split over tp."""
+    d = ctx.model.hidden_size
+    up_n = ffn.intermediate_size * (2 if ffn.gated else 1) * count / tp
+    f1, b1 = _gemm(ctx, rows, up_n, d, groups)
+    f2, b2 = _gemm(ctx, rows, d, ffn.intermediate_size * count / tp, groups)
+    return f1 + f2, b1 + b2
+
+
+def layer_compute_seconds(ctx: Context, c) -> dict[str, tuple]:
+    """(fwd, bwd) seconds per layer per micro-batch, by component (arrays [N])."""
+    m, t = ctx.model, ctx.training
+    tokens = c.mbs * t.seq_len
+    d = m.hidden_size
+    out = {"attention": _gemm(ctx, tokens, ctx.lp.attention / d / c.tp, d)}
+    out["attention_core"] = _attention_core(ctx, c)
+    if m.dense_ffn is not None:
+        out["mlp"] = _ffn_gemms(ctx, m.dense_ffn, tokens, c.tp)
+    if m.moe is not None:
+        moe = m.moe
+        out["router"] = _gemm(ctx, tokens / c.tp, moe.num_experts, d)
+        _, received = mem.routed_rows(m, t, c.tp, c.mbs, c.ep)
+        local = moe.num_experts / c.ep
+        out["experts"] = _ffn_gemms(ctx, moe.expert, received * c.etp / local, c.etp, groups=local)
+        shared = (0.0 * tokens, 0.0 * tokens)
+        if moe.num_shared_experts:
+            shared = _ffn_gemms(ctx, moe.shared, tokens, c.tp, count=moe.num_shared_experts)
+        if moe.parallel_dense_ffn is not None:
+            pf, pb = _ffn_gemms(ctx, moe.parallel_dense_ffn, tokens, c.tp)
+            shared = (shared[0] + pf, shared[1] + pb)
+        out["shared_experts"] = shared
+    return out
+
+
+def _attention_core(ctx: Context, c):
+    """(fwd, bwd) seconds of Q K^T and P V. Flash attention: the attention rate, backward 2.5 x forward.
+    Unfused attention: two batched GEMMs per head ([s x qk] @ [qk x s], [s x s] @ [s x v]), priced by GEMM
+    shape (low intensity for small head widths), backward 2 x forward; softmax and masks are elementwise."""
+    m, t = ctx.model, ctx.training
+    tokens, s = c.mbs * t.seq_len, t.seq_len
+    core_flops = tokens * ctx.lf.attention_core / c.tp
+    heads = m.attention.num_heads / c.tp
+    if t.flash_attention:
+        rate = ctx.rates.attention_flops_per_s
+        return (core_flops / rate(s, heads, m.head_dim, "fwd"),
+                FLASH_BACKWARD_FACTOR * core_flops / rate(s, heads, m.head_dim, "bwd"))
+    from piper_plan.cost.flops import score_widths
+
+    _, qk, v = score_widths(m)
+    batch = c.mbs * heads
+    fwd = ctx.rates.gemm_seconds(s, s, qk, batch) + ctx.rates.gemm_seconds(s, v, s, batch)
+    bwd = ctx.rates.gemm_seconds(s, s, qk, batch, True) + ctx.rates.gemm_seconds(s, v, s, batch, True)
+    return fwd, bwd
+
+
+def layer_comm_seconds(ctx: Context, c, spans) -> dict[str, np.ndarray]:
+    """Seconds of one forward pass's collectives per layer per micro-batch (arrays [N]); the backward
+    repeats them once, full recompute once more. spans: dict name -> (scope, nodes) from placement."""
+    m, t = ctx.model, ctx.training
+    tokens, ab, d = c.mbs * t.seq_len, t.activation_bytes, m.hidden_size
+    out = {"tp": 2 * ctx.net.seconds("all_reduce", c.tp, tokens * d * ab, spans["tp"][0])}
+    if m.moe is not None:
+        sent, received = mem.routed_rows(m, t, c.tp, c.mbs, c.ep)
+        load = received / sent                                  # the busiest receiver sets the pace
+        nbytes = sent * d * ab * load
+        intra, inter = ctx.net.a2a_seconds(c.a2a, c.ep, spans["ep"][1], nbytes, spans["ep"][0])
+        out["a2a_intra"], out["a2a_inter"] = 2 * intra, 2 * inter   # dispatch + combine
+        # expert tensor parallelism: all-gather the etp group's rows before, reduce-scatter after the experts
+        out["etp"] = ctx.net.seconds("all_reduce", c.etp, nbytes * c.etp, spans["etp"][0])
+    return out
+
+
+def elementwise_bytes_per_layer(ctx: Context, c, acts) -> tuple:
+    """(dense layer, MoE layer) bytes streamed by memory-bound kernels in one forward pass: every saved
+    activation is written once and read once [modelling assumption]."""
+    core = acts["attention_core"]
+    dense = 2 * (acts["attention"] + core + acts["mlp"])
+    moe = 2 * (acts["attention"] + core + sum((v for k, v in acts.items() if k.startswith("moe/")), 0.0))
+    return dense, moe

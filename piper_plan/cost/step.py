@@ -1,0 +1,62 @@
+"""Whole-step quantities: data-parallel sync, optimizer step, hardware FLOPs, training totals, checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from piper_plan.cost.flops import FLASH_BACKWARD_FACTOR, LayerFlops
+
+
+def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, expert) gradient sync seconds of one rank: all-reduce of gradients without ZeRO; with ZeRO-1
+    a reduce-scatter of gradients and an all-gather of the updated weights (Rajbhandari et al. 2020)."""
+    out = []
+    for params, n, span in ((dense, c.dp, dp_span), (expert, c.edp, edp_span)):
+        grads = params * training.grad_bytes
+        plain = net.seconds("all_reduce", n, grads, span)
+        sharded = net.seconds("reduce_scatter", n, grads, span) + \
+            net.seconds("all_gather", n, params * training.weight_bytes, span)
+        out.append(np.where(c.zero >= 1, sharded, plain))
+    return out[0], out[1]
+
+
+def optimizer_seconds(rates, training, dense, expert, c) -> np.ndarray:
+    """Adam step, memory-bound: read + write master and optimizer state, read gradients, write weights,
+    for the parameters this rank updates (its ZeRO-1 shard)."""
+    local = dense / np.where(c.zero >= 1, c.dp, 1) + expert / np.where(c.zero >= 1, c.edp, 1)
+    per_param = 2 * (training.master_bytes + training.optimizer_bytes) + training.grad_bytes + training.weight_bytes
+    per_param += 2 * training.grad_bytes          # gradient-norm clipping and loss-scale unscaling read them again
+    return rates.memory_seconds(local * per_param)
+
+
+def hardware_flops_per_token(model, lf: LayerFlops, recompute, flash: bool) -> np.ndarray:
+    """FLOPs the devices execute per token (forward + backward + recompute; causal attention halved)."""
+    moe_l, dense_l, layers = model.num_moe_layers, model.num_dense_layers, model.num_layers
+    gemm_fwd = layers * lf.attention_proj + dense_l * lf.dense_mlp + moe_l * (lf.router + lf.experts + lf.shared)
+    core = layers * lf.attention_core
+    base = 3 * (gemm_fwd + lf.lm_head) + (1 + (FLASH_BACKWARD_FACTOR if flash else 2.0)) * core
+    selective = 0.0 if flash else core               # flash attention's backward already recomputes scores
+    extra = np.where(recompute == 2, gemm_fwd + core, np.where(recompute == 1, selective, 0.0))
+    return base + extra
+
+
+def training_totals(training, step_s, nodes: int) -> dict[str, np.ndarray]:
+    """Time and node-hours to train the spec's tokens at this step time."""
+    steps = training.tokens_to_train / training.tokens_per_step
+    seconds = steps * step_s
+    return {"steps": steps, "time_to_train_s": seconds, "node_hours": seconds / 3600 * nodes}
+
+
+def checkpoint_bytes(model, training) -> dict[str, float]:
+    """Checkpoint size: weights + master + optimizer state of every parameter (gradients are not saved)."""
+    per_param = training.weight_bytes + training.master_bytes + training.optimizer_bytes
+    return {"total_bytes": float(model.total_params * per_param), "bytes_per_param": per_param}
+
+
+def expert_migration(num_experts: int, hidden: int, d_ffn: int, bytes_per_param: int = 16, matrices: int = 3,
+                     gpus: int = 8, bandwidth_Bps: float = 50e9) -> tuple[float, float]:
+    """(bytes sent per GPU, seconds) when one MoE layer's experts are fully reassigned over ``gpus`` GPUs:
+    ``bytes_per_param x matrices x E d d_ffn / gpus`` (Piper paper, Table IV: 48 E d d_ffn / 8 at 50 GB/s).
+    At a step boundary the gradients need not move (bytes_per_param 14 of 16); a 2-matrix expert has 2/3."""
+    nbytes = bytes_per_param * matrices * num_experts * hidden * d_ffn / gpus
+    return nbytes, nbytes / bandwidth_Bps

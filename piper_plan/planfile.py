@@ -1,0 +1,135 @@
+"""plan.json: the single source of truth of a run (DESIGN.md, "Shared file formats"; schema_version 1).
+
+Written by ``estimate --save``, ``plan --save`` and ``launch``; read by ``launch`` and the runtime. The
+``parallel`` block carries the derived ``edp`` and the resolved ``layers_per_stage`` so that a reader never
+re-derives them; on reading, ``edp`` is checked against ``dp x tp / (ep x etp)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, PositiveInt
+
+from piper_plan import __version__
+from piper_plan.catalog import parse_spec, read_structured
+from piper_plan.errors import PiperError
+from piper_plan.fileio import atomic_write_json
+from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
+from piper_plan.specs.base import Spec
+
+SCHEMA_VERSION = 1
+
+
+class MoEBlock(Spec):
+    """Routing settings of the run."""
+
+    capacity_factor: float | None = None
+    """Tokens per expert capped at capacity_factor x mean; None = dropless."""
+    routing_skew: float = Field(default=1.0, ge=1.0)
+    """Expected max / mean tokens per expert-parallel rank the prediction assumed."""
+
+
+class MigrationBlock(Spec):
+    """Expert migration (Piper paper): when and how hard to rebalance."""
+
+    enabled: bool = True
+    """Run the load monitor and the swap planner."""
+    threshold: float = Field(default=1.1, ge=1.0)
+    """Migrate when max / mean tokens per rank of an EP group exceeds this."""
+    interval: PositiveInt = 50
+    """Steps between checks."""
+    max_iters: PositiveInt = 16
+    """Hill-climbing swap iterations per check."""
+
+
+class RuntimeBlock(Spec):
+    """What the runtime does with the plan."""
+
+    data: str | None = None
+    """Token data (None = synthetic)."""
+    steps: PositiveInt = 100
+    """Optimizer steps to run."""
+    checkpoint_interval: PositiveInt = 50
+    """Steps between checkpoints."""
+    seed: int = 0
+    """Random seed."""
+
+
+class PlanFile(Spec):
+    """The parsed plan.json."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    """Format version."""
+    piper_version: str = __version__
+    """piper version that wrote the file."""
+    model: ModelSpec
+    platform: PlatformSpec
+    training: TrainingSpec
+    nodes: PositiveInt
+    """Nodes of the allocation."""
+    placement: str = "compact"
+    """Allocation shape: compact or spread."""
+    parallel: ParallelPlan
+    moe: MoEBlock = MoEBlock()
+    migration: MigrationBlock = MigrationBlock()
+    runtime: RuntimeBlock = RuntimeBlock()
+    prediction: dict[str, Any] = {}
+    """The cost model's estimate (estimate()'s object)."""
+
+
+def _block(cls, value):
+    if value is None:
+        return cls()
+    return value if isinstance(value, cls) else cls.model_validate(value)
+
+
+def plan_file_dict(model, platform, training, nodes, plan: ParallelPlan, placement, prediction, moe=None,
+                   migration=None, runtime=None) -> dict:
+    """The JSON object of a plan.json (no I/O)."""
+    parallel = plan.model_dump(mode="json")
+    parallel["layers_per_stage"] = plan.stage_layers(model.num_layers)
+    parallel["edp"] = plan.edp
+    moe_block = _block(MoEBlock, moe if moe is not None else {
+        "capacity_factor": model.moe.capacity_factor if model.moe else None,
+        "routing_skew": training.routing_skew})
+    return {
+        "schema_version": SCHEMA_VERSION, "piper_version": __version__,
+        "model": model.model_dump(mode="json"), "platform": platform.model_dump(mode="json"),
+        "training": training.model_dump(mode="json"), "nodes": nodes, "placement": placement,
+        "parallel": parallel, "moe": moe_block.model_dump(mode="json"),
+        "migration": _block(MigrationBlock, migration).model_dump(mode="json"),
+        "runtime": _block(RuntimeBlock, runtime).model_dump(mode="json"),
+        "prediction": prediction,
+    }
+
+
+def write_plan_file(path, model, platform, training, nodes, plan, placement, prediction: dict, moe=None,
+                    migration=None, runtime=None) -> Path:
+    """Write plan.json atomically (after everything it holds has been computed)."""
+    data = plan_file_dict(model, platform, training, nodes, plan, placement, prediction, moe, migration, runtime)
+    parse_plan_dict(data, str(path))                     # never write a file the reader would reject
+    return atomic_write_json(path, data)
+
+
+def parse_plan_dict(data: dict, path: str) -> PlanFile:
+    """Validate a plan.json object; errors name the file and the field."""
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PiperError(f"schema_version={version!r}; this piper reads {SCHEMA_VERSION}", path=path,
+                         field="schema_version")
+    data = dict(data)
+    parallel = dict(data.get("parallel") or {})
+    edp = parallel.pop("edp", None)
+    data["parallel"] = parallel
+    plan_file = parse_spec(PlanFile, data, path)
+    if edp is not None and edp != plan_file.parallel.edp:
+        raise PiperError(f"edp={edp} but dp x tp / (ep x etp) = {plan_file.parallel.edp}", path=path,
+                         field="parallel.edp")
+    return plan_file
+
+
+def read_plan_file(path) -> PlanFile:
+    """Read and validate plan.json."""
+    return parse_plan_dict(read_structured(Path(path)), str(path))

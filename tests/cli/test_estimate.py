@@ -1,0 +1,62 @@
+"""`piper estimate`: JSON numbers, plan.json round trip, overflow shown (not an error), bad degrees exit 2."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from piper_plan.cli.main import cli
+from piper_plan.planfile import read_plan_file
+
+ARGS = ["estimate", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--dp", "4", "--pp", "2",
+        "--ep", "4", "--seq", "256", "--global-batch", "16", "--no-calibration"]
+
+
+def _run(args):
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def test_estimate_json_has_the_contract_fields():
+    result = _run(ARGS + ["--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu"):
+        assert data[key] > 0
+    assert len(data["memory"]["per_stage"]) == 2
+    stage = data["memory"]["per_stage"][0]
+    assert stage["total_bytes"] == max(s["total_bytes"] for s in data["memory"]["per_stage"]) \
+        or stage["total_bytes"] <= data["memory"]["peak_bytes"]
+    assert abs(sum(stage["components"].values()) - stage["total_bytes"]) <= 1e-6 * stage["total_bytes"]
+    assert abs(sum(data["time"]["breakdown"].values()) - data["step_time_s"]) <= 1e-9 * data["step_time_s"]
+    assert data["tokens_per_s"] == 16 * 256 / data["step_time_s"]
+
+
+def test_estimate_save_writes_a_readable_plan(tmp_path):
+    path = tmp_path / "plan.json"
+    result = _run(ARGS + ["--a2a", "halo", "--save", str(path)])
+    assert result.exit_code == 0, result.output
+    plan = read_plan_file(path)
+    assert (plan.parallel.dp, plan.parallel.pp, plan.parallel.ep, plan.parallel.a2a) == (4, 2, 4, "halo")
+    assert plan.parallel.layers_per_stage == [2, 2] and plan.parallel.num_microbatches == 4
+    raw = json.loads(path.read_text())
+    assert raw["schema_version"] == 1 and raw["parallel"]["edp"] == 1
+    assert raw["migration"] == {"enabled": True, "threshold": 1.1, "interval": 50, "max_iters": 16}
+    assert raw["prediction"]["step_time_s"] > 0
+
+
+def test_plan_that_does_not_fit_is_shown_with_its_overflow():
+    args = ["estimate", "--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "1", "--dp", "8",
+            "--ep", "8", "--seq", "4096", "--global-batch", "64", "--mbs", "8", "--json", "--no-calibration"]
+    result = _run(args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["fits"] is False
+    assert data["memory"]["overflow_bytes"] == data["memory"]["peak_bytes"] - data["memory"]["device_bytes"] > 0
+
+
+def test_bad_degrees_are_one_line_errors_exit_2():
+    for extra in (["--dp", "3"], ["--ep", "3"], ["--tp", "3", "--dp", "1", "--pp", "8"]):
+        result = CliRunner().invoke(cli, ARGS + extra)
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("error: ") and result.output.count("\n") == 1

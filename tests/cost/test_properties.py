@@ -1,0 +1,262 @@
+"""Tiers 2-3: hand-derived small cases and properties of the resource model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from piper_plan.catalog import load_model, load_platform
+from piper_plan.cost.comm import Network
+from piper_plan.cost.evaluate import Candidates, estimate, evaluate
+from piper_plan.cost.memory import rank_param_counts
+from piper_plan.specs import ParallelPlan, PlatformSpec, TrainingSpec
+
+FRONTIER = load_platform("frontier")
+NET = Network(FRONTIER)
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+# ---- hand-derived ----------------------------------------------------------------------------------
+def test_rank_param_counts_tiny_moe_by_hand():
+    """tiny-moe: d 64, 4 layers, 4 heads / 2 KV heads of 16, 8 gated experts of 128, vocab 512, untied.
+    attention 64*64 + 2*64*32 + 64*64 = 12288; norms 2*64 = 128; router 64*8 = 512; expert 3*64*128 = 24576;
+    embedding = LM head = 512*64 = 32768; final norm 64. pp 2, ep 2: each stage holds 2 layers x 8/2 experts.
+    stage 0: dense 2*(12288+128+512) + 32768 = 58624; stage 1: 25856 + 32768 + 64 = 58688; expert 2*4*24576."""
+    plan = ParallelPlan(dp=2, pp=2, ep=2, num_microbatches=2)
+    counts = rank_param_counts(load_model("tiny-moe"), plan)
+    assert counts == [{"dense": 58624, "expert": 196608, "total": 255232},
+                      {"dense": 58688, "expert": 196608, "total": 255296}]
+
+
+def test_rank_param_counts_sum_to_model_total():
+    """Summing one rank per (stage, tp slice, expert shard) recovers the model's exact parameter count
+    (replicated norms/router counted once per stage)."""
+    model = load_model("mixtral-8x7b")
+    plan = ParallelPlan(dp=8, pp=4, ep=8, num_microbatches=1)
+    counts = rank_param_counts(model, plan)
+    assert sum(c["dense"] + c["expert"] * plan.ep for c in counts) == model.total_params
+
+
+def test_all_reduce_alpha_beta_by_hand():
+    """4 ranks in one Frontier node (50 GB/s, 2 us): 2 x 3/4 x 1 MB / 50 GB/s + 2 x 3 x 2 us = 42 us."""
+    assert NET.seconds("all_reduce", 4, 1e6, 0) == pytest.approx(42e-6)
+
+
+def test_state_bytes_zero1_by_hand():
+    """tiny-moe, dp 2 = ep 2 (edp 1), ZeRO-1: stage 0 dense 58624 x (2 + 2 + 12/2), expert 196608 x 16."""
+    plan = ParallelPlan(dp=2, pp=2, ep=2, num_microbatches=2, zero=1)
+    est = estimate(load_model("tiny-moe"), FRONTIER, TrainingSpec(seq_len=64, global_batch=4), 1, plan)
+    comp = est["memory"]["per_stage"][0]["components"]
+    assert comp["weights"] + comp["gradients"] + comp["optimizer"] == 58624 * 10 + 196608 * 16
+
+
+# ---- properties ------------------------------------------------------------------------------------
+@given(nbytes=st.floats(1.0, 1e10), scope=st.integers(0, 3))
+def test_one_rank_communicates_nothing(nbytes, scope):
+    for op in OPS:
+        assert NET.seconds(op, 1, nbytes, scope) == 0.0
+    for algo in (0, 1):
+        intra, inter = NET.a2a_seconds(algo, 1, 1, nbytes, scope)
+        assert intra == 0.0 and inter == 0.0
+
+
+@given(sizes=st.lists(st.floats(1.0, 1e10), min_size=2, max_size=8), n=st.integers(2, 1024),
+       scope=st.integers(0, 3), nodes=st.integers(1, 64), algo=st.integers(0, 1))
+def test_time_monotone_in_bytes(sizes, n, scope, nodes, algo):
+    sizes = np.sort(np.array(sizes))
+    for op in OPS + ("p2p",):
+        assert np.all(np.diff(NET.seconds(op, n, sizes, scope)) >= 0)
+    nodes = min(nodes, n)
+    intra, inter = NET.a2a_seconds(algo, n, nodes, sizes, scope)
+    assert np.all(np.diff(intra + inter) >= -1e-18)
+
+
+@given(nodes=st.integers(2, 512), per_node=st.sampled_from([1, 2, 4, 8]), nbytes=st.floats(1e3, 1e10),
+       scope=st.integers(1, 3))
+def test_halo_no_slower_than_flat_when_nic_bound(nodes, per_node, nbytes, scope):
+    """When phase II (inter-node, over the NICs) is the longest phase, HALO <= flat."""
+    n = nodes * per_node
+    local, _, halo_remote, redistribute = NET.a2a_phases(n, nodes, nbytes, scope)
+    if not halo_remote >= max(local, redistribute):
+        return
+    flat = sum(NET.a2a_seconds(0, n, nodes, nbytes, scope))
+    halo = sum(NET.a2a_seconds(1, n, nodes, nbytes, scope))
+    assert halo <= flat
+
+
+@given(per_node=st.sampled_from([2, 4, 8]), nbytes=st.floats(1.0, 1e10))
+def test_halo_equals_flat_on_one_node(per_node, nbytes):
+    flat = NET.a2a_seconds(0, per_node, 1, nbytes, 0)
+    halo = NET.a2a_seconds(1, per_node, 1, nbytes, 0)
+    assert flat == halo
+
+
+def test_halo_faster_with_many_nodes_of_small_messages():
+    """At 64 nodes with 1 MB per rank the per-peer flat messages are latency-bound: HALO wins (the paper:
+    1.2-9x at 16+ nodes)."""
+    flat = sum(NET.a2a_seconds(0, 512, 64, 1e6, 3))
+    halo = sum(NET.a2a_seconds(1, 512, 64, 1e6, 3))
+    assert flat / halo > 1.2
+
+
+def _random_candidates(rng, count, world, experts, layers, global_batch=256, max_pp=8):
+    """Valid-degree candidates for ``world`` ranks (powers of two), M = global_batch / (dp x mbs)."""
+    rows = []
+    while len(rows) < count:
+        tp = int(rng.choice([1, 2, 4, 8]))
+        pp = int(rng.choice([d for d in (1, 2, 4, 8, 16, 32, 64) if d <= min(layers, max_pp)]))
+        if world % (tp * pp):
+            continue
+        dp = world // (tp * pp)
+        ep = int(rng.choice([e for e in (1, 2, 4, 8) if experts % e == 0 and (dp * tp) % e == 0]))
+        mbs = int(rng.choice([1, 2]))
+        if global_batch % (dp * mbs):
+            continue
+        rows.append((dp, tp, pp, ep, 1, mbs, global_batch // (dp * mbs), int(rng.integers(0, 2)), 1, int(rng.integers(0, 3)),
+                     int(rng.integers(0, 2)), int(rng.integers(0, 2))))
+    cols = np.array(rows).T
+    names = ["dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "virtual_stages",
+             "recompute", "zero", "a2a"]
+    return Candidates(**dict(zip(names, cols)))
+
+
+def _with_memory(platform: PlatformSpec, memory_bytes: int) -> PlatformSpec:
+    data = platform.model_dump()
+    data["device"]["memory_bytes"] = memory_bytes
+    return PlatformSpec.model_validate(data)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31), extra_GiB=st.integers(1, 64))
+def test_more_memory_never_turns_a_fit_into_a_non_fit(seed, extra_GiB):
+    model = load_model("mixtral-8x7b")
+    training = TrainingSpec(seq_len=4096, global_batch=256)
+    cand = _random_candidates(np.random.default_rng(seed), 32, 64, 8, model.num_layers)
+    small = evaluate(model, FRONTIER, training, 8, cand)
+    big_platform = _with_memory(FRONTIER, FRONTIER.device.memory_bytes + extra_GiB * 2**30)
+    big = evaluate(model, big_platform, training, 8, cand)
+    assert np.all(big.fits >= small.fits)
+    assert np.array_equal(big.peak_memory_bytes, small.peak_memory_bytes)
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-v3", "llama4-maverick", "tiny-mla"])
+def test_evaluate_matches_estimate(name):
+    """The vectorised path (representative stages) equals the one-plan path (every stage)."""
+    model = load_model(name)
+    training = TrainingSpec(seq_len=4096, global_batch=512)
+    experts = model.moe.num_experts
+    cand = _random_candidates(np.random.default_rng(1), 16, 512, experts, model.num_layers, 512, max_pp=64)
+    ev = evaluate(model, FRONTIER, training, 64, cand)
+    for i in range(len(cand)):
+        plan = cand.plan(i)
+        one = estimate(model, FRONTIER, training, 64, plan)
+        again = evaluate(model, FRONTIER, training, 64, Candidates.from_plan(plan))
+        assert one["memory"]["peak_bytes"] == pytest.approx(float(again.peak_memory_bytes[0]), rel=1e-12)
+        assert one["step_time_s"] == pytest.approx(float(again.step_time_s[0]), rel=1e-12)
+        assert ev.step_time_s[i] == pytest.approx(one["step_time_s"], rel=1e-12)      # batch == one by one
+        assert ev.peak_memory_bytes[i] == pytest.approx(one["memory"]["peak_bytes"], rel=1e-12)
+    assert np.all(np.isfinite(ev.step_time_s)) and np.all(ev.step_time_s > 0)
+
+
+def test_tall_skinny_expert_gemms_are_slow():
+    """Few tokens per expert: the roofline makes the expert GEMM memory-bound (Piper paper's observation)."""
+    from piper_plan.cost.compute import Rates
+
+    rates = Rates(FRONTIER, "bf16")
+    few = rates.gemm_flops_per_s(16, 2048, 7168)
+    many = rates.gemm_flops_per_s(8192, 2048, 7168)
+    assert few < 0.2 * many
+
+
+def test_routing_skew_stretches_experts_and_a2a():
+    model = load_model("mixtral-8x7b")
+    plan = ParallelPlan(dp=8, pp=8, ep=8, num_microbatches=8)
+    base = estimate(model, FRONTIER, TrainingSpec(seq_len=4096, global_batch=64), 8, plan)
+    skew = estimate(model, FRONTIER, TrainingSpec(seq_len=4096, global_batch=64, routing_skew=1.5), 8, plan)
+    for key in ("compute/experts", "moe/dispatch/intra_node"):
+        assert skew["time"]["breakdown"][key] > 1.3 * base["time"]["breakdown"][key]
+
+
+def test_planner_imports_no_torch_rich_click():
+    """A fresh interpreter imports the cost model, the layout and planfile without torch, rich or click."""
+    code = ("import sys, piper_plan.cost, piper_plan.cost.evaluate, piper_plan.placement.layout, "
+            "piper_plan.planfile; bad = [m for m in ('torch', 'rich', 'click') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_routing_skew_from_histogram_by_hand():
+    """8 experts on ep 4 (2 per rank): ranks get 10+30, 20+20, 5+15, 0+60 = 40, 40, 20, 60; mean 40 -> 1.5."""
+    from piper_plan.cost.memory import routing_skew_from_histogram
+
+    assert routing_skew_from_histogram([10, 30, 20, 20, 5, 15, 0, 60], 4) == 1.5
+    assert routing_skew_from_histogram([7] * 8, 2) == 1.0
+
+
+@pytest.mark.parametrize("etp", [1, 2, 4, 8])
+def test_hfu_never_exceeds_the_fastest_kernel_rate(etp):
+    """Roofline fallback: no kernel runs faster than efficiency.gemm x peak, so HFU <= that, for every
+    split of the experts (an etp that dropped rows once showed MFU 1.2)."""
+    model = load_model("mixtral-8x7b")
+    training = TrainingSpec(seq_len=4096, global_batch=256)
+    cand = _random_candidates(np.random.default_rng(etp), 24, 64, 8, model.num_layers)
+    ok = (cand.dp * cand.tp) % (cand.ep * etp) == 0
+    cand = cand.take(ok)
+    cand = Candidates(**{**{f: getattr(cand, f) for f in cand.__dataclass_fields__}, "etp": etp})
+    ev = evaluate(model, FRONTIER, training, 8, cand)
+    cap = max(FRONTIER.efficiency.gemm, FRONTIER.efficiency.attention)
+    assert len(cand) > 0 and np.all(ev.hfu <= cap) and np.all(ev.mfu <= cap)
+
+
+def test_in_flight_by_schedule_by_hand():
+    """GPipe: all M; 1F1B: min(pp - i, M); interleaved stage 0 (pp 8, v 3, M 64): (8-1)x2 + (3-1)x8 + 1 = 31
+    chunks of 1/3 stage = 10.33 stages' worth = pp (1 + (p - 1)/(p v)) (Korthikanti et al. 2022, sec. 4.2.3)."""
+    from piper_plan.cost.memory import in_flight
+
+    stage = np.array([0, 3, 7])
+    assert in_flight(np.zeros(3, int), stage, 8, 64, 1).tolist() == [64, 64, 64]
+    assert in_flight(np.ones(3, int), stage, 8, 64, 1).tolist() == [8, 5, 1]
+    assert in_flight(np.ones(3, int), stage, 8, 4, 1).tolist() == [4, 4, 1]
+    inter = in_flight(np.full(3, 2), stage, 8, 64, 3)
+    assert inter[0] == pytest.approx(8 * (1 + 7 / 24))
+    assert inter.tolist() == pytest.approx([31 / 3, 25 / 3, 17 / 3])
+
+
+def test_mla_attention_activations_by_hand():
+    """tiny-mla, tp 1, one sequence of 32, bf16, flash: per token norm input + q/kv input (2 x 64), latent
+    (32 + 16 + 8) before and after its norms (2 x 56), q and k (2 x 4 x 24), v (4 x 16), output (4 x 16):
+    128 + 112 + 192 + 64 + 64 = 560 elements x 2 B + fp32 log-sum-exp 4 heads x 4 B = 1136 B per token."""
+    from piper_plan.cost.memory import attention_activation_bytes
+    from piper_plan.cost.options import CostOptions
+
+    kept, core = attention_activation_bytes(load_model("tiny-mla"), TrainingSpec(seq_len=32), CostOptions(), 1, 1)
+    assert kept == 32 * 1136 and core == 0
+
+
+def test_mla_flops_per_token_by_hand():
+    """PaLM for tiny-mla at s = 32: 6 N (N = active minus embedding) + 6 L H (qk + v) s = 6 N + 6 x 4 x 4 x 40 x 32."""
+    from piper_plan.cost.flops import model_flops_per_token
+
+    model = load_model("tiny-mla")
+    n = model.params.active_excluding_embedding
+    assert model_flops_per_token(model, 32) == 6 * n + 6 * 4 * 4 * (24 + 16) * 32
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "llama4-maverick", "tiny-mla"])
+def test_representative_stages_cover_every_pp(name):
+    """For every pipeline depth 1..L (uneven splits included), evaluate's sampled stages find the same peak
+    memory and bottleneck time as estimate's walk over all stages."""
+    model = load_model(name)
+    training = TrainingSpec(seq_len=1024, global_batch=64)
+    for pp in range(1, model.num_layers + 1):
+        plan = ParallelPlan(dp=8, pp=pp, ep=8, num_microbatches=8)
+        one = estimate(model, FRONTIER, training, pp, plan)
+        ev = evaluate(model, FRONTIER, training, pp, Candidates.from_plan(plan))
+        assert ev.peak_memory_bytes[0] == pytest.approx(one["memory"]["peak_bytes"], rel=1e-12), pp
+        assert ev.step_time_s[0] == pytest.approx(one["step_time_s"], rel=1e-12), pp

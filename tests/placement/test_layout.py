@@ -1,0 +1,68 @@
+"""Rank layout on compact and spread allocations (DESIGN.md rank order; Frontier: 8 GCDs per node, 4 nodes
+per switch, 128 nodes per dragonfly group, two GCDs per NIC)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from piper_plan.catalog import load_platform
+from piper_plan.placement.layout import allocation, group_ranks, group_span, span_arrays, stage_pair_scope
+
+FRONTIER = load_platform("frontier")
+
+
+def test_rank_to_node_nic_switch_group_compact():
+    alloc = allocation(FRONTIER, 256)
+    ranks = np.array([0, 7, 8, 31, 32, 1023, 1024])
+    assert alloc.node_of_rank(ranks).tolist() == [0, 0, 1, 3, 4, 127, 128]
+    assert alloc.nic_of_rank(ranks).tolist() == [0, 3, 4, 15, 16, 511, 512]     # 4 NICs a node, 2 GCDs each
+    nodes = alloc.node_of_rank(ranks)
+    assert alloc.switch_of_node(nodes).tolist() == [0, 0, 0, 0, 1, 31, 32]
+    assert alloc.group_of_node(nodes).tolist() == [0, 0, 0, 0, 0, 0, 1]
+
+
+def test_group_ranks_tile_the_world():
+    """dp groups of a (pp=2, dp=4, tp=2) world of 16: stride tp = 2, count dp = 4."""
+    groups = group_ranks(16, 2, 4)
+    assert groups.tolist()[:3] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14]]
+    assert sorted(groups.ravel().tolist()) == list(range(16))
+
+
+@pytest.mark.parametrize("nodes,stride,count,scope,spanned", [
+    (4, 1, 8, "node", 1),        # tp / ep of 8 inside a node
+    (4, 1, 16, "switch", 2),     # 2 nodes on one switch
+    (8, 1, 64, "group", 8),      # 8 nodes = 2 switches of one group
+    (256, 1, 2048, "system", 256),
+    (8, 8, 8, "group", 8),       # dp of 8 with tp 8: one rank per node over 8 nodes
+])
+def test_group_span_compact(nodes, stride, count, scope, spanned):
+    span = group_span(allocation(FRONTIER, nodes), stride, count)
+    assert (span.scope, span.nodes) == (scope, spanned)
+    assert span.ranks_per_node == count // spanned
+
+
+def test_spread_puts_every_node_pair_in_different_groups():
+    spread = group_span(allocation(FRONTIER, 4, "spread"), 1, 16)
+    compact = group_span(allocation(FRONTIER, 4, "compact"), 1, 16)
+    assert (compact.scope, spread.scope) == ("switch", "system")
+    assert group_span(allocation(FRONTIER, 4, "spread"), 1, 8).scope == "node"
+
+
+def test_span_arrays_match_group_span_per_candidate():
+    alloc = allocation(FRONTIER, 16)
+    strides = np.array([1, 1, 8, 2, 1])
+    counts = np.array([8, 32, 16, 4, 1])
+    scope, nodes, per_node = span_arrays(alloc, strides, counts)
+    for i in range(len(strides)):
+        span = group_span(alloc, int(strides[i]), int(counts[i]))
+        assert (scope[i], nodes[i], per_node[i]) == (span.scope_index, span.nodes, span.ranks_per_node)
+
+
+def test_pipeline_pairs_cross_the_widest_boundary():
+    """pp stages of 8 ranks (a node each) on 8 compact nodes: stage 3 -> 4 crosses a switch (4 nodes/switch);
+    stages of 4 ranks on 2 nodes: stage 1 -> 2 crosses nodes on one switch; on 1 node: no boundary."""
+    alloc = allocation(FRONTIER, 8)
+    assert stage_pair_scope(alloc, np.array([8, 4, 32])).tolist() == [2, 2, 2]
+    assert stage_pair_scope(allocation(FRONTIER, 2), np.array([4, 8])).tolist() == [1, 1]
+    assert stage_pair_scope(allocation(FRONTIER, 1), np.array([4])).tolist() == [0]
