@@ -169,3 +169,35 @@ def _submit(path: Path) -> None:
     if done.returncode != 0:
         raise PiperError(f"sbatch failed: {done.stderr.strip() or done.stdout.strip()}", path=str(path))
     console().print(done.stdout.strip(), markup=False)
+
+
+@calibrate_group.command("fit")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("--param", "params", multiple=True, help="Parameter to fit (repeatable; default: every one the runs move).")
+@click.option("--no-calibration", is_flag=True, help="Predict with the roofline fallback (fit efficiency.gemm/attention).")
+@click.option("--dry-run", is_flag=True, help="Show the fit; write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
+    """Fit efficiency/overlap parameters to measured runs (RUN_DIR: plan.json + metrics.jsonl)."""
+    from piper_plan.calibration import fit as fitting
+    from piper_plan.calibration import load_calibration
+
+    runs = [fitting.read_run(d) for d in run_dirs]
+    platform = runs[0].plan_file.platform
+    calibration = None if no_calibration else load_calibration(platform.name)
+    result = fitting.fit(runs, calibration, list(params) or None)
+    path = fitting.fit_path(platform.name)
+    if not dry_run and result.values:
+        fitting.write_fit(path, fitting.fit_rows(result, shlex.join(["piper", "calibrate", "fit", *run_dirs])))
+    if as_json:
+        print_json({**result.to_dict(), "written": None if dry_run or not result.values else str(path)})
+        return
+    out = console()
+    for name, value in result.values.items():
+        out.print(f"{name}: {result.before[name]:.4g} -> {value:.4g}", markup=False)
+    out.print(f"step time error over {len(runs)} runs: {result.mape_before_pct:.1f}% before, "
+              f"{result.mape_after_pct:.1f}% after", markup=False)
+    if not result.values:
+        out.print("no parameter changes any prediction of these runs: nothing fitted", markup=False)
+    elif not dry_run:
+        out.print(f"wrote {path}", markup=False)

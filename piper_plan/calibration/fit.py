@@ -1,0 +1,211 @@
+"""``piper calibrate fit``: fit a platform's efficiency and overlap parameters to measured runs.
+
+A run directory holds ``plan.json`` (the plan and its model, platform, training) and the runtime's
+``metrics.jsonl``. For every run the measured step time is the steady-state median (``compare.compare``);
+the prediction is ``cost.evaluate.estimate`` under trial parameters. Least squares (scipy ``least_squares``,
+trust-region reflective with bounds) minimises the log-ratio residuals ``log(predicted / measured)`` (a
+relative error, symmetric in over- and under-prediction).
+
+Parameters (each only when it changes some prediction — a parameter the runs cannot see is not fitted):
+
+- ``efficiency.gemm`` / ``efficiency.attention``: the roofline fallback's efficiencies (PlatformSpec.efficiency),
+  used when the platform has no GEMM / attention calibration rows.
+- ``a2a_overlap`` / ``p2p_overlap`` / ``dp_overlap`` / ``tp_overlap``: CostOptions, the fraction of that
+  communication hidden behind compute.
+
+The result is written to ``calibration/<platform>/fit.csv`` (parameter, value, before/after error, source naming
+the runs); :func:`load_fit` reads it back as (CostOptions, platform with fitted efficiencies). Pure except
+``read_run`` and ``write_fit``; no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from piper_plan.errors import PiperError
+
+FIT_FILE = "fit.csv"
+PARAMETERS: dict[str, tuple[float, float, float]] = {   # name -> (lower, upper, default)
+    "efficiency.gemm": (0.02, 1.0, None),
+    "efficiency.attention": (0.02, 1.0, None),
+    "a2a_overlap": (0.0, 0.95, 0.0),
+    "p2p_overlap": (0.0, 0.95, 0.0),
+    "dp_overlap": (0.0, 0.95, 0.0),
+    "tp_overlap": (0.0, 0.95, 0.0),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured run: its plan file and its steady-state measured step time."""
+
+    path: str
+    plan_file: object           # planfile.PlanFile
+    measured_step_s: float
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Fitted values, and per run the prediction before and after."""
+
+    platform: str
+    values: dict[str, float]
+    before: dict[str, float]
+    runs: list[str]
+    measured_s: list[float]
+    predicted_before_s: list[float]
+    predicted_after_s: list[float]
+
+    @staticmethod
+    def _mape(pred, meas) -> float:
+        return float(np.mean(np.abs(np.asarray(pred) / np.asarray(meas) - 1)) * 100)
+
+    @property
+    def mape_before_pct(self) -> float:
+        return self._mape(self.predicted_before_s, self.measured_s)
+
+    @property
+    def mape_after_pct(self) -> float:
+        return self._mape(self.predicted_after_s, self.measured_s)
+
+    def to_dict(self) -> dict:
+        return {"platform": self.platform, "values": self.values, "before": self.before,
+                "mape_before_pct": self.mape_before_pct, "mape_after_pct": self.mape_after_pct,
+                "runs": [{"run": r, "measured_s": m, "predicted_before_s": b, "predicted_after_s": a}
+                         for r, m, b, a in zip(self.runs, self.measured_s, self.predicted_before_s,
+                                               self.predicted_after_s)]}
+
+
+# ---- I/O -------------------------------------------------------------------------------------------
+def read_run(run_dir: str | Path) -> Run:
+    """RUN_DIR/plan.json + RUN_DIR/metrics.jsonl -> Run; a missing file is one PiperError line."""
+    from piper_plan.compare import compare
+    from piper_plan.planfile import read_plan_file
+
+    d = Path(run_dir)
+    for name in ("plan.json", "metrics.jsonl"):
+        if not (d / name).is_file():
+            raise PiperError(f"missing {name}: a run directory holds the plan.json it ran and the runtime's "
+                             "metrics.jsonl", path=str(d))
+    pf = read_plan_file(d / "plan.json")
+    records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    measured = compare({}, records)["step_time_s"]["measured"]
+    if not measured:
+        raise PiperError("no step_time_s in metrics.jsonl", path=str(d / "metrics.jsonl"))
+    return Run(str(d), pf, float(measured))
+
+
+def fit_path(platform_name: str) -> Path:
+    from piper_plan.catalog import calibration_dir
+
+    return calibration_dir(platform_name) / FIT_FILE
+
+
+def fit_rows(result: FitResult, command: str) -> list[dict]:
+    runs = ", ".join(Path(r).name for r in result.runs)
+    source = f"{command}: least squares over {len(result.runs)} runs ({runs})"
+    return [{"parameter": k, "value": v, "before": result.before.get(k), "mape_before_pct": result.mape_before_pct,
+             "mape_after_pct": result.mape_after_pct, "source": source} for k, v in result.values.items()]
+
+
+def write_fit(path: Path, rows: list[dict]) -> Path:
+    import pandas as pd
+
+    from piper_plan.fileio import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(path, pd.DataFrame(rows).to_csv(index=False))
+
+
+def load_fit(platform, path: Path | None = None):
+    """(CostOptions, platform) with the fitted values of calibration/<platform>/fit.csv applied; unchanged if absent."""
+    import pandas as pd
+
+    from piper_plan.cost.options import CostOptions
+
+    path = path or fit_path(platform.name)
+    if not path.is_file():
+        return CostOptions(), platform
+    values = dict(zip(pd.read_csv(path)["parameter"], pd.read_csv(path)["value"].astype(float)))
+    return apply(platform, CostOptions(), values)
+
+
+# ---- pure ------------------------------------------------------------------------------------------
+def apply(platform, options, values: dict[str, float]):
+    """(CostOptions, PlatformSpec) with ``values`` set."""
+    eff = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("efficiency.")}
+    if eff:
+        platform = platform.model_copy(update={"efficiency": platform.efficiency.model_copy(update=eff)})
+    opts = {k: v for k, v in values.items() if not k.startswith("efficiency.")}
+    return options.model_copy(update=opts) if hasattr(options, "model_copy") else _replace(options, opts), platform
+
+
+def _replace(options, values):
+    from dataclasses import replace
+
+    return replace(options, **values)
+
+
+def predict_seconds(runs: list[Run], values: dict[str, float], calibration=None) -> np.ndarray:
+    """Predicted step seconds of every run under ``values``."""
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import CostOptions
+
+    out = []
+    for run in runs:
+        pf = run.plan_file
+        opts, platform = apply(pf.platform, CostOptions(), values)
+        est = estimate(pf.model, platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
+                       placement=pf.placement, options=opts)
+        out.append(est["step_time_s"])
+    return np.asarray(out)
+
+
+def _current(name: str, runs: list[Run]) -> float:
+    if name.startswith("efficiency."):
+        return float(getattr(runs[0].plan_file.platform.efficiency, name.split(".", 1)[1]))
+    return PARAMETERS[name][2]
+
+
+def sensitive_parameters(runs: list[Run], calibration=None, names=None, rel_step: float = 0.05) -> list[str]:
+    """Parameters whose change moves at least one prediction (the others cannot be fitted from these runs)."""
+    base = predict_seconds(runs, {}, calibration)
+    keep = []
+    for name in names or PARAMETERS:
+        lo, hi, _ = PARAMETERS[name]
+        value = _current(name, runs)
+        trial = min(hi, value + rel_step) if value + rel_step <= hi else value - rel_step
+        moved = predict_seconds(runs, {name: max(lo, trial)}, calibration)
+        if np.any(np.abs(moved / base - 1) > 1e-6):
+            keep.append(name)
+    return keep
+
+
+def fit(runs: list[Run], calibration=None, names=None) -> FitResult:
+    """Least-squares fit of the sensitive parameters to the runs' measured step times."""
+    from scipy.optimize import least_squares
+
+    if not runs:
+        raise PiperError("no runs to fit", field="RUN_DIR")
+    measured = np.array([r.measured_step_s for r in runs])
+    names = sensitive_parameters(runs, calibration, names)
+    start = np.array([_current(n, runs) for n in names])
+    before = predict_seconds(runs, {}, calibration)
+    if not names:
+        return FitResult(runs[0].plan_file.platform.name, {}, {}, [r.path for r in runs], measured.tolist(),
+                         before.tolist(), before.tolist())
+    lower = np.array([PARAMETERS[n][0] for n in names])
+    upper = np.array([PARAMETERS[n][1] for n in names])
+
+    def residuals(x):
+        return np.log(predict_seconds(runs, dict(zip(names, x)), calibration) / measured)
+
+    sol = least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper), diff_step=1e-3)
+    values = {n: float(v) for n, v in zip(names, sol.x)}
+    return FitResult(runs[0].plan_file.platform.name, values, dict(zip(names, start.tolist())),
+                     [r.path for r in runs], measured.tolist(), before.tolist(),
+                     predict_seconds(runs, values, calibration).tolist())

@@ -1,0 +1,388 @@
+"""Published measurements vs the resource model: load ``validation/*.yaml``, predict every row, score it.
+
+Pure computation (no rich, no click, no torch): the CLI (``piper validate``) and ``piper reproduce paper``
+render what this returns. A dataset file holds a citation, a platform, training defaults, the tolerances the
+project holds itself to, whether it fed any fitted parameter (``used_for_fitting``), and rows. Each row names a
+model (catalog name, or inline ``facts`` such as Table IV's E, d, d_ffn), a ``quantity``, and the
+``published`` number; rows with ``search`` take the search library's best plan instead of a given one.
+
+Quantities (SI inside; the unit is in the name):
+
+- ``step_time_s``, ``tflops_per_device``, ``mfu``: ``cost.evaluate.estimate`` of the row's plan (or the best plan).
+- ``memory.state_GiB``: weights + gradients + master/optimizer state of the peak-memory stage, GiB (2^30).
+- ``memory.activation_GiB``: activations saved for backward of the peak-memory stage, GiB.
+- ``migration.send_per_gpu_GB`` / ``_GiB`` and ``migration.time_ms``: Piper Table IV, ``cost.step.expert_migration``.
+
+Errors: ``rel_error = (predicted - published) / published`` (DESIGN.md, compare format); summaries in percent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from piper_plan.errors import PiperError
+from piper_plan.specs.base import Spec
+
+GiB = 2**30
+MIGRATION_QUANTITIES = ("migration.send_per_gpu_GB", "migration.send_per_gpu_GiB", "migration.time_ms")
+PLAN_QUANTITIES = ("step_time_s", "tflops_per_device", "mfu", "memory.state_GiB", "memory.activation_GiB")
+Quantity = Literal["step_time_s", "tflops_per_device", "mfu", "memory.state_GiB", "memory.activation_GiB",
+                   "migration.send_per_gpu_GB", "migration.send_per_gpu_GiB", "migration.time_ms"]
+
+
+# ---- the dataset file format ------------------------------------------------------------------------
+class Tolerance(Spec):
+    """Allowed absolute percentage errors."""
+
+    row: float = Field(gt=0)
+    """Largest allowed |error| of one gated row, percent."""
+    mean: float = Field(gt=0)
+    """Largest allowed mean |error| over the gated rows of the dataset, percent."""
+
+
+class RowSpec(Spec):
+    """One published datapoint."""
+
+    id: str
+    """Unique within the dataset."""
+    quantity: Quantity
+    """What was published (see the module docstring)."""
+    published: float
+    """The published value, in the quantity's unit."""
+    model: str | None = None
+    """Catalog name or path of the model."""
+    facts: dict | None = None
+    """ModelSpec fields over the catalog entry (nested dicts merge), or for migration rows num_experts / hidden_size / d_ffn."""
+    nodes: int | None = None
+    """Nodes of the run."""
+    seq_len: int | None = None
+    """Overrides the dataset's training.seq_len."""
+    global_batch: int | None = None
+    """Overrides the dataset's training.global_batch."""
+    parallel: dict | None = None
+    """ParallelPlan fields of the published run (num_microbatches derived when absent)."""
+    search: dict | None = None
+    """SearchOptions fields: predict the best plan the search finds (configs not published)."""
+    stage: int | None = None
+    """Pipeline stage a memory quantity is read from (default: the peak-memory stage)."""
+    migration: dict | None = None
+    """expert_migration arguments for this row, over the dataset's."""
+    options: dict | None = None
+    """CostOptions fields for this row (e.g. sequence_parallel), over the dataset's."""
+    tolerance_pct: float | None = None
+    """Overrides the dataset's row tolerance."""
+    gated: bool = True
+    """False: reported, never fails the suite (a known inconsistency of the source, explained in ``note``)."""
+    split: Literal["fit", "held_out"] | None = None
+    """Overrides the dataset's split: 'fit' rows fed a fitted parameter and cannot validate it."""
+    note: str | None = None
+    """Why a row is ungated, or what was assumed."""
+
+
+class DatasetSpec(Spec):
+    """One ``validation/<name>.yaml`` file."""
+
+    name: str
+    """Dataset name (the file stem)."""
+    description: str
+    """What was measured, on what."""
+    citation: str
+    """Where the numbers come from."""
+    platform: str
+    """Platform catalog name the rows ran on."""
+    used_for_fitting: bool
+    """True when any row fed a fitted parameter (efficiency, overlap, seed calibration): labelled as such."""
+    fitted: str | None = None
+    """Which parameters the fit rows set, and where they live."""
+    use_calibration: bool = True
+    """Read calibration/<platform>/ when present (False: the platform's roofline efficiencies)."""
+    tolerance_pct: Tolerance
+    """Tolerances the suite enforces."""
+    goal_mean_pct: float | None = None
+    """A stricter mean the project aims for (reported, not enforced)."""
+    training: dict = {}
+    """TrainingSpec fields shared by the rows."""
+    options: dict = {}
+    """CostOptions fields shared by the rows."""
+    migration: dict = {}
+    """expert_migration arguments shared by migration rows (bytes_per_param, matrices, gpus, bandwidth_Bps)."""
+    notes: str | None = None
+    """Free text shown under the dataset."""
+    rows: list[RowSpec]
+    """The datapoints."""
+
+
+# ---- results -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowResult:
+    """One row predicted: rel_error is a signed fraction; detail names the plan used."""
+
+    id: str
+    quantity: str
+    published: float
+    predicted: float | None
+    rel_error: float | None
+    tolerance_pct: float
+    gated: bool
+    split: str
+    detail: dict = field(default_factory=dict)
+    note: str | None = None
+
+    @property
+    def abs_pct_error(self) -> float | None:
+        return None if self.rel_error is None else abs(self.rel_error) * 100
+
+    @property
+    def ok(self) -> bool:
+        """Gated rows must be predicted and within tolerance; ungated rows always pass."""
+        if not self.gated:
+            return True
+        return self.abs_pct_error is not None and self.abs_pct_error <= self.tolerance_pct
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "quantity": self.quantity, "published": self.published, "predicted": self.predicted,
+                "rel_error": self.rel_error, "abs_pct_error": self.abs_pct_error, "tolerance_pct": self.tolerance_pct,
+                "gated": self.gated, "split": self.split, "ok": self.ok, "detail": self.detail, "note": self.note}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+@dataclass(frozen=True)
+class DatasetResult:
+    """A dataset's rows and its summary (percent)."""
+
+    spec: DatasetSpec
+    rows: list[RowResult]
+
+    def _errors(self, split: str | None = None) -> list[float]:
+        return [r.abs_pct_error for r in self.rows
+                if r.gated and r.abs_pct_error is not None and (split is None or r.split == split)]
+
+    @property
+    def mean_abs_pct_error(self) -> float | None:
+        return _mean(self._errors())
+
+    @property
+    def max_abs_pct_error(self) -> float | None:
+        errors = self._errors()
+        return max(errors) if errors else None
+
+    @property
+    def held_out_mean_abs_pct_error(self) -> float | None:
+        return _mean(self._errors("held_out"))
+
+    def violations(self) -> list[str]:
+        """One line per gated row outside its tolerance, and for the mean."""
+        out = [f"{self.spec.name}/{r.id}: {_fmt_err(r)} > {r.tolerance_pct:g}%" for r in self.rows if not r.ok]
+        mean = self.mean_abs_pct_error
+        if mean is not None and mean > self.spec.tolerance_pct.mean:
+            out.append(f"{self.spec.name}: mean |error| {mean:.2f}% > {self.spec.tolerance_pct.mean:g}%")
+        return out
+
+    def to_dict(self) -> dict:
+        s = self.spec
+        return {"name": s.name, "description": s.description, "citation": s.citation, "platform": s.platform,
+                "used_for_fitting": s.used_for_fitting, "fitted": s.fitted,
+                "tolerance_pct": {"row": s.tolerance_pct.row, "mean": s.tolerance_pct.mean},
+                "goal_mean_pct": s.goal_mean_pct, "mean_abs_pct_error": self.mean_abs_pct_error,
+                "max_abs_pct_error": self.max_abs_pct_error,
+                "held_out_mean_abs_pct_error": self.held_out_mean_abs_pct_error,
+                "violations": self.violations(), "rows": [r.to_dict() for r in self.rows]}
+
+
+def _fmt_err(r: RowResult) -> str:
+    return "no prediction" if r.abs_pct_error is None else f"|error| {r.abs_pct_error:.2f}%"
+
+
+# ---- loading -----------------------------------------------------------------------------------------
+def validation_dir() -> Path:
+    from piper_plan.catalog import project_root
+
+    return project_root() / "validation"
+
+
+def dataset_names(folder: Path | None = None) -> list[str]:
+    return sorted(p.stem for p in (folder or validation_dir()).glob("*.yaml"))
+
+
+def load_dataset(name_or_path: str | Path) -> DatasetSpec:
+    """A dataset by name (validation/<name>.yaml) or path; a bad file is one PiperError line."""
+    from piper_plan.catalog import parse_spec, read_structured
+
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = validation_dir() / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise PiperError(f"unknown dataset {str(name_or_path)!r}; known: {', '.join(dataset_names())}",
+                             field="--dataset")
+    spec = parse_spec(DatasetSpec, read_structured(path), str(path))
+    ids = [r.id for r in spec.rows]
+    if len(set(ids)) != len(ids):
+        raise PiperError(f"duplicate row ids in {sorted(i for i in set(ids) if ids.count(i) > 1)}", path=str(path))
+    return spec
+
+
+# ---- prediction --------------------------------------------------------------------------------------
+class _Inputs:
+    """Loaded specs shared by the rows of one dataset (platform and calibration loaded once)."""
+
+    def __init__(self, spec: DatasetSpec):
+        from piper_plan.catalog import calibration_dir, load_platform
+
+        self.spec = spec
+        self.platform = load_platform(spec.platform)
+        self.calibration = None
+        if spec.use_calibration and any(calibration_dir(self.platform.name).glob("*.csv")):
+            from piper_plan.calibration import load_calibration
+
+            self.calibration = load_calibration(self.platform.name)
+
+    def model(self, row: RowSpec):
+        from piper_plan.catalog import load_model
+        from piper_plan.specs import ModelSpec
+
+        if row.model is None:
+            raise PiperError("needs a model", field=f"rows[{row.id}].model")
+        model = load_model(row.model)
+        if row.facts:
+            model = ModelSpec.model_validate(_deep_merge(model.model_dump(), row.facts))
+        return model
+
+    def training(self, row: RowSpec):
+        from piper_plan.specs import TrainingSpec
+
+        values = dict(self.spec.training)
+        values.update({k: v for k, v in (("seq_len", row.seq_len), ("global_batch", row.global_batch)) if v})
+        return TrainingSpec(**values)
+
+    def options(self, row: RowSpec, plan=None):
+        from piper_plan.cost.options import CostOptions
+
+        values = dict(self.spec.options)
+        if plan is not None:
+            values["sequence_parallel"] = plan.sequence_parallel
+        values.update(row.options or {})
+        return CostOptions(**values)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def row_plan(row: RowSpec, training):
+    """The ParallelPlan of a row with a published configuration."""
+    from piper_plan.specs import ParallelPlan
+
+    values = dict(row.parallel or {})
+    values.setdefault("num_microbatches", max(training.global_batch // (values.get("dp", 1) * values.get("mbs", 1)), 1))
+    return ParallelPlan(**values)
+
+
+def best_plan(inputs: _Inputs, row: RowSpec, model, training):
+    """(plan, search summary) of the search library's best plan for the row."""
+    from piper_plan.search.engine import search
+    from piper_plan.search.space import SearchOptions
+
+    result = search(model, inputs.platform, training, row.nodes, SearchOptions(**(row.search or {})),
+                    calibration=inputs.calibration)
+    if not result.feasible:
+        return None, {"feasible": 0, "reasons": result.reasons}
+    i = result.best
+    best = result.row(i)
+    from piper_plan.search.engine import make_candidates
+
+    plan = make_candidates(result.fields).plan(i)
+    return plan, {"feasible": result.feasible, "searched": result.candidates_total,
+                  "search_tflops_per_device": best["tflops_per_device"]}
+
+
+def plan_quantity(quantity: str, est: dict, stage: int | None = None) -> float:
+    """A plan quantity from ``estimate``'s dict; memory of ``stage`` (default: the peak-memory stage)."""
+    if quantity in ("step_time_s", "tflops_per_device", "mfu"):
+        return float(est[quantity])
+    stages = est["memory"]["per_stage"]
+    chosen = max(stages, key=lambda s: s["total_bytes"]) if stage is None else stages[stage]
+    comp = chosen["components"]
+    if quantity == "memory.state_GiB":
+        return sum(comp.get(k, 0.0) for k in ("weights", "gradients", "optimizer")) / GiB
+    return sum(v for k, v in comp.items() if k.startswith("activations/")) / GiB
+
+
+def plan_summary(plan) -> dict:
+    keys = ("dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "virtual_stages", "recompute",
+            "zero", "a2a", "sequence_parallel")
+    return {k: getattr(plan, k) for k in keys}
+
+
+def predict_plan_row(inputs: _Inputs, row: RowSpec) -> tuple[float | None, dict]:
+    from piper_plan.cost.evaluate import estimate
+
+    model, training = inputs.model(row), inputs.training(row)
+    if row.nodes is None:
+        raise PiperError("needs nodes", field=f"rows[{row.id}].nodes")
+    detail: dict = {}
+    if row.search is not None:
+        plan, detail = best_plan(inputs, row, model, training)
+        if plan is None:
+            return None, detail
+    else:
+        plan = row_plan(row, training)
+    est = estimate(model, inputs.platform, training, row.nodes, plan, calibration=inputs.calibration,
+                   options=inputs.options(row, plan))
+    detail.update(plan=plan_summary(plan), step_time_s=est["step_time_s"],
+                  tflops_per_device=est["tflops_per_device"], mfu=est["mfu"], fits=est["fits"],
+                  peak_memory_GiB=est["memory"]["peak_bytes"] / GiB)
+    return plan_quantity(row.quantity, est, row.stage), detail
+
+
+def predict_migration_row(inputs: _Inputs, row: RowSpec) -> tuple[float, dict]:
+    """Piper Table IV: bytes per GPU and seconds to reassign one layer's experts (cost.step.expert_migration)."""
+    from piper_plan.cost.step import expert_migration
+
+    f = row.facts or {}
+    if row.model is not None and not {"num_experts", "hidden_size", "d_ffn"} <= f.keys():
+        m = inputs.model(row)
+        f = {"num_experts": m.moe.num_experts, "hidden_size": m.hidden_size, "d_ffn": m.moe.expert.intermediate_size,
+             **f}
+    nbytes, seconds = expert_migration(f["num_experts"], f["hidden_size"], f["d_ffn"],
+                                      **{**inputs.spec.migration, **(row.migration or {})})
+    detail = {"E": f["num_experts"], "d": f["hidden_size"], "d_ffn": f["d_ffn"], "bytes": nbytes, "seconds": seconds}
+    value = {"migration.send_per_gpu_GB": nbytes / 1e9, "migration.send_per_gpu_GiB": nbytes / GiB,
+             "migration.time_ms": seconds * 1e3}[row.quantity]
+    return value, detail
+
+
+def predict_row(inputs: _Inputs, row: RowSpec) -> RowResult:
+    if row.quantity in MIGRATION_QUANTITIES:
+        predicted, detail = predict_migration_row(inputs, row)
+    else:
+        predicted, detail = predict_plan_row(inputs, row)
+    rel = None if predicted is None else (predicted - row.published) / row.published
+    split = row.split or ("fit" if inputs.spec.used_for_fitting else "held_out")
+    return RowResult(id=row.id, quantity=row.quantity, published=row.published, predicted=predicted, rel_error=rel,
+                     tolerance_pct=row.tolerance_pct or inputs.spec.tolerance_pct.row, gated=row.gated, split=split,
+                     detail=detail, note=row.note)
+
+
+def validate_dataset(spec: DatasetSpec) -> DatasetResult:
+    """Predict every row of one dataset."""
+    inputs = _Inputs(spec)
+    return DatasetResult(spec, [predict_row(inputs, row) for row in spec.rows])
+
+
+def validate(names: list[str] | None = None) -> list[DatasetResult]:
+    """Every dataset (or the named ones), in name order."""
+    return [validate_dataset(load_dataset(n)) for n in (names or dataset_names())]
+
+
+def all_violations(results: list[DatasetResult]) -> list[str]:
+    return [v for r in results for v in r.violations()]

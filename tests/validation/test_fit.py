@@ -1,0 +1,71 @@
+"""`piper calibrate fit`: the least-squares fitter recovers parameters it generated data with (tier 2), names its
+runs in the written rows, and refuses a run directory without its plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from piper_plan.calibration.fit import fit, load_fit, predict_seconds, read_run, fit_rows, write_fit
+from piper_plan.catalog import load_model, load_platform
+from piper_plan.errors import PiperError
+from piper_plan.planfile import write_plan_file
+from piper_plan.specs import ParallelPlan, TrainingSpec
+
+PLANS = [  # (nodes, parallel) on local-cpu (2 ranks per node): a2a over 1 and 2 nodes, pipelines, dp-only
+    (1, dict(dp=2, ep=2, mbs=1)), (1, dict(dp=2, ep=2, mbs=2)), (2, dict(dp=4, ep=4, mbs=1)),
+    (2, dict(dp=2, ep=2, pp=2, mbs=1)), (2, dict(dp=4, ep=2, mbs=1)), (1, dict(dp=1, pp=2, mbs=1)),
+]
+TRUE = {"efficiency.gemm": 0.35, "a2a_overlap": 0.4}
+
+
+def _runs(tmp_path, values):
+    """Run directories whose 'measured' times are the model's own prediction under ``values`` (synthetic)."""
+    model, platform = load_model("tiny-moe"), load_platform("local-cpu")
+    training = TrainingSpec(seq_len=64, global_batch=8)
+    dirs = []
+    for i, (nodes, par) in enumerate(PLANS):
+        plan = ParallelPlan(**par, num_microbatches=8 // (par["dp"] * par["mbs"]))
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        write_plan_file(d / "plan.json", model, platform, training, nodes, plan, "compact", {})
+        dirs.append(d)
+    runs = [read_run_placeholder(d) for d in dirs]
+    truth = predict_seconds(runs, values)
+    for d, seconds in zip(dirs, truth):
+        lines = [json.dumps({"schema_version": 1, "step": s, "step_time_s": float(seconds) * (3 if s == 0 else 1)})
+                 for s in range(4)]
+        (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return [read_run(d) for d in dirs], truth
+
+
+def read_run_placeholder(d):
+    (d / "metrics.jsonl").write_text(json.dumps({"schema_version": 1, "step": 0, "step_time_s": 1.0}) + "\n")
+    return read_run(d)
+
+
+def test_fit_recovers_generating_parameters(tmp_path):
+    runs, truth = _runs(tmp_path, TRUE)
+    assert [r.measured_step_s for r in runs] == pytest.approx(list(truth))     # warm-up step left out
+    result = fit(runs, calibration=None, names=["efficiency.gemm", "a2a_overlap", "p2p_overlap"])
+    assert result.values["efficiency.gemm"] == pytest.approx(0.35, rel=1e-3)
+    assert result.values["a2a_overlap"] == pytest.approx(0.4, abs=2e-3)
+    assert result.mape_before_pct > 10 and result.mape_after_pct < 0.1
+
+
+def test_fit_rows_name_runs_and_load_back(tmp_path):
+    runs, _ = _runs(tmp_path, TRUE)
+    result = fit(runs, calibration=None, names=["efficiency.gemm", "a2a_overlap"])
+    rows = fit_rows(result, "piper calibrate fit")
+    assert all("run0" in r["source"] and "run5" in r["source"] for r in rows)
+    path = write_fit(tmp_path / "fit.csv", rows)
+    opts, platform = load_fit(load_platform("local-cpu"), path)
+    assert platform.efficiency.gemm == pytest.approx(result.values["efficiency.gemm"])
+    assert opts.a2a_overlap == pytest.approx(result.values["a2a_overlap"])
+
+
+def test_run_without_plan_is_user_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(PiperError, match="plan.json"):
+        read_run(tmp_path)

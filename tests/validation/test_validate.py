@@ -1,0 +1,101 @@
+"""`piper validate`: the published datasets stay within their tolerances, and the checks can fail.
+
+Tier 1 (published numbers with a citation and a tolerance): the citations and tolerances live in
+validation/*.yaml; this test runs the real command, so the suite fails when the model drifts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from piper_plan.cli.main import cli
+from piper_plan.errors import PiperError
+from piper_plan.validation import DatasetSpec, dataset_names, load_dataset, validate, validate_dataset
+
+# The Frontier MoE rows are held against the paper's TFLOPS; the cost model is currently outside the issue's
+# tolerances there (best plan of the search: weak-110b +57%, xmoe-small -27%, weak-862b +25%; mean 24.5% > 20%).
+# strict: the day the model gets within tolerance, this xfail turns into a failure that says "remove me".
+KNOWN_OUT_OF_TOLERANCE = {"piper-frontier-moe": "cost model outside 25% row / 20% mean on the Piper TFLOPS rows"}
+
+
+def _validate_json(*args: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(cli, ["validate", "--json", *args])
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("name", dataset_names())
+def test_dataset_within_tolerance(name, request):
+    if name in KNOWN_OUT_OF_TOLERANCE:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_OUT_OF_TOLERANCE[name]))
+    code, out = _validate_json("--dataset", name)
+    (ds,) = out["datasets"]
+    assert ds["violations"] == [], ds["violations"]
+    assert code == 0
+    assert ds["mean_abs_pct_error"] <= ds["tolerance_pct"]["mean"]
+    for row in ds["rows"]:
+        if row["gated"]:
+            assert row["abs_pct_error"] <= row["tolerance_pct"], row["id"]
+
+
+def test_a100_step_time_rows_against_calculon_bar():
+    """Korthikanti et al. 2022 Table 3 step times: every row within 10%; mean within 5% (the goal; Calculon
+    reaches 3.65% mean / 8.87% max on the same 8 rows)."""
+    (ds,) = validate(["korthikanti-a100"])
+    steps = [r for r in ds.rows if r.quantity == "step_time_s"]
+    assert len(steps) == 8
+    errors = [r.abs_pct_error for r in steps]
+    assert max(errors) <= 10.0
+    assert sum(errors) / len(errors) <= 5.0
+
+
+def test_table4_switch_base_uses_row_facts_not_catalog():
+    """Table IV's Switch-Base: 48 x 128 x 768 x 2048 / 8 B = 1.208e9 B = 1.21 GB (catalog d_ffn 3072 would be 1.81)."""
+    (ds,) = validate(["piper-migration-table4"])
+    row = next(r for r in ds.rows if r.id == "switch-base")
+    assert row.predicted == pytest.approx(48 * 128 * 768 * 2048 / 8 / 1e9)
+
+
+def test_violation_exits_nonzero(tmp_path):
+    """A dataset whose published number is off by 2x must fail the command (exit 1) and name the row."""
+    spec = load_dataset("piper-migration-table4")
+    data = spec.model_dump()
+    data["rows"] = [data["rows"][1]]
+    data["rows"][0]["published"] *= 2
+    path = tmp_path / "broken.yaml"
+    path.write_text(json.dumps(data))
+    code, out = _validate_json("--dataset", str(path))
+    assert code == 1
+    assert out["ok"] is False
+    (ds,) = out["datasets"]
+    assert ds["rows"][0]["rel_error"] == pytest.approx(-0.5, abs=0.01)
+    assert any("mixtral-8x7b" in v for v in ds["violations"])
+
+
+def test_ungated_row_reported_not_failing():
+    spec = load_dataset("piper-migration-table4")
+    data = spec.model_dump()
+    data["rows"] = [dict(data["rows"][0], published=5.0, gated=False)]
+    result = validate_dataset(DatasetSpec.model_validate(data))
+    assert result.rows[0].abs_pct_error > 50
+    assert result.violations() == []
+    assert result.mean_abs_pct_error is None        # ungated rows are not in the gated mean
+
+
+def test_fit_split_labelled(tmp_path):
+    data = load_dataset("piper-migration-table4").model_dump()
+    data["used_for_fitting"] = True
+    data["rows"] = data["rows"][:2]
+    data["rows"][1]["split"] = "held_out"
+    result = validate_dataset(DatasetSpec.model_validate(data))
+    assert [r.split for r in result.rows] == ["fit", "held_out"]
+    assert result.held_out_mean_abs_pct_error == pytest.approx(result.rows[1].abs_pct_error)
+
+
+def test_unknown_dataset_is_user_error():
+    with pytest.raises(PiperError, match="unknown dataset"):
+        load_dataset("no-such-dataset")
+    result = CliRunner().invoke(cli, ["validate", "--dataset", "no-such-dataset"])
+    assert result.exit_code == 2
