@@ -1,0 +1,52 @@
+"""metrics.jsonl (DESIGN.md, schema_version 1): one line per step, written by global rank 0 only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+MEMORY_SOURCE_CPU = "tensor accounting: parameters + gradients + optimizer state + peak activations saved for backward"
+MEMORY_SOURCE_GPU = "torch.cuda.max_memory_allocated"
+
+
+def step_record(step: int, loss: float, step_time_s: float, tokens: int, time_s: dict, memory_bytes: list,
+                expert_tokens: dict, migrations: list | None = None) -> dict:
+    """One metrics.jsonl line."""
+    return {"schema_version": SCHEMA_VERSION, "step": step, "loss": loss, "step_time_s": step_time_s,
+            "tokens": tokens, "tokens_per_s": tokens / step_time_s if step_time_s > 0 else None,
+            "time_s": time_s, "memory_bytes": memory_bytes, "expert_tokens": expert_tokens,
+            "migrations": migrations or []}
+
+
+class MetricsWriter:
+    """Appends step records (line-buffered, so a killed run keeps every finished step)."""
+
+    def __init__(self, path: Path, resume: bool) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a" if resume else "w", encoding="utf-8", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def summarise(records: list[dict]) -> dict:
+    """The final summary: steady-state means (the first step, which includes warm-up, left out when possible)."""
+    steady = records[1:] if len(records) > 1 else records
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    step_s = mean([r["step_time_s"] for r in steady])
+    a2a = mean([r["time_s"].get("a2a", 0.0) for r in steady])
+    return {"schema_version": SCHEMA_VERSION, "steps": len(records),
+            "first_loss": records[0]["loss"] if records else None,
+            "final_loss": records[-1]["loss"] if records else None,
+            "step_time_s": step_s, "steps_per_s": 1 / step_s if step_s else None,
+            "tokens_per_s": mean([r["tokens_per_s"] for r in steady]),
+            "a2a_share": a2a / step_s if step_s else None,
+            "time_s": {k: mean([r["time_s"].get(k, 0.0) for r in steady]) for k in ("a2a", "p2p", "dp_sync")},
+            "peak_memory_bytes": [max(r["memory_bytes"][i]["total_bytes"] for r in records)
+                                  for i in range(len(records[0]["memory_bytes"]))] if records else []}

@@ -1,0 +1,171 @@
+"""The MoE block: router (top-k, softmax or sigmoid), routed experts split over an EP group, shared experts.
+
+Legend: B batch, S sequence, D hidden, T = B x S tokens, k top-k, E experts, El = E / ep local experts,
+F expert width, R = T x k rows this rank sends, X rows it receives. Routed experts of layer l live on
+EP group-rank j as experts [j x El, (j + 1) x El); their weights are stacked ``[El, ...]`` parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from piper_plan.runtime.dispatch import FlatDispatcher
+
+
+def ffn_apply(x_ND, w_in, w_gate, w_out, b_in=None, b_gate=None, b_out=None):
+    """Gated (SwiGLU: silu(x Wg) * (x Wi)) or plain (gelu(x Wi)) MLP, then W_out."""
+    h = x_ND @ w_in + (b_in if b_in is not None else 0)
+    if w_gate is not None:
+        g = x_ND @ w_gate + (b_gate if b_gate is not None else 0)
+        h = F.silu(g) * h
+    else:
+        h = F.gelu(h)
+    return h @ w_out + (b_out if b_out is not None else 0)
+
+
+class FFN(nn.Module):
+    """A dense MLP / shared expert: gated = gate, up, down (3 matrices); plain = up, down (2)."""
+
+    def __init__(self, hidden: int, ffn) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn.intermediate_size, bias=ffn.bias)
+        self.gate = nn.Linear(hidden, ffn.intermediate_size, bias=ffn.bias) if ffn.gated else None
+        self.down = nn.Linear(ffn.intermediate_size, hidden, bias=ffn.bias)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = F.silu(self.gate(x)) * h if self.gate is not None else F.gelu(h)
+        return self.down(h)
+
+
+class LocalExperts(nn.Module):
+    """El experts as stacked weights: w_in/w_gate [El, D, F], w_out [El, F, D] (+ biases [El, F] / [El, D])."""
+
+    def __init__(self, num_local: int, hidden: int, ffn) -> None:
+        super().__init__()
+        f = ffn.intermediate_size
+        self.w_in = nn.Parameter(torch.empty(num_local, hidden, f))
+        self.w_gate = nn.Parameter(torch.empty(num_local, hidden, f)) if ffn.gated else None
+        self.w_out = nn.Parameter(torch.empty(num_local, f, hidden))
+        self.b_in = nn.Parameter(torch.zeros(num_local, f)) if ffn.bias else None
+        self.b_gate = nn.Parameter(torch.zeros(num_local, f)) if ffn.bias and ffn.gated else None
+        self.b_out = nn.Parameter(torch.zeros(num_local, hidden)) if ffn.bias else None
+
+    def forward(self, x_XD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x_XD rows grouped by local expert, ``counts[e]`` rows for expert e."""
+        outs = [ffn_apply(chunk, *self._weights(e)) for e, chunk in enumerate(torch.split(x_XD, counts))]
+        return torch.cat(outs) if outs else x_XD
+
+    def _weights(self, e: int):
+        pick = lambda p: None if p is None else p[e]  # noqa: E731
+        return (self.w_in[e], pick(self.w_gate), self.w_out[e], pick(self.b_in), pick(self.b_gate), pick(self.b_out))
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on the activations that injects d(aux)/d(aux) = 1 in backward (Megatron's MoEAuxLossAutoScaler),
+    so a balance loss computed inside a pipeline stage reaches the router without travelling to the loss."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.save_for_backward(aux)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+class MoE(nn.Module):
+    """Router + routed experts (this rank's El of them) + shared experts (+ a parallel dense FFN)."""
+
+    def __init__(self, hidden: int, moe, ep_rank: int = 0, ep_size: int = 1, ep_group=None, dispatcher=None,
+                 aux_loss_coeff: float = 0.0) -> None:
+        super().__init__()
+        assert moe.num_experts % ep_size == 0, "ep must divide num_experts"
+        self.spec, self.ep_size, self.ep_group, self.dispatcher = moe, ep_size, ep_group, dispatcher
+        self.num_local = moe.num_experts // ep_size
+        self.first_expert = ep_rank * self.num_local
+        self.aux_loss_coeff = aux_loss_coeff
+        self.router = nn.Linear(hidden, moe.num_experts, bias=moe.router_bias)
+        self.experts = LocalExperts(self.num_local, hidden, moe.expert)
+        self.shared = nn.ModuleList(FFN(hidden, moe.shared) for _ in range(moe.num_shared_experts))
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if moe.shared_expert_gate else None
+        self.parallel_dense = FFN(hidden, moe.parallel_dense_ffn) if moe.parallel_dense_ffn else None
+        self.expert_tokens = torch.zeros(moe.num_experts, dtype=torch.int64)
+        """Assignments routed to each (logical) expert since the last reset (this rank's tokens)."""
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        weights_Tk, idx_Tk, probs_TE = self._route(x_TD)
+        with torch.no_grad():
+            self.expert_tokens += torch.bincount(idx_Tk.reshape(-1), minlength=self.spec.num_experts).cpu()
+        out_TD = self._routed(x_TD, idx_Tk, weights_Tk)
+        out_TD = out_TD + self._shared(x_TD)
+        if self.aux_loss_coeff and torch.is_grad_enabled():
+            out_TD = AuxLossScaler.apply(out_TD, self.aux_loss_coeff * self._balance_loss(idx_Tk, probs_TE))
+        return out_TD.view_as(x_BSD)
+
+    def _route(self, x_TD):
+        """Top-k weights and indices. softmax: softmax over the top-k logits (Mixtral); sigmoid: top-k of the
+        sigmoid scores, normalised to sum 1 (DeepSeek-V3, norm_topk_prob)."""
+        logits_TE = self.router(x_TD).float()
+        if self.spec.scoring == "softmax":
+            probs_TE = logits_TE.softmax(-1)
+            top, idx = logits_TE.topk(self.spec.top_k, dim=-1)
+            return top.softmax(-1).to(x_TD.dtype), idx, probs_TE
+        probs_TE = logits_TE.sigmoid()
+        top, idx = probs_TE.topk(self.spec.top_k, dim=-1)
+        return (top / top.sum(-1, keepdim=True)).to(x_TD.dtype), idx, probs_TE
+
+    def _balance_loss(self, idx_Tk, probs_TE):
+        """Switch Transformer's auxiliary loss E x sum_e f_e P_e (Fedus et al. 2021, eq. 4), f over the k choices."""
+        E = self.spec.num_experts
+        frac_E = torch.bincount(idx_Tk.reshape(-1), minlength=E).to(probs_TE.dtype) / idx_Tk.numel()
+        return E * (frac_E * probs_TE.mean(0)).sum()
+
+    def _shared(self, x_TD):
+        out = 0
+        for ffn in self.shared:
+            out = out + ffn(x_TD)
+        if self.shared_gate is not None and len(self.shared):
+            out = torch.sigmoid(self.shared_gate(x_TD)) * out
+        if self.parallel_dense is not None:
+            out = out + self.parallel_dense(x_TD)
+        return out
+
+    def _routed(self, x_TD, idx_Tk, weights_Tk):
+        T, k = idx_Tk.shape
+        flat_R = idx_Tk.reshape(-1)
+        order_R = torch.argsort(flat_R, stable=True)
+        x_RD = x_TD.index_select(0, order_R // k)
+        counts_E = torch.bincount(flat_R, minlength=self.spec.num_experts)
+        if self.dispatcher is None:
+            y_RD = self.experts(x_RD, counts_E.tolist())
+        else:
+            y_RD = self._exchange_and_compute(x_RD, counts_E)
+        y_TkD = y_RD.index_select(0, torch.argsort(order_R)).view(T, k, -1)
+        return (y_TkD * weights_Tk.unsqueeze(-1)).sum(1)
+
+    def _exchange_and_compute(self, x_RD, counts_E):
+        layout, recv_El = self._layout(counts_E.view(self.ep_size, self.num_local))
+        x_XD = self.dispatcher.dispatch(x_RD, layout)
+        src_counts = torch.tensor(recv_El, dtype=torch.int64).reshape(-1)
+        expert_X = torch.arange(self.num_local).repeat(self.ep_size).repeat_interleave(src_counts)
+        perm_X = torch.argsort(expert_X, stable=True).to(x_XD.device)
+        per_expert = torch.tensor(recv_El, dtype=torch.int64).sum(0).tolist()
+        y_XD = self.experts(x_XD.index_select(0, perm_X), per_expert).index_select(0, torch.argsort(perm_X))
+        return self.dispatcher.combine(y_XD, layout)
+
+    def _layout(self, counts_pE):
+        """The layout, and per source rank the rows for each local expert ([ep][El])."""
+        if isinstance(self.dispatcher, FlatDispatcher):
+            layout = self.dispatcher.layout(counts_pE)
+            return layout, layout.recv_expert_counts
+        layout = self.dispatcher.layout(counts_pE.sum(1))
+        recv = torch.empty_like(counts_pE.reshape(-1))
+        dist.all_to_all_single(recv, counts_pE.reshape(-1).contiguous(), group=self.ep_group)
+        return layout, recv.view(self.ep_size, -1).tolist()

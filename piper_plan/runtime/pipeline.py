@@ -1,0 +1,81 @@
+"""Pipeline execution: torch.distributed.pipelining (GPipe / 1F1B, shapes inferred at the first step) for
+pp > 1, a plain micro-batch loop for pp = 1. Both average the loss over micro-batches (scale_grads)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of one micro-batch."""
+    return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
+
+
+def build_schedule(module, pp_index: int, pp: int, pp_group, schedule: str, num_microbatches: int, device):
+    """A GPipe or 1F1B schedule over this rank's stage (pp > 1)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = PipelineStage(module, pp_index, pp, device, group=pp_group)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    return cls(stage, n_microbatches=num_microbatches, loss_fn=lm_loss)
+
+
+def run_pipeline(schedule, is_first: bool, is_last: bool, x, y) -> list[torch.Tensor]:
+    """One step of the schedule; returns the last stage's per-micro-batch losses (empty elsewhere)."""
+    losses: list[torch.Tensor] = []
+    if is_first:
+        schedule.step(x)
+    elif is_last:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+    return losses
+
+
+def run_local(module, x, y, num_microbatches: int) -> list[torch.Tensor]:
+    """pp = 1: forward/backward each micro-batch, then divide gradients by the micro-batch count (as the
+    pipelining schedules' scale_grads do, so an in-stage balance loss is weighted the same way)."""
+    losses = []
+    for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
+        loss = lm_loss(module(xm), ym)
+        loss.backward()
+        losses.append(loss.detach())
+    scale_grads(module, num_microbatches)
+    return losses
+
+
+def scale_grads(module, divisor: int) -> None:
+    with torch.no_grad():
+        for q in module.parameters():
+            if q.grad is not None:
+                q.grad /= divisor
+
+
+class P2PTimer:
+    """Seconds spent waiting on the schedule's point-to-point sends/receives (wraps pipelining's private
+    ``_wait_batch_p2p`` helper once per process; 0 if a torch version lacks it)."""
+
+    _instance: "P2PTimer | None" = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+            cls._instance._install()
+        return cls._instance
+
+    def _install(self) -> None:
+        from torch.distributed.pipelining import schedules
+
+        self.seconds = 0.0
+        self._orig = getattr(schedules, "_wait_batch_p2p", None)
+        if self._orig is not None:
+            schedules._wait_batch_p2p = self._timed
+
+    def _timed(self, work):
+        start = time.perf_counter()
+        out = self._orig(work)
+        self.seconds += time.perf_counter() - start
+        return out

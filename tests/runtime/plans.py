@@ -1,0 +1,28 @@
+"""Plan dicts for runtime tests (plan.json's format, DESIGN.md) on a CPU platform derived from frontier.yaml."""
+
+from __future__ import annotations
+
+from piper_plan.catalog import load_model, load_platform
+
+
+def cpu_platform() -> dict:
+    """frontier.yaml with a CPU/gloo launch section (the runtime's device comes from launch.device)."""
+    data = load_platform("frontier").model_dump(mode="json")
+    data["name"] = "cpu-test"
+    data["launch"] = {**data["launch"], "device": "cpu", "backend": "gloo", "gpus_per_task": 0}
+    return data
+
+
+def plan_dict(pp=2, dp=2, ep=2, schedule="1f1b", num_microbatches=2, mbs=1, seq_len=16, model="tiny-moe",
+              zero=0, steps=3, checkpoint_interval=1000, data=None, model_dict=None, layers_per_stage=None) -> dict:
+    spec = model_dict or load_model(model).model_dump(mode="json")
+    parallel = {"dp": dp, "tp": 1, "pp": pp, "ep": ep, "etp": 1, "edp": dp // ep, "mbs": mbs,
+                "num_microbatches": num_microbatches, "schedule": schedule, "virtual_stages": 1,
+                "recompute": "none", "zero": zero, "a2a": "flat", "layers_per_stage": layers_per_stage}
+    training = {"seq_len": seq_len, "global_batch": dp * mbs * num_microbatches, "dtype": "fp32",
+                "weight_bytes": 4, "grad_bytes": 4, "master_bytes": 0}
+    return {"schema_version": 1, "piper_version": "test", "model": spec, "platform": cpu_platform(),
+            "training": training, "nodes": 1, "placement": "compact", "parallel": parallel,
+            "moe": {"capacity_factor": None}, "migration": {"enabled": False},
+            "runtime": {"data": data, "steps": steps, "checkpoint_interval": checkpoint_interval, "seed": 0},
+            "prediction": {}}

@@ -1,0 +1,86 @@
+"""Analytic equals real (DESIGN.md tier 4): the resource model's per-rank parameter counts equal the runtime's
+numel sums exactly; the activations it predicts are within 10% of what autograd saves for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from piper_plan.capability import unsupported_features
+from piper_plan.catalog import load_model
+from piper_plan.runtime.accounting import SavedTensorTracker, param_counts
+from piper_plan.runtime.model import StageModel, init_stage, shrink_spec
+from piper_plan.runtime.pipeline import lm_loss
+from piper_plan.specs import ParallelPlan, TrainingSpec
+
+memory = pytest.importorskip("piper_plan.cost.memory")
+TINY = ["tiny-moe", "tiny-moe-plain", "tiny-dense"]
+
+
+def _stage_numel(model, plan: ParallelPlan, stage: int, ep_rank: int = 0) -> dict:
+    layers = plan.stage_layers(model.num_layers)
+    module = StageModel(model, sum(layers[:stage]), layers[stage], {"ep_rank": ep_rank, "ep_size": plan.ep})
+    return param_counts(module)
+
+
+@pytest.mark.parametrize("name", TINY + ["mixtral-8x7b", "deepseek-v3", "llama4-maverick", "arctic"])
+@pytest.mark.parametrize("pp,dp,ep", [(1, 1, 1), (2, 2, 2), (2, 4, 2), (4, 8, 8)])
+def test_rank_param_counts_equal_runtime_numel(name, pp, dp, ep):
+    model = load_model(name)
+    if name not in TINY:  # catalog models at reduced width and depth; structure (shared, dense layers) kept
+        model = shrink_spec(model, num_layers=4 * pp if model.num_layers >= 4 * pp else None, num_experts=8)
+    plan = ParallelPlan(pp=pp, dp=dp, ep=ep)
+    problems = unsupported_features(plan, model)
+    if problems or model.num_layers < pp or (model.moe and model.moe.num_experts % ep):
+        pytest.skip(f"outside the runtime's capability: {problems}")
+    predicted = memory.rank_param_counts(model, plan)
+    real = [_stage_numel(model, plan, s) for s in range(pp)]
+    assert predicted == real
+
+
+def test_whole_model_numel_equals_spec_count():
+    for name in TINY:
+        model = load_model(name)
+        assert param_counts(StageModel(model, 0, model.num_layers))["total"] == model.params.total
+
+
+def _saved_bytes(model, training: TrainingSpec) -> int:
+    torch.manual_seed(0)
+    module = StageModel(model, 0, model.num_layers)
+    init_stage(module, 0)
+    tracker = SavedTensorTracker(module)
+    x = torch.randint(0, model.vocab_size, (1, training.seq_len + 1))
+    with tracker.hooks():
+        loss = lm_loss(module(x[:, :-1]), x[:, 1:])
+    peak = tracker.peak_bytes
+    loss.backward()
+    return peak
+
+
+GAP = pytest.mark.xfail(strict=False, reason=(
+    "open gap (runtime report, 2026-11-30): seq 256, mbs 1, fp32, flash attention: saved-for-backward exceeds "
+    "the resource model by 13.5% (tiny-moe) and 22% (tiny-dense); tiny-moe-plain is within 1.5%. Suspects: GQA "
+    "k/v expanded by repeat_interleave and RoPE intermediates saved per layer, SwiGLU's silu input + product"))
+
+
+@pytest.mark.parametrize("name", [pytest.param("tiny-moe", marks=GAP), "tiny-moe-plain",
+                                  pytest.param("tiny-dense", marks=GAP)])
+def test_activation_bytes_within_10_percent(name):
+    evaluate = pytest.importorskip("piper_plan.cost.evaluate")
+    from plans import cpu_platform
+
+    from piper_plan.specs import PlatformSpec
+
+    data = cpu_platform()
+    data["device"]["peak_flops"]["fp32"] = 1e12  # only for the time terms; memory does not read it
+    platform = PlatformSpec.model_validate(data)
+    model = load_model(name)
+    training = TrainingSpec(seq_len=256, global_batch=1, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
+    plan = ParallelPlan(pp=1, dp=1, ep=1, mbs=1, num_microbatches=1, schedule="gpipe")
+    est = evaluate.estimate(model, platform, training, 1, plan)
+    comps = est["memory"]["per_stage"][0]["components"]
+    predicted = sum(v for k, v in comps.items() if k.startswith("activations/"))
+    measured = _saved_bytes(model, training)
+    print(f"{name}: predicted {predicted:.0f} B, saved-for-backward {measured} B, "
+          f"rel_error {(predicted - measured) / measured:+.3f}")
+    assert predicted == pytest.approx(measured, rel=0.10)

@@ -1,0 +1,98 @@
+"""Code that runs inside spawned gloo ranks (one spawn runs several checks: each torch import costs seconds)."""
+
+from __future__ import annotations
+
+import os
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+
+def init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) -> dict:
+    """Run ``steps`` steps; per step the loss (last stage) and every gradient after the dp/edp sync."""
+    from piper_plan.runtime.train import Trainer, config_from_dict
+
+    trainer = Trainer(config_from_dict(plan), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
+    out = {"losses": [], "grads": [], "first_expert": {}}
+    for step in range(steps):
+        report = trainer.train_step(step)
+        out["losses"].append(report["loss"])
+        out["grads"].append({n: q.grad.clone() for n, q in trainer.module.named_parameters()})
+    out["first_expert"] = {i: m.first_expert for i, m in trainer.module.moe_layers().items()}
+    out["expert_tokens"] = report["expert_tokens"]
+    return out
+
+
+def dispatch_checks(rank: int, world: int) -> dict:
+    """dispatch -> combine returns the input; a layout where ranks receive nothing does not hang."""
+    import torch.distributed as dist
+
+    from piper_plan.runtime.dispatch import FlatDispatcher
+
+    disp = FlatDispatcher(dist.new_group(list(range(world))))
+    gen = torch.Generator().manual_seed(rank)
+    counts = torch.randint(0, 5, (world,), generator=gen)
+    x = torch.randn(int(counts.sum()), 3, generator=gen, requires_grad=True)
+    layout = disp.layout(counts)
+    back = disp.combine(disp.dispatch(x, layout), layout)
+    back.sum().backward()
+    only_to_0 = torch.tensor([4 if d == 0 else 0 for d in range(world)])
+    lay0 = disp.layout(only_to_0)
+    got = disp.dispatch(torch.full((4, 2), float(rank)), lay0)
+    return {"identity_err": float((back - x).abs().max().detach()), "grad_ones": bool(torch.all(x.grad == 1)),
+            "send": layout.send_counts, "recv": layout.recv_counts, "zero_recv_rows": got.shape[0],
+            "zero_recv_values": got[:, 0].tolist()}
+
+
+def resume_check(plan: dict, rank: int, world: int, run_dir: str) -> dict:
+    """4 steps straight vs 2 steps + checkpoint, then a fresh trainer resuming for steps 3-4."""
+    from piper_plan.runtime.train import Trainer, config_from_dict
+
+    cfg = config_from_dict(plan)
+    straight = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
+    full = [straight.train_step(s)["loss"] for s in range(4)]
+    first = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
+    part = [first.train_step(s)["loss"] for s in range(2)]
+    first.save(Path(run_dir), 2)
+    torch.manual_seed(1234)  # disturb the RNG: resume must restore it
+    second = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
+    start = second.resume(Path(run_dir))
+    part += [second.train_step(s)["loss"] for s in range(start, 4)]
+    return {"full": full, "resumed": part, "start": start}
+
+
+def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
+    init(rank, world, port)
+    results = {}
+    for name, kind, kwargs in jobs:
+        if kind == "train":
+            results[name] = train_and_record(kwargs["plan"], rank, world, kwargs["steps"], kwargs["aux"])
+        elif kind == "dispatch":
+            results[name] = dispatch_checks(rank, world)
+        elif kind == "resume":
+            results[name] = resume_check(kwargs["plan"], rank, world, kwargs["run_dir"])
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def spawn(world: int, jobs: list, out_dir: Path) -> list[dict]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(world, port, jobs, str(out_dir)), nprocs=world, start_method="spawn")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
