@@ -1,0 +1,129 @@
+"""``piper bench``: communication benchmarks. ``piper bench a2a``: flat vs HALO all-to-all.
+
+On one machine the command spawns ``nodes x ranks_per_node`` gloo processes with an emulated topology;
+under torchrun or srun every rank runs it and the topology comes from the job. It prints a table, checks
+HALO against ``all_to_all_single`` with ``--verify`` (exit 0 only when every check passed), and merges
+``all_to_all`` / ``halo_all_to_all`` rows into ``calibration/<platform>/collectives.csv``.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from piper_plan.cli.common import console, print_json
+
+DEFAULT_PLATFORM = "local-cpu"
+"""Platform of a single-machine run (its calibration folder receives the rows)."""
+
+
+@click.group("bench")
+def bench_group() -> None:
+    """Communication benchmarks (flat vs HALO all-to-all)."""
+
+
+@bench_group.command("a2a")
+@click.option("--algo", default="flat,halo", show_default=True, help="Algorithms to time: flat, halo.")
+@click.option("--nodes", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Nodes to emulate on one machine (ignored under torchrun/srun: the job's own).")
+@click.option("--ranks-per-node", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Ranks per emulated node.")
+@click.option("--sizes", default="4K,64K,1M", show_default=True,
+              help="bytes_per_rank (nccl-tests 'size'; K = 1024).")
+@click.option("--verify", is_flag=True, help="Check HALO == all_to_all_single exactly (outputs and gradients).")
+@click.option("--platform", "platform_name", default=None,
+              help=f"Platform for the NIC map, scope and calibration folder [default: {DEFAULT_PLATFORM}].")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed calls per size.")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed calls first.")
+@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder whose collectives.csv receives the rows [default: calibration/<platform>].")
+@click.option("--no-save", is_flag=True, help="Do not write calibration rows.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, warmup, output_dir, no_save, as_json):
+    """Time flat vs HALO all-to-all (and verify HALO) on emulated or real nodes."""
+    from piper_plan.runtime import bench_a2a as bench
+
+    platform = _load_platform(platform_name)
+    config = bench.BenchConfig(
+        algos=bench.parse_algos(algo), sizes_bytes=bench.parse_sizes(sizes), nodes=nodes,
+        ranks_per_node=ranks_per_node, repeats=repeats, warmup=warmup, verify=verify,
+        devices_per_node=platform.node.devices_per_node if platform else None,
+        device_nic=tuple(platform.node.nic_of_device) if platform else None)
+    launched = bench.launcher_ranks() is not None
+    if launched:
+        rank, result = bench.run_launched(config, _backend(platform))
+    else:
+        with console().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node})"):
+            rank, result = 0, bench.spawn_bench(config)
+    if rank != 0:
+        sys.exit(0 if result.passed else 1)
+    _report(result, verify, as_json)
+    if result.passed and not no_save:
+        _save(result, platform, platform_name or DEFAULT_PLATFORM, output_dir, launched)
+    sys.exit(0 if result.passed else 1)
+
+
+def _load_platform(name: str | None):
+    """The named platform; the default (local-cpu) may be absent from the catalog: then no NIC map."""
+    from piper_plan.catalog import load_platform, platforms_dir
+
+    if name is None and not (platforms_dir() / f"{DEFAULT_PLATFORM}.yaml").is_file():
+        return None
+    return load_platform(name or DEFAULT_PLATFORM)
+
+
+def _backend(platform) -> str:
+    import torch
+
+    wanted = platform.launch.backend if platform else "gloo"
+    return "nccl" if wanted == "nccl" and torch.cuda.is_available() else "gloo"
+
+
+def _report(result, verify: bool, as_json: bool) -> None:
+    from rich.table import Table
+
+    from piper_plan.runtime.bench_a2a import alltoall_bandwidths_GBps
+
+    where = "emulated on one machine" if result.emulated else "from the job"
+    table = Table(title=f"all-to-all, {result.num_nodes} nodes x {result.ranks_per_node} ranks "
+                        f"({result.backend}, topology {where})")
+    for col in ("bytes/rank", "flat ms", "halo ms", "halo/flat", "halo busbw GB/s", "verified"):
+        table.add_column(col, justify="right")
+    for size in result.sizes:
+        flat, halo = size.seconds.get("flat"), size.seconds.get("halo")
+        ratio = f"{halo / flat:.2f}" if flat and halo else "-"
+        busbw = f"{alltoall_bandwidths_GBps(size.bytes_per_rank, halo, result.num_ranks)[1]:.3f}" if halo else "-"
+        checked = ("yes" if not size.errors else "FAILED") if verify else "-"
+        table.add_row(f"{size.bytes_per_rank:,}", _ms(flat), _ms(halo), ratio, busbw, checked)
+    console().print(table)
+    for size in result.sizes:
+        for error in size.errors[:5]:
+            console().print(f"FAILED: {error}", markup=False)
+    if as_json:
+        from dataclasses import asdict
+
+        print_json({**asdict(result), "passed": result.passed})
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1e3:.3f}" if seconds is not None else "-"
+
+
+def _save(result, platform, platform_name: str, output_dir: Path | None, launched: bool) -> None:
+    from piper_plan.catalog import calibration_dir
+    from piper_plan.runtime import bench_a2a as bench
+
+    network = platform.network if platform else None
+    scope = bench.scope_of(result.num_nodes, network.nodes_per_switch if network else 1,
+                           network.nodes_per_group if network else 1)
+    how = "emulated topology, one host" if result.emulated else "job topology"
+    command = " ".join(["piper"] + sys.argv[1:]) if sys.argv and sys.argv[0].endswith("piper") else "piper bench a2a"
+    source = (f"measured: {command} on {socket.gethostname()} {time.strftime('%Y-%m-%d')} "
+              f"({result.backend}, {how})")
+    directory = output_dir or calibration_dir(platform_name)
+    path = bench.write_collective_rows(directory, bench.collective_rows(result, scope, source))
+    console().print(f"wrote {len(result.sizes) * len(result.sizes[0].seconds)} rows to {path}", markup=False)

@@ -1,0 +1,381 @@
+"""Benchmark and verify the flat all-to-all against HALO (``piper bench a2a``).
+
+On one machine this spawns ``nodes x ranks_per_node`` gloo processes with an emulated topology; under
+torchrun or srun it uses the job's own ranks and the detected topology. Per message size it times
+``torch.distributed.all_to_all_single`` (flat) and ``HaloDispatcher`` (halo) on the same data and, with
+``verify``, checks that HALO's output and gradients equal ``all_to_all_single``'s exactly.
+
+Sizes follow nccl-tests (``alltoall_perf``): ``bytes_per_rank`` is its ``size`` column, the bytes one rank
+sends in total (its share to itself included), split evenly over the ranks; ``algbw = size / time`` and
+``busbw = algbw x (n - 1) / n`` (nccl-tests doc/PERFORMANCE.md). A size is rounded to whole rows of at most
+``ROW_FLOATS`` float32 per peer, and the actual byte count is reported. Time = the slowest rank's median over
+``repeats`` calls (each after a barrier), after ``warmup`` untimed calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from piper_plan.errors import PiperError
+
+ALGOS = ("flat", "halo")
+ROW_FLOATS = 64
+"""Widest row (float32 elements) used to carry a message; narrower when a peer's share is smaller."""
+SIZE_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+"""Size suffixes as nccl-tests' parsesize reads them (powers of 1024)."""
+OP_OF_ALGO = {"flat": "all_to_all", "halo": "halo_all_to_all"}
+"""collectives.csv ``op`` of each algorithm."""
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"4K,64K,1M"`` -> (4096, 65536, 1048576) bytes."""
+    sizes = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", item.upper())
+        if not match or int(match.group(1)) == 0:
+            raise PiperError(f"--sizes: {item.strip()!r} is not a positive size; use e.g. 4K,64K,1M (K = 1024 bytes)")
+        sizes.append(int(match.group(1)) * SIZE_SUFFIX[match.group(2)])
+    return tuple(sizes)
+
+
+def parse_algos(text: str) -> tuple[str, ...]:
+    """``"flat,halo"`` -> ("flat", "halo")."""
+    algos = tuple(a.strip() for a in text.split(",") if a.strip())
+    bad = [a for a in algos if a not in ALGOS]
+    if bad or not algos:
+        raise PiperError(f"--algo: {','.join(bad) or text!r} unknown; allowed: {', '.join(ALGOS)}")
+    return algos
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one benchmark run does (picklable: handed to spawned ranks)."""
+
+    algos: tuple[str, ...]
+    sizes_bytes: tuple[int, ...]
+    nodes: int
+    ranks_per_node: int
+    repeats: int = 5
+    warmup: int = 1
+    verify: bool = False
+    devices_per_node: int | None = None
+    """Platform devices per node (None = ranks_per_node)."""
+    device_nic: tuple[int, ...] | None = None
+    """Platform NIC of each local device (None = one NIC per device)."""
+    emulate: str | None = None
+    """``"NxG"`` topology override; set for local spawns."""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    """One message size: the bytes actually moved per rank, seconds per algorithm, and the checks."""
+
+    bytes_per_rank: int
+    seconds: dict[str, float]
+    checks: int = 0
+    errors: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """A whole run, as the CLI renders and records it."""
+
+    num_nodes: int
+    ranks_per_node: int
+    backend: str
+    emulated: bool
+    sizes: tuple[SizeResult, ...]
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    @property
+    def passed(self) -> bool:
+        return all(not s.errors for s in self.sizes)
+
+
+def alltoall_bandwidths_GBps(bytes_per_rank: float, seconds: float, num_ranks: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s per nccl-tests: algbw = size / time, busbw = algbw x (n - 1) / n."""
+    algbw = bytes_per_rank / seconds / 1e9
+    return algbw, algbw * (num_ranks - 1) / num_ranks
+
+
+def message_shape(bytes_per_rank: int, num_ranks: int) -> tuple[int, int]:
+    """(rows per peer, float32 per row) carrying about ``bytes_per_rank`` split evenly over ``num_ranks``."""
+    per_peer_floats = max(bytes_per_rank // (4 * num_ranks), 1)
+    row_floats = min(ROW_FLOATS, per_peer_floats)
+    return max(per_peer_floats // row_floats, 1), row_floats
+
+
+def random_counts(num_ranks: int, rng: np.random.Generator, max_rows: int = 5) -> np.ndarray:
+    """A skewed [P, P] count matrix with zeros, one rank that sends nothing and one that receives nothing."""
+    counts = rng.integers(0, max_rows + 1, size=(num_ranks, num_ranks))
+    counts[rng.random(counts.shape) < 0.3] = 0
+    counts[rng.integers(num_ranks), :] = 0
+    counts[:, rng.integers(num_ranks)] = 0
+    return counts.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-rank work (torch.distributed initialised).
+# ----------------------------------------------------------------------------------------------------
+
+def verify_exchange(halo, counts_PP: np.ndarray, dim: int, seed: int) -> list[str]:
+    """HALO dispatch/combine == all_to_all_single, outputs and gradients, bit for bit (collective on halo.group).
+
+    Every rank of the EP group calls this with the same ``counts_PP`` (rows group rank s -> d).
+    """
+    import torch
+
+    from piper_plan.runtime.halo import comm_device
+
+    me = halo.me
+    gen = torch.Generator().manual_seed(seed * 10007 + me)
+    send, recv = [int(c) for c in counts_PP[me]], [int(c) for c in counts_PP[:, me]]
+    layout = halo.layout(torch.tensor(send))
+    errors = [] if (list(layout.send_counts), list(layout.recv_counts)) == (send, recv) else [
+        f"rank {me}: layout {layout.send_counts}/{layout.recv_counts} != {send}/{recv}"]
+    device = comm_device(halo.group)  # nccl needs GPU tensors; gloo CPU ones
+    x_RD = torch.randn(sum(send), dim, generator=gen, dtype=torch.float64).to(device)
+    w_SD = torch.randn(sum(recv), dim, generator=gen, dtype=torch.float64).to(device)
+    for name, (got, want) in _dispatch_pairs(halo, layout, x_RD, w_SD, send, recv).items():
+        if not torch.equal(got, want):
+            errors.append(f"rank {me}: {name} differs from all_to_all_single (counts {counts_PP.tolist()})")
+    return errors
+
+
+def _dispatch_pairs(halo, layout, x_RD, w_SD, send, recv) -> dict:
+    """(HALO, reference) pairs: dispatch output and input gradient, combine output and input gradient.
+
+    The reference is ``all_to_all_single`` itself; the gradient of ``sum(a2a(x) * w)`` with respect to x is
+    the reverse exchange of w (the all-to-all is a permutation of rows; its adjoint is the inverse one).
+    """
+    import torch
+    import torch.distributed as dist
+
+    def flat(inp, out_splits, in_splits):
+        out = inp.new_empty((sum(out_splits), inp.shape[1]))
+        dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=halo.group)
+        return out
+
+    def halo_run(fn, inp, weight):
+        leaf = inp.clone().requires_grad_(True)
+        out = fn(leaf)
+        (out * weight).sum().backward()
+        return out.detach(), leaf.grad if leaf.grad is not None else torch.zeros_like(inp)
+
+    h_out, h_grad = halo_run(lambda t: halo.dispatch(t, layout), x_RD, w_SD)
+    hc_out, hc_grad = halo_run(lambda t: halo.combine(t, layout), w_SD, x_RD)
+    return {"dispatch": (h_out, flat(x_RD, recv, send)), "dispatch grad": (h_grad, flat(w_SD, send, recv)),
+            "combine": (hc_out, flat(w_SD, send, recv)), "combine grad": (hc_grad, flat(x_RD, recv, send))}
+
+
+def _time_seconds(fn, repeats: int, warmup: int, device) -> float:
+    """Median seconds of one call of ``fn`` (each call starts after a barrier), on the slowest rank.
+
+    Median over repeats and the slowest rank: the ``seconds`` definition of collectives.csv
+    (piper_plan/calibration/schema.py).
+    """
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    median = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median.item())
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_index: int) -> SizeResult:
+    """Time every algorithm at one size; with ``verify``, check HALO against all_to_all_single."""
+    import torch
+    import torch.distributed as dist
+
+    num_ranks = dist.get_world_size()
+    rows, width = message_shape(bytes_per_rank, num_ranks)
+    splits = [rows] * num_ranks
+    x_RD = torch.randn(rows * num_ranks, width, device=device)
+    flat_out = torch.empty_like(x_RD)
+    layout = halo.layout(torch.tensor(splits))
+    ops = {"flat": lambda: dist.all_to_all_single(flat_out, x_RD, splits, splits, group=halo.group),
+           "halo": lambda: halo.exchange(x_RD, layout.dispatch_plan)}
+    seconds = {a: _time_seconds(ops[a], config.repeats, config.warmup, device) for a in config.algos}
+    errors: list[str] = []
+    checks = 0
+    if config.verify:
+        ops["flat"]()
+        checks += 1
+        if not torch.equal(halo.exchange(x_RD, layout.dispatch_plan), flat_out):
+            errors.append(f"rank {dist.get_rank()}: HALO != all_to_all_single at {bytes_per_rank} bytes")
+        rng = np.random.default_rng(config.seed * 1000 + size_index)
+        errors += verify_exchange(halo, random_counts(num_ranks, rng), dim=3, seed=config.seed + size_index)
+        checks += 4
+    return SizeResult(rows * width * 4 * num_ranks, seconds, checks, tuple(errors))
+
+
+def run_bench(config: BenchConfig) -> BenchResult:
+    """Every rank: build HALO over the whole world, run all sizes, gather the errors (collective)."""
+    import torch.distributed as dist
+
+    from piper_plan.runtime.halo import build_halo_dispatchers, comm_device
+    from piper_plan.runtime.topology import EMULATE_ENV, topology_from_env
+
+    world = dist.get_world_size()
+    topology = topology_from_env(world, config.devices_per_node or config.ranks_per_node,
+                                 list(config.device_nic) if config.device_nic else None, config.emulate)
+    halo = build_halo_dispatchers([list(range(world))], topology)
+    device = comm_device(halo.group)
+    sizes = [bench_one_size(halo, config, b, device, i) for i, b in enumerate(config.sizes_bytes)]
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, [s.errors for s in sizes])
+    sizes = [SizeResult(s.bytes_per_rank, s.seconds, s.checks * world, tuple(e for g in gathered for e in g[i]))
+             for i, s in enumerate(sizes)]
+    emulated = bool(config.emulate or os.environ.get(EMULATE_ENV))
+    return BenchResult(topology.num_nodes, world // topology.num_nodes, dist.get_backend(), emulated, tuple(sizes))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Starting ranks: spawn on one machine, or join a launcher's job.
+# ----------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_gloo(entry, num_ranks: int, *args, timeout_s: float = 300.0) -> None:
+    """Run ``entry(rank, num_ranks, init_method, timeout_s, *args)`` in ``num_ranks`` spawned processes."""
+    import torch.multiprocessing as mp
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    mp.start_processes(entry, args=(num_ranks, init_method, timeout_s) + args, nprocs=num_ranks,
+                       join=True, start_method="spawn")
+
+
+def init_gloo(rank: int, num_ranks: int, init_method: str, timeout_s: float) -> None:
+    """Join a spawned gloo group (one thread per rank: the machine's cores are shared)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=num_ranks,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _spawned_bench(rank: int, num_ranks: int, init_method: str, timeout_s: float,
+                   config: BenchConfig, result_path: str) -> None:
+    import torch.distributed as dist
+
+    init_gloo(rank, num_ranks, init_method, timeout_s)
+    try:
+        result = run_bench(config)
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(asdict(result)), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_bench(config: BenchConfig) -> BenchResult:
+    """Run the benchmark in ``nodes x ranks_per_node`` local gloo processes (emulated topology)."""
+    config = BenchConfig(**{**asdict(config), "emulate": f"{config.nodes}x{config.ranks_per_node}"})
+    with tempfile.TemporaryDirectory(prefix="piper-bench-") as tmp:
+        path = Path(tmp) / "result.json"
+        spawn_gloo(_spawned_bench, config.nodes * config.ranks_per_node, config, str(path))
+        return result_from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def result_from_dict(data: dict) -> BenchResult:
+    sizes = tuple(SizeResult(s["bytes_per_rank"], s["seconds"], s["checks"], tuple(s["errors"])) for s in data["sizes"])
+    return BenchResult(data["num_nodes"], data["ranks_per_node"], data["backend"], data["emulated"], sizes)
+
+
+def launcher_ranks() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) under torchrun (RANK/WORLD_SIZE) or srun (SLURM_PROCID/NTASKS); else None."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+def run_launched(config: BenchConfig, backend: str) -> tuple[int, BenchResult]:
+    """Join the launcher's job (MASTER_ADDR / MASTER_PORT from the job script) and run; returns (rank, result)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local_rank = launcher_ranks()
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    try:
+        return rank, run_bench(config)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Calibration rows.
+# ----------------------------------------------------------------------------------------------------
+
+def scope_of(num_nodes: int, nodes_per_switch: int, nodes_per_group: int) -> str:
+    """Widest scope a compact allocation of ``num_nodes`` spans (DESIGN.md scopes)."""
+    if num_nodes <= 1:
+        return "node"
+    if num_nodes <= nodes_per_switch:
+        return "switch"
+    return "group" if num_nodes <= nodes_per_group else "system"
+
+
+def collective_rows(result: BenchResult, scope: str, source: str) -> list[dict]:
+    """collectives.csv rows (DESIGN.md columns) for every algorithm and size of ``result``."""
+    rows = []
+    for size in result.sizes:
+        for algo, seconds in size.seconds.items():
+            algbw, busbw = alltoall_bandwidths_GBps(size.bytes_per_rank, seconds, result.num_ranks)
+            rows.append({"op": OP_OF_ALGO[algo], "scope": scope, "num_nodes": result.num_nodes,
+                         "ranks_per_node": result.ranks_per_node, "bytes_per_rank": size.bytes_per_rank,
+                         "seconds": seconds, "algbw_GBps": algbw, "busbw_GBps": busbw, "source": source})
+    return rows
+
+
+def write_collective_rows(directory: str | Path, rows: list[dict]) -> Path:
+    """Merge the rows into ``directory/collectives.csv`` (calibration.io's atomic merge; same key replaced)."""
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.calibration.schema import COLLECTIVES
+
+    return merge_rows(directory, COLLECTIVES, rows)
