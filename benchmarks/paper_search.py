@@ -5,9 +5,11 @@ the four X-MoE models on Piper's GPU counts 8 / 32 / 80 / 512 (1 / 4 / 10 / 64 F
 under --strategy piper (the paper's PP x EP mesh) and, for reference, the general space.
 Writes docs/paper-search.md and prints the same table.
 
-Assumptions (the paper does not publish them): global batch 1024 sequences (X-MoE's GBS for Medium/Large/Super;
-X-MoE Small used 8192 — we use 8192 for Small); X-MoE models in fp16 (X-MoE's setting), the weak-scaling family in
-bf16; routing perfectly balanced (routing_skew 1). The goal is within 25%; the table reports what comes out.
+Assumptions (the paper does not publish them): global batch 1024 sequences for X-MoE Medium/Large/Super (X-MoE's
+GBS; 8192 for Small); the weak-scaling family keeps the work per GCD constant, 16 sequences per GCD (1024 / 8192 /
+16384 sequences on 64 / 512 / 1024 GCDs) — a fixed 1024 would be strong scaling in data: with PP = 32 (the only
+valid plan at 1024 GCDs) and dp = 32 it leaves 32 micro-batches for 32 stages, a 49% pipeline bubble;
+X-MoE models in fp16 (X-MoE's setting), the weak-scaling family in bf16; routing perfectly balanced (routing_skew 1). The goal is within 25%; the table reports what comes out.
 
 Run: .venv/bin/python benchmarks/paper_search.py
 """
@@ -21,11 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "paper-search.md"
 
+WEAK_SEQUENCES_PER_GCD = 16
+"""Weak scaling holds the work per GCD constant: 16 sequences per GCD (1024 at 64 GCDs) [assumption]."""
+
 # (model, nodes, seq_len, global_batch, dtype, paper TFLOPS per GCD, citation)
 CASES = [
-    ("piper-weak-110b", 8, 4096, 1024, "bf16", 45.15, "Piper weak scaling, 16 experts, 64 GPUs"),
-    ("piper-weak-862b", 64, 4096, 1024, "bf16", 39.38, "Piper weak scaling, 128 experts, 512 GPUs"),
-    ("piper-weak-1.7t", 128, 4096, 1024, "bf16", 33.04, "Piper weak scaling, 256 experts, 1024 GPUs"),
+    ("piper-weak-110b", 8, 4096, WEAK_SEQUENCES_PER_GCD * 64, "bf16", 45.15, "Piper weak scaling, 16 experts, 64 GPUs"),
+    ("piper-weak-862b", 64, 4096, WEAK_SEQUENCES_PER_GCD * 512, "bf16", 39.38,
+     "Piper weak scaling, 128 experts, 512 GPUs"),
+    ("piper-weak-1.7t", 128, 4096, WEAK_SEQUENCES_PER_GCD * 1024, "bf16", 33.04,
+     "Piper weak scaling, 256 experts, 1024 GPUs"),
     ("xmoe-small", 1, 2048, 8192, "fp16", 90.44, "Piper vs X-MoE table, Small 10.1B, 8 GPUs"),
     ("xmoe-medium", 4, 4096, 1024, "fp16", 57.83, "Piper vs X-MoE table, Medium 55.2B, 32 GPUs"),
     ("xmoe-large", 10, 4096, 1024, "fp16", 46.89, "Piper vs X-MoE table, Large 201.4B, 80 GPUs"),
@@ -91,10 +98,51 @@ def render(rows: list[dict], calibration_note: str, seconds: float) -> str:
     eff = weak_efficiency(rows)
     lines += ["", f"Weak-scaling efficiency 64 -> 1024 GCDs (TFLOPS per GCD at 1024 / at 64): predicted "
               f"{'-' if eff is None else format(100 * eff, '.0f') + '%'}, paper {100 * PAPER_WEAK_EFFICIENCY:.0f}%.", "",
-              "Assumptions: global batch 1024 sequences (X-MoE Small: 8192, X-MoE's setting), X-MoE models fp16, "
-              "weak-scaling family bf16, balanced routing; the paper does not publish its batch sizes or "
-              "parallel configurations.", "", f"Search time for all cases: {seconds:.1f} s.", ""]
+              "Assumptions: global batch 1024 sequences for X-MoE Medium/Large/Super (Small: 8192, X-MoE's setting); "
+              f"weak-scaling family {WEAK_SEQUENCES_PER_GCD} sequences per GCD (1024 / 8192 / 16384: constant work "
+              "per GCD, the definition of weak scaling); X-MoE models fp16, weak-scaling family bf16, balanced "
+              "routing; the paper does not publish its batch sizes or parallel configurations.", "",
+              f"Search time for all cases: {seconds:.1f} s.", "", ANALYSIS]
     return "\n".join(lines)
+
+
+ANALYSIS = """## Analysis of the gaps (no constant tuned to these held-out numbers)
+
+Result: with the batch fix the predicted weak-scaling efficiency is 84% (paper 73%; before: 42%), but the
+absolute TFLOPS of all three weak-scaling sizes are now 1.6-1.8x the paper's: a near-uniform factor, which
+points at runtime overheads the model does not include rather than at a scope, volume or bubble error (none
+found below). X-MoE Medium / Large / Super are within 25%. Checked for modelling errors:
+
+- **Batch assumption (fixed, an error in this script).** The previous table used a global batch of 1024 for all
+  three weak-scaling sizes. At 1024 GCDs the only valid Piper plan is PP = 32, EP = dp = 32, so a 1024 batch gives
+  32 micro-batches for 32 stages: the pipeline bubble was 49% of the step (estimate breakdown `pipeline/bubble`),
+  and the predicted weak-scaling efficiency (42%) measured strong scaling in data. Weak scaling keeps the work per
+  GCD constant; with 16 sequences per GCD the 1.7T winner (mbs 2: 256 micro-batches) has an 11% bubble (test: tests/search/test_engine.py
+  `test_paper_search_weak_scaling_keeps_work_per_gcd`).
+- **Scope of EP groups.** ep = dp groups of consecutive ranks (DESIGN.md rank order): EP 8 stays in one node,
+  EP 32 spans 4 nodes of one switch on a compact allocation (estimate `scopes`: ep = switch, pp = group);
+  correct. HALO phase II (inter-node) has no calibration rows on Frontier yet: alpha-beta, and the estimate
+  says so.
+- **All-to-all volume.** Each rank sends mbs x s x k token rows of d x 2 B per dispatch (and the same per
+  combine), 4 all-to-alls per MoE layer per micro-batch in training (2 forward, 2 backward): the paper's lower
+  bound 4 b s k d / (EP B_NIC) per rank; correct. HALO's intra-node phases now use the calibrated node curve.
+- **Expert GEMM shapes.** Received rows per rank mbs x s x k (balanced routing), split over E / EP local experts
+  as a grouped GEMM: 110B (EP 8, 2 experts per rank) has 8,192-row GEMMs of [5120 x 20480] — large, near the
+  calibrated peak — hence the high 110B prediction (compute dominates; a2a stays inside a node). The paper's 45
+  TFLOPS there is below what its own single-node profiles reach (~95-120 TFLOPS for expert GEMMs); we do not
+  model that runtime's overheads and do not tune to it.
+- **Activation memory forcing bad plans.** At 1024 GCDs, 8 experts x 2 x 5120 x 20480 parameters per rank with
+  edp = 1 (ZeRO-1 cannot shard them) take 27 GB of state; 32 micro-batches in flight force full recompute
+  (+20% compute). That is the model's honest consequence of the PP x EP mesh, not an error.
+- **X-MoE Small (66 vs 90.44).** Its time is 51% attention (the seeded flash-attention rate at s = 2048, 16
+  heads is 20 TFLOPS, measured) and 36% experts. Finding for the calibration owner: its grouped expert GEMM
+  (64 local experts at pp 8, ep 1: m = 768 rows, n = 1408, k = 2048, groups = 64) is priced at 120 TFLOPS by the
+  calibration's 4-D log interpolation, which extrapolates (flagged) from the groups = 32, d = 7168 rows; the seed
+  row of its own shape family (groups 8, m = 1536) says 43. Keying grouped GEMMs by the per-GEMM shape would
+  make Small slower still, i.e. further from 90.44: the paper's figure exceeds what the measured kernels allow
+  under PaLM's active-parameter FLOP count, so its FLOP convention (not published; X-MoE pads experts to a
+  capacity factor of 1.25) likely differs. Left as a documented gap.
+"""
 
 
 def main() -> None:

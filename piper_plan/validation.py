@@ -298,9 +298,7 @@ def best_plan(inputs: _Inputs, row: RowSpec, model, training):
         return None, {"feasible": 0, "reasons": result.reasons}
     i = result.best
     best = result.row(i)
-    from piper_plan.search.engine import make_candidates
-
-    plan = make_candidates(result.fields).plan(i)
+    plan = result.plan(model, training, i)
     return plan, {"feasible": result.feasible, "searched": result.candidates_total,
                   "search_tflops_per_device": best["tflops_per_device"]}
 

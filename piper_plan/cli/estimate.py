@@ -179,6 +179,8 @@ def render(result: dict, model, platform, plan) -> None:
     out.print(f"scopes: {result['scopes']} | compute: {result['sources']['compute']}"
               + (" | some points EXTRAPOLATED beyond calibration" if result["sources"]["extrapolated"] else ""),
               markup=False)
+    out.print(f"expert all-to-all ({result['sources'].get('a2a_algorithm', '')}): {result['sources']['a2a']}",
+              markup=False)
     if "other_placement" in result:
         o = result["other_placement"]
         out.print(f"with a {o['placement']} allocation: step {o['step_time_s']:.4g} s, "

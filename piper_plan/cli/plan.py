@@ -192,10 +192,13 @@ def _plans_table(result, platform, training, top: int):
         table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a") else "right", no_wrap=True)
     for row in plan_rows(result, training, top):
         table.add_row(str(row["rank"]), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp")),
-                      f"{row['mbs']} x {row['num_microbatches']}", _short_schedule(row), row["recompute"][:4],
+                      f"{row['mbs']} x {row['num_microbatches']}",
+                      _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),
+                      row["recompute"][:4],
                       str(row["zero"]), row["a2a"], f"{row['peak_memory_bytes'] / 2**30:.1f}",
                       f"{row['step_time_s']:.2f}", f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.1f}",
                       f"{100 * row['mfu']:.1f}%", f"{100 * row['a2a_share']:.0f}%", f"{row['node_hours_to_train']:,.0f}")
+    table.caption = "bal = FLOP-balanced layers per stage (the split --save writes)"
     return table
 
 
@@ -377,23 +380,10 @@ def _save(path, model, platform, training, result, placement, migration, calibra
 
 
 def choose_stage_split(model, platform, training, result, placement, calibration):
-    """The best plan with the even split or the FLOP-balanced one (search/stages.py), whichever the cost model's
-    ``estimate`` predicts faster among those that fit; returns (ParallelPlan, prediction)."""
+    """The best plan with the layer split the search priced it with (cost/pipeline.py's rule: even or
+    FLOP-balanced), and ``estimate``'s prediction of it, which equals its row in the ranking."""
     from piper_plan.cost.evaluate import estimate
-    from piper_plan.search.space import CANDIDATE_FIELDS
-    from piper_plan.search.stages import balanced_stage_layers
-    from piper_plan.specs import ParallelPlan, even_split
 
-    row = result.row(result.best)
-    plan = ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS})
+    plan = result.plan(model, training, result.best)
     prediction = estimate(model, platform, training, result.nodes, plan, calibration=calibration, placement=placement)
-    if plan.virtual_stages != 1:
-        return plan, prediction     # interleaved chunks: keep the even split the search evaluated
-    balanced = balanced_stage_layers(model, training.seq_len, plan.pp)
-    if balanced == even_split(model.num_layers, plan.pp):
-        return plan, prediction
-    other = plan.model_copy(update={"layers_per_stage": balanced})
-    alt = estimate(model, platform, training, result.nodes, other, calibration=calibration, placement=placement)
-    if alt["memory"]["peak_bytes"] <= result.memory_limit_bytes and alt["step_time_s"] < prediction["step_time_s"]:
-        return other, alt
     return plan, prediction

@@ -86,7 +86,14 @@ class Network:
         return out
 
     def a2a_phases(self, n, nodes, nbytes, scope):
-        """Alpha-beta phase times of a multi-node all-to-all: (local, remote_flat, remote_halo, redistribute)."""
+        """Phase times of a multi-node all-to-all: (local, remote_flat, remote_halo, redistribute).
+
+        Alpha-beta from the platform's network figures, except where collectives.csv has ``all_to_all`` rows:
+        phases I (local rows: a g-rank all-to-all of buffer S g / n) and III (redistribution: a g-rank
+        all-to-all of the R remote bytes received) use the ``node`` curve; phase II (remote rows) uses the
+        curve of the scope the group spans, at n ranks and the whole buffer S — a flat all-to-all of the same
+        bytes, whose messages HALO only packs larger [modelling assumption: bandwidth-bound, latency saved
+        not credited]. ``halo_all_to_all`` rows, when measured, replace the whole operation (a2a_seconds)."""
         n = np.asarray(n, float)
         nodes = np.maximum(np.asarray(nodes, float), 1)
         g = n / nodes
@@ -97,7 +104,41 @@ class Network:
         t_flat_remote = remote / bw_s + (n - g) * lat_s
         t_halo_remote = remote / bw_s + (nodes - 1) * lat_s
         t_redistribute = remote * (g - 1) / g / bw_n + (g - 1) * lat_n
+        if self._calibrated("all_to_all", "node"):
+            t_local = self._curve("all_to_all", "node", g, nbytes * g / np.maximum(n, 1), t_local, "HALO phase I")
+            t_redistribute = self._curve("all_to_all", "node", g, remote, t_redistribute, "HALO phase III")
+        for i, name in enumerate(SCOPES[1:], start=1):
+            if self._calibrated("all_to_all", name):
+                at = np.broadcast_to(scope == i, np.shape(t_halo_remote))
+                t_halo_remote = self._curve("all_to_all", name, n, nbytes, t_halo_remote, "HALO phase II", at)
         return t_local, t_flat_remote, t_halo_remote, t_redistribute
+
+    def a2a_source(self, algo: str, ep: int, nodes: int, scope: int) -> str:
+        """Where one plan's expert all-to-all time comes from: calibration rows or the platform's figures."""
+        platform = "platform network figures (alpha-beta)"
+        name = SCOPES[scope]
+        if ep <= 1:
+            return "none (ep = 1)"
+        if algo == "halo" and nodes > 1:
+            if self._calibrated("halo_all_to_all", name):
+                return f"calibration: halo_all_to_all@{name} (whole operation)"
+            node = "calibration all_to_all@node" if self._calibrated("all_to_all", "node") else platform
+            remote = f"calibration all_to_all@{name}" if self._calibrated("all_to_all", name) else platform
+            return f"HALO phases I/III: {node}; phase II: {remote}"
+        return f"calibration: all_to_all@{name}" if self._calibrated("all_to_all", name) else platform
+
+    def _curve(self, op, scope_name, n, nbytes, fallback, phase, where=None):
+        """``fallback`` with the calibrated curve's seconds where ``where`` (and n > 1); notes the source."""
+        n, nbytes, out = np.broadcast_arrays(np.asarray(n, float), np.asarray(nbytes, float), np.asarray(fallback, float))
+        mask = (n > 1) & (True if where is None else where)
+        if not np.any(mask):
+            return out
+        t, extra = self.calibration.collective_seconds(op, scope_name, n[mask], nbytes[mask])
+        out = out.copy()
+        out[mask] = t
+        self.extrapolated |= bool(np.any(extra))
+        self.calibrated_ops.add(f"{op}@{scope_name} ({phase})")
+        return out
 
     def a2a_seconds(self, algo, n, nodes, nbytes, scope) -> tuple[np.ndarray, np.ndarray]:
         """(intra-node seconds, inter-node seconds) of one expert all-to-all; algo 0 flat, 1 HALO.

@@ -1,8 +1,9 @@
-"""The resource model's entry points: ``evaluate`` (vectorised over candidate plans) and ``estimate`` (one
-plan, full detail: the object ``piper estimate --json`` prints and plan.json's ``prediction``).
+"""The resource model's entry points: ``evaluate`` (vectorised over candidate plans; the hot path is
+cost/batch.py) and ``estimate`` (one plan, every stage walked, full detail: the object ``piper estimate --json``
+prints and plan.json's ``prediction``). Both price the same formulas; tests hold them equal.
 
 Pure numpy: a ``Candidates`` struct of arrays goes in, an ``Evaluation`` of arrays comes out; the only
-Python loops run over a handful of representative pipeline stages and over breakdown components.
+Python loops run over distinct pipeline depths and over breakdown components.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from piper_plan.cost.flops import model_flops_per_token
 from piper_plan.cost.options import DEFAULT_OPTIONS, CostOptions
 from piper_plan.cost.params import moe_prefix, rank_stage_params
 from piper_plan.cost.memory import in_flight
-from piper_plan.cost.pipeline import bubble_microbatches, representative_stages, stage_layers
+from piper_plan.cost.batch import evaluate_batch
+from piper_plan.cost.pipeline import bubble_microbatches, stage_layers
 from piper_plan.cost.step import (checkpoint_bytes, dp_sync_seconds, hardware_flops_per_token, optimizer_seconds,
                                   training_totals)
 from piper_plan.placement.layout import allocation, span_arrays, stage_pair_scope
@@ -99,6 +101,8 @@ class Evaluation:
     breakdown: dict[str, np.ndarray]
     memory: dict[str, np.ndarray] = field(default_factory=dict)
     """Bytes of the peak-memory stage: "total", and by component (estimate's names) with memory_detail."""
+    layers_split: np.ndarray | None = None
+    """Layer split each candidate was priced with: 0 even, 1 FLOP-balanced (pipeline.layers_per_stage_of)."""
 
 
 def _spans(alloc, c: Candidates) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -149,58 +153,20 @@ def _time_terms(ctx, c: Candidates, spans, acts) -> tuple[dict, dict]:
                 per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
     head_f, head_b = stg._gemm(ctx, c.mbs * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                ctx.model.hidden_size)
-    per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see _gather_terms
+    per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see _key_terms
     return per_layer
 
 
-def _factorize(columns) -> tuple[np.ndarray, np.ndarray]:
-    """(index of the first row of each distinct combination, inverse [N]) of small non-negative int columns,
-    with presence tables (O(N), no sort)."""
-    key = np.zeros(len(columns[0]), np.int64)
-    for col in columns:
-        present = np.zeros(int(col.max()) + 1, bool)
-        present[col] = True
-        distinct = np.flatnonzero(present)
-        remap = np.zeros(present.size, np.int64)
-        remap[distinct] = np.arange(distinct.size)
-        key = key * distinct.size + remap[col]
-    first = np.full(int(key.max()) + 1, -1, np.int64)
-    first[key[::-1]] = np.arange(key.size)[::-1]
-    used = np.flatnonzero(first >= 0)
-    dense_id = np.zeros(first.size, np.int64)
-    dense_id[used] = np.arange(used.size)
-    return first[used], dense_id[key]
-
-
-def _gather_dict(values: dict, shape, inverse) -> dict:
-    """{name: array [U]} -> {name: array [N]} through one fancy-index of the stacked [K, U] matrix."""
-    names = list(values)
-    stacked = np.stack([np.broadcast_to(np.asarray(values[k], float), shape) for k in names])
-    gathered = stacked[:, inverse]
-    return {k: gathered[i] for i, k in enumerate(names)}
-
-
 def _layer_terms(ctx, alloc, c: Candidates):
-    """Activations and time coefficients per layer, computed once per distinct (tp, ep, etp, mbs, a2a,
-    recompute) and gathered back: a search holds few such combinations.
+    """Activations and time coefficients per layer (estimate's path: one plan, every stage).
 
-    Returns (acts, terms); terms = (per_layer {name: (per dense layer | None, per MoE layer | None)},
-    per_stage {name: (value, "last" | "all")}, (sum per dense layer, sum per MoE layer)); None = zero."""
-    rows, inverse = _factorize([c.tp, c.ep, c.etp, c.mbs, c.a2a, c.recompute])
-    sub = c.take(rows)
-    acts = stg.layer_activations(ctx, sub)
+    Returns (acts, terms); terms = (per_layer {name: (per dense layer, per MoE layer)},
+    per_stage {name: (value, "last" | "all")}, (sum per dense layer, sum per MoE layer))."""
+    acts = stg.layer_activations(ctx, c)
     acts["moe_total"] = sum((v for k, v in acts.items() if k.startswith("moe/")), 0.0 * acts["input"])
-    terms = _time_terms(ctx, sub, _spans(alloc, sub), acts)
-    head = terms.pop("compute/lm_head")[0]
-    flat = {(k, j): v[j] for k, v in terms.items() for j in (0, 1) if np.any(v[j] != 0)}
-    flat[("sum", 0)] = sum(d for d, _ in terms.values())
-    flat[("sum", 1)] = sum(m for _, m in terms.values())
-    flat[("head", 0)] = head
-    acts = _gather_dict(acts, rows.shape, inverse)
-    flat = _gather_dict(flat, rows.shape, inverse)
-    per_layer = {k: (flat.get((k, 0)), flat.get((k, 1))) for k in terms}
-    sums = (flat[("sum", 0)], flat[("sum", 1)])
-    return acts, (per_layer, {"compute/lm_head": (flat[("head", 0)], "last")}, sums)
+    per_layer, head = _key_terms(ctx, alloc, c, acts)
+    sums = (sum(d for d, _ in per_layer.values()), sum(m for _, m in per_layer.values()))
+    return acts, (per_layer, {"compute/lm_head": (head, "last")}, sums)
 
 
 def _stage_times(terms, st: stg.StageShape, scale=1) -> dict[str, np.ndarray]:
@@ -284,14 +250,32 @@ def evaluate(model, platform, training, nodes: int, cand: Candidates, calibratio
              options: CostOptions = DEFAULT_OPTIONS, memory_detail: bool = False) -> Evaluation:
     """Predict step time, throughput and peak memory of every candidate (arrays of length N).
 
+    Each candidate is priced with the layer split its plan will use (``Evaluation.layers_split``; see
+    cost/batch.py and pipeline.split_variants): ``estimate`` of ``plan_of(...)`` gives the same numbers.
     ``memory_detail``: also fill ``Evaluation.memory`` with the peak stage's components (else only "total").
 
     Candidates are assumed valid (degrees multiply to the world size; the search filters first)."""
     ctx = stg.make_context(model, platform, training, options, calibration)
     alloc = allocation(platform, nodes, placement)
-    stages = representative_stages(model, cand.pp)
-    _, _, breakdown, step, peak_mem = _evaluate(ctx, cand, alloc, stages, memory_detail=memory_detail)
-    return _summary(ctx, cand, breakdown, step, peak_mem)
+    breakdown, step, peak_mem, split = evaluate_batch(ctx, alloc, cand, _spans, _key_terms, _p2p_seconds,
+                                                      memory_detail=memory_detail)
+    return replace(_summary(ctx, cand, breakdown, step, peak_mem), layers_split=split)
+
+
+def plan_of(model, training, cand: Candidates, evaluation: Evaluation, i: int) -> ParallelPlan:
+    """Candidate i as the ParallelPlan it was priced as (its layer split included)."""
+    from piper_plan.cost.pipeline import layers_per_stage_of
+
+    code = 0 if evaluation.layers_split is None else int(evaluation.layers_split[i])
+    pp = int(cand.pp[i])
+    return cand.plan(i, layers_per_stage=layers_per_stage_of(model, training.seq_len, pp, code))
+
+
+def _key_terms(ctx, alloc, sub: Candidates, acts):
+    """Per-layer time coefficients {name: (per dense layer, per MoE layer)} and the LM head's seconds, for
+    candidates ``sub`` (one row per distinct batch.KEY_TIME)."""
+    terms = _time_terms(ctx, sub, _spans(alloc, sub), acts)
+    return terms, terms.pop("compute/lm_head")[0]
 
 
 def _summary(ctx, c: Candidates, breakdown, step, peak_mem) -> Evaluation:
@@ -370,6 +354,8 @@ def _estimate_dict(ctx, plan, nodes, placement, alloc, st, memory, times, ev) ->
         "nodes": nodes,
         "sources": {"compute": sources, "extrapolated": bool(ctx.rates.extrapolated or ctx.net.extrapolated),
                     "collectives_calibrated": sorted(ctx.net.calibrated_ops),
-                    "collectives_fallback": "alpha-beta from platform network.scopes"},
+                    "collectives_fallback": "alpha-beta from platform network.scopes",
+                    "a2a_algorithm": plan.a2a,
+                    "a2a": ctx.net.a2a_source(plan.a2a, plan.ep, int(spans["ep"][1][0]), int(spans["ep"][0][0]))},
         "options": {f.name: getattr(ctx.opts, f.name) for f in fields(ctx.opts)},
     }

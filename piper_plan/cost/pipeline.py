@@ -1,4 +1,10 @@
-"""Pipeline stages of a plan and the schedule's step time.
+"""Pipeline stages of a plan (the layer split rule) and the schedule's step time.
+
+Layer split (one rule, used by ``evaluate``, ``estimate`` callers and ``plan --save``): every plan with one
+model chunk per rank is priced with both the even split (specs.even_split) and the FLOP-balanced split
+(``balanced_stage_layers``: dense and MoE layers weighed by forward FLOPs, the LM head on the last stage);
+``evaluate`` keeps the one that fits, then the faster (see cost/batch.py). Interleaved schedules keep the
+even split (Megatron-LM's interleaving assigns equal chunks).
 
 Step time (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", sec. 2.2):
 GPipe and 1F1B take ``(M + pp - 1) x t`` with t the forward + backward time of one micro-batch on the
@@ -9,43 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds
+from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, moe_prefix
+from piper_plan.specs import even_split
+from piper_plan.specs.params import attention_params, ffn_params, router_params, shared_expert_params
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED = 0, 1, 2
-
-
-def representative_stages(model, pp) -> np.ndarray:
-    """Stage indices [S, N] that hold every stage's maximum of memory and time under an even split.
-
-    Per-stage memory falls with the stage index (fewer micro-batches in flight) and rises with the layers
-    held; time rises with the layers. With identical layers everywhere the maxima sit on the first stage,
-    the first stage with an extra layer, or the last (LM head). Dense first layers (DeepSeek) add the stage
-    holding the first MoE layer, the next one, and the first all-MoE stage with an extra layer; interleaved
-    MoE layers (Llama 4) add the neighbours whose MoE count differs by parity. test_evaluate_matches_estimate
-    checks the choice against every stage."""
-    pp = np.asarray(pp, np.int64)
-    extra = model.num_layers % pp
-    first_big = pp - np.where(extra, extra, 1)
-    rows = [np.zeros_like(pp), first_big, pp - 1]
-    if 0 < model.num_moe_layers < model.num_layers:
-        first_moe = _stage_of_layer(model.num_layers, pp, model.moe_layers[0])
-        rows += [first_moe, first_moe + 1, np.maximum(first_big, first_moe + 1)]
-        if not _moe_after_dense_prefix(model):                 # interleaved MoE layers: parity matters
-            rows += [np.ones_like(pp), 2 * np.ones_like(pp), first_big + 1, pp - 2]
-    return np.clip(np.stack(rows), 0, pp - 1)
-
-
-def _moe_after_dense_prefix(model) -> bool:
-    """Every layer from the first MoE layer on is MoE (DeepSeek's first_k_dense_replace)."""
-    first = model.moe_layers[0]
-    return len(model.moe_layers) == model.num_layers - first
-
-
-def _stage_of_layer(num_layers: int, pp, layer: int):
-    """Stage holding ``layer`` under the even split (extra layers on the later stages)."""
-    base, extra = num_layers // pp, num_layers % pp
-    small = (pp - extra) * base                      # layers held by the stages without an extra layer
-    return np.where(layer < small, layer // np.maximum(base, 1), (pp - extra) + (layer - small) // (base + 1))
 
 
 def stage_layers(prefix: np.ndarray, num_layers: int, pp, stage, layers_per_stage=None):
@@ -60,3 +34,110 @@ def stage_layers(prefix: np.ndarray, num_layers: int, pp, stage, layers_per_stag
 def bubble_microbatches(schedule, pp, virtual_stages):
     """Idle micro-batch slots of the schedule: pp - 1, or (pp - 1) / v interleaved."""
     return np.where(schedule == INTERLEAVED, (pp - 1) / virtual_stages, pp - 1.0)
+
+
+# ---- layer split rule ----------------------------------------------------------------------------------
+EVEN, BALANCED = 0, 1
+"""Split codes (Evaluation.layers_split)."""
+
+
+def layer_flops_per_token(model, seq_len: int) -> np.ndarray:
+    """Forward FLOPs per token of each layer: 2 x its active weights + attention scores (4 s H head_dim, non-causal)."""
+    d = model.hidden_size
+    attn = 2.0 * attention_params(model.attention, d, model.head_dim)
+    attn += 4.0 * seq_len * model.attention.num_heads * model.head_dim
+    out = np.full(model.num_layers, attn)
+    moe = model.moe
+    for i in range(model.num_layers):
+        if model.is_moe_layer(i):
+            active = router_params(moe, d) + moe.top_k * ffn_params(moe.expert, d) + shared_expert_params(moe, d)
+            if moe.parallel_dense_ffn is not None:
+                active += ffn_params(moe.parallel_dense_ffn, d)
+        else:
+            active = ffn_params(model.dense_ffn, d)
+        out[i] += 2.0 * active
+    return out
+
+
+def lm_head_flops_per_token(model) -> float:
+    """The LM head's forward FLOPs per token (2 V d); 0 without a vocabulary."""
+    return 2.0 * (model.vocab_size or 0) * model.hidden_size
+
+
+def balanced_stage_layers(model, seq_len: int, pp: int) -> list[int]:
+    """Layers per stage (contiguous, each >= 1) minimising the largest stage FLOPs, LM head on the last stage.
+
+    Exact linear partition by dynamic programming over prefix sums, O(pp x L^2). Ties keep the even split
+    when it is optimal, so a uniform model gets ``even_split``."""
+    if pp == 1:
+        return [model.num_layers]
+    w = layer_flops_per_token(model, seq_len)
+    even = even_split(model.num_layers, pp)
+    best = _min_max_split(w, pp, lm_head_flops_per_token(model))
+    return even if _heaviest(w, even, model) <= _heaviest(w, best, model) * (1 + 1e-12) else best
+
+
+def _heaviest(w: np.ndarray, split: list[int], model) -> float:
+    ends = np.cumsum(split)
+    starts = ends - np.asarray(split)
+    loads = [w[s:e].sum() for s, e in zip(starts, ends)]
+    loads[-1] += lm_head_flops_per_token(model)
+    return max(loads)
+
+
+def _min_max_split(w: np.ndarray, pp: int, tail: float) -> list[int]:
+    """Exact linear partition: cost[k][j] = best max-load of layers [0, j) in k stages; the last stage carries
+    ``tail``. Each k is one [L+1, L+1] array step (i = start of the k-th stage, j = its end)."""
+    n = len(w)
+    prefix = np.concatenate(([0.0], np.cumsum(w)))
+    cost = np.full((pp + 1, n + 1), np.inf)
+    cut = np.zeros((pp + 1, n + 1), dtype=np.int64)
+    cost[1, 1:] = prefix[1:]
+    i, j = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    load = prefix[j] - prefix[i]                                   # layers [i, j) as one stage
+    for k in range(2, pp + 1):
+        last = load.copy()
+        if k == pp:
+            last[:, n] += tail
+        cand = np.where((i < j) & (i >= k - 1), np.maximum(cost[k - 1][:, None], last), np.inf)
+        cut[k] = np.argmin(cand, axis=0)
+        cost[k] = cand[cut[k], np.arange(n + 1)]
+    split, j = [], n
+    for k in range(pp, 0, -1):
+        start = cut[k, j] if k > 1 else 0
+        split.append(int(j - start))
+        j = start
+    return split[::-1]
+
+
+def split_variants(model, seq_len: int, pp: int, virtual_stages: int = 1) -> list[list[int]]:
+    """The layer splits a plan may use, indexed by split code: [even] or [even, FLOP-balanced]."""
+    even = even_split(model.num_layers, pp)
+    if pp == 1 or virtual_stages != 1:
+        return [even]
+    balanced = balanced_stage_layers(model, seq_len, pp)
+    return [even] if balanced == even else [even, balanced]
+
+
+def layers_per_stage_of(model, seq_len: int, pp: int, split_code: int) -> list[int] | None:
+    """ParallelPlan.layers_per_stage for a split code: None for the even split, else the explicit list."""
+    return None if split_code == EVEN else split_variants(model, seq_len, pp)[split_code]
+
+
+def stage_rows(model, seq_len: int, pp: int, virtual_stages: int = 1) -> np.ndarray:
+    """Distinct stages of every split variant: int64 [R, 6] rows (split code, stage index, layers, MoE layers,
+    first, last), each (code, shape) once at its lowest stage index.
+
+    Memory and time of a stage depend only on its shape, except the micro-batches in flight, which never
+    grow with the stage index (memory.in_flight); so the lowest index of each shape holds its maximum."""
+    prefix = moe_prefix(model)
+    rows = []
+    for code, split in enumerate(split_variants(model, seq_len, pp, virtual_stages)):
+        edges = np.concatenate([[0], np.cumsum(split)])
+        seen = set()
+        for i in range(pp):
+            shape = (int(split[i]), int(prefix[edges[i + 1]] - prefix[edges[i]]), int(i == 0), int(i == pp - 1))
+            if shape not in seen:
+                seen.add(shape)
+                rows.append((code, i, *shape))
+    return np.array(rows, np.int64)

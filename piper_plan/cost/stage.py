@@ -6,7 +6,7 @@ only Python loops are over components. Names of the returned dicts are the hiera
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +35,8 @@ class Context:
     lf: LayerFlops
     rates: Rates
     net: Network
+    stage_rows: dict = field(default_factory=dict)
+    """pipeline.stage_rows per (pp, virtual stages), filled by cost/batch.py as the search meets them."""
 
 
 def make_context(model, platform, training, opts, calibration=None) -> Context:
@@ -112,20 +114,38 @@ def _working(st: StageShape, acts):
 def stage_memory_total(ctx: Context, c, st: StageShape, flight, acts, params):
     """``stage_memory(...)["total"]`` with few array operations (the search's hot path); equal to it.
     ``params``: rank_stage_params(...) of these stages."""
-    t, lp = ctx.training, ctx.lp
-    keep = t.master_bytes + t.optimizer_bytes
-    per_dense_param = t.weight_bytes + t.grad_bytes + keep / np.where(c.zero >= 1, c.dp, 1)
-    per_expert_param = t.weight_bytes + t.grad_bytes + keep / np.where(c.zero >= 1, c.edp, 1)
-    dense, expert = params
+    per_flight, fixed = activation_parts(ctx, c, st, acts)
+    return memory_total(ctx, c, params, flight * per_flight + fixed)
+
+
+def activation_parts(ctx: Context, c, st: StageShape, acts):
+    """(bytes per micro-batch in flight, bytes independent of it) of a stage's activations: the layers kept
+    for backward (or their inputs with full recompute) and the embedding output scale with the micro-batches
+    in flight; full recompute's working layer and the last stage's logits do not (as in stage_memory)."""
     kept_all = c.recompute != FULL
     core = np.where(c.recompute == 0, acts["attention_core"], 0.0)
     moe_sum = acts["moe_total"] if "moe_total" in acts else sum((acts[k] for k in _moe_names(acts)), 0.0)
     dense_act = np.where(kept_all, acts["attention"] + core + acts["mlp"], acts["input"])
     moe_act = np.where(kept_all, acts["attention"] + core + moe_sum, acts["input"])
-    layers_act = flight * (st.dense_layers * dense_act + st.moe_layers * moe_act)
-    layers_act = layers_act + np.where(kept_all, 0.0, _working(st, acts))
-    ends = _end_activations(ctx, c, st, flight)
-    tensors = dense * per_dense_param + expert * per_expert_param + layers_act + sum(ends.values())
+    m, t = ctx.model, ctx.training
+    tokens = c.mbs * t.seq_len
+    sp = np.where(ctx.opts.sequence_parallel, c.tp, 1)
+    emb = tokens * m.hidden_size * t.activation_bytes / sp
+    logits = tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+    per_flight = st.dense_layers * dense_act + st.moe_layers * moe_act + np.where(st.first, emb, 0.0)
+    fixed = np.where(kept_all, 0.0, _working(st, acts)) + np.where(st.last, logits, 0.0)
+    return per_flight, fixed
+
+
+def memory_total(ctx: Context, c, params, activations):
+    """Total bytes of a rank: training state of (dense, expert) params (ZeRO-1 over dp / edp) + activations,
+    plus fragmentation and the framework's fixed overhead (as stage_memory)."""
+    t = ctx.training
+    keep = t.master_bytes + t.optimizer_bytes
+    per_dense_param = t.weight_bytes + t.grad_bytes + keep / np.where(c.zero >= 1, c.dp, 1)
+    per_expert_param = t.weight_bytes + t.grad_bytes + keep / np.where(c.zero >= 1, c.edp, 1)
+    dense, expert = params
+    tensors = dense * per_dense_param + expert * per_expert_param + activations
     return tensors * (1 + ctx.platform.memory.fragmentation) + ctx.platform.memory.framework_bytes
 
 

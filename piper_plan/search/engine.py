@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -60,7 +59,20 @@ class SearchResult:
             out[name] = float(np.asarray(getattr(ev, name))[i])
         out["peak_memory_bytes"] = int(round(out["peak_memory_bytes"]))
         out["fits"] = bool(np.asarray(ev.fits)[i]) and out["peak_memory_bytes"] <= self.memory_limit_bytes
+        split = getattr(ev, "layers_split", None)
+        out["layers_split"] = "balanced" if split is not None and int(split[i]) == 1 else "even"
         return out
+
+    def plan(self, model, training, i: int):
+        """Candidate ``i`` as the ParallelPlan the cost model priced (its layer split included): ``estimate``
+        of it reproduces the candidate's row."""
+        from piper_plan.cost.pipeline import layers_per_stage_of
+        from piper_plan.specs import ParallelPlan
+
+        row = describe(self.fields, i)
+        code = 1 if self.row(i)["layers_split"] == "balanced" else 0
+        return ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS},
+                            layers_per_stage=layers_per_stage_of(model, training.seq_len, row["pp"], code))
 
 
 def default_evaluate() -> EvaluateFn:
@@ -71,11 +83,9 @@ def default_evaluate() -> EvaluateFn:
 
 
 def make_candidates(fields: dict[str, np.ndarray]):
-    """``piper_plan.cost.evaluate.Candidates`` from arrays; a plain namespace when the cost package is absent."""
-    try:
-        from piper_plan.cost.evaluate import Candidates
-    except ImportError:
-        return SimpleNamespace(**{k: fields[k] for k in CANDIDATE_FIELDS})
+    """``piper_plan.cost.evaluate.Candidates`` from the search's arrays."""
+    from piper_plan.cost.evaluate import Candidates
+
     return Candidates(**{k: fields[k] for k in CANDIDATE_FIELDS})
 
 

@@ -60,3 +60,13 @@ def test_bad_degrees_are_one_line_errors_exit_2():
         result = CliRunner().invoke(cli, ARGS + extra)
         assert result.exit_code == 2, result.output
         assert result.output.startswith("error: ") and result.output.count("\n") == 1
+
+
+def test_estimate_says_where_the_all_to_all_time_comes_from():
+    """Without calibration the expert all-to-all is priced from the platform's network figures, and says so;
+    with Frontier's seed calibration (all_to_all rows at the node scope) a one-node group uses them."""
+    plain = json.loads(_run(ARGS + ["--json"]).stdout)
+    assert plain["sources"]["a2a"] == "platform network figures (alpha-beta)"
+    calibrated = json.loads(_run([a for a in ARGS if a != "--no-calibration"] + ["--json"]).stdout)
+    assert calibrated["sources"]["a2a"] == "calibration: all_to_all@node"
+    assert calibrated["time"]["breakdown"]["moe/dispatch/intra_node"] != plain["time"]["breakdown"]["moe/dispatch/intra_node"]

@@ -143,3 +143,23 @@ def test_save_writes_a_plan_file(tmp_path):
     assert (pf.parallel.dp, pf.parallel.pp, pf.parallel.ep, pf.parallel.tp) == (best["dp"], best["pp"], best["ep"], best["tp"])
     assert pf.migration["enabled"] if isinstance(pf.migration, dict) else pf.migration.enabled
     assert pf.prediction["tokens_per_s"] == pytest.approx(best["tokens_per_s"], rel=1e-6)
+
+
+def test_saved_plan_prediction_equals_its_ranking_row(tmp_path):
+    """The search prices each candidate with the layer split it saves (DeepSeek-V3: 3 dense layers + LM head
+    make the FLOP-balanced split win), so the saved prediction is the ranked row, not a re-estimate of another
+    split."""
+    pytest.importorskip("piper_plan.planfile")
+    from piper_plan.planfile import read_plan_file
+
+    out = tmp_path / "plan.json"
+    res = _run("--model", "deepseek-v3", "--platform", "frontier", "--nodes", "128", "--seq", "4096",
+               "--save", str(out), "--json", "--top", "1")
+    assert res.exit_code == 0, res.output
+    best = json.loads(res.stdout)["plans"][0]
+    pf = read_plan_file(out)
+    assert pf.prediction["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-12)
+    assert pf.prediction["memory"]["peak_bytes"] == pytest.approx(best["peak_memory_bytes"], abs=1.0)
+    assert (pf.parallel.layers_per_stage is not None) == (best["layers_split"] == "balanced")
+    if pf.parallel.layers_per_stage is not None:
+        assert sum(pf.parallel.layers_per_stage) == 61

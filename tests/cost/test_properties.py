@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from piper_plan.catalog import load_model, load_platform
 from piper_plan.cost.comm import Network
-from piper_plan.cost.evaluate import Candidates, estimate, evaluate
+from piper_plan.cost.evaluate import Candidates, estimate, evaluate, plan_of
 from piper_plan.cost.memory import rank_param_counts
 from piper_plan.specs import ParallelPlan, PlatformSpec, TrainingSpec
 
@@ -146,14 +146,15 @@ def test_more_memory_never_turns_a_fit_into_a_non_fit(seed, extra_GiB):
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-v3", "llama4-maverick", "tiny-mla"])
 def test_evaluate_matches_estimate(name):
-    """The vectorised path (representative stages) equals the one-plan path (every stage)."""
+    """The vectorised path (distinct stage shapes per key, the split chosen per candidate) equals the one-plan
+    path (every stage) given the split it chose."""
     model = load_model(name)
     training = TrainingSpec(seq_len=4096, global_batch=512)
     experts = model.moe.num_experts
     cand = _random_candidates(np.random.default_rng(1), 16, 512, experts, model.num_layers, 512, max_pp=64)
     ev = evaluate(model, FRONTIER, training, 64, cand)
     for i in range(len(cand)):
-        plan = cand.plan(i)
+        plan = plan_of(model, training, cand, ev, i)
         one = estimate(model, FRONTIER, training, 64, plan)
         again = evaluate(model, FRONTIER, training, 64, Candidates.from_plan(plan))
         assert one["memory"]["peak_bytes"] == pytest.approx(float(again.peak_memory_bytes[0]), rel=1e-12)
@@ -249,14 +250,80 @@ def test_mla_flops_per_token_by_hand():
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "llama4-maverick", "tiny-mla"])
-def test_representative_stages_cover_every_pp(name):
-    """For every pipeline depth 1..L (uneven splits included), evaluate's sampled stages find the same peak
-    memory and bottleneck time as estimate's walk over all stages."""
+def test_distinct_stages_cover_every_pp(name):
+    """For every pipeline depth 1..L (uneven and balanced splits included), evaluate's distinct stage shapes
+    find the same peak memory and bottleneck time as estimate's walk over all stages of the chosen split."""
     model = load_model(name)
     training = TrainingSpec(seq_len=1024, global_batch=64)
     for pp in range(1, model.num_layers + 1):
         plan = ParallelPlan(dp=8, pp=pp, ep=8, num_microbatches=8)
-        one = estimate(model, FRONTIER, training, pp, plan)
-        ev = evaluate(model, FRONTIER, training, pp, Candidates.from_plan(plan))
+        cand = Candidates.from_plan(plan)
+        ev = evaluate(model, FRONTIER, training, pp, cand)
+        one = estimate(model, FRONTIER, training, pp, plan_of(model, training, cand, ev, 0))
         assert ev.peak_memory_bytes[0] == pytest.approx(one["memory"]["peak_bytes"], rel=1e-12), pp
         assert ev.step_time_s[0] == pytest.approx(one["step_time_s"], rel=1e-12), pp
+
+
+def test_split_choice_fits_first_then_faster():
+    """choose_split by hand: [even, balanced] peaks and stage times per candidate."""
+    from piper_plan.cost.batch import choose_split
+
+    peak = np.array([[10.0, 10.0, 30.0, 10.0, 30.0], [10.0, 30.0, 10.0, 10.0, 20.0]])
+    secs = np.array([[2.0, 2.0, 2.0, 1.0, 2.0], [1.0, 1.0, 3.0, -np.inf, 1.0]])
+    # both fit, balanced faster -> 1; balanced overflows -> 0; only balanced fits -> 1; no balanced -> 0;
+    # neither fits -> the smaller peak (balanced)
+    assert choose_split(peak, secs, 16.0).tolist() == [1, 0, 1, 0, 1]
+
+
+def test_balanced_split_lowers_deepseek_bottleneck():
+    """DeepSeek-V3 (3 dense layers, LM head on the last stage), pp=8, 1F1B: the search prices the FLOP-
+    balanced split, which is faster than the even one, and estimate agrees with each."""
+    from piper_plan.cost.pipeline import balanced_stage_layers
+
+    model = load_model("deepseek-v3")
+    training = TrainingSpec(seq_len=4096, global_batch=512)
+    plan = ParallelPlan(dp=32, pp=8, ep=32, num_microbatches=16)
+    cand = Candidates.from_plan(plan)
+    ev = evaluate(model, FRONTIER, training, 32, cand)
+    even = estimate(model, FRONTIER, training, 32, plan)
+    bal = estimate(model, FRONTIER, training, 32,
+                   plan.model_copy(update={"layers_per_stage": balanced_stage_layers(model, 4096, 8)}))
+    assert bal["step_time_s"] < even["step_time_s"]
+    chosen = bal if int(ev.layers_split[0]) == 1 else even
+    assert float(ev.step_time_s[0]) == pytest.approx(chosen["step_time_s"], rel=1e-12)
+    assert float(ev.step_time_s[0]) <= even["step_time_s"]
+
+
+def test_halo_phases_use_node_calibration_and_say_so(tmp_path):
+    """A collectives.csv with all_to_all rows at the node scope prices HALO's intra-node phases I and III
+    from that curve (here 10x slower than the platform's figures, so the intra-node part grows), and the
+    estimate names its source; without rows it falls back to the platform's network figures."""
+    pytest.importorskip("pandas")
+    from piper_plan.calibration import load_calibration
+
+    import shutil
+
+    from piper_plan.catalog import calibration_dir
+
+    model = load_model("mixtral-8x7b")
+    training = TrainingSpec(seq_len=4096, global_batch=64)
+    plan = ParallelPlan(dp=16, pp=1, ep=16, num_microbatches=4, a2a="halo")     # 16 ranks over 2 nodes
+    dirs = {}
+    for name in ("plain", "node"):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        for f in ("gemm.csv", "attention.csv"):
+            shutil.copy(calibration_dir("frontier") / f, dirs[name] / f)
+    bw = FRONTIER.network.scopes["node"].bandwidth_GBps * 1e9 / 10       # 10x slower than the spec
+    rows = ["op,scope,num_nodes,ranks_per_node,bytes_per_rank,seconds,algbw_GBps,busbw_GBps,source"]
+    for size in (2**20, 2**26, 2**32):
+        secs = size * 7 / 8 / bw
+        rows.append(f"all_to_all,node,1,8,{size},{secs},{size / secs / 1e9},{size * 7 / 8 / secs / 1e9},test")
+    (dirs["node"] / "collectives.csv").write_text("\n".join(rows) + "\n")
+    base = estimate(model, FRONTIER, training, 2, plan, calibration=load_calibration(dirs["plain"]))
+    assert base["sources"]["a2a"] == "HALO phases I/III: platform network figures (alpha-beta); " \
+                                     "phase II: platform network figures (alpha-beta)"
+    slow = estimate(model, FRONTIER, training, 2, plan, calibration=load_calibration(dirs["node"]))
+    assert slow["sources"]["a2a"].startswith("HALO phases I/III: calibration all_to_all@node")
+    intra = lambda r: sum(v for k, v in r["time"]["breakdown"].items() if k.endswith("intra_node"))  # noqa: E731
+    assert intra(slow) > 2 * intra(base)

@@ -123,3 +123,20 @@ def test_no_ranked_plan_beats_the_hardware(name, nodes):
     assert r.feasible > 0
     assert np.all(np.asarray(r.evaluation.hfu)[r.order] <= 1.0)
     assert np.all(np.asarray(r.evaluation.mfu)[r.order] <= 1.0)
+
+
+def test_paper_search_weak_scaling_keeps_work_per_gcd():
+    """benchmarks/paper_search.py: the weak-scaling family's global batch grows with the GCDs (constant work per
+    GCD); a fixed batch made the 1,024-GCD case (PP = 32 forced) run 32 micro-batches through 32 stages."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "paper_search.py"
+    spec = importlib.util.spec_from_file_location("paper_search", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    weak = [c for c in mod.CASES if c[0].startswith("piper-weak")]
+    per_gcd = {c[3] / (c[1] * 8) for c in weak}
+    assert per_gcd == {16.0} and [c[3] for c in weak] == [1024, 8192, 16384]
+    # at 1,024 GCDs with pp = 32, dp = 32, mbs = 1: micro-batches per step vs the 31-slot bubble
+    assert weak[2][3] // 32 == 512
