@@ -7,46 +7,67 @@ No torch import: ``plan --runnable`` and ``launch`` read this to keep to plans t
 from __future__ import annotations
 
 RUNTIME_CAPABILITY: dict[str, tuple] = {
-    "schedule": ("gpipe", "1f1b"),
+    "schedule": ("gpipe", "1f1b", "interleaved"),
     "tp": (1,),
     "etp": (1,),
-    "virtual_stages": (1,),
-    "recompute": ("none",),
+    "recompute": ("none", "selective", "full"),
     "zero": (0, 1),
     "a2a": ("flat", "halo"),
-    "attention": ("mha", "gqa"),
-    "qk_norm": ("none",),
-    "norm_per_layer": (2,),
+    "attention": ("mha", "gqa", "mla"),
+    "qk_norm": ("none", "per_head", "full", "weightless"),
+    "norm_per_layer": (2, 3, 4),
 }
-"""Allowed values per feature. Everything else a ModelSpec can say (biases, shared experts and their gate,
-sigmoid routing, dense layers, parallel dense FFN, learned positions) is built; tied embeddings only with pp=1."""
+"""Allowed values per feature. Everything else a ModelSpec can say is built (runtime/model.py): q/k/v/o
+biases, attention sinks, LayerNorm with bias, parallel attention + MLP, shared experts and their gate,
+router bias, sigmoid routing, dense layers by first_k_dense / every / phase / explicit, the parallel dense
+FFN, learned positions; any virtual_stages whose chunks split num_layers evenly. Not run: tensor parallelism,
+a capacity factor (the runtime is dropless), tied embeddings over more than one model chunk, 0 or 1 norms
+per layer, 3 norms per layer without Arctic's residual MLP in every layer."""
 
 
 def _plan_problems(plan) -> list[str]:
     cap, out = RUNTIME_CAPABILITY, []
-    for field in ("schedule", "tp", "etp", "virtual_stages", "recompute", "zero", "a2a"):
+    for field in ("schedule", "tp", "etp", "recompute", "zero", "a2a"):
         value = getattr(plan, field)
         if value not in cap[field]:
             out.append(f"parallel.{field}={value!r} (runtime supports {', '.join(map(str, cap[field]))})")
     return out
 
 
-def _model_problems(model, plan) -> list[str]:
-    cap, out, a = RUNTIME_CAPABILITY, [], model.attention
+def _attention_problems(model) -> list[str]:
+    cap, a, out = RUNTIME_CAPABILITY, model.attention, []
     if a.kind not in cap["attention"]:
         out.append(f"attention.kind={a.kind!r} (runtime supports {', '.join(cap['attention'])})")
     if a.qk_norm not in cap["qk_norm"]:
-        out.append(f"attention.qk_norm={a.qk_norm!r} (runtime supports none)")
-    if a.sinks:
-        out.append("attention.sinks=true (runtime has no attention sinks)")
-    if model.norm.per_layer not in cap["norm_per_layer"]:
-        out.append(f"norm.per_layer={model.norm.per_layer} (runtime supports 2)")
+        out.append(f"attention.qk_norm={a.qk_norm!r} (runtime supports {', '.join(cap['qk_norm'])})")
+    return out
+
+
+def _norm_problems(model) -> list[str]:
+    per = model.norm.per_layer
+    if per not in RUNTIME_CAPABILITY["norm_per_layer"]:
+        return [f"norm.per_layer={per} (runtime supports 2, 3 (Arctic), 4 (Grok-1))"]
+    if per == 3 and (model.moe is None or model.moe.parallel_dense_ffn is None or model.num_dense_layers):
+        return ["norm.per_layer=3 is Arctic's layout: it needs moe.parallel_dense_ffn and every layer MoE"]
+    return []
+
+
+def _split_problems(model, plan) -> list[str]:
+    chunks = plan.pp * plan.virtual_stages
+    out = []
+    if plan.schedule == "interleaved" and model.num_layers % chunks:
+        out.append(f"schedule=interleaved needs num_layers={model.num_layers} divisible by pp x virtual_stages "
+                   f"= {plan.pp} x {plan.virtual_stages} (runtime splits chunks evenly)")
+    if model.tie_embeddings and chunks > 1:
+        out.append(f"tie_embeddings=true with pp x virtual_stages = {chunks} "
+                   "(runtime ties only within one model chunk)")
+    return out
+
+
+def _model_problems(model, plan) -> list[str]:
+    out = _attention_problems(model) + _norm_problems(model) + _split_problems(model, plan)
     if model.vocab_size is None:
         out.append("vocab_size=null (runtime needs a vocabulary)")
-    if model.parallel_attn_mlp:
-        out.append("parallel_attn_mlp=true (runtime runs sequential residual blocks)")
-    if model.tie_embeddings and plan.pp > 1:
-        out.append(f"tie_embeddings=true with pp={plan.pp} (runtime ties only with pp=1)")
     if model.moe is not None and model.moe.capacity_factor is not None:
         out.append(f"moe.capacity_factor={model.moe.capacity_factor} (runtime is dropless)")
     return out

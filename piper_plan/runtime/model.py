@@ -1,29 +1,54 @@
-"""A decoder-only (MoE) transformer built from a ModelSpec, one pipeline stage at a time.
+"""A decoder-only (MoE) transformer built from a ModelSpec, one pipeline stage (or model chunk) at a time.
 
-Legend: B batch, S sequence, D hidden, H query heads, G key/value heads, hd head width, V vocabulary.
+Legend: B batch, S sequence, D hidden, H query heads, G key/value heads, hd head width, V vocabulary,
+r rope width, n nope width, dv value width (MLA).
 Parameter shapes follow the Hugging Face reference modules so that numel sums equal
-``piper_plan.specs.params.count_params`` (a test checks it). Initialisation is a function of
-(seed, global layer, expert) only, so any split over pp / ep builds exactly the weights of the
-single-process model (std 0.02, output projections 0.02 / sqrt(2 L): GPT-2 / Megatron's scheme).
-RoPE uses theta = 10000 (the spec does not carry rope_theta). MLA is not built (capability.py says so).
+``piper_plan.specs.params.count_params`` component by component (tests/runtime/test_model_breadth.py checks
+every catalog model). Initialisation is a function of (seed, global layer, expert) only, so any split over
+pp / ep / virtual stages builds exactly the weights of the single-process model (std 0.02, output projections
+0.02 / sqrt(2 L): GPT-2 / Megatron's scheme).
+
+What each spec feature builds (reference module in brackets):
+- attention gqa / mha [LlamaAttention]; mla [DeepseekV3Attention: q_a -> RMSNorm -> q_b (or a full-rank q),
+  kv_a_with_mqa -> RMSNorm -> kv_b, a rope part shared by all heads, v_head_dim values, scale 1/sqrt(n + r)].
+  RoPE is the half-split layout with theta = 10000 (the spec carries no rope_theta; DeepSeek's interleaved
+  layout is a fixed permutation of q_b / kv_a columns, so the function class is the same).
+- qk_norm per_head [Qwen3: RMSNorm(hd) on q and k before RoPE]; full [OLMoE: RMSNorm(H hd) / RMSNorm(G hd)
+  before RoPE]; weightless [Llama 4's L2Norm: RMS normalisation without weight, after RoPE].
+- sinks [gpt-oss: one learned logit per head joins the softmax denominator and is dropped from the output].
+- norm.per_layer 2: pre-norm x + A(n1 x), then x + M(n2 x). 3 [Arctic, modeling_arctic.py with
+  parallel_attn_mlp_res]: h = x + A(n1 x); out = h + R(n3 h) + MoE(n2 x) (the MoE reads the pre-attention
+  input; n2 h when parallel_attn_mlp is false). 4 [Grok-1 model.py DecoderLayer]: h = x + n3(A(n1 x));
+  out = h + n4(M(n2 h)) (sandwich norms).
+- parallel_attn_mlp with 2 or 4 norms [GPT-NeoX use_parallel_residual]: out = x + A(n1 x) + M(n2 x).
+- moe.parallel_dense_ffn is the Block's ``residual_mlp`` R (built here, beside the MoE, so that Arctic's
+  different input can reach it); with 2 or 4 norms it reads the MoE's input and adds to its output.
+Recompute (torch.utils.checkpoint, non-reentrant): full = each whole layer, selective = the attention core
+(softmax(q k^T) v, Megatron-LM's selective recomputation, Korthikanti et al. 2022).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from piper_plan.errors import PiperError
 from piper_plan.runtime.moe import FFN, MoE
 
+RECOMPUTE = ("none", "selective", "full")
+NORM_EPS = 1e-5
 
-def make_norm(norm, hidden: int) -> nn.Module:
+
+def make_norm(norm, width: int) -> nn.Module:
     if norm.kind == "rmsnorm":
-        return nn.RMSNorm(hidden, eps=1e-5)
-    return nn.LayerNorm(hidden, eps=1e-5, bias=norm.bias)
+        return nn.RMSNorm(width, eps=NORM_EPS)
+    return nn.LayerNorm(width, eps=NORM_EPS, bias=norm.bias)
 
 
 def rotary(x_BHSd: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -36,42 +61,193 @@ def rotary(x_BHSd: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     return x_BHSd * cos + torch.cat((-x2, x1), -1) * sin
 
 
-class Attention(nn.Module):
-    """MHA / GQA with RoPE and a causal mask (scaled_dot_product_attention)."""
+def attention_core(q_BHSd, k_BHSd, v_BHSe, sinks_H=None):
+    """Causal softmax(q k^T / sqrt(d)) v; with sinks (gpt-oss) each head's softmax also normalises over one
+    learned logit that carries no value. Returns [B, H, S, e]."""
+    if sinks_H is None:
+        return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSe, is_causal=True)
+    S = q_BHSd.shape[-2]
+    scores = (q_BHSd @ k_BHSd.transpose(-1, -2)) / math.sqrt(q_BHSd.shape[-1])
+    mask = torch.ones(S, S, dtype=torch.bool, device=scores.device).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    sink = sinks_H.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, S, 1)
+    probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+    return probs @ v_BHSe
 
-    def __init__(self, spec) -> None:
+
+class _Core(nn.Module):
+    """The attention core, checkpointed under selective recompute."""
+
+    def __init__(self, recompute: bool) -> None:
+        super().__init__()
+        self.recompute = recompute
+
+    def forward(self, q, k, v, sinks=None):
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(attention_core, q, k, v, sinks, use_reentrant=False)
+        return attention_core(q, k, v, sinks)
+
+
+class Attention(nn.Module):
+    """MHA / GQA with RoPE and a causal mask; optional q/k/v/o biases, qk-norm and sinks."""
+
+    def __init__(self, spec, selective: bool = False) -> None:
         super().__init__()
         a, d, hd = spec.attention, spec.hidden_size, spec.head_dim
-        self.h, self.g, self.hd = a.num_heads, a.kv_heads, hd
+        self.h, self.g, self.hd, self.qk_norm = a.num_heads, a.kv_heads, hd, a.qk_norm
         self.q = nn.Linear(d, self.h * hd, bias=a.qkv_bias)
         self.k = nn.Linear(d, self.g * hd, bias=a.qkv_bias)
         self.v = nn.Linear(d, self.g * hd, bias=a.qkv_bias)
         self.o = nn.Linear(self.h * hd, d, bias=a.o_bias)
+        self.q_norm, self.k_norm = self._qk_norms(spec)
+        self.sinks = nn.Parameter(torch.zeros(self.h)) if a.sinks else None
+        self.core = _Core(selective)
+
+    def _qk_norms(self, spec):
+        kind = spec.attention.qk_norm
+        if kind == "per_head":
+            return nn.RMSNorm(self.hd, eps=NORM_EPS), nn.RMSNorm(self.hd, eps=NORM_EPS)
+        if kind == "full":
+            return nn.RMSNorm(self.h * self.hd, eps=NORM_EPS), nn.RMSNorm(self.g * self.hd, eps=NORM_EPS)
+        if kind == "weightless":
+            return (nn.RMSNorm(self.hd, eps=NORM_EPS, elementwise_affine=False),
+                    nn.RMSNorm(self.hd, eps=NORM_EPS, elementwise_affine=False))
+        return None, None
+
+    def _heads(self, x_BSD):
+        B, S, _ = x_BSD.shape
+        q, k, v = self.q(x_BSD), self.k(x_BSD), self.v(x_BSD)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.h, self.hd).transpose(1, 2)
+        k = k.view(B, S, self.g, self.hd).transpose(1, 2)
+        v = v.view(B, S, self.g, self.hd).transpose(1, 2)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q), rotary(k)
+        if self.qk_norm == "weightless":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(self, x_BSD):
         B, S, _ = x_BSD.shape
-        q = rotary(self.q(x_BSD).view(B, S, self.h, self.hd).transpose(1, 2))
-        k = rotary(self.k(x_BSD).view(B, S, self.g, self.hd).transpose(1, 2))
-        v = self.v(x_BSD).view(B, S, self.g, self.hd).transpose(1, 2)
+        q, k, v = self._heads(x_BSD)
         if self.g != self.h:
             k, v = (t.repeat_interleave(self.h // self.g, dim=1) for t in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v, self.sinks)
         return self.o(y.transpose(1, 2).reshape(B, S, self.h * self.hd))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer layer: x + attn(norm(x)); x + mlp(norm(x)) with mlp = MoE or dense FFN."""
+class MLAttention(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention (training form: K and V decompressed per head)."""
 
-    def __init__(self, spec, layer: int, moe_kwargs: dict) -> None:
+    def __init__(self, spec, selective: bool = False) -> None:
         super().__init__()
-        self.norm1, self.norm2 = make_norm(spec.norm, spec.hidden_size), make_norm(spec.norm, spec.hidden_size)
-        self.attn = Attention(spec)
+        a, d = spec.attention, spec.hidden_size
+        self.h, self.n, self.r, self.dv, self.c = (a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim,
+                                                   a.v_head_dim, a.kv_lora_rank)
+        qk = self.n + self.r
+        if a.q_lora_rank is None:
+            self.q = nn.Linear(d, self.h * qk, bias=False)
+        else:
+            self.q_a = nn.Linear(d, a.q_lora_rank, bias=a.qkv_bias)
+            self.q_a_norm = nn.RMSNorm(a.q_lora_rank, eps=NORM_EPS)
+            self.q_b = nn.Linear(a.q_lora_rank, self.h * qk, bias=False)
+        self.kv_a = nn.Linear(d, self.c + self.r, bias=a.qkv_bias)
+        self.kv_a_norm = nn.RMSNorm(self.c, eps=NORM_EPS)
+        self.kv_b = nn.Linear(self.c, self.h * (self.n + self.dv), bias=False)
+        self.o = nn.Linear(self.h * self.dv, d, bias=a.o_bias)
+        self.core = _Core(selective)
+
+    def _query(self, x_BSD):
+        if hasattr(self, "q"):
+            return self.q(x_BSD)
+        return self.q_b(self.q_a_norm(self.q_a(x_BSD)))
+
+    def forward(self, x_BSD):
+        B, S, _ = x_BSD.shape
+        q = self._query(x_BSD).view(B, S, self.h, self.n + self.r).transpose(1, 2)
+        q_nope, q_rope = q.split((self.n, self.r), -1)
+        c_BSc, k_rope_BSr = self.kv_a(x_BSD).split((self.c, self.r), -1)
+        kv = self.kv_b(self.kv_a_norm(c_BSc)).view(B, S, self.h, self.n + self.dv).transpose(1, 2)
+        k_nope, v = kv.split((self.n, self.dv), -1)
+        k_rope = rotary(k_rope_BSr.unsqueeze(1)).expand(B, self.h, S, self.r)
+        q = torch.cat((q_nope, rotary(q_rope)), -1)
+        k = torch.cat((k_nope, k_rope), -1)
+        y = self.core(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(B, S, self.h * self.dv))
+
+
+def build_attention(spec, selective: bool = False) -> nn.Module:
+    return MLAttention(spec, selective) if spec.attention.kind == "mla" else Attention(spec, selective)
+
+
+class Block(nn.Module):
+    """One transformer layer; the norm layout follows norm.per_layer and parallel_attn_mlp (module docstring)."""
+
+    def __init__(self, spec, layer: int, moe_kwargs: dict, recompute: str = "none") -> None:
+        super().__init__()
+        d, per = spec.hidden_size, spec.norm.per_layer
+        self.per_layer, self.parallel = per, spec.parallel_attn_mlp
+        self.norm1, self.norm2 = make_norm(spec.norm, d), make_norm(spec.norm, d)
+        self.norm3 = make_norm(spec.norm, d) if per >= 3 else None
+        self.norm4 = make_norm(spec.norm, d) if per >= 4 else None
+        self.attn = build_attention(spec, selective=recompute == "selective")
         self.is_moe = spec.is_moe_layer(layer)
-        self.mlp = MoE(spec.hidden_size, spec.moe, **moe_kwargs) if self.is_moe else FFN(spec.hidden_size, spec.dense_ffn)
+        self.mlp, self.residual_mlp = self._mlp(spec, moe_kwargs)
+        self.full_recompute = recompute == "full"
+
+    def _mlp(self, spec, moe_kwargs):
+        if not self.is_moe:
+            return FFN(spec.hidden_size, spec.dense_ffn), None
+        m = spec.moe
+        routed = MoE(spec.hidden_size, m.model_copy(update={"parallel_dense_ffn": None}), **moe_kwargs)
+        residual = FFN(spec.hidden_size, m.parallel_dense_ffn) if m.parallel_dense_ffn is not None else None
+        return routed, residual
 
     def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        if self.full_recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=self._recompute_contexts)
+        return self._forward(x)
+
+    def _forward(self, x_BSD):
+        if self.per_layer == 3:
+            return self._arctic(x_BSD)
+        post_attn = self.norm3 if self.norm3 is not None else nn.Identity()
+        post_mlp = self.norm4 if self.norm4 is not None else nn.Identity()
+        h = x_BSD + post_attn(self.attn(self.norm1(x_BSD)))
+        mlp_in = self.norm2(x_BSD if self.parallel else h)
+        out = self.mlp(mlp_in)
+        if self.residual_mlp is not None:
+            out = out + self.residual_mlp(mlp_in)
+        return h + post_mlp(out)
+
+    def _arctic(self, x_BSD):
+        """Arctic (3 norms): the residual MLP reads n3(h), the MoE n2(x) (parallel) or n2(h)."""
+        h = x_BSD + self.attn(self.norm1(x_BSD))
+        out = h + self.mlp(self.norm2(x_BSD if self.parallel else h))
+        return out + self.residual_mlp(self.norm3(h))
+
+    def _recompute_contexts(self):
+        """(forward, recompute) contexts: the recomputation must not count routed tokens a second time."""
+        return contextlib.nullcontext(), _KeepCounters(self.mlp if self.is_moe else None)
+
+
+class _KeepCounters:
+    """Restores a MoE's expert_tokens after a recomputed forward."""
+
+    def __init__(self, moe) -> None:
+        self.moe, self.saved = moe, None
+
+    def __enter__(self):
+        if self.moe is not None:
+            self.saved = self.moe.expert_tokens.clone()
+        return self
+
+    def __exit__(self, *exc):
+        if self.moe is not None:
+            self.moe.expert_tokens.copy_(self.saved)
+        return False
 
 
 class StageModel(nn.Module):
@@ -79,14 +255,16 @@ class StageModel(nn.Module):
     + final norm and LM head on the last). Input: tokens [B, S] (first) or hidden [B, S, D]; output: hidden
     or fp32 logits [B, S, V] (last)."""
 
-    def __init__(self, spec, first_layer: int, num_layers: int, moe_kwargs: dict | None = None) -> None:
+    def __init__(self, spec, first_layer: int, num_layers: int, moe_kwargs: dict | None = None,
+                 recompute: str = "none") -> None:
         super().__init__()
+        assert recompute in RECOMPUTE, recompute
         self.spec, self.first_layer = spec, first_layer
         self.is_first, self.is_last = first_layer == 0, first_layer + num_layers == spec.num_layers
         d = spec.hidden_size
         self.embed = nn.Embedding(spec.vocab_size, d) if self.is_first else None
         self.pos = nn.Embedding(spec.max_seq_len, d) if self.is_first and spec.learned_position_embeddings else None
-        self.layers = nn.ModuleDict({str(i): Block(spec, i, moe_kwargs or {})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i, moe_kwargs or {}, recompute)
                                      for i in range(first_layer, first_layer + num_layers)})
         self.final_norm = make_norm(spec.norm, d) if self.is_last and spec.norm.final else None
         tied = spec.tie_embeddings and self.is_first
@@ -108,6 +286,61 @@ class StageModel(nn.Module):
 
     def moe_layers(self) -> dict[int, MoE]:
         return {int(i): b.mlp for i, b in self.layers.items() if b.is_moe}
+
+
+class VirtualStages(nn.Module):
+    """This rank's model chunks under the interleaved schedule: chunk v holds pipeline stage
+    pp_index + v x pp of pp x virtual_stages (Megatron-LM's interleaved assignment, Narayanan et al. 2021).
+    Called directly (pp = 1) it runs its chunks in order."""
+
+    def __init__(self, chunks: list[StageModel]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.spec = chunks[0].spec
+        self.is_first, self.is_last = chunks[0].is_first, chunks[-1].is_last
+
+    def forward(self, x):
+        for chunk in self.chunks:
+            x = chunk(x)
+        return x
+
+    def moe_layers(self) -> dict[int, MoE]:
+        out: dict[int, MoE] = {}
+        for chunk in self.chunks:
+            out.update(chunk.moe_layers())
+        return out
+
+
+def chunk_layers(spec, plan) -> list[int]:
+    """Layers of each of the pp x virtual_stages model chunks (interleaved: equal chunks, as Megatron-LM and
+    ``piper estimate`` require); for other schedules the plan's stage split."""
+    if plan.schedule != "interleaved":
+        return plan.stage_layers(spec.num_layers)
+    n = plan.pp * plan.virtual_stages
+    if spec.num_layers % n:
+        raise PiperError(f"schedule=interleaved needs num_layers={spec.num_layers} divisible by pp x virtual_stages "
+                         f"= {plan.pp} x {plan.virtual_stages}", field="parallel.virtual_stages")
+    per_rank = [spec.num_layers // plan.pp] * plan.pp
+    if plan.layers_per_stage is not None and list(plan.layers_per_stage) != per_rank:
+        raise PiperError(f"schedule=interleaved splits layers evenly ({per_rank} per rank); layers_per_stage="
+                         f"{plan.layers_per_stage} is not that split", field="parallel.layers_per_stage")
+    return [spec.num_layers // n] * n
+
+
+def build_rank_module(spec, plan, pp_index: int, moe_kwargs: dict, seed: int) -> nn.Module:
+    """This rank's initialised module: a StageModel, or VirtualStages for the interleaved schedule."""
+    layers = chunk_layers(spec, plan)
+    if plan.schedule != "interleaved":
+        module = StageModel(spec, sum(layers[:pp_index]), layers[pp_index], moe_kwargs, plan.recompute)
+        init_stage(module, seed)
+        return module
+    chunks = []
+    for v in range(plan.virtual_stages):
+        stage = pp_index + v * plan.pp
+        chunk = StageModel(spec, sum(layers[:stage]), layers[stage], moe_kwargs, plan.recompute)
+        init_stage(chunk, seed)
+        chunks.append(chunk)
+    return VirtualStages(chunks)
 
 
 # ---- deterministic initialisation --------------------------------------------------------------
@@ -133,6 +366,10 @@ def _fill(param: torch.Tensor, name: str, gen: torch.Generator, std_out: float) 
 
 def init_stage(model: StageModel, seed: int) -> None:
     """Initialise every parameter from (seed, layer[, expert]) so that any pp/ep split equals the whole."""
+    if isinstance(model, VirtualStages):
+        for chunk in model.chunks:
+            init_stage(chunk, seed)
+        return
     std_out = 0.02 / math.sqrt(2 * model.spec.num_layers)
     for name, p in model.named_parameters():
         if not name.startswith("layers."):  # embedding, positions, final norm, LM head: one stream each
@@ -153,27 +390,42 @@ def _init_experts(moe: MoE, seed: int, layer: int, std_out: float) -> None:
             _fill(p[j], name, gen, std_out)
 
 
+# ---- reduced-size copies of catalog models -----------------------------------------------------
+def _shrunk_heads(a, hidden_size: int) -> dict:
+    """Heads kept if they divide hidden_size with >= 8 per head, else 4; kv heads kept if they divide."""
+    heads = a.num_heads if hidden_size % a.num_heads == 0 and hidden_size // a.num_heads >= 8 else 4
+    kv = max(1, min(a.kv_heads, heads))
+    kv = kv if heads % kv == 0 else heads
+    upd = {"num_heads": heads, "num_kv_heads": heads if a.kind in ("mha", "mla") else kv, "head_dim": None}
+    if a.kind == "mla":  # DeepSeek's proportions (nope 128 : rope 64 : v 128) at 1/8, ranks at 32 / 16
+        upd.update(q_lora_rank=None if a.q_lora_rank is None else 32, kv_lora_rank=16, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=16)
+    return upd
+
+
 def shrink_spec(spec, hidden_size: int = 64, num_layers: int | None = 4, num_experts: int | None = None,
                 vocab_size: int = 512, ffn_size: int = 128):
-    """A reduced-width/-depth copy of a catalog spec (same structure: attention kind, gating, shared experts,
-    dense/MoE pattern) for CPU tests. Heads are kept if they divide hidden_size, else reduced to 4."""
-    a = spec.attention
-    heads = a.num_heads if hidden_size % a.num_heads == 0 and hidden_size // a.num_heads >= 8 else 4
-    kv = max(1, min(a.kv_heads, heads)) if heads % max(1, min(a.kv_heads, heads)) == 0 else heads
-    attn = a.model_copy(update={"num_heads": heads, "num_kv_heads": kv if a.kind != "mha" else heads, "head_dim": None})
+    """A reduced-width/-depth copy of a catalog spec (same structure: attention kind and options, norms,
+    gating, biases, shared experts and their gate, dense/MoE pattern, ties, positions) for CPU tests."""
+    attn = spec.attention.model_copy(update=_shrunk_heads(spec.attention, hidden_size))
     upd = {"hidden_size": hidden_size, "num_layers": num_layers or spec.num_layers, "vocab_size": vocab_size,
            "attention": attn, "max_seq_len": min(spec.max_seq_len or 1024, 1024)}
     if spec.dense_ffn is not None:
         upd["dense_ffn"] = spec.dense_ffn.model_copy(update={"intermediate_size": ffn_size})
     if spec.moe is not None:
-        m = spec.moe
-        moe_upd = {"expert": m.expert.model_copy(update={"intermediate_size": ffn_size // 2}),
-                   "num_experts": num_experts or min(m.num_experts, 8)}
-        moe_upd["top_k"] = min(m.top_k, moe_upd["num_experts"])
-        if m.shared_expert is not None:
-            moe_upd["shared_expert"] = m.shared_expert.model_copy(update={"intermediate_size": ffn_size})
-        if m.parallel_dense_ffn is not None:
-            moe_upd["parallel_dense_ffn"] = m.parallel_dense_ffn.model_copy(update={"intermediate_size": ffn_size})
-        upd["moe"] = m.model_copy(update=moe_upd)
+        upd["moe"] = _shrunk_moe(spec.moe, ffn_size, num_experts, upd["num_layers"])
     data = spec.model_copy(update=upd).model_dump()
     return type(spec).model_validate(data)
+
+
+def _shrunk_moe(m, ffn_size: int, num_experts: int | None, num_layers: int):
+    upd = {"expert": m.expert.model_copy(update={"intermediate_size": ffn_size // 2}),
+           "num_experts": num_experts or min(m.num_experts, 8)}
+    upd["top_k"] = min(m.top_k, upd["num_experts"])
+    if m.shared_expert is not None:
+        upd["shared_expert"] = m.shared_expert.model_copy(update={"intermediate_size": ffn_size})
+    if m.parallel_dense_ffn is not None:
+        upd["parallel_dense_ffn"] = m.parallel_dense_ffn.model_copy(update={"intermediate_size": ffn_size})
+    if m.layers.explicit is not None:  # keep the explicit MoE layers that exist at the reduced depth
+        upd["layers"] = m.layers.model_copy(update={"explicit": [i for i in m.layers.explicit if i < num_layers]})
+    return m.model_copy(update=upd)

@@ -1,5 +1,7 @@
-"""Pipeline execution: torch.distributed.pipelining (GPipe / 1F1B, shapes inferred at the first step) for
-pp > 1, a plain micro-batch loop for pp = 1. Both average the loss over micro-batches (scale_grads)."""
+"""Pipeline execution: torch.distributed.pipelining (GPipe / 1F1B / interleaved 1F1B, shapes inferred at the
+first step) for pp > 1, a plain micro-batch loop for pp = 1. Both average the loss over micro-batches
+(scale_grads). Interleaved: the rank's module is a model.VirtualStages; chunk v is pipeline stage
+pp_index + v x pp of pp x virtual_stages (ScheduleInterleaved1F1B, Narayanan et al. 2021)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,15 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
 
 
 def build_schedule(module, pp_index: int, pp: int, pp_group, schedule: str, num_microbatches: int, device):
-    """A GPipe or 1F1B schedule over this rank's stage (pp > 1)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """A GPipe, 1F1B or interleaved 1F1B schedule over this rank's stage(s) (pp > 1)."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
 
+    if schedule == "interleaved":
+        chunks = list(module.chunks)
+        n = pp * len(chunks)
+        stages = [PipelineStage(c, pp_index + v * pp, n, device, group=pp_group) for v, c in enumerate(chunks)]
+        return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=lm_loss)
     stage = PipelineStage(module, pp_index, pp, device, group=pp_group)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     return cls(stage, n_microbatches=num_microbatches, loss_fn=lm_loss)
