@@ -52,6 +52,8 @@ EXPANDED_REASONS: tuple[str, ...] = (
     "duplicate_pp1_schedule",                   # pp = 1: GPipe and 1F1B are the same run (1F1B kept)
     "duplicate_no_all_to_all",                  # ep = 1: no expert all-to-all, halo = flat (flat kept)
     "duplicate_zero_no_replicas",               # dp = edp = 1: ZeRO-1 shards nothing (zero=0 kept)
+    "duplicate_halo_one_node",                  # every expert group inside one node: HALO is its phase I = flat
+    "duplicate_selective_flash",                # flash attention keeps no scores: selective = none (none kept)
 )
 
 
@@ -114,7 +116,7 @@ def enumerate_space(model, platform, training, nodes: int, options: SearchOption
     n_expand = len(options.schedules) * len(options.recompute) * len(options.zero) * len(options.a2a_names())
     reasons = {name: int(count) * n_expand for name, count in first.items() if count}
     valid = {k: v[~np.any(reason_masks, axis=0)] for k, v in grid.items()}
-    fields, more = _expand(model, training, valid, options)
+    fields, more = _expand(model, training, valid, options, platform.devices_per_node)
     for name, count in more.items():
         reasons[name] = reasons.get(name, 0) + count
     total = len(grid["pp"]) * n_expand
@@ -193,7 +195,7 @@ def _check_batch_admits_some_dp(training, grid, masks: np.ndarray, world: int) -
 
 
 # ---- step 2: schedule, recompute, zero, a2a ------------------------------------------------------------
-def _expand(model, training, valid: dict[str, np.ndarray], options: SearchOptions):
+def _expand(model, training, valid: dict[str, np.ndarray], options: SearchOptions, devices_per_node: int):
     """Valid structural rows x (schedule, recompute, zero, a2a); returns (Candidates fields, reason counts)."""
     sched = np.array([SCHEDULES.index(s) for s in options.schedules], dtype=np.int64)
     recomp = np.array([RECOMPUTE.index(r) for r in options.recompute], dtype=np.int64)
@@ -206,14 +208,27 @@ def _expand(model, training, valid: dict[str, np.ndarray], options: SearchOption
     f["num_microbatches"] = training.global_batch // (f["dp"] * f["mbs"])
     interleaved = s == SCHEDULES.index("interleaved")
     f["virtual_stages"] = np.where(interleaved, options.virtual_stages, 1).astype(np.int64)
-    masks = _expanded_masks(model, f, interleaved)
+    twins = _Twins(halo_one_node="flat" in options.a2a_names(),
+                   selective="none" in options.recompute and training.flash_attention)
+    masks = _expanded_masks(model, f, interleaved, devices_per_node, twins)
     counts = _first_reason_counts(masks, EXPANDED_REASONS)
     keep = ~masks.any(axis=0)
     return {k: np.ascontiguousarray(f[k][keep]) for k in CANDIDATE_FIELDS}, counts
 
 
-def _expanded_masks(model, f: dict[str, np.ndarray], interleaved: np.ndarray) -> np.ndarray:
+@dataclass(frozen=True)
+class _Twins:
+    """Which duplicate rules apply: only when the twin that is kept is in the space too."""
+
+    halo_one_node: bool
+    selective: bool
+
+
+def _expanded_masks(model, f: dict[str, np.ndarray], interleaved: np.ndarray, devices_per_node: int,
+                    twins: _Twins) -> np.ndarray:
     edp = f["dp"] * f["tp"] // (f["ep"] * f["etp"])
+    # expert groups are ep x etp consecutive ranks, aligned on multiples of their size (DESIGN.md rank order)
+    groups_in_one_node = devices_per_node % (f["ep"] * f["etp"]) == 0
     return np.stack([
         interleaved & (f["pp"] < 2),
         interleaved & (f["pp"] * f["virtual_stages"] > model.num_layers),
@@ -221,6 +236,8 @@ def _expanded_masks(model, f: dict[str, np.ndarray], interleaved: np.ndarray) ->
         (f["pp"] == 1) & (f["schedule"] == SCHEDULES.index("gpipe")),
         (f["ep"] == 1) & (f["a2a"] == A2A.index("halo")),
         (f["dp"] == 1) & (edp == 1) & (f["zero"] == 1),
+        twins.halo_one_node & (f["ep"] > 1) & groups_in_one_node & (f["a2a"] == A2A.index("halo")),
+        twins.selective & (f["recompute"] == RECOMPUTE.index("selective")),
     ])
 
 

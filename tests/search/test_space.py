@@ -72,6 +72,8 @@ def _brute_force_valid(model, training, world: int, dpn: int) -> set[tuple]:
                 continue
             if (pp == 1 and sched == "gpipe") or (ep == 1 and a2a == "halo") or (dp == 1 and plan.edp == 1 and zero):
                 continue   # duplicates of a kept candidate
+            if (ep > 1 and dpn % (ep * etp) == 0 and a2a == "halo") or (rec == "selective" and training.flash_attention):
+                continue   # HALO inside one node is flat; selective recompute under flash attention is none
             out.add((dp, tp, pp, ep, etp, mbs, m, SCHEDULES.index(sched), vs, RECOMPUTE.index(rec), zero,
                      A2A.index(a2a)))
     return out
@@ -126,3 +128,19 @@ def test_batch_that_no_dp_divides_is_a_user_error():
 def test_code_tables_match_the_cost_model_contract():
     evaluate = pytest.importorskip("piper_plan.cost.evaluate")
     assert (evaluate.SCHEDULES, evaluate.RECOMPUTE, evaluate.A2A) == (SCHEDULES, RECOMPUTE, A2A)
+
+
+def test_dropped_twins_predict_the_same_as_the_kept_ones():
+    """The duplicate rules drop only candidates the cost model prices exactly like their kept twin."""
+    from piper_plan.cost.evaluate import Candidates, evaluate
+
+    model, training = load_model("mixtral-8x7b"), TrainingSpec()
+    full = enumerate_space(model, FRONTIER, training, 2, SearchOptions(recompute=("selective",), a2a="halo"))
+    kept = {k: v.copy() for k, v in full.fields.items()}
+    kept["recompute"][:] = RECOMPUTE.index("none")
+    kept["a2a"][:] = np.where(FRONTIER.devices_per_node % (kept["ep"] * kept["etp"]) == 0, A2A.index("flat"),
+                              kept["a2a"])
+    a = evaluate(model, FRONTIER, training, 2, Candidates(**full.fields))
+    b = evaluate(model, FRONTIER, training, 2, Candidates(**kept))
+    np.testing.assert_allclose(a.step_time_s, b.step_time_s, rtol=1e-12)
+    np.testing.assert_allclose(a.peak_memory_bytes, b.peak_memory_bytes, rtol=1e-12)
