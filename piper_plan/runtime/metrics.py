@@ -35,6 +35,15 @@ class MetricsWriter:
         self.file.close()
 
 
+def migration_summary(records: list[dict]) -> dict:
+    """Expert migration over the whole run: events, swaps, seconds, and seconds / (steps + migrations)."""
+    seconds = sum(r["time_s"].get("migration", 0.0) for r in records)
+    total = sum(r["step_time_s"] for r in records) + seconds
+    events = [e for r in records for e in r.get("migrations") or []]
+    return {"events": len(events), "swaps": sum(e["num_swaps"] for e in events), "seconds": seconds,
+            "share": seconds / total if total > 0 else 0.0}
+
+
 def summarise(records: list[dict]) -> dict:
     """The final summary: steady-state means (the first step, which includes warm-up, left out when possible)."""
     steady = records[1:] if len(records) > 1 else records
@@ -47,6 +56,7 @@ def summarise(records: list[dict]) -> dict:
             "step_time_s": step_s, "steps_per_s": 1 / step_s if step_s else None,
             "tokens_per_s": mean([r["tokens_per_s"] for r in steady]),
             "a2a_share": a2a / step_s if step_s else None,
-            "time_s": {k: mean([r["time_s"].get(k, 0.0) for r in steady]) for k in ("a2a", "p2p", "dp_sync")},
+            "time_s": {k: mean([r["time_s"].get(k, 0.0) for r in steady]) for k in ("a2a", "p2p", "dp_sync", "migration")},
+            "migration": migration_summary(records),
             "peak_memory_bytes": [max(r["memory_bytes"][i]["total_bytes"] for r in records)
                                   for i in range(len(records[0]["memory_bytes"]))] if records else []}

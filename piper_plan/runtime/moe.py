@@ -1,8 +1,9 @@
 """The MoE block: router (top-k, softmax or sigmoid), routed experts split over an EP group, shared experts.
 
 Legend: B batch, S sequence, D hidden, T = B x S tokens, k top-k, E experts, El = E / ep local experts,
-F expert width, R = T x k rows this rank sends, X rows it receives. Routed experts of layer l live on
-EP group-rank j as experts [j x El, (j + 1) x El); their weights are stacked ``[El, ...]`` parameters.
+F expert width, R = T x k rows this rank sends, X rows it receives. Routed experts live in slots:
+EP group-rank j holds slots [j x El, (j + 1) x El) as stacked ``[El, ...]`` parameters; ``slot_of_expert`` maps
+the router's logical expert to its slot (the identity until expert migration permutes it: runtime/migration.py).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class MoE(nn.Module):
         self.shared = nn.ModuleList(FFN(hidden, moe.shared) for _ in range(moe.num_shared_experts))
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if moe.shared_expert_gate else None
         self.parallel_dense = FFN(hidden, moe.parallel_dense_ffn) if moe.parallel_dense_ffn else None
+        self.register_buffer("slot_of_expert", torch.arange(moe.num_experts, dtype=torch.int64))
+        """Logical expert (router output) -> slot: slot s is local expert s % El of EP rank s // El.
+        Identity at start; permuted by expert migration (runtime/migration.py); saved in checkpoints."""
         self.expert_tokens = torch.zeros(moe.num_experts, dtype=torch.int64)
         """Assignments routed to each (logical) expert since the last reset (this rank's tokens)."""
 
@@ -139,7 +143,7 @@ class MoE(nn.Module):
 
     def _routed(self, x_TD, idx_Tk, weights_Tk):
         T, k = idx_Tk.shape
-        flat_R = idx_Tk.reshape(-1)
+        flat_R = self.slot_of_expert[idx_Tk.reshape(-1)]  # rows by slot (= by EP rank, then local expert)
         order_R = torch.argsort(flat_R, stable=True)
         x_RD = x_TD.index_select(0, order_R // k)
         counts_E = torch.bincount(flat_R, minlength=self.spec.num_experts)

@@ -3,8 +3,9 @@
 Builds this rank's pipeline stage from plan.json (mesh.py for the rank order, model.py for the weights), runs
 GPipe / 1F1B over pp, dispatches tokens to experts over each EP group (flat or HALO), all-reduces dense
 gradients over dp and expert gradients over edp (bucketed, one flat buffer per <= 2^25 elements), steps
-AdamW / SGD (optionally ZeRO-1 sharded), and writes metrics.jsonl + summary.json (global rank 0) and per-rank
-checkpoints. Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
+AdamW / SGD (optionally ZeRO-1 sharded), migrates experts at step boundaries (plan.json ``migration``;
+runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and per-rank checkpoints.
+Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
 Tensor parallelism is not implemented (tp = 1; capability.py).
 """
 
@@ -36,6 +37,8 @@ class RunConfig:
     training: object
     parallel: object
     runtime: dict = field(default_factory=dict)
+    migration: dict = field(default_factory=dict)
+    """plan.json's migration block (runtime/migration.py MigrationSettings)."""
 
 
 def config_from_dict(data: dict, path: str = "plan.json") -> RunConfig:
@@ -50,7 +53,8 @@ def config_from_dict(data: dict, path: str = "plan.json") -> RunConfig:
     return RunConfig(parse_spec(ModelSpec, data["model"], f"{path}: model"),
                      parse_spec(PlatformSpec, data["platform"], f"{path}: platform"),
                      parse_spec(TrainingSpec, data["training"], f"{path}: training"),
-                     parse_spec(ParallelPlan, parallel, f"{path}: parallel"), dict(data.get("runtime") or {}))
+                     parse_spec(ParallelPlan, parallel, f"{path}: parallel"), dict(data.get("runtime") or {}),
+                     dict(data.get("migration") or {}))
 
 
 def read_plan(path: str | Path) -> RunConfig:
@@ -63,7 +67,8 @@ def read_plan(path: str | Path) -> RunConfig:
         return config_from_dict(read_structured(Path(path)), str(path))
     pf = read_plan_file(path)
     runtime = pf.runtime if isinstance(pf.runtime, dict) else (pf.runtime.model_dump() if pf.runtime else {})
-    return RunConfig(pf.model, pf.platform, pf.training, pf.parallel, dict(runtime))
+    migration = pf.migration.model_dump() if hasattr(pf.migration, "model_dump") else dict(pf.migration or {})
+    return RunConfig(pf.model, pf.platform, pf.training, pf.parallel, dict(runtime), migration)
 
 
 def launch_env(environ=os.environ) -> tuple[int, int, int]:
@@ -179,6 +184,9 @@ class Trainer:
         self.dp_sync_s = 0.0
         if self.schedule is not None:
             self._infer_shapes()
+        from piper_plan.runtime.migration import ExpertMigrator, MigrationSettings
+
+        self.migrator = ExpertMigrator.from_trainer(self, MigrationSettings.from_dict(cfg.migration))
 
     def _infer_shapes(self) -> None:
         """The schedule infers stage shapes at its first step (running forward/backward on placeholder
@@ -190,15 +198,13 @@ class Trainer:
 
     # -- construction
     def _build_model(self, aux_loss_coeff: float):
-        from piper_plan.runtime.model import StageModel, init_stage
+        from piper_plan.runtime.model import build_rank_module
 
         spec, p, me = self.cfg.model, self.cfg.parallel, self.mesh.me
-        layers = p.stage_layers(spec.num_layers)
-        first = sum(layers[: me.pp_index])
         moe_kwargs = {"ep_rank": me.ep_rank, "ep_size": p.ep, "ep_group": self.mesh.ep_group,
                       "dispatcher": self._dispatcher(), "aux_loss_coeff": aux_loss_coeff}
-        module = StageModel(spec, first, layers[me.pp_index], moe_kwargs)
-        init_stage(module, self.seed)
+        # StageModel, or VirtualStages (interleaved); plan.recompute applied inside (model.py)
+        module = build_rank_module(spec, p, me.pp_index, moe_kwargs, self.seed)
         return module.to(self.device)
 
     def _dispatcher(self):
@@ -277,10 +283,20 @@ class Trainer:
                 dist.all_reduce(mean, group=self.mesh.dp_group)
                 mean /= self.cfg.parallel.dp
             loss = float(mean.cpu())
+        seconds = time.perf_counter() - start
+        migration = self._migrate(step)
         return {"rank": self.rank, "stage": self.mesh.me.pp_index, "dp_index": self.mesh.me.dp_index,
-                "loss": loss, "seconds": time.perf_counter() - start, "memory": memory,
-                "time_s": {"a2a": self._a2a_seconds(), "p2p": self.p2p.seconds, "dp_sync": self.dp_sync_s},
+                "loss": loss, "seconds": seconds, "memory": memory, "migration": migration,
+                "time_s": {"a2a": self._a2a_seconds(), "p2p": self.p2p.seconds, "dp_sync": self.dp_sync_s,
+                           "migration": migration["seconds"] if migration else 0.0},
                 "expert_tokens": {i: m.expert_tokens.tolist() for i, m in self.module.moe_layers().items()}}
+
+    def _migrate(self, step: int):
+        """Step boundary: record expert loads; every migration.interval steps rebalance (runtime/migration.py)."""
+        if self.migrator is None:
+            return None
+        self.migrator.observe()
+        return self.migrator.step_boundary(step)
 
     def _reset_counters(self) -> None:
         self.p2p.seconds = self.dp_sync_s = 0.0
@@ -381,9 +397,14 @@ def merge_reports(reports: list[dict], step: int, tokens: int):
         for layer, counts in r["expert_tokens"].items():
             acc = experts.setdefault(str(layer), [0] * len(counts))
             experts[str(layer)] = [a + c for a, c in zip(acc, counts)]
+    from piper_plan.runtime.migration import merge_events
+
+    migrations = merge_events(reports)  # stages migrate concurrently: the slowest one's time
     time_s = {k: max(r["time_s"][k] for r in reports) for k in ("a2a", "p2p", "dp_sync")}
+    time_s["migration"] = max((e["seconds"] for e in migrations), default=0.0)
     seconds = max(r["seconds"] for r in reports)
-    return step_record(step, loss, seconds, tokens, time_s, memory, dict(sorted(experts.items(), key=lambda kv: int(kv[0]))))
+    return step_record(step, loss, seconds, tokens, time_s, memory, dict(sorted(experts.items(), key=lambda kv: int(kv[0]))),
+                       migrations)
 
 
 # ---- entry point --------------------------------------------------------------------------------
