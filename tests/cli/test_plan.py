@@ -5,29 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "search"))
-from standin import standin_evaluate  # noqa: E402
-
-from piper_plan.cli.main import cli  # noqa: E402
-from piper_plan.search import engine  # noqa: E402
-
-try:
-    from piper_plan.cost.evaluate import evaluate as REAL_EVALUATE
-except ImportError:
-    REAL_EVALUATE = None
-
-
-@pytest.fixture(autouse=True)
-def _evaluator(monkeypatch):
-    """The real cost model when it exists; the numpy stand-in until then."""
-    if REAL_EVALUATE is None:
-        monkeypatch.setattr(engine, "default_evaluate", lambda: standin_evaluate)
+from piper_plan.cli.main import cli
 
 
 def _run(*args):
@@ -131,9 +113,6 @@ def test_bad_input_is_one_line_exit_2(args, needle):
 
 
 def test_save_writes_a_plan_file(tmp_path):
-    pytest.importorskip("piper_plan.planfile")
-    if REAL_EVALUATE is None:
-        pytest.skip("piper_plan.cost.evaluate not written yet")
     from piper_plan.planfile import read_plan_file
 
     out = tmp_path / "plan.json"
@@ -152,7 +131,6 @@ def test_saved_plan_prediction_equals_its_ranking_row(tmp_path):
     """The search prices each candidate with the layer split it saves (DeepSeek-V3: 3 dense layers + LM head
     make the FLOP-balanced split win), so the saved prediction is the ranked row, not a re-estimate of another
     split."""
-    pytest.importorskip("piper_plan.planfile")
     from piper_plan.planfile import read_plan_file
 
     out = tmp_path / "plan.json"

@@ -10,6 +10,7 @@ import pytest
 
 from piper_plan.capability import unsupported_features
 from piper_plan.catalog import load_model, load_platform
+from piper_plan.cost.evaluate import evaluate as cost_evaluate
 from piper_plan.errors import PiperError
 from piper_plan.search import engine
 from piper_plan.search.space import SearchOptions
@@ -19,17 +20,7 @@ from standin import standin_evaluate
 FRONTIER = load_platform("frontier")
 
 
-def _real_evaluate():
-    try:
-        from piper_plan.cost.evaluate import evaluate
-    except ImportError:
-        return None
-    return evaluate
-
-
-EVALUATORS = [pytest.param(standin_evaluate, id="standin"),
-              pytest.param(_real_evaluate(), id="cost", marks=pytest.mark.skipif(_real_evaluate() is None,
-                                                                                   reason="piper_plan.cost.evaluate not written yet"))]
+EVALUATORS = [pytest.param(standin_evaluate, id="standin"), pytest.param(cost_evaluate, id="cost")]
 
 
 @pytest.mark.parametrize("evaluate", EVALUATORS)
@@ -115,7 +106,6 @@ def test_search_imports_neither_torch_rich_nor_click():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.skipif(_real_evaluate() is None, reason="piper_plan.cost.evaluate not written yet")
 @pytest.mark.parametrize("name,nodes", [("piper-weak-110b", 8), ("deepseek-v3", 128), ("xmoe-large", 10)])
 def test_no_ranked_plan_beats_the_hardware(name, nodes):
     # MFU and HFU are fractions of the dense peak (191.5 TFLOPS per GCD): a plan above 1 is a modelling error.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from importlib.util import find_spec
 
 import pytest
 from click.testing import CliRunner
@@ -21,7 +20,6 @@ def data_pp(plan) -> int:
     return json.loads(plan.read_text())["parallel"]["pp"]
 
 
-@pytest.mark.skipif(find_spec("piper_plan.runtime.train") is None, reason="runtime (piper_plan.runtime.train) not there yet")
 def test_end_to_end_tiny_moe_and_compare(slurm_cluster, tmp_path):
     """piper plan --save -> piper launch --submit -> the runtime trains (halo, migration on) -> piper compare."""
     plan = tmp_path / "plan.json"
@@ -47,7 +45,6 @@ def test_end_to_end_tiny_moe_and_compare(slurm_cluster, tmp_path):
     assert len(data["memory_bytes_per_stage"]) == data_pp(plan)
 
 
-@pytest.mark.skipif(find_spec("piper_plan.runtime.train") is None, reason="runtime (piper_plan.runtime.train) not there yet")
 def test_requeue_resume_equals_uninterrupted(slurm_cluster, tmp_path):
     """Two jobs of one plan side by side (2 nodes each): one runs straight through; the other gets USR1
     mid-run -> checkpoint -> exit 75 -> scontrol requeue -> restart with --resume. Same final loss."""
