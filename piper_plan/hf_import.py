@@ -106,7 +106,8 @@ def _qwen_moe(c: _Config, qwen3: bool) -> dict:
     else:
         attn = _gqa(c, qkv_bias=c.flag("qkv_bias", True))
     moe = {"num_experts": c.int_("num_experts"), "top_k": c.int_("num_experts_per_tok"),
-           "expert": _ffn(c.int_("moe_intermediate_size")), "layers": _sparse_step_layers(c, spec["num_layers"])}
+           "expert": _ffn(c.int_("moe_intermediate_size")), "layers": _sparse_step_layers(c, spec["num_layers"]),
+           "normalize_top_k": c.flag("norm_topk_prob", False)}
     if not qwen3:
         moe.update(num_shared_experts=1, shared_expert=_ffn(c.int_("shared_expert_intermediate_size")),
                    shared_expert_gate=True)
@@ -123,6 +124,7 @@ def _deepseek(c: _Config, mla: bool) -> dict:
     moe = {"num_experts": c.int_("n_routed_experts"), "top_k": c.int_("num_experts_per_tok"),
            "expert": _ffn(c.int_("moe_intermediate_size")), "num_shared_experts": shared,
            "scoring": "sigmoid" if c.get("scoring_func", "softmax") == "sigmoid" else "softmax",
+           "normalize_top_k": c.flag("norm_topk_prob", False),
            "layers": {"first_k_dense": c.int_("first_k_dense_replace", 0, minimum=0),
                       "every": c.int_("moe_layer_freq", 1)}}
     if shared and mlp_bias:
@@ -147,7 +149,7 @@ def _olmoe(c: _Config) -> dict:
     bias = c.flag("attention_bias", False)
     return {**_base(c), "attention": _gqa(c, qkv_bias=bias, o_bias=bias, qk_norm="full"),
             "moe": {"num_experts": c.int_("num_experts"), "top_k": c.int_("num_experts_per_tok"),
-                    "expert": _ffn(c.int_("intermediate_size"))}}
+                    "expert": _ffn(c.int_("intermediate_size")), "normalize_top_k": c.flag("norm_topk_prob", False)}}
 
 
 def _gpt_oss(c: _Config) -> dict:
@@ -170,7 +172,7 @@ def _llama4(c: _Config) -> dict:
             "dense_ffn": _ffn(c.int_("intermediate_size_mlp")),
             "moe": {"num_experts": c.int_("num_local_experts"), "top_k": c.int_("num_experts_per_tok"),
                     "expert": _ffn(c.int_("intermediate_size")), "num_shared_experts": 1, "scoring": "sigmoid",
-                    "layers": layers}}
+                    "normalize_top_k": False, "layers": layers}}
 
 
 def _arctic(c: _Config) -> dict:

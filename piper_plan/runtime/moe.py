@@ -114,16 +114,14 @@ class MoE(nn.Module):
         return out_TD.view_as(x_BSD)
 
     def _route(self, x_TD):
-        """Top-k weights and indices. softmax: softmax over the top-k logits (Mixtral); sigmoid: top-k of the
-        sigmoid scores, normalised to sum 1 (DeepSeek-V3, norm_topk_prob)."""
+        """Top-k weights and indices of the softmax or sigmoid scores; renormalised to sum 1 when the spec says
+        normalize_top_k (Mixtral, DeepSeek-V3), else the raw scores (Switch, Qwen2-MoE, Llama 4)."""
         logits_TE = self.router(x_TD).float()
-        if self.spec.scoring == "softmax":
-            probs_TE = logits_TE.softmax(-1)
-            top, idx = logits_TE.topk(self.spec.top_k, dim=-1)
-            return top.softmax(-1).to(x_TD.dtype), idx, probs_TE
-        probs_TE = logits_TE.sigmoid()
+        probs_TE = logits_TE.softmax(-1) if self.spec.scoring == "softmax" else logits_TE.sigmoid()
         top, idx = probs_TE.topk(self.spec.top_k, dim=-1)
-        return (top / top.sum(-1, keepdim=True)).to(x_TD.dtype), idx, probs_TE
+        if self.spec.normalize_top_k:
+            top = top / top.sum(-1, keepdim=True)
+        return top.to(x_TD.dtype), idx, probs_TE
 
     def _balance_loss(self, idx_Tk, probs_TE):
         """Switch Transformer's auxiliary loss E x sum_e f_e P_e (Fedus et al. 2021, eq. 4), f over the k choices."""

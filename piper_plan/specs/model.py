@@ -116,6 +116,9 @@ class MoESpec(Spec):
     """The router Linear carries a bias (gpt-oss). DeepSeek-V3's correction bias is a buffer, not a parameter."""
     scoring: Literal["softmax", "sigmoid"] = "softmax"
     """Router scoring function."""
+    normalize_top_k: bool = True
+    """The k chosen scores are renormalised to sum 1 (Mixtral; HF norm_topk_prob=true); False: each expert output
+    is weighted by its raw score (Switch, Qwen2-MoE, DeepSeek-V2, Llama 4's sigmoid)."""
     layers: MoELayersSpec = MoELayersSpec()
     """Which layers are MoE."""
     parallel_dense_ffn: FFNSpec | None = None

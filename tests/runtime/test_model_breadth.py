@@ -61,13 +61,14 @@ def tokens(spec, batch=2, seq=12, seed=0):
 
 
 def check_builds_and_trains(spec) -> None:
-    module = build(spec, aux=0.01)  # top-1 routers renormalised to weight 1 learn only from the balance loss
+    module = build(spec)  # no balance loss: every router must learn from the LM loss alone (top-1 models
+    # weight by the raw score, normalize_top_k: false, as Switch and Llama 4 do)
     want = count_params(spec)
     assert runtime_counts(module) == {c: getattr(want, c) for c in COMPONENTS}
     x = tokens(spec)
     logits = module(x[:, :-1])
     lm_loss(logits, x[:, 1:]).backward()
-    silent = [n for n, p in module.named_parameters() if p.grad is None or not torch.any(p.grad != 0)]
+    silent = [n for n, p in module.named_parameters() if p.grad is None or float(p.grad.abs().max()) < 1e-7]
     assert silent == []  # every built parameter takes part in the function
     changed = x[:, :-1].clone()
     changed[:, -1] = (changed[:, -1] + 1) % spec.vocab_size
