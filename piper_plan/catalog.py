@@ -44,11 +44,23 @@ def catalog_names(folder: Path) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
-def read_structured(path: Path) -> dict:
-    """Parse a YAML or JSON file into a mapping; errors name the file and line."""
+def read_text(path: Path) -> str:
+    """A text file's contents; a missing, unreadable, binary or directory path is one PiperError line."""
+    if path.is_dir():
+        raise PiperError("is a directory; expected a file", path=str(path))
     if not path.is_file():
         raise PiperError("file not found", path=str(path))
-    text = path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PiperError(f"not a UTF-8 text file (byte {exc.start})", path=str(path)) from None
+    except OSError as exc:
+        raise PiperError(f"cannot read: {exc.strerror or exc}", path=str(path)) from None
+
+
+def read_structured(path: Path) -> dict:
+    """Parse a YAML or JSON file into a mapping; errors name the file and line."""
+    text = read_text(path)
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 EXIT_USER_ERROR = 2
+EXIT_REQUEUE = 75
+"""The runtime exits with this (EX_TEMPFAIL, sysexits.h) after checkpointing on SIGUSR1/SIGTERM; the batch
+script (launch/render.py) requeues the job on it."""
 
 
 class PiperError(Exception):

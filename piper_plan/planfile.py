@@ -69,8 +69,8 @@ class PlanFile(Spec):
     training: TrainingSpec
     nodes: PositiveInt
     """Nodes of the allocation."""
-    placement: str = "compact"
-    """Allocation shape: compact or spread."""
+    placement: Literal["compact", "spread"] = "compact"
+    """Allocation shape: compact or spread (placement.layout.PLACEMENTS)."""
     parallel: ParallelPlan
     moe: MoEBlock = MoEBlock()
     migration: MigrationBlock = MigrationBlock()
@@ -117,12 +117,14 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
     """Validate a plan.json object; errors name the file and the field."""
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise PiperError(f"schema_version={version!r}; this piper reads {SCHEMA_VERSION}", path=path,
+        raise PiperError(f"{version!r}; this piper reads {SCHEMA_VERSION} (save the plan again with this piper)", path=path,
                          field="schema_version")
     data = dict(data)
-    parallel = dict(data.get("parallel") or {})
-    edp = parallel.pop("edp", None)
-    data["parallel"] = parallel
+    edp = None
+    if isinstance(data.get("parallel"), dict):          # anything else: parse_spec names the field and type
+        parallel = dict(data["parallel"])
+        edp = parallel.pop("edp", None)
+        data["parallel"] = parallel
     plan_file = parse_spec(PlanFile, data, path)
     if edp is not None and edp != plan_file.parallel.edp:
         raise PiperError(f"edp={edp} but dp x tp / (ep x etp) = {plan_file.parallel.edp}", path=path,

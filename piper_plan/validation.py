@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
@@ -28,10 +28,9 @@ from piper_plan.errors import PiperError
 from piper_plan.specs.base import Spec
 
 GiB = 2**30
-MIGRATION_QUANTITIES = ("migration.send_per_gpu_GB", "migration.send_per_gpu_GiB", "migration.time_ms")
-PLAN_QUANTITIES = ("step_time_s", "tflops_per_device", "mfu", "memory.state_GiB", "memory.activation_GiB")
 Quantity = Literal["step_time_s", "tflops_per_device", "mfu", "memory.state_GiB", "memory.activation_GiB",
                    "migration.send_per_gpu_GB", "migration.send_per_gpu_GiB", "migration.time_ms"]
+MIGRATION_QUANTITIES = tuple(q for q in get_args(Quantity) if q.startswith("migration."))
 
 
 # ---- the dataset file format ------------------------------------------------------------------------

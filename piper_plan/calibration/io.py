@@ -15,7 +15,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from piper_plan.calibration.schema import TABLES, Column, Table
+from piper_plan.calibration.schema import Column, Table
 from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json, atomic_write_text
 
@@ -151,7 +151,3 @@ def write_metadata(directory: str | Path, metadata: dict) -> Path:
     old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     old.update(metadata)
     return atomic_write_json(path, old)
-
-
-def all_tables() -> list[Table]:
-    return list(TABLES.values())

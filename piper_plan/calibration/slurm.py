@@ -11,7 +11,13 @@ from piper_plan.fileio import atomic_write_text
 def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool = False, account: str | None = None,
                         time_limit: str = "00:30:00", python_cmd: str = "python3") -> str:
     """One srun task per device, RANK/WORLD_SIZE from SLURM_* (bench_collectives reads them; OLCF advises
-    srun over torchrun on Frontier), MASTER_ADDR = the job's first node."""
+    srun over torchrun on Frontier), MASTER_ADDR = the job's first node. --time and --account are checked
+    like `piper launch`'s (launch/validate.py): no shell characters reach the script."""
+    from piper_plan.launch import validate as v
+
+    v.wall_time(time_limit)
+    if account is not None:
+        v.slurm_name(account, "account")
     launch, per_node = platform.launch, platform.devices_per_node
     lines = ["#!/bin/bash", f"#SBATCH --job-name=piper-calibrate-{platform.name}", f"#SBATCH --nodes={num_nodes}",
              f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --time={time_limit}",

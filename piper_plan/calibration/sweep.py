@@ -57,12 +57,13 @@ class SweepResult:
 
 
 def parse_only(text: str | None) -> tuple[str, ...]:
-    if not text:
+    if text is None:
         return KINDS
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     bad = [k for k in kinds if k not in KINDS]
-    if bad:
-        raise PiperError(f"--only {text!r}: unknown {bad}; allowed a comma list of {list(KINDS)}")
+    if bad or not kinds:
+        what = f"unknown {bad}" if bad else "names nothing"
+        raise PiperError(f"--only {text!r}: {what}; allowed a comma list of {list(KINDS)}")
     return kinds
 
 
@@ -107,15 +108,21 @@ def _repeats(quick: bool) -> tuple[int, int]:
     return (5, 2) if quick else (20, 5)
 
 
+def _pending(task: str, table, points: list, name: str, opts, result) -> list:
+    """The points not yet in ``table``'s CSV when resuming (all otherwise); counts the others as skipped."""
+    from piper_plan.calibration.io import measured_keys
+
+    done = measured_keys(opts.out_dir, table) if opts.resume else set()
+    todo = [p for p in points if p.key(name) not in done]
+    result.skipped[task] = len(points) - len(todo)
+    return todo
+
+
 def _sweep_gemm(opts, device, name, source, reporter, result) -> None:
     from piper_plan.calibration.bench_gemm import gemm_points, measure_gemm
-    from piper_plan.calibration.io import measured_keys
     from piper_plan.calibration.schema import GEMM, gemm_flops
 
-    points = gemm_points(device.type, opts.quick)
-    done = measured_keys(opts.out_dir, GEMM) if opts.resume else set()
-    todo = [p for p in points if p.key(name) not in done]
-    result.skipped["gemm"] = len(points) - len(todo)
+    todo = _pending("gemm", GEMM, gemm_points(device.type, opts.quick), name, opts, result)
     repeats, warmup = _repeats(opts.quick)
 
     def measure(p):
@@ -128,13 +135,9 @@ def _sweep_gemm(opts, device, name, source, reporter, result) -> None:
 
 def _sweep_attention(opts, device, name, source, reporter, result) -> None:
     from piper_plan.calibration.bench_attention import attention_points, measure_attention
-    from piper_plan.calibration.io import measured_keys
     from piper_plan.calibration.schema import ATTENTION, attention_flops
 
-    points = attention_points(device.type, opts.quick)
-    done = measured_keys(opts.out_dir, ATTENTION) if opts.resume else set()
-    todo = [p for p in points if p.key(name) not in done]
-    result.skipped["attention"] = len(points) - len(todo)
+    todo = _pending("attention", ATTENTION, attention_points(device.type, opts.quick), name, opts, result)
     repeats, warmup = _repeats(opts.quick)
 
     def measure(p):

@@ -44,6 +44,21 @@ class UserError(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+class OneLineUsageError(click.UsageError):
+    """A click usage error (bad option value, unknown option, missing argument) printed on one line."""
+
+    exit_code = EXIT_USER_ERROR
+
+    def show(self, file=None) -> None:
+        path = self.ctx.command_path if self.ctx else "piper"
+        message = " ".join(self.format_message().split())
+        click.echo(f"error: {path}: {message} (see '{path} --help')", err=True)
+
+    @classmethod
+    def of(cls, exc: click.UsageError) -> "OneLineUsageError":
+        return cls(exc.format_message(), exc.ctx)
+
+
 def fail(message: str) -> None:
     """Raise a user error from inside a command."""
     raise PiperError(message)

@@ -41,6 +41,8 @@ def launch_cmd(ctx, plan_path, model, platform, nodes, seq_len, global_batch, st
     The plan is --plan plan.json, or the best runnable plan `piper plan` finds for --model/--platform/--nodes."""
     import tempfile
 
+    if dry_run and (submit or as_json):
+        raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --json", field="--dry-run")
     with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")
@@ -74,11 +76,11 @@ def _launch(plan_path, out_dir, submit, dry_run, steps, account, partition, time
 
 def _plan_source(plan_path, model, platform, nodes) -> str | None:
     """--plan, or None when the plan comes from --model/--platform/--nodes (all three needed)."""
-    if plan_path and (model or platform or nodes):
+    if plan_path and (model or platform or nodes is not None):
         raise PiperError("give either --plan or --model/--platform/--nodes, not both")
     if plan_path:
         return plan_path
-    if model and platform and nodes:
+    if model and platform and nodes is not None:
         return None
     raise PiperError("give --plan plan.json (from `piper plan --save`), or all of --model, --platform and --nodes")
 

@@ -46,6 +46,12 @@ class LazyGroup(click.Group):
             return None
         return getattr(importlib.import_module(module), attr)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
     def invoke(self, ctx: click.Context):
         from piper_plan.cli.common import UserError
         from piper_plan.errors import PiperError
@@ -54,12 +60,23 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except PiperError as exc:
             raise UserError(str(exc)) from None
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
+
+
+def _one_line(exc: click.UsageError) -> click.UsageError:
+    """Click's usage errors (three lines: usage, hint, message) as one ``error:`` line; help stays help."""
+    from piper_plan.cli.common import OneLineUsageError
+
+    if isinstance(exc, (click.exceptions.NoArgsIsHelpError, OneLineUsageError)):
+        return exc
+    return OneLineUsageError.of(exc)
 
 
 def _module_exists(module: str) -> bool:

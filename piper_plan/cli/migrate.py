@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from piper_plan.cli.common import console, print_json
 from piper_plan.errors import PiperError
 
+MAX_EXPERTS = 16_384
+"""Largest --experts: the planners' memory grows as E^2 (measured: E=65,536 took 1.7 GB for one layer);
+published MoE models have at most 384 routed experts (Kimi K2)."""
+MAX_LOAD_CELLS = 2**20
+"""Largest layers x experts simulated (measured: 1,024 x 1,000 took ~10 s on a 2-core CPU)."""
 OPTIMAL_MAX_PARTITIONS = 20_000
 """The exact optimum is added when one layer has at most this many equal partitions (milliseconds each)."""
 
@@ -17,7 +24,8 @@ def migrate_group() -> None:
 
 
 @migrate_group.command("simulate")
-@click.option("--experts", "num_experts", type=click.IntRange(min=1), help="Experts per MoE layer (E); default: the model's.")
+@click.option("--experts", "num_experts", type=click.IntRange(min=1, max=MAX_EXPERTS),
+              help="Experts per MoE layer (E); default: the model's.")
 @click.option("--ep", type=click.IntRange(min=1), required=True, help="Ranks in the expert-parallel group (G); must divide E.")
 @click.option("--layers", "num_layers", type=click.IntRange(min=1), help="MoE layers to simulate (default 1; a FILE sets its own).")
 @click.option("--skew", default="zipf:1.2", show_default=True,
@@ -37,6 +45,8 @@ def simulate_cmd(num_experts, ep, num_layers, skew, threshold, max_iters, seed, 
     """Imbalance before/after, swaps, experts and bytes moved, per planning algorithm."""
     from piper_plan.placement import migration
 
+    if not math.isfinite(threshold):
+        raise PiperError(f"--threshold {threshold}: must be a finite number >= 1.0")
     model_spec = _load_model(model)
     loads_LE, skew_spec = _loads(skew, num_experts, num_layers, seed, model_spec)
     if loads_LE.shape[1] % ep:
@@ -85,6 +95,9 @@ def _loads(skew: str, num_experts, num_layers, seed: int, model_spec):
         return loads, spec
     if num_experts is None:
         raise PiperError("--experts is required (or --model, or a metrics.jsonl as --skew)")
+    if num_experts * (num_layers or 1) > MAX_LOAD_CELLS:
+        raise PiperError(f"experts {num_experts} x --layers {num_layers} = {num_experts * num_layers} load cells; "
+                         f"allowed at most {MAX_LOAD_CELLS}")
     return synthetic_loads(spec, num_experts, num_layers or 1, seed), spec
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from piper_plan.cli.common import console, print_json
 from piper_plan.errors import PiperError
+from piper_plan.fileio import check_writable
 
 EXIT_NOTHING_FITS = 3
 MIGRATION_DEFAULTS = {"enabled": True, "threshold": 1.1, "interval": 50, "max_iters": 16}
@@ -36,7 +37,7 @@ MIGRATION_DEFAULTS = {"enabled": True, "threshold": 1.1, "interval": 50, "max_it
 @click.option("--placement", type=click.Choice(["compact", "spread"]), default="compact", show_default=True)
 @click.option("--memory-headroom", type=float, default=0.0, show_default=True,
               help="Fraction of device memory to keep free (0.1 = plans must fit in 90%).")
-@click.option("--top", type=int, default=10, show_default=True, help="Plans to show.")
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 @click.option("--csv", "as_csv", is_flag=True, help="The ranked plans as CSV on stdout.")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
@@ -49,6 +50,10 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     from piper_plan.search import engine
     from piper_plan.search.space import SearchOptions
 
+    if as_json and as_csv:
+        raise PiperError("--json and --csv both write stdout; choose one", field="--csv")
+    if save_path:
+        check_writable(save_path)
     model, platform, training = _load_inputs(model_name, platform_name, seq_len, global_batch)
     if not 0.0 <= memory_headroom < 1.0:
         raise PiperError(f"memory headroom {memory_headroom}; allowed 0 <= h < 1", field="--memory-headroom")

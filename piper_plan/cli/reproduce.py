@@ -73,7 +73,6 @@ def halo_cmd(platform_name, out_file, use_calibration, as_json) -> None:
     platform = load_platform(platform_name)
     table = rp.halo_table(platform, _calibration(platform.name, use_calibration))
     path = Path(out_file) if out_file else project_root() / "docs" / "halo.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = rp.render_markdown(f"HALO vs flat on {platform.name}", HALO_INTRO, [table]) + "\n" + rp.halo_analysis(table.rows)
     atomic_write_text(path, text)
     written = [path]

@@ -19,15 +19,27 @@ def run_dir_summary(run_dir: Path) -> dict:
     if metrics.is_file():
         lines = [ln for ln in metrics.read_text(encoding="utf-8").splitlines() if ln.strip()]
         out["steps_logged"] = len(lines)
-        if lines:
-            last = json.loads(lines[-1])
+        last = _last_record(lines)
+        if last is not None:
             out["last"] = {k: last.get(k) for k in ("step", "loss", "step_time_s", "tokens_per_s")}
     return out
 
 
+def _last_record(lines: list[str]) -> dict | None:
+    """The last line that parses as a JSON object (a run killed mid-write leaves a truncated last line)."""
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            return record
+    return None
+
+
 @click.command("status")
 @click.argument("job_id")
-@click.option("--dir", "job_dir", type=click.Path(file_okay=False), help="Job directory (default: the job's WorkDir).")
+@click.option("--dir", "job_dir", type=click.Path(exists=True, file_okay=False), help="Job directory (default: the job's WorkDir).")
 @click.option("--json", "as_json", is_flag=True, help="Machine output on stdout.")
 def status_cmd(job_id: str, job_dir: str | None, as_json: bool) -> None:
     """Slurm state (squeue / scontrol) and the run directory of a piper job."""

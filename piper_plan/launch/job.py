@@ -9,6 +9,7 @@ from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_text
 from piper_plan.launch import render, submit
 from piper_plan.launch.render import JobSpec, LaunchOptions
+from piper_plan.planfile import PlanFile, read_plan_file
 
 
 @dataclass(frozen=True)
@@ -26,50 +27,7 @@ class PreparedJob:
         return self.out_dir / "job.sbatch"
 
 
-def read_plan(path: Path):
-    """A PlanFile (piper_plan.planfile) from ``path``; until that module exists, a minimal reader of
-    DESIGN.md's plan.json format (schema_version 1) with the same field names."""
-    try:
-        from piper_plan.planfile import read_plan_file
-    except ImportError:
-        return _read_plan_json(path)
-    return read_plan_file(path)
-
-
-@dataclass(frozen=True)
-class _PlanView:
-    model: object
-    platform: object
-    training: object
-    nodes: int
-    placement: str
-    parallel: object
-    moe: dict
-    migration: dict
-    runtime: dict
-    prediction: dict
-
-
-def _read_plan_json(path: Path) -> _PlanView:
-    from piper_plan.catalog import parse_spec, read_structured
-    from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
-
-    data, where = read_structured(path), str(path)
-    if data.get("schema_version") != 1:
-        raise PiperError(f"schema_version={data.get('schema_version')!r}; allowed: 1", path=where)
-    missing = [k for k in ("model", "platform", "training", "nodes", "parallel") if k not in data]
-    if missing:
-        raise PiperError(f"missing fields {missing}", path=where)
-    parallel = {k: val for k, val in data["parallel"].items() if k != "edp"}  # edp is derived
-    return _PlanView(model=parse_spec(ModelSpec, data["model"], where),
-                     platform=parse_spec(PlatformSpec, data["platform"], where),
-                     training=parse_spec(TrainingSpec, data["training"], where), nodes=data["nodes"],
-                     placement=data.get("placement", "compact"), parallel=parse_spec(ParallelPlan, parallel, where),
-                     moe=data.get("moe") or {}, migration=data.get("migration") or {},
-                     runtime=data.get("runtime") or {}, prediction=data.get("prediction") or {})
-
-
-def check_runnable(plan_file, path: Path) -> None:
+def check_runnable(plan_file: PlanFile, path: Path) -> None:
     """Refuse a plan outside the runtime's capability list, naming each unsupported feature."""
     from piper_plan.capability import unsupported_features
 
@@ -82,11 +40,11 @@ def check_runnable(plan_file, path: Path) -> None:
 def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
             command: tuple[str, ...] | None = None) -> PreparedJob:
     """Read and check the plan, render the script; nothing is written."""
-    plan_file = read_plan(plan_path)
+    plan_file = read_plan_file(plan_path)
     check_runnable(plan_file, plan_path)
     out_dir = out_dir.expanduser().absolute()
     job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
-                          python=python, options=options, command=command)
+                          python=python, options=options, command=command, source=str(plan_path))
     script = render.render_sbatch(job, render.load_template(job.template))
     return PreparedJob(out_dir=out_dir, plan_text=plan_path.read_text(encoding="utf-8"), job=job,
                        script=script, readme=readme_text(job, plan_file))
@@ -124,8 +82,8 @@ def pending_reason(job_id: str) -> str | None:
     return reason if info.get("JobState") == "PENDING" and reason.startswith(BLOCKING_REASONS) else None
 
 
-def _prediction_lines(plan_file) -> list[str]:
-    pred = getattr(plan_file, "prediction", None) or {}
+def _prediction_lines(plan_file: PlanFile) -> list[str]:
+    pred = plan_file.prediction
     keys = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu")
     lines = [f"- {k}: {pred[k]:.4g}" for k in keys if isinstance(pred.get(k), (int, float))]
     peak = (pred.get("memory") or {}).get("peak_bytes")
@@ -134,7 +92,7 @@ def _prediction_lines(plan_file) -> list[str]:
     return lines or ["- (the plan carries no prediction)"]
 
 
-def readme_text(job: JobSpec, plan_file) -> str:
+def readme_text(job: JobSpec, plan_file: PlanFile) -> str:
     return "\n".join([
         f"# piper job `{job.job_name}`", "",
         f"Platform `{job.platform}`: {job.nodes} nodes x {job.ranks_per_node} ranks = {job.world} ranks, "

@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from piper_plan.errors import PiperError
+from piper_plan.errors import EXIT_REQUEUE, PiperError
 from piper_plan.launch import validate as v
 
-REQUEUE_EXIT_CODE = 75
-"""The runtime exits with this (EX_TEMPFAIL, sysexits.h) after checkpointing on SIGUSR1/SIGTERM."""
+REQUEUE_EXIT_CODE = EXIT_REQUEUE
+"""The runtime exits with this (errors.EXIT_REQUEUE) after checkpointing on SIGUSR1/SIGTERM."""
 SIGNAL_LEAD_S = 180
 """Seconds before the time limit at which Slurm sends USR1 (``--signal=B:USR1@180``): time to write a checkpoint."""
 MASTER_PORT_BASE = 29500
@@ -97,19 +97,6 @@ def default_time(steps: int, step_time_s: float | None) -> str:
     return v.format_wall_time(minutes * 60)
 
 
-def _runtime_value(plan_file, key: str, default=None):
-    runtime = getattr(plan_file, "runtime", None)
-    if runtime is None:
-        return default
-    value = runtime.get(key) if isinstance(runtime, dict) else getattr(runtime, key, None)
-    return default if value is None else value
-
-
-def _prediction_value(plan_file, key: str):
-    prediction = getattr(plan_file, "prediction", None) or {}
-    return prediction.get(key) if isinstance(prediction, dict) else getattr(prediction, key, None)
-
-
 def _given(value, default):
     """The option when the user gave one (an empty string is given, and refused by validation)."""
     return default if value is None else value
@@ -127,15 +114,18 @@ def plan_summary(plan_file) -> str:
 
 
 def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: LaunchOptions,
-             command: tuple[str, ...] | None = None) -> JobSpec:
-    """Derive and validate everything a template needs from a plan file (``planfile.PlanFile``)."""
+             command: tuple[str, ...] | None = None, source: str | None = None) -> JobSpec:
+    """Derive and validate everything a template needs from a plan file (``planfile.PlanFile``).
+
+    ``plan_path`` is where the job will read the plan; ``source`` (default: plan_path) is the file the user
+    gave, named in errors."""
     platform, plan, nodes = plan_file.platform, plan_file.parallel, v.positive_int(plan_file.nodes, "nodes")
     dpn = platform.devices_per_node
     if plan.world != nodes * dpn:
         raise PiperError(f"parallel: pp x dp x tp = {plan.world} ranks, but nodes x devices_per_node = "
-                         f"{nodes} x {dpn} = {nodes * dpn}; the plan must fill its nodes", path=plan_path)
+                         f"{nodes} x {dpn} = {nodes * dpn}; the plan must fill its nodes", path=source or plan_path)
     launch = platform.launch
-    steps = v.positive_int(options.steps if options.steps is not None else _runtime_value(plan_file, "steps", 100), "steps")
+    steps = v.positive_int(_given(options.steps, plan_file.runtime.steps), "steps")
     out_dir, plan_path = v.abs_path(out_dir, "--out"), v.abs_path(plan_path, "--plan")
     run_dir = f"{out_dir}/run"
     python = v.abs_path(python, "python")
@@ -146,7 +136,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
         nodes=nodes, ranks_per_node=dpn, world=plan.world,
         cpus_per_task=launch.cpus_per_task, gpus_per_task=launch.gpus_per_task, steps=steps,
         time=v.wall_time(options.time) if options.time is not None
-        else default_time(steps, _prediction_value(plan_file, "step_time_s")),
+        else default_time(steps, plan_file.prediction.get("step_time_s")),
         partition=_optional_name(_given(options.partition, launch.partition), "partition"),
         account=_optional_name(options.account, "account"),
         switches=switches_needed(nodes, platform.network.nodes_per_switch) if span else None,

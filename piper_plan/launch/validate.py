@@ -59,11 +59,6 @@ def wall_time(value: str) -> str:
     return str(value)
 
 
-def wall_time_seconds(value: str) -> int:
-    days, hours, minutes, seconds = TIME_RE.fullmatch(wall_time(value)).groups()
-    return ((int(days or 0) * 24 + int(hours)) * 60 + int(minutes)) * 60 + int(seconds)
-
-
 def format_wall_time(seconds: float) -> str:
     """Seconds -> HH:MM:SS (hours may exceed 24; Slurm accepts that)."""
     total = int(round(seconds))

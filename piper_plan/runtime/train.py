@@ -21,10 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from piper_plan.errors import EXIT_USER_ERROR, PiperError
-
-EXIT_REQUEUE = 75
-"""Exit code after a checkpoint taken on SIGTERM / SIGUSR1: the batch script requeues on it."""
+from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 
 
 # ---- plan and launch environment (no torch) -----------------------------------------------------
@@ -42,7 +39,8 @@ class RunConfig:
 
 
 def config_from_dict(data: dict, path: str = "plan.json") -> RunConfig:
-    """plan.json's mapping -> specs (the derived ``parallel.edp`` is dropped before validation)."""
+    """plan.json's mapping -> specs; validates only model, platform, training and parallel (the derived
+    ``parallel.edp`` is dropped), for plans built in memory by tests and benchmarks. Files go through read_plan."""
     from piper_plan.catalog import parse_spec
     from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
 
@@ -58,17 +56,12 @@ def config_from_dict(data: dict, path: str = "plan.json") -> RunConfig:
 
 
 def read_plan(path: str | Path) -> RunConfig:
-    """plan.json via planfile.read_plan_file when it exists, else parsed here (same format)."""
-    try:
-        from piper_plan.planfile import read_plan_file
-    except ImportError:
-        from piper_plan.catalog import read_structured
+    """plan.json, validated by planfile.read_plan_file (stricter than config_from_dict)."""
+    from piper_plan.planfile import read_plan_file
 
-        return config_from_dict(read_structured(Path(path)), str(path))
     pf = read_plan_file(path)
-    runtime = pf.runtime if isinstance(pf.runtime, dict) else (pf.runtime.model_dump() if pf.runtime else {})
-    migration = pf.migration.model_dump() if hasattr(pf.migration, "model_dump") else dict(pf.migration or {})
-    return RunConfig(pf.model, pf.platform, pf.training, pf.parallel, dict(runtime), migration)
+    return RunConfig(pf.model, pf.platform, pf.training, pf.parallel, pf.runtime.model_dump(),
+                     pf.migration.model_dump())
 
 
 def launch_env(environ=os.environ) -> tuple[int, int, int]:
@@ -93,9 +86,6 @@ def preflight(cfg: RunConfig, world: int, cuda_available: bool) -> None:
     problems = unsupported_features(cfg.parallel, cfg.model)
     if problems:
         raise PiperError("the runtime cannot run: " + "; ".join(problems), field="parallel")
-    if cfg.parallel.a2a == "halo" and not _halo_available():
-        raise PiperError("a2a='halo' needs piper_plan.runtime.halo, which is not installed yet; use a2a='flat'",
-                         field="parallel.a2a")
     if cfg.platform.launch.device == "cuda" and not cuda_available:
         raise PiperError(f"platform {cfg.platform.name} runs on GPUs (launch.device='cuda') but this machine has "
                          "none visible to torch; use a CPU platform (launch.device='cpu')", field="platform.launch.device")
@@ -103,12 +93,6 @@ def preflight(cfg: RunConfig, world: int, cuda_available: bool) -> None:
         from piper_plan.runtime.data import open_token_file
 
         open_token_file(Path(cfg.runtime["data"]), cfg.model.vocab_size, cfg.training.seq_len)
-
-
-def _halo_available() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("piper_plan.runtime.halo") is not None
 
 
 # ---- the trainer ------------------------------------------------------------------------------
@@ -232,8 +216,6 @@ class Trainer:
 
     def forward_backward(self, step: int) -> list:
         """Zero grads, run every micro-batch of this dp rank through the pipeline; last-stage losses."""
-        import torch
-
         from piper_plan.runtime.pipeline import run_local, run_pipeline
 
         for q in self.module.parameters():
@@ -467,7 +449,6 @@ def _init(cfg, rank: int, world: int, local: int):
 
 
 def run(cfg: RunConfig, args, rank: int, world: int, local: int) -> int:
-    import torch
     import torch.distributed as dist
 
     from piper_plan.fileio import atomic_write_json
@@ -494,10 +475,11 @@ def run(cfg: RunConfig, args, rank: int, world: int, local: int) -> int:
         if rank == 0:
             records.append(merge_reports(gathered, step + 1, tokens))
             writer.write(records[-1])
-        if interval and (step + 1) % interval == 0:
+        saved = bool(interval) and (step + 1) % interval == 0
+        if saved:
             trainer.save(run_dir, step + 1)
         if _stop_requested(stop, device):
-            if not (interval and (step + 1) % interval == 0):
+            if not saved:
                 trainer.save(run_dir, step + 1)
             code = EXIT_REQUEUE
             break

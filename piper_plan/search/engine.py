@@ -59,20 +59,16 @@ class SearchResult:
             out[name] = float(np.asarray(getattr(ev, name))[i])
         out["peak_memory_bytes"] = int(round(out["peak_memory_bytes"]))
         out["fits"] = bool(np.asarray(ev.fits)[i]) and out["peak_memory_bytes"] <= self.memory_limit_bytes
-        split = getattr(ev, "layers_split", None)
+        split = getattr(ev, "layers_split", None)                # None: an evaluate that prices even splits only
         out["layers_split"] = "balanced" if split is not None and int(split[i]) == 1 else "even"
         return out
 
     def plan(self, model, training, i: int):
         """Candidate ``i`` as the ParallelPlan the cost model priced (its layer split included): ``estimate``
         of it reproduces the candidate's row."""
-        from piper_plan.cost.pipeline import layers_per_stage_of
-        from piper_plan.specs import ParallelPlan
+        from piper_plan.cost.evaluate import plan_of
 
-        row = describe(self.fields, i)
-        code = 1 if self.row(i)["layers_split"] == "balanced" else 0
-        return ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS},
-                            layers_per_stage=layers_per_stage_of(model, training.seq_len, row["pp"], code))
+        return plan_of(model, training, make_candidates(self.fields), self.evaluation, i)
 
 
 def default_evaluate() -> EvaluateFn:

@@ -55,7 +55,8 @@ def pareto_front(tokens_per_s: np.ndarray, peak_bytes: np.ndarray, order: np.nda
 
 
 def closest_to_fitting(evaluation, limit_bytes: float, count: int) -> np.ndarray:
-    """The ``count`` candidates whose peak memory is smallest relative to the limit (for "nothing fits")."""
+    """The ``count`` candidates with the smallest peak memory, faster first among equals (for "nothing fits").
+    ``limit_bytes`` is not used: the limit is one number, so the smallest peak is also the smallest over it."""
     peak = np.asarray(evaluation.peak_memory_bytes)
     order = np.lexsort((-np.asarray(evaluation.tokens_per_s), peak))
     return order[:count]

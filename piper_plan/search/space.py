@@ -19,17 +19,18 @@ see ``STRUCTURAL_REASONS`` and ``EXPANDED_REASONS``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
 from piper_plan.errors import PiperError
+from piper_plan.specs import parallel as plan_types
 
-# Code tables: the same tuples, in the same order, as piper_plan.cost.evaluate (cross-team contract);
-# tests/search/test_space.py checks that they agree once the cost package is importable.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
-A2A: tuple[str, ...] = ("flat", "halo")
+# Code tables: a candidate's code indexes these names, in ParallelPlan's Literal order; piper_plan.cost.evaluate
+# uses the same tuples (tests/search/test_space.py checks that they agree).
+SCHEDULES: tuple[str, ...] = get_args(plan_types.Schedule)
+RECOMPUTE: tuple[str, ...] = get_args(plan_types.Recompute)
+A2A: tuple[str, ...] = get_args(plan_types.A2A)
 
 CANDIDATE_FIELDS: tuple[str, ...] = ("dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule",
                                      "virtual_stages", "recompute", "zero", "a2a")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import PositiveInt, model_validator
 
 from piper_plan.errors import PiperError
 from piper_plan.specs.base import Spec

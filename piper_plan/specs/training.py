@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat
 
 from piper_plan.specs.base import Spec
+
+MAX_COUNT = 2**31
+"""Upper bound of seq_len and global_batch: their product (tokens per step) must fit the cost model's int64."""
 
 
 class TrainingSpec(Spec):
     """Sequence, batch, precision and optimizer of a training run."""
 
-    seq_len: PositiveInt = 4096
-    """Tokens per sequence."""
-    global_batch: PositiveInt = 1024
-    """Sequences per optimizer step."""
+    seq_len: int = Field(default=4096, ge=1, le=MAX_COUNT)
+    """Tokens per sequence (at most 2^31, so token and FLOP counts stay inside int64)."""
+    global_batch: int = Field(default=1024, ge=1, le=MAX_COUNT)
+    """Sequences per optimizer step (at most 2^31)."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """Compute dtype of weights and activations."""
     optimizer: Literal["adam", "sgd"] = "adam"

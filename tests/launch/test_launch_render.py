@@ -4,15 +4,15 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from launch_plans import write_plan
 from piper_plan.errors import PiperError
 from piper_plan.launch import render
-from piper_plan.launch.job import prepare, read_plan
+from piper_plan.launch.job import prepare
 from piper_plan.launch.render import LaunchOptions
+from piper_plan.planfile import read_plan_file
 from piper_plan.specs import ParallelPlan
 
 
@@ -111,5 +111,5 @@ def test_unknown_placeholder_is_an_error():
 
 
 def test_read_plan_keeps_the_degrees(tmp_path):
-    plan = read_plan(write_plan(tmp_path / "p.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 4}))
+    plan = read_plan_file(write_plan(tmp_path / "p.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 4}))
     assert (plan.nodes, plan.parallel.pp, plan.parallel.dp, plan.parallel.ep, plan.parallel.edp) == (2, 2, 8, 4, 2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from argparse import Namespace
 from pathlib import Path
 
 import torch

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -45,7 +44,7 @@ def test_sbatch_test_only_accepts_emitted_scripts(slurm_cluster, tmp_path, platf
     assert result.exit_code == 0, result.output
     answer = submit.test_only(tmp_path / "job" / "job.sbatch")
     assert answer.ok, answer.message
-    assert f"on nodes" in answer.message
+    assert "on nodes" in answer.message
 
 
 def test_too_many_nodes_reports_slurms_reason(slurm_cluster, tmp_path):

@@ -1,0 +1,187 @@
+"""Bad input through every cheap command: one ``error:`` line on stderr, exit code 2, no traceback, no file
+half-written; --json happy paths print one JSON document on stdout (DESIGN.md, Conventions)."""
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from piper_plan.cli.main import cli
+from piper_plan.cli.status import run_dir_summary
+
+TINY = ("--model", "tiny-moe", "--platform", "local-cpu", "--seq", "128", "--global-batch", "8")
+ESTIMATE = ("estimate", *TINY, "--nodes", "1", "--dp", "2", "--ep", "2")
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *needles):
+    """Exit 2, a single stderr line starting with 'error:', no traceback; each needle appears in it."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def plan_json(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    result = run(*ESTIMATE, "--save", path, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(path.read_text())
+
+
+def write(path: Path, obj) -> Path:
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return path
+
+
+# ---- reading files -------------------------------------------------------------------------------------
+def test_binary_and_directory_spec_files(tmp_path):
+    binary = tmp_path / "m.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert_one_line_error(run("model", "show", binary), str(binary), "UTF-8")
+    assert_one_line_error(run("platform", "show", tmp_path / "dir.yaml"), "file not found")
+    (tmp_path / "d.yaml").mkdir()
+    assert_one_line_error(run("model", "show", tmp_path / "d.yaml"), "is a directory")
+
+
+@pytest.mark.parametrize("change, needles", [
+    (lambda d: {**d, "parallel": [1]}, ["parallel: Input should be a valid dictionary"]),
+    (lambda d: {k: v for k, v in d.items() if k != "parallel"}, ["parallel: Field required"]),
+    (lambda d: {**d, "placement": "weird"}, ["placement", "'weird'"]),
+    (lambda d: {**d, "schema_version": 2}, ["schema_version", "reads 1"]),
+    (lambda d: {**d, "parallel": {**d["parallel"], "edp": 7}}, ["parallel.edp", "edp=7"]),
+])
+def test_launch_refuses_a_broken_plan_naming_the_input_file(tmp_path, plan_json, change, needles):
+    plan = write(tmp_path / "in.json", change(plan_json))
+    line = assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job"), *needles)
+    assert str(plan) in line
+    assert not (tmp_path / "job").exists()
+
+
+def test_plan_whose_nodes_do_not_match_names_the_input_not_the_copy(tmp_path, plan_json):
+    plan = write(tmp_path / "in.json", {**plan_json, "nodes": 3})
+    line = assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job"), "must fill its nodes")
+    assert line.startswith(f"error: {plan}:")
+    assert not (tmp_path / "job").exists()
+
+
+# ---- numbers and option combinations ---------------------------------------------------------------------
+@pytest.mark.parametrize("extra, needles", [
+    (("--routing-skew", "inf"), ["routing_skew", "finite"]),
+    (("--routing-skew", "nan"), ["routing_skew"]),
+    (("--global-batch", str(10**23)), ["global_batch", "2147483648"]),
+    (("--seq", str(2**31 + 1)), ["seq_len"]),
+    (("--nodes", "abc"), ["--nodes", "'abc'"]),
+])
+def test_estimate_bad_numbers(extra, needles):
+    assert_one_line_error(run(*ESTIMATE, *extra), *needles)
+
+
+def test_click_usage_errors_are_one_line():
+    assert_one_line_error(run("models", "--bogus"), "--bogus", "--help")
+    assert_one_line_error(run("no-such-command"), "no-such-command")
+    assert_one_line_error(run("model", "show"), "MODEL")
+    assert_one_line_error(run("plan", *TINY, "--nodes", "1", "--top", "-1"), "--top")
+
+
+def test_incompatible_options():
+    assert_one_line_error(run("plan", *TINY, "--nodes", "1", "--json", "--csv"), "--json", "--csv")
+    assert_one_line_error(run("plan", *TINY, "--nodes", "8..4"), "8..4")
+    assert_one_line_error(run("launch", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "0",
+                              "--out", "/tmp/never-written"), "nodes=0")
+
+
+def test_launch_dry_run_cannot_combine_with_json(tmp_path, plan_json):
+    plan = write(tmp_path / "in.json", plan_json)
+    assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job", "--dry-run", "--json"), "--dry-run")
+
+
+def test_migrate_simulate_refuses_sizes_that_would_exhaust_memory():
+    assert_one_line_error(run("migrate", "simulate", "--ep", "2", "--experts", "100000000"), "--experts")
+    assert_one_line_error(run("migrate", "simulate", "--ep", "2", "--experts", "1024", "--layers", "100000"),
+                          "load cells")
+    assert_one_line_error(run("migrate", "simulate", "--ep", "2", "--experts", "8", "--threshold", "nan"), "--threshold")
+
+
+def test_calibrate_bad_arguments_fail_before_measuring(tmp_path):
+    assert_one_line_error(run("calibrate", "--platform", "local-cpu", "--only", "", "--out", tmp_path), "--only")
+    out = tmp_path / "x.sbatch"
+    assert_one_line_error(run("calibrate", "slurm", "--nodes", "2", "--time", "abc", "--output", out), "time='abc'")
+    assert_one_line_error(run("calibrate", "slurm", "--nodes", "2", "--account", "a;b", "--output", out), "account")
+    assert not out.exists()
+
+
+# ---- writing files ---------------------------------------------------------------------------------------
+def test_save_under_a_file_is_one_line_and_writes_nothing(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for args in ((*ESTIMATE, "--save", blocker / "plan.json"), ("plan", *TINY, "--nodes", "1", "--save",
+                                                                blocker / "plan.json"),
+                 ("reproduce", "halo", "--out", blocker / "halo.md")):
+        assert_one_line_error(run(*args), "is a file, not a folder")
+    assert blocker.read_text() == "x"
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        assert run(*ESTIMATE, "--save", tmp_path / "plan.json").exit_code == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "plan.json").stat().st_mode) == 0o644   # mkstemp alone gives 0o600
+
+
+# ---- compare and status: metrics.jsonl -------------------------------------------------------------------
+RECORD = {"schema_version": 1, "step": 1, "step_time_s": 2.0, "tokens_per_s": 4.0, "time_s": {"a2a": 0.5},
+          "memory_bytes": [100]}
+
+
+@pytest.mark.parametrize("lines, needles", [
+    ([RECORD, 5], ["line 2", "JSON object"]),
+    ([RECORD, {**RECORD, "schema_version": 2}], ["line 2", "schema_version=2"]),
+    ([{**RECORD, "time_s": "x"}], ["line 1", "time_s"]),
+    ([{**RECORD, "step_time_s": "slow"}], ["step_time_s"]),
+    ([{k: v for k, v in RECORD.items() if k != "step"}], ["field step: missing"]),
+])
+def test_compare_bad_metrics_lines(tmp_path, plan_json, lines, needles):
+    write(tmp_path / "plan.json", plan_json)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert_one_line_error(run("compare", tmp_path), "metrics.jsonl", *needles)
+
+
+def test_compare_bad_plan_and_happy_json(tmp_path, plan_json):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(RECORD) + "\n")
+    write(tmp_path / "plan.json", "{oops")
+    assert_one_line_error(run("compare", tmp_path), "plan.json", "malformed JSON")
+    write(tmp_path / "plan.json", plan_json)
+    result = run("compare", tmp_path, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["step_time_s"]["measured"] == 2.0
+
+
+def test_status_reads_past_a_truncated_last_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(RECORD) + "\n" + '{"step": 2, "lo')
+    summary = run_dir_summary(tmp_path)
+    assert summary["steps_logged"] == 2 and summary["last"]["step"] == 1
+    assert_one_line_error(run("status", "1", "--dir", tmp_path / "missing"), "--dir")
+
+
+# ---- --json happy paths: one JSON document on stdout ------------------------------------------------------
+@pytest.mark.parametrize("args", [("models",), ("platforms",), ("model", "show", "tiny-moe"),
+                                  ("platform", "show", "local-cpu"), ESTIMATE, ("plan", *TINY, "--nodes", "1"),
+                                  ("migrate", "simulate", "--ep", "2", "--experts", "8")])
+def test_json_goes_to_stdout(args):
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)
