@@ -37,3 +37,8 @@ def test_even_split_puts_extra_layers_late():
 
 def test_state_bytes_default_is_papers_16():
     assert TrainingSpec().state_bytes_per_param == 16
+
+
+def test_expert_parallelism_on_a_dense_model_is_an_error():
+    with pytest.raises(PiperError, match=r"ep=2, etp=1: tiny-dense is dense"):
+        check_plan(ParallelPlan(dp=2, ep=2, num_microbatches=4), load_model("tiny-dense"), TrainingSpec(global_batch=8), 2)

@@ -57,6 +57,7 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
     if launched:
         rank, result = bench.run_launched(config, _backend(platform))
     else:
+        bench.check_local_spawn(nodes, ranks_per_node, config.sizes_bytes)
         with console().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node})"):
             rank, result = 0, bench.spawn_bench(config)
     if rank != 0:

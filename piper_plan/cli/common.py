@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from functools import lru_cache
 from typing import Any
 
@@ -62,3 +61,16 @@ class OneLineUsageError(click.UsageError):
 def fail(message: str) -> None:
     """Raise a user error from inside a command."""
     raise PiperError(message)
+
+
+def platform_calibration(platform_name: str):
+    """calibration/<platform>/ as a Calibration, or None when the folder holds no CSVs (then the cost model uses
+    the platform's roofline fallback and says so). The folder is looked at first so that a platform without CSVs
+    does not pay for importing pandas and scipy."""
+    from piper_plan.catalog import calibration_dir
+
+    if not any(calibration_dir(platform_name).glob("*.csv")):
+        return None
+    from piper_plan.calibration import load_calibration
+
+    return load_calibration(platform_name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import console, print_json
+from piper_plan.cli.common import console, platform_calibration, print_json
 from piper_plan.errors import PiperError
 
 GiB = 2**30
@@ -48,7 +48,7 @@ def estimate_cmd(model_name, platform_name, nodes, dp, tp, pp, ep, etp, mbs, sch
     plan = _build_plan(model, platform, training, nodes, dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, mbs=mbs,
                        schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=int(zero),
                        a2a=a2a)
-    calibration = None if no_calibration else _load_calibration(platform.name)
+    calibration = None if no_calibration else platform_calibration(platform.name)
     result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement)
     other = "spread" if placement == "compact" else "compact"
     alt = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=other)
@@ -105,19 +105,6 @@ def _build_plan(model, platform, training, nodes, **degrees):
         raise PiperError(f"schedule=interleaved needs num_layers={model.num_layers} divisible by pp x virtual_stages "
                          f"= {plan.pp} x {plan.virtual_stages}", field="parallel")
     return plan
-
-
-def _load_calibration(platform_name: str):
-    """calibration/<platform>/ when it holds CSVs and the calibration package is importable; else None."""
-    from piper_plan.catalog import calibration_dir
-
-    if not any(calibration_dir(platform_name).glob("*.csv")):
-        return None
-    try:
-        from piper_plan.calibration import load_calibration
-    except ImportError:
-        return None
-    return load_calibration(platform_name)
 
 
 # ---- rendering (human output, stderr) --------------------------------------------------------------

@@ -13,7 +13,7 @@ import io
 import click
 import numpy as np
 
-from piper_plan.cli.common import console, print_json
+from piper_plan.cli.common import console, platform_calibration, print_json
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
 
@@ -58,7 +58,7 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     if not 0.0 <= memory_headroom < 1.0:
         raise PiperError(f"memory headroom {memory_headroom}; allowed 0 <= h < 1", field="--memory-headroom")
     options = SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom)
-    kwargs = {"calibration": _load_calibration(platform.name), "placement": placement,
+    kwargs = {"calibration": platform_calibration(platform.name), "placement": placement,
               "unsupported": _unsupported_fn() if runnable else None}
     counts = _node_counts(nodes_text, min_nodes)
     if len(counts) > 1:
@@ -93,21 +93,6 @@ def _load_inputs(model_name, platform_name, seq_len, global_batch):
         raise PiperError(f"global_batch={global_batch}; must be >= 1", field="--global-batch")
     return load_model(model_name), load_platform(platform_name), TrainingSpec(seq_len=seq_len,
                                                                               global_batch=global_batch)
-
-
-def _load_calibration(platform_name: str):
-    """calibration/<platform>/ via the calibration package; None when the package or the data is absent.
-
-    The folder is looked at first so that a platform without CSVs does not pay for importing pandas/scipy."""
-    from piper_plan.catalog import calibration_dir
-
-    if not any(calibration_dir(platform_name).glob("*.csv")):
-        return None
-    try:
-        from piper_plan.calibration import load_calibration
-    except ImportError:
-        return None
-    return load_calibration(platform_name)
 
 
 def _unsupported_fn():

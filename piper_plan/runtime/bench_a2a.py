@@ -46,6 +46,25 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+MAX_LOCAL_RANKS = 64
+"""Most gloo processes `piper bench a2a` spawns on one machine (each pays a torch start-up)."""
+BUFFERS_PER_RANK = 6
+"""Message-sized buffers a rank holds at once (input, flat and HALO outputs, phase buffers, gradients)."""
+
+
+def check_local_spawn(nodes: int, ranks_per_node: int, sizes_bytes: tuple[int, ...]) -> None:
+    """Refuse a local spawn that would start too many processes or allocate more than the machine's memory."""
+    ranks = nodes * ranks_per_node
+    if ranks > MAX_LOCAL_RANKS:
+        raise PiperError(f"--nodes x --ranks-per-node = {nodes} x {ranks_per_node} = {ranks} local processes; at most "
+                         f"{MAX_LOCAL_RANKS} on one machine (launch under srun / torchrun for real nodes)")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = ranks * BUFFERS_PER_RANK * max(sizes_bytes)
+    if need > memory // 2:
+        raise PiperError(f"--sizes up to {max(sizes_bytes)} bytes on {ranks} ranks needs ~{need / 1e9:.1f} GB; "
+                         f"this machine has {memory / 1e9:.1f} GB (allowed: half of it)")
+
+
 def parse_algos(text: str) -> tuple[str, ...]:
     """``"flat,halo"`` -> ("flat", "halo")."""
     algos = tuple(a.strip() for a in text.split(",") if a.strip())

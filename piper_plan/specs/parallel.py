@@ -95,6 +95,8 @@ def check_plan(plan: ParallelPlan, model, training, world: int) -> None:
         errors.append(f"tp={plan.tp} must divide num_heads={heads} and num_kv_heads={kv}")
     if model.moe is not None and model.moe.num_experts % plan.ep:
         errors.append(f"ep={plan.ep} must divide num_experts={model.moe.num_experts}")
+    if model.moe is None and plan.ep * plan.etp > 1:
+        errors.append(f"ep={plan.ep}, etp={plan.etp}: {model.name} is dense (no experts); use ep=1, etp=1")
     if training.global_batch % (plan.dp * plan.mbs):
         errors.append(f"global_batch={training.global_batch} must be divisible by dp x mbs = {plan.dp} x {plan.mbs}")
     elif plan.num_microbatches != training.global_batch // (plan.dp * plan.mbs):

@@ -185,3 +185,14 @@ def test_json_goes_to_stdout(args):
     result = run(*args, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--nodes", "20", "--ranks-per-node", "8"], "160 local processes"),
+    (["--nodes", "2", "--ranks-per-node", "4", "--sizes", "4G"], "needs ~"),
+])
+def test_bench_a2a_refuses_a_local_spawn_the_machine_cannot_hold(args, needle):
+    res = CliRunner().invoke(cli, ["bench", "a2a", *args])
+    assert res.exit_code == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.output
