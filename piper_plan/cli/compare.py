@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from piper_plan.cli.common import console, print_json
 from piper_plan.errors import PiperError
+from piper_plan.metricsfile import read_metrics
 
 
 def find_plan(run_dir: Path) -> Path:
@@ -24,47 +24,6 @@ def find_metrics(run_dir: Path) -> Path:
         if candidate.is_file():
             return candidate
     raise PiperError("no metrics.jsonl (has the run written a step yet?)", path=str(run_dir))
-
-
-METRICS_SCHEMA_VERSION = 1
-"""metrics.jsonl's schema_version this reader understands (runtime/metrics.py writes it; not imported: torch-free)."""
-RECORD_TYPES = {"step": (int, "integer"), "step_time_s": ((int, float), "number"),
-                "tokens_per_s": ((int, float), "number"), "time_s": (dict, "object"), "memory_bytes": (list, "array")}
-"""Fields compare() indexes into, and the JSON type each must have when present ("step" is required)."""
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The step records of a metrics.jsonl; a bad line is one PiperError naming the file and line number."""
-    from piper_plan.catalog import read_text
-
-    records = []
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PiperError(f"line {number}: malformed JSON: {exc.msg}", path=str(path)) from None
-        records.append(check_record(record, f"line {number}", str(path)))
-    if not records:
-        raise PiperError("no step records", path=str(path))
-    return records
-
-
-def check_record(record, where: str, path: str) -> dict:
-    """One metrics.jsonl record: an object whose schema_version (when given) and field types compare() reads."""
-    if not isinstance(record, dict):
-        raise PiperError(f"{where}: expected a JSON object, got {type(record).__name__}", path=path)
-    version = record.get("schema_version", METRICS_SCHEMA_VERSION)
-    if version != METRICS_SCHEMA_VERSION:
-        raise PiperError(f"{where}: schema_version={version!r}; this piper reads {METRICS_SCHEMA_VERSION}", path=path)
-    if "step" not in record:
-        raise PiperError(f"{where}: field step: missing", path=path)
-    for field, (kind, name) in RECORD_TYPES.items():
-        value = record.get(field)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise PiperError(f"{where}: field {field}: {value!r} is not a JSON {name}", path=path)
-    return record
 
 
 def read_prediction(path: Path) -> dict:

@@ -7,13 +7,13 @@ Generators are pure (numpy ``Generator`` in, array out); only :func:`read_metric
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from piper_plan.errors import PiperError
+from piper_plan.metricsfile import json_lines
 
 DEFAULT_TOKENS_PER_LAYER = 1 << 20
 """Routed token-slots per layer of synthetic loads (tokens x top_k); only the shares matter to the planner."""
@@ -94,7 +94,7 @@ def read_metrics_loads(path: str | Path, last_steps: int | None = None) -> np.nd
     ``last_steps`` keeps only the last N lines that carry it.
     """
     path = Path(path)
-    rows = [_layer_rows(obj, path, line) for line, obj in _json_lines(path) if obj.get("expert_tokens") is not None]
+    rows = [_layer_rows(obj, path, line) for line, obj in json_lines(path) if obj.get("expert_tokens") is not None]
     if not rows:
         raise PiperError("no line carries expert_tokens (a runtime metrics.jsonl with MoE layers is expected)",
                          path=str(path))
@@ -103,26 +103,6 @@ def read_metrics_loads(path: str | Path, last_steps: int | None = None) -> np.nd
     if len(shapes) != 1:
         raise PiperError(f"expert_tokens changes shape between lines: {sorted(shapes)}", path=str(path))
     return np.sum(rows, axis=0)
-
-
-def _json_lines(path: Path):
-    """(line number, object) for each non-empty line; unreadable files and bad JSON are PiperErrors."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PiperError(f"cannot read loads file: {exc.strerror or exc}", path=str(path)) from None
-    except UnicodeDecodeError:
-        raise PiperError("cannot read loads file: not UTF-8 text (a metrics.jsonl is expected)", path=str(path)) from None
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise PiperError(f"line {number}: malformed JSON: {exc.msg}", path=str(path)) from None
-        if not isinstance(obj, dict):
-            raise PiperError(f"line {number}: expected a JSON object, got {type(obj).__name__}", path=str(path))
-        yield number, obj
 
 
 def _layer_rows(obj: dict, path: Path, line: int) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+from piper_plan.metricsfile import SCHEMA_VERSION  # noqa: F401  (written into every record)
 
 MEMORY_SOURCE_CPU = "tensor accounting: parameters + gradients + optimizer state + peak activations saved for backward"
 MEMORY_SOURCE_GPU = "torch.cuda.max_memory_allocated"
