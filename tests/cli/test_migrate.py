@@ -84,7 +84,7 @@ def test_human_output_goes_to_stderr():
 @pytest.mark.parametrize("args, fragment", [
     (["--experts", "10", "--ep", "3"], "--ep 3 must divide"),
     (["--experts", "8", "--ep", "2", "--skew", "zipf:abc"], "--skew"),
-    (["--experts", "8", "--ep", "2", "--skew", "/nonexistent/metrics.jsonl"], "cannot read"),
+    (["--experts", "8", "--ep", "2", "--skew", "/nonexistent/metrics.jsonl"], "file not found"),
     (["--ep", "2"], "--experts is required"),
     (["--experts", "8", "--ep", "2", "--model", "mixtral-8x7b"], "go together"),
     (["--experts", "16", "--ep", "2", "--model", "mixtral-8x7b", "--platform", "frontier"], "contradicts"),
