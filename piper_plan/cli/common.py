@@ -14,9 +14,14 @@ from piper_plan.errors import EXIT_USER_ERROR, PiperError
 @lru_cache(maxsize=1)
 def console():
     """The one rich Console for human output; on stderr so stdout stays machine-readable."""
+    import os
+    import sys
+
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    # Piped or logged output (no terminal, no COLUMNS) gets wide tables instead of rich's 80-column default.
+    wide = None if sys.stderr.isatty() or "COLUMNS" in os.environ else 160
+    return Console(stderr=True, highlight=False, width=wide)
 
 
 def print_json(obj: Any) -> None:
