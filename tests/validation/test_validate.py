@@ -99,3 +99,16 @@ def test_unknown_dataset_is_user_error():
         load_dataset("no-such-dataset")
     result = CliRunner().invoke(cli, ["validate", "--dataset", "no-such-dataset"])
     assert result.exit_code == 2
+
+
+def test_markdown_report_holds_every_row(tmp_path):
+    from click.testing import CliRunner
+
+    from piper_plan.cli.main import cli
+
+    out = tmp_path / "validation.md"
+    res = CliRunner().invoke(cli, ["validate", "--dataset", "piper-migration-table4", "--markdown", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert text.count("| deepseek-v3 |") == 1 and text.count("| deepseek-v3-time |") == 1
+    assert text.rstrip().endswith("none")
