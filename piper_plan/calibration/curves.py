@@ -195,6 +195,8 @@ class Calibration:
         """One line per table: how many rows, and how many are seed / measured / imported."""
         self.notes: list[str] = []
         """Fallbacks taken while answering queries (a dtype or pass that had no rows), for the output."""
+        self.overhead = None
+        """cost.overhead.FrameworkOverhead from overhead.csv (load_calibration sets it), or None."""
         self._cache: dict = {}
 
     # GEMM ------------------------------------------------------------------------------------------
@@ -289,4 +291,8 @@ def load_calibration(platform: str | Path) -> Calibration | None:
     frames = [read_if_present(directory, t) for t in (GEMM, ATTENTION, COLLECTIVES)]
     if all(f is None or f.empty for f in frames):
         return None
-    return Calibration(directory, *frames)
+    calibration = Calibration(directory, *frames)
+    from piper_plan.calibration.overhead import load_overhead
+
+    calibration.overhead = load_overhead(directory)   # framework overhead (overhead.csv), None when absent
+    return calibration

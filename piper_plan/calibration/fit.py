@@ -12,6 +12,11 @@ Parameters (each only when it changes some prediction — a parameter the runs c
   used when the platform has no GEMM / attention calibration rows.
 - ``a2a_overlap`` / ``p2p_overlap`` / ``dp_overlap`` / ``tp_overlap``: CostOptions, the fraction of that
   communication hidden behind compute.
+- ``overhead.scale``: a factor on the measured framework overhead (calibration/<platform>/overhead.csv,
+  cost/overhead.py), for a machine whose load differs between calibration and runs.
+
+Honesty: what is fitted on some runs cannot validate on them. ``split_runs`` holds every other run out, and
+``holdout_mape_pct`` reports the error on the held-out runs with the fitted values (benchmarks/closed_loop.py).
 
 The result is written to ``calibration/<platform>/fit.csv`` (parameter, value, before/after error, source naming
 the runs); :func:`load_fit` reads it back as (CostOptions, platform with fitted efficiencies). Pure except
@@ -36,6 +41,7 @@ PARAMETERS: dict[str, tuple[float, float, float]] = {   # name -> (lower, upper,
     "p2p_overlap": (0.0, 0.95, 0.0),
     "dp_overlap": (0.0, 0.95, 0.0),
     "tp_overlap": (0.0, 0.95, 0.0),
+    "overhead.scale": (0.2, 5.0, 1.0),
 }
 
 
@@ -136,11 +142,11 @@ def load_fit(platform, path: Path | None = None):
 
 # ---- pure ------------------------------------------------------------------------------------------
 def apply(platform, options, values: dict[str, float]):
-    """(CostOptions, PlatformSpec) with ``values`` set."""
+    """(CostOptions, PlatformSpec) with ``values`` set (``overhead.scale`` is applied by scaled_calibration)."""
     eff = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("efficiency.")}
     if eff:
         platform = platform.model_copy(update={"efficiency": platform.efficiency.model_copy(update=eff)})
-    opts = {k: v for k, v in values.items() if not k.startswith("efficiency.")}
+    opts = {k: v for k, v in values.items() if not k.startswith(("efficiency.", "overhead."))}
     return options.model_copy(update=opts) if hasattr(options, "model_copy") else _replace(options, opts), platform
 
 
@@ -150,15 +156,33 @@ def _replace(options, values):
     return replace(options, **values)
 
 
-def predict_seconds(runs: list[Run], values: dict[str, float], calibration=None) -> np.ndarray:
-    """Predicted step seconds of every run under ``values``."""
+def scaled_calibration(calibration, scale: float):
+    """A shallow copy of ``calibration`` whose framework overhead (``.overhead``) is ``scale`` times larger."""
+    import copy
+    from dataclasses import fields, replace
+
+    overhead = getattr(calibration, "overhead", None)
+    if overhead is None or scale == 1.0:
+        return calibration
+    def times(value):
+        return tuple(v * scale for v in value) if isinstance(value, tuple) else value * scale
+
+    seconds = {f.name: times(getattr(overhead, f.name)) for f in fields(overhead) if f.name.endswith("_s")}
+    out = copy.copy(calibration)
+    out.overhead = replace(overhead, **seconds)
+    return out
+
+
+def predict_seconds(runs: list[Run], values: dict[str, float], calibration=None, options=None) -> np.ndarray:
+    """Predicted step seconds of every run under ``values`` (``options``: the base CostOptions)."""
     from piper_plan.cost.evaluate import estimate
     from piper_plan.cost.options import CostOptions
 
     out = []
+    calibration = scaled_calibration(calibration, values.get("overhead.scale", 1.0))
     for run in runs:
         pf = run.plan_file
-        opts, platform = apply(pf.platform, CostOptions(), values)
+        opts, platform = apply(pf.platform, options or CostOptions(), values)
         est = estimate(pf.model, platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
                        placement=pf.placement, options=opts)
         out.append(est["step_time_s"])
@@ -171,30 +195,31 @@ def _current(name: str, runs: list[Run]) -> float:
     return PARAMETERS[name][2]
 
 
-def sensitive_parameters(runs: list[Run], calibration=None, names=None, rel_step: float = 0.05) -> list[str]:
+def sensitive_parameters(runs: list[Run], calibration=None, names=None, rel_step: float = 0.05,
+                         options=None) -> list[str]:
     """Parameters whose change moves at least one prediction (the others cannot be fitted from these runs)."""
-    base = predict_seconds(runs, {}, calibration)
+    base = predict_seconds(runs, {}, calibration, options)
     keep = []
     for name in names or PARAMETERS:
         lo, hi, _ = PARAMETERS[name]
         value = _current(name, runs)
         trial = min(hi, value + rel_step) if value + rel_step <= hi else value - rel_step
-        moved = predict_seconds(runs, {name: max(lo, trial)}, calibration)
+        moved = predict_seconds(runs, {name: max(lo, trial)}, calibration, options)
         if np.any(np.abs(moved / base - 1) > 1e-6):
             keep.append(name)
     return keep
 
 
-def fit(runs: list[Run], calibration=None, names=None) -> FitResult:
+def fit(runs: list[Run], calibration=None, names=None, options=None) -> FitResult:
     """Least-squares fit of the sensitive parameters to the runs' measured step times."""
     from scipy.optimize import least_squares
 
     if not runs:
         raise PiperError("no runs to fit", field="RUN_DIR")
     measured = np.array([r.measured_step_s for r in runs])
-    names = sensitive_parameters(runs, calibration, names)
+    names = sensitive_parameters(runs, calibration, names, options=options)
     start = np.array([_current(n, runs) for n in names])
-    before = predict_seconds(runs, {}, calibration)
+    before = predict_seconds(runs, {}, calibration, options)
     if not names:
         return FitResult(runs[0].plan_file.platform.name, {}, {}, [r.path for r in runs], measured.tolist(),
                          before.tolist(), before.tolist())
@@ -202,10 +227,24 @@ def fit(runs: list[Run], calibration=None, names=None) -> FitResult:
     upper = np.array([PARAMETERS[n][1] for n in names])
 
     def residuals(x):
-        return np.log(predict_seconds(runs, dict(zip(names, x)), calibration) / measured)
+        return np.log(predict_seconds(runs, dict(zip(names, x)), calibration, options) / measured)
 
     sol = least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper), diff_step=1e-3)
     values = {n: float(v) for n, v in zip(names, sol.x)}
     return FitResult(runs[0].plan_file.platform.name, values, dict(zip(names, start.tolist())),
                      [r.path for r in runs], measured.tolist(), before.tolist(),
-                     predict_seconds(runs, values, calibration).tolist())
+                     predict_seconds(runs, values, calibration, options).tolist())
+
+
+def split_runs(runs: list, every: int = 2) -> tuple[list, list]:
+    """(fit set, held-out set): every ``every``-th run (the 2nd, 4th, ...) is held out."""
+    held = [r for i, r in enumerate(runs) if i % every == every - 1]
+    return [r for i, r in enumerate(runs) if i % every != every - 1], held
+
+
+def holdout_mape_pct(values: dict[str, float], runs: list[Run], calibration=None, options=None) -> tuple[float, float]:
+    """(MAPE before, MAPE after) in percent on runs the fit never saw, with the fitted ``values``."""
+    measured = np.array([r.measured_step_s for r in runs])
+    before = predict_seconds(runs, {}, calibration, options)
+    after = predict_seconds(runs, values, calibration, options)
+    return FitResult._mape(before, measured), FitResult._mape(after, measured)

@@ -201,3 +201,24 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
         out.print("no parameter changes any prediction of these runs: nothing fitted", markup=False)
     elif not dry_run:
         out.print(f"wrote {path}", markup=False)
+
+
+@calibrate_group.command("overhead")
+@click.option("--platform", "platform_name", default="local-cpu", show_default=True, help="Platform catalog name or YAML path.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Output directory (default calibration/<platform>/).")
+@click.option("--no-concurrency", is_flag=True, help="Skip the rows that run 1, 2 and 4 processes at once.")
+def overhead_cmd(platform_name, out_dir, no_concurrency) -> None:
+    """Measure the runtime's fixed per-layer / per-micro-batch / optimizer overhead; write overhead.csv."""
+    from piper_plan.calibration.bench_overhead import overhead_rows
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.calibration.overhead import OVERHEAD
+
+    out = _out_dir(platform_name, out_dir)
+    args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out", out_dir] if out_dir else [])
+    t0 = time.perf_counter()
+    rows = overhead_rows(shlex.join(args), concurrency=not no_concurrency)
+    path = merge_rows(out, OVERHEAD, rows)
+    for r in rows:
+        console().print(f"{r['op']:18s} size {r['size']:3d}  {r['seconds'] * 1e6:10.1f} us", markup=False)
+    console().print(f"wrote {len(rows)} rows to {path} in {time.perf_counter() - t0:.1f} s", markup=False)

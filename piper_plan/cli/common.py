@@ -19,9 +19,10 @@ def console():
 
     from rich.console import Console
 
-    # Piped or logged output (no terminal, no COLUMNS) gets wide tables instead of rich's 80-column default.
-    wide = None if sys.stderr.isatty() or "COLUMNS" in os.environ else 160
-    return Console(stderr=True, highlight=False, width=wide)
+    # Piped or logged output (no terminal, no COLUMNS): wide tables instead of rich's 80-column default, and lines
+    # left unwrapped so that commands in messages stay copy-pasteable.
+    piped = not sys.stderr.isatty() and "COLUMNS" not in os.environ
+    return Console(stderr=True, highlight=False, width=160 if piped else None, soft_wrap=piped)
 
 
 def print_json(obj: Any) -> None:

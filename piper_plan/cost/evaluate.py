@@ -154,6 +154,15 @@ def _time_terms(ctx, c: Candidates, spans, acts) -> tuple[dict, dict]:
     head_f, head_b = stg._gemm(ctx, c.mbs * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see _key_terms
+    overhead = getattr(ctx.rates.calibration, "overhead", None)
+    if overhead is not None:                                     # measured framework overhead (cost/overhead.py)
+        from piper_plan.cost.overhead import overhead_terms
+
+        extra, head_s, scale = overhead_terms(ctx, c, spans, overhead)
+        per_layer = {k: ((d * scale, m * scale) if k.startswith("compute/") else (d, m))
+                     for k, (d, m) in per_layer.items()}
+        per_layer.update(extra)
+        per_layer["compute/lm_head"] = (per_layer["compute/lm_head"][0] + head_s, zero)
     return per_layer
 
 

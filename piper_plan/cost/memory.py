@@ -24,6 +24,13 @@ from piper_plan.specs.training import TrainingSpec
 
 LSE_BYTES = 4          # flash attention keeps one fp32 log-sum-exp per query row and head (Dao 2022)
 ROUTER_BYTES = 4       # router logits and probabilities in fp32 (Megatron-Core router, fp32 for stability)
+INDEX_BYTES = 8        # int64 indices (token ids, top-k expert ids) that PyTorch's gather / embedding backward keep
+
+
+def unfused_norm_bytes(tokens, d, ab, sp, opts):
+    """What an unfused RMSNorm keeps beyond its input: the normalised input and one fp32 rstd per token
+    (PyTorch's composite rms_norm backward); 0 with fused kernels."""
+    return (tokens * d * ab + tokens * 4) / sp if opts.unfused_kernels else 0.0
 
 
 # ---- training state ------------------------------------------------------------------------------
@@ -47,7 +54,7 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     tokens = mbs * s
     sp = tp if opts.sequence_parallel else 1
     heads_local = a.num_heads / tp
-    kept = 2 * tokens * d * ab / sp                          # norm input + QKV input (norm output)
+    kept = 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts)   # norm input + QKV input
     if a.kind == "mla":
         latent = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
         kept = kept + 2 * tokens * latent * ab               # compressed q / kv before and after their norms
@@ -55,8 +62,11 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
         kept = kept + tokens * heads_local * (2 * qk + a.v_head_dim) * ab
         v_dim = a.v_head_dim
     else:
-        kept = kept + tokens * (heads_local + 2 * a.kv_heads / tp) * model.head_dim * ab
+        kv_heads = heads_local if opts.unfused_kernels else a.kv_heads / tp   # repeat_interleave before SDPA
+        kept = kept + tokens * (heads_local + 2 * kv_heads) * model.head_dim * ab
         v_dim = model.head_dim
+        if opts.unfused_kernels:
+            kept = kept + 4 * s * model.head_dim * ab        # RoPE cos + sin [s, hd], once for q, once for k
     kept = kept + tokens * heads_local * v_dim * ab          # output-projection input (= attention output)
     if opts.dropout:
         kept = kept + tokens * d / sp                        # 1-byte dropout mask after the projection
@@ -67,10 +77,10 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     return kept, core
 
 
-def ffn_activation_bytes(ffn, rows, ab, tp):
-    """Intermediates of one MLP over ``rows`` token rows, split over tp: gated 3 x d_ffn (gate, up, product),
-    plain 2 x d_ffn (activation input and output)."""
-    per_row = (3 if ffn.gated else 2) * ffn.intermediate_size
+def ffn_activation_bytes(ffn, rows, ab, tp, unfused: bool = False):
+    """Intermediates of one MLP over ``rows`` token rows, split over tp: gated 3 x d_ffn (gate, up, product;
+    fused SwiGLU), 4 x d_ffn unfused (silu(gate) kept too), plain 2 x d_ffn (activation input and output)."""
+    per_row = ((4 if unfused else 3) if ffn.gated else 2) * ffn.intermediate_size
     return rows * per_row * ab / tp
 
 
@@ -78,7 +88,8 @@ def dense_mlp_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     """One dense MLP block: norm input, MLP input, intermediates, dropout mask."""
     tokens, d, ab = mbs * training.seq_len, model.hidden_size, training.activation_bytes
     sp = tp if opts.sequence_parallel else 1
-    out = 2 * tokens * d * ab / sp + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp)
+    out = 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts) \
+        + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp, opts.unfused_kernels)
     return out + (tokens * d / sp if opts.dropout else 0)
 
 
@@ -115,17 +126,22 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOpt
     tokens = mbs * training.seq_len
     sp = tp if opts.sequence_parallel else 1
     sent, received = routed_rows(model, training, tp, mbs, ep)
+    unfused = opts.unfused_kernels
     out = {
-        "moe_input": 2 * tokens * d * ab / sp,                                # norm input + router/dispatch input
+        "moe_input": 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts),  # norm + router input
         "router": tokens / tp * (2 * moe.num_experts * ROUTER_BYTES + moe.top_k * ROUTER_BYTES),
-        "buffers": 2 * sent * d * ab,                                         # dispatch send + combine receive
-        "experts": received * etp * d * ab + ffn_activation_bytes(moe.expert, received * etp, ab, etp),
+        "buffers": (1 if unfused else 2) * sent * d * ab,     # dispatch send + combine receive | combine only
+        "experts": received * etp * d * ab + ffn_activation_bytes(moe.expert, received * etp, ab, etp, unfused),
         "shared": 0.0 * tp,
     }
+    if unfused:
+        out["router"] = out["router"] + tokens / tp * moe.top_k * INDEX_BYTES   # top-k expert ids (int64)
+        if getattr(moe, "normalize_top_k", False):    # top / top.sum(): the division keeps both (runtime/moe.py)
+            out["router"] = out["router"] + tokens / tp * (moe.top_k + 1) * ROUTER_BYTES
     if moe.num_shared_experts:
-        out["shared"] = moe.num_shared_experts * ffn_activation_bytes(moe.shared, tokens, ab, tp)
+        out["shared"] = moe.num_shared_experts * ffn_activation_bytes(moe.shared, tokens, ab, tp, unfused)
     if moe.parallel_dense_ffn is not None:
-        out["shared"] = out["shared"] + ffn_activation_bytes(moe.parallel_dense_ffn, tokens, ab, tp)
+        out["shared"] = out["shared"] + ffn_activation_bytes(moe.parallel_dense_ffn, tokens, ab, tp, unfused)
     if opts.dropout:
         out["moe_input"] = out["moe_input"] + tokens * d / sp
     return out

@@ -121,19 +121,17 @@ def stage_memory_total(ctx: Context, c, st: StageShape, flight, acts, params):
 def activation_parts(ctx: Context, c, st: StageShape, acts):
     """(bytes per micro-batch in flight, bytes independent of it) of a stage's activations: the layers kept
     for backward (or their inputs with full recompute) and the embedding output scale with the micro-batches
-    in flight; full recompute's working layer and the last stage's logits do not (as in stage_memory)."""
+    in flight, and so do the last stage's loss tensors (each micro-batch's loss graph lives until its backward:
+    all M under GPipe, one under 1F1B); full recompute's working layer does not (as in stage_memory)."""
     kept_all = c.recompute != FULL
     core = np.where(c.recompute == 0, acts["attention_core"], 0.0)
     moe_sum = acts["moe_total"] if "moe_total" in acts else sum((acts[k] for k in _moe_names(acts)), 0.0)
     dense_act = np.where(kept_all, acts["attention"] + core + acts["mlp"], acts["input"])
     moe_act = np.where(kept_all, acts["attention"] + core + moe_sum, acts["input"])
-    m, t = ctx.model, ctx.training
-    tokens = c.mbs * t.seq_len
-    sp = np.where(ctx.opts.sequence_parallel, c.tp, 1)
-    emb = tokens * m.hidden_size * t.activation_bytes / sp
-    logits = tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
-    per_flight = st.dense_layers * dense_act + st.moe_layers * moe_act + np.where(st.first, emb, 0.0)
-    fixed = np.where(kept_all, 0.0, _working(st, acts)) + np.where(st.last, logits, 0.0)
+    emb, logits = end_bytes(ctx, c)
+    per_flight = st.dense_layers * dense_act + st.moe_layers * moe_act + np.where(st.first, emb, 0.0) \
+        + np.where(st.last, logits, 0.0)
+    fixed = np.where(kept_all, 0.0, _working(st, acts))
     return per_flight, fixed
 
 
@@ -149,15 +147,28 @@ def memory_total(ctx: Context, c, params, activations):
     return tensors * (1 + ctx.platform.memory.fragmentation) + ctx.platform.memory.framework_bytes
 
 
-def _end_activations(ctx: Context, c, st: StageShape, flight) -> dict:
-    """Embedding output on the first stage (kept per micro-batch in flight); on the last stage, the logits
-    of one micro-batch in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy)."""
+def end_bytes(ctx: Context, c):
+    """(first stage, last stage) activation bytes per micro-batch in flight outside the layers: the embedding
+    output; the logits in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy).
+    ``unfused_kernels`` (piper's runtime): the embedding keeps its int64 token ids (its output is layer 0's norm
+    input); the loss keeps the fp32 log-softmax and the int64 targets, the head its input, the final norm its
+    input, normalised input and fp32 rstd."""
     m, t = ctx.model, ctx.training
     tokens = c.mbs * t.seq_len
     sp = np.where(ctx.opts.sequence_parallel, c.tp, 1)
-    emb = tokens * m.hidden_size * t.activation_bytes / sp * flight
-    logits = tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
-    return {"activations/embedding": np.where(st.first, emb, 0.0), "activations/logits": np.where(st.last, logits, 0.0)}
+    d_bytes = tokens * m.hidden_size * t.activation_bytes / sp
+    if ctx.opts.unfused_kernels:
+        logits = tokens * (m.vocab_size or 0) / c.tp * 4 + 3 * d_bytes + tokens * (4 + mem.INDEX_BYTES)
+        return tokens * mem.INDEX_BYTES + 0.0 * d_bytes, logits
+    return d_bytes, tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+
+
+def _end_activations(ctx: Context, c, st: StageShape, flight) -> dict:
+    """end_bytes on the first / last stage, times the micro-batches in flight (a micro-batch's loss graph lives
+    until its backward: all M under GPipe)."""
+    emb, logits = end_bytes(ctx, c)
+    return {"activations/embedding": np.where(st.first, emb * flight, 0.0),
+            "activations/logits": np.where(st.last, logits * flight, 0.0)}
 
 
 # ---- time per micro-batch ------------------------------------------------------------------------

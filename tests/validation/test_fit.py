@@ -69,3 +69,39 @@ def test_run_without_plan_is_user_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(PiperError, match="plan.json"):
         read_run(tmp_path)
+
+
+def test_split_runs_holds_out_every_other():
+    from piper_plan.calibration.fit import split_runs
+
+    fit_set, held = split_runs(list(range(9)))
+    assert fit_set == [0, 2, 4, 6, 8] and held == [1, 3, 5, 7]
+
+
+def test_overhead_scale_recovered_and_scored_on_held_out_runs(tmp_path):
+    """Runs 'measured' with the framework overhead doubled: fitting ``overhead.scale`` on half of them recovers 2,
+    and the held-out half's error falls from the unscaled model's to ~0 (calibration: local-cpu's measured rows)."""
+    from piper_plan.calibration import load_calibration
+    from piper_plan.calibration.fit import holdout_mape_pct, split_runs
+
+    cal = load_calibration("local-cpu")
+    if cal is None or cal.overhead is None:
+        pytest.skip("calibration/local-cpu has no overhead.csv")
+    model, platform = load_model("tiny-moe"), load_platform("local-cpu")
+    training = TrainingSpec(seq_len=64, global_batch=8)
+    dirs = []
+    for i, (nodes, par) in enumerate(PLANS):
+        plan = ParallelPlan(**par, num_microbatches=8 // (par["dp"] * par["mbs"]))
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        write_plan_file(d / "plan.json", model, platform, training, nodes, plan, "compact", {})
+        dirs.append(d)
+    truth = predict_seconds([read_run_placeholder(d) for d in dirs], {"overhead.scale": 2.0}, cal)
+    for d, seconds in zip(dirs, truth):
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps({"schema_version": 1, "step": s, "step_time_s": float(seconds)})
+                                                   for s in range(3)) + "\n")
+    fit_set, held = split_runs([read_run(d) for d in dirs])
+    result = fit(fit_set, cal, names=["overhead.scale"])
+    assert result.values["overhead.scale"] == pytest.approx(2.0, rel=1e-3)
+    before, after = holdout_mape_pct(result.values, held, cal)
+    assert before > 5 and after < 0.1

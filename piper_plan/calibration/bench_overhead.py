@@ -1,0 +1,230 @@
+"""Framework-overhead sweep (torch, imported lazily): the runtime's own modules at a width where FLOPs vanish.
+
+What the FLOP / byte / collective model cannot see is the fixed cost of every operator (Python, autograd,
+dispatch). Each row times one piece of the runtime (piper_plan/runtime/model.py, moe.py, pipeline.py) forward +
+backward, under the runtime's saved-tensor accounting hooks as the runtime runs it, at hidden 16, 32 tokens, so that its GEMMs cost microseconds and what remains is overhead:
+attention_layer, dense_mlp, moe_block at 1, 2, 4, 8, 16 local experts, head_loss (vocab 32), optimizer_tensor (AdamW
+over 8 and 32 tensors of 16 elements), autograd_op (one elementwise op, forward + backward: a reference figure),
+and concurrency: the moe_block workload (4 local experts) run by 1, 2 and 4 gloo ranks in lockstep, a tiny
+all_reduce after each call (mean seconds per iteration, the all_reduce's own cost subtracted), which says how much
+the host's other load, ranks sharing its cores, and waiting for a preempted peer slow a rank down. The block rows
+are the fastest sample (the piece's own cost); the concurrency rows hold the slowdown. concurrency_coarse repeats
+that with 3 workloads per all_reduce: per iteration g x w x slowdown + wait, so the two give both. Rows go to overhead.csv (calibration/overhead.py).
+
+Run: ``piper calibrate overhead --platform local-cpu`` or ``python -m piper_plan.calibration.bench_overhead --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from datetime import datetime, timezone
+
+HIDDEN, TOKENS, VOCAB, FFN = 16, 32, 32, 16
+MOE_LOCAL_EXPERTS = (1, 2, 4, 8, 16)
+OPTIMIZER_TENSORS = (8, 32)
+CONCURRENCY_RANKS = (1, 2, 4)
+CONCURRENCY_WORKLOAD_EXPERTS = 4      # overhead.py reads the slowdown against this moe_block row
+COARSE_CALLS = 3                       # workloads per collective in the concurrency_coarse rows
+
+
+def probe_spec(num_experts: int = 4):
+    """A one-layer MoE ModelSpec of the runtime's main structure (GQA, gated experts, top-2 softmax)."""
+    from piper_plan.specs import ModelSpec
+
+    return ModelSpec.model_validate({
+        "name": "overhead-probe", "source": "piper calibrate overhead probe (not a model)", "vocab_size": VOCAB,
+        "hidden_size": HIDDEN, "num_layers": 1, "max_seq_len": TOKENS,
+        "attention": {"kind": "gqa", "num_heads": 2, "num_kv_heads": 1},
+        "dense_ffn": {"intermediate_size": FFN, "gated": True},
+        "moe": {"num_experts": num_experts, "top_k": min(2, num_experts),
+                "expert": {"intermediate_size": FFN, "gated": True}}})
+
+
+def _fwd_bwd(module_fn, x, tracker):
+    """Forward + backward under the runtime's saved-tensor accounting, as train.Trainer.forward_backward runs
+    every micro-batch (its Python pack/unpack hooks roughly double a small layer's fixed cost on CPU)."""
+    def call():
+        x.grad = None
+        with tracker.hooks():
+            out = module_fn(x).float().sum()
+        out.backward()
+    return call
+
+
+def block_calls() -> dict[tuple[str, int], object]:
+    """(op, size) -> a zero-argument call running that piece forward + backward once."""
+    import torch
+
+    from piper_plan.runtime.model import Attention, make_norm
+    from piper_plan.runtime.moe import FFN as DenseFFN, MoE
+    from piper_plan.runtime.pipeline import lm_loss
+
+    from piper_plan.runtime.accounting import SavedTensorTracker
+
+    spec = probe_spec()
+    x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)
+    norm, attn, mlp = make_norm(spec.norm, HIDDEN), Attention(spec), DenseFFN(HIDDEN, spec.dense_ffn)
+    tracker = SavedTensorTracker(torch.nn.ModuleList([norm, attn, mlp]))
+    calls = {("attention_layer", 1): _fwd_bwd(lambda h: h + attn(norm(h)), x, tracker),
+             ("dense_mlp", 1): _fwd_bwd(lambda h: h + mlp(norm(h)), x, tracker)}
+    for e in MOE_LOCAL_EXPERTS:
+        moe = MoE(HIDDEN, probe_spec(e).moe)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        calls[("moe_block", e)] = _fwd_bwd(lambda h, m=moe: h + m(norm(h)), x, tracker)
+    embed, head = torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    tokens, targets = torch.randint(0, VOCAB, (1, TOKENS)), torch.randint(0, VOCAB, (1, TOKENS))
+
+    def head_loss():
+        with tracker.hooks():
+            loss = lm_loss(head(norm(embed(tokens))).float(), targets)
+        loss.backward()
+    calls[("head_loss", 1)] = head_loss
+    for n in OPTIMIZER_TENSORS:
+        calls[("optimizer_tensor", n)] = _optimizer_call(n)
+    calls[("autograd_op", 1)] = _autograd_op_call()
+    return calls
+
+
+def _optimizer_call(num_tensors: int):
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(HIDDEN)) for _ in range(num_tensors)]
+    for p in params:
+        p.grad = torch.randn(HIDDEN)
+    opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)   # the runtime's optimizer (train.Optimizers)
+    return opt.step
+
+
+def _autograd_op_call(chain: int = 100):
+    """One elementwise op forward + backward: a chain of ``chain`` multiplications, per op (divided later)."""
+    import torch
+
+    a = torch.ones(4, requires_grad=True)
+
+    def call():
+        z = a
+        for _ in range(chain):
+            z = z * 1.0001
+        z.sum().backward()
+    call.per_call = chain
+    return call
+
+
+def min_seconds(call, warmup: int = 3, repeats: int = 15, min_sample_s: float = 2e-3) -> float:
+    """The fastest of ``repeats`` samples (each ``inner`` calls lasting >= min_sample_s), per call: the cost of the
+    piece itself. On a shared machine a median mixes in other processes' load; that load is measured apart, by
+    the concurrency rows (a per-rank median while ranks run at once)."""
+    for _ in range(warmup):
+        call()
+    t0 = time.perf_counter()
+    call()
+    inner = max(1, min(1000, int(min_sample_s / max(time.perf_counter() - t0, 1e-9)) + 1))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            call()
+        samples.append((time.perf_counter() - t0) / inner)
+    return min(samples)
+
+
+def measure_blocks(repeats: int = 15, warmup: int = 3) -> dict[tuple[str, int], float]:
+    """Seconds per call of every piece (min over samples), in this process (one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    out = {}
+    for key, call in block_calls().items():
+        out[key] = min_seconds(call, warmup, repeats) / getattr(call, "per_call", 1)
+    return out
+
+
+def _concurrency_worker(rank: int, world: int, port: int, queue, iterations: int, calls_per_sync: int = 1) -> None:
+    """One rank: ``calls_per_sync`` moe_block workloads, then a 4-byte all_reduce (gloo, as the runtime's
+    collectives), repeated; puts the mean seconds per iteration less the mean seconds of the all_reduce alone."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    call, flag = block_calls()[("moe_block", CONCURRENCY_WORKLOAD_EXPERTS)], torch.zeros(1)
+    sync_alone = _mean_seconds(lambda: dist.all_reduce(flag), 200)
+    for _ in range(3):
+        call()
+    dist.barrier()
+    per_iteration = _mean_seconds(lambda: ([call() for _ in range(calls_per_sync)], dist.all_reduce(flag)),
+                                  max(1, iterations // calls_per_sync))
+    queue.put(max(per_iteration - sync_alone, 1e-9))
+    dist.destroy_process_group()
+
+
+def _mean_seconds(fn, iterations: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    return (time.perf_counter() - t0) / iterations
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_concurrency(ranks=CONCURRENCY_RANKS, iterations: int = 1000, calls_per_sync: int = 1) -> dict[int, float]:
+    """ranks -> mean seconds per iteration (over ranks) of the moe_block workload when ``ranks`` gloo ranks run it
+    in lockstep, each iteration ending in a 4-byte all_reduce (its own cost subtracted): the runtime's pattern of
+    ~1 ms of work between blocking collectives. Against the workload's own time this is the slowdown a rank sees
+    from the host's other load, from ranks sharing its cores, and from waiting for the rank that was preempted
+    (a rank computing when another waits). ~1000 iterations: long beside the scheduler's time slices."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = {}
+    for n in ranks:
+        queue, port = ctx.Queue(), _free_port()
+        procs = [ctx.Process(target=_concurrency_worker, args=(r, n, port, queue, iterations, calls_per_sync))
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+        values = [queue.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join()
+        out[n] = statistics.mean(values)
+    return out
+
+
+def overhead_rows(command: str, concurrency: bool = True) -> list[dict]:
+    """Measure everything; rows of overhead.csv."""
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
+    source = f"measured: {command} on {socket.gethostname()} {when}"
+    rows = [{"op": op, "size": size, "seconds": s, "source": source} for (op, size), s in measure_blocks().items()]
+    if concurrency:   # one workload per collective, and three: separates the slowdown from the wait per sync
+        rows += [{"op": "concurrency", "size": n, "seconds": s, "source": source}
+                 for n, s in measure_concurrency().items()]
+        rows += [{"op": "concurrency_coarse", "size": n, "seconds": s, "source": source}
+                 for n, s in measure_concurrency(calls_per_sync=COARSE_CALLS).items()]
+    return rows
+
+
+def main(argv=None) -> int:
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.calibration.overhead import OVERHEAD
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="calibration directory (overhead.csv is merged into it)")
+    ap.add_argument("--no-concurrency", action="store_true", help="skip the multi-process rows")
+    args = ap.parse_args(argv)
+    rows = overhead_rows("python -m piper_plan.calibration.bench_overhead", not args.no_concurrency)
+    print(merge_rows(args.out, OVERHEAD, rows))
+    for r in rows:
+        print(f"{r['op']:18s} {r['size']:3d} {r['seconds'] * 1e6:10.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""``overhead.csv``: the framework-overhead rows ``piper calibrate --only overhead`` measures (bench_overhead.py),
+and their loading into the cost model's :class:`piper_plan.cost.overhead.FrameworkOverhead`. No torch.
+
+Columns: ``op`` (attention_layer, dense_mlp, moe_block, head_loss, optimizer_tensor, concurrency, autograd_op),
+``size`` (moe_block: local experts; optimizer_tensor: parameter tensors stepped; concurrency: ranks running at
+once on the host; otherwise 1), ``seconds`` (median of one call: forward + backward of the block for one
+micro-batch; one optimizer step; concurrency: per-rank seconds of the reference workload), ``source``.
+Block rows are the fastest sample (the piece's own cost); concurrency rows are the mean seconds per iteration of
+the moe_block workload with 4 local experts while ``size`` gloo ranks run it in lockstep (a tiny all_reduce after
+each call): their ratio to that block's row is the slowdown a rank sees from the host's load, from ranks sharing
+its cores and from waiting at each collective for a peer that was preempted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from piper_plan.calibration.schema import SOURCE, Column, Table, _pos_float, _pos_int
+
+CONCURRENCY_WORKLOAD_EXPERTS = 4      # bench_overhead.measure_concurrency runs moe_block with 4 local experts
+OVERHEAD_OPS = ("autograd_op", "attention_layer", "dense_mlp", "moe_block", "head_loss", "optimizer_tensor",
+                "concurrency", "concurrency_coarse")
+COARSE_CALLS = 3       # bench_overhead.COARSE_CALLS: workloads per collective in the concurrency_coarse rows
+OVERHEAD = Table(
+    "overhead",
+    (
+        Column("op", "str", "what was timed", choices=OVERHEAD_OPS),
+        _pos_int("size", "moe_block: local experts; optimizer_tensor: tensors; concurrency: ranks at once; else 1"),
+        _pos_float("seconds", "median seconds of one call (forward + backward for blocks), one rank"),
+        SOURCE,
+    ),
+    key=("op", "size"),
+)
+
+
+def read_overhead(directory: str | Path):
+    """The validated rows of ``directory/overhead.csv`` (pandas), or None when absent."""
+    from piper_plan.calibration.io import read_if_present
+
+    return read_if_present(directory, OVERHEAD)
+
+
+def overhead_from_rows(frame):
+    """rows -> FrameworkOverhead (linear fits over local experts and tensors; concurrency relative to 1 rank)."""
+    from piper_plan.cost.overhead import FrameworkOverhead, linear_fit
+
+    def rows(op):
+        return frame[frame["op"] == op].sort_values("size")
+
+    def single(op):
+        r = rows(op)
+        return float(r["seconds"].iloc[0] / r["size"].iloc[0]) if len(r) else 0.0
+
+    moe = rows("moe_block")
+    moe_a, moe_b = linear_fit(moe["size"], moe["seconds"]) if len(moe) else (0.0, 0.0)
+    opt = rows("optimizer_tensor")
+    opt_a, opt_b = linear_fit(opt["size"], opt["seconds"]) if len(opt) else (0.0, 0.0)
+    conc = rows("concurrency")
+    ranks, factor = (1,), (1.0,)
+    alone = moe[moe["size"] == CONCURRENCY_WORKLOAD_EXPERTS]["seconds"]
+    wait = (0.0,)
+    if len(conc) and len(alone):
+        ranks, factor, wait = _slowdown_and_wait(conc, rows("concurrency_coarse"), float(alone.iloc[0]))
+    sources = sorted(set(frame["source"]))
+    return FrameworkOverhead(single("attention_layer"), single("dense_mlp"), moe_a, moe_b, single("head_loss"),
+                             opt_a, opt_b, ranks, factor, "; ".join(sources), wait)
+
+
+def _slowdown_and_wait(fine, coarse, workload_s: float):
+    """(ranks, slowdown, wait seconds per collective) from the lockstep rows: an iteration of g workloads and one
+    collective takes g x workload x slowdown + wait (g = 1 fine, COARSE_CALLS coarse); without coarse rows the
+    whole excess is slowdown (wait 0)."""
+    ranks = tuple(int(v) for v in fine["size"])
+    t1 = dict(zip(fine["size"], fine["seconds"].astype(float)))
+    tg = dict(zip(coarse["size"], coarse["seconds"].astype(float)))
+    factor, wait = [], []
+    for n in ranks:
+        if n in tg:
+            slow = max((tg[n] - t1[n]) / ((COARSE_CALLS - 1) * workload_s), 1.0)
+            factor.append(slow)
+            wait.append(max(t1[n] - workload_s * slow, 0.0))
+        else:
+            factor.append(max(t1[n] / workload_s, 1.0))
+            wait.append(0.0)
+    return ranks, tuple(factor), tuple(wait)
+
+
+def load_overhead(directory: str | Path):
+    """FrameworkOverhead of a calibration directory, or None when it has no overhead.csv."""
+    frame = read_overhead(directory)
+    return None if frame is None or frame.empty else overhead_from_rows(frame)

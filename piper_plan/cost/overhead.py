@@ -1,0 +1,151 @@
+"""Framework overhead: the time a step spends outside FLOPs, bytes and collectives, as MEASURED quantities.
+
+A small model's layer is not priced by its FLOPs: every operator costs a fixed dispatch time (Python, the
+autograd graph, the kernel launch), whatever its size. On a GPU this is the launch-bound regime of small models
+(e.g. Megatron-LM's and torch.compile's motivation for fused kernels / CUDA graphs); on this CPU machine it is
+most of a tiny-moe step (docs/closed-loop.md). ``piper calibrate --only overhead`` measures it with the runtime's
+own modules at a width where FLOPs are negligible (calibration/<platform>/overhead.csv, bench_overhead.py):
+
+- ``attention_layer``: norm + attention + residual, forward + backward, per layer and micro-batch;
+- ``dense_mlp``: norm + MLP + residual (dense layers);
+- ``moe_block`` at several local-expert counts: norm + router + permutation + the per-expert loop + combine
+  weights; priced as ``a + b x local experts`` (least squares over the measured counts);
+- ``head_loss``: embedding + final norm + LM head + cross entropy, per micro-batch;
+- ``optimizer_tensor`` at several tensor counts: the optimizer step's per-tensor cost, ``a + b x tensors``;
+- ``concurrency``: per-rank seconds of a reference workload with ``size`` ranks running at once on one host,
+  relative to one rank; > 1 when ranks share cores (emulated nodes on one machine). Absent: 1.
+
+Pure numpy; the rows are handed in as a :class:`FrameworkOverhead` (``calibration.overhead`` when loaded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class FrameworkOverhead:
+    """Measured fixed costs (seconds) of one rank; linear models ``intercept + slope x count``."""
+
+    attention_layer_s: float = 0.0
+    dense_mlp_s: float = 0.0
+    moe_block_s: float = 0.0
+    """Intercept of the MoE block's time over local experts."""
+    moe_per_local_expert_s: float = 0.0
+    head_loss_s: float = 0.0
+    optimizer_s: float = 0.0
+    """Intercept of the optimizer step over parameter tensors."""
+    optimizer_per_tensor_s: float = 0.0
+    concurrency_ranks: tuple[int, ...] = (1,)
+    concurrency_factor: tuple[float, ...] = (1.0,)
+    """Slowdown of one rank when ``concurrency_ranks`` ranks share the host (1 = alone)."""
+    source: str = ""
+    sync_wait_s: tuple[float, ...] = (0.0,)
+    """Seconds a rank waits at each blocking collective for a peer (one preempted while computing), per entry of
+    ``concurrency_ranks``; 0 when not measured."""
+
+    def wait_seconds(self, ranks_per_host):
+        """Wait per blocking collective with ``ranks_per_host`` ranks, linear between the measured points."""
+        xs, ys = np.asarray(self.concurrency_ranks, float), np.asarray(self.sync_wait_s, float)
+        if ys.size != xs.size:
+            return 0.0 * np.asarray(ranks_per_host, float)
+        return np.interp(np.asarray(ranks_per_host, float), xs, ys)
+
+    def slowdown(self, ranks_per_host):
+        """Per-rank slowdown with ``ranks_per_host`` ranks at once: linear in the measured points, and
+        proportional beyond the largest (the cores are saturated: twice the ranks, twice the time)."""
+        ranks = np.asarray(ranks_per_host, float)
+        xs, ys = np.asarray(self.concurrency_ranks, float), np.asarray(self.concurrency_factor, float)
+        inside = np.interp(ranks, xs, ys)
+        return np.where(ranks > xs[-1], ys[-1] * ranks / xs[-1], np.maximum(inside, 1.0))
+
+
+NO_OVERHEAD = FrameworkOverhead()
+
+
+def linear_fit(counts, seconds) -> tuple[float, float]:
+    """(intercept, slope) of seconds over counts by least squares; one point -> (0, seconds / count)."""
+    x, y = np.asarray(counts, float), np.asarray(seconds, float)
+    if x.size < 2 or np.ptp(x) == 0:
+        return 0.0, float(np.mean(y / x))
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(max(intercept, 0.0)), float(max(slope, 0.0))
+
+
+def layer_overhead_seconds(ov: FrameworkOverhead, local_experts, has_moe: bool, has_dense: bool):
+    """(per dense layer, per MoE layer) overhead seconds of one micro-batch's forward + backward."""
+    dense = ov.attention_layer_s + (ov.dense_mlp_s if has_dense else 0.0) + 0.0 * np.asarray(local_experts, float)
+    moe = ov.attention_layer_s + ov.moe_block_s + ov.moe_per_local_expert_s * np.asarray(local_experts, float)
+    return dense, moe if has_moe else 0.0 * dense
+
+
+def optimizer_overhead_seconds(ov: FrameworkOverhead, param_tensors):
+    """The optimizer step's fixed cost for ``param_tensors`` tensors (one optimizer call per gradient group)."""
+    return np.where(np.asarray(param_tensors) > 0, ov.optimizer_s + ov.optimizer_per_tensor_s * param_tensors, 0.0)
+
+
+def param_tensors_per_layer(model) -> tuple[int, int]:
+    """(dense layer, MoE layer) parameter tensors as the runtime builds them (runtime/model.py, moe.py):
+    norms (weight [+ bias]), q, k, v, o (+ biases), the MLP's linears, the router, stacked expert weights
+    (w_in [, w_gate], w_out [+ biases]: independent of the expert count), shared experts, gates."""
+    a, norm = model.attention, model.norm
+    norms = norm.per_layer * (2 if norm.kind == "layernorm" and norm.bias else 1)
+    attn = 4 + (3 if a.qkv_bias else 0) + (1 if a.o_bias else 0)
+
+    def ffn(spec):
+        return (3 if spec.gated else 2) * (2 if spec.bias else 1)
+
+    dense = norms + attn + (ffn(model.dense_ffn) if model.dense_ffn is not None else 0)
+    moe = model.moe
+    if moe is None:
+        return dense, 0
+    experts = ffn(moe.expert)
+    router = 1 + (1 if moe.router_bias else 0)
+    shared = moe.num_shared_experts * ffn(moe.shared) + (1 if moe.shared_expert_gate else 0)
+    shared += ffn(moe.parallel_dense_ffn) if moe.parallel_dense_ffn is not None else 0
+    return dense, norms + attn + router + experts + shared
+
+
+INDEX_BYTES = 8     # the runtime exchanges int64 counts
+
+
+def ranks_per_host(platform, world):
+    """Ranks that share one host's cores: on a CPU platform every rank (piper's CPU emulation runs all emulated
+    nodes on one machine: PIPER_EMULATE_TOPOLOGY), else the devices of one node."""
+    world = np.asarray(world)
+    if platform.launch.device == "cpu":
+        return world
+    return np.minimum(world, platform.node.devices_per_node)
+
+
+def layout_exchanges(a2a, ep, nodes):
+    """Small count exchanges per MoE layer and micro-batch before the dispatch (runtime/moe.py ``_layout``):
+    flat, one all_to_all of the per-(rank, local expert) counts; HALO (runtime/halo.py), its own layout exchange
+    plus that one (2) once the group spans nodes (on one node HALO is flat)."""
+    return np.where(ep > 1, np.where((a2a == 1) & (np.asarray(nodes) > 1), 2.0, 1.0), 0.0)
+
+
+def overhead_terms(ctx, c, spans, ov: FrameworkOverhead):
+    """(per-layer terms {name: (per dense layer, per MoE layer)}, head seconds per micro-batch on the last stage,
+    compute scale [N]) of the framework overhead, for candidates ``c``.
+
+    Overhead is the measured fixed cost times the slowdown of ``ranks_per_host`` ranks at once; the FLOP-priced
+    compute is scaled by the slowdown relative to one rank (the calibration's GEMM rows already hold one rank's
+    share of the host's load). The count exchange is priced by the calibrated all_to_all curve."""
+    model = ctx.model
+    share = ov.slowdown(ranks_per_host(ctx.platform, c.world))
+    compute_scale = share / ov.slowdown(1)
+    local = (model.moe.num_experts / c.ep) if model.moe is not None else 0.0 * c.ep
+    dense, moe = layer_overhead_seconds(ov, local, model.moe is not None, model.dense_ffn is not None)
+    terms = {"framework/layer": (dense * share, moe * share)}
+    if model.moe is not None:
+        count_bytes = c.ep * local * INDEX_BYTES
+        one = ctx.net.seconds("all_to_all", c.ep, count_bytes, spans["ep"][0])
+        exchanges = layout_exchanges(c.a2a, c.ep, spans["ep"][1])
+        terms["moe/layout"] = (0.0 * one, one * exchanges)
+        # every blocking exchange of a MoE layer (layout, dispatch + combine forward, their two backward) waits
+        calls = np.where(c.ep > 1, exchanges + 4, 0.0)
+        terms["moe/sync_wait"] = (0.0 * one, calls * ov.wait_seconds(ranks_per_host(ctx.platform, c.world)))
+    return terms, ov.head_loss_s * share, compute_scale

@@ -1,0 +1,103 @@
+"""Framework overhead: overhead.csv rows -> FrameworkOverhead (tier 2), the bench's pieces run on the real runtime
+modules, and the parameter-tensor count the optimizer overhead uses equals the runtime's (tier 4)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from piper_plan.calibration.overhead import OVERHEAD, load_overhead, overhead_from_rows
+from piper_plan.catalog import load_model
+from piper_plan.cost.overhead import FrameworkOverhead, layer_overhead_seconds, linear_fit, param_tensors_per_layer
+
+
+def _rows():
+    # moe_block: 100 us + 50 us per local expert; optimizer: 20 us + 5 us per tensor; the concurrency workload
+    # (moe_block with 4 local experts, 300 us alone) takes 450 / 600 / 1200 us per rank with 1 / 2 / 4 ranks at once
+    data = [("attention_layer", 1, 300e-6), ("dense_mlp", 1, 120e-6), ("head_loss", 1, 80e-6),
+            ("moe_block", 1, 150e-6), ("moe_block", 2, 200e-6), ("moe_block", 4, 300e-6), ("moe_block", 8, 500e-6),
+            ("optimizer_tensor", 8, 60e-6), ("optimizer_tensor", 32, 180e-6),
+            ("concurrency", 1, 450e-6), ("concurrency", 2, 600e-6), ("concurrency", 4, 1200e-6)]
+    return pd.DataFrame([{"op": o, "size": n, "seconds": s, "source": "measured: test"} for o, n, s in data])
+
+
+def test_rows_to_overhead_linear_fits():
+    ov = overhead_from_rows(_rows())
+    assert ov.moe_block_s == pytest.approx(100e-6) and ov.moe_per_local_expert_s == pytest.approx(50e-6)
+    assert ov.optimizer_s == pytest.approx(20e-6) and ov.optimizer_per_tensor_s == pytest.approx(5e-6)
+    assert ov.attention_layer_s == pytest.approx(300e-6) and ov.head_loss_s == pytest.approx(80e-6)
+    assert ov.concurrency_factor == pytest.approx((1.5, 2.0, 4.0))
+    # dense layer = attention + dense MLP; MoE layer with 4 local experts = 300 + 100 + 4 x 50 us
+    dense, moe = layer_overhead_seconds(ov, 4, has_moe=True, has_dense=True)
+    assert float(dense) == pytest.approx(420e-6) and float(moe) == pytest.approx(600e-6)
+
+
+def test_slowdown_interpolates_then_grows_in_proportion():
+    ov = overhead_from_rows(_rows())
+    assert ov.slowdown([1, 2, 3, 4, 8]).tolist() == pytest.approx([1.5, 2.0, 3.0, 4.0, 8.0])
+    assert FrameworkOverhead().slowdown(16) == pytest.approx(16.0)   # default: one rank measured, factor 1
+
+
+def test_linear_fit_clamps_negative_intercept():
+    assert linear_fit([1, 2, 4], [1.0, 3.0, 7.0]) == pytest.approx((0.0, 2.0), abs=1e-12)
+
+
+def test_load_overhead_and_calibration_attach(tmp_path):
+    from piper_plan.calibration import load_calibration
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.catalog import calibration_dir
+
+    assert load_overhead(tmp_path) is None
+    merge_rows(tmp_path, OVERHEAD, _rows().to_dict("records"))
+    assert load_overhead(tmp_path).moe_per_local_expert_s == pytest.approx(50e-6)
+    for f in calibration_dir("local-cpu").glob("gemm.csv"):
+        (tmp_path / f.name).write_text(f.read_text())
+    assert load_calibration(tmp_path).overhead.attention_layer_s == pytest.approx(300e-6)
+
+
+def test_bad_overhead_row_is_user_error(tmp_path):
+    from piper_plan.errors import PiperError
+
+    (tmp_path / "overhead.csv").write_text("op,size,seconds,source\nmoe_block,0,1e-3,measured: x\n")
+    with pytest.raises(PiperError, match="size"):
+        load_overhead(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense", "tiny-moe-plain"])
+def test_param_tensors_per_layer_equal_runtime(name):
+    pytest.importorskip("torch")
+    from piper_plan.runtime.model import StageModel
+
+    model = load_model(name)
+    module = StageModel(model, 0, model.num_layers)
+    dense_t, moe_t = param_tensors_per_layer(model)
+    for i, block in module.layers.items():
+        expected = moe_t if model.is_moe_layer(int(i)) else dense_t
+        assert len(list(block.parameters())) == expected
+
+
+def test_bench_pieces_run_on_the_runtime_modules():
+    torch = pytest.importorskip("torch")
+    from piper_plan.calibration.bench_overhead import block_calls
+
+    torch.set_num_threads(1)
+    calls = block_calls()
+    assert {op for op, _ in calls} == {"attention_layer", "dense_mlp", "moe_block", "head_loss", "optimizer_tensor",
+                                       "autograd_op"}
+    for call in calls.values():
+        call()
+
+
+def test_lockstep_rows_separate_slowdown_from_wait_per_collective():
+    """fine: 1 workload (300 us alone) per collective; coarse: 3. With 2 ranks each workload takes 1.2 x and each
+    collective waits 100 us: fine 460 us, coarse 1180 us per iteration -> slowdown 1.2, wait 100 us."""
+    rows = _rows()
+    rows = rows[~rows["op"].str.startswith("concurrency")]
+    extra = [("concurrency", 1, 300e-6), ("concurrency", 2, 460e-6),
+             ("concurrency_coarse", 1, 900e-6), ("concurrency_coarse", 2, 1180e-6)]
+    rows = pd.concat([rows, pd.DataFrame([{"op": o, "size": n, "seconds": s, "source": "measured: test"}
+                                          for o, n, s in extra])], ignore_index=True)
+    ov = overhead_from_rows(rows)
+    assert ov.concurrency_factor == pytest.approx((1.0, 1.2))
+    assert ov.sync_wait_s == pytest.approx((0.0, 100e-6), abs=1e-12)
+    assert float(ov.wait_seconds(2)) == pytest.approx(100e-6)
