@@ -55,7 +55,9 @@ class SavedTensorTracker:
             self.total_bytes += entry[0]
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         entry[1] += 1
-        return _Saved(t, self, key)
+        # detached: a tensor saved by the op that made it would otherwise hold its own grad_fn (a cycle that
+        # is never collected when backward does not reach that node, e.g. router probabilities without aux loss)
+        return _Saved(t.detach(), self, key)
 
     @staticmethod
     def _unpack(saved):

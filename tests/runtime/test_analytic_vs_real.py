@@ -58,18 +58,12 @@ def _saved_bytes(model, training: TrainingSpec) -> int:
     return peak
 
 
-GAP = pytest.mark.xfail(strict=False, reason=(
-    "open gap (runtime report, 2026-11-30): seq 256, mbs 1, fp32, flash attention: saved-for-backward exceeds "
-    "the resource model by 13.5% (tiny-moe) and 22% (tiny-dense); tiny-moe-plain is within 1.5%. Suspects: GQA "
-    "k/v expanded by repeat_interleave and RoPE intermediates saved per layer, SwiGLU's silu input + product"))
-
-
-@pytest.mark.parametrize("name", [pytest.param("tiny-moe", marks=GAP), "tiny-moe-plain",
-                                  pytest.param("tiny-dense", marks=GAP)])
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-plain", "tiny-dense"])
 def test_activation_bytes_within_10_percent(name):
     evaluate = importlib.import_module("piper_plan.cost.evaluate")
     from plans import cpu_platform
 
+    from piper_plan.cost.options import CostOptions
     from piper_plan.specs import PlatformSpec
 
     data = cpu_platform()
@@ -78,10 +72,12 @@ def test_activation_bytes_within_10_percent(name):
     model = load_model(name)
     training = TrainingSpec(seq_len=256, global_batch=1, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
     plan = ParallelPlan(pp=1, dp=1, ep=1, mbs=1, num_microbatches=1, schedule="gpipe")
-    est = evaluate.estimate(model, platform, training, 1, plan)
+    # unfused_kernels: what piper's own runtime saves (separate RoPE, SwiGLU and GQA-expansion tensors), not the
+    # fused Megatron kernels the default describes
+    est = evaluate.estimate(model, platform, training, 1, plan, options=CostOptions(unfused_kernels=True))
     comps = est["memory"]["per_stage"][0]["components"]
     predicted = sum(v for k, v in comps.items() if k.startswith("activations/"))
     measured = _saved_bytes(model, training)
     print(f"{name}: predicted {predicted:.0f} B, saved-for-backward {measured} B, "
           f"rel_error {(predicted - measured) / measured:+.3f}")
-    assert predicted == pytest.approx(measured, rel=0.10)
+    assert predicted == pytest.approx(measured, rel=0.01)  # the issue asks 10%; the unfused model is exact to ~2 kB
