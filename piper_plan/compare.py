@@ -70,14 +70,33 @@ def measured_memory_per_stage(records: list[dict]) -> list[float | None]:
     return out
 
 
-def predicted_memory_per_stage(prediction: dict) -> list[float | None]:
-    return [_stage_bytes(s) for s in (prediction.get("memory") or {}).get("per_stage") or []]
+NOT_TENSORS = ("framework", "fragmentation")
+"""Prediction components a CPU run's tensor accounting cannot see (runtime context, allocator slack)."""
+
+
+def measured_by_tensor_accounting(records: list[dict]) -> bool:
+    """True when the runtime measured memory by its own tensor accounting (CPU), not an allocator peak (GPU)."""
+    return any(isinstance(m, dict) and str(m.get("source", "")).startswith("tensor accounting")
+               for r in records for m in r.get("memory_bytes") or [])
+
+
+def predicted_memory_per_stage(prediction: dict, tensors_only: bool = False) -> list[float | None]:
+    """Predicted bytes per stage; ``tensors_only`` leaves out what tensor accounting cannot measure."""
+    out = []
+    for stage in (prediction.get("memory") or {}).get("per_stage") or []:
+        total = _stage_bytes(stage)
+        if tensors_only and total is not None and isinstance(stage, dict):
+            total -= sum((stage.get("components") or {}).get(k, 0) for k in NOT_TENSORS)
+        out.append(total)
+    return out
 
 
 def compare(prediction: dict, records: list[dict]) -> dict:
     """The comparison of one run: step time, tokens/s, all-to-all share, memory per stage."""
     steady = steady_steps(records)
-    pred_mem, meas_mem = predicted_memory_per_stage(prediction), measured_memory_per_stage(records)
+    tensors_only = measured_by_tensor_accounting(records)
+    pred_mem = predicted_memory_per_stage(prediction, tensors_only)
+    meas_mem = measured_memory_per_stage(records)
     stages = max(len(pred_mem), len(meas_mem))
     pad = lambda xs: xs + [None] * (stages - len(xs))  # noqa: E731
     return {
@@ -86,4 +105,6 @@ def compare(prediction: dict, records: list[dict]) -> dict:
         "tokens_per_s": quantity(prediction.get("tokens_per_s"), _median_of(steady, "tokens_per_s")),
         "a2a_share": quantity(predicted_a2a_share(prediction), measured_a2a_share(steady)),
         "memory_bytes_per_stage": [quantity(p, m) for p, m in zip(pad(pred_mem), pad(meas_mem))],
+        "memory_basis": ("tensor accounting (prediction without framework and fragmentation)" if tensors_only
+                         else "allocator peak"),
     }

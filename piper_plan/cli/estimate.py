@@ -36,22 +36,28 @@ GiB = 2**30
               help="Expected max / mean tokens per expert-parallel rank.")
 @click.option("--placement", type=click.Choice(["compact", "spread"]), default="compact", show_default=True)
 @click.option("--no-calibration", is_flag=True, help="Ignore calibration/<platform>/ (roofline fallback).")
+@click.option("--piper-runtime", is_flag=True,
+              help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
               help="Write the plan as plan.json (DESIGN.md format).")
 def estimate_cmd(model_name, platform_name, nodes, dp, tp, pp, ep, etp, mbs, schedule, virtual_stages, recompute,
-                 zero, a2a, seq_len, global_batch, routing_skew, placement, no_calibration, as_json, save_path):
+                 zero, a2a, seq_len, global_batch, routing_skew, placement, no_calibration, piper_runtime, as_json,
+                 save_path):
     """Predict memory and step time of one parallel plan."""
     from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS
 
     model, platform, training = _load_inputs(model_name, platform_name, seq_len, global_batch, routing_skew)
     plan = _build_plan(model, platform, training, nodes, dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, mbs=mbs,
                        schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=int(zero),
                        a2a=a2a)
     calibration = None if no_calibration else platform_calibration(platform.name)
-    result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement)
+    options = PIPER_RUNTIME_OPTIONS if piper_runtime else DEFAULT_OPTIONS
+    result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement,
+                      options=options)
     other = "spread" if placement == "compact" else "compact"
-    alt = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=other)
+    alt = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=other, options=options)
     if abs(alt["step_time_s"] - result["step_time_s"]) > 1e-9 * result["step_time_s"]:
         result["other_placement"] = {"placement": other, "step_time_s": alt["step_time_s"],
                                      "tokens_per_s": alt["tokens_per_s"], "scopes": alt["scopes"]}
@@ -75,7 +81,8 @@ def _load_inputs(model_name, platform_name, seq_len, global_batch, routing_skew)
 
     model, platform = load_model(model_name), load_platform(platform_name)
     try:
-        training = TrainingSpec(seq_len=seq_len, global_batch=global_batch, routing_skew=routing_skew)
+        training = TrainingSpec.for_device(platform.launch.device, seq_len=seq_len, global_batch=global_batch,
+                                           routing_skew=routing_skew)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="training options") from None
     return model, platform, training

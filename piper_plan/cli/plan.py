@@ -59,7 +59,7 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
         raise PiperError(f"memory headroom {memory_headroom}; allowed 0 <= h < 1", field="--memory-headroom")
     options = SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom)
     kwargs = {"calibration": platform_calibration(platform.name), "placement": placement,
-              "unsupported": _unsupported_fn() if runnable else None}
+              "unsupported": _unsupported_fn() if runnable else None, "cost_options": _cost_options(runnable)}
     counts = _node_counts(nodes_text, min_nodes)
     if len(counts) > 1:
         if save_path:
@@ -79,7 +79,8 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
         ctx.exit(EXIT_NOTHING_FITS)
     _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable)
     if save_path:
-        _save(save_path, model, platform, training, result, placement, migration, kwargs["calibration"])
+        _save(save_path, model, platform, training, result, placement, migration, kwargs["calibration"],
+              kwargs["cost_options"])
 
 
 # ---- loading ------------------------------------------------------------------------------------------
@@ -91,8 +92,9 @@ def _load_inputs(model_name, platform_name, seq_len, global_batch):
         raise PiperError(f"seq_len={seq_len}; must be >= 1", field="--seq")
     if global_batch < 1:
         raise PiperError(f"global_batch={global_batch}; must be >= 1", field="--global-batch")
-    return load_model(model_name), load_platform(platform_name), TrainingSpec(seq_len=seq_len,
-                                                                              global_batch=global_batch)
+    platform = load_platform(platform_name)
+    training = TrainingSpec.for_device(platform.launch.device, seq_len=seq_len, global_batch=global_batch)
+    return load_model(model_name), platform, training
 
 
 def _unsupported_fn():
@@ -358,10 +360,10 @@ def _emit_sweep(results, training, as_json) -> None:
 
 
 # ---- --save ---------------------------------------------------------------------------------------------
-def _save(path, model, platform, training, result, placement, migration, calibration) -> None:
+def _save(path, model, platform, training, result, placement, migration, calibration, cost_options) -> None:
     from piper_plan.planfile import write_plan_file
 
-    plan, prediction = choose_stage_split(model, platform, training, result, placement, calibration)
+    plan, prediction = choose_stage_split(model, platform, training, result, placement, calibration, cost_options)
     migration_block = dict(MIGRATION_DEFAULTS, enabled=bool(migration))
     write_plan_file(path, model, platform, training, result.nodes, plan, placement, prediction,
                     migration=migration_block)
@@ -369,11 +371,22 @@ def _save(path, model, platform, training, result, placement, migration, calibra
     console().print(f"saved {path} ({split} layers per stage: {plan.stage_layers(model.num_layers)})", markup=False)
 
 
-def choose_stage_split(model, platform, training, result, placement, calibration):
+def choose_stage_split(model, platform, training, result, placement, calibration, cost_options=None):
     """The best plan with the layer split the search priced it with (cost/pipeline.py's rule: even or
     FLOP-balanced), and ``estimate``'s prediction of it, which equals its row in the ranking."""
     from piper_plan.cost.evaluate import estimate
 
     plan = result.plan(model, training, result.best)
-    prediction = estimate(model, platform, training, result.nodes, plan, calibration=calibration, placement=placement)
+    extra = {} if cost_options is None else {"options": cost_options}
+    prediction = estimate(model, platform, training, result.nodes, plan, calibration=calibration, placement=placement,
+                          **extra)
     return plan, prediction
+
+
+def _cost_options(runnable: bool):
+    """--runnable plans are for piper's own runtime: price them as it runs (cost/options.py)."""
+    if not runnable:
+        return None
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+
+    return PIPER_RUNTIME_OPTIONS

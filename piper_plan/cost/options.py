@@ -34,3 +34,7 @@ class CostOptions:
 
 
 DEFAULT_OPTIONS = CostOptions()
+
+PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True)
+"""How piper's own torch runtime runs (plans it will execute: `plan --runnable`, `launch`, `estimate
+--piper-runtime`): unfused PyTorch kernels; every other assumption as the defaults."""

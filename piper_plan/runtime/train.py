@@ -464,6 +464,8 @@ def run(cfg: RunConfig, args, rank: int, world: int, local: int) -> int:
     tokens = cfg.training.global_batch * cfg.training.seq_len
     records = _kept_records(run_dir / "metrics.jsonl", start) if rank == 0 and args.resume else []
     writer = MetricsWriter(run_dir / "metrics.jsonl", resume=False) if rank == 0 else None
+    if rank == 0:
+        _keep_plan(Path(args.plan), run_dir)
     for r in records:
         writer.write(r)
     code = 0
@@ -490,6 +492,15 @@ def run(cfg: RunConfig, args, rank: int, world: int, local: int) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return code
+
+
+def _keep_plan(plan_path: Path, run_dir: Path) -> None:
+    """A copy of the plan beside metrics.jsonl, so that `piper compare RUN_DIR` finds the prediction."""
+    from piper_plan.fileio import atomic_write_text
+
+    target = run_dir / "plan.json"
+    if not target.exists():
+        atomic_write_text(target, plan_path.read_text(encoding="utf-8"))
 
 
 def _kept_records(path: Path, start: int) -> list[dict]:

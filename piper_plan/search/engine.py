@@ -87,14 +87,15 @@ def make_candidates(fields: dict[str, np.ndarray]):
 
 def search(model, platform, training, nodes: int, options: SearchOptions = SearchOptions(), *,
            calibration=None, placement: str = "compact", evaluate: EvaluateFn | None = None,
-           unsupported: Callable | None = None) -> SearchResult:
+           unsupported: Callable | None = None, cost_options=None) -> SearchResult:
     """Search every candidate of ``nodes`` nodes; ``unsupported`` (capability.unsupported_features) keeps runnable ones."""
     check_inputs(model, platform, training, nodes)
     start = time.perf_counter()
     space = enumerate_space(model, platform, training, nodes, options)
     evaluate = evaluate or default_evaluate()
+    extra = {} if cost_options is None else {"options": cost_options}
     ev = evaluate(model, platform, training, nodes, make_candidates(space.fields), calibration=calibration,
-                  placement=placement)
+                  placement=placement, **extra)
     limit = rank.memory_limit_bytes(platform, options.memory_headroom)
     fits = rank.fits_mask(ev, platform, options.memory_headroom)
     reasons = [space.reasons, {rank.OUT_OF_MEMORY: int(np.count_nonzero(~fits))}]

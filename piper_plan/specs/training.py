@@ -38,6 +38,15 @@ class TrainingSpec(Spec):
     routing_skew: float = Field(default=1.0, ge=1.0)
     """Expected max / mean tokens per expert-parallel rank (1 = perfectly balanced)."""
 
+    @classmethod
+    def for_device(cls, device: str, **fields) -> "TrainingSpec":
+        """Defaults for the platform's device type: mixed precision on GPUs (bf16 weights and gradients, fp32
+        master and Adam state: the paper's 16 B/param); plain fp32 on CPU ranks, as piper's runtime trains there
+        (fp32 weights and gradients, Adam state, no master copy: also 16 B/param, but 4-byte activations)."""
+        if device == "cpu":
+            fields = {"dtype": "fp32", "weight_bytes": 4, "grad_bytes": 4, "master_bytes": 0, **fields}
+        return cls(**fields)
+
     @property
     def state_bytes_per_param(self) -> int:
         """Weights + gradients + master + optimizer state (the paper's 16)."""

@@ -53,6 +53,7 @@ def test_torchrun_four_ranks_writes_metrics_and_trace(tmp_path):
         assert all(sum(c) == 64 * 2 and len(c) == 8 for c in r["expert_tokens"].values())
         assert r["time_s"]["a2a"] > 0 and r["migrations"] == []
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (tmp_path / "run" / "plan.json").is_file()  # kept beside metrics.jsonl for `piper compare RUN_DIR`
     assert summary["steps"] == 3 and summary["exit_code"] == 0
     assert list((tmp_path / "run").glob("trace_step1_rank*.json"))
 

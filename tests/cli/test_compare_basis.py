@@ -1,0 +1,54 @@
+"""compare holds like against like: CPU tensor accounting vs the prediction without framework bytes; the
+runtime keeps plan.json beside metrics.jsonl; CPU platforms train in fp32; runnable plans are priced as piper's
+runtime runs."""
+
+import json
+
+from click.testing import CliRunner
+
+from piper_plan.catalog import load_model, load_platform
+from piper_plan.cli.main import cli
+from piper_plan.compare import compare
+from piper_plan.cost.evaluate import estimate
+from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+from piper_plan.planfile import read_plan_file
+from piper_plan.specs import TrainingSpec
+
+PREDICTION = {"step_time_s": 1.0, "tokens_per_s": 10.0,
+              "memory": {"per_stage": [{"total_bytes": 1000, "components": {"weights": 700, "framework": 200,
+                                                                          "fragmentation": 100}}]}}
+
+
+def _records(source: str):
+    return [{"step": s, "step_time_s": 1.0, "tokens_per_s": 10.0, "time_s": {},
+             "memory_bytes": [{"total_bytes": 700, "source": source}]} for s in (1, 2)]
+
+
+def test_tensor_accounting_is_compared_without_framework_bytes():
+    cpu = compare(PREDICTION, _records("tensor accounting: parameters + ..."))
+    assert cpu["memory_bytes_per_stage"][0] == {"predicted": 700, "measured": 700, "rel_error": 0.0}
+    gpu = compare(PREDICTION, _records("torch.cuda.max_memory_allocated"))
+    assert gpu["memory_bytes_per_stage"][0]["predicted"] == 1000
+
+
+def test_cpu_platforms_train_in_fp32():
+    t = TrainingSpec.for_device("cpu", seq_len=64)
+    assert (t.dtype, t.weight_bytes, t.grad_bytes, t.master_bytes, t.optimizer_bytes) == ("fp32", 4, 4, 0, 8)
+    assert TrainingSpec.for_device("cuda").dtype == "bf16"
+
+
+def test_runnable_plans_are_priced_as_piper_runs_them(tmp_path):
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "2",
+                                   "--seq", "64", "--global-batch", "8", "--runnable", "--save", str(out)])
+    assert res.exit_code == 0, res.output
+    pf = read_plan_file(out)
+    assert pf.training.dtype == "fp32"
+    model, platform = load_model("tiny-moe"), load_platform("local-cpu")
+    again = estimate(model, platform, pf.training, pf.nodes, pf.parallel, calibration=None,
+                     options=PIPER_RUNTIME_OPTIONS)
+    fused = estimate(model, platform, pf.training, pf.nodes, pf.parallel, calibration=None)
+    saved = json.loads(out.read_text())["prediction"]["memory"]["per_stage"][0]["components"]
+    act = lambda comps: sum(v for k, v in comps.items() if k.startswith("activations/"))  # noqa: E731
+    assert act(saved) == act(again["memory"]["per_stage"][0]["components"])
+    assert act(saved) > act(fused["memory"]["per_stage"][0]["components"])
