@@ -67,4 +67,6 @@ def test_requeue_resume_equals_uninterrupted(slurm_cluster, tmp_path):
     straight, requeued = (json.loads((tmp_path / n / "run" / "summary.json").read_text()) for n in ids)
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
+    print(f"requeued (restarts {infos['requeued']['Restarts']}): final loss {requeued['final_loss']!r}; "
+          f"uninterrupted: {straight['final_loss']!r}")
     assert requeued["final_loss"] == straight["final_loss"]
