@@ -76,13 +76,18 @@ class Network:
         for i, name in enumerate(SCOPES):
             if not self._calibrated(op, name):
                 continue
-            mask = (scope == i) & (n > 1)
-            if np.any(mask):
-                t, extra = self.calibration.collective_seconds(op, name, n[mask], nbytes[mask])
-                out = out.copy()
-                out[mask] = t
-                self.extrapolated |= bool(np.any(extra))
-                self.calibrated_ops.add(f"{op}@{name}")
+            out = self._overwrite(out, op, name, (scope == i) & (n > 1), n, nbytes)
+        return out
+
+    def _overwrite(self, out, op: str, scope_name: str, mask, n, nbytes):
+        """``out`` with the calibrated seconds of ``op`` at ``scope_name`` where ``mask`` holds (noting the source)."""
+        if not np.any(mask):
+            return out
+        t, extra = self.calibration.collective_seconds(op, scope_name, n[mask], nbytes[mask])
+        out = out.copy()
+        out[mask] = t
+        self.extrapolated |= bool(np.any(extra))
+        self.calibrated_ops.add(f"{op}@{scope_name}")
         return out
 
     def a2a_phases(self, n, nodes, nbytes, scope):
@@ -164,11 +169,5 @@ class Network:
                 if not self._calibrated(op, name):
                     continue
                 which = (algo == 0) | ~multi if code == 0 else (algo == 1) & multi   # HALO on one node is flat
-                mask = (scope == i) & (n > 1) & which
-                if np.any(mask):
-                    t, extra = self.calibration.collective_seconds(op, name, n[mask], nbytes[mask])
-                    total = total.copy()
-                    total[mask] = t
-                    self.extrapolated |= bool(np.any(extra))
-                    self.calibrated_ops.add(f"{op}@{name}")
+                total = self._overwrite(total, op, name, (scope == i) & (n > 1) & which, n, nbytes)
         return total
