@@ -22,6 +22,18 @@ TRUE = {"efficiency.gemm": 0.35, "a2a_overlap": 0.4}
 
 def _runs(tmp_path, values):
     """Run directories whose 'measured' times are the model's own prediction under ``values`` (synthetic)."""
+    dirs = _plan_dirs(tmp_path)
+    runs = [read_run_placeholder(d) for d in dirs]
+    truth = predict_seconds(runs, values)
+    for d, seconds in zip(dirs, truth):
+        lines = [json.dumps({"schema_version": 1, "step": s, "step_time_s": float(seconds) * (3 if s == 0 else 1)})
+                 for s in range(4)]
+        (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return [read_run(d) for d in dirs], truth
+
+
+def _plan_dirs(tmp_path):
+    """One run directory with a plan.json per entry of PLANS (tiny-moe on local-cpu)."""
     model, platform = load_model("tiny-moe"), load_platform("local-cpu")
     training = TrainingSpec(seq_len=64, global_batch=8)
     dirs = []
@@ -31,13 +43,7 @@ def _runs(tmp_path, values):
         d.mkdir()
         write_plan_file(d / "plan.json", model, platform, training, nodes, plan, "compact", {})
         dirs.append(d)
-    runs = [read_run_placeholder(d) for d in dirs]
-    truth = predict_seconds(runs, values)
-    for d, seconds in zip(dirs, truth):
-        lines = [json.dumps({"schema_version": 1, "step": s, "step_time_s": float(seconds) * (3 if s == 0 else 1)})
-                 for s in range(4)]
-        (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return [read_run(d) for d in dirs], truth
+    return dirs
 
 
 def read_run_placeholder(d):
@@ -86,15 +92,7 @@ def test_overhead_scale_recovered_and_scored_on_held_out_runs(tmp_path):
 
     cal = load_calibration("local-cpu")
     assert cal.overhead is not None  # calibration/local-cpu/overhead.csv is a committed fixture
-    model, platform = load_model("tiny-moe"), load_platform("local-cpu")
-    training = TrainingSpec(seq_len=64, global_batch=8)
-    dirs = []
-    for i, (nodes, par) in enumerate(PLANS):
-        plan = ParallelPlan(**par, num_microbatches=8 // (par["dp"] * par["mbs"]))
-        d = tmp_path / f"run{i}"
-        d.mkdir()
-        write_plan_file(d / "plan.json", model, platform, training, nodes, plan, "compact", {})
-        dirs.append(d)
+    dirs = _plan_dirs(tmp_path)
     truth = predict_seconds([read_run_placeholder(d) for d in dirs], {"overhead.scale": 2.0}, cal)
     for d, seconds in zip(dirs, truth):
         (d / "metrics.jsonl").write_text("\n".join(json.dumps({"schema_version": 1, "step": s, "step_time_s": float(seconds)})
