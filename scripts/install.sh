@@ -16,7 +16,7 @@ if [[ $want_test == 1 ]]; then
   if ! "$py" -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 6))" 2>/dev/null; then
     pip "torch==${PIPER_TORCH_VERSION:-2.13.0}"
   fi
-  pip -e ".[test,runtime]"
+  pip -e ".[test,runtime,plot]"
   if ! command -v slurmctld >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         slurmctld slurmd slurm-client munge) >/dev/null

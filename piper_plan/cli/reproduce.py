@@ -51,8 +51,8 @@ def paper_cmd(platform_name, out_dir, no_calibration, as_json) -> None:
         tables = rp.paper_tables(platform, _calibration(platform.name, not no_calibration))
     out = Path(out_dir) if out_dir else project_root() / "docs" / "paper"
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "README.md", rp.render_markdown("The Piper paper, reproduced by the model", PAPER_INTRO,
-                                                            tables))
+    text = rp.render_markdown("The Piper paper, reproduced by the model", PAPER_INTRO, tables)
+    atomic_write_text(out / "README.md", text + (PLOT_LINK if rp.have_matplotlib() else ""))
     written = [out / "README.md"] + _plots(rp, tables, out)
     _finish(tables, written, as_json)
 
@@ -74,12 +74,16 @@ def halo_cmd(platform_name, out_file, use_calibration, as_json) -> None:
     table = rp.halo_table(platform, _calibration(platform.name, use_calibration))
     path = Path(out_file) if out_file else project_root() / "docs" / "halo.md"
     text = rp.render_markdown(f"HALO vs flat on {platform.name}", HALO_INTRO, [table]) + "\n" + rp.halo_analysis(table.rows)
-    atomic_write_text(path, text)
+    link = PLOT_LINK.replace("halo.png", path.with_suffix(".png").name)
+    atomic_write_text(path, text + (link if rp.have_matplotlib() else ""))
     written = [path]
     if rp.have_matplotlib():
         rp.plot_halo(table.rows, path.with_suffix(".png"))
         written.append(path.with_suffix(".png"))
     _finish([table], written, as_json)
+
+
+PLOT_LINK = "\n![Flat / HALO all-to-all time vs nodes, per message size (modelled)](halo.png)\n"
 
 
 def _plots(rp, tables, out: Path) -> list[Path]:
