@@ -79,7 +79,7 @@ class Network:
             out = self._overwrite(out, op, name, (scope == i) & (n > 1), n, nbytes)
         return out
 
-    def _overwrite(self, out, op: str, scope_name: str, mask, n, nbytes):
+    def _overwrite(self, out, op: str, scope_name: str, mask, n, nbytes, label: str | None = None):
         """``out`` with the calibrated seconds of ``op`` at ``scope_name`` where ``mask`` holds (noting the source)."""
         if not np.any(mask):
             return out
@@ -87,7 +87,7 @@ class Network:
         out = out.copy()
         out[mask] = t
         self.extrapolated |= bool(np.any(extra))
-        self.calibrated_ops.add(f"{op}@{scope_name}")
+        self.calibrated_ops.add(label or f"{op}@{scope_name}")
         return out
 
     def a2a_phases(self, n, nodes, nbytes, scope):
@@ -136,14 +136,7 @@ class Network:
         """``fallback`` with the calibrated curve's seconds where ``where`` (and n > 1); notes the source."""
         n, nbytes, out = np.broadcast_arrays(np.asarray(n, float), np.asarray(nbytes, float), np.asarray(fallback, float))
         mask = (n > 1) & (True if where is None else where)
-        if not np.any(mask):
-            return out
-        t, extra = self.calibration.collective_seconds(op, scope_name, n[mask], nbytes[mask])
-        out = out.copy()
-        out[mask] = t
-        self.extrapolated |= bool(np.any(extra))
-        self.calibrated_ops.add(f"{op}@{scope_name} ({phase})")
-        return out
+        return self._overwrite(out, op, scope_name, mask, n, nbytes, f"{op}@{scope_name} ({phase})")
 
     def a2a_seconds(self, algo, n, nodes, nbytes, scope) -> tuple[np.ndarray, np.ndarray]:
         """(intra-node seconds, inter-node seconds) of one expert all-to-all; algo 0 flat, 1 HALO.
