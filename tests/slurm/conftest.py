@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -38,25 +37,3 @@ def slurm_cluster() -> dict:
     conf = os.environ.get("PIPER_SLURM_DIR", "/tmp/piper-slurm") + "/etc/slurm.conf"
     os.environ["SLURM_CONF"] = conf
     return {"SLURM_CONF": conf}
-
-
-def wait_for_job(job_id: str, timeout_s: float = 180.0) -> dict:
-    """Poll until the job has left the queue; returns `scontrol show job` fields."""
-    from piper_plan.launch import submit
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if submit.squeue_state(job_id) is None:
-            return submit.job_info(job_id) or {}
-        time.sleep(1.0)
-    subprocess.run(["scancel", job_id])
-    raise AssertionError(f"job {job_id} did not finish in {timeout_s} s: {submit.job_info(job_id)}")
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

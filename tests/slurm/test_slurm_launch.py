@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import wait_for_job, wait_until
+from slurm_wait import wait_for_job, wait_until
 from launch_plans import platform_dict, write_plan
 from piper_plan.cli.main import cli
 from piper_plan.launch import submit

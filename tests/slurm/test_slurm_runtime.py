@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from conftest import wait_for_job, wait_until
+from slurm_wait import wait_for_job, wait_until
 from piper_plan.cli.main import cli
 from test_slurm_launch import cpu_plan, launch
 
