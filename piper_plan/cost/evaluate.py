@@ -9,6 +9,7 @@ Python loops run over distinct pipeline depths and over breakdown components.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import get_args
 
 import numpy as np
 
@@ -22,11 +23,12 @@ from piper_plan.cost.pipeline import bubble_microbatches, stage_layers
 from piper_plan.cost.step import (checkpoint_bytes, dp_sync_seconds, hardware_flops_per_token, optimizer_seconds,
                                   training_totals)
 from piper_plan.placement.layout import allocation, span_arrays, stage_pair_scope
-from piper_plan.specs.parallel import ParallelPlan
+from piper_plan.specs.parallel import A2A as A2AKind
+from piper_plan.specs.parallel import ParallelPlan, Recompute, Schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
-A2A = ("flat", "halo")
+SCHEDULES: tuple[str, ...] = get_args(Schedule)   # the ParallelPlan field types, in their order: codes index them
+RECOMPUTE: tuple[str, ...] = get_args(Recompute)
+A2A: tuple[str, ...] = get_args(A2AKind)
 _CODES = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "a2a": A2A}
 
 
