@@ -277,8 +277,18 @@ def _sources(directory: Path, frames: tuple) -> list[str]:
             continue
         kinds = frame["source"].map(source_kind).value_counts().to_dict()
         parts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-        lines.append(f"{directory / table.filename}: {len(frame)} rows ({parts})")
+        lines.append(f"{_shown(directory / table.filename)}: {len(frame)} rows ({parts})")
     return lines
+
+
+def _shown(path: Path) -> str:
+    """A path as people (and the committed reports) should see it: relative to the project when inside it."""
+    from piper_plan.catalog import project_root
+
+    try:
+        return str(path.resolve().relative_to(project_root().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def load_calibration(platform: str | Path) -> Calibration | None:
