@@ -51,6 +51,7 @@ EXPANDED_REASONS: tuple[str, ...] = (
     "interleaved_exceeds_layers",               # pp x virtual_stages > num_layers
     "interleaved_microbatches_not_divisible",   # Megatron: num_microbatches % pp == 0
     "duplicate_pp1_schedule",                   # pp = 1: GPipe and 1F1B are the same run (1F1B kept)
+    "duplicate_one_microbatch_schedule",        # one micro-batch: GPipe and 1F1B are the same run (1F1B kept)
     "duplicate_no_all_to_all",                  # ep = 1: no expert all-to-all, halo = flat (flat kept)
     "duplicate_zero_no_replicas",               # dp = edp = 1: ZeRO-1 shards nothing (zero=0 kept)
     "duplicate_halo_one_node",                  # every expert group inside one node: HALO is its phase I = flat
@@ -235,6 +236,7 @@ def _expanded_masks(model, f: dict[str, np.ndarray], interleaved: np.ndarray, de
         interleaved & (f["pp"] * f["virtual_stages"] > model.num_layers),
         interleaved & (f["num_microbatches"] % f["pp"] != 0),
         (f["pp"] == 1) & (f["schedule"] == SCHEDULES.index("gpipe")),
+        (f["num_microbatches"] == 1) & (f["schedule"] == SCHEDULES.index("gpipe")),
         (f["ep"] == 1) & (f["a2a"] == A2A.index("halo")),
         (f["dp"] == 1) & (edp == 1) & (f["zero"] == 1),
         twins.halo_one_node & (f["ep"] > 1) & groups_in_one_node & (f["a2a"] == A2A.index("halo")),

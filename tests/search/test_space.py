@@ -71,7 +71,8 @@ def _brute_force_valid(model, training, world: int, dpn: int) -> set[tuple]:
                 continue
             if sched == "interleaved" and (pp < 2 or pp * vs > model.num_layers):
                 continue
-            if (pp == 1 and sched == "gpipe") or (ep == 1 and a2a == "halo") or (dp == 1 and plan.edp == 1 and zero):
+            if (pp == 1 and sched == "gpipe") or (ep == 1 and a2a == "halo") or (dp == 1 and plan.edp == 1 and zero) \
+                    or (m == 1 and sched == "gpipe"):
                 continue   # duplicates of a kept candidate
             if (ep > 1 and dpn % (ep * etp) == 0 and a2a == "halo") or (rec == "selective" and training.flash_attention):
                 continue   # HALO inside one node is flat; selective recompute under flash attention is none
@@ -145,3 +146,16 @@ def test_dropped_twins_predict_the_same_as_the_kept_ones():
     b = evaluate(model, FRONTIER, training, 2, Candidates(**kept))
     np.testing.assert_allclose(a.step_time_s, b.step_time_s, rtol=1e-12)
     np.testing.assert_allclose(a.peak_memory_bytes, b.peak_memory_bytes, rtol=1e-12)
+
+
+def test_one_microbatch_gpipe_is_priced_as_1f1b():
+    """With one micro-batch the two schedules are the same run: the duplicate rule keeps 1F1B only."""
+    from piper_plan.cost.evaluate import Candidates, evaluate
+
+    model, training = load_model("mixtral-8x7b"), TrainingSpec(global_batch=16)
+    base = dict(dp=16, tp=1, pp=2, ep=8, etp=1, mbs=1, num_microbatches=1, virtual_stages=1, recompute=0, zero=1,
+                a2a=0)
+    gpipe = evaluate(model, FRONTIER, training, 4, Candidates(**base, schedule=SCHEDULES.index("gpipe")))
+    ofob = evaluate(model, FRONTIER, training, 4, Candidates(**base, schedule=SCHEDULES.index("1f1b")))
+    np.testing.assert_allclose(gpipe.step_time_s, ofob.step_time_s, rtol=1e-12)
+    np.testing.assert_allclose(gpipe.peak_memory_bytes, ofob.peak_memory_bytes, rtol=1e-12)
