@@ -6,7 +6,8 @@ Everything here is vectorised over numpy arrays (the search evaluates many plans
   ``LinearNDInterpolator`` on a Delaunay triangulation; ``np.interp`` when the points lie on a line).
   Coordinates that never vary in the data (every GEMM has groups=1, say) are dropped: a query that differs
   there is answered from the remaining coordinates and flagged as extrapolated. Outside the convex hull of
-  the data the nearest measured point answers, flagged.
+  the data the nearest measured point answers, flagged; ``nearest_weights`` scales each coordinate's log
+  distance for that choice (GEMMs: the per-GEMM shape m, n, k decides, the group count only breaks ties).
 - Collectives: per (op, scope), one log-log curve of seconds vs bytes per measured group size; between
   group sizes log-linear; beyond the largest message seconds grow linearly with bytes at the last
   bandwidth, below the smallest the smallest time is kept (latency floor); beyond the measured group sizes
@@ -26,14 +27,20 @@ from piper_plan.calibration.io import read_if_present
 from piper_plan.calibration.schema import ATTENTION, COLLECTIVES, GEMM, busbw_factor, source_kind
 
 _RANK_TOL = 1e-9
+GEMM_NEAREST_WEIGHTS = (1.0, 1.0, 1.0, 1e-3)
+"""A grouped GEMM outside the measured hull takes the rate of the measured per-GEMM shape (m, n, k) nearest to
+it; the group count only breaks ties. Weighting groups like the shape let a 64-group [768 x 1408 x 2048] query
+take the 120 TFLOPS of a 32-group [2048 x 2048 x 7168] row rather than the 43 of its own shape family."""
 _OFF_TOL = 1e-6
 
 
 class LogInterpolator:
     """log(value) linear in log(coordinates). points: [P, D] > 0, values: [P] > 0."""
 
-    def __init__(self, points: np.ndarray, values: np.ndarray):
+    def __init__(self, points: np.ndarray, values: np.ndarray, nearest_weights=None):
         x, y = _mean_duplicates(np.log(np.asarray(points, float)), np.log(np.asarray(values, float)))
+        self.x = x
+        self.nearest_weights = None if nearest_weights is None else np.asarray(nearest_weights, float)
         self.center = x.mean(axis=0)
         self.basis = _principal_axes(x - self.center)
         self.z = (x - self.center) @ self.basis
@@ -46,7 +53,7 @@ class LogInterpolator:
         self.tri = None
         if self.basis.shape[1] == 1:
             order = np.argsort(self.z[:, 0])
-            self.z, self.y = self.z[order], self.y[order]
+            self.z, self.y, self.x = self.z[order], self.y[order], self.x[order]
         elif self.basis.shape[1] >= 2:
             try:
                 self.tri = Delaunay(self.z)
@@ -66,7 +73,15 @@ class LogInterpolator:
         zq = xq @ self.basis
         off = np.linalg.norm(xq - zq @ self.basis.T, axis=1) > _OFF_TOL
         log_v, outside = self._interpolate(zq)
+        if self.nearest_weights is not None and self.basis.shape[1] >= 2 and outside.any():
+            log_v[outside] = self._nearest_weighted(xq[outside] + self.center)
         return np.exp(log_v), off | outside
+
+    def _nearest_weighted(self, xq: np.ndarray) -> np.ndarray:
+        """log value of the measured point nearest to each log query under ``nearest_weights``."""
+        w = self.nearest_weights
+        d2 = (((xq[:, None, :] - self.x[None, :, :]) * w) ** 2).sum(axis=2)
+        return self.y[np.argmin(d2, axis=1)]
 
     def _interpolate(self, zq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rank = self.basis.shape[1]
@@ -215,7 +230,8 @@ class Calibration:
         cache_key = ("gemm", key)
         if cache_key not in self._cache:
             rows = self.gemm[self.gemm["dtype"] == key[0]]
-            self._cache[cache_key] = LogInterpolator(rows[["m", "n", "k", "groups"]].to_numpy(float), rows["tflops"].to_numpy(float))
+            self._cache[cache_key] = LogInterpolator(rows[["m", "n", "k", "groups"]].to_numpy(float),
+                                                     rows["tflops"].to_numpy(float), GEMM_NEAREST_WEIGHTS)
         return self._cache[cache_key]
 
     # attention -------------------------------------------------------------------------------------

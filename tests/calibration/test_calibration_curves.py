@@ -124,3 +124,19 @@ def test_frontier_seed_rows_follow_their_derivation():
     # all-to-all d5120 k6 s4096: 4096 x 6 x 5120 x 2 B = 251.7 MB in (1.89 + 2.23) / 2 ms
     sec, ext = cal.collective_seconds("all_to_all", "node", 8, 4096 * 6 * 5120 * 2)
     assert sec == pytest.approx(2.06e-3) and not ext
+
+
+def test_grouped_gemm_outside_the_hull_takes_its_own_shape_not_a_near_group_count(tmp_path):
+    """A grouped GEMM beyond the measured groups answers from the nearest per-GEMM shape (m, n, k): the Frontier
+    seed once priced X-MoE Small's 64-group [768 x 1408 x 2048] experts at the 120 TFLOPS of a 32-group
+    [2048 x 2048 x 7168] row, because groups counted like a shape dimension in the nearest-point distance."""
+    merge_rows(tmp_path, GEMM, [gemm_row(1536, 1408, 2048, 43.0, groups=8, dtype="bf16"),
+                                gemm_row(2048, 2048, 7168, 120.0, groups=32, dtype="bf16"),
+                                gemm_row(2048, 2048, 2048, 57.0, dtype="bf16"),
+                                gemm_row(8192, 7168, 7168, 113.0, dtype="bf16"),
+                                gemm_row(4096, 5120, 5120, 102.0, dtype="bf16")])
+    cal = load_calibration(tmp_path)
+    rate, extrapolated = cal.gemm_flops_per_s(768, 1408, 2048, "bf16", groups=64)
+    assert float(rate) == pytest.approx(43e12) and bool(extrapolated)
+    rate, extrapolated = cal.gemm_flops_per_s(1536, 1408, 2048, "bf16", groups=8)   # a measured point: exact
+    assert float(rate) == pytest.approx(43e12) and not bool(extrapolated)
