@@ -57,12 +57,17 @@ class LocalExperts(nn.Module):
 
     def forward(self, x_XD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_XD rows grouped by local expert, ``counts[e]`` rows for expert e."""
-        outs = [ffn_apply(chunk, *self._weights(e)) for e, chunk in enumerate(torch.split(x_XD, counts))]
+        per_expert = self._per_expert_weights()
+        outs = [ffn_apply(chunk, *(None if w is None else w[e] for w in per_expert))
+                for e, chunk in enumerate(torch.split(x_XD, counts))]
         return torch.cat(outs) if outs else x_XD
 
-    def _weights(self, e: int):
-        pick = lambda p: None if p is None else p[e]  # noqa: E731
-        return (self.w_in[e], pick(self.w_gate), self.w_out[e], pick(self.b_in), pick(self.b_gate), pick(self.b_out))
+    def _per_expert_weights(self) -> list:
+        """Each stacked weight unbound once into El views. Its backward stacks the El gradients into one
+        buffer; indexing ``w[e]`` per expert instead makes every expert's backward zero-fill and add a full
+        [El, ...] gradient (El^2 x the expert weights in memory traffic per layer and micro-batch)."""
+        return [None if p is None else p.unbind(0)
+                for p in (self.w_in, self.w_gate, self.w_out, self.b_in, self.b_gate, self.b_out)]
 
 
 class AuxLossScaler(torch.autograd.Function):
