@@ -9,7 +9,10 @@ and concurrency: the moe_block workload (4 local experts) run by 1, 2 and 4 gloo
 all_reduce after each call (mean seconds per iteration, the all_reduce's own cost subtracted), which says how much
 the host's other load, ranks sharing its cores, and waiting for a preempted peer slow a rank down. The block rows
 are the fastest sample (the piece's own cost); the concurrency rows hold the slowdown. concurrency_coarse repeats
-that with 3 workloads per all_reduce: per iteration g x w x slowdown + wait, so the two give both. Rows go to overhead.csv (calibration/overhead.py).
+that with 3 workloads per all_reduce: per iteration g x w x slowdown + wait, so the two give both. Both are
+measured by the same processes in alternating rounds: measured one after the other, a change of the host's load
+between them moved the excess from wait to slowdown or back (docs/closed-loop.md). Rows go to overhead.csv
+(calibration/overhead.py).
 
 Run: ``piper calibrate overhead --platform local-cpu`` or ``python -m piper_plan.calibration.bench_overhead --out DIR``.
 """
@@ -143,9 +146,10 @@ def measure_blocks(repeats: int = 15, warmup: int = 3) -> dict[tuple[str, int], 
     return out
 
 
-def _concurrency_worker(rank: int, world: int, port: int, queue, iterations: int, calls_per_sync: int = 1) -> None:
-    """One rank: ``calls_per_sync`` moe_block workloads, then a 4-byte all_reduce (gloo, as the runtime's
-    collectives), repeated; puts the mean seconds per iteration less the mean seconds of the all_reduce alone."""
+def _concurrency_worker(rank: int, world: int, port: int, queue, iterations: int, rounds: int = 10) -> None:
+    """One rank: iterations of ``g`` moe_block workloads then a 4-byte all_reduce (gloo, as the runtime's
+    collectives), for g = 1 and g = COARSE_CALLS in alternating rounds, so that both see the same load; puts
+    {g: mean seconds per iteration less the mean seconds of the all_reduce alone}."""
     import torch
     import torch.distributed as dist
 
@@ -156,9 +160,13 @@ def _concurrency_worker(rank: int, world: int, port: int, queue, iterations: int
     for _ in range(3):
         call()
     dist.barrier()
-    per_iteration = _mean_seconds(lambda: ([call() for _ in range(calls_per_sync)], dist.all_reduce(flag)),
-                                  max(1, iterations // calls_per_sync))
-    queue.put(max(per_iteration - sync_alone, 1e-9))
+    spent = {g: [0.0, 0] for g in (1, COARSE_CALLS)}
+    for _ in range(rounds):
+        for g, acc in spent.items():
+            n = max(1, iterations // (rounds * g))
+            acc[0] += n * _mean_seconds(lambda g=g: ([call() for _ in range(g)], dist.all_reduce(flag)), n)
+            acc[1] += n
+    queue.put({g: max(total / n - sync_alone, 1e-9) for g, (total, n) in spent.items()})
     dist.destroy_process_group()
 
 
@@ -175,26 +183,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_concurrency(ranks=CONCURRENCY_RANKS, iterations: int = 1000, calls_per_sync: int = 1) -> dict[int, float]:
-    """ranks -> mean seconds per iteration (over ranks) of the moe_block workload when ``ranks`` gloo ranks run it
-    in lockstep, each iteration ending in a 4-byte all_reduce (its own cost subtracted): the runtime's pattern of
-    ~1 ms of work between blocking collectives. Against the workload's own time this is the slowdown a rank sees
-    from the host's other load, from ranks sharing its cores, and from waiting for the rank that was preempted
-    (a rank computing when another waits). ~1000 iterations: long beside the scheduler's time slices."""
+def measure_concurrency(ranks=CONCURRENCY_RANKS, iterations: int = 1000) -> dict[int, dict[int, float]]:
+    """ranks -> {g: mean seconds per iteration (over ranks)} when ``ranks`` gloo ranks run g moe_block workloads
+    and a 4-byte all_reduce in lockstep (its own cost subtracted), g = 1 and COARSE_CALLS: the runtime's pattern
+    of ~1 ms of work between blocking collectives. Against the workload's own time this is the slowdown a rank
+    sees from the host's other load and from ranks sharing its cores, plus the wait for the rank that was
+    preempted (a rank computing when another waits); the two g separate them (calibration/overhead.py). ~1000
+    workloads per g: long beside the scheduler's time slices."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = {}
     for n in ranks:
         queue, port = ctx.Queue(), _free_port()
-        procs = [ctx.Process(target=_concurrency_worker, args=(r, n, port, queue, iterations, calls_per_sync))
-                 for r in range(n)]
+        procs = [ctx.Process(target=_concurrency_worker, args=(r, n, port, queue, iterations)) for r in range(n)]
         for p in procs:
             p.start()
         values = [queue.get(timeout=600) for _ in procs]
         for p in procs:
             p.join()
-        out[n] = statistics.mean(values)
+        out[n] = {g: statistics.mean(v[g] for v in values) for g in values[0]}
     return out
 
 
@@ -204,10 +212,9 @@ def overhead_rows(command: str, concurrency: bool = True) -> list[dict]:
     source = f"measured: {command} on {socket.gethostname()} {when}"
     rows = [{"op": op, "size": size, "seconds": s, "source": source} for (op, size), s in measure_blocks().items()]
     if concurrency:   # one workload per collective, and three: separates the slowdown from the wait per sync
-        rows += [{"op": "concurrency", "size": n, "seconds": s, "source": source}
-                 for n, s in measure_concurrency().items()]
-        rows += [{"op": "concurrency_coarse", "size": n, "seconds": s, "source": source}
-                 for n, s in measure_concurrency(calls_per_sync=COARSE_CALLS).items()]
+        for n, by_calls in measure_concurrency().items():
+            rows += [{"op": "concurrency", "size": n, "seconds": by_calls[1], "source": source},
+                     {"op": "concurrency_coarse", "size": n, "seconds": by_calls[COARSE_CALLS], "source": source}]
     return rows
 
 

@@ -101,3 +101,16 @@ def test_lockstep_rows_separate_slowdown_from_wait_per_collective():
     assert ov.concurrency_factor == pytest.approx((1.0, 1.2))
     assert ov.sync_wait_s == pytest.approx((0.0, 100e-6), abs=1e-12)
     assert float(ov.wait_seconds(2)) == pytest.approx(100e-6)
+
+
+def test_lockstep_probe_measures_fine_and_coarse_in_the_same_ranks():
+    """Both workloads-per-collective come from one set of gloo ranks (alternating rounds): a coarse iteration
+    (3 workloads) costs more than a fine one, and both exist for every rank count."""
+    pytest.importorskip("torch")
+    from piper_plan.calibration.bench_overhead import COARSE_CALLS, measure_concurrency
+
+    out = measure_concurrency(ranks=(1, 2), iterations=60)
+    assert set(out) == {1, 2}
+    for by_calls in out.values():
+        assert set(by_calls) == {1, COARSE_CALLS}
+        assert by_calls[COARSE_CALLS] > by_calls[1] > 0
