@@ -10,7 +10,8 @@ micro-batch forward + backward:
 
 The first difference is the model's pricing of the pieces; the second is what a hot loop hides (caches and
 allocator state warm from the previous identical call). A benchmark: it prints figures, it asserts nothing.
-Run: .venv/bin/python benchmarks/closed_loop_gap.py [--calls 80]
+``--profile N``: also the N operators with the most self time under torch.profiler (per micro-batch).
+Run: .venv/bin/python benchmarks/closed_loop_gap.py [--calls 80] [--profile 10]
 """
 
 from __future__ import annotations
@@ -95,9 +96,26 @@ def single_call_seconds(call, calls: int) -> list[float]:
     return sorted(samples)
 
 
+def profile_lines(call, top: int, calls: int = 10) -> list[str]:
+    """The ``top`` operators by self CPU time per micro-batch, with their input shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(calls):
+            call()
+    events = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / calls
+    lines = [f"  torch.profiler, per micro-batch (profiled: {total / 1e3:.2f} ms of self time):"]
+    for e in events[:top]:
+        lines.append(f"    {e.key[:40]:40s} {e.self_cpu_time_total / calls / 1e3:6.2f} ms  {e.count // calls:4d} calls  "
+                     f"{str(e.input_shapes)[:60]}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=80, help="single calls timed")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest operators")
     args = ap.parse_args(argv)
     import torch
 
@@ -118,6 +136,8 @@ def main(argv=None) -> int:
     print(f"  hot loop      {hot * ms:7.2f} ms  fastest sample   (model {100 * (pred['total'] / hot - 1):+.1f}%)")
     print(f"  single calls  {median * ms:7.2f} ms  median, p10 {p10 * ms:.2f}, p90 {p90 * ms:.2f}   "
           f"(model {100 * (pred['total'] / median - 1):+.1f}%, hot loop {100 * (hot / median - 1):+.1f}%)")
+    if args.profile:
+        print("\n".join(profile_lines(call, args.profile)))
     return 0
 
 
