@@ -61,7 +61,9 @@ def microbatch_call(model, platform, training, plan):
     from piper_plan.runtime import train as rt
     from piper_plan.runtime.pipeline import lm_loss
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=_port())
+    from piper_plan.calibration.bench_overhead import _free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     cfg = rt.config_from_dict(plan_file_dict(model, platform, training, 1, plan, "compact", {}))
     trainer = rt.Trainer(cfg, 0, 1, rt._init(cfg, 0, 1, 0))
     x, y = trainer.batch(0)
@@ -75,14 +77,6 @@ def microbatch_call(model, platform, training, plan):
             loss = lm_loss(trainer.module(x[i:i + 1]), y[i:i + 1])
         loss.backward()
     return call
-
-
-def _port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def single_call_seconds(call, calls: int) -> list[float]:

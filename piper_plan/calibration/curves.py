@@ -39,11 +39,11 @@ class LogInterpolator:
 
     def __init__(self, points: np.ndarray, values: np.ndarray, nearest_weights=None):
         x, y = _mean_duplicates(np.log(np.asarray(points, float)), np.log(np.asarray(values, float)))
-        self.x = x
         self.nearest_weights = None if nearest_weights is None else np.asarray(nearest_weights, float)
         self.center = x.mean(axis=0)
-        self.basis = _principal_axes(x - self.center)
-        self.z = (x - self.center) @ self.basis
+        self.x = x - self.center
+        self.basis = _principal_axes(self.x)
+        self.z = self.x @ self.basis
         self.y = y
         self._build()
 
@@ -53,7 +53,7 @@ class LogInterpolator:
         self.tri = None
         if self.basis.shape[1] == 1:
             order = np.argsort(self.z[:, 0])
-            self.z, self.y, self.x = self.z[order], self.y[order], self.x[order]
+            self.z, self.y = self.z[order], self.y[order]
         elif self.basis.shape[1] >= 2:
             try:
                 self.tri = Delaunay(self.z)
@@ -72,18 +72,10 @@ class LogInterpolator:
         xq = np.log(query) - self.center
         zq = xq @ self.basis
         off = np.linalg.norm(xq - zq @ self.basis.T, axis=1) > _OFF_TOL
-        log_v, outside = self._interpolate(zq)
-        if self.nearest_weights is not None and self.basis.shape[1] >= 2 and outside.any():
-            log_v[outside] = self._nearest_weighted(xq[outside] + self.center)
+        log_v, outside = self._interpolate(zq, xq)
         return np.exp(log_v), off | outside
 
-    def _nearest_weighted(self, xq: np.ndarray) -> np.ndarray:
-        """log value of the measured point nearest to each log query under ``nearest_weights``."""
-        w = self.nearest_weights
-        d2 = (((xq[:, None, :] - self.x[None, :, :]) * w) ** 2).sum(axis=2)
-        return self.y[np.argmin(d2, axis=1)]
-
-    def _interpolate(self, zq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _interpolate(self, zq: np.ndarray, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rank = self.basis.shape[1]
         if rank == 0:
             return np.full(len(zq), self.y[0]), np.zeros(len(zq), bool)
@@ -92,9 +84,9 @@ class LogInterpolator:
             lo, hi = self.z[0, 0], self.z[-1, 0]
             outside = (z < lo - _OFF_TOL) | (z > hi + _OFF_TOL)
             return np.interp(z, self.z[:, 0], self.y), outside
-        return self._barycentric(zq)
+        return self._barycentric(zq, xq)
 
-    def _barycentric(self, zq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _barycentric(self, zq: np.ndarray, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Linear interpolation on the Delaunay simplices (tolerant on the hull's faces); nearest point outside."""
         simplex = self.tri.find_simplex(zq, tol=_OFF_TOL) if self.tri is not None else np.full(len(zq), -1)
         inside = simplex >= 0
@@ -106,11 +98,18 @@ class LogInterpolator:
             weights = np.concatenate([b, 1 - b.sum(axis=1, keepdims=True)], axis=1)
             v[inside] = (weights * self.y[self.tri.simplices[s]]).sum(axis=1)
         if (~inside).any():
+            v[~inside] = self.y[self._nearest(zq[~inside], xq[~inside])]
+        return v, ~inside
+
+    def _nearest(self, zq: np.ndarray, xq: np.ndarray) -> np.ndarray:
+        """Index of the measured point nearest to each query: in the data's subspace, or, with
+        ``nearest_weights``, in every log coordinate scaled by its weight."""
+        if self.nearest_weights is None:
             from scipy.spatial import cKDTree
 
-            _, nearest = cKDTree(self.z).query(zq[~inside])
-            v[~inside] = self.y[nearest]
-        return v, ~inside
+            return cKDTree(self.z).query(zq)[1]
+        d2 = (((xq[:, None, :] - self.x[None, :, :]) * self.nearest_weights) ** 2).sum(axis=2)
+        return np.argmin(d2, axis=1)
 
 
 def _mean_duplicates(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
