@@ -20,39 +20,15 @@ import sys
 import time
 from dataclasses import dataclass
 
+from piper_plan.launchenv import LaunchEnv, device_index, read_launch_env
+
 PROGRESS_PREFIX = "PIPER_PROGRESS "
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    ranks_per_node: int
-
-    @property
-    def num_nodes(self) -> int:
-        return self.world_size // self.ranks_per_node
-
-
-def dist_env(environ=os.environ) -> DistEnv | None:
-    """The distributed environment from torchrun or srun variables; None outside one."""
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
-        local = int(environ.get("LOCAL_RANK", 0))
-        per_node = int(environ.get("LOCAL_WORLD_SIZE", world))
-    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
-        local = int(environ.get("SLURM_LOCALID", 0))
-        per_node = world // int(environ.get("SLURM_JOB_NUM_NODES", environ.get("SLURM_NNODES", 1)))
-    else:
-        return None
-    emulate = environ.get("PIPER_EMULATE_TOPOLOGY")
-    if emulate:
-        nodes, per_node = (int(v) for v in emulate.lower().split("x"))
-        assert nodes * per_node == world, f"PIPER_EMULATE_TOPOLOGY={emulate} does not make {world} ranks"
-        local = rank % per_node
-    return DistEnv(rank, world, local, per_node)
+def dist_env(environ=os.environ) -> LaunchEnv | None:
+    """The distributed environment from torchrun or srun variables (piper_plan.launchenv); None outside one."""
+    env = read_launch_env(environ)
+    return env if env.launched else None
 
 
 @dataclass(frozen=True)
@@ -74,7 +50,7 @@ def _scope_of_nodes(num_nodes: int, network) -> str:
     return "group" if num_nodes <= network.nodes_per_group else "system"
 
 
-def plan_groups(env: DistEnv, network, quick: bool) -> list[GroupSpec]:
+def plan_groups(env: LaunchEnv, network, quick: bool) -> list[GroupSpec]:
     """Groups for the collectives: inside node 0 (2, 4, ... ranks), then 2, 4, ... whole nodes."""
     g = env.ranks_per_node
     sizes = [g] if quick else sorted({s for s in (2**i for i in range(1, 12)) if s < g} | {g})
@@ -89,7 +65,7 @@ def plan_groups(env: DistEnv, network, quick: bool) -> list[GroupSpec]:
     return groups
 
 
-def p2p_groups(env: DistEnv, network) -> list[GroupSpec]:
+def p2p_groups(env: LaunchEnv, network) -> list[GroupSpec]:
     """Pairs for p2p: two ranks of node 0, then rank 0 with local rank 0 of the farthest node of each scope."""
     g = env.ranks_per_node
     pairs = [GroupSpec("node", 1, 2, (0, 1))] if g >= 2 else []
@@ -157,7 +133,7 @@ class Block:
     sizes: tuple[int, ...]
 
 
-def plan_blocks(env: DistEnv, network, quick: bool, device_type: str, ops: tuple[str, ...]) -> list[Block]:
+def plan_blocks(env: LaunchEnv, network, quick: bool, device_type: str, ops: tuple[str, ...]) -> list[Block]:
     sizes = tuple(message_sizes(quick, device_type))
     blocks = []
     for op in ops:
@@ -186,7 +162,7 @@ def _progress(done: int, total: int, label: str) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
 
 
-def run(env: DistEnv, platform, out_dir: str, quick: bool, resume: bool, ops: tuple[str, ...], source: str) -> dict:
+def run(env: LaunchEnv, platform, out_dir: str, quick: bool, resume: bool, ops: tuple[str, ...], source: str) -> dict:
     """Every rank calls this; rank 0 writes the rows. Returns metadata (hosts, backend, timings) on rank 0."""
     import socket
 
@@ -212,17 +188,17 @@ def run(env: DistEnv, platform, out_dir: str, quick: bool, resume: bool, ops: tu
         dist.destroy_process_group()
 
 
-def _device(platform, env: DistEnv):
+def _device(platform, env: LaunchEnv):
     import torch
 
     if platform.launch.device == "cuda" and torch.cuda.is_available():
-        index = env.local_rank if torch.cuda.device_count() > 1 else 0
+        index = device_index(env.local_rank, torch.cuda.device_count())
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def _broadcast_skip(env: DistEnv, out_dir: str, resume: bool) -> set:
+def _broadcast_skip(env: LaunchEnv, out_dir: str, resume: bool) -> set:
     import torch.distributed as dist
 
     from piper_plan.calibration.io import measured_keys

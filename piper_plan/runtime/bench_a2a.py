@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from piper_plan.errors import PiperError
+from piper_plan.launchenv import device_index, read_launch_env
 
 ALGOS = ("flat", "halo")
 ROW_FLOATS = 64
@@ -340,13 +341,9 @@ def result_from_dict(data: dict) -> BenchResult:
 
 
 def launcher_ranks() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) under torchrun (RANK/WORLD_SIZE) or srun (SLURM_PROCID/NTASKS); else None."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    return None
+    """(rank, world size, local rank) under torchrun or srun (piper_plan.launchenv); else None."""
+    env = read_launch_env()
+    return (env.rank, env.world_size, env.local_rank) if env.launched else None
 
 
 def run_launched(config: BenchConfig, backend: str) -> tuple[int, BenchResult]:
@@ -358,7 +355,7 @@ def run_launched(config: BenchConfig, backend: str) -> tuple[int, BenchResult]:
 
     rank, world, local_rank = launcher_ranks()
     if backend == "nccl":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_index(local_rank, torch.cuda.device_count()))
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     try:

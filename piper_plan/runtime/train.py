@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
+from piper_plan.launchenv import device_index, read_launch_env
 
 
 # ---- plan and launch environment (no torch) -----------------------------------------------------
@@ -62,19 +63,6 @@ def read_plan(path: str | Path) -> RunConfig:
     pf = read_plan_file(path)
     return RunConfig(pf.model, pf.platform, pf.training, pf.parallel, pf.runtime.model_dump(),
                      pf.migration.model_dump())
-
-
-def launch_env(environ=os.environ) -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or srun (SLURM_*)."""
-    def pick(*names, default=None):
-        for n in names:
-            if n in environ:
-                return int(environ[n])
-        return default
-    rank = pick("RANK", "SLURM_PROCID", default=0)
-    world = pick("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    local = pick("LOCAL_RANK", "SLURM_LOCALID", default=0)
-    return rank, world, local
 
 
 def preflight(cfg: RunConfig, world: int, cuda_available: bool) -> None:
@@ -417,7 +405,8 @@ class _StopFlag:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rank, world, local = launch_env()
+    env = read_launch_env()
+    rank, world, local = env.rank, env.world_size, env.local_rank
     import torch
 
     try:
@@ -436,8 +425,9 @@ def _init(cfg, rank: int, world: int, local: int):
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if cfg.platform.launch.device == "cuda":
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
+        index = device_index(local, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

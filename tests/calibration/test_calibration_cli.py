@@ -55,24 +55,14 @@ def test_gpu_platform_without_gpu_refuses_compute_sweep(tmp_path):
     assert not (tmp_path / "gemm.csv").exists()
 
 
-def test_dist_env_from_srun_torchrun_and_emulation():
-    from piper_plan.calibration.bench_collectives import DistEnv, dist_env
-
-    srun = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NUM_NODES": "2"}
-    assert dist_env(srun) == DistEnv(rank=9, world_size=16, local_rank=1, ranks_per_node=8)
-    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    assert dist_env(torchrun) == DistEnv(3, 4, 1, 2)
-    assert dist_env({"RANK": "3", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "2x4"}) == DistEnv(3, 8, 3, 4)
-    assert dist_env({}) is None
-
-
 def test_frontier_groups_cover_every_scope():
-    from piper_plan.calibration.bench_collectives import DistEnv, p2p_groups, plan_groups
+    from piper_plan.calibration.bench_collectives import p2p_groups, plan_groups
     from piper_plan.catalog import load_platform
+    from piper_plan.launchenv import LaunchEnv
 
     net = load_platform("frontier").network  # 4 nodes per switch, 128 per group
-    groups = plan_groups(DistEnv(0, 8 * 256, 0, 8), net, quick=True)
+    groups = plan_groups(LaunchEnv(0, 8 * 256, 0, 8, "srun"), net, quick=True)
     assert [(g.scope, g.num_nodes, len(g.ranks)) for g in groups] == [
         ("node", 1, 8), ("switch", 4, 32), ("group", 128, 1024), ("system", 256, 2048)]
-    pairs = p2p_groups(DistEnv(0, 8 * 8, 0, 8), net)
+    pairs = p2p_groups(LaunchEnv(0, 8 * 8, 0, 8, "srun"), net)
     assert [(p.scope, p.ranks) for p in pairs] == [("node", (0, 1)), ("switch", (0, 24)), ("group", (0, 56))]

@@ -1,0 +1,33 @@
+"""The launcher environment is read in one place (piper_plan.launchenv) by training and both benchmarks."""
+
+import pytest
+
+from piper_plan.errors import PiperError
+from piper_plan.launchenv import LaunchEnv, device_index, read_launch_env
+
+
+def test_srun_torchrun_emulation_and_a_lone_process():
+    srun = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NUM_NODES": "2"}
+    assert read_launch_env(srun) == LaunchEnv(9, 16, 1, 8, "srun")
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert read_launch_env(torchrun) == LaunchEnv(3, 4, 1, 2, "torchrun")
+    assert read_launch_env({"RANK": "3", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "2x4"}) == \
+        LaunchEnv(3, 8, 3, 4, "torchrun")
+    assert read_launch_env({}) == LaunchEnv(0, 1, 0, 1, "none")
+    assert read_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).launched is False   # srun of one task
+
+
+@pytest.mark.parametrize("environ", [{"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "5", "WORLD_SIZE": "2"},
+                                     {"RANK": "0", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "3x3"},
+                                     {"RANK": "0", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "two"}])
+def test_bad_launcher_variables_are_one_line(environ):
+    with pytest.raises(PiperError):
+        read_launch_env(environ)
+
+
+def test_device_index_with_one_visible_device_per_task_and_all_visible():
+    # --gpus-per-task=1 --gpu-bind=closest: each task sees one device, SLURM_LOCALID runs 0..7
+    assert [device_index(local, 1) for local in range(8)] == [0] * 8
+    assert [device_index(local, 8) for local in range(8)] == list(range(8))
+    with pytest.raises(PiperError):
+        device_index(0, 0)
