@@ -128,7 +128,7 @@ def tensor_stage_bytes(prediction: dict) -> list[tuple[float, float]]:
     """Per stage (tensor bytes, activation bytes) predicted: no framework / fragmentation overhead (what the
     runtime's CPU tensor accounting measures; RSS would be dominated by torch itself)."""
     out = []
-    for s in prediction["memory"]["per_stage"]:
+    for s in prediction.memory.per_stage:
         comp = s["components"]
         acts = sum(v for k, v in comp.items() if k.startswith("activations/"))
         out.append((s["total_bytes"] - comp.get("framework", 0.0) - comp.get("fragmentation", 0.0), acts))
@@ -170,7 +170,7 @@ def measure(out: Path, steps: int, calibration, options, reuse: bool = False) ->
         times = [r["step_time_s"] for r in steady_steps(records)]
         mem = [{"total": rel(p[0], m[0]), "activations": rel(p[1], m[1])}
                for p, m in zip(tensor_stage_bytes(prediction), measured_stage_bytes(records))]
-        breakdown = {k: v for k, v in prediction["time"]["breakdown"].items() if v}
+        breakdown = {k: v for k, v in prediction.time.breakdown.items() if v}
         rows.append({"plan": label, "nodes": nodes, "run_dir": str(run_dir), "step": step, "memory": mem,
                      "spread": (min(times), max(times)), "breakdown": breakdown,
                      "measured_time_s": {k: statistics.median(r["time_s"].get(k, 0.0) for r in steady_steps(records))

@@ -48,7 +48,7 @@ def predicted_per_microbatch(model, platform, training, plan) -> dict[str, float
 
     est = estimate(model, platform, training, 1, plan, calibration=load_calibration(PLATFORM),
                    options=PIPER_RUNTIME_OPTIONS)
-    parts = est["time"]["breakdown"]
+    parts = est.time.breakdown
     overhead = parts.get("framework/layer", 0.0)
     compute = sum(v for k, v in parts.items() if k.startswith("compute/"))
     return {"overhead": overhead / MICROBATCHES, "compute": compute / MICROBATCHES,

@@ -19,11 +19,11 @@ def main() -> None:
         model = load_model(name)
         plan = ParallelPlan(dp=ep, pp=pp, ep=ep, num_microbatches=8)
         stage = estimate(model, load_platform("frontier"), TrainingSpec(global_batch=ep * 8), nodes,
-                         plan)["memory"]["per_stage"][0]
-        c = stage["components"]
+                         plan).memory.per_stage[0]
+        c = stage.components
         ours = c["weights"] + c["gradients"] + c["optimizer"]
         d, moe = model.hidden_size, model.moe
-        paper = stage["layers"] * (64 * d * d + 32 * moe.num_experts / ep * d * moe.expert.intermediate_size)
+        paper = stage.layers * (64 * d * d + 32 * moe.num_experts / ep * d * moe.expert.intermediate_size)
         print(f"| {name} | {nodes * 8} | {pp} x {ep} | {ours / 1e9:.3f} | {paper / 1e9:.3f} | "
               f"{100 * (ours - paper) / paper:+.3f}% (router + norms) |")
 

@@ -1,7 +1,8 @@
 """What the torch runtime (piper_plan.runtime) can execute: the single capability list of DESIGN.md.
 
 No torch import: ``plan --runnable`` and ``launch`` read this to keep to plans the runtime runs.
-``unsupported_features`` returns one line per feature a plan or model needs that the runtime lacks.
+``unsupported_features`` returns one line per feature a plan or model needs that the runtime lacks; a plan is
+runnable when it is valid (``piper_plan.plans``) and needs nothing outside this list (``runnable_problems``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ RUNTIME_CAPABILITY: dict[str, tuple] = {
 """Allowed values per feature. Everything else a ModelSpec can say is built (runtime/model.py): q/k/v/o
 biases, attention sinks, LayerNorm with bias, parallel attention + MLP, shared experts and their gate,
 router bias, sigmoid routing, dense layers by first_k_dense / every / phase / explicit, the parallel dense
-FFN, learned positions; any virtual_stages whose chunks split num_layers evenly. Not run: tensor parallelism,
+FFN, learned positions; any valid virtual_stages (valid chunks split num_layers evenly). Not run: tensor parallelism,
 a capacity factor (the runtime is dropless), tied embeddings over more than one model chunk, 0 or 1 norms
 per layer, 3 norms per layer without Arctic's residual MLP in every layer."""
 
@@ -30,7 +31,7 @@ def _plan_problems(plan) -> list[str]:
     for field in ("schedule", "tp", "etp", "recompute", "zero", "a2a"):
         value = getattr(plan, field)
         if value not in cap[field]:
-            out.append(f"parallel.{field}={value!r} (runtime supports {', '.join(map(str, cap[field]))})")
+            out.append(f"parallel.{field}={value} (runtime supports {', '.join(map(str, cap[field]))})")
     return out
 
 
@@ -55,9 +56,6 @@ def _norm_problems(model) -> list[str]:
 def _split_problems(model, plan) -> list[str]:
     chunks = plan.pp * plan.virtual_stages
     out = []
-    if plan.schedule == "interleaved" and model.num_layers % chunks:
-        out.append(f"schedule=interleaved needs num_layers={model.num_layers} divisible by pp x virtual_stages "
-                   f"= {plan.pp} x {plan.virtual_stages} (runtime splits chunks evenly)")
     if model.tie_embeddings and chunks > 1:
         out.append(f"tie_embeddings=true with pp x virtual_stages = {chunks} "
                    "(runtime ties only within one model chunk)")
@@ -74,5 +72,13 @@ def _model_problems(model, plan) -> list[str]:
 
 
 def unsupported_features(plan, model) -> list[str]:
-    """What ``plan`` on ``model`` needs that the runtime cannot do; an empty list means runnable."""
+    """What ``plan`` on ``model`` needs that the runtime cannot do (the plan assumed valid)."""
     return _plan_problems(plan) + _model_problems(model, plan)
+
+
+def runnable_problems(model, platform, training, nodes: int, plan) -> list[str]:
+    """Why piper's runtime cannot run ``plan``: its validity problems, then what it needs outside the capability
+    list; empty = runnable."""
+    from piper_plan.plans import plan_problems
+
+    return plan_problems(model, platform, training, nodes, plan) or unsupported_features(plan, model)

@@ -1,14 +1,20 @@
-"""plan.json: the single source of truth of a run (DESIGN.md, "Shared file formats"; schema_version 1).
+"""plan.json: the single source of truth of a run (DESIGN.md, "Shared file formats"; schema_version 2).
 
-Written by ``estimate --save``, ``plan --save`` and ``launch``; read by ``launch`` and the runtime. The
-``parallel`` block carries the derived ``edp`` and the resolved ``layers_per_stage`` so that a reader never
-re-derives them; on reading, ``edp`` is checked against ``dp x tp / (ep x etp)``.
+Written by ``estimate --save``, ``plan --save`` and ``launch``; read by ``launch``, ``compare``, ``calibrate fit``
+and the runtime. The ``parallel`` block carries the derived ``edp`` and the resolved ``layers_per_stage`` so that
+a reader never re-derives them; on reading, ``edp`` is checked against ``dp x tp / (ep x etp)``, the plan against
+the one validity check (``plans.check_plan``), and ``prediction`` against the ``Estimate`` schema: a file that
+reads is a valid plan with a well-formed prediction.
+
+Version 2 (2026-12) adds ``parallel.layers_split`` and a typed ``prediction`` (``specs.estimate.Estimate``).
+Version-1 files are still read: their fields mean what they wrote (a v1 ``parallel`` block holds every field,
+``sequence_parallel`` included), and their prediction must pass the same schema.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, PositiveInt
 
@@ -16,10 +22,13 @@ from piper_plan import __version__
 from piper_plan.catalog import parse_spec, read_structured
 from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json
+from piper_plan.plans import check_plan
 from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
 from piper_plan.specs.base import Spec
+from piper_plan.specs.estimate import Estimate
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class MoEBlock(Spec):
@@ -60,7 +69,7 @@ class RuntimeBlock(Spec):
 class PlanFile(Spec):
     """The parsed plan.json."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     """Format version."""
     piper_version: str = __version__
     """piper version that wrote the file."""
@@ -75,8 +84,8 @@ class PlanFile(Spec):
     moe: MoEBlock = MoEBlock()
     migration: MigrationBlock = MigrationBlock()
     runtime: RuntimeBlock = RuntimeBlock()
-    prediction: dict[str, Any] = {}
-    """The cost model's estimate (estimate()'s object)."""
+    prediction: Estimate | None = None
+    """The cost model's estimate of this plan (None: not priced)."""
 
 
 def _block(cls, value):
@@ -85,11 +94,14 @@ def _block(cls, value):
     return value if isinstance(value, cls) else cls.model_validate(value)
 
 
-def plan_file_dict(model, platform, training, nodes, plan: ParallelPlan, placement, prediction, moe=None,
-                   migration=None, runtime=None) -> dict:
+def plan_file_dict(model, platform, training, nodes, plan: ParallelPlan, placement, prediction: Estimate | None,
+                   moe=None, migration=None, runtime=None) -> dict:
     """The JSON object of a plan.json (no I/O)."""
     parallel = plan.model_dump(mode="json")
-    parallel["layers_per_stage"] = plan.stage_layers(model.num_layers)
+    if prediction is not None and prediction.layers_per_stage:     # the split the prediction priced
+        parallel.update(layers_per_stage=prediction.layers_per_stage, layers_split="explicit")
+    elif plan.layers_per_stage is None and plan.layers_split in ("even", "auto") and plan.pp <= model.num_layers:
+        parallel.update(layers_per_stage=plan.stage_layers(model.num_layers), layers_split="explicit")
     parallel["edp"] = plan.edp
     moe_block = _block(MoEBlock, moe if moe is not None else {
         "capacity_factor": model.moe.capacity_factor if model.moe else None,
@@ -101,12 +113,12 @@ def plan_file_dict(model, platform, training, nodes, plan: ParallelPlan, placeme
         "parallel": parallel, "moe": moe_block.model_dump(mode="json"),
         "migration": _block(MigrationBlock, migration).model_dump(mode="json"),
         "runtime": _block(RuntimeBlock, runtime).model_dump(mode="json"),
-        "prediction": prediction,
+        "prediction": None if prediction is None else prediction.to_json(),
     }
 
 
-def write_plan_file(path, model, platform, training, nodes, plan, placement, prediction: dict, moe=None,
-                    migration=None, runtime=None) -> Path:
+def write_plan_file(path, model, platform, training, nodes, plan, placement, prediction: Estimate | None,
+                    moe=None, migration=None, runtime=None) -> Path:
     """Write plan.json atomically (after everything it holds has been computed)."""
     data = plan_file_dict(model, platform, training, nodes, plan, placement, prediction, moe, migration, runtime)
     parse_plan_dict(data, str(path))                     # never write a file the reader would reject
@@ -116,10 +128,12 @@ def write_plan_file(path, model, platform, training, nodes, plan, placement, pre
 def parse_plan_dict(data: dict, path: str) -> PlanFile:
     """Validate a plan.json object; errors name the file and the field."""
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise PiperError(f"{version!r}; this piper reads {SCHEMA_VERSION} (save the plan again with this piper)", path=path,
-                         field="schema_version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise PiperError(f"{version!r}; this piper reads {', '.join(map(str, READABLE_VERSIONS))} (save the plan "
+                         "again with this piper)", path=path, field="schema_version")
     data = dict(data)
+    if data.get("prediction") == {}:                    # written before the plan was priced: no prediction
+        data["prediction"] = None
     edp = None
     if isinstance(data.get("parallel"), dict):          # anything else: parse_spec names the field and type
         parallel = dict(data["parallel"])
@@ -129,6 +143,7 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
     if edp is not None and edp != plan_file.parallel.edp:
         raise PiperError(f"edp={edp} but dp x tp / (ep x etp) = {plan_file.parallel.edp}", path=path,
                          field="parallel.edp")
+    check_plan(plan_file.model, plan_file.platform, plan_file.training, plan_file.nodes, plan_file.parallel, path)
     return plan_file
 
 

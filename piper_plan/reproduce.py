@@ -114,9 +114,9 @@ def feasibility_rows(model, platform, nodes: int, seq_len: int = 4096, mbs: int 
         if model.moe.num_experts % ep:
             continue
         plan = ParallelPlan(dp=ep, ep=ep, pp=pp, mbs=mbs, num_microbatches=training.global_batch // (ep * mbs))
-        ours = estimate(model, platform, training, nodes, plan)["memory"]["per_stage"][0]["total_bytes"]
+        ours = estimate(model, platform, training, nodes, plan).memory.per_stage[0].total_bytes
         full = estimate(model, platform, training, nodes, plan.model_copy(update={"recompute": "full"}))
-        full = full["memory"]["per_stage"][0]["total_bytes"]
+        full = full.memory.per_stage[0].total_bytes
         paper = paper_stage0_bytes(model, seq_len, mbs, pp, ep)
         rows.append({"PP": pp, "EP": ep, "paper_eq_GiB": paper / GiB, "piper_GiB": ours / GiB,
                      "paper_fits": paper <= limit, "piper_fits": ours <= limit,

@@ -71,7 +71,7 @@ class RowSpec(Spec):
     migration: dict | None = None
     """expert_migration arguments for this row, over the dataset's."""
     options: dict | None = None
-    """CostOptions fields for this row (e.g. sequence_parallel), over the dataset's."""
+    """CostOptions fields for this row (e.g. dropout), over the dataset's."""
     tolerance_pct: float | None = None
     """Overrides the dataset's row tolerance."""
     gated: bool = True
@@ -260,12 +260,10 @@ class _Inputs:
         values.update({k: v for k, v in (("seq_len", row.seq_len), ("global_batch", row.global_batch)) if v})
         return TrainingSpec(**values)
 
-    def options(self, row: RowSpec, plan=None):
+    def options(self, row: RowSpec):
         from piper_plan.cost.options import CostOptions
 
         values = dict(self.spec.options)
-        if plan is not None:
-            values["sequence_parallel"] = plan.sequence_parallel
         values.update(row.options or {})
         return CostOptions(**values)
 
@@ -302,13 +300,13 @@ def best_plan(inputs: _Inputs, row: RowSpec, model, training):
                   "search_tflops_per_device": best["tflops_per_device"]}
 
 
-def plan_quantity(quantity: str, est: dict, stage: int | None = None) -> float:
-    """A plan quantity from ``estimate``'s dict; memory of ``stage`` (default: the peak-memory stage)."""
+def plan_quantity(quantity: str, est, stage: int | None = None) -> float:
+    """A plan quantity from an ``Estimate``; memory of ``stage`` (default: the peak-memory stage)."""
     if quantity in ("step_time_s", "tflops_per_device", "mfu"):
-        return float(est[quantity])
-    stages = est["memory"]["per_stage"]
-    chosen = max(stages, key=lambda s: s["total_bytes"]) if stage is None else stages[stage]
-    comp = chosen["components"]
+        return float(getattr(est, quantity))
+    stages = est.memory.per_stage
+    chosen = max(stages, key=lambda s: s.total_bytes) if stage is None else stages[stage]
+    comp = chosen.components
     if quantity == "memory.state_GiB":
         return sum(comp.get(k, 0.0) for k in ("weights", "gradients", "optimizer")) / GiB
     return sum(v for k, v in comp.items() if k.startswith("activations/")) / GiB
@@ -317,7 +315,7 @@ def plan_quantity(quantity: str, est: dict, stage: int | None = None) -> float:
 def plan_summary(plan) -> dict:
     keys = ("dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "virtual_stages", "recompute",
             "zero", "a2a", "sequence_parallel")
-    return {k: getattr(plan, k) for k in keys}
+    return plan.model_dump(mode="json", include=set(keys))
 
 
 def predict_plan_row(inputs: _Inputs, row: RowSpec) -> tuple[float | None, dict]:
@@ -334,10 +332,9 @@ def predict_plan_row(inputs: _Inputs, row: RowSpec) -> tuple[float | None, dict]
     else:
         plan = row_plan(row, training)
     est = estimate(model, inputs.platform, training, row.nodes, plan, calibration=inputs.calibration,
-                   options=inputs.options(row, plan))
-    detail.update(plan=plan_summary(plan), step_time_s=est["step_time_s"],
-                  tflops_per_device=est["tflops_per_device"], mfu=est["mfu"], fits=est["fits"],
-                  peak_memory_GiB=est["memory"]["peak_bytes"] / GiB)
+                   options=inputs.options(row))
+    detail.update(plan=plan_summary(plan), step_time_s=est.step_time_s, tflops_per_device=est.tflops_per_device,
+                  mfu=est.mfu, fits=est.fits, peak_memory_GiB=est.memory.peak_bytes / GiB)
     return plan_quantity(row.quantity, est, row.stage), detail
 
 

@@ -3,14 +3,26 @@
 import pytest
 from pydantic import ValidationError
 
-from piper_plan.catalog import load_model
+from piper_plan.catalog import load_model, load_platform
 from piper_plan.errors import PiperError
-from piper_plan.specs import ParallelPlan, TrainingSpec, check_plan, even_split
+from piper_plan.plans import check_plan
+from piper_plan.specs import ParallelPlan, TrainingSpec, even_split
+
+LOCAL = load_platform("local-cpu")
 
 
 def test_plan_ep_must_divide_dp_tp():
-    with pytest.raises(ValidationError, match=r"ep x etp = 3 x 1 must divide dp x tp = 4 x 1"):
-        ParallelPlan(dp=4, ep=3)
+    with pytest.raises(PiperError, match=r"ep x etp = 3 x 1 must divide a stage's dp x tp = 4 x 1"):
+        check_plan(load_model("mixtral-8x7b"), LOCAL, TrainingSpec(global_batch=4), 1, ParallelPlan(dp=4, ep=3,
+                                                                                                    num_microbatches=1))
+
+
+def test_explicit_split_is_a_list_and_only_then():
+    assert ParallelPlan(pp=2, layers_per_stage=[1, 3]).layers_split == "explicit"
+    with pytest.raises(ValidationError, match="explicit split"):
+        ParallelPlan(pp=2, layers_split="explicit")
+    with pytest.raises(ValidationError, match="explicit split"):
+        ParallelPlan(pp=2, layers_split="even", layers_per_stage=[1, 3])
 
 
 def test_edp_is_derived():
@@ -22,10 +34,10 @@ def test_check_plan_names_every_value():
     model = load_model("mixtral-8x7b")
     plan = ParallelPlan(dp=6, ep=3, num_microbatches=1)
     with pytest.raises(PiperError) as err:
-        check_plan(plan, model, TrainingSpec(global_batch=12), world=8)
+        check_plan(model, load_platform("frontier"), TrainingSpec(global_batch=12), 1, plan)
     text = str(err.value)
     assert "ep=3 must divide num_experts=8" in text
-    assert "= 6 must equal the world size 8" in text
+    assert "= 6 must equal the world size 1 nodes x 8 = 8" in text
     assert "num_microbatches=1 must equal global_batch / (dp x mbs) = 12 / (6 x 1)" in text
 
 
@@ -41,4 +53,5 @@ def test_state_bytes_default_is_papers_16():
 
 def test_expert_parallelism_on_a_dense_model_is_an_error():
     with pytest.raises(PiperError, match=r"ep=2, etp=1: tiny-dense is dense"):
-        check_plan(ParallelPlan(dp=2, ep=2, num_microbatches=4), load_model("tiny-dense"), TrainingSpec(global_batch=8), 2)
+        check_plan(load_model("tiny-dense"), LOCAL, TrainingSpec(global_batch=8), 1,
+                   ParallelPlan(dp=2, ep=2, num_microbatches=4))

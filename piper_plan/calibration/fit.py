@@ -185,7 +185,7 @@ def predict_seconds(runs: list[Run], values: dict[str, float], calibration=None,
         opts, platform = apply(pf.platform, options or CostOptions(), values)
         est = estimate(pf.model, platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
                        placement=pf.placement, options=opts)
-        out.append(est["step_time_s"])
+        out.append(est.step_time_s)
     return np.asarray(out)
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+from piper_plan.specs.vocab import CollectiveOp, Precision, Scope
+
+DTYPES = Precision.values()
 PASSES = ("fwd", "bwd")
-OPS = ("all_to_all", "halo_all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
-SCOPES = ("node", "switch", "group", "system")
+OPS = CollectiveOp.values()
+SCOPES = Scope.values()
 SOURCE_KINDS = ("measured", "seed", "imported")
 
 

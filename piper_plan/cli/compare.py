@@ -27,19 +27,14 @@ def find_metrics(run_dir: Path) -> Path:
 
 
 def read_prediction(path: Path) -> dict:
-    """plan.json's prediction block (the rest of the plan is not needed to compare)."""
-    from piper_plan.catalog import read_structured
-    from piper_plan.planfile import SCHEMA_VERSION
+    """plan.json's prediction block, validated with the whole plan (planfile.read_plan_file)."""
+    from piper_plan.planfile import read_plan_file
 
-    data = read_structured(path)
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise PiperError(f"{data.get('schema_version')!r}; this piper reads {SCHEMA_VERSION}",
-                         path=str(path), field="schema_version")
-    prediction = data.get("prediction")
-    if not isinstance(prediction, dict) or not prediction:
+    prediction = read_plan_file(path).prediction
+    if prediction is None:
         raise PiperError("field prediction: missing (save the plan with `piper plan --save` / `estimate --save`)",
                          path=str(path))
-    return prediction
+    return prediction.to_json()
 
 
 @click.command("compare")

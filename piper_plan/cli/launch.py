@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option, load_setting, training_options
 from piper_plan.errors import PiperError
 
 
@@ -16,8 +17,7 @@ from piper_plan.errors import PiperError
 @click.option("--model", help="Model name or path (plan from options: runs the search).")
 @click.option("--platform", help="Platform name or path (plan from options).")
 @click.option("--nodes", type=int, help="Nodes (plan from options).")
-@click.option("--seq", "seq_len", type=int, default=4096, show_default=True, help="Plan from options: sequence length.")
-@click.option("--global-batch", type=int, default=1024, show_default=True, help="Plan from options: sequences per step.")
+@training_options
 @click.option("--strategy", type=click.Choice(["general", "piper"]), default="general", show_default=True,
               help="Plan from options: search strategy (see piper plan).")
 @click.option("--a2a", type=click.Choice(["flat", "halo", "any"]), default="any", show_default=True,
@@ -25,6 +25,7 @@ from piper_plan.errors import PiperError
 @click.option("--migration", is_flag=True, help="Plan from options: enable expert migration.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Job directory to write.")
 @click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
+@click.option("--check", is_flag=True, help="Ask Slurm whether it would accept the job (sbatch --test-only).")
 @click.option("--dry-run", is_flag=True, help="Print the script on stdout; write nothing.")
 @click.option("--steps", type=int, help="Training steps (default: the plan's runtime.steps).")
 @click.option("--account", help="Slurm account (#SBATCH --account).")
@@ -32,34 +33,42 @@ from piper_plan.errors import PiperError
 @click.option("--time", "time_", help="Wall time [D-]HH:MM:SS (default: from the predicted step time).")
 @click.option("--job-name", help="Slurm job name.")
 @click.option("--force", is_flag=True, help="Write into a non-empty --out directory.")
-@click.option("--json", "as_json", is_flag=True, help="Machine output on stdout.")
-@click.pass_context
-def launch_cmd(ctx, plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration, out_dir, submit,
-               dry_run, steps, account, partition, time_, job_name, force, as_json):
+@json_option
+def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration, out_dir, submit,
+               check, dry_run, steps, account, partition, time_, job_name, force, as_json):
     """Write DIR/job.sbatch, DIR/plan.json and DIR/README.md for a plan; --submit sends it to Slurm.
 
     The plan is --plan plan.json, or the best runnable plan `piper plan` finds for --model/--platform/--nodes."""
     import tempfile
 
-    if dry_run and (submit or as_json):
-        raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --json", field="--dry-run")
+    if dry_run and (submit or as_json or check):
+        raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --check / --json",
+                         field="--dry-run")
     with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")
-            _search_plan(ctx, plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration)
-        _launch(plan_path, out_dir, submit, dry_run, steps, account, partition, time_, job_name, force, as_json)
+            _search_plan(plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration)
+        _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force,
+                as_json)
 
 
-def _search_plan(ctx, save_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration) -> None:
-    """The best plan the runtime can run, from `piper plan`'s search (its tables go to stderr)."""
-    from piper_plan.cli.plan import plan_cmd
+def _search_plan(save_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration) -> None:
+    """The best plan the runtime can run (piper plan's search with runnable=True), saved to ``save_path``."""
+    from piper_plan.cli.plan import save_best, search_kwargs, search_options
+    from piper_plan.search import engine
 
-    ctx.invoke(plan_cmd, model_name=model, platform_name=platform, nodes_text=str(nodes), seq_len=seq_len,
-               global_batch=global_batch, strategy=strategy, a2a=a2a, migration=migration, runnable=True,
-               top=3, save_path=save_path)
+    model_spec, platform_spec, training = load_setting(model, platform, seq_len, global_batch)
+    kwargs = search_kwargs(platform_spec, "compact", runnable=True)
+    result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0), **kwargs)
+    if not result.feasible:
+        raise PiperError(f"no plan piper's runtime can run fits {model_spec.name} on {nodes} {platform_spec.name} "
+                         "nodes (see `piper plan --runnable`)", field="--nodes")
+    _, plan = save_best(save_path, model_spec, platform_spec, training, result, kwargs, migration)
+    console().print(f"plan: the best runnable of {result.feasible:,} that fit: dp={plan.dp} tp={plan.tp} "
+                    f"pp={plan.pp} ep={plan.ep}", markup=False)
 
 
-def _launch(plan_path, out_dir, submit, dry_run, steps, account, partition, time_, job_name, force, as_json):
+def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json):
     from piper_plan.launch import job as joblib
     from piper_plan.launch.render import LaunchOptions
 
@@ -70,6 +79,8 @@ def _launch(plan_path, out_dir, submit, dry_run, steps, account, partition, time
         return
     joblib.check_out_dir(prepared.out_dir, force)
     joblib.write_job(prepared)
+    if check:
+        joblib.check_with_slurm(prepared)
     job_id = joblib.submit_job(prepared) if submit else None
     _report(prepared, job_id, joblib.pending_reason(job_id) if job_id else None, as_json)
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 from piper_plan.specs.platform import SCOPES, PlatformSpec
+from piper_plan.specs.vocab import A2A, CollectiveOp
 
-OPS = ("all_to_all", "halo_all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
 def scope_tables(platform: PlatformSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +124,7 @@ class Network:
         name = SCOPES[scope]
         if ep <= 1:
             return "none (ep = 1)"
-        if algo == "halo" and nodes > 1:
+        if algo == A2A.HALO and nodes > 1:
             if self._calibrated("halo_all_to_all", name):
                 return f"calibration: halo_all_to_all@{name} (whole operation)"
             node = "calibration all_to_all@node" if self._calibrated("all_to_all", "node") else platform
@@ -139,7 +139,7 @@ class Network:
         return self._overwrite(out, op, scope_name, mask, n, nbytes, f"{op}@{scope_name} ({phase})")
 
     def a2a_seconds(self, algo, n, nodes, nbytes, scope) -> tuple[np.ndarray, np.ndarray]:
-        """(intra-node seconds, inter-node seconds) of one expert all-to-all; algo 0 flat, 1 HALO.
+        """(intra-node seconds, inter-node seconds) of one expert all-to-all; ``algo``: A2A codes.
 
         The split names where the time goes (``moe/dispatch/intra_node`` / ``inter_node``); their sum is the
         time of the collective."""
@@ -151,16 +151,18 @@ class Network:
         flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local)
         g = n / np.maximum(nodes, 1)
         halo_total = np.maximum(np.maximum(t_local, t_halo_r), t_redis) + np.where(g > 1, self.lat[0], 0.0)
-        total = np.where(multi & (algo == 1), halo_total, flat_total)
+        halo = algo == A2A.HALO.code
+        total = np.where(multi & halo, halo_total, flat_total)
         total = self._calibrated_a2a(total, algo, n, nbytes, scope, multi)
-        inter = np.where(multi, np.minimum(total, np.where(algo == 1, t_halo_r, t_flat_r)), 0.0)
+        inter = np.where(multi, np.minimum(total, np.where(halo, t_halo_r, t_flat_r)), 0.0)
         return total - inter, inter
 
     def _calibrated_a2a(self, total, algo, n, nbytes, scope, multi):
-        for op, code in (("all_to_all", 0), ("halo_all_to_all", 1)):
+        halo = algo == A2A.HALO.code
+        for op in (CollectiveOp.ALL_TO_ALL, CollectiveOp.HALO_ALL_TO_ALL):
             for i, name in enumerate(SCOPES):
                 if not self._calibrated(op, name):
                     continue
-                which = (algo == 0) | ~multi if code == 0 else (algo == 1) & multi   # HALO on one node is flat
+                which = halo & multi if op == CollectiveOp.HALO_ALL_TO_ALL else ~halo | ~multi   # HALO on one node is flat
                 total = self._overwrite(total, op, name, (scope == i) & (n > 1) & which, n, nbytes)
         return total

@@ -18,6 +18,7 @@ import numpy as np
 
 from piper_plan.cost.options import CostOptions
 from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, layer_params, moe_prefix, rank_stage_params
+from piper_plan.specs.vocab import Schedule
 from piper_plan.specs.model import ModelSpec
 from piper_plan.specs.parallel import ParallelPlan
 from piper_plan.specs.training import TrainingSpec
@@ -47,12 +48,11 @@ def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero) -> dict[st
 
 
 # ---- activations of one layer for one micro-batch ------------------------------------------------
-def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs):
+def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, sp):
     """(kept, core): bytes of one attention block that stay through any recompute but full, and the
     attention-core part that selective recompute drops (the s^2 score matrices without flash)."""
     a, s, d, ab = model.attention, training.seq_len, model.hidden_size, training.activation_bytes
     tokens = mbs * s
-    sp = tp if opts.sequence_parallel else 1
     heads_local = a.num_heads / tp
     kept = 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts)   # norm input + QKV input
     if a.kind == "mla":
@@ -84,10 +84,9 @@ def ffn_activation_bytes(ffn, rows, ab, tp, unfused: bool = False):
     return rows * per_row * ab / tp
 
 
-def dense_mlp_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs):
+def dense_mlp_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, sp):
     """One dense MLP block: norm input, MLP input, intermediates, dropout mask."""
     tokens, d, ab = mbs * training.seq_len, model.hidden_size, training.activation_bytes
-    sp = tp if opts.sequence_parallel else 1
     out = 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts) \
         + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp, opts.unfused_kernels)
     return out + (tokens * d / sp if opts.dropout else 0)
@@ -120,11 +119,10 @@ def routing_skew_from_histogram(tokens_per_expert, ep: int) -> float:
     return float(per_rank.max() / mean) if mean > 0 else 1.0
 
 
-def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, ep, etp):
+def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, ep, etp, sp):
     """One MoE block, by component: norm/input, router, dispatch+combine buffers, routed experts, shared."""
     moe, d, ab = model.moe, model.hidden_size, training.activation_bytes
     tokens = mbs * training.seq_len
-    sp = tp if opts.sequence_parallel else 1
     sent, received = routed_rows(model, training, tp, mbs, ep)
     unfused = opts.unfused_kernels
     out = {
@@ -147,9 +145,8 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOpt
     return out
 
 
-def layer_input_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs):
+def layer_input_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, sp):
     """What full recompute keeps per layer: its input (Korthikanti: 2 s b h, / t with sequence parallelism)."""
-    sp = tp if opts.sequence_parallel else 1
     return mbs * training.seq_len * model.hidden_size * training.activation_bytes / sp
 
 
@@ -162,11 +159,12 @@ def in_flight(schedule, stage, pp, num_microbatches, virtual_stages):
     on stage 0 that is Korthikanti's L (1 + (p - 1)/(p v)) layers' worth."""
     m = num_microbatches
     out = np.minimum(pp - stage, m).astype(float)
-    if np.any(schedule == 0):
-        out = np.where(schedule == 0, m, out)
-    if np.any(schedule == 2):
+    gpipe, interleaved = schedule == Schedule.GPIPE.code, schedule == Schedule.INTERLEAVED.code
+    if np.any(gpipe):
+        out = np.where(gpipe, m, out)
+    if np.any(interleaved):
         chunks = np.minimum((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, m * virtual_stages)
-        out = np.where(schedule == 2, chunks / virtual_stages, out)
+        out = np.where(interleaved, chunks / virtual_stages, out)
     return out
 
 

@@ -9,9 +9,6 @@ from dataclasses import dataclass
 class CostOptions:
     """Explicit assumptions of the resource model (defaults = the pessimistic, nothing-overlapped case)."""
 
-    sequence_parallel: bool = True
-    """With tp > 1, norms / dropout activations are split over tp too (Megatron's sequence parallelism,
-    Korthikanti et al. 2022); False = tensor parallelism only (activations outside the tp region replicated)."""
     dropout: bool = False
     """Dropout layers (and their 1-byte masks) are present (Megatron GPT in Korthikanti's Table 2); modern
     MoE pre-training runs without dropout."""

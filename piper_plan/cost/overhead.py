@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from piper_plan.specs.vocab import A2A
+
 
 @dataclass(frozen=True)
 class FrameworkOverhead:
@@ -124,7 +126,7 @@ def layout_exchanges(a2a, ep, nodes):
     """Small count exchanges per MoE layer and micro-batch before the dispatch (runtime/moe.py ``_layout``):
     flat, one all_to_all of the per-(rank, local expert) counts; HALO (runtime/halo.py), its own layout exchange
     plus that one (2) once the group spans nodes (on one node HALO is flat)."""
-    return np.where(ep > 1, np.where((a2a == 1) & (np.asarray(nodes) > 1), 2.0, 1.0), 0.0)
+    return np.where(ep > 1, np.where((a2a == A2A.HALO.code) & (np.asarray(nodes) > 1), 2.0, 1.0), 0.0)
 
 
 def overhead_terms(ctx, c, spans, ov: FrameworkOverhead):

@@ -18,9 +18,7 @@ import numpy as np
 from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, moe_prefix
 from piper_plan.specs import even_split
 from piper_plan.specs.params import attention_params, ffn_params, router_params, shared_expert_params
-
-GPIPE, ONE_F_ONE_B, INTERLEAVED = 0, 1, 2
-
+from piper_plan.specs.vocab import Schedule
 
 def stage_layers(prefix: np.ndarray, num_layers: int, pp, stage, layers_per_stage=None):
     """(layers, MoE layers) of each stage, from the MoE prefix count (arrays broadcast)."""
@@ -33,14 +31,10 @@ def stage_layers(prefix: np.ndarray, num_layers: int, pp, stage, layers_per_stag
 
 def bubble_microbatches(schedule, pp, virtual_stages):
     """Idle micro-batch slots of the schedule: pp - 1, or (pp - 1) / v interleaved."""
-    return np.where(schedule == INTERLEAVED, (pp - 1) / virtual_stages, pp - 1.0)
+    return np.where(schedule == Schedule.INTERLEAVED.code, (pp - 1) / virtual_stages, pp - 1.0)
 
 
 # ---- layer split rule ----------------------------------------------------------------------------------
-EVEN, BALANCED = 0, 1
-"""Split codes (Evaluation.layers_split)."""
-
-
 def layer_flops_per_token(model, seq_len: int) -> np.ndarray:
     """Forward FLOPs per token of each layer: 2 x its active weights + attention scores (4 s H head_dim, non-causal)."""
     d = model.hidden_size
@@ -119,25 +113,36 @@ def split_variants(model, seq_len: int, pp: int, virtual_stages: int = 1) -> lis
     return [even] if balanced == even else [even, balanced]
 
 
-def layers_per_stage_of(model, seq_len: int, pp: int, split_code: int) -> list[int] | None:
-    """ParallelPlan.layers_per_stage for a split code: None for the even split, else the explicit list."""
-    return None if split_code == EVEN else split_variants(model, seq_len, pp)[split_code]
+def layers_per_stage_of(model, seq_len: int, pp: int, split_slot: int, virtual_stages: int = 1) -> list[int]:
+    """The layers per stage of split slot 0 (even) or 1 (FLOP-balanced) of ``split_variants``."""
+    variants = split_variants(model, seq_len, pp, virtual_stages)
+    return variants[min(split_slot, len(variants) - 1)]
 
 
 def stage_rows(model, seq_len: int, pp: int, virtual_stages: int = 1) -> np.ndarray:
-    """Distinct stages of every split variant: int64 [R, 6] rows (split code, stage index, layers, MoE layers,
-    first, last), each (code, shape) once at its lowest stage index.
+    """Distinct stages of every split variant: int64 [R, 6] rows (split slot, stage index, layers, MoE layers,
+    first, last), each (slot, shape) once at its lowest stage index.
 
     Memory and time of a stage depend only on its shape, except the micro-batches in flight, which never
     grow with the stage index (memory.in_flight); so the lowest index of each shape holds its maximum."""
+    return _rows(model, split_variants(model, seq_len, pp, virtual_stages))
+
+
+def explicit_stage_rows(model, layers_per_stage: list[int]) -> np.ndarray:
+    """``stage_rows`` of one explicit split, in slot 0."""
+    return _rows(model, [layers_per_stage])
+
+
+def _rows(model, splits: list[list[int]]) -> np.ndarray:
     prefix = moe_prefix(model)
     rows = []
-    for code, split in enumerate(split_variants(model, seq_len, pp, virtual_stages)):
+    for slot, split in enumerate(splits):
+        pp = len(split)
         edges = np.concatenate([[0], np.cumsum(split)])
         seen = set()
         for i in range(pp):
             shape = (int(split[i]), int(prefix[edges[i + 1]] - prefix[edges[i]]), int(i == 0), int(i == pp - 1))
             if shape not in seen:
                 seen.add(shape)
-                rows.append((code, i, *shape))
+                rows.append((slot, i, *shape))
     return np.array(rows, np.int64)

@@ -19,8 +19,9 @@ from piper_plan.cost.params import LayerParams, layer_params, rank_stage_params
 from piper_plan.specs.model import ModelSpec
 from piper_plan.specs.platform import PlatformSpec
 from piper_plan.specs.training import TrainingSpec
+from piper_plan.specs.vocab import Recompute
 
-FULL, SELECTIVE = 2, 1          # RECOMPUTE codes
+FULL, NO_RECOMPUTE = Recompute.FULL.code, Recompute.NONE.code
 
 
 @dataclass
@@ -59,15 +60,21 @@ class StageShape:
 
 
 # ---- memory ----------------------------------------------------------------------------------------
+def sequence_split(c):
+    """How many ways activations outside the tp region are split: tp with sequence parallelism, else 1."""
+    return np.where(c.sequence_parallel == 1, c.tp, 1)
+
+
 def layer_activations(ctx: Context, c) -> dict:
     """Per-layer, per-micro-batch activation bytes by component (arrays [N])."""
     m, t, o = ctx.model, ctx.training, ctx.opts
-    kept, core = mem.attention_activation_bytes(m, t, o, c.tp, c.mbs)
+    sp = sequence_split(c)
+    kept, core = mem.attention_activation_bytes(m, t, o, c.tp, c.mbs, sp)
     out = {"attention": kept, "attention_core": core + 0.0 * kept,
-           "mlp": mem.dense_mlp_activation_bytes(m, t, o, c.tp, c.mbs) if m.dense_ffn is not None else 0.0 * kept,
-           "input": mem.layer_input_bytes(m, t, o, c.tp, c.mbs)}
+           "mlp": mem.dense_mlp_activation_bytes(m, t, o, c.tp, c.mbs, sp) if m.dense_ffn is not None else 0.0 * kept,
+           "input": mem.layer_input_bytes(m, t, o, c.tp, c.mbs, sp)}
     if m.moe is not None:
-        for name, value in mem.moe_activation_bytes(m, t, o, c.tp, c.mbs, c.ep, c.etp).items():
+        for name, value in mem.moe_activation_bytes(m, t, o, c.tp, c.mbs, c.ep, c.etp, sp).items():
             out[f"moe/{name}"] = value + 0.0 * kept
     return out
 
@@ -77,7 +84,7 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.
     ``flight``: micro-batches in flight (memory.in_flight); ``acts``: layer_activations(ctx, c)."""
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
     out = mem.state_bytes(ctx.training, dense, expert, c.dp, c.edp, c.zero)
-    core = np.where(c.recompute == 0, acts["attention_core"], 0.0)
+    core = np.where(c.recompute == NO_RECOMPUTE, acts["attention_core"], 0.0)
     keep_all = c.recompute != FULL
     layer_sum = lambda value, count: np.where(keep_all, value * count * flight, 0.0)  # noqa: E731
     out["activations/attention"] = layer_sum(acts["attention"] + core, st.layers)
@@ -111,42 +118,6 @@ def _working(st: StageShape, acts):
     return np.maximum(np.where(st.dense_layers > 0, per_dense, 0), np.where(st.moe_layers > 0, per_moe, 0))
 
 
-def stage_memory_total(ctx: Context, c, st: StageShape, flight, acts, params):
-    """``stage_memory(...)["total"]`` with few array operations (the search's hot path); equal to it.
-    ``params``: rank_stage_params(...) of these stages."""
-    per_flight, fixed = activation_parts(ctx, c, st, acts)
-    return memory_total(ctx, c, params, flight * per_flight + fixed)
-
-
-def activation_parts(ctx: Context, c, st: StageShape, acts):
-    """(bytes per micro-batch in flight, bytes independent of it) of a stage's activations: the layers kept
-    for backward (or their inputs with full recompute) and the embedding output scale with the micro-batches
-    in flight, and so do the last stage's loss tensors (each micro-batch's loss graph lives until its backward:
-    all M under GPipe, one under 1F1B); full recompute's working layer does not (as in stage_memory)."""
-    kept_all = c.recompute != FULL
-    core = np.where(c.recompute == 0, acts["attention_core"], 0.0)
-    moe_sum = acts["moe_total"] if "moe_total" in acts else sum((acts[k] for k in _moe_names(acts)), 0.0)
-    dense_act = np.where(kept_all, acts["attention"] + core + acts["mlp"], acts["input"])
-    moe_act = np.where(kept_all, acts["attention"] + core + moe_sum, acts["input"])
-    emb, logits = end_bytes(ctx, c)
-    per_flight = st.dense_layers * dense_act + st.moe_layers * moe_act + np.where(st.first, emb, 0.0) \
-        + np.where(st.last, logits, 0.0)
-    fixed = np.where(kept_all, 0.0, _working(st, acts))
-    return per_flight, fixed
-
-
-def memory_total(ctx: Context, c, params, activations):
-    """Total bytes of a rank: training state of (dense, expert) params (ZeRO-1 over dp / edp) + activations,
-    plus fragmentation and the framework's fixed overhead (as stage_memory)."""
-    t = ctx.training
-    keep = t.master_bytes + t.optimizer_bytes
-    per_dense_param = t.weight_bytes + t.grad_bytes + keep / np.where(c.zero >= 1, c.dp, 1)
-    per_expert_param = t.weight_bytes + t.grad_bytes + keep / np.where(c.zero >= 1, c.edp, 1)
-    dense, expert = params
-    tensors = dense * per_dense_param + expert * per_expert_param + activations
-    return tensors * (1 + ctx.platform.memory.fragmentation) + ctx.platform.memory.framework_bytes
-
-
 def end_bytes(ctx: Context, c):
     """(first stage, last stage) activation bytes per micro-batch in flight outside the layers: the embedding
     output; the logits in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy).
@@ -155,7 +126,7 @@ def end_bytes(ctx: Context, c):
     input, normalised input and fp32 rstd."""
     m, t = ctx.model, ctx.training
     tokens = c.mbs * t.seq_len
-    sp = np.where(ctx.opts.sequence_parallel, c.tp, 1)
+    sp = sequence_split(c)
     d_bytes = tokens * m.hidden_size * t.activation_bytes / sp
     if ctx.opts.unfused_kernels:
         logits = tokens * (m.vocab_size or 0) / c.tp * 4 + 3 * d_bytes + tokens * (4 + mem.INDEX_BYTES)

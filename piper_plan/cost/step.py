@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from piper_plan.cost.flops import FLASH_BACKWARD_FACTOR, LayerFlops
+from piper_plan.specs.vocab import Recompute
 
 
 def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span) -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +37,8 @@ def hardware_flops_per_token(model, lf: LayerFlops, recompute, flash: bool) -> n
     core = layers * lf.attention_core
     base = 3 * (gemm_fwd + lf.lm_head) + (1 + (FLASH_BACKWARD_FACTOR if flash else 2.0)) * core
     selective = 0.0 if flash else core               # flash attention's backward already recomputes scores
-    extra = np.where(recompute == 2, gemm_fwd + core, np.where(recompute == 1, selective, 0.0))
+    extra = np.where(recompute == Recompute.FULL.code, gemm_fwd + core,
+                     np.where(recompute == Recompute.SELECTIVE.code, selective, 0.0))
     return base + extra
 
 

@@ -28,13 +28,20 @@ class PreparedJob:
 
 
 def check_runnable(plan_file: PlanFile, path: Path) -> None:
-    """Refuse a plan outside the runtime's capability list, naming each unsupported feature."""
-    from piper_plan.capability import unsupported_features
+    """Refuse a plan the runtime cannot run (invalid, or outside its capability list: each problem named) and a
+    plan whose own prediction says it does not fit."""
+    from piper_plan.capability import runnable_problems
 
-    problems = unsupported_features(plan_file.parallel, plan_file.model)
+    pf = plan_file
+    problems = runnable_problems(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel)
     if problems:
         raise PiperError(f"the runtime cannot run this plan: {'; '.join(problems)} "
                          f"(re-plan with `piper plan --runnable`)", path=str(path))
+    if pf.prediction is not None and not pf.prediction.fits:
+        mem = pf.prediction.memory
+        raise PiperError(f"the plan's own prediction does not fit: peak {mem.peak_bytes / 2**30:.2f} GiB of "
+                         f"{mem.device_bytes / 2**30:.2f} GiB per device (re-plan with `piper plan`)",
+                         path=str(path), field="prediction.fits")
 
 
 def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
@@ -70,6 +77,13 @@ def submit_job(prepared: PreparedJob) -> str:
     return submit.submit(prepared.script_path)
 
 
+def check_with_slurm(prepared: PreparedJob) -> None:
+    """``sbatch --test-only`` of the written script; Slurm's refusal is one PiperError line."""
+    answer = submit.would_accept(prepared.script_path)
+    if not answer.ok:
+        raise PiperError(f"sbatch --test-only refused the job: {answer.message}", path=str(prepared.script_path))
+
+
 BLOCKING_REASONS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
                     "ReqNodeNotAvail", "InvalidAccount", "InvalidQOS", "AssocMaxNodesPerJobLimit")
 """squeue reasons that mean the job, as submitted, will not start without someone changing something."""
@@ -84,12 +98,10 @@ def pending_reason(job_id: str) -> str | None:
 
 def _prediction_lines(plan_file: PlanFile) -> list[str]:
     pred = plan_file.prediction
-    keys = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu")
-    lines = [f"- {k}: {pred[k]:.4g}" for k in keys if isinstance(pred.get(k), (int, float))]
-    peak = (pred.get("memory") or {}).get("peak_bytes")
-    if isinstance(peak, (int, float)):
-        lines.append(f"- peak memory per rank: {peak / 2**30:.2f} GiB")
-    return lines or ["- (the plan carries no prediction)"]
+    if pred is None:
+        return ["- (the plan carries no prediction)"]
+    lines = [f"- {k}: {getattr(pred, k):.4g}" for k in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu")]
+    return lines + [f"- peak memory per rank: {pred.memory.peak_bytes / 2**30:.2f} GiB"]
 
 
 def readme_text(job: JobSpec, plan_file: PlanFile) -> str:

@@ -136,7 +136,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
         nodes=nodes, ranks_per_node=dpn, world=plan.world,
         cpus_per_task=launch.cpus_per_task, gpus_per_task=launch.gpus_per_task, steps=steps,
         time=v.wall_time(options.time) if options.time is not None
-        else default_time(steps, plan_file.prediction.get("step_time_s")),
+        else default_time(steps, plan_file.prediction.step_time_s if plan_file.prediction else None),
         partition=_optional_name(_given(options.partition, launch.partition), "partition"),
         account=_optional_name(options.account, "account"),
         switches=switches_needed(nodes, platform.network.nodes_per_switch) if span else None,

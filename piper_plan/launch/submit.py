@@ -38,22 +38,18 @@ def submit(script: str | Path, extra_args: list[str] | None = None) -> str:
 
 
 @dataclass(frozen=True)
-class TestOnly:
+class SlurmAnswer:
     """The answer of ``sbatch --test-only``."""
 
     ok: bool
     message: str
 
 
-def test_only(script: str | Path) -> TestOnly:
-    """``sbatch --test-only script``: would Slurm accept and schedule this job? (runs nothing)"""
+def would_accept(script: str | Path) -> SlurmAnswer:
+    """``sbatch --test-only script``: would Slurm accept and schedule this job? (runs nothing; `launch --check`)"""
     script = Path(script)
     proc = _slurm("sbatch", ["--test-only", str(script)], cwd=script.parent)
-    return TestOnly(ok=proc.returncode == 0, message=_reason(proc))
-
-
-TestOnly.__test__ = False  # not a pytest class
-test_only.__test__ = False
+    return SlurmAnswer(ok=proc.returncode == 0, message=_reason(proc))
 
 
 def job_info(job_id: str) -> dict[str, str] | None:

@@ -21,8 +21,9 @@ from functools import lru_cache
 import numpy as np
 
 from piper_plan.specs.platform import SCOPES, PlatformSpec
+from piper_plan.specs.vocab import Placement
 
-PLACEMENTS = ("compact", "spread")
+PLACEMENTS = Placement.values()
 
 
 @dataclass(frozen=True)

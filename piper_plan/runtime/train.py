@@ -68,9 +68,11 @@ def read_plan(path: str | Path) -> RunConfig:
 def preflight(cfg: RunConfig, world: int, cuda_available: bool) -> None:
     """Every check that needs no communication; raises PiperError (one line)."""
     from piper_plan.capability import unsupported_features
-    from piper_plan.specs import check_plan
 
-    check_plan(cfg.parallel, cfg.model, cfg.training, world)
+    # the plan itself was checked by the one validity check when plan.json was read (planfile.read_plan_file)
+    if cfg.parallel.world != world:
+        raise PiperError(f"the plan's pp x dp x tp = {cfg.parallel.world} ranks, but the launcher started {world}",
+                         field="parallel")
     problems = unsupported_features(cfg.parallel, cfg.model)
     if problems:
         raise PiperError("the runtime cannot run: " + "; ".join(problems), field="parallel")

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from piper_plan.errors import PiperError
+from piper_plan.plans import PlanBatch
 from piper_plan.search import rank
-from piper_plan.search.space import CANDIDATE_FIELDS, SearchOptions, describe, enumerate_space, world_size
-
-EvaluateFn = Callable[..., Any]
+from piper_plan.search.space import SearchOptions, describe, enumerate_space, world_size
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,11 @@ class SearchResult:
     memory_limit_bytes: float
     search_seconds: float
     unsupported: dict[str, int] = field(default_factory=dict)
-    """--runnable: runtime feature the rejected candidates need -> count."""
+    """runnable=True: runtime feature the rejected candidates need -> count."""
+
+    @property
+    def batch(self) -> PlanBatch:
+        return PlanBatch.from_arrays(self.fields)
 
     @property
     def feasible(self) -> int:
@@ -59,49 +62,34 @@ class SearchResult:
             out[name] = float(np.asarray(getattr(ev, name))[i])
         out["peak_memory_bytes"] = int(round(out["peak_memory_bytes"]))
         out["fits"] = bool(np.asarray(ev.fits)[i]) and out["peak_memory_bytes"] <= self.memory_limit_bytes
-        split = getattr(ev, "layers_split", None)                # None: an evaluate that prices even splits only
-        out["layers_split"] = "balanced" if split is not None and int(split[i]) == 1 else "even"
+        out["layers_split"] = "balanced" if int(ev.layers_split[i]) == 1 else "even"   # the split it was priced with
         return out
 
     def plan(self, model, training, i: int):
-        """Candidate ``i`` as the ParallelPlan the cost model priced (its layer split included): ``estimate``
-        of it reproduces the candidate's row."""
+        """Candidate ``i`` as the ParallelPlan the cost model priced (its layer split resolved into an explicit
+        list): ``estimate`` of it reproduces the candidate's row."""
         from piper_plan.cost.evaluate import plan_of
 
-        return plan_of(model, training, make_candidates(self.fields), self.evaluation, i)
-
-
-def default_evaluate() -> EvaluateFn:
-    """The cost model's vectorised ``evaluate`` (imported when first needed)."""
-    from piper_plan.cost.evaluate import evaluate
-
-    return evaluate
-
-
-def make_candidates(fields: dict[str, np.ndarray]):
-    """``piper_plan.cost.evaluate.Candidates`` from the search's arrays."""
-    from piper_plan.cost.evaluate import Candidates
-
-    return Candidates(**{k: fields[k] for k in CANDIDATE_FIELDS})
+        return plan_of(model, training, self.batch, self.evaluation, i)
 
 
 def search(model, platform, training, nodes: int, options: SearchOptions = SearchOptions(), *,
-           calibration=None, placement: str = "compact", evaluate: EvaluateFn | None = None,
-           unsupported: Callable | None = None, cost_options=None) -> SearchResult:
-    """Search every candidate of ``nodes`` nodes; ``unsupported`` (capability.unsupported_features) keeps runnable ones."""
-    check_inputs(model, platform, training, nodes)
+           calibration=None, placement: str = "compact", runnable: bool = False, cost_options=None) -> SearchResult:
+    """Search every candidate of ``nodes`` nodes; ``runnable`` keeps those piper's runtime executes
+    (capability.py)."""
+    from piper_plan.cost.evaluate import evaluate
+
     start = time.perf_counter()
     space = enumerate_space(model, platform, training, nodes, options)
-    evaluate = evaluate or default_evaluate()
     extra = {} if cost_options is None else {"options": cost_options}
-    ev = evaluate(model, platform, training, nodes, make_candidates(space.fields), calibration=calibration,
-                  placement=placement, **extra)
+    ev = evaluate(model, platform, training, nodes, space.batch(), calibration=calibration, placement=placement,
+                  **extra)
     limit = rank.memory_limit_bytes(platform, options.memory_headroom)
     fits = rank.fits_mask(ev, platform, options.memory_headroom)
     reasons = [space.reasons, {rank.OUT_OF_MEMORY: int(np.count_nonzero(~fits))}]
     features: dict[str, int] = {}
-    if unsupported is not None and fits.any():
-        ok, features = rank.runnable_mask(rank_subset(space.fields, fits), model, unsupported)
+    if runnable and fits.any():
+        ok, features = rank.runnable_mask(rank_subset(space.fields, fits), model)
         reasons.append({rank.NOT_RUNNABLE: int(np.count_nonzero(~ok))})
         fits = _narrow(fits, ok)
     order = rank.rank_order(space.fields, ev, fits)
@@ -121,17 +109,6 @@ def _narrow(mask: np.ndarray, ok_of_selected: np.ndarray) -> np.ndarray:
     out = mask.copy()
     out[np.flatnonzero(mask)[~ok_of_selected]] = False
     return out
-
-
-def check_inputs(model, platform, training, nodes: int) -> None:
-    """One-line user errors for inputs no search can answer."""
-    if nodes < 1:
-        raise PiperError(f"nodes={nodes}; must be >= 1", field="--nodes")
-    if nodes > platform.node_limit:
-        raise PiperError(f"nodes={nodes} exceeds {platform.name}'s {platform.node_limit} nodes", field="--nodes")
-    if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
-        raise PiperError(f"seq_len={training.seq_len} exceeds {model.name}'s max_seq_len={model.max_seq_len}",
-                         field="--seq")
 
 
 # ---- node counts ------------------------------------------------------------------------------------

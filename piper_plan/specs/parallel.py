@@ -6,12 +6,8 @@ from typing import Literal
 
 from pydantic import PositiveInt, model_validator
 
-from piper_plan.errors import PiperError
 from piper_plan.specs.base import Spec
-
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
-Recompute = Literal["none", "selective", "full"]
-A2A = Literal["flat", "halo"]
+from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
 
 class ParallelPlan(Spec):
@@ -31,29 +27,40 @@ class ParallelPlan(Spec):
     """Micro-batch size, sequences."""
     num_microbatches: PositiveInt = 1
     """Micro-batches per step per pipeline = global_batch / (dp x mbs)."""
-    schedule: Schedule = "1f1b"
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     """Pipeline schedule."""
     virtual_stages: PositiveInt = 1
     """Model chunks per rank for the interleaved schedule (1 otherwise)."""
-    recompute: Recompute = "none"
+    recompute: Recompute = Recompute.NONE
     """Activation recomputation."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism: norms and dropout split over tp (needs tp > 1 to matter)."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism (Korthikanti et al. 2022): with tp > 1 the activations outside the tp
+    region (norms, dropout, residual stream) are split over tp too; False = tensor parallelism only. The one
+    place this setting lives: the cost model reads it from the plan."""
     zero: Literal[0, 1] = 0
     """ZeRO stage: 1 shards optimizer state over dp (dense) and edp (experts)."""
-    a2a: A2A = "flat"
+    a2a: A2A = A2A.FLAT
     """Expert all-to-all algorithm."""
+    layers_split: LayerSplit = LayerSplit.AUTO
+    """How layers are split over stages: even, FLOP-balanced, auto (what ``piper plan`` does: the one that fits,
+    then the faster) or explicit (``layers_per_stage``). Saved plans carry the resolved explicit list."""
     layers_per_stage: list[PositiveInt] | None = None
-    """Layers of each pipeline stage (None = as even as possible)."""
+    """Layers of each pipeline stage (given: the split is explicit)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _explicit_split(cls, data):
+        """A layers_per_stage list makes the split explicit; an explicit split needs the list."""
+        if isinstance(data, dict) and data.get("layers_per_stage") is not None \
+                and data.get("layers_split", LayerSplit.AUTO) == LayerSplit.AUTO:
+            data = {**data, "layers_split": LayerSplit.EXPLICIT}
+        return data
 
     @model_validator(mode="after")
-    def _check(self) -> "ParallelPlan":
-        if (self.dp * self.tp) % (self.ep * self.etp):
-            raise ValueError(f"ep x etp = {self.ep} x {self.etp} must divide dp x tp = {self.dp} x {self.tp}")
-        if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
-            raise ValueError(f"layers_per_stage has {len(self.layers_per_stage)} entries, pp={self.pp}")
-        if self.schedule != "interleaved" and self.virtual_stages != 1:
-            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved, got {self.schedule}")
+    def _split_has_list(self) -> "ParallelPlan":
+        if (self.layers_split == LayerSplit.EXPLICIT) != (self.layers_per_stage is not None):
+            raise ValueError(f"layers_split={self.layers_split.value} and layers_per_stage={self.layers_per_stage}: "
+                             "an explicit split is given by its layers_per_stage list, and only then")
         return self
 
     @property
@@ -66,7 +73,7 @@ class ParallelPlan(Spec):
         return self.pp * self.dp * self.tp
 
     def stage_layers(self, num_layers: int) -> list[int]:
-        """Layers per stage: the explicit list, else an even split with the remainder on the last stages."""
+        """Layers per stage: the explicit list, else the even split (cost/pipeline.py resolves the others)."""
         if self.layers_per_stage is not None:
             return list(self.layers_per_stage)
         return even_split(num_layers, self.pp)
@@ -80,32 +87,3 @@ def even_split(num_layers: int, pp: int) -> list[int]:
     (stage 0 holds the embedding and the most micro-batches in flight under 1F1B)."""
     base, extra = divmod(num_layers, pp)
     return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
-
-
-def check_plan(plan: ParallelPlan, model, training, world: int) -> None:
-    """Check a plan against a model, a training spec and an allocation; raise PiperError naming every value."""
-    errors = []
-    if plan.world != world:
-        errors.append(f"pp x dp x tp = {plan.pp} x {plan.dp} x {plan.tp} = {plan.world} must equal "
-                      f"the world size {world}")
-    if plan.pp > model.num_layers:
-        errors.append(f"pp={plan.pp} must be <= num_layers={model.num_layers}")
-    heads, kv = model.attention.num_heads, model.attention.kv_heads
-    if heads % plan.tp or kv % plan.tp:
-        errors.append(f"tp={plan.tp} must divide num_heads={heads} and num_kv_heads={kv}")
-    if model.moe is not None and model.moe.num_experts % plan.ep:
-        errors.append(f"ep={plan.ep} must divide num_experts={model.moe.num_experts}")
-    if model.moe is None and plan.ep * plan.etp > 1:
-        errors.append(f"ep={plan.ep}, etp={plan.etp}: {model.name} is dense (no experts); use ep=1, etp=1")
-    if training.global_batch % (plan.dp * plan.mbs):
-        errors.append(f"global_batch={training.global_batch} must be divisible by dp x mbs = {plan.dp} x {plan.mbs}")
-    elif plan.num_microbatches != training.global_batch // (plan.dp * plan.mbs):
-        errors.append(f"num_microbatches={plan.num_microbatches} must equal global_batch / (dp x mbs) = "
-                      f"{training.global_batch} / ({plan.dp} x {plan.mbs})")
-    if plan.layers_per_stage is not None and sum(plan.layers_per_stage) != model.num_layers:
-        errors.append(f"layers_per_stage {plan.layers_per_stage} sums to {sum(plan.layers_per_stage)}, "
-                      f"num_layers={model.num_layers}")
-    if plan.schedule == "interleaved" and plan.num_microbatches % plan.pp:
-        errors.append(f"schedule=interleaved needs num_microbatches={plan.num_microbatches} divisible by pp={plan.pp}")
-    if errors:
-        raise PiperError("; ".join(errors), field="parallel")

@@ -11,11 +11,13 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from piper_plan.specs.base import Spec
+from piper_plan.specs.vocab import Precision, Scope
 
-SCOPES: tuple[str, ...] = ("node", "switch", "group", "system")
+SCOPES: tuple[str, ...] = Scope.values()
+"""Scope names, narrowest first (specs.vocab.Scope)."""
 """Network scopes, fastest first; a group of ranks spans the widest scope any two of its ranks cross."""
 
-Dtype = Literal["fp32", "tf32", "fp16", "bf16", "fp8"]
+Dtype = Precision
 
 
 class DeviceSpec(Spec):
@@ -112,7 +114,7 @@ class NetworkSpec(Spec):
     """Nodes in one dragonfly group / cabinet (Frontier: 128)."""
     num_groups: PositiveInt = 1
     """Dragonfly groups in the machine."""
-    scopes: dict[Literal["node", "switch", "group", "system"], ScopeLinkSpec]
+    scopes: dict[Scope, ScopeLinkSpec]
     """Per-scope bandwidth/latency: the fallback when calibration data lacks a collective."""
     global_taper: PositiveFloat = 1.0
     """Injection : global-link bandwidth ratio (Frontier ~1.75)."""
@@ -205,5 +207,5 @@ class PlatformSpec(Spec):
                 return peaks[name]
         from piper_plan.errors import PiperError
 
-        raise PiperError(f"platform {self.name} has no peak for dtype={dtype}; has {sorted(peaks)}",
+        raise PiperError(f"platform {self.name} has no peak for dtype={dtype}; has {sorted(str(p) for p in peaks)}",
                          field="device.peak_flops")

@@ -59,7 +59,10 @@ def test_binary_and_directory_spec_files(tmp_path):
     (lambda d: {**d, "parallel": [1]}, ["parallel: Input should be a valid dictionary"]),
     (lambda d: {k: v for k, v in d.items() if k != "parallel"}, ["parallel: Field required"]),
     (lambda d: {**d, "placement": "weird"}, ["placement", "'weird'"]),
-    (lambda d: {**d, "schema_version": 2}, ["schema_version", "reads 1"]),
+    (lambda d: {**d, "schema_version": 3}, ["schema_version", "reads 1, 2"]),
+    (lambda d: {**d, "prediction": {**d["prediction"], "step_time_s": "abc"}}, ["prediction.step_time_s"]),
+    (lambda d: {**d, "prediction": {**d["prediction"], "step_time_s": -1}}, ["prediction.step_time_s"]),
+    (lambda d: {**d, "prediction": {**d["prediction"], "memory": {}}}, ["prediction.memory"]),
     (lambda d: {**d, "parallel": {**d["parallel"], "edp": 7}}, ["parallel.edp", "edp=7"]),
 ])
 def test_launch_refuses_a_broken_plan_naming_the_input_file(tmp_path, plan_json, change, needles):
@@ -71,7 +74,7 @@ def test_launch_refuses_a_broken_plan_naming_the_input_file(tmp_path, plan_json,
 
 def test_plan_whose_nodes_do_not_match_names_the_input_not_the_copy(tmp_path, plan_json):
     plan = write(tmp_path / "in.json", {**plan_json, "nodes": 3})
-    line = assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job"), "must fill its nodes")
+    line = assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job"), "world_mismatch", "3 nodes")
     assert line.startswith(f"error: {plan}:")
     assert not (tmp_path / "job").exists()
 

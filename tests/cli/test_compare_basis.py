@@ -50,5 +50,5 @@ def test_runnable_plans_are_priced_as_piper_runs_them(tmp_path):
     fused = estimate(model, platform, pf.training, pf.nodes, pf.parallel, calibration=None)
     saved = json.loads(out.read_text())["prediction"]["memory"]["per_stage"][0]["components"]
     act = lambda comps: sum(v for k, v in comps.items() if k.startswith("activations/"))  # noqa: E731
-    assert act(saved) == act(again["memory"]["per_stage"][0]["components"])
-    assert act(saved) > act(fused["memory"]["per_stage"][0]["components"])
+    assert act(saved) == act(again.memory.per_stage[0].components)
+    assert act(saved) > act(fused.memory.per_stage[0].components)

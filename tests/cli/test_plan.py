@@ -7,6 +7,8 @@ import io
 import json
 
 import pytest
+
+from piper_plan.specs import even_split
 from click.testing import CliRunner
 
 from piper_plan.cli.main import cli
@@ -20,9 +22,9 @@ def test_json_has_the_contract_fields():
     res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "16", "--json", "--top", "5")
     assert res.exit_code == 0, res.output
     obj = json.loads(res.stdout)
-    for key in ("candidates_evaluated", "feasible", "infeasible_reasons", "search_seconds", "plans"):
+    for key in ("candidates_enumerated", "feasible", "infeasible_reasons", "search_seconds", "plans"):
         assert key in obj
-    assert obj["candidates_evaluated"] == obj["feasible"] + sum(obj["infeasible_reasons"].values())
+    assert obj["candidates_enumerated"] == obj["feasible"] + sum(obj["infeasible_reasons"].values())
     assert 0 < len(obj["plans"]) <= 5
     for p in obj["plans"]:
         for key in ("dp", "tp", "pp", "ep", "step_time_s", "tokens_per_s", "mfu", "tflops_per_device", "peak_memory_bytes"):
@@ -124,7 +126,7 @@ def test_save_writes_a_plan_file(tmp_path):
     assert pf.nodes == 8
     assert (pf.parallel.dp, pf.parallel.pp, pf.parallel.ep, pf.parallel.tp) == (best["dp"], best["pp"], best["ep"], best["tp"])
     assert pf.migration["enabled"] if isinstance(pf.migration, dict) else pf.migration.enabled
-    assert pf.prediction["tokens_per_s"] == pytest.approx(best["tokens_per_s"], rel=1e-6)
+    assert pf.prediction.tokens_per_s == pytest.approx(best["tokens_per_s"], rel=1e-6)
 
 
 def test_saved_plan_prediction_equals_its_ranking_row(tmp_path):
@@ -139,8 +141,9 @@ def test_saved_plan_prediction_equals_its_ranking_row(tmp_path):
     assert res.exit_code == 0, res.output
     best = json.loads(res.stdout)["plans"][0]
     pf = read_plan_file(out)
-    assert pf.prediction["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-12)
-    assert pf.prediction["memory"]["peak_bytes"] == pytest.approx(best["peak_memory_bytes"], abs=1.0)
-    assert (pf.parallel.layers_per_stage is not None) == (best["layers_split"] == "balanced")
+    assert pf.prediction.step_time_s == pytest.approx(best["step_time_s"], rel=1e-12)
+    assert pf.prediction.memory.peak_bytes == pytest.approx(best["peak_memory_bytes"], abs=1.0)
+    assert pf.parallel.layers_split == "explicit" and pf.parallel.layers_per_stage == pf.prediction.layers_per_stage
+    assert (pf.parallel.layers_per_stage != even_split(61, pf.parallel.pp)) == (best["layers_split"] == "balanced")
     if pf.parallel.layers_per_stage is not None:
         assert sum(pf.parallel.layers_per_stage) == 61

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from piper_plan.catalog import load_model, load_platform
 from piper_plan.cost.comm import Network
-from piper_plan.cost.evaluate import Candidates, estimate, evaluate, plan_of
+from piper_plan.cost.evaluate import estimate, evaluate, plan_of
+from piper_plan.plans import PlanBatch
+from piper_plan.specs.vocab import LayerSplit
 from piper_plan.cost.memory import rank_param_counts
 from piper_plan.specs import ParallelPlan, PlatformSpec, TrainingSpec
 
@@ -51,7 +53,7 @@ def test_state_bytes_zero1_by_hand():
     """tiny-moe, dp 2 = ep 2 (edp 1), ZeRO-1: stage 0 dense 58624 x (2 + 2 + 12/2), expert 196608 x 16."""
     plan = ParallelPlan(dp=2, pp=2, ep=2, num_microbatches=2, zero=1)
     est = estimate(load_model("tiny-moe"), FRONTIER, TrainingSpec(seq_len=64, global_batch=4), 1, plan)
-    comp = est["memory"]["per_stage"][0]["components"]
+    comp = est.memory.per_stage[0].components
     assert comp["weights"] + comp["gradients"] + comp["optimizer"] == 58624 * 10 + 196608 * 16
 
 
@@ -122,7 +124,7 @@ def _random_candidates(rng, count, world, experts, layers, global_batch=256, max
     cols = np.array(rows).T
     names = ["dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "virtual_stages",
              "recompute", "zero", "a2a"]
-    return Candidates(**dict(zip(names, cols)))
+    return PlanBatch(**dict(zip(names, cols)), sequence_parallel=1, layers_split=LayerSplit.AUTO.code)
 
 
 def _with_memory(platform: PlatformSpec, memory_bytes: int) -> PlatformSpec:
@@ -156,11 +158,11 @@ def test_evaluate_matches_estimate(name):
     for i in range(len(cand)):
         plan = plan_of(model, training, cand, ev, i)
         one = estimate(model, FRONTIER, training, 64, plan)
-        again = evaluate(model, FRONTIER, training, 64, Candidates.from_plan(plan))
-        assert one["memory"]["peak_bytes"] == pytest.approx(float(again.peak_memory_bytes[0]), rel=1e-12)
-        assert one["step_time_s"] == pytest.approx(float(again.step_time_s[0]), rel=1e-12)
-        assert ev.step_time_s[i] == pytest.approx(one["step_time_s"], rel=1e-12)      # batch == one by one
-        assert ev.peak_memory_bytes[i] == pytest.approx(one["memory"]["peak_bytes"], rel=1e-12)
+        again = evaluate(model, FRONTIER, training, 64, PlanBatch.of(plan))
+        assert one.memory.peak_bytes == pytest.approx(float(again.peak_memory_bytes[0]), rel=1e-12)
+        assert one.step_time_s == pytest.approx(float(again.step_time_s[0]), rel=1e-12)
+        assert ev.step_time_s[i] == pytest.approx(one.step_time_s, rel=1e-12)      # batch == one by one
+        assert ev.peak_memory_bytes[i] == pytest.approx(one.memory.peak_bytes, rel=1e-12)
     assert np.all(np.isfinite(ev.step_time_s)) and np.all(ev.step_time_s > 0)
 
 
@@ -180,7 +182,7 @@ def test_routing_skew_stretches_experts_and_a2a():
     base = estimate(model, FRONTIER, TrainingSpec(seq_len=4096, global_batch=64), 8, plan)
     skew = estimate(model, FRONTIER, TrainingSpec(seq_len=4096, global_batch=64, routing_skew=1.5), 8, plan)
     for key in ("compute/experts", "moe/dispatch/intra_node"):
-        assert skew["time"]["breakdown"][key] > 1.3 * base["time"]["breakdown"][key]
+        assert skew.time.breakdown[key] > 1.3 * base.time.breakdown[key]
 
 
 def test_planner_imports_no_torch_rich_click():
@@ -209,7 +211,7 @@ def test_hfu_never_exceeds_the_fastest_kernel_rate(etp):
     cand = _random_candidates(np.random.default_rng(etp), 24, 64, 8, model.num_layers)
     ok = (cand.dp * cand.tp) % (cand.ep * etp) == 0
     cand = cand.take(ok)
-    cand = Candidates(**{**{f: getattr(cand, f) for f in cand.__dataclass_fields__}, "etp": etp})
+    cand = PlanBatch.from_arrays({**cand.arrays(), "etp": np.full(len(cand), etp)})
     ev = evaluate(model, FRONTIER, training, 8, cand)
     cap = max(FRONTIER.efficiency.gemm, FRONTIER.efficiency.attention)
     assert len(cand) > 0 and np.all(ev.hfu <= cap) and np.all(ev.mfu <= cap)
@@ -236,7 +238,7 @@ def test_mla_attention_activations_by_hand():
     from piper_plan.cost.memory import attention_activation_bytes
     from piper_plan.cost.options import CostOptions
 
-    kept, core = attention_activation_bytes(load_model("tiny-mla"), TrainingSpec(seq_len=32), CostOptions(), 1, 1)
+    kept, core = attention_activation_bytes(load_model("tiny-mla"), TrainingSpec(seq_len=32), CostOptions(), 1, 1, 1)
     assert kept == 32 * 1136 and core == 0
 
 
@@ -257,11 +259,11 @@ def test_distinct_stages_cover_every_pp(name):
     training = TrainingSpec(seq_len=1024, global_batch=64)
     for pp in range(1, model.num_layers + 1):
         plan = ParallelPlan(dp=8, pp=pp, ep=8, num_microbatches=8)
-        cand = Candidates.from_plan(plan)
+        cand = PlanBatch.of(plan)
         ev = evaluate(model, FRONTIER, training, pp, cand)
         one = estimate(model, FRONTIER, training, pp, plan_of(model, training, cand, ev, 0))
-        assert ev.peak_memory_bytes[0] == pytest.approx(one["memory"]["peak_bytes"], rel=1e-12), pp
-        assert ev.step_time_s[0] == pytest.approx(one["step_time_s"], rel=1e-12), pp
+        assert ev.peak_memory_bytes[0] == pytest.approx(one.memory.peak_bytes, rel=1e-12), pp
+        assert ev.step_time_s[0] == pytest.approx(one.step_time_s, rel=1e-12), pp
 
 
 def test_split_choice_fits_first_then_faster():
@@ -272,7 +274,11 @@ def test_split_choice_fits_first_then_faster():
     secs = np.array([[2.0, 2.0, 2.0, 1.0, 2.0], [1.0, 1.0, 3.0, -np.inf, 1.0]])
     # both fit, balanced faster -> 1; balanced overflows -> 0; only balanced fits -> 1; no balanced -> 0;
     # neither fits -> the smaller peak (balanced)
-    assert choose_split(peak, secs, 16.0).tolist() == [1, 0, 1, 0, 1]
+    auto = np.full(5, LayerSplit.AUTO.code)
+    assert choose_split(peak, secs, 16.0, auto).tolist() == [1, 0, 1, 0, 1]
+    # a plan that names its split keeps it (balanced where it exists)
+    assert choose_split(peak, secs, 16.0, auto * 0 + LayerSplit.EVEN.code).tolist() == [0] * 5
+    assert choose_split(peak, secs, 16.0, auto * 0 + LayerSplit.BALANCED.code).tolist() == [1, 1, 1, 0, 1]
 
 
 def test_balanced_split_lowers_deepseek_bottleneck():
@@ -283,15 +289,17 @@ def test_balanced_split_lowers_deepseek_bottleneck():
     model = load_model("deepseek-v3")
     training = TrainingSpec(seq_len=4096, global_batch=512)
     plan = ParallelPlan(dp=32, pp=8, ep=32, num_microbatches=16)
-    cand = Candidates.from_plan(plan)
+    cand = PlanBatch.of(plan)
     ev = evaluate(model, FRONTIER, training, 32, cand)
-    even = estimate(model, FRONTIER, training, 32, plan)
-    bal = estimate(model, FRONTIER, training, 32,
-                   plan.model_copy(update={"layers_per_stage": balanced_stage_layers(model, 4096, 8)}))
-    assert bal["step_time_s"] < even["step_time_s"]
+    even = estimate(model, FRONTIER, training, 32, plan.model_copy(update={"layers_split": "even"}))
+    bal = estimate(model, FRONTIER, training, 32, ParallelPlan(**{**plan.model_dump(), "layers_split": "explicit",
+                                                                  "layers_per_stage": balanced_stage_layers(model, 4096, 8)}))
+    auto = estimate(model, FRONTIER, training, 32, plan)
+    assert bal.step_time_s < even.step_time_s
     chosen = bal if int(ev.layers_split[0]) == 1 else even
-    assert float(ev.step_time_s[0]) == pytest.approx(chosen["step_time_s"], rel=1e-12)
-    assert float(ev.step_time_s[0]) <= even["step_time_s"]
+    assert float(ev.step_time_s[0]) == pytest.approx(chosen.step_time_s, rel=1e-12)
+    assert auto.step_time_s == chosen.step_time_s and auto.layers_per_stage == chosen.layers_per_stage
+    assert float(ev.step_time_s[0]) <= even.step_time_s
 
 
 def test_halo_phases_use_node_calibration_and_say_so(tmp_path):
@@ -321,9 +329,9 @@ def test_halo_phases_use_node_calibration_and_say_so(tmp_path):
         rows.append(f"all_to_all,node,1,8,{size},{secs},{size / secs / 1e9},{size * 7 / 8 / secs / 1e9},test")
     (dirs["node"] / "collectives.csv").write_text("\n".join(rows) + "\n")
     base = estimate(model, FRONTIER, training, 2, plan, calibration=load_calibration(dirs["plain"]))
-    assert base["sources"]["a2a"] == "HALO phases I/III: platform network figures (alpha-beta); " \
+    assert base.sources.a2a == "HALO phases I/III: platform network figures (alpha-beta); " \
                                      "phase II: platform network figures (alpha-beta)"
     slow = estimate(model, FRONTIER, training, 2, plan, calibration=load_calibration(dirs["node"]))
-    assert slow["sources"]["a2a"].startswith("HALO phases I/III: calibration all_to_all@node")
-    intra = lambda r: sum(v for k, v in r["time"]["breakdown"].items() if k.endswith("intra_node"))  # noqa: E731
+    assert slow.sources.a2a.startswith("HALO phases I/III: calibration all_to_all@node")
+    intra = lambda r: sum(v for k, v in r.time.breakdown.items() if k.endswith("intra_node"))  # noqa: E731
     assert intra(slow) > 2 * intra(base)

@@ -35,8 +35,9 @@ def _korthikanti(row, recompute: str, sequence_parallel: bool):
     name, gpus, tp, pp, v, gbs, mbs = row[:7]
     training = TrainingSpec(global_batch=gbs, **MEGATRON_TRAINING)
     plan = ParallelPlan(dp=1, tp=tp, pp=pp, mbs=mbs, num_microbatches=gbs // mbs, recompute=recompute,
-                        schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
-    opts = CostOptions(sequence_parallel=sequence_parallel, dropout=True)
+                        schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,
+                        sequence_parallel=sequence_parallel)
+    opts = CostOptions(dropout=True)
     return estimate(load_model(name), load_platform("dgx-a100"), training, gpus // 8, plan, options=opts)
 
 
@@ -44,8 +45,8 @@ def _korthikanti(row, recompute: str, sequence_parallel: bool):
 def test_korthikanti_step_time_within_10pct(row):
     """Step time, full recompute (tensor parallel only) and selective recompute (with sequence parallel),
     on the dgx-a100 roofline fallback: |error| <= 10% per row (Calculon's bar: 3.65% mean, 8.87% max)."""
-    full = _korthikanti(row, "full", sequence_parallel=False)["step_time_s"]
-    sel = _korthikanti(row, "selective", sequence_parallel=True)["step_time_s"]
+    full = _korthikanti(row, "full", sequence_parallel=False).step_time_s
+    sel = _korthikanti(row, "selective", sequence_parallel=True).step_time_s
     assert abs(full - row[7]) / row[7] <= 0.10, (row[0], "full", full, row[7])
     assert abs(sel - row[8]) / row[8] <= 0.10, (row[0], "selective", sel, row[8])
 
@@ -55,14 +56,14 @@ def test_korthikanti_mean_error_within_5pct():
     reports 3.65% / 8.87% on the same rows)."""
     errors = []
     for row in KORTHIKANTI:
-        errors.append(_korthikanti(row, "full", False)["step_time_s"] / row[7] - 1)
-        errors.append(_korthikanti(row, "selective", True)["step_time_s"] / row[8] - 1)
+        errors.append(_korthikanti(row, "full", False).step_time_s / row[7] - 1)
+        errors.append(_korthikanti(row, "selective", True).step_time_s / row[8] - 1)
     assert np.mean(np.abs(errors)) <= 0.05, errors
 
 
 def _layer_activations(stage: dict) -> float:
     """Activations of the transformer layers (Korthikanti's figure leaves out embedding and logits)."""
-    comp = stage["components"]
+    comp = stage.components
     return sum(v for k, v in comp.items() if k.startswith("activations/") and k not in
                ("activations/embedding", "activations/logits"))
 
@@ -72,12 +73,12 @@ def test_korthikanti_memory_within_5pct(row):
     """Weights + gradients + optimizer (18 B/param) of a stage without the embedding (pp = 1: the whole
     model), and first-stage activations: tensor parallel only / sequence parallel + selective: within 5%."""
     tp_only = _korthikanti(row, "none", sequence_parallel=False)
-    stage = tp_only["memory"]["per_stage"][1 if row[3] > 2 else 0]["components"]
+    stage = tp_only.memory.per_stage[1 if row[3] > 2 else 0].components
     state = stage["weights"] + stage["gradients"] + stage["optimizer"]
     assert state / GiB == pytest.approx(row[9], rel=0.05)
-    assert _layer_activations(tp_only["memory"]["per_stage"][0]) / GiB == pytest.approx(row[10], rel=0.05)
+    assert _layer_activations(tp_only.memory.per_stage[0]) / GiB == pytest.approx(row[10], rel=0.05)
     sel = _korthikanti(row, "selective", sequence_parallel=True)
-    assert _layer_activations(sel["memory"]["per_stage"][0]) / GiB == pytest.approx(row[11], rel=0.05)
+    assert _layer_activations(sel.memory.per_stage[0]) / GiB == pytest.approx(row[11], rel=0.05)
 
 
 # ---- Piper paper -------------------------------------------------------------------------------------
@@ -119,10 +120,10 @@ def test_weak_scaling_static_memory(name, nodes, ep, pp):
     model = load_model(name)
     training = TrainingSpec(seq_len=4096, global_batch=ep * 8)
     plan = ParallelPlan(dp=ep, pp=pp, ep=ep, num_microbatches=8)
-    stage = estimate(model, load_platform("frontier"), training, nodes, plan)["memory"]["per_stage"][0]
-    comp = stage["components"]
+    stage = estimate(model, load_platform("frontier"), training, nodes, plan).memory.per_stage[0]
+    comp = stage.components
     ours = comp["weights"] + comp["gradients"] + comp["optimizer"]
-    layers = stage["layers"]
+    layers = stage.layers
     d, moe = model.hidden_size, model.moe
     paper = _paper_static(layers, d, moe.num_experts, moe.expert.intermediate_size, ep, 32)
     omitted = 16 * layers * (2 * d + moe.num_experts * d)
@@ -153,10 +154,10 @@ def test_paper_memory_equations_special_case(gated, per_matrix, pp, ep, m):
     s, d, mbs, k, f, heads, experts = 64, 256, 2, 2, 512, 4, 8
     training = TrainingSpec(seq_len=s, global_batch=mbs * ep * m, flash_attention=False)
     plan = ParallelPlan(dp=ep, pp=pp, ep=ep, mbs=mbs, num_microbatches=m)
-    stages = estimate(model, load_platform("frontier"), training, ep * pp // 8 or 1, plan)["memory"]["per_stage"]
+    stages = estimate(model, load_platform("frontier"), training, ep * pp // 8 or 1, plan).memory.per_stage
     matrices = 3 if gated else 2
     for i, stage in enumerate(stages):
-        comp, layers = stage["components"], stage["layers"]
+        comp, layers = stage.components, stage.layers
         static = comp["weights"] + comp["gradients"] + comp["optimizer"]
         router = 16 * layers * experts * d
         assert static - router == _paper_static(layers, d, experts, f, ep, per_matrix)

@@ -1,8 +1,6 @@
-"""Plan files for the launch tests, in DESIGN.md's plan.json format (schema_version 1).
-
-Written with piper_plan.planfile.write_plan_file when it exists (the cost engineer's writer); the platforms are
-the catalog's when present, else a stand-in built from frontier.yaml whose launch block is the catalog's
-intended one (only until platforms/<name>.yaml lands).
+"""Plan files for the launch tests, in DESIGN.md's plan.json format, written by planfile.plan_file_dict with the
+cost model's real prediction (a test may override some of its values); the platforms are the catalog's when
+present, else a stand-in built from frontier.yaml whose launch block is the catalog's intended one.
 """
 
 from __future__ import annotations
@@ -43,19 +41,30 @@ def platform_dict(name: str) -> dict:
 def write_plan(path: Path, platform: str, nodes: int, parallel: dict, *, model: str = "tiny-moe",
                training: dict | None = None, steps: int = 4, prediction: dict | None = None,
                platform_data: dict | None = None) -> Path:
-    """Write a plan.json for ``parallel`` (num_microbatches derived: global_batch / (dp x mbs))."""
+    """Write a plan.json for ``parallel`` (num_microbatches derived: global_batch / (dp x mbs)); ``prediction``
+    overrides values of the real estimate (lists element by element; a breakdown or components dict whole)."""
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.planfile import RuntimeBlock, plan_file_dict
+
     plat = PlatformSpec.model_validate(platform_data or platform_dict(platform))
     dp, mbs = parallel.get("dp", 1), parallel.get("mbs", 1)
-    training = TrainingSpec(**{"seq_len": 32, "global_batch": 4 * dp * mbs, "dtype": "fp32", **(training or {})})
+    training = TrainingSpec.for_device(plat.launch.device, **{"seq_len": 32, "global_batch": 4 * dp * mbs,
+                                                             **(training or {})})
     plan = ParallelPlan(**{"num_microbatches": training.global_batch // (dp * mbs), **parallel})
     model_spec = load_model(model)
-    data = {"schema_version": 1, "piper_version": "test",
-            "model": model_spec.model_dump(mode="json"), "platform": plat.model_dump(mode="json"),
-            "training": training.model_dump(mode="json"), "nodes": nodes, "placement": "compact",
-            "parallel": {**plan.model_dump(mode="json"), "edp": plan.edp},
-            "moe": {"capacity_factor": None, "routing_skew": 1.0},
-            "migration": {"enabled": False, "threshold": 1.1, "interval": 50, "max_iters": 16},
-            "runtime": {"data": None, "steps": steps, "checkpoint_interval": 2, "seed": 0},
-            "prediction": prediction or {"step_time_s": 3.0, "tokens_per_s": 1000.0}}
+    est = estimate(model_spec, plat, training, nodes, plan)
+    data = plan_file_dict(model_spec, plat, training, nodes, plan, "compact", est,
+                          runtime=RuntimeBlock(steps=steps, checkpoint_interval=2))
+    data["migration"]["enabled"] = False
+    data["prediction"] = _merge(data["prediction"], prediction or {})
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def _merge(base, over):
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {**base, **{k: v if k in ("breakdown", "components") else _merge(base.get(k), v)
+                           for k, v in over.items()}}
+    if isinstance(base, list) and isinstance(over, list):
+        return [_merge(b, o) for b, o in zip(base, over)]
+    return over

@@ -103,7 +103,7 @@ RECORDS = [
     {"step": 3, "step_time_s": 2.5, "tokens_per_s": 40.0, "time_s": {"a2a": 0.5},
      "memory_bytes": [{"total_bytes": 110}, {"total_bytes": 260}]},
 ]
-PREDICTION = {"step_time_s": 1.5, "tokens_per_s": 60.0,
+PREDICTION = {"step_time_s": 1.5, "tokens_per_s": 60.0, "a2a_share": 0.2,
               "time": {"breakdown": {"compute/attention": 1.0, "moe/dispatch/intra_node": 0.2, "moe/combine/intra_node": 0.1}},
               "memory": {"peak_bytes": 330, "per_stage": [{"total_bytes": 150}, {"total_bytes": 330}]}}
 

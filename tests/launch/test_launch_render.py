@@ -33,8 +33,8 @@ def srun_words(script: str) -> list[str]:
     return shlex.split(line.split("&")[0])
 
 
-def render_for(tmp_path, platform, nodes, parallel, **opts):
-    plan = write_plan(tmp_path / "src.json", platform, nodes, parallel)
+def render_for(tmp_path, platform, nodes, parallel, model="tiny-moe", **opts):
+    plan = write_plan(tmp_path / "src.json", platform, nodes, parallel, model=model)
     return prepare(plan, tmp_path / "job", LaunchOptions(**opts), python=sys.executable)
 
 
@@ -57,8 +57,9 @@ def test_frontier_counts_come_from_the_plan(tmp_path, nodes):
 
 
 def test_frontier_switches_when_expert_groups_span_nodes(tmp_path):
-    # 8 nodes x 8 = 64 ranks, pp=1, dp=64, ep=16: each expert group spans 2 nodes -> ceil(8 / 4) = 2 switches
-    prepared = render_for(tmp_path, "frontier", 8, {"dp": 64, "ep": 16})
+    # 8 nodes x 8 = 64 ranks, pp=1, dp=64, ep=16 (switch-base, 128 experts): each expert group spans 2
+    # nodes -> ceil(8 / 4) = 2 switches
+    prepared = render_for(tmp_path, "frontier", 8, {"dp": 64, "ep": 16}, model="switch-base")
     assert sbatch_options(prepared.script)["switches"] == f"2@{render.SWITCH_WAIT}"
 
 

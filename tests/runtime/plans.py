@@ -5,11 +5,18 @@ from __future__ import annotations
 from piper_plan.catalog import load_model, load_platform
 
 
-def cpu_platform() -> dict:
-    """frontier.yaml with a CPU/gloo launch section (the runtime's device comes from launch.device)."""
+def cpu_platform(devices_per_node: int = 8) -> dict:
+    """frontier.yaml with a CPU/gloo launch section (the runtime's device comes from launch.device), cut to
+    ``devices_per_node`` devices so that a plan's world fills its nodes."""
     data = load_platform("frontier").model_dump(mode="json")
     data["name"] = "cpu-test"
     data["launch"] = {**data["launch"], "device": "cpu", "backend": "gloo", "gpus_per_task": 0}
+    node = data["node"]
+    node["devices_per_node"] = devices_per_node
+    node["device_nic"] = [min(n, node["num_nics"] - 1) for n in node["device_nic"][:devices_per_node]]
+    for link in node["link_classes"]:
+        if link.get("device_pairs"):
+            link["device_pairs"] = [pair for pair in link["device_pairs"] if max(pair) < devices_per_node]
     return data
 
 
@@ -21,8 +28,10 @@ def plan_dict(pp=2, dp=2, ep=2, schedule="1f1b", num_microbatches=2, mbs=1, seq_
                 "recompute": "none", "zero": zero, "a2a": "flat", "layers_per_stage": layers_per_stage}
     training = {"seq_len": seq_len, "global_batch": dp * mbs * num_microbatches, "dtype": "fp32",
                 "weight_bytes": 4, "grad_bytes": 4, "master_bytes": 0}
-    return {"schema_version": 1, "piper_version": "test", "model": spec, "platform": cpu_platform(),
-            "training": training, "nodes": 1, "placement": "compact", "parallel": parallel,
+    world = pp * dp
+    per_node = min(world, 8)
+    return {"schema_version": 1, "piper_version": "test", "model": spec, "platform": cpu_platform(per_node),
+            "training": training, "nodes": world // per_node, "placement": "compact", "parallel": parallel,
             "moe": {"capacity_factor": None}, "migration": {"enabled": False},
             "runtime": {"data": data, "steps": steps, "checkpoint_interval": checkpoint_interval, "seed": 0},
             "prediction": {}}

@@ -73,7 +73,7 @@ def test_activation_bytes_within_10_percent(name):
     # unfused_kernels: what piper's own runtime saves (separate RoPE, SwiGLU and GQA-expansion tensors), not the
     # fused Megatron kernels the default describes
     est = evaluate.estimate(model, platform, training, 1, plan, options=CostOptions(unfused_kernels=True))
-    comps = est["memory"]["per_stage"][0]["components"]
+    comps = est.memory.per_stage[0].components
     predicted = sum(v for k, v in comps.items() if k.startswith("activations/"))
     measured = _saved_bytes(model, training)
     print(f"{name}: predicted {predicted:.0f} B, saved-for-backward {measured} B, "

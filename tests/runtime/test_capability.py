@@ -28,12 +28,25 @@ def test_every_catalog_feature_model_is_runnable_at_pp1():
 
 
 def test_each_unsupported_feature_is_named():
-    plan = ParallelPlan(pp=2, dp=4, tp=2, ep=2, schedule="interleaved", virtual_stages=3, recompute="full")
-    problems = unsupported_features(plan, load_model("tiny-mla"))  # 4 layers, 2 x 3 chunks
-    joined = " ".join(problems)
-    for needle in ("parallel.tp=2", "divisible by pp x virtual_stages = 2 x 3"):
-        assert needle in joined
-    assert len(problems) == 2
+    plan = ParallelPlan(pp=2, dp=4, tp=2, ep=2, schedule="interleaved", virtual_stages=2, recompute="full",
+                        num_microbatches=2)
+    problems = unsupported_features(plan, load_model("tiny-mla"))
+    assert problems == ["parallel.tp=2 (runtime supports 1)"]
+
+
+def test_runnable_is_valid_and_inside_the_capability_list():
+    """An invalid plan is refused by the validity check first (4 layers cannot make 2 x 3 chunks), with the
+    rule's name; a valid one by the capability list."""
+    from piper_plan.capability import runnable_problems
+    from piper_plan.catalog import load_platform
+    from piper_plan.specs import TrainingSpec
+
+    frontier, training = load_platform("frontier"), TrainingSpec(seq_len=64, global_batch=8)
+    bad = ParallelPlan(pp=2, dp=4, ep=2, schedule="interleaved", virtual_stages=3, num_microbatches=2)
+    found = runnable_problems(load_model("tiny-mla"), frontier, training, 1, bad)
+    assert found and found[0].startswith("interleaved_layers_not_divisible") and "2 x 3" in found[0]
+    ok = ParallelPlan(pp=2, dp=4, ep=2, num_microbatches=2)
+    assert runnable_problems(load_model("tiny-mla"), frontier, training, 1, ok) == []
     assert set(RUNTIME_CAPABILITY["schedule"]) == {"gpipe", "1f1b", "interleaved"}
 
 

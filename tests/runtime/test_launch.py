@@ -93,7 +93,7 @@ def test_sigusr1_checkpoints_exits_75_and_resume_continues(tmp_path):
 
 def test_bad_input_clear_error_every_rank_exits(tmp_path):
     cases = {
-        "world": (plan_dict(pp=2, dp=2, ep=2), "must equal the world size 2"),
+        "world": (plan_dict(pp=2, dp=2, ep=2), "but the launcher started 2"),
         "cuda": ({**plan_dict(pp=2, dp=1, ep=1), "platform": {**plan_dict()["platform"],
                   "launch": {**plan_dict()["platform"]["launch"], "device": "cuda"}}}, "launch.device"),
         "data": (plan_dict(pp=2, dp=1, ep=1, data=str(tmp_path / "missing.bin")), "missing.bin"),

@@ -8,24 +8,17 @@ import sys
 import numpy as np
 import pytest
 
-from piper_plan.capability import unsupported_features
 from piper_plan.catalog import load_model, load_platform
-from piper_plan.cost.evaluate import evaluate as cost_evaluate
 from piper_plan.errors import PiperError
 from piper_plan.search import engine
 from piper_plan.search.space import SearchOptions
 from piper_plan.specs import TrainingSpec
-from standin import standin_evaluate
 
 FRONTIER = load_platform("frontier")
 
 
-EVALUATORS = [pytest.param(standin_evaluate, id="standin"), pytest.param(cost_evaluate, id="cost")]
-
-
-@pytest.mark.parametrize("evaluate", EVALUATORS)
-def test_search_counts_add_up_and_ranking_is_by_tokens(evaluate):
-    r = engine.search(load_model("mixtral-8x7b"), FRONTIER, TrainingSpec(), 16, evaluate=evaluate)
+def test_search_counts_add_up_and_ranking_is_by_tokens():
+    r = engine.search(load_model("mixtral-8x7b"), FRONTIER, TrainingSpec(), 16)
     assert r.candidates_total == r.feasible + sum(r.reasons.values())
     assert r.feasible > 0
     tps = np.asarray(r.evaluation.tokens_per_s)[r.order]
@@ -36,11 +29,9 @@ def test_search_counts_add_up_and_ranking_is_by_tokens(evaluate):
     assert np.all(np.diff(np.asarray(r.evaluation.peak_memory_bytes)[r.pareto]) < 0)
 
 
-@pytest.mark.parametrize("evaluate", EVALUATORS)
-def test_weak_scaling_1024_gcds_piper_strategy_admits_exactly_pp32_ep32(evaluate):
+def test_weak_scaling_1024_gcds_piper_strategy_admits_exactly_pp32_ep32():
     # piper-paper.md: under PP x EP = 1024, EP | 256, PP <= 32, EP <= g N_h = 32 only PP = 32, EP = 32 remain.
-    r = engine.search(load_model("piper-weak-1.7t"), FRONTIER, TrainingSpec(), 128, SearchOptions(strategy="piper"),
-                      evaluate=evaluate)
+    r = engine.search(load_model("piper-weak-1.7t"), FRONTIER, TrainingSpec(), 128, SearchOptions(strategy="piper"))
     assert r.feasible > 0
     assert set(r.fields["pp"][r.order].tolist()) == {32}
     assert set(r.fields["ep"][r.order].tolist()) == {32}
@@ -48,7 +39,7 @@ def test_weak_scaling_1024_gcds_piper_strategy_admits_exactly_pp32_ep32(evaluate
 
 def test_runnable_keeps_only_what_the_runtime_runs():
     model = load_model("mixtral-8x7b")
-    r = engine.search(model, FRONTIER, TrainingSpec(), 16, evaluate=standin_evaluate, unsupported=unsupported_features)
+    r = engine.search(model, FRONTIER, TrainingSpec(), 16, runnable=True)
     assert r.feasible > 0 and r.reasons["not_runnable"] > 0
     assert np.all(r.fields["tp"][r.order] == 1)
     assert r.candidates_total == r.feasible + sum(r.reasons.values())
@@ -56,8 +47,8 @@ def test_runnable_keeps_only_what_the_runtime_runs():
 
 def test_memory_headroom_removes_tight_plans():
     model = load_model("mixtral-8x7b")
-    loose = engine.search(model, FRONTIER, TrainingSpec(), 4, evaluate=standin_evaluate)
-    tight = engine.search(model, FRONTIER, TrainingSpec(), 4, SearchOptions(memory_headroom=0.3), evaluate=standin_evaluate)
+    loose = engine.search(model, FRONTIER, TrainingSpec(), 4)
+    tight = engine.search(model, FRONTIER, TrainingSpec(), 4, SearchOptions(memory_headroom=0.3))
     assert tight.feasible < loose.feasible
     assert np.all(np.asarray(tight.evaluation.peak_memory_bytes)[tight.order] <= 0.7 * FRONTIER.device.memory_bytes)
 
@@ -73,14 +64,14 @@ def test_parse_node_range():
 
 def test_min_nodes_is_the_smallest_count_that_fits():
     model, training = load_model("mixtral-8x22b"), TrainingSpec()
-    n, result = engine.min_nodes(model, FRONTIER, training, evaluate=standin_evaluate)
+    n, result = engine.min_nodes(model, FRONTIER, training)
     assert n is not None and n > 1 and result.nodes == n and result.feasible > 0
-    assert engine.search(model, FRONTIER, training, n - 1, evaluate=standin_evaluate).feasible == 0
+    assert engine.search(model, FRONTIER, training, n - 1).feasible == 0
 
 
 def test_scaling_rows_efficiency():
     model, training = load_model("mixtral-8x7b"), TrainingSpec()
-    rows = engine.scaling_rows(engine.sweep(model, FRONTIER, training, [4, 8, 16], evaluate=standin_evaluate))
+    rows = engine.scaling_rows(engine.sweep(model, FRONTIER, training, [4, 8, 16]))
     assert [r["nodes"] for r in rows] == [4, 8, 16]
     assert rows[0]["efficiency"] == pytest.approx(1.0)
     for r in rows[1:]:
@@ -92,11 +83,11 @@ def test_scaling_rows_efficiency():
 def test_bad_inputs_are_user_errors():
     model = load_model("mixtral-8x7b")
     with pytest.raises(PiperError, match="nodes=0"):
-        engine.search(model, FRONTIER, TrainingSpec(), 0, evaluate=standin_evaluate)
+        engine.search(model, FRONTIER, TrainingSpec(), 0)
     with pytest.raises(PiperError, match="max_seq_len=32768"):
-        engine.search(model, FRONTIER, TrainingSpec(seq_len=65536), 4, evaluate=standin_evaluate)
-    with pytest.raises(PiperError, match="exceeds"):
-        engine.search(model, FRONTIER, TrainingSpec(), 10**6, evaluate=standin_evaluate)
+        engine.search(model, FRONTIER, TrainingSpec(seq_len=65536), 4)
+    with pytest.raises(PiperError, match="has 1 to"):
+        engine.search(model, FRONTIER, TrainingSpec(), 10**6)
 
 
 def test_search_imports_neither_torch_rich_nor_click():

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from piper_plan.capability import unsupported_features
+from piper_plan.cost.evaluate import evaluate
 from piper_plan.catalog import load_model, load_platform
 from piper_plan.search import rank
 from piper_plan.search.space import CANDIDATE_FIELDS, describe, enumerate_space
 from piper_plan.specs import TrainingSpec
-from standin import standin_evaluate
 
 FRONTIER = load_platform("frontier")
 
@@ -65,11 +65,12 @@ def test_headroom_tightens_fit():
 def test_ranking_is_independent_of_candidate_order(seed):
     model, training = load_model("mixtral-8x7b"), TrainingSpec()
     space = enumerate_space(model, FRONTIER, training, 4)
-    ev = standin_evaluate(model, FRONTIER, training, 4, SimpleNamespace(**space.fields))
+    ev = evaluate(model, FRONTIER, training, 4, space.batch())
     order = rank.rank_order(space.fields, ev, rank.fits_mask(ev, FRONTIER))
     perm = np.random.default_rng(seed).permutation(len(space))
     f2 = {k: v[perm] for k, v in space.fields.items()}
-    ev2 = SimpleNamespace(**{k: (v[perm] if isinstance(v, np.ndarray) else v) for k, v in vars(ev).items()})
+    ev2 = SimpleNamespace(tokens_per_s=ev.tokens_per_s[perm], peak_memory_bytes=ev.peak_memory_bytes[perm],
+                          fits=ev.fits[perm])
     order2 = rank.rank_order(f2, ev2, rank.fits_mask(ev2, FRONTIER))
     assert perm[order2].tolist() == order.tolist()
 
@@ -81,16 +82,15 @@ def test_more_memory_never_makes_a_feasible_plan_infeasible(mem_GiB, factor):
     space = enumerate_space(model, FRONTIER, training, 4)
     small = FRONTIER.model_copy(update={"device": FRONTIER.device.model_copy(update={"memory_bytes": int(mem_GiB * 2**30)})})
     big = FRONTIER.model_copy(update={"device": FRONTIER.device.model_copy(update={"memory_bytes": int(mem_GiB * factor * 2**30)})})
-    c = SimpleNamespace(**space.fields)
-    fit_small = rank.fits_mask(standin_evaluate(model, small, training, 4, c), small)
-    fit_big = rank.fits_mask(standin_evaluate(model, big, training, 4, c), big)
+    fit_small = rank.fits_mask(evaluate(model, small, training, 4, space.batch()), small)
+    fit_big = rank.fits_mask(evaluate(model, big, training, 4, space.batch()), big)
     assert not np.any(fit_small & ~fit_big)
 
 
 def test_runnable_mask_matches_capability_per_candidate():
     model = load_model("mixtral-8x7b")
     space = enumerate_space(model, FRONTIER, TrainingSpec(), 2)
-    ok, features = rank.runnable_mask(space.fields, model, unsupported_features)
+    ok, features = rank.runnable_mask(space.fields, model)
     from piper_plan.specs import ParallelPlan
 
     sample = range(0, len(space), max(1, len(space) // 300))

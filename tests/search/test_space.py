@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
 
 import numpy as np
@@ -10,9 +9,12 @@ import pytest
 
 from piper_plan.catalog import load_model, load_platform
 from piper_plan.errors import PiperError
-from piper_plan.search.space import (A2A, CANDIDATE_FIELDS, RECOMPUTE, SCHEDULES, SearchOptions, describe, divisors,
-                                     enumerate_space)
-from piper_plan.specs import ParallelPlan, TrainingSpec, check_plan
+from piper_plan.plans import PlanBatch, check_plan
+from piper_plan.search.space import CANDIDATE_FIELDS, SearchOptions, describe, divisors, enumerate_space
+from piper_plan.specs import ParallelPlan, TrainingSpec
+from piper_plan.specs.vocab import A2A, Recompute, Schedule
+
+SCHEDULES, RECOMPUTE, A2A_NAMES = Schedule.values(), Recompute.values(), A2A.values()
 
 FRONTIER = load_platform("frontier")
 ONE_COMBO = SearchOptions(schedules=("1f1b",), recompute=("none",), zero=(0,), a2a="flat", mbs=(1,))
@@ -43,49 +45,51 @@ def test_tiny_moe_one_node_counts_by_hand():
 @pytest.mark.parametrize("name,nodes", [("tiny-moe", 2), ("mixtral-8x7b", 16), ("deepseek-v3", 128),
                                         ("tiny-dense", 4), ("piper-weak-862b", 64)])
 def test_every_candidate_is_counted_once(name, nodes):
-    space = enumerate_space(load_model(name), FRONTIER, TrainingSpec(), nodes)
+    space = enumerate_space(load_model(name), FRONTIER, TrainingSpec(seq_len=1024), nodes)
     assert space.total == len(space) + sum(space.reasons.values())
     keys = np.stack([space.fields[k] for k in CANDIDATE_FIELDS], axis=1)
     assert len(np.unique(keys, axis=0)) == len(space)     # no duplicates among the valid ones
 
 
-def _brute_force_valid(model, training, world: int, dpn: int) -> set[tuple]:
-    """The same space by a Python loop per candidate, validated by specs.check_plan plus the node rules."""
+def _brute_force_valid(model, training, nodes: int, dpn: int) -> set[tuple]:
+    """The same space by a Python loop per candidate, validated by plans.check_plan one plan at a time."""
     out = set()
+    world = nodes * dpn
     divs, mbs_values = divisors(world), (1, 2, 4, 8)
     ep_values = sorted(set(divs) | set(divisors(model.moe.num_experts)))
     for pp, tp, ep, etp, mbs in itertools.product(divs, divs, ep_values, divisors(dpn), mbs_values):
-        if world % (pp * tp) or tp > dpn or tp % etp or model.moe.expert.intermediate_size % etp:
-            continue
+        if world % (pp * tp) or (world // (pp * tp) * tp) % (ep * etp) or \
+                training.global_batch % (world // (pp * tp) * mbs):
+            continue                                  # a ParallelPlan of these cannot even be built
         dp = world // (pp * tp)
-        if (dp * tp) % (ep * etp) or training.global_batch % (dp * mbs):
-            continue
-        for sched, rec, zero, a2a in itertools.product(SCHEDULES, RECOMPUTE, (0, 1), A2A):
+        for sched, rec, zero, a2a in itertools.product(SCHEDULES, RECOMPUTE, (0, 1), A2A_NAMES):
             vs = 2 if sched == "interleaved" else 1
             m = training.global_batch // (dp * mbs)
             plan = ParallelPlan(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, mbs=mbs, num_microbatches=m, schedule=sched,
                                 virtual_stages=vs, recompute=rec, zero=zero, a2a=a2a)
             try:
-                check_plan(plan, model, training, world)
+                check_plan(model, FRONTIER, training, nodes, plan)
             except PiperError:
-                continue
-            if sched == "interleaved" and (pp < 2 or pp * vs > model.num_layers):
                 continue
             if (pp == 1 and sched == "gpipe") or (ep == 1 and a2a == "halo") or (dp == 1 and plan.edp == 1 and zero) \
                     or (m == 1 and sched == "gpipe"):
                 continue   # duplicates of a kept candidate
             if (ep > 1 and dpn % (ep * etp) == 0 and a2a == "halo") or (rec == "selective" and training.flash_attention):
                 continue   # HALO inside one node is flat; selective recompute under flash attention is none
-            out.add((dp, tp, pp, ep, etp, mbs, m, SCHEDULES.index(sched), vs, RECOMPUTE.index(rec), zero,
-                     A2A.index(a2a)))
+            out.add(tuple(PlanBatch.of(plan).describe(0)[k] for k in ("dp", "tp", "pp", "ep", "etp", "mbs",
+                                                                          "num_microbatches", "schedule",
+                                                                          "virtual_stages", "recompute", "zero",
+                                                                          "a2a")))
     return out
 
 
 def test_vectorised_equals_brute_force_with_check_plan():
     model, training = load_model("tiny-moe"), TrainingSpec(global_batch=16, seq_len=512)
     space = enumerate_space(model, FRONTIER, training, 2)
-    got = {tuple(int(space.fields[k][i]) for k in CANDIDATE_FIELDS) for i in range(len(space))}
-    assert got == _brute_force_valid(model, training, 16, 8)
+    keys = ("dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "virtual_stages", "recompute",
+            "zero", "a2a")
+    got = {tuple(describe(space.fields, i)[k] for k in keys) for i in range(len(space))}
+    assert got == _brute_force_valid(model, training, 2, 8)
     assert len(got) > 100
 
 
@@ -94,7 +98,7 @@ def test_candidates_describe_as_valid_plans():
     space = enumerate_space(model, FRONTIER, training, 8)
     for i in range(0, len(space), max(1, len(space) // 200)):
         d = describe(space.fields, i)
-        check_plan(ParallelPlan(**{k: d[k] for k in CANDIDATE_FIELDS}), model, training, 64)
+        check_plan(model, FRONTIER, training, 8, ParallelPlan(**{k: d[k] for k in CANDIDATE_FIELDS}))
 
 
 def test_piper_strategy_weak_scaling_1024_gcds_structurally_admits_only_pp32_ep32():
@@ -116,9 +120,9 @@ def test_piper_strategy_rules_at_64_gcds():
 def test_a2a_option_restricts_the_algorithm():
     model, training = load_model("mixtral-8x7b"), TrainingSpec()
     halo = enumerate_space(model, FRONTIER, training, 4, SearchOptions(a2a="halo"))
-    assert set(halo.fields["a2a"].tolist()) == {A2A.index("halo")}
+    assert set(halo.fields["a2a"].tolist()) == {A2A.HALO.code}
     flat = enumerate_space(model, FRONTIER, training, 4, SearchOptions(a2a="flat"))
-    assert set(flat.fields["a2a"].tolist()) == {A2A.index("flat")}
+    assert set(flat.fields["a2a"].tolist()) == {A2A.FLAT.code}
 
 
 def test_batch_that_no_dp_divides_is_a_user_error():
@@ -127,35 +131,29 @@ def test_batch_that_no_dp_divides_is_a_user_error():
         enumerate_space(load_model("tiny-moe"), FRONTIER, TrainingSpec(global_batch=4, seq_len=256), 8)
 
 
-def test_code_tables_match_the_cost_model_contract():
-    evaluate = importlib.import_module("piper_plan.cost.evaluate")
-    assert (evaluate.SCHEDULES, evaluate.RECOMPUTE, evaluate.A2A) == (SCHEDULES, RECOMPUTE, A2A)
-
-
 def test_dropped_twins_predict_the_same_as_the_kept_ones():
     """The duplicate rules drop only candidates the cost model prices exactly like their kept twin."""
-    from piper_plan.cost.evaluate import Candidates, evaluate
+    from piper_plan.cost.evaluate import evaluate
 
     model, training = load_model("mixtral-8x7b"), TrainingSpec()
     full = enumerate_space(model, FRONTIER, training, 2, SearchOptions(recompute=("selective",), a2a="halo"))
     kept = {k: v.copy() for k, v in full.fields.items()}
-    kept["recompute"][:] = RECOMPUTE.index("none")
-    kept["a2a"][:] = np.where(FRONTIER.devices_per_node % (kept["ep"] * kept["etp"]) == 0, A2A.index("flat"),
+    kept["recompute"][:] = Recompute.NONE.code
+    kept["a2a"][:] = np.where(FRONTIER.devices_per_node % (kept["ep"] * kept["etp"]) == 0, A2A.FLAT.code,
                               kept["a2a"])
-    a = evaluate(model, FRONTIER, training, 2, Candidates(**full.fields))
-    b = evaluate(model, FRONTIER, training, 2, Candidates(**kept))
+    a = evaluate(model, FRONTIER, training, 2, full.batch())
+    b = evaluate(model, FRONTIER, training, 2, PlanBatch.from_arrays(kept))
     np.testing.assert_allclose(a.step_time_s, b.step_time_s, rtol=1e-12)
     np.testing.assert_allclose(a.peak_memory_bytes, b.peak_memory_bytes, rtol=1e-12)
 
 
 def test_one_microbatch_gpipe_is_priced_as_1f1b():
     """With one micro-batch the two schedules are the same run: the duplicate rule keeps 1F1B only."""
-    from piper_plan.cost.evaluate import Candidates, evaluate
+    from piper_plan.cost.evaluate import evaluate
 
     model, training = load_model("mixtral-8x7b"), TrainingSpec(global_batch=16)
-    base = dict(dp=16, tp=1, pp=2, ep=8, etp=1, mbs=1, num_microbatches=1, virtual_stages=1, recompute=0, zero=1,
-                a2a=0)
-    gpipe = evaluate(model, FRONTIER, training, 4, Candidates(**base, schedule=SCHEDULES.index("gpipe")))
-    ofob = evaluate(model, FRONTIER, training, 4, Candidates(**base, schedule=SCHEDULES.index("1f1b")))
+    base = ParallelPlan(dp=16, tp=1, pp=2, ep=8, mbs=1, num_microbatches=1, zero=1)
+    gpipe = evaluate(model, FRONTIER, training, 4, PlanBatch.of(base.model_copy(update={"schedule": "gpipe"})))
+    ofob = evaluate(model, FRONTIER, training, 4, PlanBatch.of(base))
     np.testing.assert_allclose(gpipe.step_time_s, ofob.step_time_s, rtol=1e-12)
     np.testing.assert_allclose(gpipe.peak_memory_bytes, ofob.peak_memory_bytes, rtol=1e-12)

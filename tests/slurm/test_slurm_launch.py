@@ -42,7 +42,7 @@ def test_sbatch_test_only_accepts_emitted_scripts(slurm_cluster, tmp_path, platf
     plan = write_plan(tmp_path / "plan.json", platform, nodes, parallel)
     result = launch("--plan", plan, "--out", tmp_path / "job", "--account", "piperci")
     assert result.exit_code == 0, result.output
-    answer = submit.test_only(tmp_path / "job" / "job.sbatch")
+    answer = submit.would_accept(tmp_path / "job" / "job.sbatch")
     assert answer.ok, answer.message
     assert "on nodes" in answer.message
 

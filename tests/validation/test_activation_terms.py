@@ -44,7 +44,7 @@ def test_stage_activations_equal_runtime_saved_bytes(name, seq, mbs, pp):
     est = estimate(model, load_platform("local-cpu"), training, 1, plan, options=CostOptions(unfused_kernels=True))
     layers = plan.stage_layers(model.num_layers)
     for stage in range(pp):
-        comps = est["memory"]["per_stage"][stage]["components"]
+        comps = est.memory.per_stage[stage].components
         predicted = sum(v for k, v in comps.items() if k.startswith("activations/"))
         measured = _saved_bytes(model, seq, mbs, sum(layers[:stage]), layers[stage])
         # exact but for a few scalars (the loss, rstd of a [1]-shaped reduction): < 0.1%
@@ -58,8 +58,8 @@ def test_fused_default_is_unchanged_and_smaller():
     plan = ParallelPlan(mbs=1, num_microbatches=1)
     acts = []
     for opts in (CostOptions(), CostOptions(unfused_kernels=True)):
-        comps = estimate(model, load_platform("local-cpu"), training, 1, plan, options=opts)["memory"]["per_stage"][0]
-        acts.append(sum(v for k, v in comps["components"].items() if k.startswith("activations/")))
+        comps = estimate(model, load_platform("local-cpu"), training, 1, plan, options=opts).memory.per_stage[0]
+        acts.append(sum(v for k, v in comps.components.items() if k.startswith("activations/")))
     # per layer, fused: attention 165,888 + MoE 664,576 B; 4 layers + embedding 32,768 + logits 524,288 (hand count)
     assert acts[0] == pytest.approx(4 * (165_888 + 65_536 + 9_216 + 131_072 + 458_752) + 32_768 + 524_288)
     assert acts[1] > acts[0]

@@ -41,7 +41,7 @@ def _plan_dirs(tmp_path):
         plan = ParallelPlan(**par, num_microbatches=8 // (par["dp"] * par["mbs"]))
         d = tmp_path / f"run{i}"
         d.mkdir()
-        write_plan_file(d / "plan.json", model, platform, training, nodes, plan, "compact", {})
+        write_plan_file(d / "plan.json", model, platform, training, nodes, plan, "compact", None)
         dirs.append(d)
     return dirs
 

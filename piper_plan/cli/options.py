@@ -1,0 +1,119 @@
+"""Option bundles shared by the commands, declared once, and the loading of what they name.
+
+Each bundle is a decorator; ``@model_options @training_options`` on a command adds the options and their help.
+``load_setting`` turns the shared options into (model, platform, training) with one-line errors.
+"""
+
+from __future__ import annotations
+
+import click
+
+from piper_plan.errors import PiperError
+from piper_plan.specs.vocab import A2A, LayerSplit, Placement, Recompute, Schedule
+
+DEFAULT_SEQ_LEN = 4096
+"""--seq when not given: min(this, the model's max_seq_len)."""
+
+
+def _bundle(*options):
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return decorate
+
+
+def json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")(f)
+
+
+model_options = _bundle(
+    click.option("--model", "model_name", required=True, help="Catalog name or YAML/JSON path."),
+    click.option("--platform", "platform_name", required=True, help="Catalog name or YAML/JSON path."),
+)
+
+training_options = _bundle(
+    click.option("--seq", "seq_len", type=int, default=None,
+                 help=f"Sequence length, tokens (default: {DEFAULT_SEQ_LEN}, or the model's max_seq_len if smaller)."),
+    click.option("--global-batch", type=int, default=1024, show_default=True, help="Sequences per step."),
+)
+
+placement_option = click.option("--placement", type=click.Choice(Placement.values()), default="compact",
+                                show_default=True, help="Allocation shape.")
+
+parallel_options = _bundle(
+    click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel degree (dense weights)."),
+    click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
+    click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages."),
+    click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree."),
+    click.option("--etp", type=int, default=1, show_default=True, help="Tensor-parallel degree inside an expert."),
+    click.option("--mbs", type=int, default=1, show_default=True, help="Micro-batch size, sequences."),
+    click.option("--schedule", type=click.Choice(Schedule.values()), default="1f1b", show_default=True),
+    click.option("--virtual-stages", type=int, default=None, help="Model chunks per rank (interleaved; default 2)."),
+    click.option("--recompute", type=click.Choice(Recompute.values()), default="none", show_default=True),
+    click.option("--zero", type=click.Choice(["0", "1"]), default="1", show_default=True, help="ZeRO stage."),
+    click.option("--a2a", type=click.Choice(A2A.values()), default="flat", show_default=True),
+    click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
+                 help="Megatron sequence parallelism with tp > 1."),
+    click.option("--layers-split", type=click.Choice([s.value for s in LayerSplit if s != LayerSplit.EXPLICIT]),
+                 default="auto", show_default=True,
+                 help="Layers per stage: even, FLOP-balanced, or auto (what `piper plan` picks: the one that fits, "
+                      "then the faster)."),
+    click.option("--layers-per-stage", default=None, help="Explicit layers per stage, e.g. 16,16,15,14."),
+)
+
+
+def load_setting(model_name: str, platform_name: str, seq_len: int | None, global_batch: int,
+                 routing_skew: float = 1.0):
+    """(model, platform, training) from the shared options; --seq defaults to min(4096, max_seq_len)."""
+    from pydantic import ValidationError
+
+    from piper_plan.catalog import load_model, load_platform, validation_message
+    from piper_plan.specs import TrainingSpec
+
+    model, platform = load_model(model_name), load_platform(platform_name)
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, model.max_seq_len or DEFAULT_SEQ_LEN)
+    try:
+        training = TrainingSpec.for_device(platform.launch.device, seq_len=seq_len, global_batch=global_batch,
+                                           routing_skew=routing_skew)
+    except ValidationError as exc:
+        raise PiperError(validation_message(exc), field="training options") from None
+    return model, platform, training
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    """'16,16,15' -> [16, 16, 15]."""
+    if text is None:
+        return None
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise PiperError(f"{text!r}; allowed: comma-separated layer counts, e.g. 16,16,15",
+                         field="--layers-per-stage") from None
+    return layers
+
+
+def build_plan(model, platform, training, nodes: int, **options):
+    """A ParallelPlan from the parallel options, checked by the one validity check (plans.check_plan)."""
+    from pydantic import ValidationError
+
+    from piper_plan.catalog import validation_message
+    from piper_plan.plans import check_plan
+    from piper_plan.specs import ParallelPlan
+
+    layers = parse_layers(options.pop("layers_per_stage"))
+    if layers is not None:
+        if options["layers_split"] != "auto":
+            raise PiperError("give --layers-split or --layers-per-stage, not both", field="--layers-per-stage")
+        options["layers_split"] = LayerSplit.EXPLICIT
+    if options["virtual_stages"] is None:
+        options["virtual_stages"] = 2 if options["schedule"] == "interleaved" else 1
+    dp, mbs = options["dp"], options["mbs"]
+    options["num_microbatches"] = max(training.global_batch // max(dp * mbs, 1), 1)
+    try:
+        plan = ParallelPlan(**{**options, "zero": int(options["zero"])}, layers_per_stage=layers)
+    except ValidationError as exc:
+        raise PiperError(validation_message(exc), field="parallel") from None
+    check_plan(model, platform, training, nodes, plan)
+    return plan

@@ -1,0 +1,92 @@
+"""Per-layer and per-stage time terms of candidate plans (arrays [N]): which scope each parallel group spans,
+seconds per layer per micro-batch by breakdown name, and the pipeline p2p. Used by cost/batch.py, the one
+pricing pipeline.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from piper_plan.cost import stage as stg
+from piper_plan.placement.layout import span_arrays, stage_pair_scope
+from piper_plan.plans import PlanBatch
+from piper_plan.specs.vocab import Recompute
+
+
+def spans(alloc, c: PlanBatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(scope index, nodes spanned) of each parallel group kind, per candidate."""
+    out = {}
+    for name, stride, count in (("tp", 1, c.tp), ("ep", c.etp, c.ep), ("etp", 1, c.etp), ("dp", c.tp, c.dp),
+                                ("edp", c.ep * c.etp, c.edp)):
+        scope, nodes, _ = span_arrays(alloc, stride, count)
+        out[name] = (scope, nodes)
+    out["pp"] = (stage_pair_scope(alloc, c.dp * c.tp), None)
+    return out
+
+
+def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
+    """Seconds per micro-batch by breakdown name: {name: (per dense layer, per MoE layer)} (arrays [N]); the
+    LM head's (seconds, 0) under "compute/lm_head" (it runs once, on the last stage)."""
+    o = ctx.opts
+    comp = stg.layer_compute_seconds(ctx, c)
+    comm = stg.layer_comm_seconds(ctx, c, group_spans)
+    zero = np.zeros(len(c))
+    fb = lambda name: comp[name][0] + comp[name][1] if name in comp else zero   # noqa: E731
+    fwd = lambda name: comp[name][0] if name in comp else zero                  # noqa: E731
+    dense_b, moe_b = stg.elementwise_bytes_per_layer(ctx, c, acts)
+    elem_d, elem_m = ctx.rates.memory_seconds(dense_b), ctx.rates.memory_seconds(moe_b)
+    attn = fb("attention") + fb("attention_core")
+    full = c.recompute == Recompute.FULL.code
+    # selective recompute re-runs the attention core: its GEMMs and its softmax / mask / dropout kernels, which
+    # write and read the s^2 tensors once more (the same elementwise rule as elementwise_bytes_per_layer)
+    core_elem = ctx.rates.memory_seconds(2 * acts["attention_core"])
+    sel = zero if ctx.training.flash_attention else \
+        np.where(c.recompute == Recompute.SELECTIVE.code, fwd("attention_core") + core_elem, 0.0)
+    attn_fwd = fwd("attention") + fwd("attention_core")
+    rec_d = np.where(full, attn_fwd + fwd("mlp") + elem_d, sel)
+    rec_m = np.where(full, attn_fwd + fwd("router") + fwd("experts") + fwd("shared_experts") + elem_m, sel)
+    passes = 2 + full                                         # forward, backward, + recompute forward
+    tp = comm["tp"] * passes * (1 - o.tp_overlap)
+    per_layer = {
+        "compute/attention": (attn, attn), "compute/mlp": (fb("mlp"), zero),
+        "compute/router": (zero, fb("router")), "compute/experts": (zero, fb("experts")),
+        "compute/shared_experts": (zero, fb("shared_experts")),
+        "compute/elementwise": (3 * elem_d, 3 * elem_m), "compute/recompute": (rec_d, rec_m),
+        "comm/tp": (tp, tp),
+    }
+    if "a2a_intra" in comm:
+        per_layer["comm/etp"] = (zero, comm["etp"] * passes * (1 - o.tp_overlap))
+        for part in ("dispatch", "combine"):
+            for where, key in (("intra_node", "a2a_intra"), ("inter_node", "a2a_inter")):
+                per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
+    head_f, head_b = stg._gemm(ctx, c.mbs * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
+                               ctx.model.hidden_size)
+    per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms
+    overhead = getattr(ctx.rates.calibration, "overhead", None)
+    if overhead is not None:                                     # measured framework overhead (cost/overhead.py)
+        from piper_plan.cost.overhead import overhead_terms
+
+        extra, head_s, scale = overhead_terms(ctx, c, group_spans, overhead)
+        per_layer = {k: ((d * scale, m * scale) if k.startswith("compute/") else (d, m))
+                     for k, (d, m) in per_layer.items()}
+        per_layer.update(extra)
+        per_layer["compute/lm_head"] = (per_layer["compute/lm_head"][0] + head_s, zero)
+    return per_layer
+
+
+def p2p_seconds(ctx, c: PlanBatch, group_spans) -> np.ndarray:
+    """Activations forward and gradients backward across one stage boundary per micro-batch (x v chunks).
+
+    Each tp rank sends 1/tp of the activation (Megatron's scatter/gather optimisation, Narayanan et al.
+    2021 sec. 4.1; with sequence parallelism the activation is split anyway); the intra-node all-gather that
+    follows is small and not counted."""
+    nbytes = c.mbs * ctx.training.seq_len * ctx.model.hidden_size * ctx.training.activation_bytes / c.tp
+    t = 2 * ctx.net.seconds("p2p", 2, nbytes, group_spans["pp"][0]) * c.virtual_stages
+    return np.where(c.pp > 1, t * (1 - ctx.opts.p2p_overlap), 0.0)
+
+
+def layer_terms(ctx, alloc, sub: PlanBatch, acts):
+    """Per-layer time coefficients {name: (per dense layer, per MoE layer)} and the LM head's seconds, for
+    candidates ``sub`` (one row per distinct cost/batch.py's KEY_TIME)."""
+    terms = _time_terms(ctx, sub, spans(alloc, sub), acts)
+    return terms, terms.pop("compute/lm_head")[0]

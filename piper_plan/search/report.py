@@ -1,0 +1,108 @@
+"""What a search found, as plain data: ranked rows, the JSON document of ``piper plan``, the winner against
+its runner-up, what to do when nothing fits, and the chosen plan with its prediction. Pure (no rich, no click);
+the CLI renders it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from piper_plan.errors import PiperError
+
+COMPARED_FIELDS = ("dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "recompute", "zero", "a2a")
+"""Plan fields the winner / runner-up comparison names when they differ."""
+
+
+def plan_rows(result, training, top: int) -> list[dict]:
+    """The best ``top`` plans as dicts (degrees, figures, node-hours to train)."""
+    rows = []
+    for rank_index, i in enumerate(result.order[:top] if top > 0 else result.order, start=1):
+        row = {"rank": rank_index, **result.row(int(i))}
+        row["node_hours_to_train"] = training.tokens_to_train / row["tokens_per_s"] / 3600.0 * result.nodes
+        rows.append(row)
+    return rows
+
+
+def result_json(result, model, platform, training, top: int) -> dict:
+    return {
+        "model": model.name, "platform": platform.name, "nodes": result.nodes, "world": result.world,
+        "seq_len": training.seq_len, "global_batch": training.global_batch,
+        "candidates_enumerated": result.candidates_total,
+        "cost_model_evaluations": len(result.fields["dp"]),
+        "feasible": result.feasible,
+        "infeasible_reasons": result.reasons,
+        "unsupported_features": result.unsupported,
+        "search_seconds": result.search_seconds,
+        "memory_limit_bytes": result.memory_limit_bytes,
+        "plans": plan_rows(result, training, top),
+        "pareto": [result.row(int(i)) for i in result.pareto],
+    }
+
+
+def runner_up(result) -> int | None:
+    """The best plan with other degrees (dp, tp, pp, ep, etp) than the winner; else simply the second plan.
+
+    Plans that differ only in a setting the model predicts no effect for (selective recompute with flash
+    attention, say) tie with the winner and say nothing about what separates it from the alternatives."""
+    if result.feasible < 2:
+        return None
+    f, order = result.fields, result.order
+    w = order[0]
+    differs = np.zeros(len(order) - 1, dtype=bool)
+    for k in ("dp", "tp", "pp", "ep", "etp"):
+        differs |= f[k][order[1:]] != f[k][w]
+    hits = np.flatnonzero(differs)
+    return int(order[1 + hits[0]]) if len(hits) else int(order[1])
+
+
+def explain_json(result) -> dict:
+    """The winner's breakdown (seconds per step by component) beside the runner-up's, and what differs."""
+    winner = int(result.order[0])
+    runner = runner_up(result)
+    breakdown = result.evaluation.breakdown
+    out = {"winner": result.row(winner), "runner_up": result.row(runner) if runner is not None else None,
+           "breakdown": {}}
+    for name in sorted(breakdown):
+        values = np.asarray(breakdown[name])
+        w = float(values[winner])
+        r = float(values[runner]) if runner is not None else None
+        out["breakdown"][name] = {"winner_s": w, "runner_up_s": r, "delta_s": None if r is None else r - w}
+    if runner is not None:
+        a, b = out["winner"], out["runner_up"]
+        out["differences"] = {k: [a[k], b[k]] for k in COMPARED_FIELDS if a[k] != b[k]}
+    return out
+
+
+def nothing_fits_json(model, platform, training, result, options, kwargs) -> dict:
+    """The closest candidates, their overflow, and the node count that would fit (if any)."""
+    from piper_plan.search import engine, rank
+
+    closest = [result.row(int(i)) for i in rank.closest_to_fitting(result.evaluation, result.memory_limit_bytes, 5)]
+    for row in closest:
+        row["overflow_bytes"] = max(0, row["peak_memory_bytes"] - int(result.memory_limit_bytes))
+    start = result.nodes + 1
+    needed = None
+    if start <= platform.node_limit:
+        try:
+            needed, _ = engine.min_nodes(model, platform, training, options, start=start, **kwargs)
+        except PiperError:      # a larger allocation is not a valid question (batch, nodes): none found
+            needed = None
+    return {"model": model.name, "platform": platform.name, "nodes": result.nodes, "feasible": 0,
+            "candidates_enumerated": result.candidates_total, "infeasible_reasons": result.reasons,
+            "search_seconds": result.search_seconds, "memory_limit_bytes": result.memory_limit_bytes,
+            "plans": [], "closest": closest, "nodes_needed": needed,
+            "all_closest_use_full_recompute": all(r["recompute"] == "full" for r in closest)}
+
+
+def best_plan(model, platform, training, result, placement, calibration, cost_options=None):
+    """The best plan with the layer split the search priced it with (cost/pipeline.py's rule: even or
+    FLOP-balanced), and ``estimate``'s prediction of it, which equals its row in the ranking."""
+    from piper_plan.cost.evaluate import estimate
+
+    plan = result.plan(model, training, result.best)
+    extra = {} if cost_options is None else {"options": cost_options}
+    prediction = estimate(model, platform, training, result.nodes, plan, calibration=calibration, placement=placement,
+                          **extra)
+    return plan, prediction
+
+

@@ -1,0 +1,106 @@
+"""Estimate: the cost model's prediction of one plan, typed (``piper estimate --json`` and plan.json's
+``prediction``). Written by ``cost.evaluate.estimate``; validated whenever plan.json is read, so a tampered
+prediction is one line naming the field, never a traceback in ``launch`` or ``compare``.
+
+Every number is finite (``allow_inf_nan=False``); byte and second counts are non-negative.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from piper_plan.specs.base import Spec
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class StageMemory(Spec):
+    """One pipeline stage of one rank."""
+
+    stage: int = Field(ge=0)
+    layers: int = Field(ge=0)
+    moe_layers: int = Field(ge=0)
+    total_bytes: NonNegative
+    """Peak bytes of the stage's rank, fragmentation and framework overhead included."""
+    components: dict[str, NonNegative]
+    """Bytes by component (weights, gradients, optimizer, activations/..., fragmentation, framework)."""
+    time_per_microbatch_s: NonNegative
+    """Forward + backward seconds of one micro-batch on this stage (its p2p included)."""
+
+
+class MemoryEstimate(Spec):
+    peak_bytes: NonNegative
+    device_bytes: Positive
+    overflow_bytes: NonNegative
+    per_stage: list[StageMemory]
+
+
+class TimeEstimate(Spec):
+    breakdown: dict[str, NonNegative]
+    """Seconds per step by component (bottleneck stage); they sum to the step time."""
+
+
+class TrainingTotals(Spec):
+    steps: NonNegative
+    time_to_train_s: NonNegative
+    node_hours: NonNegative
+
+
+class CheckpointSize(Spec):
+    total_bytes: NonNegative
+    bytes_per_param: NonNegative
+    per_rank_bytes: NonNegative
+
+
+class Sources(Spec):
+    """Where the figures came from."""
+
+    compute: str
+    extrapolated: bool
+    collectives_calibrated: list[str]
+    collectives_fallback: str
+    a2a_algorithm: str
+    a2a: str
+
+
+class OtherPlacement(Spec):
+    """The same plan on the other allocation shape, when its step time differs."""
+
+    placement: str
+    step_time_s: Positive
+    tokens_per_s: Positive
+    scopes: dict[str, str]
+
+
+class Estimate(Spec):
+    """One plan's prediction."""
+
+    step_time_s: Positive
+    tokens_per_s: Positive
+    tflops_per_device: NonNegative
+    mfu: NonNegative
+    hfu: NonNegative
+    a2a_share: NonNegative
+    fits: bool
+    memory: MemoryEstimate
+    time: TimeEstimate
+    training: TrainingTotals
+    checkpoint: CheckpointSize
+    model_flops_per_token: NonNegative
+    scopes: dict[str, str]
+    """Network scope each parallel group spans (tp, ep, etp, dp, edp, pp)."""
+    placement: str
+    nodes: int = Field(ge=1)
+    layers_per_stage: list[int] = []
+    """The layer split the plan was priced with (empty in plan.json files of schema 1)."""
+    sources: Sources
+    options: dict[str, bool | float]
+    """The CostOptions in force."""
+    other_placement: OtherPlacement | None = None
+
+    def to_json(self) -> dict:
+        return self.model_dump(mode="json", exclude_none=True)
