@@ -4,12 +4,6 @@ pipeline stage, the schedule's step time, and ``evaluate`` / ``estimate`` over p
 Modules: params (splitting parameters), memory (state + activations), flops (FLOPs, the MFU convention),
 compute (achieved rates: calibration or roofline), comm (collectives, flat / HALO all-to-all), stage
 (per-stage memory and time), terms (per-layer time terms), pipeline (stages and schedules), step (sync,
-optimizer, totals), batch (the one pricing pipeline), evaluate (its entry points).
+optimizer, totals), batch (the one pricing pipeline), evaluate (its entry points: ``evaluate``, ``estimate``).
+Import the module you need; this package file imports nothing, so the modules form an acyclic graph.
 """
-
-from piper_plan.cost.evaluate import Evaluation, estimate, evaluate
-from piper_plan.cost.flops import model_flops_per_token
-from piper_plan.cost.memory import rank_param_counts
-from piper_plan.cost.options import CostOptions
-
-__all__ = ["CostOptions", "Evaluation", "estimate", "evaluate", "model_flops_per_token", "rank_param_counts"]

@@ -9,8 +9,10 @@ Each function counts the weights of one module the way its reference implementat
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from piper_plan.specs.model import AttentionSpec, FFNSpec, ModelSpec, MoESpec, NormSpec
+if TYPE_CHECKING:       # annotations only: ModelSpec.params calls count_params, so no import back at run time
+    from piper_plan.specs.model import AttentionSpec, FFNSpec, ModelSpec, MoESpec, NormSpec
 
 
 @dataclass(frozen=True)
