@@ -23,9 +23,9 @@ import numpy as np
 
 from piper_plan.cost import stage as stg
 from piper_plan.cost.memory import in_flight
-from piper_plan.cost.params import rank_stage_params
+from piper_plan.cost.overhead import optimizer_step_overhead
 from piper_plan.cost.pipeline import bubble_microbatches, explicit_stage_rows, stage_layers, stage_rows
-from piper_plan.cost.params import moe_prefix
+from piper_plan.cost.params import moe_prefix, rank_stage_params
 from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds
 from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
@@ -150,6 +150,7 @@ def sync_by_key(ctx, sub, group_spans) -> dict[str, np.ndarray]:
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, sub.tp, sub.ep, sub.etp)
     dense, expert = per_split_max(dense + 0.0 * split, split), per_split_max(expert + 0.0 * split, split)
     dense, expert = np.maximum(dense, 0.0), np.maximum(expert, 0.0)     # a missing split: any finite stand-in
+    overhead = per_split_max(optimizer_step_overhead(ctx, st, sub.world) + 0.0 * split, split)
     o = ctx.opts
     out = {"dp/sync/dense": [], "dp/sync/expert": [], "optimizer/step": []}
     for v in SPLITS:
@@ -157,7 +158,8 @@ def sync_by_key(ctx, sub, group_spans) -> dict[str, np.ndarray]:
                                          group_spans["edp"][0])
         out["dp/sync/dense"].append(sync_d * (1 - o.dp_overlap))
         out["dp/sync/expert"].append(sync_e * (1 - o.dp_overlap))
-        out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub))
+        out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub)
+                                     + np.maximum(overhead[v], 0.0))
     return {k: np.stack(v) for k, v in out.items()}
 
 

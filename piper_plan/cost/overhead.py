@@ -84,8 +84,34 @@ def layer_overhead_seconds(ov: FrameworkOverhead, local_experts, has_moe: bool, 
 
 
 def optimizer_overhead_seconds(ov: FrameworkOverhead, param_tensors):
-    """The optimizer step's fixed cost for ``param_tensors`` tensors (one optimizer call per gradient group)."""
+    """The optimizer step's fixed cost for ``param_tensors`` tensors of one optimizer call (one call per gradient
+    group: runtime/train.py's Optimizers)."""
     return np.where(np.asarray(param_tensors) > 0, ov.optimizer_s + ov.optimizer_per_tensor_s * param_tensors, 0.0)
+
+
+def optimizer_step_overhead(ctx, st, world):
+    """Framework seconds of one optimizer step on stages ``st`` ([S, N]): the dense and the expert gradient
+    group each one optimizer call over its tensors (embedding on the first stage; final norm and LM head on
+    the last), times the slowdown of the ranks sharing a host. 0 without measured overhead."""
+    ov = getattr(ctx.rates.calibration, "overhead", None)
+    if ov is None:
+        return 0.0 * st.layers
+    model = ctx.model
+    dense_t, moe_t = param_tensors_per_layer(model)
+    expert_t = expert_tensors_per_layer(model)
+    ends = np.where(st.first, 1, 0) + np.where(st.last, 1 + (0 if model.tie_embeddings else 1), 0)
+    dense = st.dense_layers * dense_t + st.moe_layers * (moe_t - expert_t) + ends
+    expert = st.moe_layers * expert_t
+    share = ov.slowdown(ranks_per_host(ctx.platform, world))
+    return (optimizer_overhead_seconds(ov, dense) + optimizer_overhead_seconds(ov, expert)) * share
+
+
+def expert_tensors_per_layer(model) -> int:
+    """The stacked routed-expert weights of one MoE layer (w_in [, w_gate], w_out [+ biases]): the expert group."""
+    if model.moe is None:
+        return 0
+    ffn = model.moe.expert
+    return (3 if ffn.gated else 2) * (2 if ffn.bias else 1)
 
 
 def param_tensors_per_layer(model) -> tuple[int, int]:

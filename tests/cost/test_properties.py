@@ -335,3 +335,38 @@ def test_halo_phases_use_node_calibration_and_say_so(tmp_path):
     assert slow.sources.a2a.startswith("HALO phases I/III: calibration all_to_all@node")
     intra = lambda r: sum(v for k, v in r.time.breakdown.items() if k.endswith("intra_node"))  # noqa: E731
     assert intra(slow) > 2 * intra(base)
+
+
+def test_optimizer_framework_overhead_is_priced():
+    """With a measured overhead.csv the optimizer step pays one call per gradient group, a + b x tensors each,
+    times the host slowdown. tiny-moe on one stage: 4 layers; dense group = embedding + final norm + LM head +
+    per layer (2 norms + q k v o + router) ... counted by param_tensors_per_layer; expert group = the stacked
+    expert weights of every MoE layer."""
+    from dataclasses import replace as dc_replace
+
+    from piper_plan.calibration import load_calibration
+    from piper_plan.calibration.overhead import load_overhead
+    from piper_plan.catalog import calibration_dir
+    from piper_plan.cost.overhead import expert_tensors_per_layer, param_tensors_per_layer, ranks_per_host
+
+    model, local = load_model("tiny-moe"), load_platform("local-cpu")
+    training = TrainingSpec.for_device("cpu", seq_len=64, global_batch=4)
+    import copy
+
+    ov = load_overhead(calibration_dir("local-cpu"))
+    cal, silent = load_calibration("local-cpu"), None
+    cal.overhead = ov
+    silent = copy.copy(cal)
+    silent.overhead = dc_replace(ov, optimizer_s=0.0, optimizer_per_tensor_s=0.0)
+    plan = ParallelPlan(dp=2, ep=2, num_microbatches=2)
+    priced = estimate(model, local, training, 1, plan, calibration=cal).time.breakdown["optimizer/step"]
+    none = estimate(model, local, training, 1, plan, calibration=silent)
+    dense_t, moe_t = param_tensors_per_layer(model)
+    expert_t = expert_tensors_per_layer(model)
+    layers, moe_layers = model.num_layers, model.num_moe_layers
+    dense = (layers - moe_layers) * dense_t + moe_layers * (moe_t - expert_t) + 3
+    expert = moe_layers * expert_t
+    by_hand = (2 * ov.optimizer_s + ov.optimizer_per_tensor_s * (dense + expert)) * ov.slowdown(
+        ranks_per_host(local, 2))
+    assert priced - none.time.breakdown["optimizer/step"] == pytest.approx(float(by_hand), rel=1e-9)
+    assert by_hand > 0
