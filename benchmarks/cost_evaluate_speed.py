@@ -11,19 +11,22 @@ import time
 import numpy as np
 
 from piper_plan.catalog import load_model, load_platform
-from piper_plan.cost.evaluate import Candidates, evaluate
+from piper_plan.cost.evaluate import evaluate
+from piper_plan.plans import PlanBatch
+from piper_plan.specs.vocab import LayerSplit
 from piper_plan.specs import TrainingSpec
 
 
-def random_candidates(rng, count: int, world: int, experts: int, layers: int) -> Candidates:
+def random_candidates(rng, count: int, world: int, experts: int, layers: int) -> PlanBatch:
     """Valid power-of-two degrees for ``world`` ranks, every schedule / recompute / zero / a2a."""
     tp = rng.choice([1, 2, 4, 8], count)
     pp = rng.choice([p for p in (1, 2, 4, 8, 16, 32) if p <= layers], count)
     dp = world // (tp * pp)
     ep = np.minimum(rng.choice([1, 2, 4, 8, 16, 32, 64], count), np.minimum(dp * tp, experts))
-    return Candidates(dp=dp, tp=tp, pp=pp, ep=ep, etp=1, mbs=rng.choice([1, 2, 4], count), num_microbatches=16,
+    return PlanBatch(dp=dp, tp=tp, pp=pp, ep=ep, etp=1, mbs=rng.choice([1, 2, 4], count), num_microbatches=16,
                       schedule=rng.integers(0, 2, count), virtual_stages=1, recompute=rng.integers(0, 3, count),
-                      zero=rng.integers(0, 2, count), a2a=rng.integers(0, 2, count))
+                      zero=rng.integers(0, 2, count), a2a=rng.integers(0, 2, count), sequence_parallel=1,
+                     layers_split=LayerSplit.AUTO.code)
 
 
 def main() -> None:

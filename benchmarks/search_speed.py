@@ -42,7 +42,7 @@ def best_seconds(fn, repeat: int) -> float:
 def evaluations_per_second(n_candidates: int, repeat: int) -> tuple[float, int]:
     from piper_plan.catalog import load_model, load_platform
     from piper_plan.cost.evaluate import evaluate
-    from piper_plan.search.engine import make_candidates
+    from piper_plan.plans import PlanBatch
     from piper_plan.search.space import enumerate_space
     from piper_plan.specs import TrainingSpec
 
@@ -50,7 +50,7 @@ def evaluations_per_second(n_candidates: int, repeat: int) -> tuple[float, int]:
     space = enumerate_space(model, platform, training, 2048)
     reps = -(-n_candidates // len(space))
     fields = {k: np.tile(v, reps)[:n_candidates] for k, v in space.fields.items()}
-    cand = make_candidates(fields)
+    cand = PlanBatch.from_arrays(fields)
     seconds = best_seconds(lambda: evaluate(model, platform, training, 2048, cand), repeat)
     return n_candidates / seconds, len(space)
 
@@ -60,7 +60,7 @@ def distinct_evaluations_per_second(n_candidates: int, repeat: int) -> float:
     ... so that no per-key reuse in the cost model can exploit the tiling (the honest worst case)."""
     from piper_plan.catalog import load_model, load_platform
     from piper_plan.cost.evaluate import evaluate
-    from piper_plan.search.engine import make_candidates
+    from piper_plan.plans import PlanBatch
     from piper_plan.search.space import enumerate_space
     from piper_plan.specs import TrainingSpec
 
@@ -70,7 +70,7 @@ def distinct_evaluations_per_second(n_candidates: int, repeat: int) -> float:
     fields = {k: np.tile(v, reps)[:n_candidates] for k, v in space.fields.items()}
     copy = np.repeat(np.arange(reps), len(space))[:n_candidates]
     fields["num_microbatches"] = fields["num_microbatches"] * (1 + copy)
-    cand = make_candidates(fields)
+    cand = PlanBatch.from_arrays(fields)
     return n_candidates / best_seconds(lambda: evaluate(model, platform, training, 2048, cand), repeat)
 
 

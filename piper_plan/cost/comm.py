@@ -57,6 +57,14 @@ def alpha_beta_seconds(op: str, n, nbytes, bandwidth_Bps, latency_s):
     return np.where(n > 1, t, 0.0) if op != "p2p" else t
 
 
+def calibrated_pairs(calibration) -> frozenset[tuple[str, str]]:
+    """The (op, scope) pairs the calibration has collective rows for, read once."""
+    if calibration is None:
+        return frozenset()
+    return frozenset((op.value, scope) for op in CollectiveOp for scope in SCOPES
+                     if calibration.has_collective(op.value, scope))
+
+
 class Network:
     """Collective times on one platform, calibrated per (op, scope) where data exists."""
 
@@ -65,9 +73,10 @@ class Network:
         self.bw, self.lat = scope_tables(platform)
         self.extrapolated = False
         self.calibrated_ops: set[str] = set()
+        self._calibrated_pairs = calibrated_pairs(calibration)
 
     def _calibrated(self, op: str, scope: str) -> bool:
-        return self.calibration is not None and self.calibration.has_collective(op, scope)
+        return (op, scope) in self._calibrated_pairs
 
     def seconds(self, op: str, n, nbytes, scope):
         """Time of ``op`` over n ranks whose widest scope index is ``scope`` (arrays broadcast)."""
