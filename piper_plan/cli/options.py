@@ -9,10 +9,18 @@ from __future__ import annotations
 import click
 
 from piper_plan.errors import PiperError
+from piper_plan.specs.parallel import ParallelPlan
+from piper_plan.specs.training import TrainingSpec
 from piper_plan.specs.vocab import A2A, LayerSplit, Placement, Recompute, Schedule
 
-DEFAULT_SEQ_LEN = 4096
+DEFAULT_SEQ_LEN = TrainingSpec.model_fields["seq_len"].default
 """--seq when not given: min(this, the model's max_seq_len)."""
+
+
+def _plan_default(name: str):
+    """ParallelPlan's default of a field: the one place a plan default lives (the CLI shows it, never restates it)."""
+    value = ParallelPlan.model_fields[name].default
+    return getattr(value, "value", value)
 
 
 def _bundle(*options):
@@ -35,28 +43,35 @@ model_options = _bundle(
 training_options = _bundle(
     click.option("--seq", "seq_len", type=int, default=None,
                  help=f"Sequence length, tokens (default: {DEFAULT_SEQ_LEN}, or the model's max_seq_len if smaller)."),
-    click.option("--global-batch", type=int, default=1024, show_default=True, help="Sequences per step."),
+    click.option("--global-batch", type=int, default=TrainingSpec.model_fields["global_batch"].default,
+                 show_default=True, help="Sequences per step."),
 )
 
 placement_option = click.option("--placement", type=click.Choice(Placement.values()), default="compact",
                                 show_default=True, help="Allocation shape.")
 
 parallel_options = _bundle(
-    click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel degree (dense weights)."),
-    click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
-    click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages."),
-    click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree."),
-    click.option("--etp", type=int, default=1, show_default=True, help="Tensor-parallel degree inside an expert."),
-    click.option("--mbs", type=int, default=1, show_default=True, help="Micro-batch size, sequences."),
-    click.option("--schedule", type=click.Choice(Schedule.values()), default="1f1b", show_default=True),
+    click.option("--dp", type=int, default=_plan_default("dp"), show_default=True,
+                 help="Data-parallel degree (dense weights)."),
+    click.option("--tp", type=int, default=_plan_default("tp"), show_default=True, help="Tensor-parallel degree."),
+    click.option("--pp", type=int, default=_plan_default("pp"), show_default=True, help="Pipeline stages."),
+    click.option("--ep", type=int, default=_plan_default("ep"), show_default=True, help="Expert-parallel degree."),
+    click.option("--etp", type=int, default=_plan_default("etp"), show_default=True,
+                 help="Tensor-parallel degree inside an expert."),
+    click.option("--mbs", type=int, default=_plan_default("mbs"), show_default=True,
+                 help="Micro-batch size, sequences."),
+    click.option("--schedule", type=click.Choice(Schedule.values()), default=_plan_default("schedule"),
+                 show_default=True),
     click.option("--virtual-stages", type=int, default=None, help="Model chunks per rank (interleaved; default 2)."),
-    click.option("--recompute", type=click.Choice(Recompute.values()), default="none", show_default=True),
-    click.option("--zero", type=click.Choice(["0", "1"]), default="1", show_default=True, help="ZeRO stage."),
-    click.option("--a2a", type=click.Choice(A2A.values()), default="flat", show_default=True),
-    click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
-                 help="Megatron sequence parallelism with tp > 1."),
+    click.option("--recompute", type=click.Choice(Recompute.values()), default=_plan_default("recompute"),
+                 show_default=True),
+    click.option("--zero", type=click.Choice(["0", "1"]), default=str(_plan_default("zero")), show_default=True,
+                 help="ZeRO stage."),
+    click.option("--a2a", type=click.Choice(A2A.values()), default=_plan_default("a2a"), show_default=True),
+    click.option("--sequence-parallel/--no-sequence-parallel", default=_plan_default("sequence_parallel"),
+                 show_default=True, help="Megatron sequence parallelism with tp > 1."),
     click.option("--layers-split", type=click.Choice([s.value for s in LayerSplit if s != LayerSplit.EXPLICIT]),
-                 default="auto", show_default=True,
+                 default=_plan_default("layers_split"), show_default=True,
                  help="Layers per stage: even, FLOP-balanced, or auto (what `piper plan` picks: the one that fits, "
                       "then the faster)."),
     click.option("--layers-per-stage", default=None, help="Explicit layers per stage, e.g. 16,16,15,14."),
