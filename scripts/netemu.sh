@@ -23,7 +23,7 @@
 # GLOO_SOCKET_IFNAME (uplink LOCAL_RANK mod U) and PIPER_EMULATE_TOPOLOGY=NxG set, waits for them (a rank that
 # fails stops the others; --timeout S stops all, exit 124), and tears the network down whatever happened.
 # Exit 3: refused (not root, no iproute2, no sch_netem for a latency, bad argument).
-set -euo pipefail
+set -Eeuo pipefail
 
 SUBNET=10.231
 MTU=9000
@@ -86,7 +86,7 @@ shape() {  # shape NS DEV
   local bits burst limit
   bits=$(awk -v r="$rate_GBps" 'BEGIN { printf "%.0f", r * 8e9 }')
   burst=$(awk -v r="$rate_GBps" 'BEGIN { b = r * 1e9 * 50e-6; printf "%.0f", (b < 65536 ? 65536 : b) }')
-  limit=$(awk -v r="$rate_GBps" 'BEGIN { l = r * 1e9 * 20e-3; printf "%.0f", (l < 262144 ? 262144 : l) }')
+  limit=$(awk -v r="$rate_GBps" 'BEGIN { l = r * 1e9 * 5e-3; printf "%.0f", (l < 131072 ? 131072 : l) }')
   if ((latency_us > 0)); then
     tc -n "$1" qdisc add dev "$2" root handle 1: netem delay "${latency_us}us"
     tc -n "$1" qdisc add dev "$2" parent 1: handle 2: tbf rate "${bits}bit" burst "$burst" limit "$limit"
@@ -95,7 +95,7 @@ shape() {  # shape NS DEV
   fi
 }
 
-sysctl_ns() { ip netns exec "$1" sh -c "echo $3 > /proc/sys/net/ipv4/conf/$2/rp_filter"; }
+sysctl_ns() { ip netns exec "$1" sh -c "echo '$3' > /proc/sys/net/ipv4/$2"; }
 
 up() {
   [[ -z $(namespaces) ]] || refuse "a network named '$name' is already up (scripts/netemu.sh down --name $name)"
@@ -111,12 +111,15 @@ up() {
     ns="${name}-n$i"
     ip netns add "$ns"
     ip -n "$ns" link set lo up
-    sysctl_ns "$ns" all 0
+    sysctl_ns "$ns" conf/all/rp_filter 0
+    sysctl_ns "$ns" tcp_slow_start_after_idle 0
+    sysctl_ns "$ns" tcp_wmem "4096 65536 16777216"
+    sysctl_ns "$ns" tcp_rmem "4096 131072 16777216"
     for ((k = 0; k < uplinks; k++)); do
       ip link add "up$k" netns "$ns" type veth peer name "n${i}u$k" netns "$br"
       ip -n "$ns" addr add "$SUBNET.$k.$((i + 1))/24" dev "up$k"
       ip -n "$ns" link set "up$k" mtu $MTU up
-      sysctl_ns "$ns" "up$k" 0
+      sysctl_ns "$ns" "conf/up$k/rp_filter" 0
       ip -n "$br" link set "n${i}u$k" mtu $MTU master "rail$k" up
       shape "$ns" "up$k"
       shape "$br" "n${i}u$k"
@@ -136,6 +139,16 @@ status() {
   done
 }
 
+uplink_bytes() {  # bytes each uplink sent (node -> fabric), from the tbf counters
+  local i k line=""
+  for ((i = 0; i < nodes; i++)); do
+    for ((k = 0; k < uplinks; k++)); do
+      line+=" n$i/up$k=$(tc -s -n "${name}-n$i" qdisc show dev "up$k" | awk '/Sent/ {print $2; exit}')"
+    done
+  done
+  echo "netemu $name: bytes sent per uplink:$line" >&2
+}
+
 run_ranks() {
   local world=$((nodes * per_node)) port=$((20000 + RANDOM % 20000)) r pids=() rc=0 pid done_pid
   [[ $per_node =~ ^[0-9]+$ ]] && ((per_node >= 1 && world <= 64)) || refuse "--ranks-per-node '$per_node': 1.., at most 64 ranks"
@@ -149,11 +162,14 @@ run_ranks() {
       PIPER_NETEMU="$name" "${cmd[@]}" &
     pids+=($!)
   done
-  for ((r = 0; r < world; r++)); do  # the first rank to fail (or time out: 124) stops the others
+  while ((${#pids[@]})); do  # the first rank to fail (or time out: 124) stops the others
     wait -n -p done_pid "${pids[@]}" || { rc=$?; break; }
+    local rest=()
+    for pid in "${pids[@]}"; do [[ $pid == "$done_pid" ]] || rest+=("$pid"); done
+    pids=("${rest[@]}")
   done
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait "${pids[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
   ((rc != 124)) || echo "netemu: ranks still running after $timeout_s s; stopped them" >&2
   return $rc
 }
@@ -170,7 +186,10 @@ case "$action" in
     up
     trap down EXIT
     trap 'exit 130' INT TERM
-    run_ranks
+    rc=0
+    run_ranks || rc=$?
+    uplink_bytes
+    exit $rc
     ;;
   *) refuse "usage: scripts/netemu.sh up|down|status|run [options] (see its header)" ;;
 esac
