@@ -135,7 +135,8 @@ class Network:
     def _connection_seconds(self, nbytes, scope):
         """Time of one connection's share: a point-to-point transfer of ``nbytes`` (calibrated ``p2p`` where
         measured, else alpha-beta at the scope)."""
-        return self.seconds("p2p", 2, nbytes, scope)
+        nbytes, scope = np.broadcast_arrays(np.asarray(nbytes, float), np.asarray(scope))
+        return self.seconds("p2p", 2, nbytes.ravel(), scope.ravel()).reshape(nbytes.shape)
 
     def a2a_source(self, algo: str, ep: int, nodes: int, scope: int) -> str:
         """Where one plan's expert all-to-all time comes from: calibration rows or the platform's figures."""
