@@ -11,7 +11,7 @@
 # Node i has U uplinks up0 .. up<U-1>, veth pairs whose other ends (n<i>u<k>) sit in P-br on bridge rail<k>
 # (one bridge per uplink index: a rail-optimised fabric). Every uplink is rate-limited to R GB/s in each
 # direction with tc tbf (on up<k> for traffic leaving the node, on n<i>u<k> for traffic entering it; MTU 9000,
-# burst max(64 KiB, 50 us of traffic), queue max(256 KiB, 20 ms of traffic)).
+# burst max(64 KiB, 50 us of traffic), queue max(2 MiB, 20 ms of traffic); TCP min RTO 5 ms on the emulated routes).
 # Added latency needs the sch_netem qdisc; where the kernel lacks it a --latency-us request is refused.
 #
 # Addresses: 10.231.<k>.<i+1>/24 on uplink k of node i, inside the namespaces this script creates only.
@@ -28,7 +28,7 @@ set -Eeuo pipefail
 SUBNET=10.231
 MTU=9000
 name=pnet nodes=0 uplinks=1 rate_GBps="" latency_us=0 per_node=1 timeout_s=600
-cmd=()
+cmd=() pids=()
 
 refuse() { echo "netemu: $*" >&2; exit 3; }
 
@@ -86,7 +86,7 @@ shape() {  # shape NS DEV
   local bits burst limit
   bits=$(awk -v r="$rate_GBps" 'BEGIN { printf "%.0f", r * 8e9 }')
   burst=$(awk -v r="$rate_GBps" 'BEGIN { b = r * 1e9 * 50e-6; printf "%.0f", (b < 65536 ? 65536 : b) }')
-  limit=$(awk -v r="$rate_GBps" 'BEGIN { l = r * 1e9 * 5e-3; printf "%.0f", (l < 131072 ? 131072 : l) }')
+  limit=$(awk -v r="$rate_GBps" 'BEGIN { l = r * 1e9 * 20e-3; printf "%.0f", (l < 2097152 ? 2097152 : l) }')
   if ((latency_us > 0)); then
     tc -n "$1" qdisc add dev "$2" root handle 1: netem delay "${latency_us}us"
     tc -n "$1" qdisc add dev "$2" parent 1: handle 2: tbf rate "${bits}bit" burst "$burst" limit "$limit"
@@ -119,6 +119,7 @@ up() {
       ip link add "up$k" netns "$ns" type veth peer name "n${i}u$k" netns "$br"
       ip -n "$ns" addr add "$SUBNET.$k.$((i + 1))/24" dev "up$k"
       ip -n "$ns" link set "up$k" mtu $MTU up
+      ip -n "$ns" route replace "$SUBNET.$k.0/24" dev "up$k" proto kernel scope link src "$SUBNET.$k.$((i + 1))" rto_min 5ms
       sysctl_ns "$ns" "conf/up$k/rp_filter" 0
       ip -n "$br" link set "n${i}u$k" mtu $MTU master "rail$k" up
       shape "$ns" "up$k"
@@ -149,8 +150,15 @@ uplink_bytes() {  # bytes each uplink sent (node -> fabric), from the tbf counte
   echo "netemu $name: bytes sent per uplink:$line" >&2
 }
 
+stop_ranks() {  # the ranks still running (timeout forwards the signal to its rank)
+  local pid
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  pids=()
+}
+
 run_ranks() {
-  local world=$((nodes * per_node)) port=$((20000 + RANDOM % 20000)) r pids=() rc=0 pid done_pid
+  local world=$((nodes * per_node)) port=$((20000 + RANDOM % 20000)) r rc=0 pid done_pid
   [[ $per_node =~ ^[0-9]+$ ]] && ((per_node >= 1 && world <= 64)) || refuse "--ranks-per-node '$per_node': 1.., at most 64 ranks"
   [[ $timeout_s =~ ^[0-9]+$ ]] && ((timeout_s >= 1)) || refuse "--timeout '$timeout_s': a positive integer (seconds)"
   ((${#cmd[@]})) || refuse "run needs a command after --"
@@ -168,8 +176,7 @@ run_ranks() {
     for pid in "${pids[@]}"; do [[ $pid == "$done_pid" ]] || rest+=("$pid"); done
     pids=("${rest[@]}")
   done
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  stop_ranks
   ((rc != 124)) || echo "netemu: ranks still running after $timeout_s s; stopped them" >&2
   return $rc
 }
@@ -184,7 +191,7 @@ case "$action" in
   run)
     check_host; check_shape
     up
-    trap down EXIT
+    trap 'stop_ranks; down' EXIT
     trap 'exit 130' INT TERM
     rc=0
     run_ranks || rc=$?

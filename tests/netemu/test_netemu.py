@@ -59,6 +59,12 @@ def test_network_spec_parses_and_refuses_in_one_line():
         with pytest.raises(PiperError, match=needle) as err:
             parse_network(bad)
         assert "\n" not in str(err.value) and "--emulate-network" in str(err.value)
+    from click.testing import CliRunner
+
+    from piper_plan.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["bench", "a2a", "--emulate-network", "uplinks=2", "--no-save"])
+    assert result.exit_code == 2 and "no uplink_GBps" in result.output and "Traceback" not in result.output
 
 
 @pytest.mark.netemu
