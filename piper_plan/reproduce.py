@@ -314,15 +314,18 @@ Why the model agrees and where it does not:
   per remote peer (n - g latencies of the widest scope) and HALO one aggregated message per remote node
   (nodes - 1). Small and medium messages at many nodes are latency-bound, so the speedup grows with the node
   count and shrinks with the message size: that reproduces the paper's trend and its 9x end only for small messages.
-- **Where the model is more pessimistic than the paper: bandwidth.** Both algorithms get the same per-rank
-  bandwidth of the widest scope, so a bandwidth-bound exchange (256 MiB) gains little ({min(large_msg):.2f}-{max(large_msg):.2f}x).
+- **Where the model is more pessimistic than the paper: bandwidth.** On Frontier a NIC-affine exchange gets no more
+  per-rank bandwidth than the scope's figure (one 25 GB/s NIC per 2 GCDs either way), and piper's HALO runs the
+  relay copy (phase III) after phase II (runtime/halo.py), so a bandwidth-bound exchange (256 MiB) gains little or
+  loses ({min(large_msg):.2f}-{max(large_msg):.2f}x). Where flat uses the NICs unevenly, HALO's phase II gets the NICs' full
+  rate: measured on an emulated network in docs/halo-measured.md.
   The paper's gains at large sizes come from effects the alpha-beta model does not price: RCCL's flat all-to-all
   does not keep all 4 NICs of a node busy nor respect GCD-NIC affinity, and congestion on the dragonfly's global
   links under n^2 small flows; HALO's aggregation reduces flow count. Calibrating `halo_all_to_all` and
   `all_to_all` rows at `group` / `system` scope on Frontier (`piper bench a2a` under srun) would replace the
   alpha-beta curves with measured ones; none are published, so none are seeded.
-- **Inside one switch group** the model shows a small latency gain at 1 MiB (fewer messages) and parity at large
-  sizes, consistent with "about parity".
+- **Inside one switch group** the model shows a latency gain at 1 MiB on 4 nodes (fewer messages) and a loss of
+  about a fifth at large sizes (the relay copy after phase II), where the paper reports about parity.
 - **One node:** the table uses no calibration by default (`--calibration` to use it); the seeded Frontier rows
   cover one node at three large sizes only, and clamping below them would distort the node-count trend.
 """

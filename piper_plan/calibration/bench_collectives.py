@@ -41,7 +41,7 @@ class GroupSpec:
     ranks: tuple[int, ...]
 
 
-def _scope_of_nodes(num_nodes: int, network) -> str:
+def scope_of_nodes(num_nodes: int, network) -> str:
     """Widest scope crossed by ``num_nodes`` consecutive nodes starting at node 0 (compact)."""
     if num_nodes == 1:
         return "node"
@@ -59,9 +59,9 @@ def plan_groups(env: LaunchEnv, network, quick: bool) -> list[GroupSpec]:
     if quick:
         by_scope = {}
         for n in counts:
-            by_scope[_scope_of_nodes(n, network)] = n
+            by_scope[scope_of_nodes(n, network)] = n
         counts = sorted(by_scope.values())
-    groups += [GroupSpec(_scope_of_nodes(n, network), n, g, tuple(range(n * g))) for n in counts if n >= 2]
+    groups += [GroupSpec(scope_of_nodes(n, network), n, g, tuple(range(n * g))) for n in counts if n >= 2]
     return groups
 
 
@@ -71,7 +71,7 @@ def p2p_groups(env: LaunchEnv, network) -> list[GroupSpec]:
     pairs = [GroupSpec("node", 1, 2, (0, 1))] if g >= 2 else []
     seen = set()
     for n in range(env.num_nodes, 1, -1):
-        scope = _scope_of_nodes(n, network)
+        scope = scope_of_nodes(n, network)
         if scope not in seen:
             seen.add(scope)
             pairs.append(GroupSpec(scope, 2, 1, (0, (n - 1) * g)))
@@ -210,12 +210,9 @@ def _broadcast_skip(env: LaunchEnv, out_dir: str, resume: bool) -> set:
 
 
 def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source) -> None:
-    import torch
-    import torch.distributed as dist
-
     from piper_plan.calibration.io import merge_rows
     from piper_plan.calibration.schema import COLLECTIVES
-    from piper_plan.calibration.timing import median_seconds
+    from piper_plan.calibration.timing import median_seconds, slowest_rank_seconds
 
     warmup, repeats = (2, 5) if quick else (5, 10)
     total = sum(len(b.sizes) for b in blocks)
@@ -232,10 +229,9 @@ def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source) -> N
                 x, y = _ops_buffers(block.op, size, len(g.ranks), device)
                 fn = _op_call(block.op, x, y, handles[g.ranks], g.ranks, env.rank)
                 seconds = median_seconds(fn, device, warmup, repeats, min_sample_s=0.0)
-            slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            slowest = slowest_rank_seconds(seconds, device)
             if env.rank == 0:
-                rows.append(_row(block.op, g, size, float(slowest.item()), source))
+                rows.append(_row(block.op, g, size, slowest, source))
                 _progress(done, total, f"{block.op} {g.scope} {len(g.ranks)} ranks {size} B")
         if env.rank == 0 and rows:
             merge_rows(out_dir, COLLECTIVES, rows)

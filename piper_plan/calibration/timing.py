@@ -21,6 +21,17 @@ def median_seconds(fn: Callable[[], object], device, warmup: int, repeats: int, 
     return statistics.median(samples)
 
 
+def slowest_rank_seconds(seconds: float, device, group=None) -> float:
+    """The largest of every rank's ``seconds`` (collective over ``group``): a collective row's time is the
+    slowest rank's median (calibration/schema.py, collectives.csv ``seconds``)."""
+    import torch
+    import torch.distributed as dist
+
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest.item())
+
+
 def _inner_calls(fn, device, min_sample_s: float) -> int:
     one = _sample(fn, device, 1)
     return max(1, min(1000, int(min_sample_s / max(one, 1e-9)) + 1)) if one < min_sample_s else 1

@@ -1,7 +1,8 @@
 """``piper bench``: communication benchmarks. ``piper bench a2a``: flat vs HALO all-to-all.
 
-On one machine the command spawns ``nodes x ranks_per_node`` gloo processes with an emulated topology;
-under torchrun or srun every rank runs it and the topology comes from the job. It prints a table, checks
+On one machine the command spawns ``nodes x ranks_per_node`` gloo processes with an emulated topology (over
+loopback, or with ``--emulate-network`` over an emulated multi-node network: one network namespace per node,
+rate-limited uplinks, scripts/netemu.sh, root); under torchrun or srun every rank runs it and the topology comes from the job. It prints a table, checks
 HALO against ``all_to_all_single`` with ``--verify`` (exit 0 only when every check passed), and merges
 ``all_to_all`` / ``halo_all_to_all`` rows into ``calibration/<platform>/collectives.csv``.
 """
@@ -42,24 +43,32 @@ def bench_group() -> None:
 @click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder whose collectives.csv receives the rows [default: calibration/<platform>].")
 @click.option("--no-save", is_flag=True, help="Do not write calibration rows.")
+@click.option("--emulate-network", "network_text", default=None, metavar="uplink_GBps=R,uplinks=U",
+              help="Run the ranks on an emulated multi-node network (one namespace per node, U uplinks of R GB/s "
+                   "each way; root, iproute2; scripts/netemu.sh).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
-def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, warmup, output_dir, no_save, as_json):
+def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, warmup, output_dir, no_save,
+            network_text, as_json):
     """Time flat vs HALO all-to-all (and verify HALO) on emulated or real nodes."""
-    from piper_plan.runtime import bench_a2a as bench
+    from piper_plan.calibration import bench_a2a as bench
+    from piper_plan.calibration.netemu import parse_network
+    from piper_plan.launchenv import read_launch_env
 
+    network = parse_network(network_text) if network_text else None
     platform = _load_platform(platform_name)
     config = bench.BenchConfig(
         algos=bench.parse_algos(algo), sizes_bytes=bench.parse_sizes(sizes), nodes=nodes,
         ranks_per_node=ranks_per_node, repeats=repeats, warmup=warmup, verify=verify,
         devices_per_node=platform.node.devices_per_node if platform else None,
         device_nic=tuple(platform.node.nic_of_device) if platform else None)
-    launched = bench.launcher_ranks() is not None
+    launched = read_launch_env().launched
     if launched:
         rank, result = bench.run_launched(config, _backend(platform))
     else:
         bench.check_local_spawn(nodes, ranks_per_node, config.sizes_bytes)
-        with console().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node})"):
-            rank, result = 0, bench.spawn_bench(config)
+        where = f" on the emulated network {network.text}" if network else ""
+        with console().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node}){where}"):
+            rank, result = 0, (bench.network_bench(config, network) if network else bench.spawn_bench(config))
     if rank != 0:
         sys.exit(0 if result.passed else 1)
     _report(result, verify, as_json)
@@ -87,9 +96,10 @@ def _backend(platform) -> str:
 def _report(result, verify: bool, as_json: bool) -> None:
     from rich.table import Table
 
-    from piper_plan.runtime.bench_a2a import alltoall_bandwidths_GBps
+    from piper_plan.calibration.bench_a2a import alltoall_bandwidths_GBps
 
     where = "emulated on one machine" if result.emulated else "from the job"
+    where += f", network {result.network}" if result.network else ""
     table = Table(title=f"all-to-all, {result.num_nodes} nodes x {result.ranks_per_node} ranks "
                         f"({result.backend}, topology {where})")
     for col in ("bytes/rank", "flat ms", "halo ms", "halo/flat", "halo busbw GB/s", "verified"):
@@ -115,13 +125,14 @@ def _ms(seconds: float | None) -> str:
 
 
 def _save(result, platform, platform_name: str, output_dir: Path | None, launched: bool) -> None:
+    from piper_plan.calibration import bench_a2a as bench
+    from piper_plan.calibration.bench_collectives import scope_of_nodes
     from piper_plan.catalog import calibration_dir
-    from piper_plan.runtime import bench_a2a as bench
 
-    network = platform.network if platform else None
-    scope = bench.scope_of(result.num_nodes, network.nodes_per_switch if network else 1,
-                           network.nodes_per_group if network else 1)
+    scope = scope_of_nodes(result.num_nodes, platform.network) if platform else (
+        "node" if result.num_nodes == 1 else "system")
     how = "emulated topology, one host" if result.emulated else "job topology"
+    how += f", emulated network {result.network}" if result.network else ""
     command = " ".join(["piper"] + sys.argv[1:]) if sys.argv and sys.argv[0].endswith("piper") else "piper bench a2a"
     source = (f"measured: {command} on {socket.gethostname()} {time.strftime('%Y-%m-%d')} "
               f"({result.backend}, {how})")

@@ -16,12 +16,17 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
 - flat: intra- and inter-node peers at once, one message per peer:
   ``max(L / B_node + (g-1) alpha_node, R / B_scope + (n-g) alpha_scope)``
 - HALO (Piper paper): phase I (local rows, intra-node) runs beside phase II (remote rows packed per
-  destination node, one message per remote node, all the node's NICs: B_scope per rank as for flat), and
-  phase III redistributes what arrived inside the node: (g-1)/g of R. Phase III forwards each received
-  block as it lands, and the block that needs no forwarding goes last, so III streams behind II:
-  ``max(I, II, III) + alpha_node`` (the pipeline fill). [modelling assumption; the paper gives no formula]
-  When II dominates (NIC-bound), HALO saves (n - g - nodes + 1) remote latencies and is never slower than
-  flat; on one node it is flat.
+  destination node, one message per remote node to the NIC-affine relay), then phase III redistributes what
+  arrived inside the node: (g-1)/g of R. The runtime (runtime/halo.py) starts III when II has finished:
+  ``max(I, II + III)``. [the paper gives no formula; the schedule is the runtime's]
+- NIC use: flat's messages go to every peer whatever NIC it sits behind, so its per-rank bandwidth is the
+  scope's figure (what a flat exchange gets, e.g. a NIC shared unevenly); HALO's phase II is NIC-affine (local
+  rank j of node A sends to local rank j of node B, same NIC index), so inside one switch it gets every NIC of
+  the node evenly: per rank ``nic_bandwidth / (ranks on the busiest NIC)`` (platform node.num_nics,
+  device_nic), never less than the scope's figure; at wider scopes the fabric's figure holds for both.
+  A single connection carries at most what one point-to-point transfer gets (the ``p2p`` curve where
+  calibrated): flat sends S/n bytes per peer, HALO R/(nodes-1) per relay. Measured on the emulated network
+  (docs/halo-measured.md). On one node HALO is flat.
 """
 
 from __future__ import annotations
@@ -115,8 +120,10 @@ class Network:
         remote = nbytes * (n - g) / np.maximum(n, 1)
         bw_s, lat_s, bw_n, lat_n = self.bw[scope], self.lat[scope], self.bw[0], self.lat[0]
         t_local = local / bw_n + (g - 1) * lat_n
-        t_flat_remote = remote / bw_s + (n - g) * lat_s
-        t_halo_remote = remote / bw_s + (nodes - 1) * lat_s
+        t_flat_remote = np.maximum(remote / bw_s + (n - g) * lat_s, self._connection_seconds(nbytes / np.maximum(n, 1), scope))
+        bw_halo = np.where(np.asarray(scope) == SCOPES.index("switch"), np.maximum(bw_s, self._nic_affine_Bps()), bw_s)
+        t_halo_remote = np.maximum(remote / bw_halo + (nodes - 1) * lat_s,
+                                   self._connection_seconds(remote / np.maximum(nodes - 1, 1), scope))
         t_redistribute = remote * (g - 1) / g / bw_n + (g - 1) * lat_n
         if self._calibrated("all_to_all", "node"):
             t_local = self._curve("all_to_all", "node", g, nbytes * g / np.maximum(n, 1), t_local, "HALO phase I")
@@ -126,6 +133,19 @@ class Network:
                 at = np.broadcast_to(scope == i, np.shape(t_halo_remote))
                 t_halo_remote = self._curve("all_to_all", name, n, nbytes, t_halo_remote, "HALO phase II", at)
         return t_local, t_flat_remote, t_halo_remote, t_redistribute
+
+    def _nic_affine_Bps(self) -> float:
+        """Per-rank bandwidth when every rank sends over its own NIC: NIC bandwidth / ranks on the busiest NIC."""
+        node = self.platform.node
+        if node.num_nics < 1 or node.nic_bandwidth_GBps <= 0:
+            return 0.0
+        return node.nic_bandwidth_GBps * 1e9 / max(np.bincount(node.nic_of_device).max(), 1)
+
+    def _connection_seconds(self, nbytes, scope):
+        """Time of one connection's share: a point-to-point transfer of ``nbytes`` (calibrated ``p2p`` where
+        measured, else alpha-beta at the scope)."""
+        nbytes, scope = np.broadcast_arrays(np.asarray(nbytes, float), np.asarray(scope))
+        return self.seconds("p2p", 2, nbytes.ravel(), scope.ravel()).reshape(nbytes.shape)
 
     def a2a_source(self, algo: str, ep: int, nodes: int, scope: int) -> str:
         """Where one plan's expert all-to-all time comes from: calibration rows or the platform's figures."""
@@ -158,8 +178,7 @@ class Network:
         t_local, t_flat_r, t_halo_r, t_redis = self.a2a_phases(n, nodes, nbytes, scope)
         multi = (nodes > 1) & (n > 1)
         flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local)
-        g = n / np.maximum(nodes, 1)
-        halo_total = np.maximum(np.maximum(t_local, t_halo_r), t_redis) + np.where(g > 1, self.lat[0], 0.0)
+        halo_total = np.maximum(t_local, t_halo_r + t_redis)
         halo = algo == A2A.HALO.code
         total = np.where(multi & halo, halo_total, flat_total)
         total = self._calibrated_a2a(total, algo, n, nbytes, scope, multi)

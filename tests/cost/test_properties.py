@@ -80,15 +80,13 @@ def test_time_monotone_in_bytes(sizes, n, scope, nodes, algo):
 
 @given(nodes=st.integers(2, 512), per_node=st.sampled_from([1, 2, 4, 8]), nbytes=st.floats(1e3, 1e10),
        scope=st.integers(1, 3))
-def test_halo_no_slower_than_flat_when_nic_bound(nodes, per_node, nbytes, scope):
-    """When phase II (inter-node, over the NICs) is the longest phase, HALO <= flat."""
+def test_halo_phase_two_no_slower_than_flat_remote(nodes, per_node, nbytes, scope):
+    """HALO's inter-node phase (one NIC-affine message per remote node) is never slower than flat's inter-node
+    part; the whole exchange adds the relay copy after it: max(I, II + III), the runtime's schedule."""
     n = nodes * per_node
-    local, _, halo_remote, redistribute = NET.a2a_phases(n, nodes, nbytes, scope)
-    if not halo_remote >= max(local, redistribute):
-        return
-    flat = sum(NET.a2a_seconds(0, n, nodes, nbytes, scope))
-    halo = sum(NET.a2a_seconds(1, n, nodes, nbytes, scope))
-    assert halo <= flat
+    local, flat_remote, halo_remote, redistribute = NET.a2a_phases(n, nodes, nbytes, scope)
+    assert halo_remote <= flat_remote * (1 + 1e-12)
+    assert sum(NET.a2a_seconds(1, n, nodes, nbytes, scope)) == pytest.approx(max(local, halo_remote + redistribute))
 
 
 @given(per_node=st.sampled_from([2, 4, 8]), nbytes=st.floats(1.0, 1e10))

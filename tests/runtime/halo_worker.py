@@ -24,7 +24,7 @@ def run_cases(rank: int, num_ranks: int, init_method: str, timeout_s: float,
 
     os.environ["PIPER_EMULATE_TOPOLOGY"] = f"{topo[0]}x{topo[1]}"  # what the trainer's topology_from_env reads
 
-    from piper_plan.runtime.bench_a2a import init_gloo
+    from piper_plan.calibration.bench_a2a import init_gloo
 
     init_gloo(rank, num_ranks, init_method, timeout_s)
     checks, errors = 0, []
@@ -54,7 +54,7 @@ def _topology(topo: tuple[int, int]):
 def _run_config(config: dict, topology) -> tuple[int, list[str]]:
     import torch.distributed as dist
 
-    from piper_plan.runtime.bench_a2a import verify_exchange
+    from piper_plan.calibration.bench_a2a import verify_exchange
     from piper_plan.runtime.halo import build_halo_dispatchers
 
     halo = build_halo_dispatchers(config["ep_groups"], topology)

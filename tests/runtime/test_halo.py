@@ -181,7 +181,7 @@ def run_exchange_cases(topo, out_dir: Path, train_plans: dict | None = None) -> 
     """One spawn: every EP configuration's cases; each rank's checks and errors land in out_dir."""
     from halo_worker import run_cases
 
-    from piper_plan.runtime.bench_a2a import spawn_gloo
+    from piper_plan.calibration.bench_a2a import spawn_gloo
 
     configs, expected_checks = prepared_configs(topo)
     assert all(len(c["cases"]) == CASES_PER_CONFIG for c in configs)
@@ -237,7 +237,10 @@ def test_simulation_catches_a_wrong_plan(monkeypatch):
 
 
 def test_collective_rows_follow_nccl_tests_definitions():
-    from piper_plan.runtime.bench_a2a import BenchResult, SizeResult, collective_rows, message_shape, scope_of
+    from types import SimpleNamespace
+
+    from piper_plan.calibration.bench_a2a import BenchResult, SizeResult, collective_rows, message_shape
+    from piper_plan.calibration.bench_collectives import scope_of_nodes
 
     result = BenchResult(2, 4, "gloo", True, (SizeResult(8192, {"flat": 0.002, "halo": 0.004}),))
     rows = {r["op"]: r for r in collective_rows(result, "switch", "measured: test")}
@@ -246,7 +249,8 @@ def test_collective_rows_follow_nccl_tests_definitions():
     assert {r["num_nodes"] for r in rows.values()} == {2} and rows["all_to_all"]["ranks_per_node"] == 4
     assert message_shape(4096, 8) == (2, 64)      # 4096 B / 8 peers = 512 B = 2 rows of 64 float32
     assert message_shape(64, 8) == (1, 2)         # 8 B per peer: one row of 2 float32
-    assert [scope_of(n, 4, 128) for n in (1, 4, 5, 129)] == ["node", "switch", "group", "system"]
+    network = SimpleNamespace(nodes_per_switch=4, nodes_per_group=128)
+    assert [scope_of_nodes(n, network) for n in (1, 4, 5, 129)] == ["node", "switch", "group", "system"]
 
 
 @pytest.mark.distributed
@@ -277,7 +281,7 @@ def test_bench_under_srun_detects_nodes_from_slurm(tmp_path):
     import shutil
     import subprocess
 
-    from piper_plan.runtime.bench_a2a import free_port
+    from piper_plan.calibration.bench_a2a import free_port
 
     ok = shutil.which("srun") and subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
     if not ok:

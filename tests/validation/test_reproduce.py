@@ -25,7 +25,8 @@ def test_paper_stage0_equation_by_hand():
 def test_halo_parity_on_one_node_and_gain_across_nodes():
     rows = halo_rows(load_platform("frontier"), None, nodes=(1, 4, 16, 128), sizes=(1 << 20, 256 << 20))
     assert speedup_at(rows, 1) == pytest.approx([1.0, 1.0])           # HALO is flat inside a node
-    assert all(r["halo_ms"] <= r["flat_ms"] * (1 + 1e-12) for r in rows)
+    small = [r for r in rows if r["size_MiB"] == 1 and r["nodes"] >= 4]
+    assert all(r["halo_ms"] < r["flat_ms"] for r in small)             # latency-bound: HALO's fewer messages win
     assert speedup_at(rows, 4).max() < speedup_at(rows, 16).max() < speedup_at(rows, 128).max()
     assert speedup_at(rows, 16).max() >= 1.2                          # the paper's lower end at 16+ nodes
 

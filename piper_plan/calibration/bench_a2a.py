@@ -1,15 +1,20 @@
-"""Benchmark and verify the flat all-to-all against HALO (``piper bench a2a``).
+"""Benchmark and verify the flat all-to-all against HALO (``piper bench a2a``): a calibration driver.
 
-On one machine this spawns ``nodes x ranks_per_node`` gloo processes with an emulated topology; under
-torchrun or srun it uses the job's own ranks and the detected topology. Per message size it times
+On one machine this spawns ``nodes x ranks_per_node`` gloo processes with an emulated topology (over loopback,
+or with ``network`` over the emulated multi-node network of scripts/netemu.sh, one namespace per node); under
+torchrun or srun it uses the job's own ranks and the detected topology (piper_plan.launchenv). Per message size it times
 ``torch.distributed.all_to_all_single`` (flat) and ``HaloDispatcher`` (halo) on the same data and, with
 ``verify``, checks that HALO's output and gradients equal ``all_to_all_single``'s exactly.
 
 Sizes follow nccl-tests (``alltoall_perf``): ``bytes_per_rank`` is its ``size`` column, the bytes one rank
 sends in total (its share to itself included), split evenly over the ranks; ``algbw = size / time`` and
-``busbw = algbw x (n - 1) / n`` (nccl-tests doc/PERFORMANCE.md). A size is rounded to whole rows of at most
-``ROW_FLOATS`` float32 per peer, and the actual byte count is reported. Time = the slowest rank's median over
-``repeats`` calls (each after a barrier), after ``warmup`` untimed calls.
+``busbw = algbw x (n - 1) / n`` (nccl-tests doc/PERFORMANCE.md; calibration.schema.busbw_factor). A size is
+rounded to whole rows of at most ``ROW_FLOATS`` float32 per peer, and the actual byte count is reported.
+Time = the slowest rank's median over ``repeats`` calls after ``warmup`` untimed calls (calibration.timing, as
+for every collective row).
+
+HALO itself is the runtime's (runtime/halo.py); this module imports it inside the functions that run on a rank
+(the one seam between calibration/ and runtime/, docs/design-notes.md).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from piper_plan.calibration.schema import busbw_factor
 from piper_plan.errors import PiperError
 from piper_plan.launchenv import device_index, read_launch_env
 
@@ -93,6 +99,8 @@ class BenchConfig:
     emulate: str | None = None
     """``"NxG"`` topology override; set for local spawns."""
     seed: int = 0
+    network: str | None = None
+    """The emulated network the ranks ran on (``uplink_GBps=...,uplinks=...``; None = loopback or the job's)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,7 @@ class BenchResult:
     backend: str
     emulated: bool
     sizes: tuple[SizeResult, ...]
+    network: str | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -125,9 +134,9 @@ class BenchResult:
 
 
 def alltoall_bandwidths_GBps(bytes_per_rank: float, seconds: float, num_ranks: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s per nccl-tests: algbw = size / time, busbw = algbw x (n - 1) / n."""
+    """(algbw, busbw) in GB/s per nccl-tests: algbw = size / time, busbw = algbw x busbw_factor."""
     algbw = bytes_per_rank / seconds / 1e9
-    return algbw, algbw * (num_ranks - 1) / num_ranks
+    return algbw, algbw * busbw_factor("all_to_all", num_ranks)
 
 
 def message_shape(bytes_per_rank: int, num_ranks: int) -> tuple[int, int]:
@@ -200,44 +209,12 @@ def _dispatch_pairs(halo, layout, x_RD, w_SD, send, recv) -> dict:
             "combine": (hc_out, flat(w_SD, send, recv)), "combine grad": (hc_grad, flat(x_RD, recv, send))}
 
 
-def _time_seconds(fn, repeats: int, warmup: int, device) -> float:
-    """Median seconds of one call of ``fn`` (each call starts after a barrier), on the slowest rank.
-
-    Median over repeats and the slowest rank: the ``seconds`` definition of collectives.csv
-    (piper_plan/calibration/schema.py).
-    """
-    import statistics
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    median = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median.item())
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_index: int) -> SizeResult:
     """Time every algorithm at one size; with ``verify``, check HALO against all_to_all_single."""
     import torch
     import torch.distributed as dist
+
+    from piper_plan.calibration.timing import median_seconds, slowest_rank_seconds
 
     num_ranks = dist.get_world_size()
     rows, width = message_shape(bytes_per_rank, num_ranks)
@@ -247,7 +224,8 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
     layout = halo.layout(torch.tensor(splits))
     ops = {"flat": lambda: dist.all_to_all_single(flat_out, x_RD, splits, splits, group=halo.group),
            "halo": lambda: halo.exchange(x_RD, layout.dispatch_plan)}
-    seconds = {a: _time_seconds(ops[a], config.repeats, config.warmup, device) for a in config.algos}
+    seconds = {a: slowest_rank_seconds(median_seconds(ops[a], device, config.warmup, config.repeats, min_sample_s=0.0),
+                                       device) for a in config.algos}
     errors: list[str] = []
     checks = 0
     if config.verify:
@@ -279,7 +257,8 @@ def run_bench(config: BenchConfig) -> BenchResult:
     sizes = [SizeResult(s.bytes_per_rank, s.seconds, s.checks * world, tuple(e for g in gathered for e in g[i]))
              for i, s in enumerate(sizes)]
     emulated = bool(config.emulate or os.environ.get(EMULATE_ENV))
-    return BenchResult(topology.num_nodes, world // topology.num_nodes, dist.get_backend(), emulated, tuple(sizes))
+    return BenchResult(topology.num_nodes, world // topology.num_nodes, dist.get_backend(), emulated, tuple(sizes),
+                       config.network)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -337,45 +316,63 @@ def spawn_bench(config: BenchConfig) -> BenchResult:
 
 def result_from_dict(data: dict) -> BenchResult:
     sizes = tuple(SizeResult(s["bytes_per_rank"], s["seconds"], s["checks"], tuple(s["errors"])) for s in data["sizes"])
-    return BenchResult(data["num_nodes"], data["ranks_per_node"], data["backend"], data["emulated"], sizes)
+    return BenchResult(data["num_nodes"], data["ranks_per_node"], data["backend"], data["emulated"], sizes,
+                       data.get("network"))
 
 
-def launcher_ranks() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) under torchrun or srun (piper_plan.launchenv); else None."""
-    env = read_launch_env()
-    return (env.rank, env.world_size, env.local_rank) if env.launched else None
-
-
-def run_launched(config: BenchConfig, backend: str) -> tuple[int, BenchResult]:
+def run_launched(config: BenchConfig, backend: str, timeout_s: float = 600.0) -> tuple[int, BenchResult]:
     """Join the launcher's job (MASTER_ADDR / MASTER_PORT from the job script) and run; returns (rank, result)."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    rank, world, local_rank = launcher_ranks()
+    env = read_launch_env()
     if backend == "nccl":
-        torch.cuda.set_device(device_index(local_rank, torch.cuda.device_count()))
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+        torch.cuda.set_device(device_index(env.local_rank, torch.cuda.device_count()))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s))
     try:
-        return rank, run_bench(config)
+        return env.rank, run_bench(config)
     finally:
         dist.destroy_process_group()
+
+
+def network_bench(config: BenchConfig, network, timeout_s: float = 300.0) -> BenchResult:
+    """Run the benchmark on the emulated network ``network`` (calibration.netemu.NetworkSpec): one namespace per
+    node, ``nodes x ranks_per_node`` ranks started inside them by scripts/netemu.sh, gloo over the uplinks."""
+    import sys
+
+    from piper_plan.calibration.netemu import run_on_network
+
+    config = BenchConfig(**{**asdict(config), "network": network.text})
+    with tempfile.TemporaryDirectory(prefix="piper-bench-") as tmp:
+        path = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "piper_plan.calibration.bench_a2a", json.dumps(asdict(config)), str(path)]
+        run_on_network(network, config.nodes, config.ranks_per_node, command, timeout_s)
+        return result_from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def config_from_dict(data: dict) -> BenchConfig:
+    tuples = {k: tuple(v) for k, v in data.items() if isinstance(v, list)}
+    return BenchConfig(**{**data, **tuples})
+
+
+def main(argv: list[str]) -> int:
+    """One rank under a launcher: ``python -m piper_plan.calibration.bench_a2a CONFIG_JSON RESULT_PATH``."""
+    from piper_plan.fileio import atomic_write_text
+
+    config_json, result_path = argv
+    rank, result = run_launched(config_from_dict(json.loads(config_json)), "gloo")
+    if rank == 0:
+        atomic_write_text(result_path, json.dumps(asdict(result)))
+    return 0 if result.passed else 1
 
 
 # ----------------------------------------------------------------------------------------------------
 # Calibration rows.
 # ----------------------------------------------------------------------------------------------------
-
-def scope_of(num_nodes: int, nodes_per_switch: int, nodes_per_group: int) -> str:
-    """Widest scope a compact allocation of ``num_nodes`` spans (DESIGN.md scopes)."""
-    if num_nodes <= 1:
-        return "node"
-    if num_nodes <= nodes_per_switch:
-        return "switch"
-    return "group" if num_nodes <= nodes_per_group else "system"
-
 
 def collective_rows(result: BenchResult, scope: str, source: str) -> list[dict]:
     """collectives.csv rows (DESIGN.md columns) for every algorithm and size of ``result``."""
@@ -395,3 +392,9 @@ def write_collective_rows(directory: str | Path, rows: list[dict]) -> Path:
     from piper_plan.calibration.schema import COLLECTIVES
 
     return merge_rows(directory, COLLECTIVES, rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

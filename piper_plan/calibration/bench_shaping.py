@@ -1,0 +1,60 @@
+"""Check an emulated network's shaping: one-way point-to-point bandwidth between two nodes and inside one.
+
+    scripts/netemu.sh run --nodes 2 --ranks-per-node 2 ... -- python -m piper_plan.calibration.bench_shaping OUT.json
+
+Rank 0 sends ``size`` bytes to rank ``g`` (the first rank of node 1: across one uplink) and, when a node has two
+ranks, to rank 1 (inside node 0: loopback, unshaped); one message at a time, so the rate is the link's, not a
+contended share. Seconds = median over ``repeats`` after one warm-up (calibration.timing). Rank 0 writes
+``{"inter_node_GBps", "intra_node_GBps", "bytes"}`` (GB/s = 1e9 bytes per second, payload bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from piper_plan.launchenv import read_launch_env
+
+
+def one_way_GBps(peer: int, nbytes: int, repeats: int, device) -> float | None:
+    """Rank 0 -> ``peer``: payload GB/s (every rank calls this; ranks other than 0 and peer only synchronise)."""
+    import torch
+    import torch.distributed as dist
+
+    from piper_plan.calibration.timing import median_seconds
+
+    rank = dist.get_rank()
+    buffer = torch.ones(nbytes // 4)
+    if rank == 0:
+        seconds = median_seconds(lambda: dist.send(buffer, peer), device, warmup=1, repeats=repeats, min_sample_s=0.0)
+    elif rank == peer:
+        median_seconds(lambda: dist.recv(buffer, 0), device, warmup=1, repeats=repeats, min_sample_s=0.0)
+    dist.barrier()
+    return nbytes / seconds / 1e9 if rank == 0 else None
+
+
+def main(argv: list[str]) -> int:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from piper_plan.fileio import atomic_write_json
+
+    out, nbytes, repeats = argv[0], int(argv[1]) if len(argv) > 1 else 16 * 2**20, 3
+    env = read_launch_env()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        device = torch.device("cpu")
+        inter = one_way_GBps(env.ranks_per_node, nbytes, repeats, device)
+        intra = one_way_GBps(1, nbytes, repeats, device) if env.ranks_per_node > 1 else None
+        if env.rank == 0:
+            atomic_write_json(out, {"inter_node_GBps": inter, "intra_node_GBps": intra, "bytes": nbytes})
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
