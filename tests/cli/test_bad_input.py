@@ -56,7 +56,7 @@ def test_binary_and_directory_spec_files(tmp_path):
 
 
 @pytest.mark.parametrize("change, needles", [
-    (lambda d: {**d, "parallel": [1]}, ["parallel: Input should be a valid dictionary"]),
+    (lambda d: {**d, "parallel": [1]}, ["parallel: Input should be an object"]),
     (lambda d: {k: v for k, v in d.items() if k != "parallel"}, ["parallel: Field required"]),
     (lambda d: {**d, "placement": "weird"}, ["placement", "'weird'"]),
     (lambda d: {**d, "schema_version": 2}, ["schema_version", "reads 1"]),
