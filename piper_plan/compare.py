@@ -10,9 +10,43 @@ maximum over steps (a peak).
 from __future__ import annotations
 
 from statistics import median
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
 
 A2A_KEY_PARTS = ("dispatch", "combine", "a2a", "all_to_all")
 """Prediction breakdown entries counted as expert all-to-all time when the prediction has no ``a2a_share``."""
+
+
+NonNegative = Annotated[float, Field(ge=0, le=1e30)]
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
+class PredictedStage(_Loose):
+    total_bytes: NonNegative | None = None
+    peak_bytes: NonNegative | None = None
+    components: dict[str, float] | None = None
+
+
+class PredictedMemory(_Loose):
+    per_stage: list[PredictedStage | NonNegative] | None = None
+
+
+class PredictedTime(_Loose):
+    breakdown: dict[str, float] | None = None
+
+
+class PredictionFields(_Loose):
+    """The fields of plan.json's ``prediction`` that compare reads, typed (finite, no booleans); others are kept."""
+
+    step_time_s: Annotated[float, Field(gt=0, le=1e30)] | None = None
+    tokens_per_s: NonNegative | None = None
+    a2a_share: Annotated[float, Field(ge=0, le=1)] | None = None
+    memory: PredictedMemory | None = None
+    time: PredictedTime | None = None
 
 
 def quantity(predicted: float | None, measured: float | None) -> dict:

@@ -39,6 +39,15 @@ def read_prediction(path: Path) -> dict:
     if not isinstance(prediction, dict) or not prediction:
         raise PiperError("field prediction: missing (save the plan with `piper plan --save` / `estimate --save`)",
                          path=str(path))
+    from pydantic import ValidationError
+
+    from piper_plan.catalog import validation_message
+    from piper_plan.compare import PredictionFields
+
+    try:
+        PredictionFields.model_validate(prediction)
+    except ValidationError as exc:
+        raise PiperError(validation_message(exc), path=str(path), field="prediction") from None
     return prediction
 
 

@@ -86,7 +86,8 @@ def _prediction_lines(plan_file: PlanFile) -> list[str]:
     pred = plan_file.prediction
     keys = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu")
     lines = [f"- {k}: {pred[k]:.4g}" for k in keys if isinstance(pred.get(k), (int, float))]
-    peak = (pred.get("memory") or {}).get("peak_bytes")
+    memory = pred.get("memory")
+    peak = memory.get("peak_bytes") if isinstance(memory, dict) else None
     if isinstance(peak, (int, float)):
         lines.append(f"- peak memory per rank: {peak / 2**30:.2f} GiB")
     return lines or ["- (the plan carries no prediction)"]

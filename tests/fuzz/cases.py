@@ -384,9 +384,26 @@ def option_cases() -> list[Case]:
     return cases
 
 
+ARGUABLY_VALID = {
+    "model-import/architectures-string.json": "architectures is not read by the import (model_type decides)",
+    "model-import-out/architectures-string.json": "architectures is not read by the import (model_type decides)",
+    "calibrate-show/gemm-header-only": "a header-only gemm.csv is an empty table; show lists it as such "
+                                       "(estimate and plan, which need its rows, refuse it)",
+    "launch-plan/data-dollar.json": "runtime.data never reaches the job script (the runtime reads it from plan.json "
+                                    "and opens it as a path); the check asserts the script does not hold it",
+    **{f"{cmd}/{name}": "fit.csv is read by no command (only by fit.load_fit, tested in tests/fuzz/test_readers.py)"
+       for cmd in ("calibrate-show", "estimate-calibration", "plan-calibration")
+       for name in ("fit-nan", "fit-bogus-parameter", "fit-malformed")},
+}
+"""Cases whose input the sweep accepts on purpose, with the argument why (exit 0 is right for them)."""
+
+
 def all_cases() -> list[Case]:
     cases = (model_cases() + platform_cases() + hf_cases() + nccl_cases() + calibration_cases() + compare_cases()
              + launch_cases() + option_cases())
+    for case in cases:
+        if case.id in ARGUABLY_VALID:
+            case.expect = 0
     ids = [c.id for c in cases]
     dupes = {i for i in ids if ids.count(i) > 1}
     assert not dupes, dupes
