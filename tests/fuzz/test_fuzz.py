@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cases import CORPUS, ROOT, all_cases, base_plan_text, run_dir
+from cases import CORPUS, LEAD_OWNED, ROOT, all_cases, base_plan_text, run_dir
 from harness import Case, describe, run_case
 
 pytestmark = pytest.mark.fuzz
@@ -23,7 +23,12 @@ pytestmark = pytest.mark.fuzz
 CASES = all_cases()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def _param(case: Case):
+    marks = [pytest.mark.xfail(strict=True, reason=LEAD_OWNED[case.id])] if case.id in LEAD_OWNED else []
+    return pytest.param(case, id=case.id, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_hostile_case(case: Case, tmp_path):
     outcome = run_case(case, tmp_path)
     verdict = outcome.classify(case, tmp_path)
@@ -77,7 +82,7 @@ def _assert_behaves(outcome, json_out: bool):
 
 MODEL = yaml.safe_load((ROOT / "models" / "tiny-moe.yaml").read_text())
 PLATFORM = yaml.safe_load((ROOT / "platforms" / "local-cpu.yaml").read_text())
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @FUZZ
