@@ -152,7 +152,7 @@ RECORD = {"schema_version": 1, "step": 1, "step_time_s": 2.0, "tokens_per_s": 4.
     ([RECORD, {**RECORD, "schema_version": 2}], ["line 2", "schema_version=2"]),
     ([{**RECORD, "time_s": "x"}], ["line 1", "time_s"]),
     ([{**RECORD, "step_time_s": "slow"}], ["step_time_s"]),
-    ([{k: v for k, v in RECORD.items() if k != "step"}], ["field step: missing"]),
+    ([{k: v for k, v in RECORD.items() if k != "step"}], ["line 1", "step: Field required"]),
 ])
 def test_compare_bad_metrics_lines(tmp_path, plan_json, lines, needles):
     write(tmp_path / "plan.json", plan_json)
