@@ -105,17 +105,22 @@ def plan_file(patch: dict | None = None):
 
 
 # ---- a PIPER_HOME with a poisoned calibration folder ---------------------------------------------------
+def piper_home(tmp: Path) -> Path:
+    """{tmp}/home: the catalog's models/ and platforms/ and a copy of calibration/local-cpu; returns that copy."""
+    home = tmp / "home"
+    home.mkdir()
+    for name in ("models", "platforms"):
+        (home / name).symlink_to(ROOT / name)
+    cal = home / "calibration" / "local-cpu"
+    shutil.copytree(ROOT / "calibration" / "local-cpu", cal)
+    return cal
+
+
 def poisoned_home(file: str, text: str | None, mode: str):
     """Setup: {tmp}/home with the catalog's models/ and platforms/ and a copy of calibration/local-cpu with one
     file poisoned ('row': a row appended; 'file': replaced; 'directory'; 'not-utf8'; 'duplicate'; 'overhead-nan')."""
     def setup(tmp: Path) -> None:
-        home = tmp / "home"
-        home.mkdir()
-        for name in ("models", "platforms"):
-            (home / name).symlink_to(ROOT / name)
-        cal = home / "calibration" / "local-cpu"
-        shutil.copytree(ROOT / "calibration" / "local-cpu", cal)
-        target = cal / file
+        target = piper_home(tmp) / file
         if mode == "row":
             target.write_text(target.read_text().rstrip("\n") + "\n" + text + "\n")
         elif mode == "file":

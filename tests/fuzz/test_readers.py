@@ -14,7 +14,7 @@ from piper_plan.cli.main import cli
 from piper_plan.errors import PiperError
 from piper_plan.fileio import MAX_DEPTH, parse_json, parse_yaml
 
-from cases import CORPUS, ESTIMATE, GOOD_METRICS, ROOT, base_plan_text, patched_plan_text
+from cases import CORPUS, ESTIMATE, GOOD_METRICS, ROOT, base_plan_text, patched_plan_text, piper_home
 from make_corpus import NCCL_HEADER, nccl_line
 
 
@@ -157,13 +157,8 @@ def test_absurd_steps_do_not_render_a_time(tmp_path):
 
 # ---- a poisoned calibration folder: reported with file and row, repaired by re-importing --------------------
 def test_poisoned_collectives_are_reported_and_repaired_by_reimport(tmp_path):
-    home = tmp_path / "home"
-    home.mkdir()
-    for name in ("models", "platforms"):
-        (home / name).symlink_to(ROOT / name)
-    cal = home / "calibration" / "local-cpu"
-    shutil.copytree(ROOT / "calibration" / "local-cpu", cal)
-    env = {"PIPER_HOME": str(home)}
+    cal = piper_home(tmp_path)
+    env = {"PIPER_HOME": str(tmp_path / "home")}
     nan_log = tmp_path / "nan.txt"
     nan_log.write_text(NCCL_HEADER + nccl_line(time="nan"))
     before = (cal / "collectives.csv").read_text()
