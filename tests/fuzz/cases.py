@@ -380,6 +380,9 @@ def option_cases() -> list[Case]:
         (["--nodes", "1", "--top", "-1"], 2), (["--nodes", "1", "--save", "{tmp}"], 2),
         (["--nodes", "1", "--memory-headroom", "0.99"], 3),
     )]
+    cases.append(Case("plan-opt/frontier-headroom-0.99", ["plan", "--model", "mixtral-8x7b", "--platform", "frontier",
+                                                          "--nodes", "8", "--memory-headroom", "0.99"],
+                      expect=3, subprocess=True))
     cases.append(Case("plan-opt/headroom-0.99-subprocess", [*plan, "--nodes", "1", "--memory-headroom", "0.99"],
                       expect=3, subprocess=True))
     for path in sorted((CORPUS / "validation").iterdir()):
@@ -415,6 +418,7 @@ LEAD_OWNED = {
     "estimate-opt/--nodes 1 --dp 2 --schedule interleaved": "estimate's validity check (issue 14: interleaved, pp 1)",
     "estimate-opt/--nodes 1 --dp 2 --seq 4096": "estimate's validity check (issue 14: seq above max_seq_len)",
     "plan-opt/--nodes 1 --seq 1000000000000": "cli/plan.py builds TrainingSpec outside the error boundary (issue 14)",
+    "plan-opt/frontier-headroom-0.99": "cli/plan.py's nothing-fits report lets an error replace exit 3 (issue 14)",
 }
 """Cases that still fail because of code issue 14 (the lead) is rewriting; test_fuzz marks them xfail(strict), so
 each one turns into a failure to remove from here once that work lands."""
