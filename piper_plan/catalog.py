@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from pathlib import Path
 from typing import TypeVar
 
@@ -55,11 +56,20 @@ def read_structured(path: Path) -> dict:
     return fileio.read_document(path)
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _loc_part(part) -> str:
+    """A field name as it is, any other key (empty, spaces, a newline) quoted so the message stays one line."""
+    text = str(part)
+    return text if _PLAIN_KEY.fullmatch(text) else repr(text)
+
+
 def validation_message(exc: ValidationError) -> str:
     """Render a pydantic error as 'field.path: message (got value)' for each problem, on one line."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = ".".join(_loc_part(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
         if err["type"] == "extra_forbidden":

@@ -143,3 +143,24 @@ def test_corpus_is_committed():
     """The corpus the cases read is the one make_corpus.py writes (regenerate it after changing that file)."""
     assert len(list(CORPUS.rglob("*"))) > 250
     assert math.isfinite(len(base_plan_text()))
+
+
+def _plan_leaves():
+    plan = json.loads(base_plan_text())
+    return sorted({p for p in _leaves(plan) if p and p[0] != "prediction"}, key=str)
+
+
+@FUZZ
+@given(data=st.data(), value=HOSTILE)
+def test_plan_field_fuzz(tmp_path_factory, data, value):
+    """One field of a saved plan.json (not its prediction: issue 14 types it) replaced: launch and compare stay
+    one-line errors or succeed."""
+    path = data.draw(st.sampled_from(_plan_leaves()))
+    tmp = tmp_path_factory.mktemp("pl")
+    plan = _replace(json.loads(base_plan_text()), path, value)
+    text = json.dumps(plan, allow_nan=True)
+    (tmp / "plan.json").write_text(text)
+    run_dir(plan_text=text)(tmp)
+    _assert_behaves(run_case(Case("h", ["launch", "--plan", "{tmp}/plan.json", "--out", "{tmp}/job", "--dry-run"]), tmp),
+                    False)
+    _assert_behaves(run_case(Case("h", ["compare", "{tmp}/run", "--json"]), tmp), True)

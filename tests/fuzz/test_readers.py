@@ -233,3 +233,10 @@ def test_fit_refuses_unknown_and_underdetermined_parameters(tmp_path):
     one_error(run("calibrate", "fit", d, "--dry-run", "--param", "bogus", env=env), "'bogus' is not a fittable parameter")
     one_error(run("calibrate", "fit", d, "--dry-run", "--param", "a2a_overlap", "--param", "dp_overlap", "--param",
                   "overhead.scale", env=env), "from 1 run(s): underdetermined by")
+
+
+def test_odd_keys_stay_on_one_line(tmp_path):
+    model = json.loads(json.dumps(__import__("yaml").safe_load((ROOT / "models" / "tiny-moe.yaml").read_text())))
+    model["attention"] = {"\n#x": 1}
+    (tmp_path / "m.json").write_text(json.dumps(model))
+    one_error(run("model", "show", tmp_path / "m.json"), "attention.'\\n#x': unknown field")
