@@ -383,6 +383,9 @@ def option_cases() -> list[Case]:
     cases.append(Case("plan-opt/frontier-headroom-0.99", ["plan", "--model", "mixtral-8x7b", "--platform", "frontier",
                                                           "--nodes", "8", "--memory-headroom", "0.99"],
                       expect=3, subprocess=True))
+    cases.append(Case("plan-opt/frontier-one-byte-memory", ["plan", "--model", "mixtral-8x7b", "--platform",
+                                                            "{tmp}/f.yaml", "--nodes", "8"],
+                      expect=3, subprocess=True, setup=_one_byte_frontier))
     cases.append(Case("plan-opt/headroom-0.99-subprocess", [*plan, "--nodes", "1", "--memory-headroom", "0.99"],
                       expect=3, subprocess=True))
     for path in sorted((CORPUS / "validation").iterdir()):
@@ -419,9 +422,19 @@ LEAD_OWNED = {
     "estimate-opt/--nodes 1 --dp 2 --seq 4096": "estimate's validity check (issue 14: seq above max_seq_len)",
     "plan-opt/--nodes 1 --seq 1000000000000": "cli/plan.py builds TrainingSpec outside the error boundary (issue 14)",
     "plan-opt/frontier-headroom-0.99": "cli/plan.py's nothing-fits report lets an error replace exit 3 (issue 14)",
+    "plan-opt/frontier-one-byte-memory": "cli/plan.py's nothing-fits report: exit 2 instead of 3, and it searches up "
+                                         "to 9,856 nodes (issue 14)",
 }
 """Cases that still fail because of code issue 14 (the lead) is rewriting; test_fuzz marks them xfail(strict), so
 each one turns into a failure to remove from here once that work lands."""
+
+
+def _one_byte_frontier(tmp: Path) -> None:
+    import yaml
+
+    data = yaml.safe_load((ROOT / "platforms" / "frontier.yaml").read_text())
+    data["device"]["memory_bytes"] = 1
+    (tmp / "f.yaml").write_text(yaml.safe_dump(data))
 
 
 def all_cases() -> list[Case]:
