@@ -9,6 +9,7 @@ maximum over steps (a peak).
 
 from __future__ import annotations
 
+import math
 from statistics import median
 from typing import Annotated
 
@@ -53,6 +54,7 @@ def quantity(predicted: float | None, measured: float | None) -> dict:
     rel = None
     if predicted is not None and measured not in (None, 0):
         rel = (predicted - measured) / measured
+        rel = rel if math.isfinite(rel) else None      # a ratio beyond float range says nothing
     return {"predicted": predicted, "measured": measured, "rel_error": rel}
 
 

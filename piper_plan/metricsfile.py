@@ -41,7 +41,8 @@ class StepRecord(BaseModel):
     schema_version: Literal[1] = SCHEMA_VERSION
     step: int = Field(ge=0)
     loss: float | None = None
-    step_time_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS)
+    step_time_s: float | None = Field(default=None, ge=1e-9, le=MAX_SECONDS)
+    """Seconds of the step: 1 ns .. MAX_SECONDS (shorter is a corrupt record)."""
     tokens: int | None = Field(default=None, ge=0)
     tokens_per_s: float | None = Field(default=None, ge=0, le=1e18)
     time_s: dict[str, Seconds] | None = None

@@ -5,6 +5,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("fuzz-stress", max_examples=1000)
+
 
 def pytest_collection_modifyitems(config, items):
     """A marker filter that does not name ``fuzz`` (the fast tier: -m "not slurm and not distributed") leaves the

@@ -82,7 +82,8 @@ def _assert_behaves(outcome, json_out: bool):
 
 MODEL = yaml.safe_load((ROOT / "models" / "tiny-moe.yaml").read_text())
 PLATFORM = yaml.safe_load((ROOT / "platforms" / "local-cpu.yaml").read_text())
-FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck))
+"""Examples per property: the active hypothesis profile's (conftest.py: 100; --hypothesis-profile=fuzz-stress: 1000)."""
 
 
 @FUZZ
