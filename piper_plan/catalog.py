@@ -9,12 +9,14 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from pathlib import Path
 from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from piper_plan import fileio
 from piper_plan.errors import PiperError
 from piper_plan.specs import ModelSpec, PlatformSpec
 
@@ -45,54 +47,52 @@ def catalog_names(folder: Path) -> list[str]:
 
 
 def read_text(path: Path) -> str:
-    """A text file's contents; a missing, unreadable, binary or directory path is one PiperError line."""
-    if path.is_dir():
-        raise PiperError("is a directory; expected a file", path=str(path))
-    if not path.is_file():
-        raise PiperError("file not found", path=str(path))
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise PiperError(f"not a UTF-8 text file (byte {exc.start})", path=str(path)) from None
-    except OSError as exc:
-        raise PiperError(f"cannot read: {exc.strerror or exc}", path=str(path)) from None
+    """A text file's contents through the input boundary (``fileio.read_text``)."""
+    return fileio.read_text(path)
 
 
 def read_structured(path: Path) -> dict:
-    """Parse a YAML or JSON file into a mapping; errors name the file and line."""
-    text = read_text(path)
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise PiperError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", path=str(path)) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise PiperError(f"malformed YAML{where}: {problem}", path=str(path)) from None
-    if not isinstance(data, dict):
-        raise PiperError(f"expected a mapping at the top level, got {type(data).__name__}", path=str(path))
-    return data
+    """A YAML or JSON file as a mapping of plain JSON data (``fileio.read_document``: limits, strict parsing)."""
+    return fileio.read_document(path)
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _loc_part(part) -> str:
+    """A field name as it is, any other key (empty, spaces, a newline) quoted so the message stays one line."""
+    text = str(part)
+    return text if _PLAIN_KEY.fullmatch(text) else repr(text)
 
 
 def validation_message(exc: ValidationError) -> str:
     """Render a pydantic error as 'field.path: message (got value)' for each problem, on one line."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = ".".join(_loc_part(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
-        got = err.get("input")
+        elif isinstance(got, bool) and err["type"] in ("int_type", "float_type", "int_from_float"):
+            msg = "a boolean is not a number"
         shown = "" if isinstance(got, (dict, list)) or err["type"] in ("missing", "extra_forbidden") else f" (got {got!r})"
-        parts.append(f"{loc}: {msg}{shown}")
+        parts.append(f"{loc}: {msg}{shown}" if err["loc"] else f"{msg}{shown}")
     return "; ".join(parts)
 
 
 def parse_spec(cls: type[SpecT], data: dict, path: str) -> SpecT:
-    """Validate ``data`` as ``cls``; a validation failure is one PiperError line naming the file."""
+    """Validate ``data`` as ``cls`` in pydantic's strict JSON mode (a boolean is not a number, a string is not a
+    number, 4.0 is not an integer); a validation failure is one PiperError line naming the file.
+
+    ``data`` is what ``read_structured`` returns (plain JSON data); anything else (objects built in code) is
+    validated as it is."""
     try:
-        return cls.model_validate(data)
+        text = json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError):
+        text = None
+    try:
+        return cls.model_validate(data) if text is None else cls.model_validate_json(text, strict=True)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), path=path) from None
 

@@ -9,6 +9,7 @@ maximum over steps (a peak).
 
 from __future__ import annotations
 
+import math
 from statistics import median
 
 A2A_KEY_PARTS = ("dispatch", "combine", "a2a", "all_to_all")
@@ -19,6 +20,7 @@ def quantity(predicted: float | None, measured: float | None) -> dict:
     rel = None
     if predicted is not None and measured not in (None, 0):
         rel = (predicted - measured) / measured
+        rel = rel if math.isfinite(rel) else None      # a ratio beyond float range says nothing
     return {"predicted": predicted, "measured": measured, "rel_error": rel}
 
 

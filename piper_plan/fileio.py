@@ -1,14 +1,263 @@
-"""Small file helpers shared by every writer: atomic writes (write a temp file, then rename)."""
+"""Every file piper reads or writes goes through here: the input boundary (limits, encodings, strict YAML / JSON)
+and atomic writes (write a temp file, then rename).
+
+Reading (``read_text``, ``read_document``, ``json_lines``, ``parse_json``, ``parse_yaml``) refuses, as one PiperError
+line naming the file and where: a file larger than its limit (checked before reading it), text that is not UTF-8,
+nesting deeper than ``MAX_DEPTH``, a document of more than ``MAX_ITEMS`` values, an integer of more than
+``MAX_INT_DIGITS`` digits, NaN or infinity, duplicate mapping keys, non-string keys, YAML aliases (a few bytes
+can expand to gigabytes) and YAML tags beyond the plain JSON types. What comes back is plain JSON data (dict,
+list, str, int, float, bool, None), checked before any schema looks at it. The limits are in
+docs/design-notes.md ("Input limits").
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from piper_plan.errors import PiperError
+
+MAX_DOCUMENT_BYTES = 8 * 2**20
+"""Largest YAML / JSON document (a spec, plan.json, a Hugging Face config.json): 8 MiB."""
+MAX_FILE_BYTES = 128 * 2**20
+"""Largest line-oriented file (metrics.jsonl, an nccl-tests log, a calibration CSV): 128 MiB."""
+MAX_DEPTH = 32
+"""Deepest nesting of mappings / lists in a document (piper's own formats need 6)."""
+MAX_ITEMS = 1_000_000
+"""Most values (scalars, lists, mappings) in one document."""
+MAX_INT_DIGITS = 24
+"""Longest integer literal (10^24 is beyond every count piper uses; Python refuses 4,300 digits itself)."""
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+def read_text(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str:
+    """A UTF-8 text file's contents; missing, a directory, too large, unreadable or not UTF-8 is one PiperError."""
+    path = Path(path)
+    if path.is_dir():
+        raise PiperError("is a directory; expected a file", path=str(path))
+    if not path.is_file():
+        raise PiperError("file not found", path=str(path))
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise PiperError(f"file is {size:,} bytes; the limit is {max_bytes:,}", path=str(path))
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PiperError(f"cannot read: {exc.strerror or exc}", path=str(path)) from None
+    return decode_utf8(data, str(path))
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """``data`` as UTF-8 text (a leading byte-order mark dropped); NUL bytes or other encodings are refused."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise PiperError(f"line {line}: not a UTF-8 text file (byte {exc.start}: {data[exc.start:exc.start + 1]!r})",
+                         path=where) from None
+    if "\x00" in text:
+        raise PiperError(f"line {text[:text.index(chr(0))].count(chr(10)) + 1}: NUL byte; not a text file", path=where)
+    return text
+
+
+def read_document(path: str | Path) -> dict:
+    """A YAML or JSON file (by suffix: .json is JSON) parsed into a mapping of plain JSON data."""
+    path = Path(path)
+    text = read_text(path, MAX_DOCUMENT_BYTES)
+    data = parse_json(text, str(path)) if path.suffix == ".json" else parse_yaml(text, str(path))
+    if not isinstance(data, dict):
+        raise PiperError(f"expected a mapping at the top level, got {_kind(data)}", path=str(path))
+    return data
+
+
+def json_lines(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-empty line of a JSON-lines file; each line is parsed by ``parse_json``."""
+    path = Path(path)
+    for number, raw in enumerate(read_text(path).splitlines(), start=1):
+        if not raw.strip():
+            continue
+        obj = parse_json(raw, str(path), line=number)
+        if not isinstance(obj, dict):
+            raise PiperError(f"line {number}: expected a JSON object, got {_kind(obj)}", path=str(path))
+        yield number, obj
+
+
+def parse_json(text: str, where: str, line: int | None = None) -> Any:
+    """Strict JSON: no NaN / Infinity, no duplicate keys, integers of at most MAX_INT_DIGITS digits, bounded depth."""
+    at = f"line {line}: " if line is not None else ""
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant, parse_int=_parse_int, parse_float=_parse_float,
+                          object_pairs_hook=_unique_pairs)
+    except json.JSONDecodeError as exc:
+        pos = f"line {exc.lineno}, column {exc.colno}" if line is None else f"column {exc.colno}"
+        raise PiperError(f"{at}malformed JSON at {pos}: {exc.msg}", path=where) from None
+    except RecursionError:
+        raise PiperError(f"{at}nested deeper than {MAX_DEPTH} levels", path=where) from None
+    except _Refused as exc:
+        raise PiperError(f"{at}{exc}", path=where) from None
+    check_tree(data, where, at)
+    return data
+
+
+class _Refused(ValueError):
+    """A value the strict parsers refuse (raised inside the parser hooks, turned into a PiperError outside)."""
+
+
+def _refuse_constant(name: str):
+    raise _Refused(f"{name} is not a number piper accepts (finite numbers only)")
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Refused(f"an integer of {len(digits.lstrip('-')):,} digits; at most {MAX_INT_DIGITS} are accepted")
+    return int(digits)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"{text[:40]} is not a finite number")
+    return value
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Refused(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def check_tree(data: Any, where: str, at: str = "") -> None:
+    """Depth, size, finite floats and string keys of parsed data (iterative: no recursion to exhaust)."""
+    stack, items = [(data, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        items += 1
+        if items > MAX_ITEMS:
+            raise PiperError(f"{at}more than {MAX_ITEMS:,} values in one document", path=where)
+        if isinstance(node, (dict, list)) and depth > MAX_DEPTH:
+            raise PiperError(f"{at}nested deeper than {MAX_DEPTH} levels", path=where)
+        if isinstance(node, dict):
+            bad = next((k for k in node if not isinstance(k, str)), None)
+            if bad is not None:
+                raise PiperError(f"{at}mapping key {bad!r} is not a string", path=where)
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise PiperError(f"{at}{node} is not a finite number", path=where)
+        elif not isinstance(node, (str, int, float, bool, type(None))):
+            raise PiperError(f"{at}a {type(node).__name__} value; only strings, numbers, booleans, null, lists and "
+                             "mappings are accepted", path=where)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """Strict YAML (see the module docstring); errors name the line and column."""
+    import yaml
+
+    loader = _strict_loader_class()(text)
+    try:
+        data = loader.get_single_data()
+    except _Refused as exc:
+        raise PiperError(str(exc), path=where) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise PiperError(f"malformed YAML{at}: {problem}", path=where) from None
+    except RecursionError:
+        raise PiperError(f"nested deeper than {MAX_DEPTH} levels", path=where) from None
+    finally:
+        loader.dispose()
+    check_tree(data, where)
+    return data
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+"""1e12 without a dot: a float in YAML 1.2 and JSON, a string in PyYAML's YAML 1.1 resolver; read as a float."""
+
+
+def _strict_loader_class():
+    """A SafeLoader subclass (built once) that refuses what the module docstring lists."""
+    global _STRICT_LOADER
+    if _STRICT_LOADER is not None:
+        return _STRICT_LOADER
+    import yaml
+    from yaml.events import AliasEvent
+
+    class StrictLoader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(AliasEvent):
+                mark = self.peek_event().start_mark
+                raise _Refused(f"line {mark.line + 1}: YAML aliases (*name) are not accepted; write the value out")
+            self.depth += 1
+            try:
+                if self.depth > MAX_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise _Refused(f"line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, str):
+                    raise _Refused(f"line {key_node.start_mark.line + 1}: mapping key {key!r} is not a string")
+                if key in seen:
+                    raise _Refused(f"line {key_node.start_mark.line + 1}: duplicate key {key!r} "
+                                   f"(first at line {seen[key]})")
+                seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep=deep)
+
+        def construct_yaml_int(self, node):
+            digits = sum(ch.isdigit() for ch in node.value)
+            if digits > MAX_INT_DIGITS:
+                raise _Refused(f"line {node.start_mark.line + 1}: an integer of {digits:,} digits; at most "
+                               f"{MAX_INT_DIGITS} are accepted")
+            return super().construct_yaml_int(node)
+
+        def construct_yaml_float(self, node):
+            value = super().construct_yaml_float(node)
+            if not math.isfinite(value):
+                raise _Refused(f"line {node.start_mark.line + 1}: {node.value} is not a finite number")
+            return value
+
+        def construct_undefined(self, node):
+            raise _Refused(f"line {node.start_mark.line + 1}: YAML tag {node.tag} is not accepted")
+
+    StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+    StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
+    for tag in ("timestamp", "binary", "set", "omap", "pairs"):      # not JSON types: refused, not converted
+        StrictLoader.add_constructor(f"tag:yaml.org,2002:{tag}", StrictLoader.construct_undefined)
+    StrictLoader.add_constructor(None, StrictLoader.construct_undefined)
+    StrictLoader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+    _STRICT_LOADER = StrictLoader
+    return StrictLoader
+
+
+_STRICT_LOADER = None
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), f"a {type(value).__name__}")
+
+
+# ---- writing ------------------------------------------------------------------------------------------
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

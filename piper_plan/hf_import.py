@@ -42,7 +42,13 @@ class _Config:
         return value
 
     def flag(self, key: str, default: bool) -> bool:
-        return bool(self.get(key, default))
+        """A JSON boolean (the string "false" is not one: bool("false") would be True)."""
+        value = self.get(key, default)
+        if value is None:                                 # null: transformers falls back to the default too
+            return default
+        if not isinstance(value, bool):
+            raise PiperError(f"must be true or false, got {value!r}", path=self.path, field=self.prefix + key)
+        return value
 
     def sub(self, key: str) -> "_Config":
         value = self.get(key)
@@ -242,6 +248,8 @@ def default_name(config: dict, path: str) -> str:
     """Catalog-style name: the repo name of ``_name_or_path``, else the file name (its folder for config.json),
     lowercased and hyphenated."""
     stem = Path(path).stem
+    if not isinstance(config.get("_name_or_path", ""), str):
+        raise PiperError(f"must be a string, got {config['_name_or_path']!r}", path=path, field="_name_or_path")
     raw = config.get("_name_or_path") or (stem if stem != "config" else Path(path).resolve().parent.name)
     name = re.sub(r"[^a-z0-9.]+", "-", str(raw).rstrip("/").split("/")[-1].lower()).strip("-")
     return name or "model"
@@ -250,7 +258,7 @@ def default_name(config: dict, path: str) -> str:
 def spec_from_hf_config(config: dict, path: str, name: str | None = None) -> ModelSpec:
     """The ModelSpec of a parsed HF config; errors name ``path`` and the offending field."""
     model_type = config.get("model_type")
-    if model_type not in CONVERTERS:
+    if not isinstance(model_type, str) or model_type not in CONVERTERS:
         raise PiperError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
                          path=path, field="model_type")
     cfg = _Config(config, path)

@@ -313,6 +313,9 @@ def load_calibration(platform: str | Path) -> Calibration | None:
     directory = Path(platform) if isinstance(platform, Path) or "/" in str(platform) else calibration_dir(str(platform))
     if not directory.is_dir():
         return None
+    from piper_plan.calibration.io import read_metadata
+
+    read_metadata(directory)                          # a malformed metadata.json is reported, not skipped
     frames = [read_if_present(directory, t) for t in (GEMM, ATTENTION, COLLECTIVES)]
     if all(f is None or f.empty for f in frames):
         return None

@@ -25,7 +25,6 @@ the runs); :func:`load_fit` reads it back as (CostOptions, platform with fitted 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +89,7 @@ class FitResult:
 def read_run(run_dir: str | Path) -> Run:
     """RUN_DIR/plan.json + RUN_DIR/metrics.jsonl -> Run; a missing file is one PiperError line."""
     from piper_plan.compare import compare
+    from piper_plan.metricsfile import read_metrics
     from piper_plan.planfile import read_plan_file
 
     d = Path(run_dir)
@@ -98,7 +98,7 @@ def read_run(run_dir: str | Path) -> Run:
             raise PiperError(f"missing {name}: a run directory holds the plan.json it ran and the runtime's "
                              "metrics.jsonl", path=str(d))
     pf = read_plan_file(d / "plan.json")
-    records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_metrics(d / "metrics.jsonl")
     measured = compare({}, records)["step_time_s"]["measured"]
     if not measured:
         raise PiperError("no step_time_s in metrics.jsonl", path=str(d / "metrics.jsonl"))
@@ -127,17 +127,32 @@ def write_fit(path: Path, rows: list[dict]) -> Path:
     return atomic_write_text(path, pd.DataFrame(rows).to_csv(index=False))
 
 
+def _fit_row_problem(row: dict) -> str | None:
+    lower, upper, _ = PARAMETERS[row["parameter"]]
+    if not lower <= row["value"] <= upper:
+        return f"{row['parameter']}={row['value']:g} outside its range {lower:g}..{upper:g}"
+    return None
+
+
+def fit_table():
+    """fit.csv's schema: parameter (a PARAMETERS name), value (inside its bounds), source; other columns are notes."""
+    from piper_plan.calibration.schema import SOURCE, Column, Table
+
+    return Table("fit", (Column("parameter", "str", "fitted parameter", choices=tuple(PARAMETERS)),
+                         Column("value", "float", "fitted value"), SOURCE), key=("parameter",),
+                 row_check=_fit_row_problem)
+
+
 def load_fit(platform, path: Path | None = None):
     """(CostOptions, platform) with the fitted values of calibration/<platform>/fit.csv applied; unchanged if absent."""
-    import pandas as pd
-
+    from piper_plan.calibration.io import read_table
     from piper_plan.cost.options import CostOptions
 
     path = path or fit_path(platform.name)
-    if not path.is_file():
+    if not path.exists():
         return CostOptions(), platform
-    values = dict(zip(pd.read_csv(path)["parameter"], pd.read_csv(path)["value"].astype(float)))
-    return apply(platform, CostOptions(), values)
+    frame = read_table(path, fit_table())
+    return apply(platform, CostOptions(), dict(zip(frame["parameter"], frame["value"].astype(float))))
 
 
 # ---- pure ------------------------------------------------------------------------------------------
@@ -210,14 +225,28 @@ def sensitive_parameters(runs: list[Run], calibration=None, names=None, rel_step
     return keep
 
 
-def fit(runs: list[Run], calibration=None, names=None, options=None) -> FitResult:
-    """Least-squares fit of the sensitive parameters to the runs' measured step times."""
+def check_names(names) -> None:
+    """Every name is a fittable parameter (one line naming the bad one and the known ones)."""
+    unknown = [n for n in names or () if n not in PARAMETERS]
+    if unknown:
+        raise PiperError(f"{unknown[0]!r} is not a fittable parameter; known: {', '.join(PARAMETERS)}", field="--param")
+
+
+def fit(runs: list[Run], calibration=None, names=None, options=None, determined: bool = False) -> FitResult:
+    """Least-squares fit of the sensitive parameters to the runs' measured step times.
+
+    ``determined``: refuse a fit of more parameters than runs (each run gives one equation; the CLI asks for this,
+    a script fitting a held-out split may accept an underdetermined least-squares solution)."""
     from scipy.optimize import least_squares
 
     if not runs:
         raise PiperError("no runs to fit", field="RUN_DIR")
+    check_names(names)
     measured = np.array([r.measured_step_s for r in runs])
     names = sensitive_parameters(runs, calibration, names, options=options)
+    if determined and len(names) > len(runs):
+        raise PiperError(f"{len(names)} parameters ({', '.join(names)}) from {len(runs)} run(s): underdetermined by "
+                         f"{len(names) - len(runs)}; give at most {len(runs)} --param, or more runs", field="--param")
     start = np.array([_current(n, runs) for n in names])
     before = predict_seconds(runs, {}, calibration, options)
     if not names:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 from typing import Iterable
 
@@ -23,23 +22,45 @@ _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
 
 
-def read_table(path: str | Path, table: Table) -> pd.DataFrame:
-    """Load and validate one calibration CSV; an empty file (header only) gives an empty frame."""
+def read_table(path: str | Path, table: Table, drop_keys: set[tuple] = frozenset()) -> pd.DataFrame:
+    """Load and validate one calibration CSV; an empty file (header only) gives an empty frame.
+
+    Rows whose key is in ``drop_keys`` are left out before they are checked (a merge that replaces them: a
+    re-import repairs a row an older piper wrote badly)."""
     path = Path(path)
     raw = _read_raw(path)
     missing = [c for c in table.column_names if c not in raw.columns]
     if missing:
         raise PiperError(f"line 1: missing columns {missing}; a {table.filename} has {table.column_names}", path=str(path))
-    out = {c.name: [_convert(path, i + 2, c, v) for i, v in enumerate(raw[c.name])] for c in table.columns}
+    if drop_keys:
+        keep = [tuple(_key_text(r[k]) for k in table.key) not in drop_keys for _, r in raw.iterrows()]
+        raw = raw[keep]
+    lines = [int(i) + 2 for i in raw.index]
+    out = {c.name: [_convert(path, line, c, v) for line, v in zip(lines, raw[c.name])] for c in table.columns}
     frame = pd.DataFrame(out, columns=table.column_names)
-    _check_unique(path, frame, table)
+    if table.row_check is not None:
+        for line, row in zip(lines, frame.itertuples(index=False)):
+            problem = table.row_check(row._asdict())
+            if problem:
+                raise PiperError(f"line {line}: {problem}", path=str(path))
+    _check_unique(path, frame, table, lines)
     return frame
 
 
+def _key_text(value) -> str:
+    """A key value as the CSV writes it (so that a replaced row is recognised before it is parsed)."""
+    text = str(value).strip()
+    try:
+        number = float(text)
+        return str(int(number)) if number.is_integer() else text
+    except ValueError:
+        return text.lower() if text.lower() in _TRUE | _FALSE else text
+
+
 def _read_raw(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        raise PiperError("file not found", path=str(path))
-    text = path.read_text(encoding="utf-8")
+    from piper_plan.fileio import read_text
+
+    text = read_text(path)
     rows = list(csv.reader(io.StringIO(text)))
     rows = [r for r in rows if r]  # blank lines
     if not rows:
@@ -84,6 +105,8 @@ def _parse_number(path: Path, where: str, col: Column, value: str):
 
 
 def _check_range(path: Path, where: str, col: Column, number: float) -> None:
+    if col.max_value is not None and number > col.max_value:
+        raise PiperError(f"{where}: {number!r} out of range, allowed <= {col.max_value:g}", path=str(path))
     if col.min_value is None:
         return
     ok = number >= col.min_value if col.min_inclusive else number > col.min_value
@@ -92,10 +115,10 @@ def _check_range(path: Path, where: str, col: Column, number: float) -> None:
         raise PiperError(f"{where}: {number!r} out of range, allowed {bound} {col.min_value:g}", path=str(path))
 
 
-def _check_unique(path: Path, frame: pd.DataFrame, table: Table) -> None:
+def _check_unique(path: Path, frame: pd.DataFrame, table: Table, lines: list[int]) -> None:
     dup = frame.duplicated(list(table.key), keep="first")
     if dup.any():
-        line = int(dup.to_numpy().nonzero()[0][0]) + 2
+        line = lines[int(dup.to_numpy().nonzero()[0][0])]
         raise PiperError(f"line {line}: repeats the point {list(table.key)} of an earlier row", path=str(path))
 
 
@@ -104,9 +127,10 @@ def table_path(directory: str | Path, table: Table) -> Path:
 
 
 def read_if_present(directory: str | Path, table: Table) -> pd.DataFrame | None:
-    """The validated table of ``directory``, or None if its file does not exist."""
+    """The validated table of ``directory``, or None if its file does not exist (a directory in its place is an
+    error, not an absent file)."""
     path = table_path(directory, table)
-    return read_table(path, table) if path.is_file() else None
+    return read_table(path, table) if path.exists() else None
 
 
 def render_csv(frame: pd.DataFrame, table: Table) -> str:
@@ -131,7 +155,8 @@ def merge_rows(directory: str | Path, table: Table, rows: Iterable[dict]) -> Pat
     """Add ``rows`` to ``directory/<table>.csv`` (a new row replaces an old one at the same key), atomically."""
     path = table_path(directory, table)
     new = pd.DataFrame(list(rows), columns=table.column_names)
-    old = read_table(path, table) if path.is_file() else None
+    replaced = {tuple(_key_text(v) for v in key) for key in new[list(table.key)].itertuples(index=False, name=None)}
+    old = read_table(path, table, drop_keys=replaced) if path.exists() else None
     frame = new if old is None or old.empty else pd.concat([old, new], ignore_index=True)
     frame = frame.drop_duplicates(list(table.key), keep="last").sort_values(list(table.key), kind="stable")
     return atomic_write_text(path, render_csv(frame, table))
@@ -145,9 +170,17 @@ def measured_keys(directory: str | Path, table: Table) -> set[tuple]:
     return set(frame[list(table.key)].itertuples(index=False, name=None))
 
 
+def read_metadata(directory: str | Path) -> dict:
+    """metadata.json of a calibration folder ({} when absent); a malformed one is an error naming it."""
+    from piper_plan.fileio import read_document
+
+    path = Path(directory) / "metadata.json"
+    return read_document(path) if path.exists() else {}
+
+
 def write_metadata(directory: str | Path, metadata: dict) -> Path:
     """metadata.json, merged into any existing one (a later sweep adds its section), atomically."""
     path = Path(directory) / "metadata.json"
-    old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    old = read_metadata(directory)
     old.update(metadata)
     return atomic_write_json(path, old)

@@ -10,18 +10,26 @@ The table both print (nccl-tests README and PERFORMANCE.md; rccl-tests is a fork
 Older releases have no ``root`` column and call ``#wrong`` ``error`` (printed as ``0e+00``); with ``-c 0`` the
 check column reads ``N/A``. Columns are found by the header names, so either layout parses. ``size`` is the
 per-rank byte count nccl-tests defines for each op (all_to_all: the whole send buffer; all_gather: the
-gathered output) -- exactly the ``bytes_per_rank`` of collectives.csv. Out-of-place numbers are used.
+gathered output) -- exactly the ``bytes_per_rank`` of collectives.csv. Out-of-place numbers are used; both
+result checks (out-of-place and in-place ``#wrong``) must be 0. A size must be a whole number of bytes, times and
+bandwidths finite; a size printed twice (two runs pasted together) is refused.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from piper_plan.calibration.schema import OPS, SCOPES
+from piper_plan.calibration.schema import MAX_MEASURED, OPS, SCOPES, scope_problem
 from piper_plan.errors import PiperError
 
 _TIME_UNITS = {"(us)": 1e-6, "(ms)": 1e-3, "(s)": 1.0}
+_REQUIRED = ("time", "algbw", "busbw")
+_CHECK_COLUMNS = ("#wrong", "error")
+_OK_CHECKS = ("", "0", "0e+00", "N/A")
+_NUMERIC_START = re.compile(r"[-+]?(?:\d|\.\d)")
+"""A line whose first token starts like a number is a data line (banners start with a word)."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,8 @@ class NcclTestsRow:
     seconds: float
     algbw_GBps: float
     busbw_GBps: float
-    wrong: str
+    wrong: tuple[str, ...]
+    """Every result-check column of the line (out-of-place and in-place)."""
 
 
 def parse_nccl_tests(text: str, path: str = "<text>") -> list[NcclTestsRow]:
@@ -44,22 +53,36 @@ def parse_nccl_tests(text: str, path: str = "<text>") -> list[NcclTestsRow]:
         if not stripped:
             continue
         if stripped.startswith("#"):
-            columns, unit = _header(stripped, columns, unit)
+            columns, unit = _header(stripped, columns, unit, number, path)
             continue
         if not _looks_like_data(stripped):
             continue  # banners some launchers print ("nccl-tests version ...", srun notes)
         if columns is None:
             raise PiperError(f"line {number}: data before the '# size count type ...' header", path=path)
         rows.append(_row(stripped, columns, unit, number, path))
+    _check_sizes_unique(rows, path)
     if not rows:
         raise PiperError("no nccl-tests data rows found (expected a '# size count type ... time algbw busbw' table)", path=path)
     return rows
 
 
-def _header(line: str, columns: list[str] | None, unit: float) -> tuple[list[str] | None, float]:
+def _check_sizes_unique(rows: list[NcclTestsRow], path: str) -> None:
+    first: dict[int, int] = {}
+    for r in rows:
+        if r.size_bytes in first:
+            raise PiperError(f"line {r.line}: size {r.size_bytes} repeats line {first[r.size_bytes]}; import one run "
+                             "per file", path=path)
+        first[r.size_bytes] = r.line
+
+
+def _header(line: str, columns: list[str] | None, unit: float, number: int, path: str) -> tuple[list[str] | None, float]:
     tokens = line.lstrip("#").split()
     if tokens[:2] == ["size", "count"]:
-        return tokens, unit
+        missing = [c for c in _REQUIRED if c not in tokens]
+        if missing:
+            raise PiperError(f"line {number}: the table header has no {' / '.join(missing)} column; expected "
+                             f"'# size count type ... time algbw busbw #wrong ...'", path=path)
+        return [("#wrong" if t == "error" else t) for t in tokens], unit
     if tokens[:1] == ["(B)"] and columns is not None:
         units = [t for t in tokens if t in _TIME_UNITS]
         return columns, _TIME_UNITS[units[0]] if units else unit
@@ -67,7 +90,7 @@ def _header(line: str, columns: list[str] | None, unit: float) -> tuple[list[str
 
 
 def _looks_like_data(line: str) -> bool:
-    return line.split()[0].isdigit()
+    return bool(_NUMERIC_START.match(line.split()[0]))
 
 
 def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> NcclTestsRow:
@@ -75,22 +98,30 @@ def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> 
     if len(tokens) < columns.index("busbw") + 1 or len(tokens) > len(columns):
         raise PiperError(f"line {number}: {len(tokens)} fields, the header has {len(columns)}: {line!r}", path=path)
     i_time, i_alg, i_bus = columns.index("time"), columns.index("algbw"), columns.index("busbw")
+    if not re.fullmatch(r"\d{1,18}", tokens[0]):
+        raise PiperError(f"line {number}: size {tokens[0]!r} is not allowed; allowed: a whole number of bytes >= 0",
+                         path=path)
+    size = int(tokens[0])
     try:
-        size = int(tokens[0])
         seconds = float(tokens[i_time]) * unit
         algbw, busbw = float(tokens[i_alg]), float(tokens[i_bus])
     except ValueError:
         raise PiperError(f"line {number}: not a number in {line!r}", path=path) from None
-    if size < 0 or seconds <= 0:
-        raise PiperError(f"line {number}: size {size} / time {tokens[i_time]} out of range (size >= 0, time > 0)", path=path)
-    wrong = tokens[i_bus + 1] if len(tokens) > i_bus + 1 else ""
+    bad = [(name, tokens[i]) for name, i, value in (("time", i_time, seconds), ("algbw", i_alg, algbw),
+                                                      ("busbw", i_bus, busbw))
+           if not (0 <= value <= MAX_MEASURED) or (name == "time" and value == 0)]
+    if bad:
+        shown = ", ".join(f"{name} {text!r}" for name, text in bad)
+        raise PiperError(f"line {number}: {shown} out of range (time > 0 and at most {MAX_MEASURED:g} s, bandwidths "
+                         f"0..{MAX_MEASURED:g} GB/s)", path=path)
+    wrong = tuple(tokens[i] if i < len(tokens) else "" for i, c in enumerate(columns) if c == "#wrong")
     return NcclTestsRow(number, size, seconds, algbw, busbw, wrong)
 
 
 def rows_to_collectives(rows: list[NcclTestsRow], op: str, scope: str, num_nodes: int, ranks_per_node: int,
                         source: str) -> list[dict]:
     """collectives.csv rows (zero-byte lines dropped: nothing to calibrate)."""
-    check_op_scope(op, scope)
+    check_op_scope(op, scope, num_nodes)
     return [
         {"op": op, "scope": scope, "num_nodes": num_nodes, "ranks_per_node": ranks_per_node,
          "bytes_per_rank": r.size_bytes, "seconds": r.seconds, "algbw_GBps": r.algbw_GBps,
@@ -99,21 +130,24 @@ def rows_to_collectives(rows: list[NcclTestsRow], op: str, scope: str, num_nodes
     ]
 
 
-def check_op_scope(op: str, scope: str) -> None:
+def check_op_scope(op: str, scope: str, num_nodes: int | None = None) -> None:
     if op not in OPS:
         raise PiperError(f"--op {op!r} is not one of {list(OPS)}")
     if scope not in SCOPES:
         raise PiperError(f"--scope {scope!r} is not one of {list(SCOPES)}")
+    problem = None if num_nodes is None else scope_problem(scope, num_nodes)
+    if problem:
+        raise PiperError(f"--scope {scope} --nodes {num_nodes}: {problem}")
 
 
 def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per_node: int) -> list[dict]:
     """Parse one nccl-tests / rccl-tests log file into collectives.csv rows."""
-    check_op_scope(op, scope)
+    from piper_plan.fileio import read_text
+
+    check_op_scope(op, scope, num_nodes)
     path = Path(path)
-    if not path.is_file():
-        raise PiperError("file not found", path=str(path))
-    rows = parse_nccl_tests(path.read_text(encoding="utf-8", errors="replace"), str(path))
-    wrong = [r.line for r in rows if r.wrong not in ("", "0", "0e+00", "N/A")]
+    rows = parse_nccl_tests(read_text(path), str(path))
+    wrong = [r.line for r in rows if any(w not in _OK_CHECKS for w in r.wrong)]
     if wrong:
         raise PiperError(f"lines {wrong[:5]}: nccl-tests reports wrong results (#wrong != 0); not importing", path=str(path))
     source = f"imported: nccl-tests output {path.name} ({op}, {num_nodes} nodes x {ranks_per_node} ranks, out-of-place)"

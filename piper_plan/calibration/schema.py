@@ -9,6 +9,7 @@ Units live in the column names where they are not SI (``algbw_GBps``); ``seconds
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from piper_plan.specs.vocab import CollectiveOp, Precision, Scope
 
@@ -29,14 +30,21 @@ class Column:
     choices: tuple[str, ...] | None = None
     min_value: float | None = None
     min_inclusive: bool = True
+    max_value: float | None = None
+    """Largest value allowed (inclusive); None = any finite number."""
 
 
 def _pos_int(name: str, doc: str) -> Column:
-    return Column(name, "int", doc, min_value=1)
+    return Column(name, "int", doc, min_value=1, max_value=2.0**53)
+
+
+MAX_MEASURED = 1e6
+"""Largest seconds, TFLOPS or GB/s a calibration row may hold (a million seconds is eleven days; no device does a
+million TFLOPS or moves a million GB/s): beyond it a row is a corrupt measurement."""
 
 
 def _pos_float(name: str, doc: str) -> Column:
-    return Column(name, "float", doc, min_value=0.0, min_inclusive=False)
+    return Column(name, "float", doc, min_value=0.0, min_inclusive=False, max_value=MAX_MEASURED)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class Table:
     name: str
     columns: tuple[Column, ...]
     key: tuple[str, ...]
+    row_check: Callable[[dict], str | None] | None = None
+    """A check across the columns of one parsed row: None when fine, else what is wrong."""
 
     @property
     def filename(self) -> str:
@@ -93,6 +103,19 @@ ATTENTION = Table(
     key=("device", "dtype", "pass", "batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "causal"),
 )
 
+def scope_problem(scope: str, num_nodes: int) -> str | None:
+    """Scope ``node`` is one node; every wider scope spans at least two (else the row is measured at another scope)."""
+    if scope == "node" and num_nodes != 1:
+        return f"scope node with num_nodes={num_nodes}; scope node is one node (use switch, group or system)"
+    if scope != "node" and num_nodes < 2:
+        return f"scope {scope} with num_nodes={num_nodes}; one node is scope node"
+    return None
+
+
+def _collective_row_problem(row: dict) -> str | None:
+    return scope_problem(row["scope"], row["num_nodes"])
+
+
 COLLECTIVES = Table(
     "collectives",
     (
@@ -103,10 +126,12 @@ COLLECTIVES = Table(
         _pos_int("bytes_per_rank", "nccl-tests 'size' for this op (bytes)"),
         _pos_float("seconds", "time of one call (the slowest rank), median over repeats"),
         _pos_float("algbw_GBps", "bytes_per_rank / seconds / 1e9 (nccl-tests algbw)"),
-        Column("busbw_GBps", "float", "algbw x the op's factor from nccl-tests PERFORMANCE.md", min_value=0.0),
+        Column("busbw_GBps", "float", "algbw x the op's factor from nccl-tests PERFORMANCE.md", min_value=0.0,
+               max_value=MAX_MEASURED),
         SOURCE,
     ),
     key=("op", "scope", "num_nodes", "ranks_per_node", "bytes_per_rank"),
+    row_check=_collective_row_problem,
 )
 
 TABLES: dict[str, Table] = {t.name: t for t in (GEMM, ATTENTION, COLLECTIVES)}

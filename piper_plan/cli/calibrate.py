@@ -53,9 +53,10 @@ def _command_line(platform_name, quick, resume, only, out_dir) -> str:
 def _out_dir(platform_name: str, out_dir: str | None) -> Path:
     from piper_plan.catalog import calibration_dir, load_platform
 
+    platform = load_platform(platform_name)           # checked even with --out: a typo is an error, not ignored
     if out_dir:
         return Path(out_dir).resolve()
-    return calibration_dir(load_platform(platform_name).name).resolve()
+    return calibration_dir(platform.name).resolve()
 
 
 class _RichReporter:
@@ -185,7 +186,7 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     runs = [fitting.read_run(d) for d in run_dirs]
     platform = runs[0].plan_file.platform
     calibration = None if no_calibration else load_calibration(platform.name)
-    result = fitting.fit(runs, calibration, list(params) or None)
+    result = fitting.fit(runs, calibration, list(params) or None, determined=True)
     path = fitting.fit_path(platform.name)
     if not dry_run and result.values:
         fitting.write_fit(path, fitting.fit_rows(result, shlex.join(["piper", "calibrate", "fit", *run_dirs])))

@@ -48,8 +48,9 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, strateg
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")
             _search_plan(plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration)
+        template_dir = str(Path(platform).parent) if platform and Path(platform).is_file() else None
         _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force,
-                as_json)
+                as_json, template_dir)
 
 
 def _search_plan(save_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration) -> None:
@@ -68,11 +69,13 @@ def _search_plan(save_path, model, platform, nodes, seq_len, global_batch, strat
                     f"pp={plan.pp} ep={plan.ep}", markup=False)
 
 
-def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json):
+def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json,
+            template_dir=None):
     from piper_plan.launch import job as joblib
     from piper_plan.launch.render import LaunchOptions
 
-    options = LaunchOptions(steps=steps, account=account, partition=partition, time=time_, job_name=job_name)
+    options = LaunchOptions(steps=steps, account=account, partition=partition, time=time_, job_name=job_name,
+                            template_dir=template_dir)
     prepared = joblib.prepare(Path(plan_path), Path(out_dir), options, python=sys.executable)
     if dry_run:
         click.echo(prepared.script, nl=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -17,7 +16,9 @@ def run_dir_summary(run_dir: Path) -> dict:
     out: dict = {"run_dir": str(run_dir), "steps_logged": 0, "last": None,
                  "checkpoint": latest.read_text().strip() if latest.is_file() else None}
     if metrics.is_file():
-        lines = [ln for ln in metrics.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        from piper_plan.fileio import read_text
+
+        lines = [ln for ln in read_text(metrics).splitlines() if ln.strip()]
         out["steps_logged"] = len(lines)
         last = _last_record(lines)
         if last is not None:
@@ -26,11 +27,14 @@ def run_dir_summary(run_dir: Path) -> dict:
 
 
 def _last_record(lines: list[str]) -> dict | None:
-    """The last line that parses as a JSON object (a run killed mid-write leaves a truncated last line)."""
+    """The last line that parses as a strict JSON object (a run killed mid-write leaves a truncated last line; a line
+    with NaN is skipped too, so --json never prints NaN)."""
+    from piper_plan.fileio import parse_json
+
     for line in reversed(lines):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = parse_json(line, "metrics.jsonl")
+        except PiperError:
             continue
         if isinstance(record, dict):
             return record

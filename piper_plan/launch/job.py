@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from piper_plan.errors import PiperError
-from piper_plan.fileio import atomic_write_text
+from piper_plan.fileio import atomic_write_text, read_text
 from piper_plan.launch import render, submit
 from piper_plan.launch.render import JobSpec, LaunchOptions
 from piper_plan.planfile import PlanFile, read_plan_file
@@ -52,8 +52,8 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
     out_dir = out_dir.expanduser().absolute()
     job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))
-    script = render.render_sbatch(job, render.load_template(job.template))
-    return PreparedJob(out_dir=out_dir, plan_text=plan_path.read_text(encoding="utf-8"), job=job,
+    script = render.render_sbatch(job, render.load_template(job.template, options.template_dir))
+    return PreparedJob(out_dir=out_dir, plan_text=read_text(plan_path), job=job,
                        script=script, readme=readme_text(job, plan_file))
 
 

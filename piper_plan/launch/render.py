@@ -41,6 +41,9 @@ class LaunchOptions:
     partition: str | None = None
     time: str | None = None
     job_name: str | None = None
+    template_dir: str | None = None
+    """The folder of a platform file the user named on the command line: its template may sit there. A plan.json
+    alone never chooses a folder (its template is a name from platforms/templates/)."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,15 @@ def switches_needed(nodes: int, nodes_per_switch: int) -> int:
 
 def default_time(steps: int, step_time_s: float | None) -> str:
     """Wall time for ``steps`` predicted steps: TIME_MARGIN x steps x step time + STARTUP_S + SIGNAL_LEAD_S,
-    rounded up to whole minutes, at least 10 minutes."""
+    rounded up to whole minutes, at least 10 minutes; more than 365 days is refused (validate.MAX_WALL_S)."""
+    if step_time_s is not None and (isinstance(step_time_s, bool) or not isinstance(step_time_s, (int, float))
+                                    or not 0 <= step_time_s < math.inf):
+        raise PiperError(f"prediction.step_time_s={step_time_s!r} is not a finite number >= 0; give --time",
+                         field="prediction.step_time_s")
     train_s = TIME_MARGIN * steps * (step_time_s or 0.0)
+    if train_s > v.MAX_WALL_S:
+        raise PiperError(f"{steps:,} steps x {step_time_s:.3g} s predicted = {train_s / 86400:,.0f} days, beyond "
+                         "365 days; lower --steps (or give --time)", field="steps")
     minutes = max(10, math.ceil((train_s + STARTUP_S + SIGNAL_LEAD_S) / 60))
     return v.format_wall_time(minutes * 60)
 
@@ -193,15 +203,24 @@ def render_sbatch(job: JobSpec, template: str) -> str:
     return fill_template(template, template_values(job))
 
 
-def template_path(template: str) -> Path:
+def template_path(template: str, template_dir: str | None = None) -> Path:
+    """The template file: <template_dir>/<name> (a platform file's folder given on the command line) if it exists,
+    else platforms/templates/<name>. ``template`` must be a bare name (PlatformSpec checks it; checked again here)."""
     from piper_plan.catalog import platforms_dir
+    from piper_plan.specs.platform import TEMPLATE_NAME_RE
 
-    return platforms_dir() / "templates" / template
+    if not TEMPLATE_NAME_RE.fullmatch(template):
+        raise PiperError(f"launch.template={template!r} is not a template name (a file name ending in .sbatch, "
+                         "no folders)", field="launch.template")
+    folders = ([Path(template_dir)] if template_dir else []) + [platforms_dir() / "templates"]
+    return next((f / template for f in folders if (f / template).is_file()), folders[-1] / template)
 
 
-def load_template(template: str) -> str:
+def load_template(template: str, template_dir: str | None = None) -> str:
     """The template file's text (I/O; kept apart from the pure render)."""
-    path = template_path(template)
+    from piper_plan.fileio import read_text
+
+    path = template_path(template, template_dir)
     if not path.is_file():
         raise PiperError(f"launch.template={template!r}: no such file {path}", field="launch.template")
-    return path.read_text(encoding="utf-8")
+    return read_text(path)

@@ -21,8 +21,10 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """Job names, partitions, accounts: letters, digits, '.', '_', '-' (first a letter or digit)."""
 PATH_RE = re.compile(r"/[A-Za-z0-9._/+@,=~-]*")
 """Absolute paths without whitespace, quotes, '$', '%', '*', ';', '&', '|', '<', '>', '(', ')', '`' or '\\'."""
-TIME_RE = re.compile(r"(?:(\d{1,3})-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
+TIME_RE = re.compile(r"(?:(\d{1,3})-)?(\d{1,4}):([0-5]\d):([0-5]\d)")
 """Slurm wall time [D-]HH:MM:SS."""
+MAX_WALL_S = 365 * 86400
+"""Longest wall time piper writes into a job: 365 days (Slurm's own INFINITE aside, no site allows more)."""
 MODULE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*")
 """Lmod module names, optionally with /version."""
 ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -54,13 +56,22 @@ def abs_path(value: str, field: str) -> str:
 
 
 def wall_time(value: str) -> str:
-    """Slurm [D-]HH:MM:SS; returned unchanged."""
-    _check(value, TIME_RE, "time", "[D-]HH:MM:SS, e.g. 02:00:00")
+    """Slurm [D-]HH:MM:SS, more than zero and at most MAX_WALL_S (hours below 24 after a day count); returned
+    unchanged."""
+    allowed = "[D-]HH:MM:SS, e.g. 02:00:00, above 00:00:00 and at most 365 days (HH < 24 after D-)"
+    _check(value, TIME_RE, "time", allowed)
+    days, hours, minutes, seconds = (int(g or 0) for g in TIME_RE.fullmatch(str(value)).groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total == 0 or total > MAX_WALL_S or (TIME_RE.fullmatch(str(value)).group(1) is not None and hours > 23):
+        raise PiperError(f"time={str(value)!r} is not allowed; allowed: {allowed}", field="time")
     return str(value)
 
 
 def format_wall_time(seconds: float) -> str:
-    """Seconds -> HH:MM:SS (hours may exceed 24; Slurm accepts that)."""
+    """Seconds -> HH:MM:SS (hours may exceed 24; Slurm accepts that); at most MAX_WALL_S."""
+    if not 0 < seconds <= MAX_WALL_S:
+        raise PiperError(f"a wall time of {seconds:.3g} s is not allowed; allowed: above 0 and at most 365 days "
+                         "(fewer --steps, or give --time)", field="time")
     total = int(round(seconds))
     return f"{total // 3600:02d}:{total % 3600 // 60:02d}:{total % 60:02d}"
 

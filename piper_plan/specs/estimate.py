@@ -13,9 +13,10 @@ from pydantic import Field
 
 from piper_plan.specs.base import Spec
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+MAX_FIGURE = 1e30
+"""Largest figure a prediction may hold (bytes, seconds, FLOP): beyond it a ratio overflows a float."""
+NonNegative = Annotated[float, Field(ge=0, le=MAX_FIGURE, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, le=MAX_FIGURE, allow_inf_nan=False)]
 
 
 class StageMemory(Spec):
@@ -79,7 +80,8 @@ class OtherPlacement(Spec):
 class Estimate(Spec):
     """One plan's prediction."""
 
-    step_time_s: Positive
+    step_time_s: Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)]
+    """Seconds per optimizer step (at most 1e9 s: no training step runs for 30 years)."""
     tokens_per_s: Positive
     tflops_per_device: NonNegative
     mfu: NonNegative

@@ -8,11 +8,28 @@ implementations (Hugging Face ``transformers`` modules) so that counts match the
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, model_validator
 
 from piper_plan.specs.base import Spec
+
+MAX_LAYERS = 10_000
+"""Most transformer layers a model may have (the largest published MoE models have about 100); checked before
+anything is sized by the layer count."""
+MAX_WIDTH = 2**20
+"""Largest width (hidden size, FFN inner size, head dim, MLA ranks): 1,048,576 (published models stay below 2^17)."""
+MAX_VOCAB = 2**24
+"""Largest vocabulary: 16,777,216 tokens (published models stay below 2^18)."""
+MAX_HEADS = 2**14
+"""Most attention heads: 16,384."""
+MAX_EXPERTS = 2**16
+"""Most routed (or shared) experts per layer: 65,536."""
+MAX_SEQ_LEN = 2**31
+"""Longest max_seq_len (TrainingSpec.seq_len has the same bound)."""
+
+Width = Annotated[int, Field(ge=1, le=MAX_WIDTH)]
+Heads = Annotated[int, Field(ge=1, le=MAX_HEADS)]
 
 
 class AttentionSpec(Spec):
@@ -20,11 +37,11 @@ class AttentionSpec(Spec):
 
     kind: Literal["mha", "gqa", "mla"] = "gqa"
     """mha: num_kv_heads = num_heads; gqa: grouped KV heads; mla: low-rank compressed Q and KV."""
-    num_heads: PositiveInt
+    num_heads: Heads
     """Query heads."""
-    num_kv_heads: PositiveInt | None = None
+    num_kv_heads: Heads | None = None
     """Key/value heads (GQA); defaults to num_heads. Ignored for MLA."""
-    head_dim: PositiveInt | None = None
+    head_dim: Width | None = None
     """Per-head width of q/k/v; defaults to hidden_size / num_heads (Llama 4, Qwen3-MoE, gpt-oss set it)."""
     qkv_bias: bool = False
     """q, k and v projections carry a bias (Qwen2, gpt-oss)."""
@@ -34,15 +51,15 @@ class AttentionSpec(Spec):
     """Norm on q and k: per_head (a head_dim-wide RMSNorm, Qwen3), full (over all heads, OLMoE), weightless (L2, Llama 4)."""
     sinks: bool = False
     """One learned attention-sink logit per head (gpt-oss)."""
-    q_lora_rank: PositiveInt | None = None
+    q_lora_rank: Width | None = None
     """MLA: rank of the query compression; None = full-rank query projection (DeepSeek-V2-Lite)."""
-    kv_lora_rank: PositiveInt | None = None
+    kv_lora_rank: Width | None = None
     """MLA: rank of the joint key/value compression."""
-    qk_nope_head_dim: PositiveInt | None = None
+    qk_nope_head_dim: Width | None = None
     """MLA: per-head query/key width without rotary embedding."""
-    qk_rope_head_dim: PositiveInt | None = None
+    qk_rope_head_dim: Width | None = None
     """MLA: per-head query/key width with rotary embedding (the key part is shared by all heads)."""
-    v_head_dim: PositiveInt | None = None
+    v_head_dim: Width | None = None
     """MLA: per-head value width."""
 
     @model_validator(mode="after")
@@ -71,7 +88,7 @@ class AttentionSpec(Spec):
 class FFNSpec(Spec):
     """A dense feed-forward block (also the shape of one expert)."""
 
-    intermediate_size: PositiveInt
+    intermediate_size: Width
     """Inner width d_ffn."""
     gated: bool = True
     """Gated (SwiGLU: 3 matrices) or plain (2 matrices, e.g. GELU)."""
@@ -82,13 +99,13 @@ class FFNSpec(Spec):
 class MoELayersSpec(Spec):
     """Which layers are MoE: layer i is MoE iff i >= first_k_dense and i % every == phase, or i in explicit."""
 
-    first_k_dense: int = Field(default=0, ge=0)
+    first_k_dense: int = Field(default=0, ge=0, le=MAX_LAYERS)
     """The first k layers are dense (DeepSeek's first_k_dense_replace)."""
-    every: PositiveInt = 1
+    every: int = Field(default=1, ge=1, le=MAX_LAYERS)
     """A MoE layer every n-th layer (DeepSeek's moe_layer_freq; Llama 4's interleave_moe_layer_step)."""
-    phase: int = Field(default=0, ge=0)
+    phase: int = Field(default=0, ge=0, le=MAX_LAYERS)
     """Offset inside the period: Llama 4 uses (i + 1) % step == 0, i.e. phase = step - 1."""
-    explicit: list[int] | None = None
+    explicit: list[Annotated[int, Field(ge=0, le=MAX_LAYERS)]] | None = Field(default=None, max_length=MAX_LAYERS)
     """An explicit list of MoE layer indices (overrides the rule above)."""
 
     def is_moe(self, layer: int) -> bool:
@@ -100,13 +117,13 @@ class MoELayersSpec(Spec):
 class MoESpec(Spec):
     """The Mixture-of-Experts block of a MoE layer."""
 
-    num_experts: PositiveInt
+    num_experts: int = Field(ge=1, le=MAX_EXPERTS)
     """Routed experts per MoE layer (E)."""
-    top_k: PositiveInt
+    top_k: int = Field(ge=1, le=MAX_EXPERTS)
     """Routed experts per token (k)."""
     expert: FFNSpec
     """Shape of one routed expert (gated = 3 matrices, plain = 2)."""
-    num_shared_experts: int = Field(default=0, ge=0)
+    num_shared_experts: int = Field(default=0, ge=0, le=MAX_EXPERTS)
     """Always-active shared experts (DeepSeek, Qwen2-MoE, Llama 4)."""
     shared_expert: FFNSpec | None = None
     """Shape of one shared expert; defaults to the routed expert's shape."""
@@ -123,7 +140,7 @@ class MoESpec(Spec):
     """Which layers are MoE."""
     parallel_dense_ffn: FFNSpec | None = None
     """A dense MLP beside the experts in every MoE layer (Arctic's residual MLP)."""
-    capacity_factor: float | None = Field(default=None, gt=0)
+    capacity_factor: float | None = Field(default=None, gt=0, le=1000)
     """Tokens per expert are capped at capacity_factor x (tokens x k / E); None = dropless."""
 
     @model_validator(mode="after")
@@ -145,7 +162,7 @@ class NormSpec(Spec):
     """RMSNorm (weight only) or LayerNorm."""
     bias: bool = False
     """LayerNorm with a bias (doubles its parameters)."""
-    per_layer: int = Field(default=2, ge=0)
+    per_layer: int = Field(default=2, ge=0, le=16)
     """Norms per transformer layer (2 = pre-attention + pre-MLP; Arctic 3, Grok-1 4)."""
     final: bool = True
     """A final norm before the LM head."""
@@ -160,13 +177,13 @@ class ModelSpec(Spec):
     """Where the configuration comes from (paper, model card, config.json)."""
     notes: str = ""
     """Assumptions and approximations, said plainly."""
-    vocab_size: PositiveInt | None
+    vocab_size: Annotated[int, Field(ge=1, le=MAX_VOCAB)] | None
     """Vocabulary; None = no embedding and no LM head (the papers' abstract models)."""
-    hidden_size: PositiveInt
+    hidden_size: Width
     """Model width d."""
-    num_layers: PositiveInt
-    """Transformer layers L."""
-    max_seq_len: PositiveInt | None = None
+    num_layers: int = Field(ge=1, le=MAX_LAYERS)
+    """Transformer layers L (at most MAX_LAYERS)."""
+    max_seq_len: Annotated[int, Field(ge=1, le=MAX_SEQ_LEN)] | None = None
     """Longest sequence the model supports (max_position_embeddings); None = unknown / unbounded."""
     attention: AttentionSpec
     """Self-attention."""
@@ -187,15 +204,22 @@ class ModelSpec(Spec):
     def _check(self) -> "ModelSpec":
         if self.attention.kind != "mla" and self.attention.head_dim is None and self.hidden_size % self.attention.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.attention.num_heads}; set attention.head_dim")
-        if self.num_dense_layers and self.dense_ffn is None:
-            raise ValueError(f"{self.num_dense_layers} layers are dense but dense_ffn is not set")
-        if self.learned_position_embeddings and self.max_seq_len is None:
-            raise ValueError("learned_position_embeddings needs max_seq_len")
         if self.moe is not None and self.moe.layers.explicit is not None:
             bad = [i for i in self.moe.layers.explicit if not 0 <= i < self.num_layers]
             if bad:
-                raise ValueError(f"moe.layers.explicit has indices {bad} outside 0..{self.num_layers - 1}")
+                raise ValueError(f"moe.layers.explicit has indices {bad[:5]} outside 0..{self.num_layers - 1} "
+                                 f"(num_layers={self.num_layers})")
+        if self.num_dense_layers and self.dense_ffn is None:
+            raise ValueError(f"{self.num_dense_layers} of {self.num_layers} layers are dense "
+                             f"({self._dense_reason()}) but dense_ffn is not set")
+        if self.learned_position_embeddings and self.max_seq_len is None:
+            raise ValueError("learned_position_embeddings needs max_seq_len")
         return self
+
+    def _dense_reason(self) -> str:
+        if self.moe is None:
+            return "no moe block"
+        return "moe.layers selects only some layers"
 
     # ---- derived structure -------------------------------------------------------------
     @property

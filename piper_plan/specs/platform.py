@@ -6,12 +6,27 @@ Scopes, from fastest to slowest: ``node`` (intra-node links), ``switch`` (nodes 
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from piper_plan.specs.base import Spec
 from piper_plan.specs.vocab import Precision, Scope
+
+MAX_NODES = 100_000
+"""Most nodes a platform may have or a plan may use (Frontier has 9,408); checked before anything is sized by it."""
+MAX_DEVICES_PER_NODE = 1024
+"""Most devices (ranks) per node."""
+MAX_MEMORY_BYTES = 2**50
+"""Largest memory figure (device memory, framework bytes): 1 PiB."""
+Flops = Annotated[float, Field(ge=1e6, le=1e18)]
+"""A device's peak FLOP/s: between 1 MFLOP/s and 1 EFLOP/s (an H100's dense FP8 peak is about 2e15); outside it
+the cost model's times over- or underflow."""
+Bandwidth = Annotated[float, Field(ge=1e-3, le=1e6)]
+"""A bandwidth in GB/s: between 1 MB/s and 1 PB/s."""
+TEMPLATE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.sbatch")
+"""A launch template is a file name (no folders) ending in .sbatch: platforms/templates/<name>."""
 
 SCOPES: tuple[str, ...] = Scope.values()
 """Scope names, narrowest first (specs.vocab.Scope)."""
@@ -25,11 +40,11 @@ class DeviceSpec(Spec):
 
     name: str
     """Device name as the vendor states it (AMD MI250X GCD)."""
-    memory_bytes: PositiveInt
+    memory_bytes: int = Field(ge=1, le=MAX_MEMORY_BYTES)
     """Device memory usable by one rank, in bytes."""
-    peak_flops: dict[Dtype, PositiveFloat]
+    peak_flops: dict[Dtype, Flops] = Field(min_length=1)
     """Dense matrix peak, FLOP/s, per dtype."""
-    memory_bandwidth_GBps: PositiveFloat
+    memory_bandwidth_GBps: Bandwidth
     """Device memory bandwidth, GB/s."""
     source: str
     """Citation or measuring command for these numbers."""
@@ -40,7 +55,7 @@ class LinkClassSpec(Spec):
 
     name: str
     """Short label (same_package, cross_package)."""
-    bandwidth_GBps: PositiveFloat
+    bandwidth_GBps: Bandwidth
     """Per direction, GB/s."""
     device_pairs: list[tuple[int, int]] | None = None
     """Local device pairs joined by this class; None = every pair not listed elsewhere."""
@@ -51,13 +66,13 @@ class LinkClassSpec(Spec):
 class NodeSpec(Spec):
     """One node: its devices, links and NICs."""
 
-    devices_per_node: PositiveInt
+    devices_per_node: int = Field(ge=1, le=MAX_DEVICES_PER_NODE)
     """Ranks (devices) per node."""
-    link_classes: list[LinkClassSpec]
+    link_classes: list[LinkClassSpec] = Field(min_length=1)
     """Intra-node link classes."""
-    num_nics: int = Field(ge=0)
+    num_nics: int = Field(ge=0, le=MAX_DEVICES_PER_NODE)
     """Network interfaces per node (0 = single-node machine)."""
-    nic_bandwidth_GBps: float = Field(ge=0)
+    nic_bandwidth_GBps: float = Field(ge=0, le=1e6)
     """Per NIC, per direction, GB/s."""
     device_nic: list[int] | None = None
     """NIC index of each local device (Frontier: the two GCDs of a package share a NIC); None = round robin."""
@@ -97,9 +112,9 @@ class NodeSpec(Spec):
 class ScopeLinkSpec(Spec):
     """Bandwidth and latency of traffic that crosses one scope."""
 
-    bandwidth_GBps: PositiveFloat
+    bandwidth_GBps: Bandwidth
     """Per rank, per direction, GB/s, when every rank of the scope sends at once."""
-    latency_us: float = Field(ge=0)
+    latency_us: float = Field(ge=0, le=1e7)
     """One-message latency, microseconds."""
     source: str
     """Citation or derivation."""
@@ -108,18 +123,25 @@ class ScopeLinkSpec(Spec):
 class NetworkSpec(Spec):
     """The interconnect between nodes."""
 
-    nodes_per_switch: PositiveInt = 1
+    nodes_per_switch: int = Field(default=1, ge=1, le=MAX_NODES)
     """Nodes on one switch (Frontier: 4 per Rosetta switch)."""
-    nodes_per_group: PositiveInt = 1
+    nodes_per_group: int = Field(default=1, ge=1, le=MAX_NODES)
     """Nodes in one dragonfly group / cabinet (Frontier: 128)."""
-    num_groups: PositiveInt = 1
+    num_groups: int = Field(default=1, ge=1, le=MAX_NODES)
     """Dragonfly groups in the machine."""
-    scopes: dict[Scope, ScopeLinkSpec]
+    scopes: dict[Scope, ScopeLinkSpec] = Field(min_length=1)
     """Per-scope bandwidth/latency: the fallback when calibration data lacks a collective."""
-    global_taper: PositiveFloat = 1.0
+    global_taper: float = Field(default=1.0, gt=0, le=1000)
     """Injection : global-link bandwidth ratio (Frontier ~1.75)."""
     source: str
     """Citation."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "NetworkSpec":
+        if self.nodes_per_group * self.num_groups > MAX_NODES:
+            raise ValueError(f"nodes_per_group x num_groups = {self.nodes_per_group * self.num_groups:,} nodes; "
+                             f"at most {MAX_NODES:,}")
+        return self
 
     @property
     def max_nodes(self) -> int:
@@ -130,14 +152,15 @@ class LaunchSpec(Spec):
     """How jobs start on this platform (rendered by piper launch)."""
 
     template: str
-    """sbatch template file under platforms/templates/."""
+    """sbatch template file name under platforms/templates/ (a name, never a path: a received plan.json must not
+    point a job script at a file of its choosing)."""
     backend: Literal["nccl", "gloo"] = "nccl"
     """torch.distributed backend (rccl answers to nccl)."""
     device: Literal["cuda", "cpu"] = "cuda"
     """torch device type of a rank."""
-    cpus_per_task: PositiveInt = 1
+    cpus_per_task: int = Field(default=1, ge=1, le=4096)
     """srun -c."""
-    gpus_per_task: int = Field(default=1, ge=0)
+    gpus_per_task: int = Field(default=1, ge=0, le=MAX_DEVICES_PER_NODE)
     """srun --gpus-per-task (0 on CPU platforms)."""
     partition: str | None = None
     """Default partition."""
@@ -150,6 +173,14 @@ class LaunchSpec(Spec):
     env: dict[str, str] = {}
     """Environment exported in the job."""
     source: str = ""
+
+    @field_validator("template")
+    @classmethod
+    def _template_name(cls, value: str) -> str:
+        if not TEMPLATE_NAME_RE.fullmatch(value):
+            raise ValueError("not a template name; allowed: a file name ending in .sbatch (letters, "
+                             "digits, '.', '_', '-'; no folders) from platforms/templates/")
+        return value
     """Where these settings come from."""
 
 
@@ -167,7 +198,7 @@ class EfficiencySpec(Spec):
 class MemoryOverheadSpec(Spec):
     """Memory the framework takes beyond the model's own tensors."""
 
-    framework_bytes: int = Field(ge=0)
+    framework_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)
     """Fixed per-rank overhead (runtime context, communication buffers), bytes."""
     fragmentation: float = Field(ge=0, lt=1)
     """Fraction of the tensor memory lost to allocator fragmentation."""
@@ -188,8 +219,16 @@ class PlatformSpec(Spec):
     efficiency: EfficiencySpec
     memory: MemoryOverheadSpec
     launch: LaunchSpec
-    max_nodes: PositiveInt | None = None
+    max_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
     """Largest allocation the machine can give; None = nodes_per_group x num_groups."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "PlatformSpec":
+        if self.node_limit > 1 and self.node.injection_GBps == 0:
+            raise ValueError(f"node.num_nics={self.node.num_nics}, node.nic_bandwidth_GBps="
+                             f"{self.node.nic_bandwidth_GBps:g}: a platform of {self.node_limit:,} nodes needs "
+                             "NICs with bandwidth (set max_nodes: 1 for a single-node machine)")
+        return self
 
     @property
     def devices_per_node(self) -> int:

@@ -74,7 +74,7 @@ def test_rccl_tests_with_banner_line():
 
 def test_old_layout_without_root_column():
     (row,) = parse_nccl_tests(OLD_NCCL_TESTS)
-    assert (row.size_bytes, row.seconds, row.algbw_GBps, row.wrong) == (4194304, pytest.approx(84.10e-6), 49.87, "0e+00")
+    assert (row.size_bytes, row.seconds, row.algbw_GBps, row.wrong) == (4194304, pytest.approx(84.10e-6), 49.87, ("0e+00", "0e+00"))
 
 
 @pytest.mark.parametrize("bad_line, message", [

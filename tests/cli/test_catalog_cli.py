@@ -114,9 +114,9 @@ def assert_user_error(result, *needles):
 
 @pytest.mark.parametrize("changes, needles", [
     ({"colour": "red"}, ["colour: unknown field"]),
-    ({"hidden_size": 0}, ["hidden_size:", "greater than 0", "(got 0)"]),
-    ({"num_layers": -3}, ["num_layers:", "greater than 0", "(got -3)"]),
-    ({"moe__expert__intermediate_size": 0}, ["moe.expert.intermediate_size:", "greater than 0"]),
+    ({"hidden_size": 0}, ["hidden_size:", "greater than or equal to 1", "(got 0)"]),
+    ({"num_layers": -3}, ["num_layers:", "greater than or equal to 1", "(got -3)"]),
+    ({"moe__expert__intermediate_size": 0}, ["moe.expert.intermediate_size:", "greater than or equal to 1"]),
     ({"moe__top_k": 9}, ["moe:", "top_k=9 must be <= num_experts=8"]),
 ])
 def test_bad_model_yaml(tmp_path, changes, needles):
@@ -165,4 +165,4 @@ def test_bad_platform_yaml(tmp_path):
     data["device"]["memory_bytes"] = -1
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(data))
-    assert_user_error(run("platform", "show", str(path)), str(path), "device.memory_bytes:", "greater than 0")
+    assert_user_error(run("platform", "show", str(path)), str(path), "device.memory_bytes:", "greater than or equal to 1")

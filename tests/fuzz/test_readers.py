@@ -1,0 +1,242 @@
+"""The input boundary's rules, one by one (fast tier): the strict readers, the closed template path, a poisoned
+calibration folder and its repair, fit's refusals, and messages that name the real problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from piper_plan.cli.main import cli
+from piper_plan.errors import PiperError
+from piper_plan.fileio import MAX_DEPTH, parse_json, parse_yaml
+
+from cases import CORPUS, ESTIMATE, GOOD_METRICS, ROOT, base_plan_text, patched_plan_text, piper_home
+from make_corpus import NCCL_HEADER, nccl_line
+
+
+def run(*args, env=None):
+    return CliRunner(env=env).invoke(cli, [str(a) for a in args])
+
+
+def one_error(result, *needles) -> str:
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# ---- the strict readers ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, needle", [
+    ("a: 1\nb: 2\na: 3\n", "line 3: duplicate key 'a' (first at line 1)"),
+    ("a: &x [1]\nb: *x\n", "line 2: YAML aliases"),
+    ("a: " + "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), f"nested deeper than {MAX_DEPTH}"),
+    ("a: " + "9" * 25, "an integer of 25 digits"),
+    ("a: .inf\n", ".inf is not a finite number"),
+    ("a: !!python/name:os.system x\n", "YAML tag"),
+    ("2: x\n", "mapping key 2 is not a string"),
+])
+def test_yaml_refusals(text, needle):
+    with pytest.raises(PiperError) as info:
+        parse_yaml(text, "f.yaml")
+    assert needle in str(info.value) and str(info.value).startswith("f.yaml: ")
+
+
+def test_yaml_plain_values_stay_plain():
+    assert parse_yaml("a: 1e12\nb: 2026-11-30\nc: -2.5E-3\nd: 12\n", "f") == {
+        "a": 1e12, "b": "2026-11-30", "c": -2.5e-3, "d": 12}
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+    ('{"a": NaN}', "NaN is not a number"),
+    ('{"a": -Infinity}', "-Infinity is not a number"),
+    ('{"a": 1e999}', "1e999 is not a finite number"),
+    ('{"a": ' + "1" * 5000 + "}", "an integer of 5,000 digits"),
+    ("[" * 100_000, "nested deeper"),
+    ('{"a": 1', "malformed JSON at line 1"),
+])
+def test_json_refusals(text, needle):
+    with pytest.raises(PiperError) as info:
+        parse_json(text, "f.json")
+    assert needle in str(info.value)
+
+
+def test_file_limits(tmp_path):
+    big = tmp_path / "m.yaml"
+    with open(big, "wb") as f:
+        f.truncate(9 * 2**20)
+    one_error(run("model", "show", big), "bytes; the limit is")
+    bad = tmp_path / "b.yaml"
+    bad.write_bytes(b"name: a\nsource: caf\xe9\n")
+    one_error(run("model", "show", bad), "line 2: not a UTF-8 text file")
+
+
+# ---- limits checked before anything is sized by them; messages name the real problem ---------------------
+@pytest.mark.parametrize("name, needles", [
+    ("num_layers-1e7", ["num_layers", "less than or equal to 10000"]),
+    ("num_layers-1e9", ["num_layers", "10000"]),
+    ("num_layers-true", ["num_layers: a boolean is not a number"]),
+    ("hidden_size-true", ["hidden_size: a boolean is not a number"]),
+    ("moe-explicit-100", ["moe.layers.explicit has indices [100] outside 0..3"]),
+    ("duplicate-key", []),
+])
+def test_model_messages(name, needles):
+    path = CORPUS / "models" / f"{name}.yaml"
+    if not path.exists():
+        path = CORPUS / "models" / f"model-{name}.yaml"
+    line = one_error(run("model", "show", path), *needles)
+    assert "dense_ffn" not in line
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("no-links", "node.link_classes"), ("no-scopes", "network.scopes"),
+    ("num_nics-zero", "needs NICs"), ("nic_bandwidth-zero", "needs NICs"), ("peak-tiny", "peak_flops.fp32"),
+    ("devices-1e9", "devices_per_node"), ("nodes_per_group-1e15", "nodes_per_group"),
+])
+def test_platform_messages(name, needle):
+    one_error(run("platform", "show", CORPUS / "platforms" / f"{name}.yaml"), needle)
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("model_type-list", "model_type"), ("tie-string-false", "tie_word_embeddings: must be true or false"),
+    ("layers-true", "num_hidden_layers"),
+])
+def test_hf_messages(name, needle):
+    one_error(run("model", "import", CORPUS / "hf" / f"{name}.json"), needle)
+
+
+# ---- templates: a received plan.json names a template, never a path ----------------------------------------
+@pytest.mark.parametrize("template", [str(CORPUS / "templates" / "evil.sbatch"), "../../tests/fuzz/corpus/templates/evil.sbatch",
+                                      "sub/local-cpu.sbatch"])
+def test_plan_cannot_point_launch_at_a_template_file(tmp_path, template):
+    (tmp_path / "plan.json").write_text(patched_plan_text({"platform.launch.template": template}))
+    for extra in ([], ["--dry-run"]):
+        result = run("launch", "--plan", tmp_path / "plan.json", "--out", tmp_path / "job", *extra)
+        one_error(result, "launch.template", "not a template name")
+        assert "piper-fuzz-pwned" not in result.stdout
+    assert not (tmp_path / "job").exists()
+
+
+def test_template_beside_a_platform_file_given_on_the_command_line(tmp_path):
+    folder = tmp_path / "site"
+    folder.mkdir()
+    shutil.copy(ROOT / "platforms" / "templates" / "local-cpu.sbatch", folder / "site.sbatch")
+    with open(folder / "site.sbatch", "a") as f:
+        f.write("# site template\n")
+    platform = (ROOT / "platforms" / "local-cpu.yaml").read_text().replace("template: local-cpu.sbatch",
+                                                                           "template: site.sbatch")
+    (folder / "site.yaml").write_text(platform)
+    result = run("launch", "--model", "tiny-moe", "--platform", folder / "site.yaml", "--nodes", "1", "--seq", "128",
+                 "--global-batch", "8", "--out", tmp_path / "job", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "# site template" in result.stdout
+    # the same template name in a received plan.json alone is not found (no folder of the plan's choosing)
+    saved = json.loads(base_plan_text())
+    saved["platform"]["launch"]["template"] = "site.sbatch"
+    (tmp_path / "plan.json").write_text(json.dumps(saved))
+    one_error(run("launch", "--plan", tmp_path / "plan.json", "--out", tmp_path / "job2"), "no such file")
+
+
+@pytest.mark.parametrize("time", ["00:00:00", "999-99:00:00", "366-00:00:00", "1-24:00:00"])
+def test_wall_time_limits(tmp_path, time):
+    (tmp_path / "plan.json").write_text(base_plan_text())
+    one_error(run("launch", "--plan", tmp_path / "plan.json", "--out", tmp_path / "job", "--time", time), "time=")
+
+
+def test_absurd_steps_do_not_render_a_time(tmp_path):
+    (tmp_path / "plan.json").write_text(patched_plan_text({"runtime.steps": 10**15}))
+    one_error(run("launch", "--plan", tmp_path / "plan.json", "--out", tmp_path / "job", "--dry-run"), "365 days")
+
+
+# ---- a poisoned calibration folder: reported with file and row, repaired by re-importing --------------------
+def test_poisoned_collectives_are_reported_and_repaired_by_reimport(tmp_path):
+    cal = piper_home(tmp_path)
+    env = {"PIPER_HOME": str(tmp_path / "home")}
+    nan_log = tmp_path / "nan.txt"
+    nan_log.write_text(NCCL_HEADER + nccl_line(time="nan"))
+    before = (cal / "collectives.csv").read_text()
+    args = ["--op", "all_to_all", "--nodes", "1", "--ranks-per-node", "2", "--scope", "node", "--platform", "local-cpu"]
+    one_error(run("calibrate", "import-nccl-tests", nan_log, *args, env=env), "line 4", "time 'nan'")
+    assert (cal / "collectives.csv").read_text() == before                     # nothing written
+    # the NaN row an older piper wrote: every reader names the file and the line
+    lines = before.splitlines()
+    (cal / "collectives.csv").write_text(before + "all_to_all,node,1,2,1048576,nan,nan,nan,imported: old\n")
+    where = f"collectives.csv: line {len(lines) + 1}"
+    one_error(run(*ESTIMATE, env=env), where, "not a finite number")
+    one_error(run("calibrate", "show", "--platform", cal), where)
+    good = tmp_path / "good.txt"
+    good.write_text(NCCL_HEADER + nccl_line())
+    assert run("calibrate", "import-nccl-tests", good, *args, env=env).exit_code == 0
+    assert "nan" not in (cal / "collectives.csv").read_text()
+    assert run(*ESTIMATE, env=env).exit_code == 0
+
+
+def test_malformed_metadata_is_reported(tmp_path):
+    cal = tmp_path / "cal"
+    shutil.copytree(ROOT / "calibration" / "local-cpu", cal)
+    (cal / "metadata.json").write_text("{oops")
+    one_error(run("calibrate", "show", "--platform", cal), "metadata.json", "malformed JSON")
+
+
+def test_load_fit_is_strict(tmp_path):
+    from piper_plan.calibration.fit import load_fit
+    from piper_plan.catalog import load_platform
+
+    header = "parameter,value,before,mape_before_pct,mape_after_pct,source\n"
+    for row, needle in (("a2a_overlap,nan,0,1,1,x", "not a finite number"), ("warp,0.5,0,1,1,x", "'warp' is not one of"),
+                        ("a2a_overlap,3,0,1,1,x", "outside its range")):
+        (tmp_path / "fit.csv").write_text(header + row + "\n")
+        with pytest.raises(PiperError, match=needle):
+            load_fit(load_platform("local-cpu"), tmp_path / "fit.csv")
+
+
+# ---- nccl-tests import ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, needle", [
+    ("wrong-inplace", "wrong results"), ("size-negative", "line 6: size '-1024'"), ("size-fraction", "line 6: size '1024.5'"),
+    ("header-no-time", "line 1: the table header has no time column"), ("time-inf", "time 'inf'"),
+])
+def test_nccl_import_refusals(tmp_path, name, needle):
+    one_error(run("calibrate", "import-nccl-tests", CORPUS / "nccl" / f"{name}.txt", "--op", "all_to_all", "--nodes", "1",
+                  "--ranks-per-node", "2", "--scope", "node", "--out", tmp_path / "cal"), needle)
+    assert not (tmp_path / "cal" / "collectives.csv").exists()
+
+
+def test_nccl_import_option_checks(tmp_path):
+    good = tmp_path / "good.txt"
+    good.write_text(NCCL_HEADER + nccl_line())
+    base = ["calibrate", "import-nccl-tests", good, "--op", "all_to_all", "--ranks-per-node", "2", "--out", tmp_path / "c"]
+    one_error(run(*base, "--nodes", "2", "--scope", "node"), "scope node is one node")
+    one_error(run(*base, "--nodes", "1", "--scope", "node", "--platform", "no-such"), "unknown platform 'no-such'")
+    one_error(run("calibrate", "import-nccl-tests", tmp_path, "--op", "all_to_all", "--ranks-per-node", "2", "--nodes",
+                  "1", "--scope", "node"), "is a directory")
+
+
+# ---- calibrate fit ------------------------------------------------------------------------------------------
+def _run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "plan.json").write_text(base_plan_text())
+    (d / "metrics.jsonl").write_text(GOOD_METRICS)
+    return d
+
+
+def test_fit_refuses_unknown_and_underdetermined_parameters(tmp_path):
+    d = _run_dir(tmp_path)
+    env = {"PIPER_HOME": str(ROOT)}
+    one_error(run("calibrate", "fit", d, "--dry-run", "--param", "bogus", env=env), "'bogus' is not a fittable parameter")
+    one_error(run("calibrate", "fit", d, "--dry-run", "--param", "a2a_overlap", "--param", "dp_overlap", "--param",
+                  "overhead.scale", env=env), "from 1 run(s): underdetermined by")
+
+
+def test_odd_keys_stay_on_one_line(tmp_path):
+    model = json.loads(json.dumps(__import__("yaml").safe_load((ROOT / "models" / "tiny-moe.yaml").read_text())))
+    model["attention"] = {"\n#x": 1}
+    (tmp_path / "m.json").write_text(json.dumps(model))
+    one_error(run("model", "show", tmp_path / "m.json"), "attention.'\\n#x': unknown field")
