@@ -82,7 +82,9 @@ def nothing_fits_json(model, platform, training, result, options, kwargs) -> dic
         row["overflow_bytes"] = max(0, row["peak_memory_bytes"] - int(result.memory_limit_bytes))
     start = result.nodes + 1
     needed = None
-    if start <= platform.node_limit:
+    # no allocation helps when the fixed framework bytes alone exceed the limit (every plan pays them)
+    hopeless = platform.memory.framework_bytes >= result.memory_limit_bytes
+    if start <= platform.node_limit and not hopeless:
         try:
             needed, _ = engine.min_nodes(model, platform, training, options, start=start, **kwargs)
         except PiperError:      # a larger allocation is not a valid question (batch, nodes): none found

@@ -410,23 +410,9 @@ ARGUABLY_VALID = {
 """Cases whose input the sweep accepts on purpose, with the argument why (exit 0 is right for them)."""
 
 
-_PREDICTION = "plan.json's prediction is not validated on load (issue 14: typed Estimate)"
-LEAD_OWNED = {
-    "launch-plan/layers-per-stage-huge.json": "launch --plan runs no validity check (issue 14)",
-    "launch-plan/microbatches-999.json": "launch --plan runs no validity check (issue 14)",
-    **{f"launch-plan/prediction-{name}.json": _PREDICTION for name in (
-        "a2a-share-string", "breakdown-string", "components-string", "memory-string", "per-stage-items",
-        "per-stage-string", "time-list", "tokens-string", "total-string")},
-    "estimate-opt/--nodes 1 --dp 2 --etp 2": "estimate's validity check (issue 14: etp > tp)",
-    "estimate-opt/--nodes 1 --dp 2 --schedule interleaved": "estimate's validity check (issue 14: interleaved, pp 1)",
-    "estimate-opt/--nodes 1 --dp 2 --seq 4096": "estimate's validity check (issue 14: seq above max_seq_len)",
-    "plan-opt/--nodes 1 --seq 1000000000000": "cli/plan.py builds TrainingSpec outside the error boundary (issue 14)",
-    "plan-opt/frontier-headroom-0.99": "cli/plan.py's nothing-fits report lets an error replace exit 3 (issue 14)",
-    "plan-opt/frontier-one-byte-memory": "cli/plan.py's nothing-fits report: exit 2 instead of 3, and it searches up "
-                                         "to 9,856 nodes (issue 14)",
-}
-"""Cases that still fail because of code issue 14 (the lead) is rewriting; test_fuzz marks them xfail(strict), so
-each one turns into a failure to remove from here once that work lands."""
+LEAD_OWNED: dict[str, str] = {}
+"""Cases that fail because of code another change is rewriting (test_fuzz marks them xfail(strict), so each one
+turns into a failure to remove from here once that work lands). Empty since the one-plan work landed."""
 
 
 def _one_byte_frontier(tmp: Path) -> None:
