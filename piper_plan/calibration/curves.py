@@ -34,6 +34,10 @@ take the 120 TFLOPS of a 32-group [2048 x 2048 x 7168] row rather than the 43 of
 _OFF_TOL = 1e-6
 
 
+_SMALL_QUERY = 256
+"""Query rows up to which distinct rows are found by numpy (faster there), above by pandas."""
+
+
 class LogInterpolator:
     """log(value) linear in log(coordinates). points: [P, D] > 0, values: [P] > 0."""
 
@@ -63,9 +67,14 @@ class LogInterpolator:
     def __call__(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """query [N, D] > 0 -> (values [N], extrapolated [N] bool). Repeated query rows are computed once."""
         query = np.asarray(query, float)
-        codes = pd.DataFrame(query).groupby(list(range(query.shape[1])), sort=False).ngroup().to_numpy()
-        _, first = np.unique(codes, return_index=True)  # first row of each distinct query, in code order
-        values, extrapolated = self._evaluate(query[first])
+        if len(query) <= _SMALL_QUERY:      # a few rows (an estimate): numpy's sort beats a pandas groupby
+            distinct, codes = np.unique(query, axis=0, return_inverse=True)
+            codes = codes.ravel()
+        else:
+            codes = pd.DataFrame(query).groupby(list(range(query.shape[1])), sort=False).ngroup().to_numpy()
+            _, first = np.unique(codes, return_index=True)  # first row of each distinct query, in code order
+            distinct = query[first]
+        values, extrapolated = self._evaluate(distinct)
         return values[codes], extrapolated[codes]
 
     def _evaluate(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -269,7 +278,10 @@ class Calibration:
 
     # helpers ---------------------------------------------------------------------------------------
     def _key(self, frame: pd.DataFrame, columns: tuple, wanted: tuple, filename: str) -> tuple[tuple, bool]:
-        available = sorted(set(frame[list(columns)].itertuples(index=False, name=None)), key=str)
+        cache_key = ("keys", filename, columns)
+        if cache_key not in self._cache:     # the table never changes: read its distinct keys once
+            self._cache[cache_key] = sorted(set(frame[list(columns)].itertuples(index=False, name=None)), key=str)
+        available = self._cache[cache_key]
         if wanted in available:
             return wanted, False
         chosen = _closest_key(wanted, available)

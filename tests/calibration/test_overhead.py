@@ -103,6 +103,7 @@ def test_lockstep_rows_separate_slowdown_from_wait_per_collective():
     assert float(ov.wait_seconds(2)) == pytest.approx(100e-6)
 
 
+@pytest.mark.distributed
 def test_lockstep_probe_measures_fine_and_coarse_in_the_same_ranks():
     """Both workloads-per-collective come from one set of gloo ranks (alternating rounds): a coarse iteration
     (3 workloads) costs more than a fine one, and both exist for every rank count."""
