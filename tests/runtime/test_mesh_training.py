@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from plans import plan_dict
-from piper_plan.runtime.train import config_from_dict
+from piper_plan.planfile import parse_plan_dict
 from reference import reference_run
 from workers import spawn
 
@@ -16,7 +16,7 @@ RTOL, ATOL = 1e-4, 1e-6  # fp32; a wrong reduction or a misrouted token is off b
 
 
 def _compare(plan: dict, per_rank: list[dict]) -> None:
-    ref = reference_run(config_from_dict(plan), STEPS, LR, AUX)
+    ref = reference_run(parse_plan_dict(plan, "test plan"), STEPS, LR, AUX)
     losses = [r for r in per_rank if r["losses"][0] is not None]
     assert len(losses) == plan["parallel"]["dp"]  # the last stage's dp ranks report
     for r in losses:
@@ -45,7 +45,7 @@ def test_four_ranks_pp2_dp2_ep2(tmp_path):
     for s in ("gpipe", "1f1b"):
         per_rank = [r[f"train_{s}"] for r in results]
         _compare(jobs[0][2]["plan"], per_rank)
-        ref_names = set(reference_run(config_from_dict(jobs[0][2]["plan"]), 1, LR, AUX)["grads"][0])
+        ref_names = set(reference_run(parse_plan_dict(jobs[0][2]["plan"], "test plan"), 1, LR, AUX)["grads"][0])
         assert _names(per_rank) == ref_names  # every parameter lives on some rank
     disp = [r["dispatch"] for r in results]
     for r, d in enumerate(disp):

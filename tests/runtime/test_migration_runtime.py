@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from migration_worker import spawn
 from piper_plan.catalog import load_model
-from piper_plan.runtime.migration import MigrationSettings, apply_swaps, rank_transfers, slot_moves
+from piper_plan.planfile import MigrationBlock
+from piper_plan.runtime.migration import apply_swaps, rank_transfers, slot_moves
 from piper_plan.placement.migration import Swap
 from plans import plan_dict
 
@@ -48,7 +49,7 @@ PAIRS = {"every_step_pp2_dp2_ep2": ("pp2_True", "pp2_False"), "skewed_pp1_dp4_ep
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migration")
     (tmp / "plan.json").write_text(json.dumps(MIGRATING_PLAN))
-    skew = MigrationSettings(threshold=1.1, interval=SKEW_INTERVAL, max_iters=16)
+    skew = MigrationBlock(threshold=1.1, interval=SKEW_INTERVAL, max_iters=16)
     jobs = [("function", "function", {"plan": PLANS["pp2_dp2_ep2"]})]
     for migrate in (True, False):
         jobs.append((f"pp2_{migrate}", "train", {"plan": PLANS["pp2_dp2_ep2"], "steps": STEPS, "migrate": migrate,
