@@ -38,6 +38,13 @@ def with_runtime(cfg, **overrides):
     return cfg.model_copy(update={"runtime": runtime})
 
 
+def load_plan(args):
+    """plan.json (planfile.read_plan_file: the one validated PlanFile) with the command line's overrides."""
+    from piper_plan.planfile import read_plan_file
+
+    return with_runtime(read_plan_file(args.plan), steps=args.steps, lr=args.lr, aux_loss_coeff=args.aux_loss_coeff)
+
+
 def preflight(cfg, world: int, cuda_available: bool) -> None:
     """Every check of the plan (planfile.PlanFile) that needs no communication; raises PiperError (one line)."""
     from piper_plan.capability import unsupported_features
@@ -417,10 +424,8 @@ def main(argv=None) -> int:
     rank, world, local = env.rank, env.world_size, env.local_rank
     import torch
 
-    from piper_plan.planfile import read_plan_file
-
     try:
-        cfg = with_runtime(read_plan_file(args.plan), steps=args.steps, lr=args.lr, aux_loss_coeff=args.aux_loss_coeff)
+        cfg = load_plan(args)
         preflight(cfg, world, torch.cuda.is_available())
     except PiperError as exc:
         if rank == 0:

@@ -127,10 +127,10 @@ def resume_check(plan: dict, rank: int, world: int, run_dir: str) -> dict:
 
 def cli_check(plan_path: str, rank: int, world: int, run_dir: str, steps: int) -> int:
     """train.run as the command line runs it (it ends the process group: the last job of a spawn)."""
-    from piper_plan.runtime.train import parse_args, read_plan, run
+    from piper_plan.runtime.train import load_plan, parse_args, run
 
     args = parse_args(["--plan", plan_path, "--out", run_dir, "--steps", str(steps)])
-    return run(read_plan(plan_path), args, rank, world, 0)
+    return run(load_plan(args), args, rank, world, 0)
 
 
 def _count_rows(trainer) -> dict:
