@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from host_syncs import HostSyncCounter
 from piper_plan.catalog import load_model
 
 FORWARD_SYNCS = 1
 """Per MoE layer and micro-batch with an EP dispatcher: the single read of the exchanged counts."""
-
-
-@pytest.fixture(scope="module")
-def world1():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
 
 
 def _moe(dispatcher, group=None):
@@ -82,3 +74,25 @@ def test_halo_dispatch_syncs_once_per_layer_and_microbatch(world1):
     _count(moe, spec)
     fwd, bwd = _count(moe, spec)
     assert (fwd.total, bwd.total) == (FORWARD_SYNCS, 0), (dict(fwd.counts), dict(bwd.counts))
+
+
+def test_a2a_timer_measures_without_synchronising_the_device(world1, monkeypatch):
+    """The exchange timer never calls a device-wide barrier (CUDA events on GPUs, the wall clock on CPU),
+    and time_s.a2a still counts every exchange: the layout's, dispatch, combine and their backward."""
+    from piper_plan.runtime.dispatch import FlatDispatcher
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("device synchronised in the a2a path"))
+    calls = []
+    timer_run = FlatDispatcher(world1).timer.run.__func__
+
+    def counted(self, fn, *args, device=None):
+        calls.append(1)
+        return timer_run(self, fn, *args, device=device)
+
+    monkeypatch.setattr("piper_plan.runtime.dispatch.CommTimer.run", counted)
+    dispatcher = FlatDispatcher(world1)
+    moe, spec = _moe(dispatcher, world1)
+    _count(moe, spec)
+    assert len(calls) == 5 and dispatcher.timer.seconds > 0
+    dispatcher.timer.reset()
+    assert dispatcher.timer.seconds == 0.0
