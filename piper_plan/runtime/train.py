@@ -172,10 +172,15 @@ class Trainer:
         for q in self.module.parameters():
             q.grad = None
         x, y = self.batch(step)
-        with self._autocast(), self.tracker.hooks():
+        with self._autocast(), self._accounting():
             if self.schedule is None:
                 return run_local(self.module, x, y, self.cfg.parallel.num_microbatches)
             return run_pipeline(self.schedule, self.module.is_first, self.module.is_last, x, y)
+
+    def _accounting(self):
+        """The saved-tensor accounting on CPU (the memory figure there); none on GPUs, whose figure is the
+        allocator's peak (no Python hook on every saved tensor)."""
+        return self.tracker.hooks() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def _autocast(self):
         import torch
