@@ -145,3 +145,34 @@ def test_fp16_is_refused_with_one_line():
     with pytest.raises(PiperError, match="fp16.*bf16 or fp32") as err:
         preflight(parse_plan_dict(plan, "test plan"), 2, False)
     assert "\n" not in str(err.value) and "training.dtype" in str(err.value)
+
+
+def test_one_set_of_defaults_and_the_command_line_overrides(tmp_path):
+    """The runtime's defaults are RuntimeBlock's (steps 100, not a second default); options only override."""
+    import json
+
+    from piper_plan.runtime.train import load_plan, parse_args
+
+    plan = plan_dict(pp=1, dp=1, ep=1)
+    plan["runtime"], plan["migration"] = {"seed": 3}, {}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    cfg = load_plan(parse_args(["--plan", str(path)]))
+    assert cfg.runtime == RuntimeBlock(seed=3) and cfg.runtime.steps == 100
+    cfg = load_plan(parse_args(["--plan", str(path), "--steps", "7", "--lr", "0.5"]))
+    assert (cfg.runtime.steps, cfg.runtime.lr, cfg.runtime.seed) == (7, 0.5, 3)
+    assert cfg.migration == type(cfg.migration)() and cfg.migration.window_steps == 50
+
+
+def test_bad_runtime_setting_is_one_line(tmp_path):
+    import json
+
+    from piper_plan.runtime.train import load_plan, parse_args
+
+    plan = plan_dict(pp=1, dp=1, ep=1)
+    plan["runtime"]["warmup_steps"] = -1
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(PiperError, match="warmup_steps") as err:
+        load_plan(parse_args(["--plan", str(path)]))
+    assert "\n" not in str(err.value)
