@@ -229,7 +229,7 @@ class MoE(nn.Module):
         if self.dispatcher is None:
             y_RD = self.experts(x_RD, counts_S)
         else:
-            y_RD = self._exchange_and_compute(x_RD, counts_S)
+            y_RD = self._exchange_and_compute(x_RD.to(_compute_dtype(x_RD)), counts_S)  # bf16 rows under autocast
         y_TkD = y_RD.index_select(0, torch.argsort(order_R)).view(T, k, -1)
         return (y_TkD.to(weights_Tk.dtype) * weights_Tk.unsqueeze(-1)).sum(1)
 

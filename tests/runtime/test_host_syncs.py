@@ -96,3 +96,29 @@ def test_a2a_timer_measures_without_synchronising_the_device(world1, monkeypatch
     assert len(calls) == 5 and dispatcher.timer.seconds > 0
     dispatcher.timer.reset()
     assert dispatcher.timer.seconds == 0.0
+
+
+def test_dispatched_tokens_travel_in_the_autocast_dtype(world1, monkeypatch):
+    """Under bf16 autocast the dispatched rows are 2 bytes per element, the planner's activation_bytes for bf16
+    (TrainingSpec.activation_bytes): rows x hidden x 2 per exchange, out and back."""
+    import torch.distributed as dist
+
+    from piper_plan.runtime.dispatch import FlatDispatcher
+    from piper_plan.specs import TrainingSpec
+
+    sent = []
+    real = dist.all_to_all_single
+
+    def spy(out, inp, *args, **kwargs):
+        if inp.is_floating_point():
+            sent.append((inp.shape[0], inp.numel() * inp.element_size()))
+        return real(out, inp, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_to_all_single", spy)
+    moe, spec = _moe(FlatDispatcher(world1), world1)
+    tokens = 32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(torch.randn(1, tokens, spec.hidden_size))
+    rows = tokens * spec.moe.top_k
+    per_elem = TrainingSpec(dtype="bf16").activation_bytes
+    assert sent == [(rows, rows * spec.hidden_size * per_elem)] * 2      # dispatch and combine
