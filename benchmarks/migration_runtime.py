@@ -72,7 +72,8 @@ def worker(rank: int, world: int, port: int, plan: dict, args, out_dir: str) -> 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    trainer = Trainer(parse_plan_dict(plan, "migration benchmark plan"), rank, world, torch.device("cpu"), lr=1e-3, aux_loss_coeff=0.0)
+    cfg = parse_plan_dict(plan, "migration benchmark plan")
+    trainer = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-3, aux_loss_coeff=0.0)
     assert trainer.migrator is not None, "plan.json's migration block did not enable the runtime's migrator"
     with torch.no_grad():
         for m in trainer.module.moe_layers().values():

@@ -1,11 +1,13 @@
 """The training runtime: ``python -m piper_plan.runtime.train --plan plan.json [--steps N] [--out RUN_DIR] [--resume]``.
 
 Reads plan.json through planfile.read_plan_file (the one validated PlanFile; ``runtime`` and ``migration`` blocks
-hold every setting and its default, the options only override them). Builds this rank's pipeline stage (mesh.py for the rank order, model.py for the weights), runs
+hold every setting and its default, the options only override them). Builds this rank's pipeline stage
+(mesh.py for the rank order, model.py for the weights), runs
 GPipe / 1F1B over pp, dispatches tokens to experts over each EP group (flat or HALO), all-reduces dense
 gradients over dp and expert gradients over edp (bucketed, one flat buffer per <= 2^25 elements), steps
 AdamW / SGD with warmup + cosine decay and global-norm clipping (optionally ZeRO-1 sharded; runtime/optim.py),
-gathers every rank's report as one tensor per step (runtime/report.py), migrates experts at step boundaries (plan.json ``migration``;
+gathers every rank's report as one tensor per step (runtime/report.py), migrates experts at step boundaries
+(plan.json ``migration``;
 runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and per-rank checkpoints.
 Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
 Tensor parallelism is not implemented (tp = 1; capability.py).

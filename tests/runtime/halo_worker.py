@@ -106,7 +106,8 @@ def train_runs(rank: int, num_ranks: int, plans: dict, steps: int, out_dir: str)
 
     out = {}
     for name, plan in plans.items():
-        trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, num_ranks, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
+        trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, num_ranks, torch.device("cpu"), lr=1e-2,
+                          aux_loss_coeff=0.01)
         layers = trainer.module.moe_layers()
         record = {"losses": [], "grads": [], "dispatcher": type(next(iter(layers.values())).dispatcher).__name__}
         for step in range(steps):
