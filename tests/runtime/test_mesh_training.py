@@ -35,6 +35,7 @@ def _names(per_rank):
     return set().union(*(r["grads"][0].keys() for r in per_rank))
 
 
+@pytest.mark.distributed
 def test_four_ranks_pp2_dp2_ep2(tmp_path):
     jobs = [(f"train_{s}", "train", {"plan": plan_dict(pp=2, dp=2, ep=2, schedule=s, num_microbatches=2),
                                      "steps": STEPS, "aux": AUX}) for s in ("gpipe", "1f1b")]
@@ -60,6 +61,7 @@ def test_four_ranks_pp2_dp2_ep2(tmp_path):
     assert res[-1]["full"][0] is not None
 
 
+@pytest.mark.distributed
 def test_eight_ranks_pp2_dp4_ep2_edp2(tmp_path):
     plans = {"gpipe": plan_dict(pp=2, dp=4, ep=2, schedule="gpipe", num_microbatches=2),
              "1f1b_zero1": plan_dict(pp=2, dp=4, ep=2, schedule="1f1b", num_microbatches=2, zero=1)}

@@ -236,6 +236,7 @@ def test_interleaved_chunks_equal_the_whole_model():
         chunk_layers(spec, ParallelPlan(pp=2, schedule="interleaved", virtual_stages=3))
 
 
+@pytest.mark.distributed
 def test_two_ranks_interleaved_and_recompute_match_reference(tmp_path):
     from plans import plan_dict
     from reference import reference_run
