@@ -228,7 +228,7 @@ def model_section(index: int, label: str, spec, pred: dict, run: dict, rates: di
             ["tokens/s", f"{pred['tokens_per_s']:.4g}", f"{tokens_s:.4g}", _pct(tokens_s, pred["tokens_per_s"])],
             ["MFU", f"{pred['mfu']:.3f}", f"{mfu:.3f}", _pct(mfu, pred["mfu"])]]
     text = [f"## {index}. {label}", "",
-            f"{spec.num_layers} layers, {spec.moe.num_experts} experts top-{spec.moe.top_k}, seq {training.seq_len}, "
+            f"{spec.num_layers} layer{'s' * (spec.num_layers > 1)}, {spec.moe.num_experts} experts top-{spec.moe.top_k}, seq {training.seq_len}, "
             f"{tokens // training.seq_len} micro-batches of 1 sequence, {training.dtype}; {len(run['seconds'])} steps "
             f"(median of the steps after {WARMUP_STEPS} warm-up steps; model built in {run['build_s']:.1f} s); loss "
             f"{run['loss'][0]:.3f} -> {run['loss'][-1]:.3f}. Prediction: `cost.evaluate.estimate` with section 1's "
@@ -257,7 +257,10 @@ def header(device, args) -> str:
     if device.type == "cpu":
         lines += ["**This is the CPU run: no GPU was available to this task.** The shapes are shrunk to hidden 128; "
                   "the figures check that the script and the runtime's measurements work end to end, not GPU "
-                  "performance. The same script with `--device cuda` runs the catalog shapes on one GPU.", ""]
+                  "performance. The same script with `--device cuda` runs the catalog shapes on one GPU. Measured on a "
+                  "machine shared with other work: CPU step times vary by tens of percent between runs. Peak memory on "
+                  "CPU is the runtime's tensor accounting, which holds no framework reserve: compare it with the row "
+                  "without the reserve.", ""]
     return "\n".join(lines)
 
 
