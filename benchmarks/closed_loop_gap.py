@@ -57,14 +57,14 @@ def predicted_per_microbatch(model, platform, training, plan) -> dict[str, float
 
 def microbatch_call(model, platform, training, plan):
     """A zero-argument call running micro-batch i forward + backward as Trainer.forward_backward does."""
-    from piper_plan.planfile import plan_file_dict
+    from piper_plan.planfile import parse_plan_dict, plan_file_dict
     from piper_plan.runtime import train as rt
     from piper_plan.runtime.pipeline import lm_loss
 
     from piper_plan.calibration.bench_overhead import _free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    cfg = rt.config_from_dict(plan_file_dict(model, platform, training, 1, plan, "compact", {}))
+    cfg = parse_plan_dict(plan_file_dict(model, platform, training, 1, plan, "compact", {}), "closed_loop_gap plan")
     trainer = rt.Trainer(cfg, 0, 1, rt._init(cfg, 0, 1, 0))
     x, y = trainer.batch(0)
     state = {"i": 0}

@@ -66,12 +66,14 @@ def worker(rank: int, world: int, port: int, plan: dict, args, out_dir: str) -> 
     import torch
     import torch.distributed as dist
 
-    from piper_plan.runtime.train import Trainer, config_from_dict, merge_reports
+    from piper_plan.planfile import parse_plan_dict
+    from piper_plan.runtime.train import Trainer, merge_reports
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    trainer = Trainer(config_from_dict(plan), rank, world, torch.device("cpu"), lr=1e-3, aux_loss_coeff=0.0)
+    cfg = parse_plan_dict(plan, "migration benchmark plan")
+    trainer = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-3, aux_loss_coeff=0.0)
     assert trainer.migrator is not None, "plan.json's migration block did not enable the runtime's migrator"
     with torch.no_grad():
         for m in trainer.module.moe_layers().values():
@@ -81,7 +83,7 @@ def worker(rank: int, world: int, port: int, plan: dict, args, out_dir: str) -> 
     records, loads = [], []
     for step in range(args.steps):
         rows["n"] = 0
-        report = trainer.train_step(step)
+        report = trainer.train_step(step).report()
         report["rows"] = (trainer.mesh.me.ep_group_index, rows["n"])
         gathered = [None] * world
         dist.all_gather_object(gathered, report)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from piper_plan import __version__
 from piper_plan.catalog import parse_spec, read_structured
@@ -41,7 +41,8 @@ class MoEBlock(Spec):
 
 
 class MigrationBlock(Spec):
-    """Expert migration (Piper paper): when and how hard to rebalance."""
+    """Expert migration (Piper paper): when and how hard to rebalance. The one settings model of migration:
+    plan.json's block, ``piper plan``'s defaults and the runtime's settings (runtime/migration.py)."""
 
     enabled: bool = True
     """Run the load monitor and the swap planner."""
@@ -51,10 +52,18 @@ class MigrationBlock(Spec):
     """Steps between checks."""
     max_iters: PositiveInt = 16
     """Hill-climbing swap iterations per check."""
+    window: PositiveInt | None = None
+    """Steps of load history the swap planner sees (None = ``interval``)."""
+
+    @property
+    def window_steps(self) -> int:
+        return self.window or self.interval
 
 
 class RuntimeBlock(Spec):
-    """What the runtime does with the plan."""
+    """What the runtime does with the plan: the one place of its settings and their defaults (``piper run``'s
+    options only override them). Optimizer defaults follow LLaMA (Touvron et al. 2023, section 2.2: AdamW,
+    weight decay 0.1, gradient clipping 1.0, cosine decay to 10% of the peak rate after a warmup)."""
 
     data: str | None = None
     """Token data (None = synthetic)."""
@@ -64,6 +73,20 @@ class RuntimeBlock(Spec):
     """Steps between checkpoints."""
     seed: int = 0
     """Random seed."""
+    lr: PositiveFloat = 1e-3
+    """Peak learning rate."""
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    """After the warmup: cosine decay to ``min_lr_ratio x lr`` at the last step, or constant."""
+    warmup_steps: NonNegativeInt = 10
+    """Steps of linear warmup from lr / (warmup_steps + 1) to lr."""
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Learning rate at the last step of the cosine decay, as a fraction of ``lr``."""
+    weight_decay: NonNegativeFloat = 0.1
+    """AdamW's decoupled weight decay (matrices only: norms, biases and the router bias are not decayed)."""
+    grad_clip_norm: PositiveFloat | None = 1.0
+    """Clip the global gradient norm (every rank's gradients together) to this; None = no clipping."""
+    aux_loss_coeff: NonNegativeFloat = 0.01
+    """Switch balance-loss coefficient (0 = off)."""
 
 
 class PlanFile(Spec):

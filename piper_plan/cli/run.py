@@ -13,13 +13,15 @@ import click
 @click.option("--out", default="run", show_default=True, help="Run directory.")
 @click.option("--resume", is_flag=True, help="Continue from RUN_DIR/checkpoints/latest.")
 @click.option("--profile", type=int, default=0, metavar="STEPS", help="Chrome trace of STEPS steps after the first.")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="Learning rate.")
-@click.option("--aux-loss-coeff", type=float, default=0.01, show_default=True, help="Balance-loss coefficient.")
+@click.option("--lr", type=float, default=None, help="Peak learning rate (default: the plan's runtime.lr).")
+@click.option("--aux-loss-coeff", type=float, default=None,
+              help="Balance-loss coefficient (default: the plan's runtime.aux_loss_coeff).")
 def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff) -> None:
     """Run the training runtime on a plan.json (launch it under torchrun or srun for several ranks)."""
     from piper_plan.runtime.train import main
 
-    argv = ["--plan", plan, "--out", out, "--profile", str(profile), "--lr", str(lr),
-            "--aux-loss-coeff", str(aux_loss_coeff)]
+    argv = ["--plan", plan, "--out", out, "--profile", str(profile)]
+    argv += ["--lr", str(lr)] if lr is not None else []
+    argv += ["--aux-loss-coeff", str(aux_loss_coeff)] if aux_loss_coeff is not None else []
     argv += (["--steps", str(steps)] if steps else []) + (["--resume"] if resume else [])
     sys.exit(main(argv))

@@ -62,7 +62,8 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
         kept = kept + tokens * heads_local * (2 * qk + a.v_head_dim) * ab
         v_dim = a.v_head_dim
     else:
-        kv_heads = heads_local if opts.unfused_kernels else a.kv_heads / tp   # repeat_interleave before SDPA
+        expanded = opts.unfused_kernels and a.sinks      # the runtime's sink path expands K / V (no enable_gqa)
+        kv_heads = heads_local if expanded else a.kv_heads / tp
         kept = kept + tokens * (heads_local + 2 * kv_heads) * model.head_dim * ab
         v_dim = model.head_dim
         if opts.unfused_kernels:

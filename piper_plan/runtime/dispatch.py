@@ -8,7 +8,8 @@ out (dispatch) and by source in group-rank order on the way in; combine is the e
 are one ``all_to_all_single`` each with split sizes (list-form ``all_to_all`` fails on gloo with unequal
 sizes: reference/environment.md) and are differentiable: the backward of dispatch is combine and vice versa.
 As an extension, ``layout`` also accepts counts per (destination, local expert) [ep, n_local]; the layout then
-carries ``recv_expert_counts`` [ep][n_local] (still one exchange).
+carries ``recv_expert_counts`` [ep][n_local] (still one exchange) and the same counts as a tensor.
+Host synchronisation: one read of the exchanged counts per layout (tests/runtime/test_host_syncs.py).
 """
 
 from __future__ import annotations
@@ -30,28 +31,47 @@ class DispatchLayout:
     """Rows this rank receives from each member."""
     recv_expert_counts: tuple[tuple[int, ...], ...] | None = field(default=None)
     """Per source member, rows for each of this rank's local experts (only when counts were per expert)."""
+    recv_expert_counts_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """The same as an int64 [ep x n_local] tensor where the exchange left it (the expert GEMMs' group sizes
+    without a second host copy)."""
 
 
 class CommTimer:
-    """Seconds spent inside the dispatcher's collectives (synchronised on GPUs so the time is the wire's)."""
+    """Seconds spent inside the dispatcher's collectives, without synchronising the device: on GPUs a pair
+    of CUDA events on the current stream around each collective (their elapsed time is resolved when
+    ``seconds`` is read, after the step's own synchronisation); on CPU (gloo: collectives complete before
+    they return) the wall clock around the call."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self._host_s = 0.0
+        self._events: list = []
 
-    def run(self, fn, *args):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    def reset(self) -> None:
+        self._host_s, self._events = 0.0, []
+
+    def run(self, fn, *args, device: torch.device | None = None):
+        if device is not None and device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args)
+            end.record()
+            self._events.append((start, end))
+            return out
+        begin = time.perf_counter()
         out = fn(*args)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - start
+        self._host_s += time.perf_counter() - begin
         return out
+
+    @property
+    def seconds(self) -> float:
+        """Total so far (waits for the recorded events' completion on GPUs: read it at the step's end)."""
+        return self._host_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
 
 
 def _exchange(x_RD: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group, timer) -> torch.Tensor:
     out = x_RD.new_empty((sum(recv),) + tuple(x_RD.shape[1:]))
-    timer.run(lambda: dist.all_to_all_single(out, x_RD.contiguous(), list(recv), list(send), group=group))
+    timer.run(lambda: dist.all_to_all_single(out, x_RD.contiguous(), list(recv), list(send), group=group),
+              device=x_RD.device)
     return out
 
 
@@ -78,16 +98,17 @@ class FlatDispatcher:
         self.timer = CommTimer()
 
     def layout(self, send_counts: torch.Tensor) -> DispatchLayout:
-        """send_counts: int64 [ep] (or [ep, n_local]) rows per destination; one all_to_all_single."""
+        """send_counts: int64 [ep] (or [ep, n_local]) rows per destination; one all_to_all_single, then ONE
+        host read of the sent and received counts together (the split sizes must be Python ints)."""
         per_expert = send_counts.dim() == 2
         flat = send_counts.reshape(-1).to(torch.int64)
         recv = torch.empty_like(flat)
-        self.timer.run(lambda: dist.all_to_all_single(recv, flat, group=self.group))
+        self.timer.run(lambda: dist.all_to_all_single(recv, flat, group=self.group), device=flat.device)
+        send_host, recv_host = torch.stack([flat, recv]).view(2, self.size, -1).tolist()
         if not per_expert:
-            return DispatchLayout(tuple(flat.tolist()), tuple(recv.tolist()))
-        recv_E = recv.view(self.size, -1)
-        return DispatchLayout(tuple(send_counts.sum(1).tolist()), tuple(recv_E.sum(1).tolist()),
-                              tuple(tuple(r) for r in recv_E.tolist()))
+            return DispatchLayout(tuple(r[0] for r in send_host), tuple(r[0] for r in recv_host))
+        return DispatchLayout(tuple(sum(r) for r in send_host), tuple(sum(r) for r in recv_host),
+                              tuple(tuple(r) for r in recv_host), recv)
 
     def dispatch(self, x_RD: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
         """x_RD rows grouped by destination -> x_SD rows grouped by source; differentiable."""

@@ -22,6 +22,7 @@ D = feature width, P = EP group size. ``counts_PP[s, d]`` = rows group rank s se
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
@@ -188,6 +189,8 @@ class HaloLayout:
     """Phases of dispatch (counts matrix C)."""
     combine_plan: ExchangePlan | None = field(default=None, repr=False, compare=False)
     """Phases of combine, the reverse exchange (C transposed); also dispatch's backward."""
+    recv_expert_counts_tensor: object = field(default=None, repr=False, compare=False)
+    """``recv_expert_counts`` as an int64 [P x n_local] tensor where the gather left it (dispatch.DispatchLayout)."""
 
 
 def layout_from_counts(counts_PX: np.ndarray, me: int, node_of: Sequence[int], nic_of: Sequence[int]) -> HaloLayout:
@@ -245,14 +248,22 @@ class HaloDispatcher:
         import torch.distributed as dist
 
         counts = torch.as_tensor(send_counts, dtype=torch.int64)
-        if counts.shape[0] != len(self.ep_ranks) or counts.dim() > 2 or bool((counts < 0).any()):
+        if counts.shape[0] != len(self.ep_ranks) or counts.dim() > 2:
             raise ValueError(f"send_counts must be [{len(self.ep_ranks)}] or [{len(self.ep_ranks)}, n_local] "
                              f"non-negative ints, got shape {tuple(counts.shape)}")
         flat = counts.reshape(-1).to(comm_device(self.group))
         gathered = [torch.zeros_like(flat) for _ in self.ep_ranks]
-        self.timer.run(lambda: dist.all_gather(gathered, flat, group=self.group))
-        matrix_PX = torch.stack(gathered).cpu().numpy()
-        return layout_from_counts(matrix_PX, self.me, self.node_of, self.nic_of)
+        self.timer.run(lambda: dist.all_gather(gathered, flat, group=self.group), device=flat.device)
+        matrix = torch.stack(gathered)
+        matrix_PX = np.asarray(matrix.tolist(), dtype=np.int64)  # the layer's one host read
+        if (matrix_PX < 0).any():
+            raise ValueError(f"send_counts must be non-negative, got {matrix_PX.tolist()}")
+        layout = layout_from_counts(matrix_PX, self.me, self.node_of, self.nic_of)
+        if counts.dim() == 1:
+            return layout
+        n_local = counts.shape[1]
+        mine = matrix[:, self.me * n_local:(self.me + 1) * n_local].reshape(-1)
+        return dataclasses.replace(layout, recv_expert_counts_tensor=mine)
 
     def dispatch(self, x_RD, layout: HaloLayout):
         """x_RD rows grouped by destination -> received rows [S, D] grouped by source; differentiable."""
@@ -268,7 +279,7 @@ class HaloDispatcher:
 
     def exchange(self, x_RD, plan: ExchangePlan):
         """Run one planned all-to-all (no autograd), timed into ``self.timer``."""
-        return self.timer.run(self._exchange, x_RD, plan)
+        return self.timer.run(self._exchange, x_RD, plan, device=x_RD.device)
 
     def _exchange(self, x_RD, plan: ExchangePlan):
         """I || (II -> III), then reorder the received rows by source."""

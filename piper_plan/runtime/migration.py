@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from piper_plan.errors import PiperError
+from piper_plan.planfile import MigrationBlock
 from piper_plan.placement.migration import Swap, hill_climb, rank_loads, step_max_over_mean
 
 
@@ -163,48 +163,24 @@ class LoadMonitor:
 
 
 # ---- the migrator ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MigrationSettings:
-    """plan.json's ``migration`` block (DESIGN.md) plus the monitor's window."""
-
-    enabled: bool = True
-    threshold: float = 1.1
-    interval: int = 50
-    max_iters: int = 16
-    window: int | None = None
-    """Steps of load history the planner sees (default: ``interval``)."""
-
-    def __post_init__(self) -> None:
-        for name, low in (("interval", 1), ("max_iters", 1), ("window", 1), ("threshold", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise PiperError(f"{value!r} is not allowed; must be >= {low}", field=f"migration.{name}")
-
-    @classmethod
-    def from_dict(cls, block: dict | None) -> "MigrationSettings":
-        block = dict(block or {})
-        keys = ("enabled", "threshold", "interval", "max_iters", "window")
-        return cls(**{k: block[k] for k in keys if k in block and block[k] is not None})
-
-
 class ExpertMigrator:
     """This rank's part of migration for the MoE layers of its stage. Every rank of the stage calls
     :meth:`observe` after each step and :meth:`step_boundary` at each step boundary (collective over the
     stage's EP and EDP groups)."""
 
     def __init__(self, moe_layers: dict, optimizers: list, ep_group, ep_ranks: list[int], edp_group,
-                 settings: MigrationSettings, rank: int) -> None:
+                 settings: MigrationBlock, rank: int) -> None:
         self.layer_ids = sorted(moe_layers)
         self.layers = [moe_layers[i] for i in self.layer_ids]
         self.optimizers, self.settings = optimizers, settings
         self.ep_group, self.ep_ranks, self.edp_group = ep_group, list(ep_ranks), edp_group
         self.me = self.ep_ranks.index(rank)
         self.num_local = self.layers[0].num_local
-        self.monitor = LoadMonitor(moe_layers, settings.window or settings.interval)
+        self.monitor = LoadMonitor(moe_layers, settings.window_steps)
         self.device = self.layers[0].experts.w_in.device
 
     @classmethod
-    def from_trainer(cls, trainer, settings: MigrationSettings) -> "ExpertMigrator | None":
+    def from_trainer(cls, trainer, settings: MigrationBlock) -> "ExpertMigrator | None":
         """For a runtime Trainer; None when there is nothing to migrate (disabled, ep = 1, no MoE layer here)."""
         layers = trainer.module.moe_layers()
         if not settings.enabled or trainer.cfg.parallel.ep < 2 or not layers:

@@ -61,11 +61,14 @@ def rotary(x_BHSd: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     return x_BHSd * cos + torch.cat((-x2, x1), -1) * sin
 
 
-def attention_core(q_BHSd, k_BHSd, v_BHSe, sinks_H=None):
-    """Causal softmax(q k^T / sqrt(d)) v; with sinks (gpt-oss) each head's softmax also normalises over one
-    learned logit that carries no value. Returns [B, H, S, e]."""
+def attention_core(q_BHSd, k_BGSd, v_BGSe, sinks_H=None):
+    """Causal softmax(q k^T / sqrt(d)) v; G key/value heads serve H / G query heads each (GQA: SDPA's
+    ``enable_gqa``, no expanded copy of K and V). With sinks (gpt-oss) each head's softmax also normalises
+    over one learned logit that carries no value. Returns [B, H, S, e]."""
+    H, G = q_BHSd.shape[1], k_BGSd.shape[1]
     if sinks_H is None:
-        return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSe, is_causal=True)
+        return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSe, is_causal=True, enable_gqa=G != H)
+    k_BHSd, v_BHSe = (t.repeat_interleave(H // G, dim=1) if G != H else t for t in (k_BGSd, v_BGSe))
     S = q_BHSd.shape[-2]
     scores = (q_BHSd @ k_BHSd.transpose(-1, -2)) / math.sqrt(q_BHSd.shape[-1])
     mask = torch.ones(S, S, dtype=torch.bool, device=scores.device).triu(1)
@@ -132,8 +135,6 @@ class Attention(nn.Module):
     def forward(self, x_BSD):
         B, S, _ = x_BSD.shape
         q, k, v = self._heads(x_BSD)
-        if self.g != self.h:
-            k, v = (t.repeat_interleave(self.h // self.g, dim=1) for t in (k, v))
         y = self.core(q, k, v, self.sinks)
         return self.o(y.transpose(1, 2).reshape(B, S, self.h * self.hd))
 

@@ -8,12 +8,12 @@ the router's logical expert to its slot (the identity until expert migration per
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from piper_plan.runtime.dispatch import FlatDispatcher
 
 
 def ffn_apply(x_ND, w_in, w_gate, w_out, b_in=None, b_gate=None, b_out=None):
@@ -42,8 +42,51 @@ class FFN(nn.Module):
         return self.down(h)
 
 
+def grouped_mm_usable(x: torch.Tensor, *weights) -> bool:
+    """Whether ``torch._grouped_mm`` can run [X, K] x [El, K, N] here: the op exists, works on this device
+    and dtype (probed once), and every row stride is a multiple of 16 bytes (its alignment rule)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    size = x.element_size()
+    if any(w.shape[-1] * size % 16 or w.shape[-2] * size % 16 for w in weights if w is not None):
+        return False
+    return _grouped_mm_works(x.device.type, x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """One tiny forward + backward (some builds lack a kernel for a device or dtype, e.g. older ROCm)."""
+    try:
+        a = torch.ones(8, 16, device=device_type, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([3, 8], dtype=torch.int32, device=device_type)
+        _contiguous_grad(torch._grouped_mm(a, b, offs=offs)).sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """autocast's dtype where autocast is on for x's device (grouped GEMMs are not on its cast lists), else x's."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
+    """_grouped_mm's backward fails on a zero-stride incoming gradient (``y.sum().backward()``): densify it."""
+    if y.requires_grad:
+        y.register_hook(lambda g: g.contiguous())
+    return y
+
+
 class LocalExperts(nn.Module):
-    """El experts as stacked weights: w_in/w_gate [El, D, F], w_out [El, F, D] (+ biases [El, F] / [El, D])."""
+    """El experts as stacked weights: w_in/w_gate [El, D, F], w_out [El, F, D] (+ biases [El, F] / [El, D]).
+
+    Forward runs each weight as ONE grouped GEMM over all local experts (``torch._grouped_mm``, what the cost
+    model prices and calibration measures), group offsets on the device (no host read); where the op is
+    unavailable or the shapes unaligned, the per-expert loop (which needs the counts on the host)."""
 
     def __init__(self, num_local: int, hidden: int, ffn) -> None:
         super().__init__()
@@ -54,9 +97,40 @@ class LocalExperts(nn.Module):
         self.b_in = nn.Parameter(torch.zeros(num_local, f)) if ffn.bias else None
         self.b_gate = nn.Parameter(torch.zeros(num_local, f)) if ffn.bias and ffn.gated else None
         self.b_out = nn.Parameter(torch.zeros(num_local, hidden)) if ffn.bias else None
+        self.use_grouped = True
+        """Grouped GEMMs where usable (False: always the loop)."""
 
-    def forward(self, x_XD: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x_XD rows grouped by local expert, ``counts[e]`` rows for expert e."""
+    @property
+    def grouped(self) -> bool:
+        """Whether forward runs grouped GEMMs (for fp32 inputs on this module's device)."""
+        x = self.w_in[0, :1]
+        return self.use_grouped and grouped_mm_usable(x, self.w_in, self.w_gate, self.w_out)
+
+    def forward(self, x_XD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """x_XD rows grouped by local expert, ``counts_E[e]`` (int64 [El], on x's device) rows for expert e."""
+        dtype = _compute_dtype(x_XD)
+        weights = [None if p is None else p.to(dtype)
+                   for p in (self.w_in, self.w_gate, self.w_out, self.b_in, self.b_gate, self.b_out)]
+        if self.use_grouped and grouped_mm_usable(x_XD.to(dtype), *weights[:3]):
+            return self._grouped(x_XD.to(dtype), counts_E, *weights)
+        return self._loop(x_XD, counts_E.tolist())
+
+    def _grouped(self, x_XD, counts_E, w_in, w_gate, w_out, b_in, b_gate, b_out):
+        offs = torch.cumsum(counts_E, 0).to(torch.int32)
+        expert_X = None
+        if b_in is not None:                               # per-row biases: gathered by the row's expert
+            expert_X = torch.repeat_interleave(torch.arange(self.w_in.shape[0], device=x_XD.device), counts_E,
+                                               output_size=x_XD.shape[0])
+
+        def mm(a, w, b):
+            y = _contiguous_grad(torch._grouped_mm(a, w, offs=offs))
+            return y if b is None else y + b[expert_X]
+
+        h = mm(x_XD, w_in, b_in)
+        h = F.silu(mm(x_XD, w_gate, b_gate)) * h if w_gate is not None else F.gelu(h)
+        return mm(h, w_out, b_out)
+
+    def _loop(self, x_XD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         per_expert = self._per_expert_weights()
         outs = [ffn_apply(chunk, *(None if w is None else w[e] for w in per_expert))
                 for e, chunk in enumerate(torch.split(x_XD, counts))]
@@ -104,18 +178,20 @@ class MoE(nn.Module):
         self.register_buffer("slot_of_expert", torch.arange(moe.num_experts, dtype=torch.int64))
         """Logical expert (router output) -> slot: slot s is local expert s % El of EP rank s // El.
         Identity at start; permuted by expert migration (runtime/migration.py); saved in checkpoints."""
-        self.expert_tokens = torch.zeros(moe.num_experts, dtype=torch.int64)
-        """Assignments routed to each (logical) expert since the last reset (this rank's tokens)."""
+        self.register_buffer("expert_tokens", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        """Assignments routed to each (logical) expert since the last reset (this rank's tokens; on the device,
+        read once per step; not in checkpoints)."""
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         weights_Tk, idx_Tk, probs_TE = self._route(x_TD)
+        tokens_E = _counts(idx_Tk.reshape(-1), self.spec.num_experts)
         with torch.no_grad():
-            self.expert_tokens += torch.bincount(idx_Tk.reshape(-1), minlength=self.spec.num_experts).cpu()
-        out_TD = self._routed(x_TD, idx_Tk, weights_Tk)
+            self.expert_tokens += tokens_E
+        out_TD = self._routed(x_TD, idx_Tk, weights_Tk, tokens_E)
         out_TD = out_TD + self._shared(x_TD)
         if self.aux_loss_coeff and torch.is_grad_enabled():
-            out_TD = AuxLossScaler.apply(out_TD, self.aux_loss_coeff * self._balance_loss(idx_Tk, probs_TE))
+            out_TD = AuxLossScaler.apply(out_TD, self.aux_loss_coeff * self._balance_loss(tokens_E, probs_TE))
         return out_TD.view_as(x_BSD)
 
     def _route(self, x_TD):
@@ -128,10 +204,10 @@ class MoE(nn.Module):
             top = top / top.sum(-1, keepdim=True)
         return top.to(x_TD.dtype), idx, probs_TE
 
-    def _balance_loss(self, idx_Tk, probs_TE):
+    def _balance_loss(self, tokens_E, probs_TE):
         """Switch Transformer's auxiliary loss E x sum_e f_e P_e (Fedus et al. 2021, eq. 4), f over the k choices."""
         E = self.spec.num_experts
-        frac_E = torch.bincount(idx_Tk.reshape(-1), minlength=E).to(probs_TE.dtype) / idx_Tk.numel()
+        frac_E = tokens_E.to(probs_TE.dtype) / (probs_TE.shape[0] * self.spec.top_k)
         return E * (frac_E * probs_TE.mean(0)).sum()
 
     def _shared(self, x_TD):
@@ -144,35 +220,32 @@ class MoE(nn.Module):
             out = out + self.parallel_dense(x_TD)
         return out
 
-    def _routed(self, x_TD, idx_Tk, weights_Tk):
+    def _routed(self, x_TD, idx_Tk, weights_Tk, tokens_E):
         T, k = idx_Tk.shape
         flat_R = self.slot_of_expert[idx_Tk.reshape(-1)]  # rows by slot (= by EP rank, then local expert)
         order_R = torch.argsort(flat_R, stable=True)
         x_RD = x_TD.index_select(0, order_R // k)
-        counts_E = torch.bincount(flat_R, minlength=self.spec.num_experts)
+        counts_S = torch.empty_like(tokens_E).scatter_(0, self.slot_of_expert, tokens_E)  # rows per slot
         if self.dispatcher is None:
-            y_RD = self.experts(x_RD, counts_E.tolist())
+            y_RD = self.experts(x_RD, counts_S)
         else:
-            y_RD = self._exchange_and_compute(x_RD, counts_E)
+            y_RD = self._exchange_and_compute(x_RD.to(_compute_dtype(x_RD)), counts_S)  # bf16 rows under autocast
         y_TkD = y_RD.index_select(0, torch.argsort(order_R)).view(T, k, -1)
-        return (y_TkD * weights_Tk.unsqueeze(-1)).sum(1)
+        return (y_TkD.to(weights_Tk.dtype) * weights_Tk.unsqueeze(-1)).sum(1)
 
-    def _exchange_and_compute(self, x_RD, counts_E):
-        layout, recv_El = self._layout(counts_E.view(self.ep_size, self.num_local))
+    def _exchange_and_compute(self, x_RD, counts_S):
+        """Exchange the counts (the one host read of the layer), send rows to their experts' ranks, run the
+        local experts on rows regrouped by expert, send the results back."""
+        layout = self.dispatcher.layout(counts_S.view(self.ep_size, self.num_local))
         x_XD = self.dispatcher.dispatch(x_RD, layout)
-        src_counts = torch.tensor(recv_El, dtype=torch.int64).reshape(-1)
-        expert_X = torch.arange(self.num_local).repeat(self.ep_size).repeat_interleave(src_counts)
-        perm_X = torch.argsort(expert_X, stable=True).to(x_XD.device)
-        per_expert = torch.tensor(recv_El, dtype=torch.int64).sum(0).tolist()
-        y_XD = self.experts(x_XD.index_select(0, perm_X), per_expert).index_select(0, torch.argsort(perm_X))
-        return self.dispatcher.combine(y_XD, layout)
+        recv_pE = layout.recv_expert_counts_tensor.to(x_XD.device).view(self.ep_size, self.num_local)
+        expert_X = torch.arange(self.num_local, device=x_XD.device).repeat(self.ep_size)
+        expert_X = torch.repeat_interleave(expert_X, recv_pE.reshape(-1), output_size=x_XD.shape[0])
+        perm_X = torch.argsort(expert_X, stable=True)
+        y_XD = self.experts(x_XD.index_select(0, perm_X), recv_pE.sum(0))
+        return self.dispatcher.combine(y_XD.index_select(0, torch.argsort(perm_X)), layout)
 
-    def _layout(self, counts_pE):
-        """The layout, and per source rank the rows for each local expert ([ep][El])."""
-        if isinstance(self.dispatcher, FlatDispatcher):
-            layout = self.dispatcher.layout(counts_pE)
-            return layout, layout.recv_expert_counts
-        layout = self.dispatcher.layout(counts_pE.sum(1))
-        recv = torch.empty_like(counts_pE.reshape(-1))
-        dist.all_to_all_single(recv, counts_pE.reshape(-1).contiguous(), group=self.ep_group)
-        return layout, recv.view(self.ep_size, -1).tolist()
+
+def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
+    """int64 [size]: occurrences of each value of ``index`` (bincount with a fixed output size: no host read)."""
+    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(0, index, torch.ones_like(index))

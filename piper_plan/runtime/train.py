@@ -1,9 +1,13 @@
 """The training runtime: ``python -m piper_plan.runtime.train --plan plan.json [--steps N] [--out RUN_DIR] [--resume]``.
 
-Builds this rank's pipeline stage from plan.json (mesh.py for the rank order, model.py for the weights), runs
+Reads plan.json through planfile.read_plan_file (the one validated PlanFile; ``runtime`` and ``migration`` blocks
+hold every setting and its default, the options only override them). Builds this rank's pipeline stage
+(mesh.py for the rank order, model.py for the weights), runs
 GPipe / 1F1B over pp, dispatches tokens to experts over each EP group (flat or HALO), all-reduces dense
 gradients over dp and expert gradients over edp (bucketed, one flat buffer per <= 2^25 elements), steps
-AdamW / SGD (optionally ZeRO-1 sharded), migrates experts at step boundaries (plan.json ``migration``;
+AdamW / SGD with warmup + cosine decay and global-norm clipping (optionally ZeRO-1 sharded; runtime/optim.py),
+gathers every rank's report as one tensor per step (runtime/report.py), migrates experts at step boundaries
+(plan.json ``migration``;
 runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and per-rank checkpoints.
 Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
 Tensor parallelism is not implemented (tp = 1; capability.py).
@@ -18,7 +22,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
@@ -26,47 +29,26 @@ from piper_plan.launchenv import device_index, read_launch_env
 
 
 # ---- plan and launch environment (no torch) -----------------------------------------------------
-@dataclass
-class RunConfig:
-    """What the runtime reads from plan.json."""
+def with_runtime(cfg, **overrides):
+    """The plan with runtime settings overridden (``piper run`` options; None = keep the plan's value)."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not overrides:
+        return cfg
+    from piper_plan.planfile import RuntimeBlock
 
-    model: object
-    platform: object
-    training: object
-    parallel: object
-    runtime: dict = field(default_factory=dict)
-    migration: dict = field(default_factory=dict)
-    """plan.json's migration block (runtime/migration.py MigrationSettings)."""
+    runtime = RuntimeBlock.model_validate({**cfg.runtime.model_dump(), **overrides})
+    return cfg.model_copy(update={"runtime": runtime})
 
 
-def config_from_dict(data: dict, path: str = "plan.json") -> RunConfig:
-    """plan.json's mapping -> specs; validates only model, platform, training and parallel (the derived
-    ``parallel.edp`` is dropped), for plans built in memory by tests and benchmarks. Files go through read_plan."""
-    from piper_plan.catalog import parse_spec
-    from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
-
-    missing = [k for k in ("model", "platform", "training", "parallel") if k not in data]
-    if missing:
-        raise PiperError(f"missing {', '.join(missing)}; a plan.json has model, platform, training, parallel", path=path)
-    parallel = {k: v for k, v in data["parallel"].items() if k != "edp"}
-    return RunConfig(parse_spec(ModelSpec, data["model"], f"{path}: model"),
-                     parse_spec(PlatformSpec, data["platform"], f"{path}: platform"),
-                     parse_spec(TrainingSpec, data["training"], f"{path}: training"),
-                     parse_spec(ParallelPlan, parallel, f"{path}: parallel"), dict(data.get("runtime") or {}),
-                     dict(data.get("migration") or {}))
-
-
-def read_plan(path: str | Path) -> RunConfig:
-    """plan.json, validated by planfile.read_plan_file (stricter than config_from_dict)."""
+def load_plan(args):
+    """plan.json (planfile.read_plan_file: the one validated PlanFile) with the command line's overrides."""
     from piper_plan.planfile import read_plan_file
 
-    pf = read_plan_file(path)
-    return RunConfig(pf.model, pf.platform, pf.training, pf.parallel, pf.runtime.model_dump(),
-                     pf.migration.model_dump())
+    return with_runtime(read_plan_file(args.plan), steps=args.steps, lr=args.lr, aux_loss_coeff=args.aux_loss_coeff)
 
 
-def preflight(cfg: RunConfig, world: int, cuda_available: bool) -> None:
-    """Every check that needs no communication; raises PiperError (one line)."""
+def preflight(cfg, world: int, cuda_available: bool) -> None:
+    """Every check of the plan (planfile.PlanFile) that needs no communication; raises PiperError (one line)."""
     from piper_plan.capability import unsupported_features
 
     # the plan itself was checked by the one validity check when plan.json was read (planfile.read_plan_file)
@@ -76,72 +58,55 @@ def preflight(cfg: RunConfig, world: int, cuda_available: bool) -> None:
     problems = unsupported_features(cfg.parallel, cfg.model)
     if problems:
         raise PiperError("the runtime cannot run: " + "; ".join(problems), field="parallel")
+    if cfg.training.dtype == "fp16":
+        raise PiperError("'fp16' is not supported by the runtime (it has no loss scaling); use bf16 or fp32",
+                         field="training.dtype")
     if cfg.platform.launch.device == "cuda" and not cuda_available:
         raise PiperError(f"platform {cfg.platform.name} runs on GPUs (launch.device='cuda') but this machine has "
                          "none visible to torch; use a CPU platform (launch.device='cpu')", field="platform.launch.device")
-    if cfg.runtime.get("data"):
+    if cfg.runtime.data:
         from piper_plan.runtime.data import open_token_file
 
-        open_token_file(Path(cfg.runtime["data"]), cfg.model.vocab_size, cfg.training.seq_len)
+        open_token_file(Path(cfg.runtime.data), cfg.model.vocab_size, cfg.training.seq_len)
 
 
 # ---- the trainer ------------------------------------------------------------------------------
-class Optimizers:
-    """One optimizer per gradient group (dense over dp, experts over edp); ZeRO-1 shards each over its group."""
+class StepResult:
+    """One step of one rank: its report row (a device tensor, runtime/report.py) and its migration event."""
 
-    def __init__(self, groups: list[tuple[list, object, int]], training, lr: float, zero: int) -> None:
-        import torch
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    def __init__(self, row, migration, trainer) -> None:
+        self.row, self.migration, self._trainer = row, migration, trainer
 
-        cls, kw = (torch.optim.AdamW, {"weight_decay": 0.0}) if training.optimizer == "adam" else (torch.optim.SGD, {})
-        self.optims = []
-        for params, group, size in groups:
-            if not params:
-                continue
-            if zero and size > 1:
-                self.optims.append(ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=group, lr=lr, **kw))
-            else:
-                self.optims.append(cls(params, lr=lr, **kw))
-
-    def _inner(self):
-        return [getattr(o, "optim", o) for o in self.optims]
-
-    def step(self) -> None:
-        for o in self.optims:
-            o.step()
-
-    def state_dict(self) -> list:
-        return [o.state_dict() for o in self._inner()]
-
-    def load_state_dict(self, states: list) -> None:
-        for o, s in zip(self._inner(), states):
-            o.load_state_dict(s)
-
-    def state_bytes(self) -> int:
-        from piper_plan.runtime.accounting import optimizer_state_bytes
-
-        return sum(optimizer_state_bytes(o) for o in self._inner())
+    def report(self) -> dict:
+        """This rank's report alone, read on the host (tests and benchmarks; the run gathers every rank's)."""
+        out = self._trainer.decode(self.row.cpu().tolist(), self._trainer.rank)
+        return {**out, "migration": self.migration}
 
 
 class Trainer:
     """This rank's part of the run: stage model, schedule, dispatcher, optimizer, data, accounting."""
 
-    def __init__(self, cfg: RunConfig, rank: int, world: int, device, lr: float = 1e-3,
-                 aux_loss_coeff: float = 0.0, mesh=None) -> None:
+    def __init__(self, cfg, rank: int, world: int, device, lr: float | None = None,
+                 aux_loss_coeff: float | None = None, mesh=None) -> None:
+        """cfg: the validated planfile.PlanFile; lr / aux_loss_coeff override its runtime block."""
         import torch
 
         from piper_plan.runtime.mesh import Mesh
+        from piper_plan.runtime.optim import Optimizers
 
+        cfg = with_runtime(cfg, lr=lr, aux_loss_coeff=aux_loss_coeff)
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         p = cfg.parallel
         self.mesh = mesh or Mesh.create(rank, p.pp, p.dp, p.ep)
-        self.seed = int(cfg.runtime.get("seed", 0) or 0)
+        self.seed = cfg.runtime.seed
         torch.manual_seed(self.seed + rank)
-        self.module = self._build_model(aux_loss_coeff)
-        self.dense = [q for n, q in self.module.named_parameters() if ".experts." not in n]
-        self.expert = [q for n, q in self.module.named_parameters() if ".experts." in n]
-        self.optimizer = Optimizers([(self.dense, self.mesh.dp_group, p.dp), (self.expert, self.mesh.edp_group, p.edp)],
-                                    cfg.training, lr, p.zero)
+        self.module = self._build_model(cfg.runtime.aux_loss_coeff)
+        named = list(self.module.named_parameters())
+        dense = [(n, q) for n, q in named if ".experts." not in n]
+        expert = [(n, q) for n, q in named if ".experts." in n]
+        self.dense, self.expert = [q for _, q in dense], [q for _, q in expert]
+        self.optimizer = Optimizers([(dense, self.mesh.dp_group, p.dp), (expert, self.mesh.edp_group, p.edp)],
+                                    cfg.training, cfg.runtime, device, p.zero)
         self.schedule = None
         if p.pp > 1:
             from piper_plan.runtime.pipeline import build_schedule
@@ -152,15 +117,15 @@ class Trainer:
         from piper_plan.runtime.data import make_source
         from piper_plan.runtime.pipeline import P2PTimer
 
-        self.data = make_source(cfg.runtime.get("data"), cfg.model.vocab_size, cfg.training.seq_len, self.seed)
+        self.data = make_source(cfg.runtime.data, cfg.model.vocab_size, cfg.training.seq_len, self.seed)
         self.tracker = SavedTensorTracker(self.module)
         self.p2p = P2PTimer()
         self.dp_sync_s = 0.0
         if self.schedule is not None:
             self._infer_shapes()
-        from piper_plan.runtime.migration import ExpertMigrator, MigrationSettings
+        from piper_plan.runtime.migration import ExpertMigrator
 
-        self.migrator = ExpertMigrator.from_trainer(self, MigrationSettings.from_dict(cfg.migration))
+        self.migrator = ExpertMigrator.from_trainer(self, cfg.migration)
 
     def _infer_shapes(self) -> None:
         """The schedule infers stage shapes at its first step (running forward/backward on placeholder
@@ -211,10 +176,15 @@ class Trainer:
         for q in self.module.parameters():
             q.grad = None
         x, y = self.batch(step)
-        with self._autocast(), self.tracker.hooks():
+        with self._autocast(), self._accounting():
             if self.schedule is None:
                 return run_local(self.module, x, y, self.cfg.parallel.num_microbatches)
             return run_pipeline(self.schedule, self.module.is_first, self.module.is_last, x, y)
+
+    def _accounting(self):
+        """The saved-tensor accounting on CPU (the memory figure there); none on GPUs, whose figure is the
+        allocator's peak (no Python hook on every saved tensor)."""
+        return self.tracker.hooks() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def _autocast(self):
         import torch
@@ -235,33 +205,84 @@ class Trainer:
             _allreduce_mean(self.expert, self.mesh.edp_group if p.edp > 1 else None, p.dp)
         self.dp_sync_s += time.perf_counter() - start
 
-    def train_step(self, step: int) -> dict:
-        """One optimizer step; returns this rank's report (gathered by rank 0)."""
+    def train_step(self, step: int) -> "StepResult":
+        """One optimizer step: forward/backward, gradient sync, global-norm clipping, the scheduled learning
+        rate, the optimizer step, then migration at the step boundary. The report stays a device tensor."""
         import torch
-        import torch.distributed as dist
+
+        from piper_plan.runtime.optim import clip_grads, global_grad_norm, lr_at
 
         self._reset_counters()
         start = time.perf_counter()
         losses = self.forward_backward(step)
         self.sync_grads()
         memory = self.memory_bytes()
+        rt, p = self.cfg.runtime, self.cfg.parallel
+        self.grad_norm = global_grad_norm(self.dense, self.expert, p.dp, p.edp, self.device)
+        if rt.grad_clip_norm is not None:
+            clip_grads(self.dense + self.expert, rt.grad_clip_norm, self.grad_norm)
+        self.optimizer.set_lr(lr_at(step, rt.steps, rt))
         self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        loss = None
-        if self.module.is_last:
-            mean = torch.stack(losses).mean().detach().float()
-            if self.cfg.parallel.dp > 1:
-                dist.all_reduce(mean, group=self.mesh.dp_group)
-                mean /= self.cfg.parallel.dp
-            loss = float(mean.cpu())
         seconds = time.perf_counter() - start
         migration = self._migrate(step)
-        return {"rank": self.rank, "stage": self.mesh.me.pp_index, "dp_index": self.mesh.me.dp_index,
-                "loss": loss, "seconds": seconds, "memory": memory, "migration": migration,
-                "time_s": {"a2a": self._a2a_seconds(), "p2p": self.p2p.seconds, "dp_sync": self.dp_sync_s,
-                           "migration": migration["seconds"] if migration else 0.0},
-                "expert_tokens": {i: m.expert_tokens.tolist() for i, m in self.module.moe_layers().items()}}
+        values = {**memory, "seconds": seconds, "a2a": self._a2a_seconds(), "p2p": self.p2p.seconds,
+                  "dp_sync": self.dp_sync_s, "stage": self.mesh.me.pp_index, "dp_index": self.mesh.me.dp_index,
+                  "stop": 0}
+        return StepResult(self._encode(values, self._mean_loss(losses)), migration, self)
+
+    def _mean_loss(self, losses: list):
+        """The step's mean loss over micro-batches and dp ranks (a device tensor; None off the last stage)."""
+        import torch
+        import torch.distributed as dist
+
+        if not self.module.is_last:
+            return None
+        mean = torch.stack(losses).mean().detach().float()
+        if self.cfg.parallel.dp > 1:
+            dist.all_reduce(mean, group=self.mesh.dp_group)
+            mean /= self.cfg.parallel.dp
+        return mean
+
+    def _encode(self, values: dict, loss):
+        from piper_plan.runtime.report import encode
+
+        tokens = {i: m.expert_tokens for i, m in self.module.moe_layers().items()}
+        return encode(self.cfg.model, values, loss, tokens, self.device)
+
+    def decode(self, row: list[float], rank: int) -> dict:
+        """A gathered report row -> train.merge_reports' per-rank dict."""
+        from piper_plan.runtime.metrics import MEMORY_SOURCE_CPU, MEMORY_SOURCE_GPU
+        from piper_plan.runtime.report import decode
+
+        source = MEMORY_SOURCE_GPU if self.device.type == "cuda" else MEMORY_SOURCE_CPU
+        return decode(self.cfg.model, row, rank, source)
+
+    def gather_reports(self, result: "StepResult", step: int, stop: bool) -> list[dict]:
+        """Every rank's report of step ``step``: one tensor all-gather and one host read; the migration events
+        travel as objects only on the steps where migration ran (collective: every rank calls it)."""
+        import torch
+        import torch.distributed as dist
+
+        from piper_plan.runtime.report import FIELDS
+
+        row = result.row.clone()
+        row[FIELDS.index("stop")] = float(stop)
+        parts = [torch.empty_like(row) for _ in range(self.world)]
+        dist.all_gather(parts, row)
+        reports = [self.decode(r, rank) for rank, r in enumerate(torch.stack(parts).cpu().tolist())]
+        if self._migration_step(step):
+            events = [None] * self.world
+            dist.all_gather_object(events, result.migration)
+            for report, event in zip(reports, events):
+                report["migration"] = event
+        return reports
+
+    def _migration_step(self, step: int) -> bool:
+        """Whether migration ran at this step boundary (the same answer on every rank)."""
+        m = self.cfg.migration
+        return m.enabled and self.cfg.parallel.ep > 1 and (step + 1) % m.interval == 0
 
     def _migrate(self, step: int):
         """Step boundary: record expert loads; every migration.interval steps rebalance (runtime/migration.py)."""
@@ -276,7 +297,7 @@ class Trainer:
         for m in self.module.moe_layers().values():
             m.expert_tokens.zero_()
             if m.dispatcher is not None and hasattr(m.dispatcher, "timer"):
-                m.dispatcher.timer.seconds = 0.0
+                m.dispatcher.timer.reset()
         if self.device.type == "cuda":
             import torch
 
@@ -292,20 +313,20 @@ class Trainer:
         return total
 
     def memory_bytes(self) -> dict:
-        """This rank's memory: the allocator's peak on GPUs, the runtime's tensor accounting on CPU."""
+        """This rank's memory: the allocator's peak on GPUs, the runtime's tensor accounting on CPU
+        (metrics.MEMORY_SOURCE_GPU / _CPU)."""
         from piper_plan.runtime.accounting import tensor_bytes
-        from piper_plan.runtime.metrics import MEMORY_SOURCE_CPU, MEMORY_SOURCE_GPU
 
         params = tensor_bytes(self.module.parameters())
         grads = tensor_bytes(q.grad for q in self.module.parameters())
         optim, acts = self.optimizer.state_bytes(), self.tracker.peak_bytes
-        out = {"stage": self.mesh.me.pp_index, "parameters_bytes": params, "gradients_bytes": grads,
+        out = {"parameters_bytes": params, "gradients_bytes": grads,
                "optimizer_bytes": optim, "activations_bytes": acts}
         if self.device.type == "cuda":
             import torch
 
-            return {**out, "total_bytes": int(torch.cuda.max_memory_allocated(self.device)), "source": MEMORY_SOURCE_GPU}
-        return {**out, "total_bytes": params + grads + optim + acts, "source": MEMORY_SOURCE_CPU}
+            return {**out, "total_bytes": int(torch.cuda.max_memory_allocated(self.device))}
+        return {**out, "total_bytes": params + grads + optim + acts}
 
     # -- checkpoints
     def save(self, run_dir: Path, step: int) -> None:
@@ -388,8 +409,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="record a torch profiler Chrome trace of STEPS steps after the first")
-    ap.add_argument("--lr", type=float, default=1e-3, help="learning rate")
-    ap.add_argument("--aux-loss-coeff", type=float, default=0.01, help="Switch balance-loss coefficient (0 = off)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: plan runtime.lr)")
+    ap.add_argument("--aux-loss-coeff", type=float, default=None,
+                    help="Switch balance-loss coefficient, 0 = off (default: plan runtime.aux_loss_coeff)")
     return ap.parse_args(argv)
 
 
@@ -412,7 +434,7 @@ def main(argv=None) -> int:
     import torch
 
     try:
-        cfg = read_plan(args.plan)
+        cfg = load_plan(args)
         preflight(cfg, world, torch.cuda.is_available())
     except PiperError as exc:
         if rank == 0:
@@ -421,17 +443,24 @@ def main(argv=None) -> int:
     return run(cfg, args, rank, world, local)
 
 
+def select_device(cfg, local: int):
+    """This rank's device: on GPUs the local rank modulo the visible devices (0 under --gpus-per-task=1),
+    made current; else the CPU."""
+    import torch
+
+    if cfg.platform.launch.device != "cuda":
+        return torch.device("cpu")
+    index = device_index(local, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _init(cfg, rank: int, world: int, local: int):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    if cfg.platform.launch.device == "cuda":
-        index = device_index(local, torch.cuda.device_count())
-        torch.cuda.set_device(index)
-        device = torch.device("cuda", index)
-    else:
-        device = torch.device("cpu")
+    device = select_device(cfg, local)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     if not dist.is_initialized():
@@ -440,7 +469,8 @@ def _init(cfg, rank: int, world: int, local: int):
     return device
 
 
-def run(cfg: RunConfig, args, rank: int, world: int, local: int) -> int:
+def run(cfg, args, rank: int, world: int, local: int) -> int:
+    """Train the plan (planfile.PlanFile, runtime settings already resolved: with_runtime)."""
     import torch.distributed as dist
 
     from piper_plan.fileio import atomic_write_json
@@ -448,11 +478,10 @@ def run(cfg: RunConfig, args, rank: int, world: int, local: int) -> int:
 
     device = _init(cfg, rank, world, local)
     stop = _StopFlag()
-    trainer = Trainer(cfg, rank, world, device, lr=args.lr, aux_loss_coeff=args.aux_loss_coeff)
+    trainer = Trainer(cfg, rank, world, device)
     run_dir = Path(args.out)
     start = trainer.resume(run_dir) if args.resume else 0
-    steps = args.steps or int(cfg.runtime.get("steps") or 10)
-    interval = int(cfg.runtime.get("checkpoint_interval") or 0)
+    steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
     records = _kept_records(run_dir / "metrics.jsonl", start) if rank == 0 and args.resume else []
     writer = MetricsWriter(run_dir / "metrics.jsonl", resume=False) if rank == 0 else None
@@ -463,16 +492,15 @@ def run(cfg: RunConfig, args, rank: int, world: int, local: int) -> int:
     code = 0
     for step in range(start, steps):
         with _profiler(args.profile, step - start, run_dir, rank) as _:
-            report = trainer.train_step(step)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, report)
+            result = trainer.train_step(step)
+        gathered = trainer.gather_reports(result, step, stop=bool(stop.signum))
         if rank == 0:
             records.append(merge_reports(gathered, step + 1, tokens))
             writer.write(records[-1])
-        saved = bool(interval) and (step + 1) % interval == 0
+        saved = (step + 1) % interval == 0
         if saved:
             trainer.save(run_dir, step + 1)
-        if _stop_requested(stop, device):
+        if any(r["stop"] for r in gathered):
             if not saved:
                 trainer.save(run_dir, step + 1)
             code = EXIT_REQUEUE
@@ -501,16 +529,6 @@ def _kept_records(path: Path, start: int) -> list[dict]:
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if r["step"] <= start]
-
-
-def _stop_requested(stop: _StopFlag, device) -> bool:
-    """Any rank signalled -> every rank stops (one all-reduce of a flag)."""
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if stop.signum else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 @contextlib.contextmanager

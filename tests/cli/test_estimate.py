@@ -41,7 +41,8 @@ def test_estimate_save_writes_a_readable_plan(tmp_path):
     assert plan.parallel.layers_per_stage == [2, 2] and plan.parallel.num_microbatches == 4
     raw = json.loads(path.read_text())
     assert raw["schema_version"] == 2 and raw["parallel"]["edp"] == 1
-    assert raw["migration"] == {"enabled": True, "threshold": 1.1, "interval": 50, "max_iters": 16}
+    assert raw["migration"] == {"enabled": True, "threshold": 1.1, "interval": 50, "max_iters": 16,
+                                "window": None}
     assert raw["prediction"]["step_time_s"] > 0
 
 

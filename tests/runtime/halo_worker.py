@@ -101,15 +101,17 @@ def train_runs(rank: int, num_ranks: int, plans: dict, steps: int, out_dir: str)
     """Train each plan (a2a flat / halo) for ``steps`` steps; save losses, gradients and the dispatcher used."""
     import torch
 
-    from piper_plan.runtime.train import Trainer, config_from_dict
+    from piper_plan.planfile import parse_plan_dict
+    from piper_plan.runtime.train import Trainer
 
     out = {}
     for name, plan in plans.items():
-        trainer = Trainer(config_from_dict(plan), rank, num_ranks, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
+        trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, num_ranks, torch.device("cpu"), lr=1e-2,
+                          aux_loss_coeff=0.01)
         layers = trainer.module.moe_layers()
         record = {"losses": [], "grads": [], "dispatcher": type(next(iter(layers.values())).dispatcher).__name__}
         for step in range(steps):
-            record["losses"].append(trainer.train_step(step)["loss"])
+            record["losses"].append(trainer.train_step(step).report()["loss"])
             record["grads"].append({n: q.grad.clone() for n, q in trainer.module.named_parameters()})
         out[name] = record
     torch.save(out, Path(out_dir) / f"train{rank}.pt")

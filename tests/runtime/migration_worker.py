@@ -8,13 +8,15 @@ import torch
 import torch.distributed as dist
 
 from piper_plan.placement.migration import Swap
-from piper_plan.runtime.migration import ExpertMigrator, MigrationSettings, apply_swaps
+from piper_plan.planfile import MigrationBlock
+from piper_plan.runtime.migration import ExpertMigrator, apply_swaps
 
 
 def _trainer(plan: dict, rank: int, world: int, aux: float = 0.0, router_bias=None):
-    from piper_plan.runtime.train import Trainer, config_from_dict
+    from piper_plan.planfile import parse_plan_dict
+    from piper_plan.runtime.train import Trainer
 
-    trainer = Trainer(config_from_dict(plan), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
+    trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
     if router_bias is not None:
         with torch.no_grad():
             for m in trainer.module.moe_layers().values():
@@ -59,7 +61,7 @@ def function_check(plan: dict, rank: int, world: int) -> dict:
     trainer = _trainer(plan, rank, world, aux=0.01)
     for step in range(2):
         trainer.train_step(step)
-    migrator = ExpertMigrator.from_trainer(trainer, MigrationSettings(threshold=1.0, interval=1))
+    migrator = ExpertMigrator.from_trainer(trainer, MigrationBlock(threshold=1.0, interval=1))
     before_out, before_experts = stage_output(trainer, rank), logical_experts(trainer)
     n, E = migrator.num_local, trainer.cfg.model.moe.num_experts
     swaps = []
@@ -76,16 +78,16 @@ def function_check(plan: dict, rank: int, world: int) -> dict:
 
 
 def train_check(plan: dict, rank: int, world: int, steps: int, migrate: bool, router_bias=None,
-                settings: MigrationSettings | None = None) -> dict:
+                settings: MigrationBlock | None = None) -> dict:
     """``steps`` steps, migrating at every boundary (threshold 1.0) or never; losses, events, rows per step."""
     trainer = _trainer(plan, rank, world, router_bias=router_bias)
     rows = _count_rows(trainer)
-    settings = settings or MigrationSettings(threshold=1.0, interval=1, max_iters=4)
+    settings = settings or MigrationBlock(threshold=1.0, interval=1, max_iters=4)
     migrator = ExpertMigrator.from_trainer(trainer, settings) if migrate else None
     out = {"losses": [], "events": [], "rows": [], "slots": [], "expert_tokens": []}
     for step in range(steps):
         rows["n"] = 0
-        report = trainer.train_step(step)
+        report = trainer.train_step(step).report()
         out["losses"].append(report["loss"])
         out["expert_tokens"].append(report["expert_tokens"])
         out["rows"].append(rows["n"])
@@ -107,27 +109,28 @@ def resume_check(plan: dict, rank: int, world: int, run_dir: str) -> dict:
     resuming for steps 3-4; the placement (MoE.slot_of_expert) travels in the checkpoint."""
     from pathlib import Path
 
-    from piper_plan.runtime.train import Trainer, config_from_dict
+    from piper_plan.planfile import parse_plan_dict
+    from piper_plan.runtime.train import Trainer
 
-    cfg = config_from_dict(plan)
+    cfg = parse_plan_dict(plan, "test plan")
     straight = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2)
-    reports = [straight.train_step(s) for s in range(4)]
+    reports = [straight.train_step(s).report() for s in range(4)]
     first = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2)
-    part = [first.train_step(s)["loss"] for s in range(2)]
+    part = [first.train_step(s).report()["loss"] for s in range(2)]
     first.save(Path(run_dir), 2)
     second = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2)
     start = second.resume(Path(run_dir))
-    part += [second.train_step(s)["loss"] for s in range(start, 4)]
+    part += [second.train_step(s).report()["loss"] for s in range(start, 4)]
     return {"full": [r["loss"] for r in reports], "resumed": part, "events": [r["migration"] for r in reports],
             "slots_full": straight.migrator.slot_maps(), "slots_resumed": second.migrator.slot_maps()}
 
 
 def cli_check(plan_path: str, rank: int, world: int, run_dir: str, steps: int) -> int:
     """train.run as the command line runs it (it ends the process group: the last job of a spawn)."""
-    from piper_plan.runtime.train import parse_args, read_plan, run
+    from piper_plan.runtime.train import load_plan, parse_args, run
 
     args = parse_args(["--plan", plan_path, "--out", run_dir, "--steps", str(steps)])
-    return run(read_plan(plan_path), args, rank, world, 0)
+    return run(load_plan(args), args, rank, world, 0)
 
 
 def _count_rows(trainer) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from piper_plan.catalog import load_model, load_platform
+from piper_plan.planfile import SCHEMA_VERSION
 
 
 def cpu_platform(devices_per_node: int = 8) -> dict:
@@ -20,6 +21,10 @@ def cpu_platform(devices_per_node: int = 8) -> dict:
     return data
 
 
+REFERENCE_OPTIMIZER = {"lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "grad_clip_norm": None}
+"""The runtime settings of tests/runtime/reference.py's single-process AdamW (constant rate, no decay or clipping)."""
+
+
 def plan_dict(pp=2, dp=2, ep=2, schedule="1f1b", num_microbatches=2, mbs=1, seq_len=16, model="tiny-moe",
               zero=0, steps=3, checkpoint_interval=1000, data=None, model_dict=None, layers_per_stage=None) -> dict:
     spec = model_dict or load_model(model).model_dump(mode="json")
@@ -30,8 +35,10 @@ def plan_dict(pp=2, dp=2, ep=2, schedule="1f1b", num_microbatches=2, mbs=1, seq_
                 "weight_bytes": 4, "grad_bytes": 4, "master_bytes": 0}
     world = pp * dp
     per_node = min(world, 8)
-    return {"schema_version": 1, "piper_version": "test", "model": spec, "platform": cpu_platform(per_node),
-            "training": training, "nodes": world // per_node, "placement": "compact", "parallel": parallel,
+    return {"schema_version": SCHEMA_VERSION, "piper_version": "test", "model": spec,
+            "platform": cpu_platform(per_node), "training": training, "nodes": world // per_node,
+            "placement": "compact", "parallel": parallel,
             "moe": {"capacity_factor": None}, "migration": {"enabled": False},
-            "runtime": {"data": data, "steps": steps, "checkpoint_interval": checkpoint_interval, "seed": 0},
+            "runtime": {"data": data, "steps": steps, "checkpoint_interval": checkpoint_interval, "seed": 0,
+                        **REFERENCE_OPTIMIZER},
             "prediction": {}}

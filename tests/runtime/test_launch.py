@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from plans import plan_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +41,7 @@ def _records(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.distributed
 def test_torchrun_four_ranks_writes_metrics_and_trace(tmp_path):
     plan = plan_dict(pp=2, dp=2, ep=2, schedule="gpipe", num_microbatches=2)
     proc = _torchrun(4, plan, tmp_path, "--steps", "3", "--profile", "1")
@@ -72,6 +75,7 @@ def _srun_style(world: int, plan: dict, tmp: Path, *extra: str) -> list[subproce
     return procs
 
 
+@pytest.mark.distributed
 def test_sigusr1_checkpoints_exits_75_and_resume_continues(tmp_path):
     plan = plan_dict(pp=2, dp=1, ep=1, num_microbatches=2, seq_len=64, steps=400)
     procs = _srun_style(2, plan, tmp_path)
@@ -91,6 +95,7 @@ def test_sigusr1_checkpoints_exits_75_and_resume_continues(tmp_path):
     assert [r["step"] for r in _records(tmp_path)] == list(range(1, stopped + 3))
 
 
+@pytest.mark.distributed
 def test_bad_input_clear_error_every_rank_exits(tmp_path):
     cases = {
         "world": (plan_dict(pp=2, dp=2, ep=2), "but the launcher started 2"),

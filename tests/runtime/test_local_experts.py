@@ -1,7 +1,11 @@
-"""The expert loop's backward: one gradient buffer per stacked weight, not one per expert."""
+"""Local experts: grouped GEMMs (torch._grouped_mm) equal the per-expert loop in forward and backward; the loop
+is the fallback where the op is missing or the shapes unaligned; the loop's backward keeps one gradient buffer
+per stacked weight, not one per expert."""
 
+import pytest
 import torch
 
+from piper_plan.runtime import moe as moe_module
 from piper_plan.runtime.moe import LocalExperts
 from piper_plan.specs.model import FFNSpec
 
@@ -24,10 +28,11 @@ def test_stacked_expert_weights_reach_their_parameters_through_one_unbind_each()
     operator: aten::fill_ 8.7 of 24.4 profiled ms per micro-batch, benchmarks/closed_loop_gap.py --profile).
     Unbound once, the El gradients are stacked into one buffer."""
     experts = LocalExperts(4, 8, FFNSpec(intermediate_size=16, gated=True))
+    experts.use_grouped = False
     for p in experts.parameters():
         torch.nn.init.normal_(p)
     x = torch.randn(10, 8, requires_grad=True)
-    out = experts(x, [3, 0, 5, 2])
+    out = experts(x, torch.tensor([3, 0, 5, 2]))
     names = graph_node_names(out.grad_fn)
     assert "SelectBackward0" not in names
     assert names.count("UnbindBackward0") == 3          # w_in, w_gate, w_out
@@ -35,11 +40,12 @@ def test_stacked_expert_weights_reach_their_parameters_through_one_unbind_each()
 
 def test_unbound_experts_compute_what_per_expert_weights_compute():
     experts = LocalExperts(3, 8, FFNSpec(intermediate_size=16, gated=True, bias=True))
+    experts.use_grouped = False
     for p in experts.parameters():
         torch.nn.init.normal_(p)
     x = torch.randn(9, 8, requires_grad=True)
     counts = [4, 0, 5]
-    out = experts(x, counts)
+    out = experts(x, torch.tensor(counts))
     out.square().sum().backward()
     got = [p.grad.clone() for p in experts.parameters()]
     experts.zero_grad()
@@ -51,3 +57,79 @@ def test_unbound_experts_compute_what_per_expert_weights_compute():
     assert torch.allclose(out, torch.cat(ref).detach())
     for g, p in zip(got, experts.parameters()):
         assert torch.allclose(g, p.grad)
+
+
+def _run(experts, x, counts, grouped: bool):
+    """Output, input gradient and parameter gradients of one forward + backward (``y.sum()``: the zero-stride
+    incoming gradient that _grouped_mm's backward cannot take on its own)."""
+    experts.use_grouped = grouped
+    experts.zero_grad()
+    xg = x.detach().clone().requires_grad_(True)
+    out = experts(xg, torch.tensor(counts))
+    (out.sum() + out.square().sum()).backward()
+    return out.detach(), xg.grad, [p.grad.clone() for p in experts.parameters()]
+
+
+@pytest.mark.parametrize("gated,bias", [(True, False), (True, True), (False, False), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemms_equal_the_per_expert_loop(gated, bias, dtype):
+    experts = LocalExperts(4, 16, FFNSpec(intermediate_size=32, gated=gated, bias=bias)).to(dtype)
+    torch.manual_seed(0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    assert experts.grouped, "torch._grouped_mm runs on CPU in the pinned torch (reference/environment.md)"
+    x = torch.randn(21, 16, dtype=dtype)
+    counts = [7, 0, 9, 5]                               # an empty group; sizes not multiples of 16
+    got, ref = _run(experts, x, counts, True), _run(experts, x, counts, False)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got[0], ref[0], **tol)
+    torch.testing.assert_close(got[1], ref[1], **tol)
+    for g, r in zip(got[2], ref[2]):
+        torch.testing.assert_close(g, r, **tol)
+
+
+def _spy_grouped(monkeypatch) -> list:
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_grouped_path_runs_the_grouped_op(monkeypatch):
+    calls = _spy_grouped(monkeypatch)
+    experts = LocalExperts(2, 16, FFNSpec(intermediate_size=32, gated=True))
+    experts(torch.randn(5, 16), torch.tensor([2, 3]))
+    assert len(calls) == 3                               # w_in, w_gate, w_out: one GEMM each for all experts
+
+
+def test_unaligned_shapes_fall_back_to_the_loop(monkeypatch):
+    """hidden 6 fp32 = 24-byte rows: not a multiple of 16 bytes, so the loop runs (and still computes)."""
+    calls = _spy_grouped(monkeypatch)
+    experts = LocalExperts(2, 6, FFNSpec(intermediate_size=32, gated=True))
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    assert not experts.grouped
+    out = experts(torch.randn(5, 6), torch.tensor([2, 3]))
+    assert out.shape == (5, 6) and not calls
+
+
+def test_missing_op_falls_back_to_the_loop(monkeypatch):
+    monkeypatch.delattr(torch, "_grouped_mm")
+    experts = LocalExperts(2, 16, FFNSpec(intermediate_size=32, gated=True))
+    assert not experts.grouped
+    assert experts(torch.randn(5, 16), torch.tensor([2, 3])).shape == (5, 16)
+
+
+def test_a_device_without_a_kernel_falls_back(monkeypatch):
+    """The one-off probe turns a kernel that raises (an older ROCm build) into the loop."""
+    def broken(*a, **k):
+        raise RuntimeError("grouped gemm is not supported on this device")
+
+    moe_module._grouped_mm_works.cache_clear()
+    monkeypatch.setattr(torch, "_grouped_mm", broken)
+    try:
+        experts = LocalExperts(2, 16, FFNSpec(intermediate_size=32, gated=True))
+        assert not experts.grouped
+        assert experts(torch.randn(5, 16), torch.tensor([2, 3])).shape == (5, 16)
+    finally:
+        moe_module._grouped_mm_works.cache_clear()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from plans import plan_dict
-from piper_plan.runtime.train import config_from_dict
+from piper_plan.planfile import parse_plan_dict
 from reference import reference_run
 from workers import spawn
 
@@ -16,7 +16,7 @@ RTOL, ATOL = 1e-4, 1e-6  # fp32; a wrong reduction or a misrouted token is off b
 
 
 def _compare(plan: dict, per_rank: list[dict]) -> None:
-    ref = reference_run(config_from_dict(plan), STEPS, LR, AUX)
+    ref = reference_run(parse_plan_dict(plan, "test plan"), STEPS, LR, AUX)
     losses = [r for r in per_rank if r["losses"][0] is not None]
     assert len(losses) == plan["parallel"]["dp"]  # the last stage's dp ranks report
     for r in losses:
@@ -35,6 +35,7 @@ def _names(per_rank):
     return set().union(*(r["grads"][0].keys() for r in per_rank))
 
 
+@pytest.mark.distributed
 def test_four_ranks_pp2_dp2_ep2(tmp_path):
     jobs = [(f"train_{s}", "train", {"plan": plan_dict(pp=2, dp=2, ep=2, schedule=s, num_microbatches=2),
                                      "steps": STEPS, "aux": AUX}) for s in ("gpipe", "1f1b")]
@@ -45,7 +46,7 @@ def test_four_ranks_pp2_dp2_ep2(tmp_path):
     for s in ("gpipe", "1f1b"):
         per_rank = [r[f"train_{s}"] for r in results]
         _compare(jobs[0][2]["plan"], per_rank)
-        ref_names = set(reference_run(config_from_dict(jobs[0][2]["plan"]), 1, LR, AUX)["grads"][0])
+        ref_names = set(reference_run(parse_plan_dict(jobs[0][2]["plan"], "test plan"), 1, LR, AUX)["grads"][0])
         assert _names(per_rank) == ref_names  # every parameter lives on some rank
     disp = [r["dispatch"] for r in results]
     for r, d in enumerate(disp):
@@ -60,6 +61,7 @@ def test_four_ranks_pp2_dp2_ep2(tmp_path):
     assert res[-1]["full"][0] is not None
 
 
+@pytest.mark.distributed
 def test_eight_ranks_pp2_dp4_ep2_edp2(tmp_path):
     plans = {"gpipe": plan_dict(pp=2, dp=4, ep=2, schedule="gpipe", num_microbatches=2),
              "1f1b_zero1": plan_dict(pp=2, dp=4, ep=2, schedule="1f1b", num_microbatches=2, zero=1)}

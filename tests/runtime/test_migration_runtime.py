@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from migration_worker import spawn
 from piper_plan.catalog import load_model
-from piper_plan.runtime.migration import MigrationSettings, apply_swaps, rank_transfers, slot_moves
+from piper_plan.planfile import MigrationBlock
+from piper_plan.runtime.migration import apply_swaps, rank_transfers, slot_moves
 from piper_plan.placement.migration import Swap
 from plans import plan_dict
 
@@ -48,7 +49,7 @@ PAIRS = {"every_step_pp2_dp2_ep2": ("pp2_True", "pp2_False"), "skewed_pp1_dp4_ep
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migration")
     (tmp / "plan.json").write_text(json.dumps(MIGRATING_PLAN))
-    skew = MigrationSettings(threshold=1.1, interval=SKEW_INTERVAL, max_iters=16)
+    skew = MigrationBlock(threshold=1.1, interval=SKEW_INTERVAL, max_iters=16)
     jobs = [("function", "function", {"plan": PLANS["pp2_dp2_ep2"]})]
     for migrate in (True, False):
         jobs.append((f"pp2_{migrate}", "train", {"plan": PLANS["pp2_dp2_ep2"], "steps": STEPS, "migrate": migrate,
@@ -116,6 +117,7 @@ def test_transfers_realise_any_swap_sequence(num_layers, shape, data):
 
 
 # ---- multi-process -------------------------------------------------------------------------------------
+@pytest.mark.distributed
 def test_function_preserved_exactly(results):
     per_rank = [r["function"] for r in results]
     for r in per_rank:
@@ -146,6 +148,7 @@ def _check_bytes(per_rank) -> None:
         assert r["bytes_sent"] == 2 * (per_expert + 3 * 8)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 def test_migrating_run_matches_static_run(results, pair):
     moving, static = ([r[name] for r in results] for name in PAIRS[pair])
@@ -176,6 +179,7 @@ def _by_group(per_rank) -> dict:
     return out
 
 
+@pytest.mark.distributed
 def test_skewed_router_imbalance_falls(results):
     per_rank = [r["skew"] for r in results]
     groups: dict[int, list[dict]] = {}
@@ -198,6 +202,7 @@ def test_skewed_router_imbalance_falls(results):
             assert torch.equal(w, rb["local_weights"][name]), name
 
 
+@pytest.mark.distributed
 def test_runtime_migration_resumes_exactly(results):
     for r in (r["resume"] for r in results):
         assert r["events"][0] is None and r["events"][2] is None  # interval 2: boundaries after steps 2 and 4
@@ -206,6 +211,7 @@ def test_runtime_migration_resumes_exactly(results):
         assert np.array_equal(r["slots_full"], r["slots_resumed"])
 
 
+@pytest.mark.distributed
 def test_runtime_logs_migrations(results):
     """train.run (what torchrun / srun start) with plan.json's migration block: metrics.jsonl carries the
     events and their time; summary.json the totals."""

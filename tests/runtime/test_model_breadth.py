@@ -236,12 +236,13 @@ def test_interleaved_chunks_equal_the_whole_model():
         chunk_layers(spec, ParallelPlan(pp=2, schedule="interleaved", virtual_stages=3))
 
 
+@pytest.mark.distributed
 def test_two_ranks_interleaved_and_recompute_match_reference(tmp_path):
     from plans import plan_dict
     from reference import reference_run
     from workers import spawn
 
-    from piper_plan.runtime.train import config_from_dict
+    from piper_plan.planfile import parse_plan_dict
 
     steps, lr, aux = 2, 1e-2, 0.01
     inter = plan_dict(pp=2, dp=1, ep=1, schedule="1f1b", num_microbatches=2, steps=steps)
@@ -252,7 +253,7 @@ def test_two_ranks_interleaved_and_recompute_match_reference(tmp_path):
     jobs = [(k, "train", {"plan": p, "steps": steps, "aux": aux}) for k, p in plans.items()]
     results = spawn(2, jobs, tmp_path)
     for key, plan in plans.items():
-        ref = reference_run(config_from_dict(plan), steps, lr, aux)
+        ref = reference_run(parse_plan_dict(plan, "test plan"), steps, lr, aux)
         per_rank = [r[key] for r in results]
         seen = set()
         for r in per_rank:

@@ -18,12 +18,13 @@ def init(rank: int, world: int, port: int) -> None:
 
 def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) -> dict:
     """Run ``steps`` steps; per step the loss (last stage) and every gradient after the dp/edp sync."""
-    from piper_plan.runtime.train import Trainer, config_from_dict
+    from piper_plan.planfile import parse_plan_dict
+    from piper_plan.runtime.train import Trainer
 
-    trainer = Trainer(config_from_dict(plan), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
+    trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
     out = {"losses": [], "grads": [], "first_expert": {}}
     for step in range(steps):
-        report = trainer.train_step(step)
+        report = trainer.train_step(step).report()
         out["losses"].append(report["loss"])
         out["grads"].append({n: q.grad.clone() for n, q in trainer.module.named_parameters()})
     out["first_expert"] = {i: m.first_expert for i, m in trainer.module.moe_layers().items()}
@@ -54,18 +55,19 @@ def dispatch_checks(rank: int, world: int) -> dict:
 
 def resume_check(plan: dict, rank: int, world: int, run_dir: str) -> dict:
     """4 steps straight vs 2 steps + checkpoint, then a fresh trainer resuming for steps 3-4."""
-    from piper_plan.runtime.train import Trainer, config_from_dict
+    from piper_plan.planfile import parse_plan_dict
+    from piper_plan.runtime.train import Trainer
 
-    cfg = config_from_dict(plan)
+    cfg = parse_plan_dict(plan, "test plan")
     straight = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
-    full = [straight.train_step(s)["loss"] for s in range(4)]
+    full = [straight.train_step(s).report()["loss"] for s in range(4)]
     first = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
-    part = [first.train_step(s)["loss"] for s in range(2)]
+    part = [first.train_step(s).report()["loss"] for s in range(2)]
     first.save(Path(run_dir), 2)
     torch.manual_seed(1234)  # disturb the RNG: resume must restore it
     second = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
     start = second.resume(Path(run_dir))
-    part += [second.train_step(s)["loss"] for s in range(start, 4)]
+    part += [second.train_step(s).report()["loss"] for s in range(start, 4)]
     return {"full": full, "resumed": part, "start": start}
 
 

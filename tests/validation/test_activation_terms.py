@@ -1,6 +1,7 @@
 """Analytic equals real (DESIGN.md tier 4): with ``CostOptions(unfused_kernels=True)`` the resource model's
 activation bytes per pipeline stage equal what piper's runtime saves for backward (autograd saved-tensor hooks,
-runtime/accounting.py), term by term: unfused RMSNorm (input, normalised, rstd), GQA k/v expanded to every head,
+runtime/accounting.py), term by term: unfused RMSNorm (input, normalised, rstd),
+GQA k/v unexpanded (SDPA enable_gqa; expanded on the sink path),
 RoPE cos/sin tables, SwiGLU's silu(gate), one combine buffer, router ids, the loss's fp32 log-softmax."""
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""The optimizer side of a step: learning-rate schedule, weight-decay groups, global gradient clipping, and one
+optimizer per gradient group (dense over dp, experts over edp; ZeRO-1 shards each over its group).
+
+Settings: plan.json's ``runtime`` block (planfile.RuntimeBlock: lr, lr_schedule, warmup_steps, min_lr_ratio,
+weight_decay, grad_clip_norm). Fused AdamW on GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def lr_at(step: int, total_steps: int, rt) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) of ``total_steps``: linear warmup over
+    ``warmup_steps``, then cosine decay to ``min_lr_ratio x lr`` at the last step (or constant)."""
+    if step < rt.warmup_steps:
+        return rt.lr * (step + 1) / (rt.warmup_steps + 1)
+    if rt.lr_schedule == "constant":
+        return rt.lr
+    span = max(total_steps - 1 - rt.warmup_steps, 1)
+    progress = min((step - rt.warmup_steps) / span, 1.0)
+    floor = rt.min_lr_ratio * rt.lr
+    return floor + (rt.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Weight decay on matrices only: not on norms, biases (``bias``, the experts' ``b_*``) or 1-D parameters."""
+    leaf = name.rsplit(".", 1)[-1]
+    return param.dim() >= 2 and leaf != "bias" and not leaf.startswith("b_")
+
+
+def param_groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
+    """Two torch parameter groups (decayed, not decayed); empty groups left out."""
+    on = [p for n, p in named if decays(n, p)]
+    off = [p for n, p in named if not decays(n, p)]
+    return [g for g in ({"params": on, "weight_decay": weight_decay}, {"params": off, "weight_decay": 0.0})
+            if g["params"]]
+
+
+class Optimizers:
+    """One optimizer per gradient group; ZeRO-1 (ZeroRedundancyOptimizer) shards each over its group."""
+
+    def __init__(self, groups: list[tuple[list, object, int]], training, rt, device, zero: int) -> None:
+        """groups: (named parameters, process group, group size) per gradient group; zero: the plan's stage."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if training.optimizer == "adam":
+            cls, kw = torch.optim.AdamW, ({"fused": True} if device.type == "cuda" else {})
+        else:
+            cls, kw = torch.optim.SGD, {}
+        self.optims = []
+        for named, group, size in groups:
+            pgroups = param_groups(named, rt.weight_decay)
+            if not pgroups:
+                continue
+            if training.optimizer != "adam":
+                for g in pgroups:
+                    g["weight_decay"] = 0.0           # SGD's weight_decay is an L2 term, not AdamW's decay
+            if zero and size > 1:
+                self.optims.append(ZeroRedundancyOptimizer(pgroups[0]["params"], optimizer_class=cls,
+                                                           process_group=group, lr=rt.lr,
+                                                           weight_decay=pgroups[0]["weight_decay"], **kw))
+                for g in pgroups[1:]:
+                    self.optims[-1].add_param_group(g)
+            else:
+                self.optims.append(cls(pgroups, lr=rt.lr, **kw))
+
+    def _inner(self):
+        return [getattr(o, "optim", o) for o in self.optims]
+
+    def set_lr(self, lr: float) -> None:
+        for o in self.optims:
+            for g in o.param_groups:
+                g["lr"] = lr
+
+    def step(self) -> None:
+        for o in self.optims:
+            o.step()
+
+    def state_dict(self) -> list:
+        return [o.state_dict() for o in self._inner()]
+
+    def load_state_dict(self, states: list) -> None:
+        for o, s in zip(self._inner(), states):
+            o.load_state_dict(s)
+
+    def state_bytes(self) -> int:
+        from piper_plan.runtime.accounting import optimizer_state_bytes
+
+        return sum(optimizer_state_bytes(o) for o in self._inner())
+
+
+def global_grad_norm(dense: list, expert: list, dp: int, edp: int, device) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, the same on every rank (one all-reduce of a scalar).
+
+    Dense gradients are identical on the dp ranks of a stage and expert gradients on the edp ranks of an
+    expert, so each rank adds ``|dense|^2 / dp + |expert|^2 / edp`` and the sum over the world counts every
+    parameter of every stage once (tp = 1)."""
+    def square(params):
+        grads = [q.grad for q in params if q.grad is not None]
+        if not grads:
+            return torch.zeros((), device=device, dtype=torch.float32)
+        return torch.nn.utils.get_total_norm(grads).float().square()
+
+    sq = square(dense) / dp + square(expert) / edp
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def clip_grads(params: list, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / total_norm) (on the device: no host read)."""
+    grads = [q for q in params if q.grad is not None]
+    if grads:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total_norm)
