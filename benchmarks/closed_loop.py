@@ -124,14 +124,14 @@ def run_plan(run_dir: Path, nodes: int, world: int, steps: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def tensor_stage_bytes(prediction: dict) -> list[tuple[float, float]]:
+def tensor_stage_bytes(prediction) -> list[tuple[float, float]]:
     """Per stage (tensor bytes, activation bytes) predicted: no framework / fragmentation overhead (what the
     runtime's CPU tensor accounting measures; RSS would be dominated by torch itself)."""
     out = []
     for s in prediction.memory.per_stage:
-        comp = s["components"]
+        comp = s.components
         acts = sum(v for k, v in comp.items() if k.startswith("activations/"))
-        out.append((s["total_bytes"] - comp.get("framework", 0.0) - comp.get("fragmentation", 0.0), acts))
+        out.append((s.total_bytes - comp.get("framework", 0.0) - comp.get("fragmentation", 0.0), acts))
     return out
 
 
@@ -166,7 +166,7 @@ def measure(out: Path, steps: int, calibration, options, reuse: bool = False) ->
         else:
             prediction, plan = write_plan(run_dir, nodes, par, calibration, options)
             records = run_plan(run_dir, nodes, plan.pp * plan.dp * plan.tp, steps)
-        step = compare(prediction, records)["step_time_s"]
+        step = compare(prediction.to_json(), records)["step_time_s"]
         times = [r["step_time_s"] for r in steady_steps(records)]
         mem = [{"total": rel(p[0], m[0]), "activations": rel(p[1], m[1])}
                for p, m in zip(tensor_stage_bytes(prediction), measured_stage_bytes(records))]

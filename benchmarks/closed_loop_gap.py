@@ -64,7 +64,7 @@ def microbatch_call(model, platform, training, plan):
     from piper_plan.calibration.bench_overhead import _free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    cfg = parse_plan_dict(plan_file_dict(model, platform, training, 1, plan, "compact", {}), "closed_loop_gap plan")
+    cfg = parse_plan_dict(plan_file_dict(model, platform, training, 1, plan, "compact", None), "closed_loop_gap plan")
     trainer = rt.Trainer(cfg, 0, 1, rt._init(cfg, 0, 1, 0))
     x, y = trainer.batch(0)
     state = {"i": 0}

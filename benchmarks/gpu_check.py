@@ -156,7 +156,7 @@ def predict(spec, platform, training, plan, calibration_dir: Path) -> dict:
     from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
 
     return estimate(spec, platform, training, 1, plan, calibration=load_calibration(calibration_dir),
-                    options=PIPER_RUNTIME_OPTIONS)
+                    options=PIPER_RUNTIME_OPTIONS).to_json()
 
 
 def train(spec, platform, training, plan, device, steps: int) -> dict:
@@ -166,7 +166,7 @@ def train(spec, platform, training, plan, device, steps: int) -> dict:
     from piper_plan.planfile import parse_plan_dict, plan_file_dict
     from piper_plan.runtime.train import Trainer, preflight
 
-    data = plan_file_dict(spec, platform, training, 1, plan, "compact", {}, runtime={"steps": steps})
+    data = plan_file_dict(spec, platform, training, 1, plan, "compact", None, runtime={"steps": steps})
     cfg = parse_plan_dict(data, "gpu_check plan")
     preflight(cfg, 1, torch.cuda.is_available())
     start = time.perf_counter()
