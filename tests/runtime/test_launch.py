@@ -97,10 +97,11 @@ def test_sigusr1_checkpoints_exits_75_and_resume_continues(tmp_path):
 
 @pytest.mark.distributed
 def test_bad_input_clear_error_every_rank_exits(tmp_path):
+    two = plan_dict(pp=2, dp=1, ep=1)
     cases = {
         "world": (plan_dict(pp=2, dp=2, ep=2), "but the launcher started 2"),
-        "cuda": ({**plan_dict(pp=2, dp=1, ep=1), "platform": {**plan_dict()["platform"],
-                  "launch": {**plan_dict()["platform"]["launch"], "device": "cuda"}}}, "launch.device"),
+        "cuda": ({**two, "platform": {**two["platform"], "launch": {**two["platform"]["launch"], "device": "cuda"}}},
+                 "launch.device"),
         "data": (plan_dict(pp=2, dp=1, ep=1, data=str(tmp_path / "missing.bin")), "missing.bin"),
     }
     for name, (plan, needle) in cases.items():
