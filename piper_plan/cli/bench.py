@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option
 
 DEFAULT_PLATFORM = "local-cpu"
 """Platform of a single-machine run (its calibration folder receives the rows)."""
@@ -46,7 +47,7 @@ def bench_group() -> None:
 @click.option("--emulate-network", "network_text", default=None, metavar="uplink_GBps=R,uplinks=U",
               help="Run the ranks on an emulated multi-node network (one namespace per node, U uplinks of R GB/s "
                    "each way; root, iproute2; scripts/netemu.sh).")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+@json_option(help="Print the results as JSON on stdout.")
 def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, warmup, output_dir, no_save,
             network_text, as_json):
     """Time flat vs HALO all-to-all (and verify HALO) on emulated or real nodes."""

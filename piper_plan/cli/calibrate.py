@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option
 from piper_plan.errors import PiperError
 
 
@@ -97,7 +98,7 @@ class _RichReporter:
 @click.option("--scope", required=True, help="Widest scope the ranks spanned: node, switch, group, system.")
 @click.option("--platform", "platform_name", default="frontier", show_default=True, help="Platform whose calibration to extend.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Directory (default calibration/<platform>/).")
-@click.option("--json", "as_json", is_flag=True, help="Print the imported rows as JSON on stdout.")
+@json_option(help="Print the imported rows as JSON on stdout.")
 def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_name, out_dir, as_json) -> None:
     """Parse nccl-tests / rccl-tests output into collectives.csv rows."""
     from piper_plan.calibration.io import merge_rows
@@ -115,7 +116,7 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
 @calibrate_group.command("show")
 @click.option("--platform", "platform_name", default="local-cpu", show_default=True, help="Platform name or calibration directory.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None, help="Write a PNG of the curves (needs matplotlib).")
-@click.option("--json", "as_json", is_flag=True, help="Print the curve summary as JSON on stdout.")
+@json_option(help="Print the curve summary as JSON on stdout.")
 def show_cmd(platform_name, plot_file, as_json) -> None:
     """The calibration curves as tables: seed vs measured rows, and the ranges beyond which the model extrapolates."""
     from piper_plan.calibration import load_calibration
@@ -177,7 +178,7 @@ def _submit(path: Path) -> None:
 @click.option("--param", "params", multiple=True, help="Parameter to fit (repeatable; default: every one the runs move).")
 @click.option("--no-calibration", is_flag=True, help="Predict with the roofline fallback (fit efficiency.gemm/attention).")
 @click.option("--dry-run", is_flag=True, help="Show the fit; write nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option(help="Machine-readable output on stdout.")
 def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     """Fit efficiency/overlap parameters to measured runs (RUN_DIR: plan.json + metrics.jsonl)."""
     from piper_plan.calibration import fit as fitting

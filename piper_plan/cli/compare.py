@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option
 from piper_plan.errors import PiperError
 from piper_plan.metricsfile import read_metrics
 
@@ -39,7 +40,7 @@ def read_prediction(path: Path) -> dict:
 
 @click.command("compare")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Each quantity as {predicted, measured, rel_error} on stdout.")
+@json_option(help="Each quantity as {predicted, measured, rel_error} on stdout.")
 def compare_cmd(run_dir: str, as_json: bool) -> None:
     """Measured vs predicted step time, tokens/s, all-to-all share and memory per stage."""
     from piper_plan.compare import compare

@@ -7,6 +7,7 @@ import math
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option
 from piper_plan.errors import PiperError
 
 MAX_EXPERTS = 16_384
@@ -39,7 +40,7 @@ def migrate_group() -> None:
 @click.option("--placement", type=click.Choice(["compact", "spread"]), default="compact", show_default=True,
               help="Node allocation when the EP group spans nodes (sets its network scope).")
 @click.option("--with-grads", is_flag=True, help="Also move gradients (the paper's 16 B/param); default: weights + master + optimizer.")
-@click.option("--json", "as_json", is_flag=True, help="Machine output on stdout.")
+@json_option(help="Machine output on stdout.")
 def simulate_cmd(num_experts, ep, num_layers, skew, threshold, max_iters, seed, model, platform, placement,
                  with_grads, as_json):
     """Imbalance before/after, swaps, experts and bytes moved, per planning algorithm."""

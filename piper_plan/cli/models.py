@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option
 
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
 
@@ -107,7 +108,7 @@ def render_model_summary(s: dict) -> None:
 
 
 @click.command("models")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list on stdout.")
+@json_option(help="Print a JSON list on stdout.")
 def models_cmd(as_json: bool) -> None:
     """List the model catalog (models/*.yaml)."""
     from piper_plan.catalog import list_models
@@ -126,7 +127,7 @@ def model_group() -> None:
 
 @model_group.command("show")
 @click.argument("model")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@json_option(help="Print one JSON object on stdout.")
 def show_cmd(model: str, as_json: bool) -> None:
     """Parameters by component, total / active, and which layers are MoE (MODEL: catalog name or YAML file)."""
     from piper_plan.catalog import load_model
@@ -143,7 +144,7 @@ def show_cmd(model: str, as_json: bool) -> None:
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the spec here (YAML); default: stdout.")
 @click.option("--name", help="Catalog name of the spec (default: from the config's _name_or_path or file name).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (name, counts, spec) on stdout.")
+@json_option(help="Print one JSON object (name, counts, spec) on stdout.")
 def import_cmd(config: Path, output: Path | None, name: str | None, force: bool, as_json: bool) -> None:
     """Convert a Hugging Face config.json into a piper model spec."""
     from piper_plan.catalog import spec_to_yaml

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option
 
 GiB = 2**30
 
@@ -64,7 +65,7 @@ def render_platform_summary(s: dict) -> None:
 
 
 @click.command("platforms")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list on stdout.")
+@json_option(help="Print a JSON list on stdout.")
 def platforms_cmd(as_json: bool) -> None:
     """List the platform catalog (platforms/*.yaml)."""
     from piper_plan.catalog import list_platforms
@@ -83,7 +84,7 @@ def platform_group() -> None:
 
 @platform_group.command("show")
 @click.argument("platform")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@json_option(help="Print one JSON object on stdout.")
 def show_cmd(platform: str, as_json: bool) -> None:
     """Devices, links, NICs, network scopes and their sources (PLATFORM: catalog name or YAML file)."""
     from piper_plan.catalog import load_platform

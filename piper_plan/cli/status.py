@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option
 from piper_plan.errors import PiperError
 
 
@@ -44,7 +45,7 @@ def _last_record(lines: list[str]) -> dict | None:
 @click.command("status")
 @click.argument("job_id")
 @click.option("--dir", "job_dir", type=click.Path(exists=True, file_okay=False), help="Job directory (default: the job's WorkDir).")
-@click.option("--json", "as_json", is_flag=True, help="Machine output on stdout.")
+@json_option(help="Machine output on stdout.")
 def status_cmd(job_id: str, job_dir: str | None, as_json: bool) -> None:
     """Slurm state (squeue / scontrol) and the run directory of a piper job."""
     from piper_plan.launch import submit

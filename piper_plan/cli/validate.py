@@ -11,13 +11,14 @@ import sys
 import click
 
 from piper_plan.cli.common import console, print_json
+from piper_plan.cli.options import json_option
 
 EXIT_VIOLATION = 1
 
 
 @click.command("validate")
 @click.option("--dataset", "datasets", multiple=True, help="Dataset name or path (repeatable; default: all of validation/).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option(help="Machine-readable output on stdout.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the report as Markdown (e.g. docs/validation.md).")
 def validate_cmd(datasets, as_json, markdown_path) -> None:

@@ -40,8 +40,9 @@ from torch.utils.checkpoint import checkpoint
 
 from piper_plan.errors import PiperError
 from piper_plan.runtime.moe import FFN, MoE
+from piper_plan.specs.vocab import Recompute
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = Recompute.values()
 NORM_EPS = 1e-5
 
 
