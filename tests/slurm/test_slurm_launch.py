@@ -32,16 +32,20 @@ def cpu_plan(path: Path, nodes: int = 2) -> Path:
 
 
 FRONTIER_CASES = [(1, {"pp": 2, "dp": 4, "ep": 4}), (2, {"pp": 2, "dp": 8, "ep": 8}),
-                  (4, {"pp": 4, "dp": 8, "ep": 8}), (4, {"dp": 32, "ep": 16})]  # the last spans nodes: --switches
+                  (4, {"pp": 4, "dp": 8, "ep": 8})]
 DGX_CASES = [(1, {"dp": 8, "ep": 8}), (2, {"pp": 2, "dp": 8, "ep": 4})]
 
 
-@pytest.mark.parametrize("platform,nodes,parallel", [("frontier", n, p) for n, p in FRONTIER_CASES]
-                         + [("dgx-h100", n, p) for n, p in DGX_CASES])
-def test_sbatch_test_only_accepts_emitted_scripts(slurm_cluster, tmp_path, platform, nodes, parallel):
-    plan = write_plan(tmp_path / "plan.json", platform, nodes, parallel)
-    result = launch("--plan", plan, "--out", tmp_path / "job", "--account", "piperci")
-    assert result.exit_code == 0, result.output
+LAUNCH_CASES = ([("frontier", n, p, "tiny-moe") for n, p in FRONTIER_CASES]
+                + [("frontier", 4, {"dp": 32, "ep": 16}, "switch-base")]       # expert groups span nodes: --switches
+                + [("dgx-h100", n, p, "tiny-moe") for n, p in DGX_CASES])
+
+
+@pytest.mark.parametrize("platform,nodes,parallel,model", LAUNCH_CASES)
+def test_sbatch_test_only_accepts_emitted_scripts(slurm_cluster, tmp_path, platform, nodes, parallel, model):
+    plan = write_plan(tmp_path / "plan.json", platform, nodes, parallel, model=model)
+    result = launch("--plan", plan, "--out", tmp_path / "job", "--account", "piperci", "--check")
+    assert result.exit_code == 0, result.output       # --check: sbatch --test-only accepted the written job
     answer = submit.would_accept(tmp_path / "job" / "job.sbatch")
     assert answer.ok, answer.message
     assert "on nodes" in answer.message
