@@ -115,7 +115,8 @@ def group_span(alloc: Allocation, stride: int, count: int) -> GroupSpan:
         return GroupSpan("node", 1, 1)
     ranks = group_ranks(alloc.world, stride, count)
     scope = int(alloc.scope_of_pair(ranks[:, :1], ranks).max())
-    nodes_per_group = np.array([len(np.unique(r)) for r in alloc.node_of_rank(ranks)])
+    node_ids = np.sort(alloc.node_of_rank(ranks), axis=1)
+    nodes_per_group = 1 + np.count_nonzero(np.diff(node_ids, axis=1), axis=1)     # distinct nodes per group
     nodes = int(nodes_per_group.max())
     return GroupSpan(SCOPES[scope], nodes, max(count // nodes, 1))
 
