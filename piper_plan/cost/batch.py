@@ -8,6 +8,7 @@ What depends on what (the keys below; every one a few hundred to a few thousand 
 - time per micro-batch of every stage: (pp, tp, ep, etp, mbs, recompute, a2a, virtual_stages, sp)   KEY_TIME
 - peak memory: (pp, tp, ep, etp, mbs, recompute, virtual_stages, sp, dp, num_microbatches, schedule,
   zero)                                                                                             KEY_MEMORY
+  of which memory without the micro-batches in flight: KEY_MEMORY less schedule, num_microbatches  KEY_STATE
 - gradient sync and the optimizer step: (pp, tp, dp, ep, etp, virtual_stages, zero)               KEY_SYNC
 - pipeline p2p: (pp, tp, dp, mbs, virtual_stages)                                                  KEY_P2P
 
@@ -33,6 +34,7 @@ from piper_plan.specs.vocab import LayerSplit
 KEY_TIME = ("pp", "tp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
 KEY_MEMORY = ("pp", "tp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
               "num_microbatches", "schedule", "zero")
+KEY_STATE = ("pp", "tp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero")
 KEY_SYNC = ("pp", "tp", "dp", "ep", "etp", "virtual_stages", "zero")
 KEY_P2P = ("pp", "tp", "dp", "mbs", "virtual_stages")
 SPLITS = (0, 1)
@@ -129,19 +131,31 @@ def time_by_key(ctx, alloc, sub):
     return seconds, {k: at_slow(p) for k, p in parts.items()}
 
 
-def memory_by_key(ctx, sub, detail: bool):
+def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     """Per KEY_MEMORY row and split: peak bytes over the stages [2, U], and (``detail``) the peak stage's
-    components {name: [2, U]}. One formula: stage.stage_memory."""
-    split, st, index = stage_table(ctx, sub)
-    flight = in_flight(sub.schedule, index, sub.pp, sub.num_microbatches, sub.virtual_stages)
-    memory = stg.stage_memory(ctx, sub, st, flight, stg.layer_activations(ctx, sub))
-    peak = per_split_max(memory["total"], split)
+    components {name: [2, U]}.
+
+    One formula, stage.stage_memory, which is affine in the micro-batches in flight: it is evaluated at 0 and 1
+    in flight once per KEY_STATE row (everything but the schedule and the micro-batch count), and each KEY_MEMORY
+    row takes ``m0 + flight x (m1 - m0)`` for its own flight (memory.in_flight)."""
+    rows_s, inv_s = keys.factorize(KEY_STATE)
+    sub_s = c.take(rows_s)
+    split, st, index = stage_table(ctx, sub_s)
+    acts = stg.layer_activations(ctx, sub_s)
+    m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts) for flight in (0.0, 1.0))
+    sub_m, a = c.take(rows_m), inv_s[rows_m]
+    flight = in_flight(sub_m.schedule, index[:, a], sub_m.pp, sub_m.num_microbatches, sub_m.virtual_stages)
+    shape = flight.shape
+    at = lambda name: (np.broadcast_to(m0[name], split.shape)[:, a]                                  # noqa: E731
+                       + flight * np.broadcast_to(m1[name] - m0[name], split.shape)[:, a])
+    total = at("total")
+    split_m = split[:, a]
+    peak = per_split_max(total, split_m)
     if not detail:
         return peak, {"total": peak}
-    big = per_split_argmax(memory["total"], split)
-    cols = np.arange(peak.shape[1])
-    shape = memory["total"].shape
-    return peak, {k: np.stack([np.broadcast_to(v, shape)[big[s], cols] for s in SPLITS]) for k, v in memory.items()}
+    big = per_split_argmax(total, split_m)
+    cols = np.arange(shape[1])
+    return peak, {k: np.stack([np.broadcast_to(at(k), shape)[big[v], cols] for v in SPLITS]) for k in m0}
 
 
 def sync_by_key(ctx, sub, group_spans) -> dict[str, np.ndarray]:
@@ -181,7 +195,7 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     rows_t, inv_t = keys.factorize(KEY_TIME)
     seconds_t, parts_t = time_by_key(ctx, alloc, c.take(rows_t))
     rows_m, inv_m = keys.factorize(KEY_MEMORY)
-    peak_m, memory_m = memory_by_key(ctx, c.take(rows_m), memory_detail)
+    peak_m, memory_m = memory_by_key(ctx, c, keys, rows_m, memory_detail)
     split = choose_split(peak_m[:, inv_m], seconds_t[:, inv_t], ctx.platform.device.memory_bytes, c.layers_split)
     rows_s, inv_s = keys.factorize(KEY_SYNC)
     sub_s = c.take(rows_s)
