@@ -100,8 +100,8 @@ class PlanBatch:
         """A subset (boolean mask or indices)."""
         explicit = None
         if self.explicit_layers is not None:
-            explicit = tuple(np.asarray(self.explicit_layers, dtype=object)[index].tolist()) \
-                if len(self) > 1 else self.explicit_layers
+            picked = np.arange(len(self))[index]
+            explicit = tuple(self.explicit_layers[int(i)] for i in np.atleast_1d(picked))
         return PlanBatch(**{name: getattr(self, name)[index] for name in array_fields()}, explicit_layers=explicit)
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -240,14 +240,17 @@ INVALID_REASONS: tuple[str, ...] = tuple(r.name for r in RULES)
 def problem_masks(model, platform, training, nodes: int, plans: PlanBatch, rules=RULES) -> np.ndarray:
     """[R, N] booleans: masks[i] is True where ``rules[i]`` is broken."""
     setting = Setting(model, platform, training, nodes)
-    return np.stack([np.broadcast_to(r.broken(setting, plans), (len(plans),)) for r in rules]) if rules \
-        else np.zeros((0, len(plans)), dtype=bool)
+    masks = np.zeros((len(rules), len(plans)), dtype=bool)
+    for i, rule in enumerate(rules):
+        masks[i] = rule.broken(setting, plans)
+    return masks
 
 
 def first_reasons(masks: np.ndarray) -> np.ndarray:
     """Per plan: the index of the first broken rule, or -1 where none is."""
-    first = np.argmax(masks, axis=0) if masks.size else np.zeros(masks.shape[1], np.int64)
-    return np.where(masks.any(axis=0), first, -1) if masks.size else first - 1
+    if masks.shape[0] == 0:
+        return np.full(masks.shape[1], -1)
+    return np.where(masks.any(axis=0), np.argmax(masks, axis=0), -1)
 
 
 def problems(model, platform, training, nodes: int, plans: PlanBatch) -> list[str | None]:
