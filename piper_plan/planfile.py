@@ -124,6 +124,7 @@ def plan_file_dict(model, platform, training, nodes, plan: ParallelPlan, placeme
     if prediction is not None and prediction.layers_per_stage:     # the split the prediction priced
         parallel.update(layers_per_stage=prediction.layers_per_stage, layers_split="explicit")
     elif plan.layers_per_stage is None and plan.layers_split in ("even", "auto") and plan.pp <= model.num_layers:
+        # not priced: the split is fixed to the even one, which the runtime would use for this plan anyway
         parallel.update(layers_per_stage=plan.stage_layers(model.num_layers), layers_split="explicit")
     parallel["edp"] = plan.edp
     moe_block = _block(MoEBlock, moe if moe is not None else {

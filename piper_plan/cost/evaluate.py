@@ -110,13 +110,13 @@ def estimate(model, platform, training, nodes, plan: ParallelPlan, calibration=N
                   "components": {k: float(v[i, 0]) for k, v in stage_memory.items() if k != "total"},
                   "time_per_microbatch_s": float(sum(v[i, 0] for v in stage_times.values()))}
                  for i in range(plan.pp)]
-    return _estimate(ctx, plan, nodes, placement, alloc, ev, per_stage, layers)
+    return _estimate(ctx, plan, c, nodes, placement, alloc, ev, per_stage, layers)
 
 
-def _estimate(ctx, plan, nodes, placement, alloc, ev: Evaluation, per_stage, layers) -> Estimate:
+def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, per_stage, layers) -> Estimate:
     device_bytes = ctx.platform.device.memory_bytes
     peak = float(ev.peak_memory_bytes[0])
-    group_spans = spans(alloc, PlanBatch.of(plan))
+    group_spans = spans(alloc, c)
     totals = training_totals(ctx.training, float(ev.step_time_s[0]), nodes)
     sources = ctx.rates.source if ctx.rates.calibration is None else \
         "calibration: " + "; ".join(getattr(ctx.rates.calibration, "sources", []) or ["(no sources listed)"])

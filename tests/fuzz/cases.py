@@ -410,11 +410,6 @@ ARGUABLY_VALID = {
 """Cases whose input the sweep accepts on purpose, with the argument why (exit 0 is right for them)."""
 
 
-LEAD_OWNED: dict[str, str] = {}
-"""Cases that fail because of code another change is rewriting (test_fuzz marks them xfail(strict), so each one
-turns into a failure to remove from here once that work lands). Empty since the one-plan work landed."""
-
-
 def _one_byte_frontier(tmp: Path) -> None:
     import yaml
 

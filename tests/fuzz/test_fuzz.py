@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cases import CORPUS, LEAD_OWNED, ROOT, all_cases, base_plan_text, run_dir
+from cases import CORPUS, ROOT, all_cases, base_plan_text, run_dir
 from harness import Case, describe, run_case
 
 pytestmark = pytest.mark.fuzz
@@ -23,12 +23,7 @@ pytestmark = pytest.mark.fuzz
 CASES = all_cases()
 
 
-def _param(case: Case):
-    marks = [pytest.mark.xfail(strict=True, reason=LEAD_OWNED[case.id])] if case.id in LEAD_OWNED else []
-    return pytest.param(case, id=case.id, marks=marks)
-
-
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_hostile_case(case: Case, tmp_path):
     outcome = run_case(case, tmp_path)
     verdict = outcome.classify(case, tmp_path)
