@@ -437,10 +437,22 @@ def main(argv=None) -> int:
         cfg = load_plan(args)
         preflight(cfg, world, torch.cuda.is_available())
     except PiperError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _report_user_error(exc, rank)
     return run(cfg, args, rank, world, local)
+
+
+# Every rank reads the same plan, so a bad one fails on every rank; only rank 0 says why. torchrun stops all ranks
+# when the first one exits, so the other ranks give rank 0 this long to print before they exit: else a fast rank 1
+# gets rank 0 killed before its one line is out (seen in CI). Under srun they exit this much later: bounded, no hang.
+RANK0_REPORT_GRACE_S = 20.0
+
+
+def _report_user_error(exc: PiperError, rank: int) -> int:
+    if rank == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK0_REPORT_GRACE_S)
+    return EXIT_USER_ERROR
 
 
 def select_device(cfg, local: int):
