@@ -384,11 +384,16 @@ def check_ep_groups(ep_groups: list[list[int]], world_size: int) -> None:
         seen.update(ranks)
 
 
-def build_halo_dispatchers(ep_groups: list[list[int]], topology: RankTopology) -> HaloDispatcher | None:
-    """Create every EP group's process groups (collective: every rank calls this with the same arguments).
+def build_halo_dispatchers(ep_groups: list[list[int]], topology: RankTopology, my_ep_group=None) -> HaloDispatcher | None:
+    """Create every EP group's node-local process groups (collective: every rank calls this with the same
+    arguments).
 
-    Per EP group, in order: the EP group itself (layout gather + phase II p2p), then for each node it spans
-    that holds two or more of its members, a phase I group and (if the group spans nodes) a phase III group.
+    ``my_ep_group``: this rank's EP group from the mesh (runtime/mesh.py: layout exchange + phase II p2p); None
+    makes the EP groups here too (standalone use: benchmarks, tests). Then, per EP group and for each node it spans
+    that holds two or more of its members, a phase I group and (if the group spans nodes) a phase III group: two
+    communicators on the same node-local ranks, so that phase I runs concurrently with phase III (collectives on
+    one communicator are serialised). Node-local groups are made here, not by the mesh, because an EP group's
+    split over nodes need not be regular (ep = 6 on 4-device nodes).
     Group-rank order is ascending global rank (torch's ``new_group`` order, as for FlatDispatcher).
     Returns this rank's dispatcher, or None if the rank is in no group.
     """
@@ -398,7 +403,9 @@ def build_halo_dispatchers(ep_groups: list[list[int]], topology: RankTopology) -
     rank = dist.get_rank()
     mine = None
     for ranks in (sorted(g) for g in ep_groups):  # new_group orders members by global rank: so do we
-        ep_group = dist.new_group(list(ranks))
+        ep_group = my_ep_group if my_ep_group is not None and rank in ranks else None
+        if my_ep_group is None:
+            ep_group = dist.new_group(list(ranks))
         by_node = node_members([topology.node_of_rank[r] for r in ranks])
         groups_per_node = 1 if len(by_node) == 1 else 2
         intra: dict[int, tuple] = {}

@@ -97,7 +97,7 @@ class Trainer:
         cfg = with_runtime(cfg, lr=lr, aux_loss_coeff=aux_loss_coeff)
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         p = cfg.parallel
-        self.mesh = mesh or Mesh.create(rank, p.pp, p.dp, p.ep)
+        self.mesh = mesh or Mesh.create(rank, p.pp, p.dp, p.ep, p.tp, device.type)
         self.seed = cfg.runtime.seed
         torch.manual_seed(self.seed + rank)
         self.module = self._build_model(cfg.runtime.aux_loss_coeff)
@@ -148,15 +148,15 @@ class Trainer:
 
     def _dispatcher(self):
         p = self.cfg.parallel
+        if p.ep == 1:
+            return None
         if p.a2a == "halo":
             from piper_plan.runtime.halo import build_halo_dispatchers
             from piper_plan.runtime.topology import topology_from_env
 
             node = self.cfg.platform.node
             topo = topology_from_env(self.world, node.devices_per_node, node.device_nic)
-            return build_halo_dispatchers(self.mesh.ep_group_ranks, topo)
-        if p.ep == 1:
-            return None
+            return build_halo_dispatchers(self.mesh.ep_group_ranks, topo, self.mesh.ep_group)
         from piper_plan.runtime.dispatch import FlatDispatcher
 
         return FlatDispatcher(self.mesh.ep_group)
