@@ -34,6 +34,8 @@ EXIT_NOTHING_FITS = 3
 @placement_option
 @click.option("--memory-headroom", type=float, default=0.0, show_default=True,
               help="Fraction of device memory to keep free (0.1 = plans must fit in 90%).")
+@click.option("--expert-tp", is_flag=True,
+              help="Also search expert tensor parallelism etp > 1 (piper's runtime runs etp = 1 only).")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
 @json_option
 @click.option("--csv", "as_csv", is_flag=True, help="The ranked plans as CSV on stdout.")
@@ -42,7 +44,7 @@ EXIT_NOTHING_FITS = 3
 @click.option("--explain", is_flag=True, help="The winner's time breakdown vs the runner-up.")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a, migration,
-             runnable, placement, memory_headroom, top, as_json, as_csv, save_path, explain):
+             runnable, placement, memory_headroom, expert_tp, top, as_json, as_csv, save_path, explain):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
 
@@ -51,7 +53,7 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     if save_path:
         check_writable(save_path)
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch)
-    options = search_options(strategy, a2a, memory_headroom)
+    options = search_options(strategy, a2a, memory_headroom, expert_tp)
     kwargs = search_kwargs(platform, placement, runnable)
     counts = _node_counts(nodes_text, min_nodes)
     if len(counts) > 1:
@@ -76,12 +78,12 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
         console().print(f"saved {path} (layers per stage: {plan.layers_per_stage})", markup=False)
 
 
-def search_options(strategy: str, a2a: str, memory_headroom: float):
+def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False):
     from piper_plan.search.space import SearchOptions
 
     if not 0.0 <= memory_headroom < 1.0:
         raise PiperError(f"memory headroom {memory_headroom}; allowed 0 <= h < 1", field="--memory-headroom")
-    return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom)
+    return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom, expert_tp=expert_tp)
 
 
 def search_kwargs(platform, placement: str, runnable: bool) -> dict:

@@ -65,6 +65,10 @@ class SearchOptions:
     """Micro-batch sizes (sequences) to consider."""
     virtual_stages: int = 2
     """Model chunks per rank for the interleaved schedule."""
+    expert_tp: bool = False
+    """Also search expert tensor parallelism (etp > 1). Off by default: piper's runtime never tensor-splits experts,
+    and in piper's own cost model etp > 1 is the best plan in 1 of 9 catalog cases, by 1.4%
+    (benchmarks/etp_value.py)."""
     memory_headroom: float = 0.0
     """Fraction of device memory kept free: a plan fits when peak <= (1 - headroom) x memory."""
 
@@ -132,7 +136,7 @@ def structural_grid(model, platform, training, world: int, options: SearchOption
         grid = {"pp": pp, "tp": one, "dp": world // pp, "ep": world // pp, "etp": one, "mbs": m}
     else:
         ep_values = np.array(_ep_values(model, world), dtype=np.int64)
-        etp_values = np.array(divisors(platform.devices_per_node), dtype=np.int64)
+        etp_values = np.array(divisors(platform.devices_per_node) if options.expert_tp else [1], dtype=np.int64)
         pp, tp, ep, etp, m = (a.ravel() for a in np.meshgrid(divs, divs, ep_values, etp_values, mbs, indexing="ij"))
         keep = world % (pp * tp) == 0
         grid = {"pp": pp[keep], "tp": tp[keep], "ep": ep[keep], "etp": etp[keep], "mbs": m[keep]}

@@ -17,7 +17,7 @@ from piper_plan.specs.vocab import A2A, Recompute, Schedule
 SCHEDULES, RECOMPUTE, A2A_NAMES = Schedule.values(), Recompute.values(), A2A.values()
 
 FRONTIER = load_platform("frontier")
-ONE_COMBO = SearchOptions(schedules=("1f1b",), recompute=("none",), zero=(0,), a2a="flat", mbs=(1,))
+ONE_COMBO = SearchOptions(schedules=("1f1b",), recompute=("none",), zero=(0,), a2a="flat", mbs=(1,), expert_tp=True)
 
 
 def test_divisors():
@@ -85,12 +85,19 @@ def _brute_force_valid(model, training, nodes: int, dpn: int) -> set[tuple]:
 
 def test_vectorised_equals_brute_force_with_check_plan():
     model, training = load_model("tiny-moe"), TrainingSpec(global_batch=16, seq_len=512)
-    space = enumerate_space(model, FRONTIER, training, 2)
+    space = enumerate_space(model, FRONTIER, training, 2, SearchOptions(expert_tp=True))
     keys = ("dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "virtual_stages", "recompute",
             "zero", "a2a")
     got = {tuple(describe(space.fields, i)[k] for k in keys) for i in range(len(space))}
     assert got == _brute_force_valid(model, training, 2, 8)
     assert len(got) > 100
+
+
+def test_default_space_keeps_experts_whole():
+    """etp > 1 only on request (--expert-tp): the runtime never tensor-splits experts (benchmarks/etp_value.py)."""
+    model, training = load_model("mixtral-8x7b"), TrainingSpec()
+    assert set(enumerate_space(model, FRONTIER, training, 8).fields["etp"]) == {1}
+    assert set(enumerate_space(model, FRONTIER, training, 8, SearchOptions(expert_tp=True)).fields["etp"]) > {1}
 
 
 def test_candidates_describe_as_valid_plans():

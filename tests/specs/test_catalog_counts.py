@@ -27,6 +27,10 @@ EXACT = {
     "llama4-maverick": (400_711_848_960, 17_184_691_200),
     # Snowflake Arctic blog/model card, 480B / 17B (hand-derived from modeling_arctic.py, kv heads 8)
     "arctic": (478_584_608_768, 17_318_647_808),
+    # Qwen/Qwen3-235B-A22B model card, 235B / 22B (transformers' count: scripts/check_hf_counts.py)
+    "qwen3-235b-a22b": (235_093_634_560, 22_190_763_520),
+    # Qwen/Qwen3-30B-A3B model card, 30.5B / 3.3B (transformers' count: scripts/check_hf_counts.py)
+    "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
     # xAI grok-1 README, 314B (hand-derived from the reference model.py)
     "grok-1": (315_684_820_992, 83_756_587_008),
 }
