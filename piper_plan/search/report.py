@@ -99,9 +99,14 @@ def nothing_fits_json(model, platform, training, result, options, kwargs) -> dic
 def best_plan(model, platform, training, result, placement, calibration, cost_options=None):
     """The best plan with the layer split the search priced it with (cost/pipeline.py's rule: even or
     FLOP-balanced), and ``estimate``'s prediction of it, which equals its row in the ranking."""
+    return ranked_plan(model, platform, training, result, result.best, placement, calibration, cost_options)
+
+
+def ranked_plan(model, platform, training, result, i: int, placement, calibration, cost_options=None):
+    """Candidate ``i`` of a search as (ParallelPlan with the split it was priced with, estimate's prediction)."""
     from piper_plan.cost.evaluate import estimate
 
-    plan = result.plan(model, training, result.best)
+    plan = result.plan(model, training, i)
     extra = {} if cost_options is None else {"options": cost_options}
     prediction = estimate(model, platform, training, result.nodes, plan, calibration=calibration, placement=placement,
                           **extra)
