@@ -120,7 +120,8 @@ def render(result, model, platform, plan) -> None:
     out.print(f"peak memory {_gib(mem.peak_bytes)} of {_gib(device)} GiB per device: {verdict}", markup=False)
     tr = result.training
     out.print(f"step {result.step_time_s:.4g} s | {result.tokens_per_s:.4g} tokens/s | "
-              f"{result.tflops_per_device:.1f} TFLOPS/device | MFU {result.mfu:.1%} | HFU {result.hfu:.1%} | "
+              f"{result.tflops_per_device:.1f} TFLOPS/device | MFU {result.mfu:.1%} | HFU {result.hfu:.1%} (PaLM) | "
+              f"MFU {result.mfu_megatron:.1%} | HFU {result.hfu_megatron:.1%} (Megatron: causal attention) | "
               f"all-to-all {result.a2a_share:.1%} of the step", markup=False)
     out.print(f"to train {model.name} on {tr.steps:.4g} steps: {tr.time_to_train_s / 86400:.2f} days, "
               f"{tr.node_hours:.4g} node-hours | checkpoint {result.checkpoint.total_bytes / 1e9:.1f} GB "

@@ -15,10 +15,10 @@ import numpy as np
 
 from piper_plan.cost import stage as stg
 from piper_plan.cost.batch import evaluate_batch, stage_detail
-from piper_plan.cost.flops import model_flops_per_token
+from piper_plan.cost.flops import CONVENTIONS, model_flops_per_token, recompute_flops_per_token
 from piper_plan.cost.options import DEFAULT_OPTIONS, CostOptions
 from piper_plan.cost.pipeline import layers_per_stage_of
-from piper_plan.cost.step import checkpoint_bytes, hardware_flops_per_token, training_totals
+from piper_plan.cost.step import checkpoint_bytes, training_totals
 from piper_plan.cost.terms import spans
 from piper_plan.placement.layout import allocation
 from piper_plan.plans import PlanBatch
@@ -35,6 +35,7 @@ class Evaluation:
     tokens_per_s: np.ndarray
     tflops_per_device: np.ndarray
     mfu: np.ndarray
+    """PaLM convention (cost/flops.py)."""
     hfu: np.ndarray
     peak_memory_bytes: np.ndarray
     a2a_share: np.ndarray
@@ -44,6 +45,9 @@ class Evaluation:
     """Split slot each plan was priced with: 0 even (or its explicit list), 1 FLOP-balanced."""
     memory: dict[str, np.ndarray] = field(default_factory=dict)
     """Bytes of the peak-memory stage: "total", and by component with memory_detail."""
+    mfu_megatron: np.ndarray | None = None
+    """MFU in the megatron convention (causal attention, MTP counted: NVIDIA's published TFLOPS)."""
+    hfu_megatron: np.ndarray | None = None
 
 
 def evaluate(model, platform, training, nodes: int, plans: PlanBatch, calibration=None, placement="compact",
@@ -76,15 +80,22 @@ def _summary(ctx, c: PlanBatch, breakdown, step, peak_mem, split) -> Evaluation:
     world = c.world
     peak = ctx.platform.peak_flops(t.dtype)
     tokens_per_step = c.num_microbatches * c.mbs * c.dp * t.seq_len    # the work the step does (= gbs x s)
-    model_flops = model_flops_per_token(ctx.model, t.seq_len) * tokens_per_step
-    hw_flops = hardware_flops_per_token(ctx.model, ctx.lf, c.recompute, t.flash_attention) * tokens_per_step
+    rate = 1.0 / (step * world * peak)
+    util = {}
+    for convention in CONVENTIONS:
+        model_flops = model_flops_per_token(ctx.model, t.seq_len, convention) * tokens_per_step
+        redone = recompute_flops_per_token(ctx.model, t.seq_len, ctx.lf, c.recompute, t.flash_attention,
+                                           convention) * tokens_per_step
+        util[convention] = (model_flops * rate, (model_flops + redone) * rate)
     a2a = sum((v for k, v in breakdown.items() if k.startswith("moe/")), np.zeros(len(c)))
     return Evaluation(
         step_time_s=step,
         tokens_per_s=tokens_per_step / step,
-        tflops_per_device=model_flops / (step * world) / 1e12,
-        mfu=model_flops / (step * world * peak),
-        hfu=hw_flops / (step * world * peak),
+        tflops_per_device=util["palm"][0] * peak / 1e12,
+        mfu=util["palm"][0],
+        hfu=util["palm"][1],
+        mfu_megatron=util["megatron"][0],
+        hfu_megatron=util["megatron"][1],
         peak_memory_bytes=peak_mem["total"],
         a2a_share=a2a / step,
         fits=peak_mem["total"] <= ctx.platform.device.memory_bytes,
@@ -126,6 +137,8 @@ def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, 
         "tflops_per_device": float(ev.tflops_per_device[0]),
         "mfu": float(ev.mfu[0]),
         "hfu": float(ev.hfu[0]),
+        "mfu_megatron": float(ev.mfu_megatron[0]),
+        "hfu_megatron": float(ev.hfu_megatron[0]),
         "a2a_share": float(ev.a2a_share[0]),
         "fits": bool(ev.fits[0]),
         "memory": {"peak_bytes": peak, "device_bytes": device_bytes, "overflow_bytes": max(peak - device_bytes, 0.0),

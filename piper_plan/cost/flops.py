@@ -6,9 +6,17 @@ weights. Backward = 2 x forward for every GEMM (input and weight gradients). Att
 the masked half, so hardware FLOPs count half (unfused attention computes the whole block); flash attention's backward recomputes the scores, 5 GEMMs
 against the forward's 2, i.e. 2.5 x forward (Dao et al. 2022).
 
-MFU follows PaLM (Chowdhery et al. 2022, appendix B) and DESIGN.md: ``6 N + 12 L H Q T`` per token with N the
-active non-embedding parameters (an untied LM head included) and attention counted non-causal, no recompute.
-:func:`model_flops_per_token` is the one owner of that convention.
+Model FLOPs (MFU) and hardware FLOPs (HFU) come in two named conventions; :func:`model_flops_per_token` and
+:func:`recompute_flops_per_token` are their one owner:
+
+- ``palm`` (Chowdhery et al. 2022, appendix B; DESIGN.md): ``6 N + 12 L H Q T`` per token, N the active
+  non-embedding parameters (an untied LM head included), attention counted non-causal.
+- ``megatron`` (what NVIDIA's published TFLOPS count: Megatron-LM's ``num_floating_point_operations``, per
+  reference/validation-moe-public.md): the same GEMMs, causal attention (half the score work), and an MTP layer
+  where the model has one.
+
+HFU adds, in the same convention, the forward work that activation recomputation repeats, so HFU >= MFU by
+construction (tests/cost/test_properties.py).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from dataclasses import dataclass
 from piper_plan.cost.params import layer_params
 from piper_plan.specs.model import ModelSpec
 
+CONVENTIONS = ("palm", "megatron")
+"""The FLOP-counting conventions of MFU / HFU (module docstring)."""
 FLASH_BACKWARD_FACTOR = 2.5      # flash attention backward: 5 score-sized GEMMs vs 2 forward (Dao et al. 2022)
 
 
@@ -60,11 +70,33 @@ def layer_flops(model: ModelSpec, seq_len: int, flash: bool = True) -> LayerFlop
     )
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """PaLM model FLOPs per token: 6 N + 12 L H Q T (Chowdhery et al. 2022, appendix B), training, no recompute.
-
-    N = active non-embedding parameters incl. an untied LM head; the attention term 6 L H T (Q_qk + Q_v)
-    is PaLM's 12 L H Q T with separate q/k and v widths (MLA), counted non-causal as PaLM does."""
+def attention_score_flops_per_token(model: ModelSpec, seq_len: int, convention: str = "palm") -> float:
+    """Forward FLOPs per token of every layer's Q K^T and P V: 2 s H (Q_qk + Q_v) per layer, halved for
+    causal attention under the megatron convention."""
     heads, qk, v = score_widths(model)
-    n_active = model.params.active_excluding_embedding
-    return 6.0 * n_active + 6.0 * model.num_layers * heads * (qk + v) * seq_len
+    full = 2.0 * model.num_layers * heads * (qk + v) * seq_len
+    return full / 2 if convention == "megatron" else full
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int, convention: str = "palm") -> float:
+    """Model FLOPs per token of training (forward + backward = 3 x forward), no recompute: ``6 N`` plus 3 x the
+    attention scores (PaLM's 12 L H Q T with separate q/k and v widths for MLA). N = active non-embedding
+    parameters incl. an untied LM head."""
+    return 6.0 * model.params.active_excluding_embedding + 3.0 * attention_score_flops_per_token(model, seq_len,
+                                                                                                convention)
+
+
+def recompute_flops_per_token(model: ModelSpec, seq_len: int, lf: LayerFlops, recompute, flash: bool,
+                              convention: str = "palm"):
+    """Forward FLOPs per token that recomputation repeats (arrays broadcast over ``recompute`` codes): full = every
+    layer's forward (GEMMs and scores), selective = the attention scores (none under flash attention, whose
+    backward recomputes them anyway and is counted as the model's backward)."""
+    import numpy as np
+
+    from piper_plan.specs.vocab import Recompute
+
+    moe_l, dense_l, layers = model.num_moe_layers, model.num_dense_layers, model.num_layers
+    gemm_fwd = layers * lf.attention_proj + dense_l * lf.dense_mlp + moe_l * (lf.router + lf.experts + lf.shared)
+    scores = attention_score_flops_per_token(model, seq_len, convention)
+    return np.where(recompute == Recompute.FULL.code, gemm_fwd + scores,
+                    np.where(recompute == Recompute.SELECTIVE.code, 0.0 if flash else scores, 0.0))

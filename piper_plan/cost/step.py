@@ -1,11 +1,8 @@
-"""Whole-step quantities: data-parallel sync, optimizer step, hardware FLOPs, training totals, checkpoints."""
+"""Whole-step quantities: data-parallel sync, optimizer step, training totals, checkpoints."""
 
 from __future__ import annotations
 
 import numpy as np
-
-from piper_plan.cost.flops import FLASH_BACKWARD_FACTOR, LayerFlops
-from piper_plan.specs.vocab import Recompute
 
 
 def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span) -> tuple[np.ndarray, np.ndarray]:
@@ -28,18 +25,6 @@ def optimizer_seconds(rates, training, dense, expert, c) -> np.ndarray:
     per_param = 2 * (training.master_bytes + training.optimizer_bytes) + training.grad_bytes + training.weight_bytes
     per_param += 2 * training.grad_bytes          # gradient-norm clipping and loss-scale unscaling read them again
     return rates.memory_seconds(local * per_param)
-
-
-def hardware_flops_per_token(model, lf: LayerFlops, recompute, flash: bool) -> np.ndarray:
-    """FLOPs the devices execute per token (forward + backward + recompute; causal attention halved)."""
-    moe_l, dense_l, layers = model.num_moe_layers, model.num_dense_layers, model.num_layers
-    gemm_fwd = layers * lf.attention_proj + dense_l * lf.dense_mlp + moe_l * (lf.router + lf.experts + lf.shared)
-    core = layers * lf.attention_core
-    base = 3 * (gemm_fwd + lf.lm_head) + (1 + (FLASH_BACKWARD_FACTOR if flash else 2.0)) * core
-    selective = 0.0 if flash else core               # flash attention's backward already recomputes scores
-    extra = np.where(recompute == Recompute.FULL.code, gemm_fwd + core,
-                     np.where(recompute == Recompute.SELECTIVE.code, selective, 0.0))
-    return base + extra
 
 
 def training_totals(training, step_s, nodes: int) -> dict[str, np.ndarray]:

@@ -57,8 +57,8 @@ class SearchResult:
         """Candidate ``i``: degrees, names and predicted figures as plain Python values."""
         ev = self.evaluation
         out = describe(self.fields, i)
-        for name in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "peak_memory_bytes",
-                     "a2a_share"):
+        for name in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "mfu_megatron",
+                     "hfu_megatron", "peak_memory_bytes", "a2a_share"):
             out[name] = float(np.asarray(getattr(ev, name))[i])
         out["peak_memory_bytes"] = int(round(out["peak_memory_bytes"]))
         out["fits"] = bool(np.asarray(ev.fits)[i]) and out["peak_memory_bytes"] <= self.memory_limit_bytes

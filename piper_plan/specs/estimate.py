@@ -85,7 +85,13 @@ class Estimate(Spec):
     tokens_per_s: Positive
     tflops_per_device: NonNegative
     mfu: NonNegative
+    """Model FLOPs utilisation, PaLM convention (attention non-causal; cost/flops.py)."""
     hfu: NonNegative
+    """Hardware FLOPs utilisation, PaLM convention: MFU's FLOPs plus what recomputation repeats (>= mfu)."""
+    mfu_megatron: NonNegative | None = None
+    """MFU in the convention of NVIDIA's published TFLOPS (causal attention, MTP counted; None in older plan files)."""
+    hfu_megatron: NonNegative | None = None
+    """HFU in the megatron convention (>= mfu_megatron)."""
     a2a_share: NonNegative
     fits: bool
     memory: MemoryEstimate

@@ -14,7 +14,7 @@ from piper_plan.catalog import load_model, load_platform
 from piper_plan.cost.comm import Network
 from piper_plan.cost.evaluate import estimate, evaluate, plan_of
 from piper_plan.plans import PlanBatch
-from piper_plan.specs.vocab import LayerSplit
+from piper_plan.specs.vocab import LayerSplit, Recompute
 from piper_plan.cost.memory import rank_param_counts
 from piper_plan.specs import ParallelPlan, PlatformSpec, TrainingSpec
 
@@ -213,6 +213,23 @@ def test_hfu_never_exceeds_the_fastest_kernel_rate(etp):
     ev = evaluate(model, FRONTIER, training, 8, cand)
     cap = max(FRONTIER.efficiency.gemm, FRONTIER.efficiency.attention)
     assert len(cand) > 0 and np.all(ev.hfu <= cap) and np.all(ev.mfu <= cap)
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-v3", "tiny-mla", "llama4-scout"])
+def test_hfu_at_least_mfu_in_both_conventions(name):
+    """HFU = MFU's FLOPs + what recomputation repeats, in the same convention, so HFU >= MFU for every plan
+    (equal without recompute); the megatron convention halves the causal scores, so it never exceeds PaLM's."""
+    model = load_model(name)
+    training = TrainingSpec(seq_len=4096 if name != "tiny-mla" else 64, global_batch=256)
+    cand = _random_candidates(np.random.default_rng(7), 24, 64, 8, model.num_layers)
+    cand = cand.take((cand.dp * cand.tp) % cand.ep == 0)
+    ev = evaluate(model, FRONTIER, training, 8, cand)
+    assert len(cand) > 0
+    for mfu, hfu in ((ev.mfu, ev.hfu), (ev.mfu_megatron, ev.hfu_megatron)):
+        assert np.all(hfu >= mfu)
+        none, full = cand.recompute == Recompute.NONE.code, cand.recompute == Recompute.FULL.code
+        assert np.allclose(hfu[none], mfu[none]) and np.all(hfu[full] > mfu[full])
+    assert np.all(ev.mfu_megatron < ev.mfu)
 
 
 def test_in_flight_by_schedule_by_hand():
