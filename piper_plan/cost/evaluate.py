@@ -15,6 +15,7 @@ import numpy as np
 
 from piper_plan.cost import stage as stg
 from piper_plan.cost.batch import evaluate_batch, stage_detail
+from piper_plan.cost.memory import moe_saved_rows
 from piper_plan.cost.flops import CONVENTIONS, model_flops_per_token, recompute_flops_per_token
 from piper_plan.cost.options import DEFAULT_OPTIONS, CostOptions
 from piper_plan.cost.pipeline import layers_per_stage_of
@@ -159,5 +160,6 @@ def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, 
                     "a2a_algorithm": plan.a2a.value,
                     "a2a": ctx.net.a2a_source(plan.a2a, plan.ep, int(group_spans["ep"][1][0]),
                                               int(group_spans["ep"][0][0]))},
-        "options": {f.name: getattr(ctx.opts, f.name) for f in fields(ctx.opts)},
+        "options": {**{f.name: getattr(ctx.opts, f.name) for f in fields(ctx.opts)},
+                    "moe_saved_rows": moe_saved_rows(ctx.opts)},   # the count in force (None resolved)
     })

@@ -120,8 +120,15 @@ def routing_skew_from_histogram(tokens_per_expert, ep: int) -> float:
     return float(per_rank.max() / mean) if mean > 0 else 1.0
 
 
+def moe_saved_rows(opts: CostOptions) -> int:
+    """Token-row buffers a MoE layer saves (CostOptions.moe_saved_rows; None: 1 unfused, 2 fused)."""
+    if opts.moe_saved_rows is not None:
+        return opts.moe_saved_rows
+    return 1 if opts.unfused_kernels else 2
+
+
 def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, ep, etp, sp):
-    """One MoE block, by component: norm/input, router, dispatch+combine buffers, routed experts, shared."""
+    """One MoE block, by component: norm/input, router, saved token-row buffers, routed experts, shared."""
     moe, d, ab = model.moe, model.hidden_size, training.activation_bytes
     tokens = mbs * training.seq_len
     sent, received = routed_rows(model, training, tp, mbs, ep)
@@ -129,7 +136,7 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOpt
     out = {
         "moe_input": 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts),  # norm + router input
         "router": tokens / tp * (2 * moe.num_experts * ROUTER_BYTES + moe.top_k * ROUTER_BYTES),
-        "buffers": (1 if unfused else 2) * sent * d * ab,     # dispatch send + combine receive | combine only
+        "buffers": moe_saved_rows(opts) * sent * d * ab,
         "experts": received * etp * d * ab + ffn_activation_bytes(moe.expert, received * etp, ab, etp, unfused),
         "shared": 0.0 * tp,
     }

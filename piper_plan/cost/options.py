@@ -19,6 +19,15 @@ class CostOptions:
     SwiGLU keeps silu(gate) beside gate, up and product (4 x d_ffn);
     the MoE block keeps one combine buffer, not dispatch + combine. False = Megatron-style fused kernels
     (Korthikanti et al. 2022 as written). Tier-4 test: tests/validation/test_activation_terms.py."""
+    moe_saved_rows: int | None = None
+    """Token-row buffers [rows sent x hidden] a MoE layer saves for backward besides its input and the experts'
+    own activations. None = by kernels: 1 with ``unfused_kernels`` (piper's runtime: the combine's multiply by the
+    routing weights keeps the combined rows, runtime/moe.py ``_routed``; measured by tests/runtime/
+    test_analytic_vs_real.py), else 2 (dispatch send + combine receive: Megatron-Core before v0.13, the
+    assumption the Frontier datasets were validated with). 0 = Megatron-Core since v0.13's memory-efficient
+    permutation (its MoE README, 2025/07: the probs multiplication moved into the experts' activation function;
+    permute is an ``index_select`` and unpermute a ``scatter_add``, which save only indices:
+    megatron/core/transformer/moe/moe_utils.py at commit 00611e6e); datasets of such runs set it."""
     tp_overlap: float = 0.0
     """Fraction of tensor-parallel collective time hidden behind compute."""
     a2a_overlap: float = 0.0

@@ -64,3 +64,16 @@ def test_fused_default_is_unchanged_and_smaller():
     # per layer, fused: attention 165,888 + MoE 664,576 B; 4 layers + embedding 32,768 + logits 524,288 (hand count)
     assert acts[0] == pytest.approx(4 * (165_888 + 65_536 + 9_216 + 131_072 + 458_752) + 32_768 + 524_288)
     assert acts[1] > acts[0]
+
+
+def test_megatron_core_permutation_keeps_no_token_rows():
+    """moe_saved_rows=0 (Megatron-Core >= v0.13) drops exactly the default's two [k s x h] buffers per MoE layer."""
+    model = load_model("tiny-moe")
+    training = TrainingSpec(seq_len=128, global_batch=1, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
+    plan = ParallelPlan(mbs=1, num_microbatches=1)
+    buffers = []
+    for opts in (CostOptions(), CostOptions(moe_saved_rows=0), CostOptions(unfused_kernels=True)):
+        comps = estimate(model, load_platform("local-cpu"), training, 1, plan, options=opts).memory.per_stage[0]
+        buffers.append(comps.components["activations/moe/buffers"])
+    rows = 128 * model.moe.top_k * model.hidden_size * 4 * model.num_moe_layers   # k s x h fp32, every MoE layer
+    assert buffers == [2 * rows, 0.0, rows]
