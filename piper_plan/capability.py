@@ -17,6 +17,7 @@ RUNTIME_CAPABILITY: dict[str, tuple] = {
     "attention": ("mha", "gqa", "mla"),
     "qk_norm": ("none", "per_head", "full", "weightless"),
     "norm_per_layer": (2, 3, 4),
+    "dtype": ("fp32", "bf16"),
 }
 """Allowed values per feature. Everything else a ModelSpec can say is built (runtime/model.py): q/k/v/o
 biases, attention sinks, LayerNorm with bias, parallel attention + MLP, shared experts and their gate,
@@ -71,9 +72,17 @@ def _model_problems(model, plan) -> list[str]:
     return out
 
 
-def unsupported_features(plan, model) -> list[str]:
-    """What ``plan`` on ``model`` needs that the runtime cannot do (the plan assumed valid)."""
-    return _plan_problems(plan) + _model_problems(model, plan)
+def _training_problems(training) -> list[str]:
+    if training is None or training.dtype in RUNTIME_CAPABILITY["dtype"]:
+        return []
+    why = {"fp16": "it has no loss scaling", "fp8": "it has no 8-bit GEMMs", "mxfp8": "it has no 8-bit GEMMs"}
+    return [f"training.dtype={training.dtype} (runtime supports fp32, bf16: {why.get(training.dtype, 'not built')})"]
+
+
+def unsupported_features(plan, model, training=None) -> list[str]:
+    """What ``plan`` on ``model`` (trained as ``training``, when given) needs that the runtime cannot do (the plan
+    assumed valid)."""
+    return _plan_problems(plan) + _model_problems(model, plan) + _training_problems(training)
 
 
 def runnable_problems(model, platform, training, nodes: int, plan) -> list[str]:
@@ -81,4 +90,4 @@ def runnable_problems(model, platform, training, nodes: int, plan) -> list[str]:
     list; empty = runnable."""
     from piper_plan.plans import plan_problems
 
-    return plan_problems(model, platform, training, nodes, plan) or unsupported_features(plan, model)
+    return plan_problems(model, platform, training, nodes, plan) or unsupported_features(plan, model, training)

@@ -23,10 +23,16 @@ class Rates:
     """Achieved FLOP/s lookups for one platform, dtype and (optional) calibration."""
 
     def __init__(self, platform: PlatformSpec, dtype: str, calibration=None):
+        """dtype: the training precision (TrainingSpec.dtype); under fp8 / mxfp8 only GEMMs run at its rate,
+        attention at bf16's."""
+        from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES
+
         self.platform, self.dtype, self.calibration = platform, dtype, calibration
+        self.attention_dtype = "bf16" if dtype in LOW_PRECISION_GEMM_DTYPES else dtype
         self.peak = platform.peak_flops(dtype)
+        self.attention_peak = platform.peak_flops(self.attention_dtype)
         self.bandwidth_Bps = platform.device.memory_bandwidth_GBps * 1e9
-        self.elem_bytes = 4 if dtype == "fp32" else 2
+        self.elem_bytes = 4 if dtype == "fp32" else 1 if dtype in LOW_PRECISION_GEMM_DTYPES else 2
         self.extrapolated = False
 
     @property
@@ -56,10 +62,11 @@ class Rates:
     def attention_flops_per_s(self, seq_len, num_heads, head_dim, pass_: str):
         """Achieved FLOP/s of causal attention (fwd or bwd)."""
         if self.calibration is not None:
-            rate, extra = self.calibration.attention_flops_per_s(seq_len, num_heads, head_dim, True, pass_, self.dtype)
+            rate, extra = self.calibration.attention_flops_per_s(seq_len, num_heads, head_dim, True, pass_,
+                                                                 self.attention_dtype)
             self.extrapolated |= bool(np.any(extra))
             return np.asarray(rate, float)
-        return self.platform.efficiency.attention * self.peak * np.ones_like(np.asarray(num_heads, float))
+        return self.platform.efficiency.attention * self.attention_peak * np.ones_like(np.asarray(num_heads, float))
 
     def memory_seconds(self, nbytes):
         """Seconds to stream ``nbytes`` through device memory (elementwise kernels, optimizer step)."""

@@ -41,7 +41,7 @@ def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero) -> dict[st
     shard_dense = np.where(zero >= 1, dp, 1)
     shard_expert = np.where(zero >= 1, edp, 1)
     return {
-        "weights": (dense + expert) * training.weight_bytes,
+        "weights": (dense + expert) * (training.weight_bytes + training.low_precision_copy_bytes),
         "gradients": (dense + expert) * training.grad_bytes,
         "optimizer": dense * keep / shard_dense + expert * keep / shard_expert,
     }

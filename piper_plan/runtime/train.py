@@ -55,12 +55,9 @@ def preflight(cfg, world: int, cuda_available: bool) -> None:
     if cfg.parallel.world != world:
         raise PiperError(f"the plan's pp x dp x tp = {cfg.parallel.world} ranks, but the launcher started {world}",
                          field="parallel")
-    problems = unsupported_features(cfg.parallel, cfg.model)
+    problems = unsupported_features(cfg.parallel, cfg.model, cfg.training)
     if problems:
         raise PiperError("the runtime cannot run: " + "; ".join(problems), field="parallel")
-    if cfg.training.dtype == "fp16":
-        raise PiperError("'fp16' is not supported by the runtime (it has no loss scaling); use bf16 or fp32",
-                         field="training.dtype")
     if cfg.platform.launch.device == "cuda" and not cuda_available:
         raise PiperError(f"platform {cfg.platform.name} runs on GPUs (launch.device='cuda') but this machine has "
                          "none visible to torch; use a CPU platform (launch.device='cpu')", field="platform.launch.device")

@@ -89,7 +89,7 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     reasons = [space.reasons, {rank.OUT_OF_MEMORY: int(np.count_nonzero(~fits))}]
     features: dict[str, int] = {}
     if runnable and fits.any():
-        ok, features = rank.runnable_mask(rank_subset(space.fields, fits), model)
+        ok, features = rank.runnable_mask(rank_subset(space.fields, fits), model, training)
         reasons.append({rank.NOT_RUNNABLE: int(np.count_nonzero(~ok))})
         fits = _narrow(fits, ok)
     order = rank.rank_order(space.fields, ev, fits)

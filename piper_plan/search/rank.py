@@ -71,9 +71,9 @@ def merge_reasons(*counts: dict[str, int]) -> dict[str, int]:
     return dict(sorted(total.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def runnable_mask(fields: dict[str, np.ndarray], model) -> tuple[np.ndarray, dict[str, int]]:
-    """Which candidates the runtime can execute, asking ``capability.unsupported_features(plan, model)`` once per
-    distinct plan shape.
+def runnable_mask(fields: dict[str, np.ndarray], model, training=None) -> tuple[np.ndarray, dict[str, int]]:
+    """Which candidates the runtime can execute, asking ``capability.unsupported_features(plan, model, training)``
+    once per distinct plan shape.
 
     Candidates differing only in mbs / num_microbatches share one answer (the capability list is about
     degrees, schedules and algorithms, not batch sizes). Returns (mask, feature -> rejected count).
@@ -94,7 +94,7 @@ def runnable_mask(fields: dict[str, np.ndarray], model) -> tuple[np.ndarray, dic
     for u, i in enumerate(first_of):
         d = describe(fields, int(i))
         plan = ParallelPlan(**{k: d[k] for k in CANDIDATE_FIELDS})
-        missing = unsupported_features(plan, model)
+        missing = unsupported_features(plan, model, training)
         if missing:
             ok[u] = False
             for feat in missing:

@@ -12,6 +12,10 @@ MAX_COUNT = 2**31
 """Upper bound of seq_len and global_batch: their product (tokens per step) must fit the cost model's int64."""
 
 
+LOW_PRECISION_GEMM_DTYPES: dict[str, float] = {"fp8": 2.0, "mxfp8": 2.0 + 2.0 / 32}
+"""Training precisions whose GEMMs run in 8 bits -> bytes per parameter of their weight copies (TrainingSpec)."""
+
+
 class TrainingSpec(Spec):
     """Sequence, batch, precision and optimizer of a training run."""
 
@@ -19,8 +23,11 @@ class TrainingSpec(Spec):
     """Tokens per sequence (at most 2^31, so token and FLOP counts stay inside int64)."""
     global_batch: int = Field(default=1024, ge=1, le=MAX_COUNT)
     """Sequences per optimizer step (at most 2^31)."""
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """Compute dtype of weights and activations."""
+    dtype: Literal["bf16", "fp16", "fp32", "fp8", "mxfp8"] = "bf16"
+    """Training precision. bf16 / fp16 / fp32: every GEMM and activation in that dtype. fp8 / mxfp8: bf16
+    training whose linear-layer GEMMs run in 8-bit floating point (Transformer Engine recipes: fp8 = per-tensor
+    current or delayed scaling, or blockwise, all priced alike; mxfp8 = OCP microscaling, one 8-bit scale per 32
+    values, Blackwell); attention, elementwise work and communication stay bf16 (LOW_PRECISION_GEMM_DTYPES)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Optimizer."""
     weight_bytes: int = Field(default=2, ge=1)
@@ -54,8 +61,23 @@ class TrainingSpec(Spec):
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes per activation element."""
+        """Bytes per activation element (fp8 recipes keep bf16 activations: an upper bound, since GEMM inputs
+        saved for backward may be kept as their fp8 casts)."""
         return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def attention_dtype(self) -> str:
+        """The dtype attention and every non-GEMM kernel runs in (bf16 under an fp8 recipe)."""
+        return "bf16" if self.dtype in LOW_PRECISION_GEMM_DTYPES else self.dtype
+
+    @property
+    def low_precision_copy_bytes(self) -> float:
+        """Bytes per parameter of the 8-bit weight copies an fp8 recipe keeps through a step (0 otherwise):
+        a rowwise and a columnwise (transposed) copy, since Hopper's fp8 GEMMs need both layouts (Transformer
+        Engine docs, "Performance considerations: handling transposes"), cached across the micro-batches of a
+        step ("FP8 weight caching"); mxfp8 adds one 1-byte scale per 32 values to each. Counted for every
+        parameter (embedding and norms included): a slight over-count."""
+        return LOW_PRECISION_GEMM_DTYPES.get(self.dtype, 0.0)
 
     @property
     def tokens_per_step(self) -> int:

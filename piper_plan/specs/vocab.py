@@ -101,6 +101,7 @@ class Precision(Vocab):
     FP16 = "fp16"
     BF16 = "bf16"
     FP8 = "fp8"
+    MXFP8 = "mxfp8"
 
 
 class Placement(Vocab):

@@ -1,6 +1,6 @@
 """Training basics, each shown effective on one in-process rank: device selection, learning-rate warmup and
 cosine decay, global gradient-norm clipping, weight decay, fused AdamW on GPUs, GQA through SDPA's enable_gqa,
-fp16 refused with one line."""
+fp16 / fp8 / mxfp8 refused with one line."""
 
 from __future__ import annotations
 
@@ -137,14 +137,15 @@ def test_gqa_through_sdpa_equals_expanded_heads_and_expands_nothing():
     assert aten.repeat_interleave not in ops.seen and aten.expand not in ops.seen
 
 
-def test_fp16_is_refused_with_one_line():
+@pytest.mark.parametrize("dtype,why", [("fp16", "loss scaling"), ("fp8", "8-bit GEMMs"), ("mxfp8", "8-bit GEMMs")])
+def test_precisions_the_runtime_lacks_are_refused_with_one_line(dtype, why):
     from piper_plan.runtime.train import preflight
 
     plan = plan_dict(pp=1, dp=2, ep=2)
-    plan["training"]["dtype"] = "fp16"
-    with pytest.raises(PiperError, match="fp16.*bf16 or fp32") as err:
+    plan["training"]["dtype"] = dtype
+    with pytest.raises(PiperError, match=f"training.dtype={dtype} .runtime supports fp32, bf16: .*{why}") as err:
         preflight(parse_plan_dict(plan, "test plan"), 2, False)
-    assert "\n" not in str(err.value) and "training.dtype" in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 def test_one_set_of_defaults_and_the_command_line_overrides(tmp_path):
