@@ -9,7 +9,7 @@ What depends on what (the keys below; every one a few hundred to a few thousand 
 - peak memory: (pp, tp, ep, etp, mbs, recompute, virtual_stages, sp, dp, num_microbatches, schedule,
   zero)                                                                                             KEY_MEMORY
   of which memory without the micro-batches in flight: KEY_MEMORY less schedule, num_microbatches  KEY_STATE
-- gradient sync and the optimizer step: (pp, tp, dp, ep, etp, virtual_stages, zero)               KEY_SYNC
+- gradient sync and the optimizer step: (pp, tp, dp, ep, etp, virtual_stages, zero, num_microbatches) KEY_SYNC
 - pipeline p2p: (pp, tp, dp, mbs, virtual_stages)                                                  KEY_P2P
 
 Stages come from ``pipeline.stage_rows``: the distinct stage shapes of each layer split the plan may use
@@ -35,7 +35,7 @@ KEY_TIME = ("pp", "tp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages"
 KEY_MEMORY = ("pp", "tp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
               "num_microbatches", "schedule", "zero")
 KEY_STATE = ("pp", "tp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero")
-KEY_SYNC = ("pp", "tp", "dp", "ep", "etp", "virtual_stages", "zero")
+KEY_SYNC = ("pp", "tp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches")
 KEY_P2P = ("pp", "tp", "dp", "mbs", "virtual_stages")
 SPLITS = (0, 1)
 """Split slots of the per-split arrays: 0 the even (or the explicit) split, 1 the FLOP-balanced one."""

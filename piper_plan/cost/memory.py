@@ -35,15 +35,29 @@ def unfused_norm_bytes(tokens, d, ab, sp, opts):
 
 
 # ---- training state ------------------------------------------------------------------------------
+FSDP_GRAD_BYTES = 4
+"""Bytes per parameter of FSDP2's unsharded gradient accumulation: piper's runtime reduces in fp32
+(MixedPrecisionPolicy(reduce_dtype=float32), runtime/sharding.py)."""
+
+
 def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero) -> dict[str, np.ndarray]:
-    """Weights, gradients and master + optimizer bytes of one rank holding ``dense`` and ``expert`` params."""
+    """Weights, gradients and master + optimizer bytes of one rank holding ``dense`` and ``expert`` params, at the
+    step's peak. zero 0: all unsharded; 1: master + optimizer sharded over dp / edp (Rajbhandari et al. 2020);
+    2 and 3 (FSDP2): master + optimizer sharded, plus the gathered compute-dtype weights of the whole stage
+    and its unsharded fp32 gradient accumulation: torch's pipelining keeps both until the step's last
+    backward (PipelineStage defers resharding and the reduce-scatter to it), so 3 saves no peak memory
+    over 2 here; then the sharded fp32 gradients."""
     keep = training.master_bytes + training.optimizer_bytes
     shard_dense = np.where(zero >= 1, dp, 1)
     shard_expert = np.where(zero >= 1, edp, 1)
+    local = dense / shard_dense + expert / shard_expert
+    fsdp = zero >= 2
+    grads = np.where(fsdp, (dense + expert) * FSDP_GRAD_BYTES + local * FSDP_GRAD_BYTES,
+                     (dense + expert) * training.grad_bytes)
     return {
         "weights": (dense + expert) * (training.weight_bytes + training.low_precision_copy_bytes),
-        "gradients": (dense + expert) * training.grad_bytes,
-        "optimizer": dense * keep / shard_dense + expert * keep / shard_expert,
+        "gradients": grads,
+        "optimizer": local * keep,
     }
 
 

@@ -6,15 +6,24 @@ import numpy as np
 
 
 def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span) -> tuple[np.ndarray, np.ndarray]:
-    """(dense, expert) gradient sync seconds of one rank: all-reduce of gradients without ZeRO; with ZeRO-1
-    a reduce-scatter of gradients and an all-gather of the updated weights (Rajbhandari et al. 2020)."""
+    """(dense, expert) gradient sync seconds of one rank per step. zero 0: all-reduce of the gradients; 1: their
+    reduce-scatter and an all-gather of the updated weights (Rajbhandari et al. 2020); 2 and 3 (FSDP2, fp32
+    reduction): one reduce-scatter of fp32 gradients at the last backward, and weight all-gathers in the
+    compute dtype: 2 once per step; 3 once per forward that follows a reshard and once per backward, i.e.
+    M + min(pp, M) per step under torch's pipelining (the warm-up forwards, then every backward) and M + 1
+    at pp = 1 (the same formula)."""
+    from piper_plan.cost.memory import FSDP_GRAD_BYTES
+
+    m = c.num_microbatches
+    gathers = np.where(c.zero == 3, m + np.minimum(c.pp, m), 1)
     out = []
     for params, n, span in ((dense, c.dp, dp_span), (expert, c.edp, edp_span)):
         grads = params * training.grad_bytes
+        weights = net.seconds("all_gather", n, params * training.weight_bytes, span)
         plain = net.seconds("all_reduce", n, grads, span)
-        sharded = net.seconds("reduce_scatter", n, grads, span) + \
-            net.seconds("all_gather", n, params * training.weight_bytes, span)
-        out.append(np.where(c.zero >= 1, sharded, plain))
+        sharded = net.seconds("reduce_scatter", n, grads, span) + weights
+        fsdp = net.seconds("reduce_scatter", n, params * FSDP_GRAD_BYTES, span) + gathers * weights
+        out.append(np.where(c.zero >= 2, fsdp, np.where(c.zero == 1, sharded, plain)))
     return out[0], out[1]
 
 

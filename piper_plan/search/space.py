@@ -41,7 +41,7 @@ DUPLICATE_REASONS: tuple[str, ...] = (
     "duplicate_pp1_schedule",                   # pp = 1: GPipe and 1F1B are the same run (1F1B kept)
     "duplicate_one_microbatch_schedule",        # one micro-batch: GPipe and 1F1B are the same run (1F1B kept)
     "duplicate_no_all_to_all",                  # ep = 1: no expert all-to-all, halo = flat (flat kept)
-    "duplicate_zero_no_replicas",               # dp = edp = 1: ZeRO-1 shards nothing (zero=0 kept)
+    "duplicate_zero_no_replicas",               # dp = edp = 1: ZeRO 1-3 shard nothing (zero=0 kept)
     "duplicate_halo_one_node",                  # every expert group inside one node: HALO is its phase I = flat
     "duplicate_selective_flash",                # flash attention keeps no scores: selective = none (none kept)
 )
@@ -59,7 +59,7 @@ class SearchOptions:
     """Pipeline schedules to consider."""
     recompute: tuple[str, ...] = Recompute.values()
     """Activation recomputation modes to consider."""
-    zero: tuple[int, ...] = (0, 1)
+    zero: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages to consider."""
     mbs: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes (sequences) to consider."""
@@ -200,7 +200,7 @@ def search_masks(model, platform, training, c: PlanBatch, options: SearchOptions
         (c.pp == 1) & gpipe,
         (c.num_microbatches == 1) & gpipe,
         (c.ep == 1) & halo,
-        (c.dp == 1) & (c.edp == 1) & (c.zero == 1),
+        (c.dp == 1) & (c.edp == 1) & (c.zero >= 1),
         halo_twin & (c.ep > 1) & groups_in_one_node & halo,
         selective_twin & (c.recompute == Recompute.SELECTIVE.code),
     ])

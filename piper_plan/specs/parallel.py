@@ -37,8 +37,11 @@ class ParallelPlan(Spec):
     """Megatron sequence parallelism (Korthikanti et al. 2022): with tp > 1 the activations outside the tp
     region (norms, dropout, residual stream) are split over tp too; False = tensor parallelism only. The one
     place this setting lives: the cost model reads it from the plan."""
-    zero: Literal[0, 1] = 0
-    """ZeRO stage: 1 shards optimizer state over dp (dense) and edp (experts)."""
+    zero: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage, over dp (dense weights) and edp (experts): 1 shards master weights and optimizer state
+    (a sharded optimizer); 2 and 3 are FSDP2 (parameters, gradients and optimizer state sharded at rest;
+    2 keeps the gathered parameters from forward to backward, 3 re-gathers them). What each holds and sends
+    per step: docs/design-notes.md, "zero 0-3"."""
     a2a: A2A = A2A.FLAT
     """Expert all-to-all algorithm."""
     layers_split: LayerSplit = LayerSplit.AUTO

@@ -62,7 +62,7 @@ def _brute_force_valid(model, training, nodes: int, dpn: int) -> set[tuple]:
                 training.global_batch % (world // (pp * tp) * mbs):
             continue                                  # a ParallelPlan of these cannot even be built
         dp = world // (pp * tp)
-        for sched, rec, zero, a2a in itertools.product(SCHEDULES, RECOMPUTE, (0, 1), A2A_NAMES):
+        for sched, rec, zero, a2a in itertools.product(SCHEDULES, RECOMPUTE, (0, 1, 2, 3), A2A_NAMES):
             vs = 2 if sched == "interleaved" else 1
             m = training.global_batch // (dp * mbs)
             plan = ParallelPlan(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, mbs=mbs, num_microbatches=m, schedule=sched,
