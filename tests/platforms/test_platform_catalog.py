@@ -105,3 +105,15 @@ def test_plan_mixtral_runs_on_each_gpu_platform(name):
     if result.exit_code == 0:
         out = json.loads(result.stdout)
         assert out["platform"] == name and out["plans"]
+
+
+@pytest.mark.parametrize("name", GPU_PLATFORMS)
+def test_launch_renders_each_gpu_platforms_template(name, tmp_path):
+    spec = load_platform(name)
+    result = CliRunner().invoke(cli, ["launch", "--model", "mixtral-8x7b", "--platform", name, "--nodes", "2",
+                                      "--out", str(tmp_path / "job"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    script = result.stdout
+    assert f"--ntasks-per-node={spec.devices_per_node}" in script
+    assert f"--cpus-per-task={spec.launch.cpus_per_task}" in script
+    assert "{{" not in script
