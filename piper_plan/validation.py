@@ -8,7 +8,8 @@ model (catalog name, or inline ``facts`` such as Table IV's E, d, d_ffn), a ``qu
 
 Quantities (SI inside; the unit is in the name):
 
-- ``step_time_s``, ``tflops_per_device``, ``mfu``: ``cost.evaluate.estimate`` of the row's plan (or the best plan).
+- ``step_time_s``, ``tflops_per_device``, ``mfu``: ``cost.evaluate.estimate`` of the row's plan (or the best plan);
+  ``tokens_per_s_per_device``: its tokens/s divided by the plan's world size.
 - ``memory.state_GiB``: weights + gradients + master/optimizer state of the peak-memory stage, GiB (2^30).
 - ``memory.activation_GiB``: activations saved for backward of the peak-memory stage, GiB.
 - ``migration.send_per_gpu_GB`` / ``_GiB`` and ``migration.time_ms``: Piper Table IV, ``cost.step.expert_migration``.
@@ -28,7 +29,8 @@ from piper_plan.errors import PiperError
 from piper_plan.specs.base import Spec
 
 GiB = 2**30
-Quantity = Literal["step_time_s", "tflops_per_device", "mfu", "memory.state_GiB", "memory.activation_GiB",
+Quantity = Literal["step_time_s", "tflops_per_device", "tokens_per_s_per_device", "mfu", "memory.state_GiB",
+                   "memory.activation_GiB",
                    "migration.send_per_gpu_GB", "migration.send_per_gpu_GiB", "migration.time_ms"]
 MIGRATION_QUANTITIES = tuple(q for q in get_args(Quantity) if q.startswith("migration."))
 
@@ -54,6 +56,10 @@ class RowSpec(Spec):
     """The published value, in the quantity's unit."""
     model: str | None = None
     """Catalog name or path of the model."""
+    platform: str | None = None
+    """Platform the row ran on, over the dataset's."""
+    training: dict | None = None
+    """TrainingSpec fields for this row (e.g. dtype), over the dataset's."""
     facts: dict | None = None
     """ModelSpec fields over the catalog entry (nested dicts merge), or for migration rows num_experts / hidden_size / d_ffn."""
     nodes: int | None = None
@@ -101,6 +107,8 @@ class DatasetSpec(Spec):
     """Read calibration/<platform>/ when present (False: the platform's roofline efficiencies)."""
     tolerance_pct: Tolerance
     """Tolerances the suite enforces."""
+    require_fit: bool = False
+    """Every gated row's plan must be predicted to fit in device memory (the runs did)."""
     goal_mean_pct: float | None = None
     """A stricter mean the project aims for (reported, not enforced)."""
     training: dict = {}
@@ -179,6 +187,9 @@ class DatasetResult:
     def violations(self) -> list[str]:
         """One line per gated row outside its tolerance, and for the mean."""
         out = [f"{self.spec.name}/{r.id}: {_fmt_err(r)} > {r.tolerance_pct:g}%" for r in self.rows if not r.ok]
+        if self.spec.require_fit:
+            out += [f"{self.spec.name}/{r.id}: predicted not to fit ({r.detail.get('peak_memory_GiB', 0):.1f} GiB), "
+                    "but the published run ran" for r in self.rows if r.gated and r.detail.get("fits") is False]
         mean = self.mean_abs_pct_error
         if mean is not None and mean > self.spec.tolerance_pct.mean:
             out.append(f"{self.spec.name}: mean |error| {mean:.2f}% > {self.spec.tolerance_pct.mean:g}%")
@@ -229,18 +240,26 @@ def load_dataset(name_or_path: str | Path) -> DatasetSpec:
 
 # ---- prediction --------------------------------------------------------------------------------------
 class _Inputs:
-    """Loaded specs shared by the rows of one dataset (platform and calibration loaded once)."""
+    """Loaded specs shared by the rows of one dataset (each platform and its calibration loaded once)."""
 
     def __init__(self, spec: DatasetSpec):
+        self.spec = spec
+        self._platforms: dict[str, tuple] = {}
+        self.platform, self.calibration = self.platform_of(None)
+
+    def platform_of(self, row: RowSpec | None):
+        """(platform, calibration or None) of a row: its own platform, else the dataset's."""
         from piper_plan.catalog import calibration_dir, load_platform
 
-        self.spec = spec
-        self.platform = load_platform(spec.platform)
-        self.calibration = None
-        if spec.use_calibration and any(calibration_dir(self.platform.name).glob("*.csv")):
-            from piper_plan.calibration import load_calibration
+        name = (row.platform if row is not None else None) or self.spec.platform
+        if name not in self._platforms:
+            platform, calibration = load_platform(name), None
+            if self.spec.use_calibration and any(calibration_dir(platform.name).glob("*.csv")):
+                from piper_plan.calibration import load_calibration
 
-            self.calibration = load_calibration(self.platform.name)
+                calibration = load_calibration(platform.name)
+            self._platforms[name] = (platform, calibration)
+        return self._platforms[name]
 
     def model(self, row: RowSpec):
         from piper_plan.catalog import load_model
@@ -256,7 +275,7 @@ class _Inputs:
     def training(self, row: RowSpec):
         from piper_plan.specs import TrainingSpec
 
-        values = dict(self.spec.training)
+        values = {**self.spec.training, **(row.training or {})}
         values.update({k: v for k, v in (("seq_len", row.seq_len), ("global_batch", row.global_batch)) if v})
         return TrainingSpec(**values)
 
@@ -289,8 +308,9 @@ def best_plan(inputs: _Inputs, row: RowSpec, model, training):
     from piper_plan.search.engine import search
     from piper_plan.search.space import SearchOptions
 
-    result = search(model, inputs.platform, training, row.nodes, SearchOptions(**(row.search or {})),
-                    calibration=inputs.calibration)
+    platform, calibration = inputs.platform_of(row)
+    result = search(model, platform, training, row.nodes, SearchOptions(**(row.search or {})),
+                    calibration=calibration)
     if not result.feasible:
         return None, {"feasible": 0, "reasons": result.reasons}
     i = result.best
@@ -331,10 +351,12 @@ def predict_plan_row(inputs: _Inputs, row: RowSpec) -> tuple[float | None, dict]
             return None, detail
     else:
         plan = row_plan(row, training)
-    est = estimate(model, inputs.platform, training, row.nodes, plan, calibration=inputs.calibration,
-                   options=inputs.options(row))
+    platform, calibration = inputs.platform_of(row)
+    est = estimate(model, platform, training, row.nodes, plan, calibration=calibration, options=inputs.options(row))
     detail.update(plan=plan_summary(plan), step_time_s=est.step_time_s, tflops_per_device=est.tflops_per_device,
                   mfu=est.mfu, fits=est.fits, peak_memory_GiB=est.memory.peak_bytes / GiB)
+    if row.quantity == "tokens_per_s_per_device":
+        return est.tokens_per_s / plan.world, detail
     return plan_quantity(row.quantity, est, row.stage), detail
 
 
