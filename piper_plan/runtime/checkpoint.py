@@ -145,8 +145,8 @@ def expert_rows(name: str, tensor: torch.Tensor, held: list[tuple[int, int]]) ->
     return {expert_key(name, e): tensor[j] for e, j in held}
 
 
-def flat_state(model_sd: dict, optim_sd: dict, held: dict[int, list[tuple[int, int]]], rank: int) -> dict:
-    """get_state_dict's (model, optimizer) dicts of this rank -> the layout-free DCP state dict (module notes).
+def flat_state(model_sd: dict, optim_sds: list[dict], held: dict[int, list[tuple[int, int]]], rank: int) -> dict:
+    """This rank's model and optimizer state dicts (RankState.torch_state) -> the layout-free DCP state dict.
     ``held``: per MoE layer, this rank's (logical expert, local index). Slot maps are not in it (piper.json)."""
     flat: dict = {}
     for fqn, t in model_sd.items():
@@ -157,7 +157,7 @@ def flat_state(model_sd: dict, optim_sd: dict, held: dict[int, list[tuple[int, i
             flat.update({MODEL + k: v for k, v in expert_rows(name, t, held[layer_of(name)]).items()})
         else:
             flat[MODEL + name] = t
-    for fqn, state in optim_sd["state"].items():
+    for fqn, state in ((f, st) for sd in optim_sds for f, st in sd["state"].items()):
         name = layout_free_name(fqn)
         for key, t in state.items():
             if _EXPERTS in name:
@@ -200,12 +200,14 @@ class RankState:
     def __init__(self, module, optimizers, cfg, rank: int, world: int) -> None:
         self.module, self.optims, self.cfg, self.rank, self.world = module, torch_optimizers(optimizers), cfg, rank, world
 
-    def torch_state(self) -> tuple[dict, dict]:
-        """get_state_dict of module and optimizers (references to the live tensors for plain modules; a fresh
-        optimizer gets its state created by a zero-learning-rate step first)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def torch_state(self) -> tuple[dict, list[dict]]:
+        """The module's state dict and each optimizer's (torch.distributed.checkpoint.state_dict: FQN-keyed,
+        references to the live tensors for plain modules; a fresh optimizer gets its state created by a
+        zero-learning-rate step first). One optimizer at a time: a ZeRO-1 shard may hold an empty parameter
+        group, which get_state_dict / set_state_dict refuse for several optimizers at once."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        return get_state_dict(self.module, self.optims)
+        return get_model_state_dict(self.module), [get_optimizer_state_dict(self.module, o) for o in self.optims]
 
     def held(self) -> dict[int, list[tuple[int, int]]]:
         return {i: held_experts(m.slot_of_expert.tolist(), m.first_expert, m.num_local)
@@ -234,8 +236,8 @@ def save(run_dir: Path, step: int, state: RankState, keep: int) -> Path:
         tmp.mkdir(parents=True)
         atomic_write_json(tmp / META, state.meta(step, {k: v for m in maps for k, v in m.items()}))
     dist.barrier()
-    model_sd, optim_sd = state.torch_state()
-    dcp.save(flat_state(model_sd, optim_sd, state.held(), state.rank), checkpoint_id=str(tmp))
+    model_sd, optim_sds = state.torch_state()
+    dcp.save(flat_state(model_sd, optim_sds, state.held(), state.rank), checkpoint_id=str(tmp))
     dist.barrier()
     if state.rank == 0:
         _install(tmp, final)
@@ -270,8 +272,8 @@ def load(run_dir: Path, state: RankState) -> int:
     if problem is None:
         same_ep = meta["parallel"]["ep"] == state.cfg.parallel.ep
         _install_slot_maps(state, meta["slot_of_expert"] if same_ep else None)
-        model_sd, optim_sd = state.torch_state()
-        flat = flat_state(model_sd, optim_sd, state.held(), state.rank)
+        model_sd, optim_sds = state.torch_state()
+        flat = flat_state(model_sd, optim_sds, state.held(), state.rank)
         same_layout = meta["parallel"] == state.cfg.parallel.model_dump(mode="json") and meta["world"] == state.world
         if not same_layout:
             del flat[f"{RNG}{state.rank}"]
@@ -282,7 +284,7 @@ def load(run_dir: Path, state: RankState) -> int:
     if first:
         raise PiperError(first, path=str(path))
     _dcp_load(flat, path)
-    _restore(state, model_sd, optim_sd, flat, step, same_layout)
+    _restore(state, model_sd, optim_sds, flat, step, same_layout)
     return step
 
 
@@ -341,11 +343,14 @@ def _dcp_load(flat: dict, path: Path) -> None:
                          path=str(path)) from None
 
 
-def _restore(state: RankState, model_sd: dict, optim_sd: dict, flat: dict, step: int, same_layout: bool) -> None:
-    """The loaded values (already in the live tensors: dcp.load wrote into views) through set_state_dict; RNG."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+def _restore(state: RankState, model_sd: dict, optim_sds: list[dict], flat: dict, step: int,
+             same_layout: bool) -> None:
+    """The loaded values (already in the live tensors: dcp.load wrote into views) through set_*_state_dict; RNG."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    set_state_dict(state.module, state.optims, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_model_state_dict(state.module, model_sd)
+    for optim, sd in zip(state.optims, optim_sds):
+        set_optimizer_state_dict(state.module, optim, sd)
     if same_layout:
         _set_rng(flat[f"{RNG}{state.rank}"])
     else:
