@@ -426,6 +426,11 @@ class _StopFlag:
     def _set(self, signum, frame) -> None:
         self.signum = signum
 
+    def release(self) -> None:
+        """Default handlers again (a run that ends on bad input: torchrun's SIGTERM then ends a waiting rank)."""
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -495,6 +500,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     try:
         start = trainer.resume(run_dir) if args.resume else 0
     except PiperError as exc:  # the same on every rank (checkpoint.load agrees on it): nothing written yet
+        stop.release()
         dist.destroy_process_group()
         return _report_user_error(exc, rank)
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
