@@ -31,6 +31,15 @@ After a resume the slot map is the saved one when ep is unchanged (it names the 
 indices), else the identity of the new layout. RNG: under the saving layout (same ``parallel`` block and world)
 every rank restores its own RNG states; under another one a rank's saved states have no meaning for its new role,
 so every rank reseeds from (seed, step, rank) (reproducible; the data position is a function of the step).
+
+DTensor parameters (TP, FSDP2): dense ones need nothing here: get_model_state_dict / get_optimizer_state_dict
+return them as DTensors under the same FQNs and DCP saves and reshards them itself. Expert tensors go through
+:func:`expert_rows` alone: for a stacked DTensor it must return, per logical expert held here, a DTensor of that
+expert's row built from this rank's local rows (``DTensor.from_local(t.to_local()[j], mesh, placements)`` with the
+placements shifted past the expert dimension), so that DCP still writes and loads in place. That needs the expert
+dimension itself unsharded on a rank (FSDP2 ``shard_placement_fn`` on dim 1, not dim 0); where dim 0 is sharded,
+``held_experts`` must also take the rank's row range. ``t.full_tensor()`` rows would work for saving but not for
+loading in place (a copy back would be needed).
 """
 
 from __future__ import annotations
@@ -139,7 +148,7 @@ def expert_rows(name: str, tensor: torch.Tensor, held: list[tuple[int, int]]) ->
     """{layout-free key: tensor} of one stacked expert tensor ``[El, ...]`` (a parameter or an optimizer state
     shaped like it: row j is local expert j), or of a per-tensor scalar (Adam's ``step``: every logical expert
     of the tensor gets the same one). Views, so that dcp.load writes into the tensor itself. The one place that
-    knows how expert tensors are laid out on a rank (plain tensors; see the module notes for DTensors)."""
+    knows how expert tensors are laid out on a rank (plain tensors; DTensors: the module notes)."""
     if tensor.dim() == 0:
         return {expert_key(name, e): tensor for e, _ in held}
     return {expert_key(name, e): tensor[j] for e, j in held}

@@ -46,12 +46,36 @@ def resume(plan: dict, rank: int, world: int, run_dir: str, steps: int = 4) -> d
 def bad_copies(rank: int, world: int, run_dir: str) -> None:
     """Rank 0: copies of ``run_dir``'s checkpoint with rank 1's shard deleted, and with it cut short."""
     if rank == 0:
-        for name in ("missing_shard", "short_shard"):
+        for name in ("missing_shard", "short_shard", "failed_save"):
             shutil.copytree(run_dir, f"{run_dir}_{name}")
         (Path(f"{run_dir}_missing_shard") / "checkpoints" / "step_2" / "__1_0.distcp").unlink()
         short = Path(f"{run_dir}_short_shard") / "checkpoints" / "step_2" / "__1_0.distcp"
         short.write_bytes(short.read_bytes()[:100])
     dist.barrier()
+
+
+def failed_save(plan: dict, rank: int, world: int, run_dir: str) -> dict:
+    """Resume from step 2, train to 4, and save with rank 1's write failing (an object its torch.save cannot
+    pickle): the save must fail on every rank and leave step 2 usable; then a fresh trainer resumes from it."""
+    import piper_plan.runtime.checkpoint as ck
+
+    trainer = _trainer(plan, rank, world)
+    for step in range(trainer.resume(Path(run_dir)), 4):
+        trainer.train_step(step)
+    real = ck._rng_bytes
+    if rank == 1:
+        ck._rng_bytes = lambda: (lambda: None)
+    try:
+        trainer.save(Path(run_dir), 4)
+        raised = None
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        raised = type(exc).__name__
+    finally:
+        ck._rng_bytes = real
+    dist.barrier()
+    root = Path(run_dir) / "checkpoints"
+    names, latest = sorted(p.name for p in root.iterdir()), (root / "latest").read_text().strip()
+    return {"raised": raised, "names": names, "latest": latest, "again": resume(plan, rank, world, run_dir)}
 
 
 def bad_resume(plan: dict, rank: int, world: int, run_dir: str) -> dict:
@@ -93,7 +117,7 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
 
     init(rank, world, port)
     kinds = {"train": train, "resume": resume, "bad_copies": bad_copies, "bad_resume": bad_resume,
-             "dcp_error": dcp_error}
+             "dcp_error": dcp_error, "failed_save": failed_save}
     results = {name: kinds[kind](rank=rank, world=world, **kwargs) for name, kind, kwargs in jobs}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()

@@ -77,7 +77,8 @@ def _bad_jobs(run_dir) -> list:
             ("bad:other_model", "bad_resume", {"plan": _other_model_plan(), "run_dir": str(run_dir)}),
             ("bad:missing_shard", "bad_resume", {"plan": plan, "run_dir": f"{run_dir}_missing_shard"}),
             ("bad:short_shard", "bad_resume", {"plan": plan, "run_dir": f"{run_dir}_short_shard"}),
-            ("dcp_error", "dcp_error", {"run_dir": str(run_dir)})]
+            ("dcp_error", "dcp_error", {"run_dir": str(run_dir)}),
+            ("failed_save", "failed_save", {"plan": plan, "run_dir": f"{run_dir}_failed_save"})]
 
 
 def _losses(per_rank: list[dict]) -> list[list[float]]:
@@ -191,3 +192,13 @@ def test_world_2_to_1_in_process(runs, world1, tmp_path):
     trainer.save(tmp_path / "run", 4)  # keep_checkpoints = 2: steps 2 and 4
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["latest", "step_2", "step_4"]
+
+
+@pytest.mark.distributed
+def test_a_failed_save_leaves_the_previous_checkpoint_usable(runs):
+    per_rank = runs["failed_save"]
+    assert [r["raised"] for r in per_rank] == ["CheckpointException"] * 2  # every rank, no hang
+    for r in per_rank:
+        assert r["latest"] == "2" and r["names"] == ["latest", "step_2", "step_4.tmp"]
+        assert r["again"]["start"] == 2
+    assert _losses([r["again"] for r in per_rank]) == [_losses(runs["train:pp2_dp1_ep1"])[0][2:]]
