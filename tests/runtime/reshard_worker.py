@@ -22,25 +22,28 @@ def _trainer(plan: dict, rank: int, world: int):
 
 def train(plan: dict, rank: int, world: int, run_dir: str, steps: int = 4, save_at: int = 2) -> dict:
     """Layout A: ``steps`` steps straight, saving after step ``save_at``; the losses (None off the last stage)
-    and the slot maps at the checkpoint."""
+    and the slot maps and torch RNG state at the checkpoint."""
     trainer = _trainer(plan, rank, world)
-    losses, slots = [], None
+    losses, slots, rng = [], None, None
     for step in range(steps):
         losses.append(trainer.train_step(step).report()["loss"])
         if step + 1 == save_at:
             trainer.save(Path(run_dir), save_at)
             slots = {i: m.slot_of_expert.tolist() for i, m in trainer.module.moe_layers().items()}
-    return {"losses": losses, "slots": slots}
+            rng = torch.get_rng_state()
+    return {"losses": losses, "slots": slots, "rng": rng}
 
 
 def resume(plan: dict, rank: int, world: int, run_dir: str, steps: int = 4) -> dict:
-    """Layout B: a fresh trainer resuming from ``run_dir`` up to ``steps``; its losses and slot maps."""
+    """Layout B: a fresh trainer resuming from ``run_dir`` up to ``steps``; its losses, and its slot maps and
+    torch RNG state right after the resume."""
     torch.manual_seed(1234 + rank)  # disturb the RNG: resume must set it
     trainer = _trainer(plan, rank, world)
     start = trainer.resume(Path(run_dir))
     slots = {i: m.slot_of_expert.tolist() for i, m in trainer.module.moe_layers().items()}
+    rng = torch.get_rng_state()
     losses = [trainer.train_step(step).report()["loss"] for step in range(start, steps)]
-    return {"start": start, "losses": losses, "slots": slots, "rng": torch.get_rng_state()}
+    return {"start": start, "losses": losses, "slots": slots, "rng": rng}
 
 
 def bad_copies(rank: int, world: int, run_dir: str) -> None:
