@@ -24,8 +24,10 @@ Keys (one flat DCP state dict):
 A save writes into ``step_<N>.tmp/``; after a barrier rank 0 renames it to ``step_<N>/``, then points ``latest``
 at it, then deletes all but the ``runtime.keep_checkpoints`` newest; a crash at any point leaves ``latest``
 naming a complete checkpoint. A resume reads ``latest``; every rank checks, before any collective, that the
-checkpoint is of the plan's model and holds every key (and shard file) that rank needs; the ranks agree on the
-first problem with one all_gather_object and all raise the same PiperError (train.run: one line, exit 2).
+checkpoint is of the plan's model and holds every key (and shard file) that rank needs; one all_gather_object
+brings every rank's first problem and its model keys (so that a saved key no rank places is found too), and all
+ranks raise the same PiperError (train.run: one line, exit 2). What fails inside dcp.load on one rank reaches
+every rank (DCP gathers exceptions in its planning and read steps) and becomes the same PiperError.
 
 After a resume the slot map is the saved one when ep is unchanged (it names the same EP group-ranks and local
 indices), else the identity of the new layout. RNG: under the saving layout (same ``parallel`` block and world)
@@ -287,9 +289,10 @@ def load(run_dir: Path, state: RankState) -> int:
         if not same_layout:
             del flat[f"{RNG}{state.rank}"]
         problem = _missing(path, flat)
-    problems: list = [None] * state.world
-    dist.all_gather_object(problems, problem)       # the one collective before DCP: every rank reaches it
-    first = next((p for p in problems if p), None)
+    mine = sorted(k for k in flat or () if k.startswith(MODEL))
+    gathered: list = [None] * state.world
+    dist.all_gather_object(gathered, (problem, mine))  # the one collective before DCP: every rank reaches it
+    first = next((p for p, _ in gathered if p), None) or _unplaced(path, {k for _, keys in gathered for k in keys})
     if first:
         raise PiperError(first, path=str(path))
     _dcp_load(flat, path)
@@ -334,6 +337,18 @@ def _missing(path: Path, flat: dict) -> str | None:
     for name in sorted(files):
         if not (path / name).is_file():
             return f"shard file {name} is missing"
+    return None
+
+
+def _unplaced(path: Path, placed: set[str]) -> str | None:
+    """A saved model key that no rank of this layout loads (the same answer on every rank): e.g. the separate LM
+    head a tie_embeddings model has under pp > 1, resumed at pp = 1, where the head is the embedding."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = {k for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.startswith(MODEL)}
+    extra = sorted(saved - placed)
+    if extra:
+        return f"the checkpoint holds {extra[0]!r}, which no rank of this layout has a place for"
     return None
 
 

@@ -71,9 +71,18 @@ def runs(tmp_path_factory):
     return out
 
 
+def _tied_plan(pp: int, dp: int) -> dict:
+    spec = load_model("tiny-moe").model_dump(mode="json")
+    spec["tie_embeddings"] = True  # pp > 1: the last stage has its own LM head; pp = 1: the head is the embedding
+    return plan_dict(pp=pp, dp=dp, ep=dp, num_microbatches=4 // dp, model_dict=spec)
+
+
 def _bad_jobs(run_dir) -> list:
     plan = PLANS["pp2_dp1_ep1"]
-    return [("bad_copies", "bad_copies", {"run_dir": str(run_dir)}),
+    tied = str(run_dir) + "_tied"
+    return [("train:tied", "train", {"plan": _tied_plan(2, 1), "run_dir": tied, "steps": 2}),
+            ("bad:tied_head", "bad_resume", {"plan": _tied_plan(1, 2), "run_dir": tied}),
+            ("bad_copies", "bad_copies", {"run_dir": str(run_dir)}),
             ("bad:other_model", "bad_resume", {"plan": _other_model_plan(), "run_dir": str(run_dir)}),
             ("bad:missing_shard", "bad_resume", {"plan": plan, "run_dir": f"{run_dir}_missing_shard"}),
             ("bad:short_shard", "bad_resume", {"plan": plan, "run_dir": f"{run_dir}_short_shard"}),
@@ -163,6 +172,7 @@ def test_same_layout_restores_each_ranks_rng_another_layout_reseeds(runs):
 @pytest.mark.distributed
 @pytest.mark.parametrize("case,needle", [("other_model", "another model: model.moe.num_experts: 8 (checkpoint) vs 4"),
                                          ("missing_shard", "shard file __1_0.distcp is missing"),
+                                         ("tied_head", "holds 'model.lm_head.weight', which no rank of this layout"),
                                          ("short_shard", "cannot load the checkpoint (rank 1")])
 def test_bad_checkpoint_one_error_on_every_rank_nothing_changed(runs, case, needle):
     per_rank = runs[f"bad:{case}"]
