@@ -71,6 +71,9 @@ class RuntimeBlock(Spec):
     """Optimizer steps to run."""
     checkpoint_interval: PositiveInt = 50
     """Steps between checkpoints."""
+    keep_checkpoints: PositiveInt = 2
+    """Complete checkpoints kept in RUN_DIR/checkpoints/ (the newest ones; older ones are deleted after ``latest``
+    moves to a new one)."""
     seed: int = 0
     """Random seed."""
     lr: PositiveFloat = 1e-3

@@ -1,32 +1,195 @@
-"""Per-rank checkpoints, written atomically: RUN_DIR/checkpoints/step_<N>/rank<r>.pt, then ``latest``.
+"""Checkpoints with torch.distributed.checkpoint (DCP), in layout-free keys: save under one layout (pp, dp, ep,
+virtual stages, ZeRO), resume under another of the same model.
 
-Each rank writes its own file (temp file + rename); after a barrier, rank 0 writes ``latest`` (atomic), so a
-``latest`` always names a complete step. The file holds the model and optimizer state, the step (the data
-position: batches are a function of the step) and every RNG state, so a resumed run repeats the loss curve.
+On disk (RUN_DIR/checkpoints/)::
+
+    step_<N>/            one complete checkpoint (N = completed optimizer steps)
+      .metadata          DCP's index: every key, its shape and the shard file / offset holding it
+      __<r>_0.distcp     what rank r wrote (DCP writes each replicated key once, on one rank)
+      piper.json         step, world, the saving layout (plan ``parallel``), the model spec, every MoE layer's slot map
+    latest               "N\\n": the newest complete checkpoint
+
+Keys (one flat DCP state dict):
+
+- ``model.<name>``: a dense parameter or buffer. ``<name>`` is its FQN with the interleaved schedule's
+  ``chunks.<v>.`` prefix dropped (StageModel names layers by global index: ``layers.<i>...``), so it does not
+  depend on pp or virtual stages.
+- ``model.layers.<i>.mlp.experts.<e>.<w>``: routed expert **logical** id ``e``'s row of the stacked ``[El, ...]``
+  weight ``w`` (w_in, w_gate, w_out, b_*), written by whichever rank holds ``e`` in its slots (MoE.slot_of_expert;
+  replicas over edp hold the same values, DCP keeps one); so the key depends on neither ep nor migration.
+- ``optim.<name>.<state>``: the optimizer state of that parameter (AdamW exp_avg, exp_avg_sq, step), per logical
+  expert for experts. Under ZeRO-1 only the rank owning a parameter's shard has (and writes) its state.
+- ``rng.rank<r>``: rank r's RNG states (torch, python, numpy, cuda).
+
+A save writes into ``step_<N>.tmp/``; after a barrier rank 0 renames it to ``step_<N>/``, then points ``latest``
+at it, then deletes all but the ``runtime.keep_checkpoints`` newest; a crash at any point leaves ``latest``
+naming a complete checkpoint. A resume reads ``latest``; every rank checks, before any collective, that the
+checkpoint is of the plan's model and holds every key (and shard file) that rank needs; one all_gather_object
+brings every rank's first problem and its model keys (so that a saved key no rank places is found too), and all
+ranks raise the same PiperError (train.run: one line, exit 2). What fails inside dcp.load on one rank reaches
+every rank (DCP gathers exceptions in its planning and read steps) and becomes the same PiperError.
+
+After a resume the slot map is the saved one when ep is unchanged (it names the same EP group-ranks and local
+indices), else the identity of the new layout. RNG: under the saving layout (same ``parallel`` block and world)
+every rank restores its own RNG states; under another one a rank's saved states have no meaning for its new role,
+so every rank reseeds from (seed, step, rank) (reproducible; the data position is a function of the step).
+
+DTensor parameters (TP, FSDP2): dense ones need nothing here: get_model_state_dict / get_optimizer_state_dict
+return them as DTensors under the same FQNs and DCP saves and reshards them itself. Expert tensors go through
+:func:`expert_rows` alone: for a stacked DTensor it must return, per logical expert held here, a DTensor of that
+expert's row built from this rank's local rows (``DTensor.from_local(t.to_local()[j], mesh, placements)`` with the
+placements shifted past the expert dimension), so that DCP still writes and loads in place. That needs the expert
+dimension itself unsharded on a rank (FSDP2 ``shard_placement_fn`` on dim 1, not dim 0); where dim 0 is sharded,
+``held_experts`` must also take the rank's row range. ``t.full_tensor()`` rows would work for saving but not for
+loading in place (a copy back would be needed).
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
+import io
 import random
-import tempfile
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from piper_plan.errors import PiperError
-from piper_plan.fileio import atomic_write_text
+from piper_plan.fileio import atomic_write_json, atomic_write_text, read_document
+
+META = "piper.json"
+MODEL, OPTIM, RNG = "model.", "optim.", "rng.rank"
+_CHUNK_PREFIX = re.compile(r"^chunks\.\d+\.")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_EXPERTS = ".experts."
 
 
-def rng_state() -> dict:
+# ---- paths, latest, rotation ---------------------------------------------------------------------
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step}"
+
+
+def mark_latest(run_dir: Path, step: int) -> None:
+    """Rank 0, after ``step_<step>/`` is complete: point ``latest`` at it (atomic)."""
+    atomic_write_text(checkpoints_dir(run_dir) / "latest", f"{step}\n")
+
+
+def latest_step(run_dir: Path) -> int | None:
+    path = checkpoints_dir(run_dir) / "latest"
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise PiperError(f"expected a step number, found {text[:40]!r}", path=str(path))
+    return int(text)
+
+
+def doomed(names: list[str], latest: int, keep: int) -> list[str]:
+    """Entries of checkpoints/ to delete once ``latest`` moved: every ``step_<N>`` but the ``keep`` newest up to
+    ``latest``, and leftovers of interrupted saves (``.tmp``, ``.old``)."""
+    steps = sorted((int(m.group(1)) for m in map(_STEP_DIR.match, names) if m), reverse=True)
+    kept = [s for s in steps if s <= latest][:keep]
+    complete = [f"step_{s}" for s in steps if s not in kept]
+    return complete + [n for n in names if n.startswith("step_") and n.endswith((".tmp", ".old"))]
+
+
+def rotate(run_dir: Path, latest: int, keep: int) -> None:
+    root = checkpoints_dir(run_dir)
+    for name in doomed(sorted(p.name for p in root.iterdir()), latest, keep):
+        shutil.rmtree(root / name, ignore_errors=True)
+
+
+# ---- layout-free keys (pure) -----------------------------------------------------------------------
+def layout_free_name(fqn: str) -> str:
+    """A module FQN without the interleaved schedule's ``chunks.<v>.`` prefix."""
+    return _CHUNK_PREFIX.sub("", fqn)
+
+
+def expert_key(name: str, expert: int) -> str:
+    """``layers.3.mlp.experts.w_in`` + logical expert 5 -> ``layers.3.mlp.experts.5.w_in``."""
+    head, leaf = name.rsplit(".", 1)
+    return f"{head}.{expert}.{leaf}"
+
+
+def layer_of(name: str) -> int:
+    return int(name.split(".")[1])
+
+
+def held_experts(slot_of_expert: list[int], first_slot: int, num_local: int) -> list[tuple[int, int]]:
+    """(logical expert, local index) of every expert in this rank's slots [first_slot, first_slot + El)."""
+    return sorted((e, s - first_slot) for e, s in enumerate(slot_of_expert) if first_slot <= s < first_slot + num_local)
+
+
+def first_difference(saved, mine, at: str = "") -> str | None:
+    """The first field where two JSON values differ, as ``field: saved vs mine``; None if equal."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        for key in sorted(set(saved) | set(mine)):
+            found = first_difference(saved.get(key), mine.get(key), f"{at}.{key}" if at else key)
+            if found:
+                return found
+        return None
+    if isinstance(saved, list) and isinstance(mine, list) and len(saved) == len(mine):
+        return next((d for i, (a, b) in enumerate(zip(saved, mine)) if (d := first_difference(a, b, f"{at}[{i}]"))),
+                    None)
+    return None if saved == mine else f"{at}: {saved!r} (checkpoint) vs {mine!r} (plan)"
+
+
+# ---- the flat state dict -------------------------------------------------------------------------------
+def torch_optimizers(optimizers) -> list:
+    """The torch optimizers of runtime/optim.Optimizers (ZeroRedundancyOptimizer keeps its shard's in ``.optim``)."""
+    return [getattr(o, "optim", o) for o in optimizers.optims]
+
+
+def expert_rows(name: str, tensor: torch.Tensor, held: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """{layout-free key: tensor} of one stacked expert tensor ``[El, ...]`` (a parameter or an optimizer state
+    shaped like it: row j is local expert j), or of a per-tensor scalar (Adam's ``step``: every logical expert
+    of the tensor gets the same one). Views, so that dcp.load writes into the tensor itself. The one place that
+    knows how expert tensors are laid out on a rank (plain tensors; DTensors: the module notes)."""
+    if tensor.dim() == 0:
+        return {expert_key(name, e): tensor for e, _ in held}
+    return {expert_key(name, e): tensor[j] for e, j in held}
+
+
+def flat_state(model_sd: dict, optim_sds: list[dict], held: dict[int, list[tuple[int, int]]], rank: int) -> dict:
+    """This rank's model and optimizer state dicts (RankState.torch_state) -> the layout-free DCP state dict.
+    ``held``: per MoE layer, this rank's (logical expert, local index). Slot maps are not in it (piper.json)."""
+    flat: dict = {}
+    for fqn, t in model_sd.items():
+        name = layout_free_name(fqn)
+        if name.endswith(".slot_of_expert"):
+            continue
+        if _EXPERTS in name:
+            flat.update({MODEL + k: v for k, v in expert_rows(name, t, held[layer_of(name)]).items()})
+        else:
+            flat[MODEL + name] = t
+    for fqn, state in ((f, st) for sd in optim_sds for f, st in sd["state"].items()):
+        name = layout_free_name(fqn)
+        for key, t in state.items():
+            if _EXPERTS in name:
+                flat.update({f"{OPTIM}{k}.{key}": v for k, v in expert_rows(name, t, held[layer_of(name)]).items()})
+            else:
+                flat[f"{OPTIM}{name}.{key}"] = t
+    flat[f"{RNG}{rank}"] = _rng_bytes()
+    return flat
+
+
+def _rng_bytes() -> bytes:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
 
 
-def set_rng_state(state: dict) -> None:
+def _set_rng(data: bytes) -> None:
+    state = torch.load(io.BytesIO(data), weights_only=False)
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -34,43 +197,185 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def rank_path(run_dir: Path, step: int, rank: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}" / f"rank{rank}.pt"
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Every RNG from (seed, step, rank): a resume under another layout."""
+    value = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:4], "little")
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value)
 
 
-def save_rank(run_dir: Path, step: int, rank: int, model, optimizer) -> Path:
-    """Atomically write this rank's state for ``step`` (the number of completed steps)."""
-    path = rank_path(run_dir, step, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+class RankState:
+    """This rank's part of a checkpoint: its module, optimizers and plan; the flat state dict in both directions."""
+
+    def __init__(self, module, optimizers, cfg, rank: int, world: int) -> None:
+        self.module, self.optims, self.cfg, self.rank, self.world = module, torch_optimizers(optimizers), cfg, rank, world
+
+    def torch_state(self) -> tuple[dict, list[dict]]:
+        """The module's state dict and each optimizer's (torch.distributed.checkpoint.state_dict: FQN-keyed,
+        references to the live tensors for plain modules; a fresh optimizer gets its state created by a
+        zero-learning-rate step first). One optimizer at a time: a ZeRO-1 shard may hold an empty parameter
+        group, which get_state_dict / set_state_dict refuse for several optimizers at once."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        return get_model_state_dict(self.module), [get_optimizer_state_dict(self.module, o) for o in self.optims]
+
+    def held(self) -> dict[int, list[tuple[int, int]]]:
+        return {i: held_experts(m.slot_of_expert.tolist(), m.first_expert, m.num_local)
+                for i, m in self.module.moe_layers().items()}
+
+    def slot_maps(self) -> dict[str, list[int]]:
+        return {str(i): m.slot_of_expert.tolist() for i, m in self.module.moe_layers().items()}
+
+    def meta(self, step: int, slot_maps: dict) -> dict:
+        return {"step": step, "world": self.world, "parallel": self.cfg.parallel.model_dump(mode="json"),
+                "model": self.cfg.model.model_dump(mode="json"), "slot_of_expert": slot_maps}
+
+
+# ---- save --------------------------------------------------------------------------------------------
+def save(run_dir: Path, step: int, state: RankState, keep: int) -> Path:
+    """Collective (every rank): write ``step_<step>`` atomically, move ``latest``, rotate (module notes)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    maps: list = [None] * state.world
+    dist.all_gather_object(maps, state.slot_maps())  # every stage's layers, for piper.json
+    if state.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)      # a save interrupted before
+        tmp.mkdir(parents=True)
+        atomic_write_json(tmp / META, state.meta(step, {k: v for m in maps for k, v in m.items()}))
+    dist.barrier()
+    model_sd, optim_sds = state.torch_state()
+    dcp.save(flat_state(model_sd, optim_sds, state.held(), state.rank), checkpoint_id=str(tmp))
+    dist.barrier()
+    if state.rank == 0:
+        _install(tmp, final)
+        mark_latest(run_dir, step)
+        rotate(run_dir, step, keep)
+    dist.barrier()
+    return final
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Rename the finished ``.tmp`` into place; an existing ``step_<N>`` (of an earlier run in this directory)
+    is moved aside first and deleted by the rotation."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+
+
+# ---- load ---------------------------------------------------------------------------------------------
+def load(run_dir: Path, state: RankState) -> int:
+    """Collective: restore the ``latest`` checkpoint into this rank's module / optimizers / RNG under the current
+    layout; return the step to continue from (0 without a checkpoint). Bad checkpoints: PiperError on every rank."""
+    import torch.distributed as dist
+
+    step = latest_step(run_dir)
+    if step is None:
+        return 0
+    path = step_dir(run_dir, step)
+    meta, problem = _read_meta(path, state)
+    flat = None
+    if problem is None:
+        same_ep = meta["parallel"]["ep"] == state.cfg.parallel.ep
+        _install_slot_maps(state, meta["slot_of_expert"] if same_ep else None)
+        model_sd, optim_sds = state.torch_state()
+        flat = flat_state(model_sd, optim_sds, state.held(), state.rank)
+        same_layout = meta["parallel"] == state.cfg.parallel.model_dump(mode="json") and meta["world"] == state.world
+        if not same_layout:
+            del flat[f"{RNG}{state.rank}"]
+        problem = _missing(path, flat)
+    mine = sorted(k for k in flat or () if k.startswith(MODEL))
+    gathered: list = [None] * state.world
+    dist.all_gather_object(gathered, (problem, mine))  # the one collective before DCP: every rank reaches it
+    first = next((p for p, _ in gathered if p), None) or _unplaced(path, {k for _, keys in gathered for k in keys})
+    if first:
+        raise PiperError(first, path=str(path))
+    _dcp_load(flat, path)
+    _restore(state, model_sd, optim_sds, flat, step, same_layout)
+    return step
+
+
+def _read_meta(path: Path, state: RankState) -> tuple[dict | None, str | None]:
+    """piper.json of a checkpoint and the first reason it cannot be resumed by this plan (None: it can)."""
+    if not (path / META).is_file() or not (path / ".metadata").is_file():
+        return None, f"not a complete checkpoint (no {META} or .metadata)"
     try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+        meta = read_document(path / META)
+    except PiperError as exc:
+        return None, str(exc)
+    diff = first_difference(meta.get("model"), state.cfg.model.model_dump(mode="json"))
+    if diff:
+        return meta, f"the checkpoint is of another model: model.{diff}"
+    return meta, None
 
 
-def mark_latest(run_dir: Path, step: int) -> None:
-    """Rank 0, after every rank saved: point ``latest`` at ``step``."""
-    atomic_write_text(Path(run_dir) / "checkpoints" / "latest", f"{step}\n")
+def _install_slot_maps(state: RankState, saved: dict | None) -> None:
+    """The saved slot maps (same ep) or the identity (another ep)."""
+    for i, m in state.module.moe_layers().items():
+        row = saved[str(i)] if saved is not None else list(range(m.spec.num_experts))
+        m.slot_of_expert.copy_(torch.as_tensor(row, dtype=torch.int64))
 
 
-def latest_step(run_dir: Path) -> int | None:
-    path = Path(run_dir) / "checkpoints" / "latest"
-    return int(path.read_text().strip()) if path.is_file() else None
+def _missing(path: Path, flat: dict) -> str | None:
+    """The first key of ``flat`` the checkpoint lacks, holds with another shape, or whose shard file is missing."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(str(path)).read_metadata()
+    for key, value in flat.items():
+        saved = md.state_dict_metadata.get(key)
+        if saved is None:
+            return f"the checkpoint has no {key!r} (saved under a model or optimizer without it)"
+        if torch.is_tensor(value) and isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != tuple(value.shape):
+            return f"{key!r} has shape {list(saved.size)} in the checkpoint, {list(value.shape)} in this plan"
+    files = {info.relative_path for index, info in md.storage_data.items() if index.fqn in flat}
+    for name in sorted(files):
+        if not (path / name).is_file():
+            return f"shard file {name} is missing"
+    return None
 
 
-def load_rank(run_dir: Path, step: int, rank: int, model, optimizer) -> int:
-    """Restore model, optimizer and RNG; return the step to continue from."""
-    path = rank_path(run_dir, step, rank)
-    if not path.is_file():
-        raise PiperError(f"checkpoint for rank {rank} missing (world size changed?)", path=str(path))
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
-    return int(state["step"])
+def _unplaced(path: Path, placed: set[str]) -> str | None:
+    """A saved model key that no rank of this layout loads (the same answer on every rank): e.g. the separate LM
+    head a tie_embeddings model has under pp > 1, resumed at pp = 1, where the head is the embedding."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = {k for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.startswith(MODEL)}
+    extra = sorted(saved - placed)
+    if extra:
+        return f"the checkpoint holds {extra[0]!r}, which no rank of this layout has a place for"
+    return None
+
+
+def _dcp_load(flat: dict, path: Path) -> None:
+    """dcp.load in place; a failure on any rank reaches every rank (DCP gathers exceptions in its planning and
+    read steps) and becomes the same one-line PiperError everywhere."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(flat, checkpoint_id=str(path))
+    except CheckpointException as exc:
+        rank, (error, _) = min(exc.failures.items())
+        line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise PiperError(f"cannot load the checkpoint (rank {rank}: {type(error).__name__}: {line})",
+                         path=str(path)) from None
+
+
+def _restore(state: RankState, model_sd: dict, optim_sds: list[dict], flat: dict, step: int,
+             same_layout: bool) -> None:
+    """The loaded values (already in the live tensors: dcp.load wrote into views) through set_*_state_dict; RNG."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(state.module, model_sd)
+    for optim, sd in zip(state.optims, optim_sds):
+        set_optimizer_state_dict(state.module, optim, sd)
+    if same_layout:
+        _set_rng(flat[f"{RNG}{state.rank}"])
+    else:
+        reseed(state.cfg.runtime.seed, step, state.rank)

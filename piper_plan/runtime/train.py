@@ -8,7 +8,8 @@ gradients over dp and expert gradients over edp (bucketed, one flat buffer per <
 AdamW / SGD with warmup + cosine decay and global-norm clipping (optionally ZeRO-1 sharded; runtime/optim.py),
 gathers every rank's report as one tensor per step (runtime/report.py), migrates experts at step boundaries
 (plan.json ``migration``;
-runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and per-rank checkpoints.
+runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and resharding checkpoints
+(runtime/checkpoint.py: torch.distributed.checkpoint; resumable under another layout).
 Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
 Tensor parallelism is not implemented (tp = 1; capability.py).
 """
@@ -325,23 +326,22 @@ class Trainer:
             return {**out, "total_bytes": int(torch.cuda.max_memory_allocated(self.device))}
         return {**out, "total_bytes": params + grads + optim + acts}
 
-    # -- checkpoints
+    # -- checkpoints (runtime/checkpoint.py: torch.distributed.checkpoint, layout-free keys)
+    def checkpoint_state(self):
+        from piper_plan.runtime.checkpoint import RankState
+
+        return RankState(self.module, self.optimizer, self.cfg, self.rank, self.world)
+
     def save(self, run_dir: Path, step: int) -> None:
-        import torch.distributed as dist
+        from piper_plan.runtime.checkpoint import save
 
-        from piper_plan.runtime.checkpoint import mark_latest, save_rank
-
-        save_rank(run_dir, step, self.rank, self.module, self.optimizer)
-        dist.barrier()
-        if self.rank == 0:
-            mark_latest(run_dir, step)
-        dist.barrier()
+        save(run_dir, step, self.checkpoint_state(), self.cfg.runtime.keep_checkpoints)
 
     def resume(self, run_dir: Path) -> int:
-        from piper_plan.runtime.checkpoint import latest_step, load_rank
+        """The step to continue from; PiperError (the same on every rank) for a checkpoint it cannot load."""
+        from piper_plan.runtime.checkpoint import load
 
-        step = latest_step(run_dir)
-        return 0 if step is None else load_rank(run_dir, step, self.rank, self.module, self.optimizer)
+        return load(run_dir, self.checkpoint_state())
 
 
 def _allreduce_mean(params, group, divisor: int, bucket_numel: int = 2**25) -> None:
@@ -423,6 +423,11 @@ class _StopFlag:
     def _set(self, signum, frame) -> None:
         self.signum = signum
 
+    def release(self) -> None:
+        """Default handlers again (a run that ends on bad input: torchrun's SIGTERM then ends a waiting rank)."""
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -489,7 +494,12 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     stop = _StopFlag()
     trainer = Trainer(cfg, rank, world, device)
     run_dir = Path(args.out)
-    start = trainer.resume(run_dir) if args.resume else 0
+    try:
+        start = trainer.resume(run_dir) if args.resume else 0
+    except PiperError as exc:  # the same on every rank (checkpoint.load agrees on it): nothing written yet
+        stop.release()
+        dist.destroy_process_group()
+        return _report_user_error(exc, rank)
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
     records = _kept_records(run_dir / "metrics.jsonl", start) if rank == 0 and args.resume else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from piper_plan.catalog import load_model
 from plans import plan_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,3 +113,31 @@ def test_bad_input_clear_error_every_rank_exits(tmp_path):
         assert proc.returncode != 0, name
         assert needle in proc.stderr, (name, proc.stderr[-2000:])
         assert proc.stderr.count("error: ") == 1, name  # rank 0 only
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.distributed
+def test_bad_resume_one_line_exit_2_nothing_overwritten(tmp_path):
+    """--resume from a checkpoint the plan cannot load: a missing shard, another model, a layout that cannot hold
+    the model (a stage without layers: found when plan.json is read). Every case: the trainer exits 2 with one
+    error line (rank 0), the other rank is ended, the run directory is byte-for-byte unchanged."""
+    proc = _torchrun(2, plan_dict(pp=2, dp=1, ep=1, steps=2, checkpoint_interval=2), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2" / "__1_0.distcp").unlink()
+    other = load_model("tiny-moe").model_dump(mode="json")
+    other["moe"]["num_experts"] = 4
+    cases = {"missing shard": (plan_dict(pp=1, dp=2, ep=2, steps=4), "shard file __1_0.distcp is missing"),
+             "another model": (plan_dict(pp=2, dp=1, ep=1, steps=4, model_dict=other),
+                               "another model: model.moe.num_experts: 8 (checkpoint) vs 4 (plan)"),
+             "cannot hold": (plan_dict(pp=2, dp=1, ep=1, steps=4, layers_per_stage=[4, 0]), "layers_per_stage")}
+    before = _tree(run)
+    for name, (plan, needle) in cases.items():
+        proc = _torchrun(2, plan, tmp_path, "--resume", timeout=90)
+        # torchrun exits 1 when a rank fails; the trainer's own code is in its report
+        assert re.search(r"exitcode\s*:\s*2 ", proc.stderr), (name, proc.stderr[-2000:])
+        assert needle in proc.stderr and proc.stderr.count("error: ") == 1, (name, proc.stderr[-2000:])
+        assert _tree(run) == before, name

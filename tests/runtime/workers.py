@@ -87,7 +87,8 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def spawn(world: int, jobs: list, out_dir: Path) -> list[dict]:
+def spawn(world: int, jobs: list, out_dir: Path, fn=None) -> list[dict]:
+    """Run ``jobs`` on ``world`` spawned ranks with ``fn`` (default: this module's worker); every rank's results."""
     import socket
 
     import torch.multiprocessing as mp
@@ -95,5 +96,5 @@ def spawn(world: int, jobs: list, out_dir: Path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(worker, args=(world, port, jobs, str(out_dir)), nprocs=world, start_method="spawn")
+    mp.start_processes(fn or worker, args=(world, port, jobs, str(out_dir)), nprocs=world, start_method="spawn")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
