@@ -31,6 +31,8 @@ EXACT = {
     "qwen3-235b-a22b": (235_093_634_560, 22_190_763_520),
     # Qwen/Qwen3-30B-A3B model card, 30.5B / 3.3B (transformers' count: scripts/check_hf_counts.py)
     "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
+    # openai/gpt-oss-120b model card, 117B (transformers' count: scripts/check_hf_counts.py; active incl. embedding)
+    "gpt-oss-120b": (116_829_156_672, 5_711_982_912),
     # xAI grok-1 README, 314B (hand-derived from the reference model.py)
     "grok-1": (315_684_820_992, 83_756_587_008),
 }

@@ -34,7 +34,9 @@ def test_dataset_within_tolerance(name):
     code, out = _validate_json("--dataset", name)
     (ds,) = out["datasets"]
     known = {row_id for (dataset, row_id) in KNOWN_OUT_OF_TOLERANCE if dataset == name}
-    assert ds["mean_abs_pct_error"] <= ds["tolerance_pct"]["mean"]
+    assert all(row["predicted"] is not None for row in ds["rows"]), "every row is priced, gated or not"
+    if ds["mean_abs_pct_error"] is not None:          # None: no gated row (a dataset reported, not yet gated)
+        assert ds["mean_abs_pct_error"] <= ds["tolerance_pct"]["mean"]
     for row in ds["rows"]:
         if row["gated"] and row["id"] not in known:
             assert row["abs_pct_error"] <= row["tolerance_pct"], row["id"]
