@@ -37,7 +37,7 @@ class ParallelPlan(Spec):
     """Megatron sequence parallelism (Korthikanti et al. 2022): with tp > 1 the activations outside the tp
     region (norms, dropout, residual stream) are split over tp too; False = tensor parallelism only. The one
     place this setting lives: the cost model reads it from the plan."""
-    zero: Literal[0, 1] = 0
+    zero: Literal[0, 1, 2, 3] = 0
     """ZeRO stage: 1 shards optimizer state over dp (dense) and edp (experts)."""
     a2a: A2A = A2A.FLAT
     """Expert all-to-all algorithm."""
