@@ -2,7 +2,8 @@
 
 Counts parameters (dense vs routed-expert numel), gradients, optimizer state, and activations saved for
 backward, measured with ``torch.autograd.graph.saved_tensors_hooks``: a saved tensor is counted once per
-storage while it is alive (parameters saved by matmuls are not activations and are excluded).
+storage while it is alive (parameters saved by matmuls, FSDP2's gathered ones included, are not activations
+and are excluded). A DTensor (FSDP2's sharded state) counts its local shard.
 """
 
 from __future__ import annotations
@@ -18,12 +19,21 @@ def param_counts(model: torch.nn.Module) -> dict[str, int]:
 
 
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """Bytes this rank holds: a DTensor (FSDP2's sharded state) counts its local shard."""
+    from piper_plan.runtime.sharding import local
+
+    return sum(local(t).numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def optimizer_state_bytes(optimizer) -> int:
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
     return sum(tensor_bytes(s.values()) for s in inner.state.values())
+
+
+def _is_weight(t: torch.Tensor) -> bool:
+    """A parameter or a view of one: FSDP2's gathered weights (runtime/sharding.py) live in buffers that are
+    allocated at each all-gather, so their storage is not among the parameters' at construction."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 class _Saved:
@@ -40,14 +50,16 @@ class SavedTensorTracker:
     """Live and peak bytes of tensors autograd saved for backward while the context is active."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        from piper_plan.runtime.sharding import local
+
+        self.param_ptrs = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self.live_bytes = self.peak_bytes = self.total_bytes = 0
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self.param_ptrs or t.device.type == "meta":
+        if key in self.param_ptrs or _is_weight(t) or t.device.type == "meta":
             return t
         entry = self.live.setdefault(key, [storage.nbytes(), 0])
         if entry[1] == 0:
