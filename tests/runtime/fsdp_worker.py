@@ -84,6 +84,39 @@ def logical_shards(trainer) -> dict:
     return out
 
 
+def _numel(params) -> int:
+    return sum(q.numel() for q in params)  # a DTensor's numel is the whole tensor's
+
+
+def stage_numels(trainer) -> dict:
+    """Whole-tensor element counts of this rank's stage: dense, routed experts (its El per layer), the largest
+    block's dense and expert parts, and the stage root's own (embedding, final norm, head)."""
+    from piper_plan.runtime.sharding import stage_roots
+
+    blocks = [b for stage in stage_roots(trainer.module) for b in stage.layers.values()]
+    split = [(_numel(q for n, q in b.named_parameters() if ".experts." not in f".{n}"),
+              _numel(q for n, q in b.named_parameters() if ".experts." in f".{n}")) for b in blocks]
+    return {"dense": _numel(trainer.dense), "expert": _numel(trainer.expert),
+            "root": _numel(trainer.dense) - sum(d for d, _ in split),
+            "block_dense_max": max(d for d, _ in split), "block_expert_max": max(e for _, e in split)}
+
+
+def measure_check(plan: dict, rank: int, world: int) -> dict:
+    """Step 1 (after a step 0 that creates the optimizer state) of a plan: the runtime's accounting (parameters
+    at rest, gradients after the step, optimizer state, saved activations), the peaks of gathered parameters and
+    of gradients during the step (accounting.StatePeaks), the data-parallel collectives, and the stage's numels."""
+    from piper_plan.runtime.accounting import CollectiveCounter, StatePeaks
+
+    trainer = _trainer(plan, rank, world, aux=0.0)
+    trainer.train_step(0)
+    peaks = StatePeaks(trainer.module, trainer.dense + trainer.expert)
+    trainer.tracker.on_sample = peaks.sample
+    with CollectiveCounter() as counter:
+        report = trainer.train_step(1).report()
+    return {"memory": report["memory"], "peaks": peaks.peak, "collectives": counter.calls,
+            "numel": stage_numels(trainer), "stage": trainer.mesh.me.pp_index}
+
+
 def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     from workers import init
 
@@ -91,7 +124,7 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     init(rank, world, port)
     results = {}
     for name, kind, kwargs in jobs:
-        fn = {"train": train_check}[kind]
+        fn = {"train": train_check, "measure": measure_check}[kind]
         results[name] = fn(rank=rank, world=world, **kwargs)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     import gc
