@@ -12,8 +12,10 @@ Per pipeline stage (each model chunk of an interleaved rank is its own root):
   are the first ones backward needs).
 
 zero 2 = ``reshard_after_forward=False`` (blocks stay gathered from forward to backward), zero 3 = ``True``.
-A group of size 1 is not sharded: dp = 1 leaves the stage unwrapped (zero 2/3 then run as zero 0); edp = 1 leaves
-the experts plain parameters (not in any FSDP group), whose gradients train.py divides by dp as for zero 0.
+dp = 1 leaves the stage unwrapped (nothing to shard: zero 2/3 then run as zero 0). edp = 1 (every expert on one
+rank of the stage) still wraps the experts, over a 1-rank mesh: nothing is sharded or communicated, but FSDP2
+casts them to the compute dtype once per gather (not once per micro-batch as a plain fp32 weight under bf16
+compute would be) and divides their gradients by dp, so every parameter of a zero 2/3 stage is FSDP2's.
 Mixed precision: training.dtype bf16 -> ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` over
 fp32 sharded master weights (FSDP2 casts on CPU too); fp32 -> no cast.
 """
@@ -70,29 +72,26 @@ def shard_stage_module(module: nn.Module, mesh, plan, dtype: str) -> nn.Module:
     per_block = plan.zero == 3
     dp_mesh = mesh.submesh("dp")
     for stage in stage_roots(module):
-        plain_experts: set[nn.Parameter] = set()
         for block in stage.layers.values():
             if block.is_moe:
-                plain_experts |= _shard_experts(block.mlp.experts, mesh, plan, policy, per_block)
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=per_block, mp_policy=policy,
-                        ignored_params=plain_experts or None)
-        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy,
-                    ignored_params=plain_experts or None)
+                _shard_experts(block.mlp.experts, mesh, plan, policy, per_block)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=per_block, mp_policy=policy)
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     return module
 
 
-def _shard_experts(experts: nn.Module, mesh, plan, policy, per_block: bool) -> set:
-    """FSDP2 over edp for one layer's LocalExperts; returns the parameters left plain (edp = 1: all of them)."""
-    if plan.edp == 1:
-        return set(experts.parameters())
+def _shard_experts(experts: nn.Module, mesh, plan, policy, per_block: bool) -> None:
+    """FSDP2 over edp for one layer's LocalExperts (edp = 1: a 1-rank mesh, see the module docstring)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
     fully_shard(experts, mesh=mesh.submesh("edp"), reshard_after_forward=per_block, mp_policy=policy,
                 shard_placement_fn=lambda p: Shard(EXPERT_SHARD_DIM))
     experts.set_gradient_divide_factor(float(plan.dp))
-    experts.set_force_sum_reduction_for_comms(True)  # sum, then divide: gloo has no PREMUL_SUM
-    return set()
+    if plan.edp > 1:
+        # sum, then divide: gloo has no PREMUL_SUM. Not on a 1-rank mesh, where FSDP2 (torch 2.13) would divide
+        # twice (once in its no-collective copy, once after); there it divides once and communicates nothing.
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 def local(t):

@@ -19,6 +19,10 @@ RTOL, ATOL = 1e-4, 1e-6  # fp32, as tests/runtime/test_mesh_training.py
 BF16_LOSS_RTOL = 2e-2
 """bf16 compute (8 mantissa bits, relative rounding 2^-8 = 3.9e-3 per op) over fp32 master weights and fp32
 gradient reduction: the loss of each of the 3 steps within 2% of the fp32 run (measured: see the test's print)."""
+BF16_GRAD_RTOL = 3e-2
+"""Step 0's whole gradient (same weights in both runs) within 3% (relative L2) of the fp32 run's (measured 8.1e-3).
+Later steps' gradients are printed, not bounded: after an AdamW step at lr 1e-2 the weights differ by up to lr per
+element and top-k routing flips for some tokens, so they differ by ~1e-1 while the losses stay within 2e-4."""
 
 
 def _plan(pp, dp, ep, zero, schedule="1f1b", a2a="flat", **kw) -> dict:
@@ -88,13 +92,9 @@ def _whole_model_name(name: str) -> str:
 
 
 def _sharded_as_planned(plan: dict, per_rank: list[dict]) -> None:
-    """Dense weights are DTensors (dp > 1); experts are DTensors exactly where edp > 1."""
+    """Every parameter is FSDP2's (a DTensor): dense over dp, experts over edp (a 1-rank mesh where edp = 1)."""
     for r in per_rank:
-        names = set(r["sharded"])
-        dense = {n for n in r["grads"][0] if ".experts." not in n}
-        experts = {n for n in r["grads"][0] if ".experts." in n}
-        assert dense <= names
-        assert (experts <= names) if plan["parallel"]["edp"] > 1 else not (experts & names)
+        assert set(r["sharded"]) == set(r["grads"][0])
 
 
 @pytest.mark.distributed
@@ -146,3 +146,12 @@ def test_bf16_policy_within_tolerance_of_fp32(four):
         print(f"bf16 vs fp32 loss, relative: {', '.join(f'{v:.2e}' for v in rel)}")
         assert max(rel) < BF16_LOSS_RTOL
         assert a["losses"] != b["losses"]  # the bf16 policy really computed in bf16
+        for step in range(STEPS):
+            diff = _norm([a["grads"][step][n] - g for n, g in b["grads"][step].items()])
+            rel_grad = diff / _norm(list(b["grads"][step].values()))
+            print(f"bf16 vs fp32 gradient, step {step}: |diff| / |fp32| = {rel_grad:.2e}")
+            assert rel_grad > 0 and (step > 0 or rel_grad < BF16_GRAD_RTOL)
+
+
+def _norm(tensors) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([t.norm() for t in tensors])))
