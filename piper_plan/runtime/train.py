@@ -531,6 +531,9 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
                                                      "world": world, "device": device.type})
     dist.barrier()
+    import gc
+
+    gc.collect()  # environment.md: FSDP2 / DTensor processes may abort at exit otherwise
     dist.destroy_process_group()
     return code
 

@@ -118,13 +118,13 @@ def measure_check(plan: dict, rank: int, world: int) -> dict:
 
 
 def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
-    from workers import init
+    from workers import init, resume_check
 
     os.environ["PIPER_EMULATE_TOPOLOGY"] = f"{world}x1"  # only plans with a2a="halo" read it: a node per rank
     init(rank, world, port)
     results = {}
     for name, kind, kwargs in jobs:
-        fn = {"train": train_check, "measure": measure_check}[kind]
+        fn = {"train": train_check, "measure": measure_check, "resume": resume_check}[kind]
         results[name] = fn(rank=rank, world=world, **kwargs)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     import gc
