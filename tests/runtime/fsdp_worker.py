@@ -134,12 +134,6 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
 
 
 def spawn(world: int, jobs: list, out_dir) -> list[dict]:
-    import socket
+    import workers
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(worker, args=(world, port, jobs, str(out_dir)), nprocs=world, start_method="spawn")
-    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return workers.spawn(world, jobs, Path(out_dir), target=worker)
