@@ -24,7 +24,10 @@ Replicas: the EDP ranks holding the same experts (one per EP group of the stage)
 so their rank-0 schedulers plan identical swaps and every replica applies the same permutation — expert
 replicas stay bit-identical without exchanging anything across EP groups. With ZeRO-1 the owner of an expert
 tensor's optimizer shard is the same EDP index in every EP group (same parameter list), so both ends of a
-transfer hold the state or neither does.
+transfer hold the state or neither does. With zero 2/3 (runtime/sharding.py) the experts are FSDP2-sharded over edp
+on dim 1: every edp rank holds the same slice of every local expert, so each EP group exchanges the local shards
+(``to_local()``) of the moved slots, of their gradients and of their optimizer state (1/edp of the bytes each),
+and the EP groups together move whole experts; nothing crosses EP groups.
 """
 
 from __future__ import annotations
@@ -100,17 +103,19 @@ def _adam_states(optimizers) -> list[dict]:
 def slot_tensors(experts: torch.nn.Module, optimizers) -> list[torch.Tensor]:
     """Every tensor stacked ``[El, ...]`` that belongs to an expert slot: parameters, gradients when present,
     and optimizer state shaped like the parameter. Same order on every rank (named_parameters, sorted keys)."""
+    from piper_plan.runtime.sharding import local
+
     states = _adam_states(optimizers)
     out = []
     for _, p in experts.named_parameters():
-        out.append(p.data)
+        out.append(local(p.data))
         if p.grad is not None:
-            out.append(p.grad)
+            out.append(local(p.grad))
         for st in states:
             for key in sorted(st.get(p, {})):
                 v = st[p][key]
                 if torch.is_tensor(v) and v.shape == p.shape:
-                    out.append(v)
+                    out.append(local(v))
     return out
 
 

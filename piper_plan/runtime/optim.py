@@ -59,7 +59,7 @@ class Optimizers:
             if training.optimizer != "adam":
                 for g in pgroups:
                     g["weight_decay"] = 0.0           # SGD's weight_decay is an L2 term, not AdamW's decay
-            if zero and size > 1:
+            if zero == 1 and size > 1:                # zero 2/3: FSDP2 shards the state (runtime/sharding.py)
                 self.optims.append(ZeroRedundancyOptimizer(pgroups[0]["params"], optimizer_class=cls,
                                                            process_group=group, lr=rt.lr,
                                                            weight_decay=pgroups[0]["weight_decay"], **kw))
@@ -96,23 +96,35 @@ class Optimizers:
 def global_grad_norm(dense: list, expert: list, dp: int, edp: int, device) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same on every rank (one all-reduce of a scalar).
 
-    Dense gradients are identical on the dp ranks of a stage and expert gradients on the edp ranks of an
-    expert, so each rank adds ``|dense|^2 / dp + |expert|^2 / edp`` and the sum over the world counts every
-    parameter of every stage once (tp = 1)."""
-    def square(params):
-        grads = [q.grad for q in params if q.grad is not None]
+    A replicated dense gradient is identical on the dp ranks of a stage and a replicated expert gradient on the
+    edp ranks of an expert, so each rank adds ``|dense|^2 / dp + |expert|^2 / edp``; an FSDP2-sharded gradient
+    (a DTensor, runtime/sharding.py) adds the square of its local shard once. The sum over the world counts
+    every parameter of every stage once (tp = 1)."""
+    from piper_plan.runtime.sharding import is_sharded, local
+
+    def square(grads):
+        grads = [local(g) for g in grads if g is not None]
         if not grads:
             return torch.zeros((), device=device, dtype=torch.float32)
         return torch.nn.utils.get_total_norm(grads).float().square()
 
-    sq = square(dense) / dp + square(expert) / edp
+    def part(params, replicas):
+        grads = [q.grad for q in params]
+        return (square([g for g in grads if not is_sharded(g)]) / replicas
+                + square([g for g in grads if is_sharded(g)]))
+
+    sq = part(dense, dp) + part(expert, edp)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()
 
 
 def clip_grads(params: list, max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale every gradient by min(1, max_norm / total_norm) (on the device: no host read)."""
-    grads = [q for q in params if q.grad is not None]
+    """Scale every gradient by min(1, max_norm / (total_norm + 1e-6)) (torch's clip_grads_with_norm_ formula, on
+    the device: no host read); a sharded gradient (DTensor) through its local shard."""
+    from piper_plan.runtime.sharding import local
+
+    grads = [local(q.grad) for q in params if q.grad is not None]
     if grads:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total_norm)
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))

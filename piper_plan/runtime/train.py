@@ -62,6 +62,9 @@ def preflight(cfg, world: int, cuda_available: bool) -> None:
     if cfg.platform.launch.device == "cuda" and not cuda_available:
         raise PiperError(f"platform {cfg.platform.name} runs on GPUs (launch.device='cuda') but this machine has "
                          "none visible to torch; use a CPU platform (launch.device='cpu')", field="platform.launch.device")
+    from piper_plan.runtime.sharding import check_shardable
+
+    check_shardable(cfg.model, cfg.parallel)
     if cfg.runtime.data:
         from piper_plan.runtime.data import open_token_file
 
@@ -98,7 +101,9 @@ class Trainer:
         self.mesh = mesh or Mesh.create(rank, p.pp, p.dp, p.ep, p.tp, device.type)
         self.seed = cfg.runtime.seed
         torch.manual_seed(self.seed + rank)
-        self.module = self._build_model(cfg.runtime.aux_loss_coeff)
+        from piper_plan.runtime.sharding import shard_stage_module
+
+        self.module = shard_stage_module(self._build_model(cfg.runtime.aux_loss_coeff), self.mesh, p, cfg.training.dtype)
         named = list(self.module.named_parameters())
         dense = [(n, q) for n, q in named if ".experts." not in n]
         expert = [(n, q) for n, q in named if ".experts." in n]
@@ -187,7 +192,9 @@ class Trainer:
     def _autocast(self):
         import torch
 
-        if self.device.type == "cuda" and self.cfg.training.dtype in ("bf16", "fp16"):
+        from piper_plan.runtime.sharding import uses_fsdp
+
+        if self.device.type == "cuda" and self.cfg.training.dtype in ("bf16", "fp16") and not uses_fsdp(self.cfg.parallel):
             dtype = torch.bfloat16 if self.cfg.training.dtype == "bf16" else torch.float16
             return torch.autocast("cuda", dtype=dtype)
         return contextlib.nullcontext()
@@ -195,12 +202,14 @@ class Trainer:
     def sync_grads(self) -> None:
         """Dense grads: mean over dp. Expert grads: sum over edp, divided by dp (each expert rank already
         holds the contributions of its whole EP group's tokens)."""
+        from piper_plan.runtime.sharding import replicated
+
         p = self.cfg.parallel
         start = time.perf_counter()
         if p.dp > 1:
-            _allreduce_mean(self.dense, self.mesh.dp_group, p.dp)
+            _allreduce_mean(replicated(self.dense), self.mesh.dp_group, p.dp)
         if p.edp > 1 or p.ep > 1:
-            _allreduce_mean(self.expert, self.mesh.edp_group if p.edp > 1 else None, p.dp)
+            _allreduce_mean(replicated(self.expert), self.mesh.edp_group if p.edp > 1 else None, p.dp)
         self.dp_sync_s += time.perf_counter() - start
 
     def train_step(self, step: int) -> "StepResult":
@@ -529,6 +538,9 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
                                                      "world": world, "device": device.type})
     dist.barrier()
+    import gc
+
+    gc.collect()  # environment.md: FSDP2 / DTensor processes may abort at exit otherwise
     dist.destroy_process_group()
     return code
 

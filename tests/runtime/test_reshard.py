@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
         if world == 2:
             jobs += _bad_jobs(tmp / "pp2_dp1_ep1")
         (tmp / f"world{world}").mkdir()
-        results = spawn(world, jobs, tmp / f"world{world}", fn=worker)
+        results = spawn(world, jobs, tmp / f"world{world}", target=worker)
         for name, _, _ in jobs:
             out[name] = [r[name] for r in results]
     out["tmp"] = tmp

@@ -87,8 +87,9 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def spawn(world: int, jobs: list, out_dir: Path, fn=None) -> list[dict]:
-    """Run ``jobs`` on ``world`` spawned ranks with ``fn`` (default: this module's worker); every rank's results."""
+def spawn(world: int, jobs: list, out_dir: Path, target=None) -> list[dict]:
+    """Run ``target(rank, world, port, jobs, out_dir)`` (default: this module's worker) on ``world`` spawned
+    ranks; every rank's saved results, in rank order."""
     import socket
 
     import torch.multiprocessing as mp
@@ -96,5 +97,5 @@ def spawn(world: int, jobs: list, out_dir: Path, fn=None) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(fn or worker, args=(world, port, jobs, str(out_dir)), nprocs=world, start_method="spawn")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    mp.start_processes(target or worker, args=(world, port, jobs, str(out_dir)), nprocs=world, start_method="spawn")
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
