@@ -36,28 +36,35 @@ def unfused_norm_bytes(tokens, d, ab, sp, opts):
 
 # ---- training state ------------------------------------------------------------------------------
 FSDP_GRAD_BYTES = 4
-"""Bytes per parameter of FSDP2's unsharded gradient accumulation: piper's runtime reduces in fp32
-(MixedPrecisionPolicy(reduce_dtype=float32), runtime/sharding.py)."""
+"""Bytes per parameter of FSDP2's gradients and sharded parameters: piper's runtime keeps fp32 masters and reduces
+in fp32 (MixedPrecisionPolicy(reduce_dtype=float32), runtime/sharding.py)."""
 
 
-def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero) -> dict[str, np.ndarray]:
-    """Weights, gradients and master + optimizer bytes of one rank holding ``dense`` and ``expert`` params, at the
-    step's peak. zero 0: all unsharded; 1: master + optimizer sharded over dp / edp (Rajbhandari et al. 2020);
-    2 and 3 (FSDP2): master + optimizer sharded, plus the gathered compute-dtype weights of the whole stage
-    and its unsharded fp32 gradient accumulation: torch's pipelining keeps both until the step's last
-    backward (PipelineStage defers resharding and the reduce-scatter to it), so 3 saves no peak memory
-    over 2 here; then the sharded fp32 gradients."""
+def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero, pp=1, one_layer=None,
+                root=0.0) -> dict[str, np.ndarray]:
+    """Weights, gradients and master + optimizer bytes of one rank holding ``dense`` and ``expert`` params at the
+    step's peak (``one_layer``: the params of the stage's largest layer, ``root`` its embedding / final norm / head:
+    for FSDP2 at pp = 1), as piper's runtime holds them (docs/design-notes.md, "zero 0-3 in the
+    runtime", measured by benchmarks/zero_memory.py). zero 0: all unsharded; 1: master + optimizer sharded over
+    dp / edp (Rajbhandari et al. 2020); 2 and 3 (FSDP2): fp32 parameters and optimizer state sharded at rest, plus
+    the gathered compute-dtype weights: the stage's at pp > 1 (torch's PipelineStage keeps them to the last
+    backward) and under zero 2, the root's and one layer's under zero 3 at pp = 1; gradients: the stage's unsharded
+    fp32 accumulation at pp > 1 (the reduce-scatter waits for the last micro-batch), else the sharded fp32
+    gradient plus one layer's unsharded one."""
     keep = training.master_bytes + training.optimizer_bytes
     shard_dense = np.where(zero >= 1, dp, 1)
     shard_expert = np.where(zero >= 1, edp, 1)
     local = dense / shard_dense + expert / shard_expert
-    fsdp = zero >= 2
-    grads = np.where(fsdp, (dense + expert) * FSDP_GRAD_BYTES + local * FSDP_GRAD_BYTES,
-                     (dense + expert) * training.grad_bytes)
+    full = dense + expert
+    one_layer = full if one_layer is None else one_layer
+    fsdp, piped = zero >= 2, pp > 1
+    gathered = np.where(piped | (zero == 2), full, one_layer + root) * training.weight_bytes
+    weights = np.where(fsdp, local * FSDP_GRAD_BYTES + gathered, full * training.weight_bytes)
+    grads = np.where(fsdp, np.where(piped, full, local + one_layer) * FSDP_GRAD_BYTES, full * training.grad_bytes)
     return {
-        "weights": (dense + expert) * (training.weight_bytes + training.low_precision_copy_bytes),
+        "weights": weights + full * training.low_precision_copy_bytes,
         "gradients": grads,
-        "optimizer": local * keep,
+        "optimizer": local * np.where(fsdp, training.optimizer_bytes, keep),
     }
 
 

@@ -83,7 +83,7 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.
     """Bytes per rank of a stage by component (arrays shaped like ``st``); ``total`` includes overheads.
     ``flight``: micro-batches in flight (memory.in_flight); ``acts``: layer_activations(ctx, c)."""
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
-    out = mem.state_bytes(ctx.training, dense, expert, c.dp, c.edp, c.zero)
+    out = mem.state_bytes(ctx.training, dense, expert, c.dp, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st))
     core = np.where(c.recompute == NO_RECOMPUTE, acts["attention_core"], 0.0)
     keep_all = c.recompute != FULL
     layer_sum = lambda value, count: np.where(keep_all, value * count * flight, 0.0)  # noqa: E731
@@ -99,6 +99,15 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.
     out["framework"] = np.zeros_like(tensors) + ctx.platform.memory.framework_bytes
     out["total"] = tensors + out["fragmentation"] + out["framework"]
     return out
+
+
+def _largest_layer(ctx: Context, c, st: StageShape):
+    """(params of the stage's largest layer, of its root: embedding / final norm / LM head) on one rank."""
+    one = np.minimum(st.layers, 1)
+    layer_d, layer_e = rank_stage_params(ctx.lp, one, np.minimum(st.moe_layers, 1), False, False, c.tp, c.ep, c.etp)
+    with_root_d, with_root_e = rank_stage_params(ctx.lp, one, np.minimum(st.moe_layers, 1), st.first, st.last, c.tp,
+                                                 c.ep, c.etp)
+    return layer_d + layer_e, with_root_d + with_root_e - layer_d - layer_e
 
 
 def _moe_names(acts) -> list[str]:

@@ -6,23 +6,25 @@ import numpy as np
 
 
 def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span) -> tuple[np.ndarray, np.ndarray]:
-    """(dense, expert) gradient sync seconds of one rank per step. zero 0: all-reduce of the gradients; 1: their
-    reduce-scatter and an all-gather of the updated weights (Rajbhandari et al. 2020); 2 and 3 (FSDP2, fp32
-    reduction): one reduce-scatter of fp32 gradients at the last backward, and weight all-gathers in the
-    compute dtype: 2 once per step; 3 once per forward that follows a reshard and once per backward, i.e.
-    M + min(pp, M) per step under torch's pipelining (the warm-up forwards, then every backward) and M + 1
-    at pp = 1 (the same formula)."""
+    """(dense, expert) gradient sync seconds of one rank per step, as piper's runtime syncs (docs/design-notes.md,
+    "zero 0-3 in the runtime"). zero 0: all-reduce of the gradients; 1: their reduce-scatter and an all-gather of
+    the updated weights (Rajbhandari et al. 2020); 2 and 3 (FSDP2): fp32 reduce-scatters and compute-dtype
+    all-gathers: at pp > 1 one reduce-scatter per step (PipelineStage defers it to the last backward) and one
+    all-gather (2) or M + 1 (3: before every op that follows a forward); at pp = 1 one reduce-scatter per
+    micro-batch and M (2) or 2 M (3) all-gathers. Nothing overlapped (CostOptions.dp_overlap)."""
     from piper_plan.cost.memory import FSDP_GRAD_BYTES
 
     m = c.num_microbatches
-    gathers = np.where(c.zero == 3, m + np.minimum(c.pp, m), 1)
+    piped = c.pp > 1
+    gathers = np.where(piped, np.where(c.zero == 3, m + 1, 1), np.where(c.zero == 3, 2 * m, m))
+    scatters = np.where(piped, 1, m)
     out = []
     for params, n, span in ((dense, c.dp, dp_span), (expert, c.edp, edp_span)):
         grads = params * training.grad_bytes
         weights = net.seconds("all_gather", n, params * training.weight_bytes, span)
         plain = net.seconds("all_reduce", n, grads, span)
         sharded = net.seconds("reduce_scatter", n, grads, span) + weights
-        fsdp = net.seconds("reduce_scatter", n, params * FSDP_GRAD_BYTES, span) + gathers * weights
+        fsdp = scatters * net.seconds("reduce_scatter", n, params * FSDP_GRAD_BYTES, span) + gathers * weights
         out.append(np.where(c.zero >= 2, fsdp, np.where(c.zero == 1, sharded, plain)))
     return out[0], out[1]
 

@@ -155,3 +155,25 @@ def test_zero2_zero3_collectives_per_step_equal_formulas(zero_measured):
             want = _expected_collectives(pp, zero, par["dp"], par["edp"], par["num_microbatches"], 4 // pp, r["numel"])
             got = {k: v for k, v in r["collectives"].items() if k[0] in ("all_gather_single", "reduce_scatter_single")}
             assert got == want, f"pp{pp} zero{zero} stage {r['stage']}"
+
+
+@pytest.mark.distributed
+def test_zero2_zero3_cost_model_equals_the_runtime(zero_measured):
+    """Analytic = real for FSDP2: the cost model's weights (at rest + gathered) and optimizer state per rank within
+    1% of what the runtime holds, its gradients an upper bound within 5% (pp = 1: one layer's unsharded gradient)."""
+    from piper_plan.catalog import load_platform
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+    from piper_plan.planfile import parse_plan_dict
+
+    for (pp, zero), plan in _zero_plans().items():
+        cfg = parse_plan_dict(plan, "test plan")
+        local = load_platform("local-cpu")        # the test plans' CPU platform has no fp32 rate; memory needs none
+        est = estimate(cfg.model, local, cfg.training, cfg.parallel.world // local.devices_per_node, cfg.parallel,
+                       options=PIPER_RUNTIME_OPTIONS)
+        for r in (res[f"pp{pp}_zero{zero}"] for res in zero_measured):
+            comp, mem, peak = est.memory.per_stage[r["stage"]].components, r["memory"], r["peaks"]
+            label = f"pp{pp} zero{zero} stage {r['stage']}"
+            assert comp["weights"] == pytest.approx(mem["parameters_bytes"] + peak["gathered"], rel=0.01), label
+            assert comp["optimizer"] == pytest.approx(mem["optimizer_bytes"], rel=0.01), label
+            assert peak["grads"] <= comp["gradients"] <= 1.05 * peak["grads"], label
