@@ -12,7 +12,7 @@ RUNTIME_CAPABILITY: dict[str, tuple] = {
     "tp": (1,),
     "etp": (1,),
     "recompute": ("none", "selective", "full"),
-    "zero": (0, 1),
+    "zero": (0, 1, 2, 3),
     "a2a": ("flat", "halo"),
     "attention": ("mha", "gqa", "mla"),
     "qk_norm": ("none", "per_head", "full", "weightless"),
@@ -33,6 +33,9 @@ def _plan_problems(plan) -> list[str]:
         value = getattr(plan, field)
         if value not in cap[field]:
             out.append(f"parallel.{field}={value} (runtime supports {', '.join(map(str, cap[field]))})")
+    if plan.zero >= 2 and plan.tp > 1:
+        out.append(f"parallel.zero={plan.zero} with tp={plan.tp} (FSDP2 is not composed with tensor parallelism "
+                   "yet: zero 0 or 1 with tp > 1)")
     return out
 
 
