@@ -43,6 +43,8 @@ def _attention_problems(model) -> list[str]:
     cap, a, out = RUNTIME_CAPABILITY, model.attention, []
     if a.kind not in cap["attention"]:
         out.append(f"attention.kind={a.kind!r} (runtime supports {', '.join(cap['attention'])})")
+    if a.sliding_window is not None:
+        out.append(f"attention.sliding_window={a.sliding_window} (runtime attends to every earlier key)")
     if a.qk_norm not in cap["qk_norm"]:
         out.append(f"attention.qk_norm={a.qk_norm!r} (runtime supports {', '.join(cap['qk_norm'])})")
     return out

@@ -161,9 +161,28 @@ def _olmoe(c: _Config) -> dict:
 def _gpt_oss(c: _Config) -> dict:
     bias = c.flag("attention_bias", True)
     top_k = c.int_("num_experts_per_tok", None) or c.int_("experts_per_token")
-    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", 64), qkv_bias=bias, o_bias=bias, sinks=True),
+    attention = {**_gqa(c, head_dim=c.int_("head_dim", 64), qkv_bias=bias, o_bias=bias, sinks=True),
+                 **_sliding_window(c)}
+    return {**_base(c), "attention": attention,
             "moe": {"num_experts": c.int_("num_local_experts"), "top_k": top_k,
                     "expert": _ffn(c.int_("intermediate_size"), bias=True), "router_bias": True}}
+
+
+def _sliding_window(c: _Config) -> dict:
+    """``sliding_window`` + ``layer_types`` -> the window and which layers use it: every layer, or every n-th from
+    layer 0 (the patterns the spec can state); another pattern is refused in one line."""
+    window = c.int_("sliding_window", None)
+    types = c.get("layer_types", None)
+    if window is None or not isinstance(types, list) or not types:
+        return {}
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    for every in range(1, len(types) + 1):
+        if sliding == list(range(0, len(types), every)):
+            return {"sliding_window": window, "sliding_window_every": every}
+    if not sliding:
+        return {}
+    raise PiperError(f"sliding-window attention on layers {sliding[:6]}...; piper states every layer or every "
+                     "n-th from layer 0", path=c.path, field=c.prefix + "layer_types")
 
 
 def _llama4(c: _Config) -> dict:

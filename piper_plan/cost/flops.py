@@ -61,7 +61,7 @@ def layer_flops(model: ModelSpec, seq_len: int, flash: bool = True) -> LayerFlop
     moe = model.moe
     return LayerFlops(
         attention_proj=2.0 * lp.attention,
-        attention_core=2.0 * seq_len * heads * (qk + v) / (2 if flash else 1),
+        attention_core=2.0 * heads * (qk + v) * _core_keys(model, seq_len, flash),
         dense_mlp=2.0 * lp.dense_mlp,
         router=2.0 * lp.router,
         experts=2.0 * lp.expert * (moe.top_k if moe else 0),
@@ -70,12 +70,33 @@ def layer_flops(model: ModelSpec, seq_len: int, flash: bool = True) -> LayerFlop
     )
 
 
+def keys_per_query(model: ModelSpec, seq_len: int, convention: str) -> float:
+    """Keys each query scores, averaged over the layers: s in full layers (PaLM, non-causal) or s / 2 (megatron,
+    causal); sliding-window layers score at most w: w (PaLM) or the causal window's mean w - w (w - 1) / (2 s)
+    (megatron)."""
+    s, a, layers = float(seq_len), model.attention, model.num_layers
+    full = s if convention == "palm" else s / 2
+    sliding = a.sliding_layers(layers)
+    if not sliding:
+        return full
+    w = min(float(a.sliding_window), s)
+    windowed = w if convention == "palm" else w - w * (w - 1) / (2 * s)
+    return (full * (layers - sliding) + windowed * sliding) / layers
+
+
 def attention_score_flops_per_token(model: ModelSpec, seq_len: int, convention: str = "palm") -> float:
-    """Forward FLOPs per token of every layer's Q K^T and P V: 2 s H (Q_qk + Q_v) per layer, halved for
-    causal attention under the megatron convention."""
+    """Forward FLOPs per token of every layer's Q K^T and P V: 2 x keys per query x H (Q_qk + Q_v) per layer:
+    s keys non-causal (PaLM), s / 2 causal (megatron); sliding-window layers by their window."""
     heads, qk, v = score_widths(model)
-    full = 2.0 * model.num_layers * heads * (qk + v) * seq_len
-    return full / 2 if convention == "megatron" else full
+    return 2.0 * model.num_layers * heads * (qk + v) * keys_per_query(model, seq_len, convention)
+
+
+def _core_keys(model: ModelSpec, seq_len: int, flash: bool) -> float:
+    """Keys per query the hardware scores, averaged over layers: causal kernels skip the masked part (s / 2, or a
+    window's causal mean), unfused attention computes every s x s score and masks afterwards."""
+    if not flash:
+        return float(seq_len)
+    return keys_per_query(model, seq_len, "megatron")
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int, convention: str = "palm") -> float:

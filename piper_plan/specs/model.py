@@ -51,6 +51,11 @@ class AttentionSpec(Spec):
     """Norm on q and k: per_head (a head_dim-wide RMSNorm, Qwen3), full (over all heads, OLMoE), weightless (L2, Llama 4)."""
     sinks: bool = False
     """One learned attention-sink logit per head (gpt-oss)."""
+    sliding_window: Width | None = None
+    """Sliding-window attention: each query attends to at most this many keys (itself and the ones before it),
+    in the layers ``sliding_window_every`` picks; None = full causal attention everywhere."""
+    sliding_window_every: Width = 1
+    """Every n-th layer, from layer 0, uses the window (gpt-oss alternates: 2, layers 0, 2, 4, ...)."""
     q_lora_rank: Width | None = None
     """MLA: rank of the query compression; None = full-rank query projection (DeepSeek-V2-Lite)."""
     kv_lora_rank: Width | None = None
@@ -76,6 +81,12 @@ class AttentionSpec(Spec):
         if self.num_heads % kv:
             raise ValueError(f"num_kv_heads={kv} must divide num_heads={self.num_heads}")
         return self
+
+    def sliding_layers(self, num_layers: int) -> int:
+        """How many of ``num_layers`` layers attend through the window."""
+        if self.sliding_window is None:
+            return 0
+        return -(-num_layers // self.sliding_window_every)
 
     @property
     def kv_heads(self) -> int:

@@ -129,3 +129,16 @@ def test_imported_spec_round_trips_through_yaml(fixture):
 
     spec = import_hf_file(FIXTURES / fixture)
     assert parse_spec(ModelSpec, yaml.safe_load(spec_to_yaml(spec)), "roundtrip") == spec
+
+
+def test_sliding_window_layers_from_layer_types():
+    """gpt-oss's layer_types (sliding, full, sliding, ...) -> a 128-key window on every other layer; a pattern the
+    spec cannot state is one clear error."""
+    path = Path(__file__).parent / "fixtures" / "gpt-oss-20b.json"     # its config, with gpt-oss-120b's layer_types
+    config = {**json.loads(path.read_text()),
+              "layer_types": ["sliding_attention", "full_attention"] * 12}
+    spec = spec_from_hf_config(config, str(path))
+    assert (spec.attention.sliding_window, spec.attention.sliding_window_every) == (128, 2)
+    odd = {**config, "layer_types": ["full_attention"] + ["sliding_attention"] * 23}
+    with pytest.raises(PiperError, match="layer_types"):
+        spec_from_hf_config(odd, str(path))
