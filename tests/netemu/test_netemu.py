@@ -68,6 +68,7 @@ def test_network_spec_parses_and_refuses_in_one_line():
 
 
 @pytest.mark.netemu
+@pytest.mark.distributed  # starts rank processes in namespaces: the multi-process tier
 def test_network_comes_up_shaped_and_goes_away_leaving_nothing(netemu_host):
     before = root_links()
     up = netemu("up", "--name", NAME, "--nodes", "3", "--uplinks", "2", "--uplink-GBps", "0.1")
@@ -88,6 +89,7 @@ def test_network_comes_up_shaped_and_goes_away_leaving_nothing(netemu_host):
 
 
 @pytest.mark.netemu
+@pytest.mark.distributed  # starts rank processes in namespaces: the multi-process tier
 def test_run_removes_the_network_after_a_failing_or_hanging_command(netemu_host):
     failed = netemu("run", "--name", NAME, "--nodes", "2", "--ranks-per-node", "2", "--uplink-GBps", "0.1", "--",
                     "sh", "-c", 'test "$RANK" != 3')  # rank 3 fails: the others stop, the exit status is its
