@@ -93,19 +93,24 @@ class Optimizers:
         return sum(optimizer_state_bytes(o) for o in self._inner())
 
 
-def global_grad_norm(dense: list, expert: list, dp: int, edp: int, device) -> torch.Tensor:
+def global_grad_norm(dense: list, expert: list, dp: int, edp: int, device, tp: int = 1) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same on every rank (one all-reduce of a scalar).
 
-    Dense gradients are identical on the dp ranks of a stage and expert gradients on the edp ranks of an
-    expert, so each rank adds ``|dense|^2 / dp + |expert|^2 / edp`` and the sum over the world counts every
-    parameter of every stage once (tp = 1)."""
+    Dense gradients are identical on the dp ranks of a stage, and those of dense parameters replicated over tp
+    on its tp ranks too (tp-split ones differ: each rank holds its own part); expert gradients are identical on
+    the edp ranks of an expert. So each rank adds ``|tp-split|^2 / dp + |tp-replicated|^2 / (dp tp) +
+    |expert|^2 / edp`` of its local gradients and the sum over the world counts every parameter once."""
+    from piper_plan.runtime.tensor_parallel import is_tp_sharded, local_tensor
+
     def square(params):
-        grads = [q.grad for q in params if q.grad is not None]
+        grads = [local_tensor(q.grad) for q in params if q.grad is not None]
         if not grads:
             return torch.zeros((), device=device, dtype=torch.float32)
         return torch.nn.utils.get_total_norm(grads).float().square()
 
-    sq = square(dense) / dp + square(expert) / edp
+    split = [q for q in dense if is_tp_sharded(q)]
+    replicated = [q for q in dense if not is_tp_sharded(q)]
+    sq = square(split) / dp + square(replicated) / (dp * tp) + square(expert) / edp
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()
@@ -113,6 +118,9 @@ def global_grad_norm(dense: list, expert: list, dp: int, edp: int, device) -> to
 
 def clip_grads(params: list, max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale every gradient by min(1, max_norm / total_norm) (on the device: no host read)."""
-    grads = [q for q in params if q.grad is not None]
+    from piper_plan.runtime.tensor_parallel import local_tensor
+
+    grads = [local_tensor(q.grad) for q in params if q.grad is not None]
     if grads:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total_norm)
+        coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)   # torch.nn.utils.clip_grads_with_norm_'s rule
+        torch._foreach_mul_(grads, coef.to(grads[0].device))

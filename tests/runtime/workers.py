@@ -26,10 +26,16 @@ def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) 
     for step in range(steps):
         report = trainer.train_step(step).report()
         out["losses"].append(report["loss"])
-        out["grads"].append({n: q.grad.clone() for n, q in trainer.module.named_parameters()})
+        out["grads"].append({n: _full(q.grad) for n, q in trainer.module.named_parameters()})
     out["first_expert"] = {i: m.first_expert for i, m in trainer.module.moe_layers().items()}
     out["expert_tokens"] = report["expert_tokens"]
     return out
+
+
+def _full(grad):
+    """A gradient as one whole tensor (a tp-split DTensor gathered: collective over its tp group)."""
+    full = getattr(grad, "full_tensor", None)
+    return full() if full is not None else grad.clone()
 
 
 def dispatch_checks(rank: int, world: int) -> dict:
