@@ -67,12 +67,15 @@ def problems(model, plan, training) -> list[str]:
         out.append(f"attention.qk_norm='full' with tp={tp} (a norm over all heads is not split)")
     if model.tie_embeddings and not model.norm.final:
         out.append(f"tie_embeddings=true without a final norm with tp={tp}")
-    sizes = {"vocab_size": model.vocab_size, "training.seq_len": training.seq_len}
-    for name, ffn in (("dense_ffn", model.dense_ffn), ("moe.shared_expert", getattr(model.moe, "shared", None)),
-                      ("moe.parallel_dense_ffn", getattr(model.moe, "parallel_dense_ffn", None))):
+    sizes = {"vocab_size": model.vocab_size or 0, "training.seq_len": training.seq_len}
+    moe = model.moe
+    for name, ffn in (("dense_ffn", model.dense_ffn),
+                      ("moe.shared_expert", moe.shared if moe is not None and moe.num_shared_experts else None),
+                      ("moe.parallel_dense_ffn", moe.parallel_dense_ffn if moe is not None else None)):
         if ffn is not None:
             sizes[f"{name}.intermediate_size"] = ffn.intermediate_size
-    out += [f"{name}={value} is not divisible by tp={tp}" for name, value in sizes.items() if value % tp]
+    out += [f"{name}={value} is not divisible by tp={tp} (tensor parallelism splits it evenly)"
+            for name, value in sizes.items() if value % tp]
     return out
 
 
