@@ -137,14 +137,14 @@ def test_tp2_param_counts_equal_runtime_numel(tp2_real, name, pp):
     assert predicted == tp2_real[name]["params"][pp]
 
 
-def gathered_inputs_bytes(model, tp: int, tokens: int, activation_bytes: int) -> float:
-    """What torch's tensor parallelism saves beyond the cost model: each column-parallel block (attention, dense
-    MLP, shared experts, the LM head) keeps its all-gathered input [tokens, D] for backward, where the cost model
-    (Megatron-LM, Korthikanti et al. 2022) keeps only the sequence shard (1/tp of it) and gathers again in backward.
-    Missing from cost/memory.py under unfused_kernels (reported; cost/ is the planner's)."""
-    moe_layers = len(model.moe_layers)
+def gathered_inputs_bytes(model, layers: range, is_last: bool, tp: int, tokens: int, activation_bytes: int) -> float:
+    """What torch's tensor parallelism saves beyond the cost model, per micro-batch: each column-parallel block
+    (attention, dense MLP, shared experts / residual MLP, the LM head) of these layers keeps its all-gathered input
+    [tokens, D] for backward, where the cost model (Megatron-LM, Korthikanti et al. 2022) keeps only the sequence
+    shard (1/tp of it) and gathers again in backward. Missing from cost/memory.py (reported; cost/ is the planner's)."""
+    moe = [i for i in layers if model.is_moe_layer(i)]
     shared = (model.moe.num_shared_experts + (model.moe.parallel_dense_ffn is not None)) if model.moe else 0
-    blocks = model.num_layers + (model.num_layers - moe_layers) + moe_layers * shared + 1
+    blocks = len(layers) + (len(layers) - len(moe)) + len(moe) * shared + int(is_last)
     return blocks * tokens * model.hidden_size * activation_bytes * (1 - 1 / tp)
 
 
@@ -154,7 +154,8 @@ def test_tp2_activation_bytes(tp2_real, name):
     comps = _tp_estimate(name).memory.per_stage[0].components
     predicted = sum(v for k, v in comps.items() if k.startswith("activations/"))
     measured = tp2_real[name]["saved_bytes"]
-    gap = gathered_inputs_bytes(_tp_spec(name), 2, TP_SEQ_LEN, 4)
+    spec = _tp_spec(name)
+    gap = gathered_inputs_bytes(spec, range(spec.num_layers), True, 2, TP_SEQ_LEN, 4)
     print(f"{name} tp2: predicted {predicted:.0f} B, saved-for-backward {measured} B, "
           f"rel_error {(predicted - measured) / measured:+.4f}; predicted + gathered inputs {predicted + gap:.0f} B, "
           f"rel_error {(predicted + gap - measured) / measured:+.4f}")

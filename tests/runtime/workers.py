@@ -30,6 +30,7 @@ def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) 
         out["grads"].append({n: _full(q.grad) for n, q in trainer.module.named_parameters()})
     out["first_expert"] = {i: m.first_expert for i, m in trainer.module.moe_layers().items()}
     out["expert_tokens"] = report["expert_tokens"]
+    out["memory"] = report["memory"]
     return out
 
 
