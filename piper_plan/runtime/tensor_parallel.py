@@ -140,8 +140,8 @@ def block_plan(prefix: str, block) -> dict:
 def ends_plan(stage) -> dict:
     """Embedding (first stage), final norm and LM head (last stage)."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
 
     plan = {}
     if stage.is_first and stage.pos is None:
@@ -155,9 +155,19 @@ def ends_plan(stage) -> dict:
         plan["final_norm"] = SequenceParallel(use_local_output=stage.lm_head is not None)
     if stage.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=_seq(), use_local_output=False)
-    return plan, ([] if stage.lm_head is not None or not stage.is_last else
-                  [("final_norm", PrepareModuleOutput(output_layouts=(_seq(),), desired_output_layouts=(Replicate(),),
-                                                      use_local_output=False))])
+    return plan
+
+
+def tied_head_style(stage):
+    """A tied LM head multiplies by the embedding's vocabulary shard: the final norm's output is gathered into a
+    replicated DTensor for it (None where the stage has no tied head)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+    if stage.lm_head is not None or not stage.is_last:
+        return None
+    return PrepareModuleOutput(output_layouts=(_seq(),), desired_output_layouts=(Replicate(),),
+                               use_local_output=False)
 
 
 def _replicate_mla_latents(stage, tp_mesh) -> None:
@@ -182,15 +192,15 @@ def parallelize_stage(stage, tp_mesh) -> None:
     """Split one initialised StageModel over the 1-D tp DeviceMesh (in place)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    ends, extra = ends_plan(stage)
-    plan = dict(ends)
+    plan = ends_plan(stage)
     for idx, block in stage.layers.items():
         plan.update(block_plan(f"layers.{idx}", block))
     _replicate_mla_latents(stage, tp_mesh)
     _shard_sinks(stage, tp_mesh)
     parallelize_module(stage, tp_mesh, plan)
-    for name, style in extra:
-        parallelize_module(stage.get_submodule(name), tp_mesh, style)
+    tied = tied_head_style(stage)
+    if tied is not None:  # a second style on the final norm, after its SequenceParallel
+        parallelize_module(stage.final_norm, tp_mesh, tied)
 
 
 def parallelize(module, tp_mesh) -> list:
