@@ -17,7 +17,7 @@ What is split (one function per block kind):
   gradient summed over tp (model.py ``local_tensor(..., partial_grad=True)``).
 - dense MLP, shared experts, Arctic's residual MLP: up and gate column-parallel, down row-parallel.
 - MoE (etp = 1): routed on this rank's sequence shard; router and shared-expert gate replicated, seeing only this
-  rank's tokens: their gradients are summed over tp (``finish_grads``). Routed experts are reduced over edp as
+  rank's tokens: their gradients are summed over tp (train.py ``sync_grads``). Routed experts are reduced over edp as
   without tp (an expert group is ep consecutive ranks of the stage's dp x tp block: mesh.py).
 - final norm sequence-parallel; LM head column-parallel with DTensor logits sharded on the vocabulary, whose
   cross entropy runs under ``loss_parallel`` (no full-vocabulary gather); a tied head uses the embedding's
@@ -214,19 +214,16 @@ def parallelize(module, tp_mesh) -> list:
 
 
 # ---- gradients -------------------------------------------------------------------------------------
-def finish_grads(module, summed: list, tp_group) -> None:
-    """Complete this rank's gradients over tp: replicated DTensor parameters whose gradient arrives as a partial
-    sum (norm weights, MLA latents, row-parallel biases) are all-reduced to their replicated value; the
-    replicated plain parameters that saw only this rank's tokens (``summed``) are summed over tp."""
+def finish_dtensor_grads(module) -> None:
+    """Replicated DTensor parameters whose gradient arrives as a partial sum (norm weights, MLA latents,
+    row-parallel biases): all-reduced over tp to their replicated value. (The replicated plain parameters that saw
+    only this rank's tokens, ``parallelize``'s list, are summed over tp by the trainer.)"""
     from torch.distributed.tensor import DTensor
-
-    from piper_plan.runtime.train import _allreduce_mean
 
     for q in module.parameters():
         g = q.grad
         if isinstance(g, DTensor) and tuple(g.placements) != tuple(q.placements):
             q.grad = g.redistribute(q.device_mesh, q.placements)
-    _allreduce_mean(summed, tp_group, 1)
 
 
 def loss_context(tp: int):

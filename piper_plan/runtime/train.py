@@ -205,14 +205,16 @@ class Trainer:
         return contextlib.nullcontext()
 
     def sync_grads(self) -> None:
-        """Dense grads: completed over tp (tensor_parallel.finish_grads), then mean over dp. Expert grads: sum
-        over edp, divided by dp (each expert rank already holds the contributions of its whole EP group's tokens)."""
+        """Dense grads: completed over tp (partial DTensor gradients reduced; replicated parameters that saw only
+        this rank's tokens summed), then mean over dp. Expert grads: sum over edp, divided by dp (each expert rank
+        already holds the contributions of its whole EP group's tokens)."""
         p = self.cfg.parallel
         start = time.perf_counter()
         if p.tp > 1:
-            from piper_plan.runtime.tensor_parallel import finish_grads
+            from piper_plan.runtime.tensor_parallel import finish_dtensor_grads
 
-            finish_grads(self.module, self.tp_summed, self.mesh.tp_group)
+            finish_dtensor_grads(self.module)
+            _allreduce_mean(self.tp_summed, self.mesh.tp_group, 1)
         if p.dp > 1:
             _allreduce_mean(self.dense, self.mesh.dp_group, p.dp)
         if p.edp > 1 or p.ep > 1:
