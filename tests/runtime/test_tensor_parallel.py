@@ -150,3 +150,13 @@ def test_tp_refusals_are_one_line_each():
     odd = _shrunk("tiny-moe")
     odd["vocab_size"] = 511
     assert _problems(model=odd) == ["vocab_size=511 is not divisible by tp=2 (tensor parallelism splits it evenly)"]
+
+
+def test_pipeline_peers_share_dp_and_tp_index():
+    """A stage's sequence shard goes to the same (dp, tp) position of the next stage: pp peers are dp x tp apart."""
+    from piper_plan.runtime.mesh import coords
+
+    pp, dp, tp, ep = 2, 2, 2, 2
+    for rank in range(dp * tp):
+        here, there = coords(rank, pp, dp, ep, tp), coords(rank + dp * tp, pp, dp, ep, tp)
+        assert (there.pp_index, there.dp_index, there.tp_index) == (1, here.dp_index, here.tp_index)
