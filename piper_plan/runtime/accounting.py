@@ -11,18 +11,24 @@ from __future__ import annotations
 import torch
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (tensor_parallel.py), whose buffer may be the result
+    of a collective not waited for yet (an AsyncCollectiveTensor: its ``elem``)."""
+    t = getattr(t, "_local_tensor", t)
+    return getattr(t, "elem", t)
+
+
 def param_counts(model: torch.nn.Module) -> dict[str, int]:
-    """numel of this rank's parameters: {"dense", "expert", "total"} (expert = routed experts' stacked weights)."""
-    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    total = sum(p.numel() for p in model.parameters())
+    """numel of this rank's parameters (its shards of tp-split ones): {"dense", "expert", "total"}
+    (expert = routed experts' stacked weights)."""
+    expert = sum(_local(p).numel() for n, p in model.named_parameters() if ".experts." in n)
+    total = sum(_local(p).numel() for p in model.parameters())
     return {"dense": total - expert, "expert": expert, "total": total}
 
 
 def tensor_bytes(tensors) -> int:
-    """Bytes this rank holds: a DTensor (FSDP2's sharded state) counts its local shard."""
-    from piper_plan.runtime.sharding import local
-
-    return sum(local(t).numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """Bytes this rank holds of ``tensors`` (local shards of DTensors)."""
+    return sum(_local(t).numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -50,9 +56,7 @@ class SavedTensorTracker:
     """Live and peak bytes of tensors autograd saved for backward while the context is active."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from piper_plan.runtime.sharding import local
-
-        self.param_ptrs = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self.live_bytes = self.peak_bytes = self.total_bytes = 0
         self.on_sample = None
@@ -60,7 +64,7 @@ class SavedTensorTracker:
         backward)."""
 
     def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()   # a DTensor autograd saved: its local shard
         key = storage.data_ptr()
         if key in self.param_ptrs or _is_weight(t) or t.device.type == "meta":
             return t

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from piper_plan.errors import PiperError
 from piper_plan.runtime.moe import FFN, MoE
+from piper_plan.runtime.tensor_parallel import local_tensor
 from piper_plan.specs.vocab import Recompute
 
 RECOMPUTE = Recompute.values()
@@ -123,9 +124,9 @@ class Attention(nn.Module):
         q, k, v = self.q(x_BSD), self.k(x_BSD), self.v(x_BSD)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, S, self.h, self.hd).transpose(1, 2)
-        k = k.view(B, S, self.g, self.hd).transpose(1, 2)
-        v = v.view(B, S, self.g, self.hd).transpose(1, 2)
+        q = q.view(B, S, -1, self.hd).transpose(1, 2)      # -1: this rank's heads (tensor_parallel.py)
+        k = k.view(B, S, -1, self.hd).transpose(1, 2)
+        v = v.view(B, S, -1, self.hd).transpose(1, 2)
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q), rotary(k)
@@ -136,8 +137,9 @@ class Attention(nn.Module):
     def forward(self, x_BSD):
         B, S, _ = x_BSD.shape
         q, k, v = self._heads(x_BSD)
-        y = self.core(q, k, v, self.sinks)
-        return self.o(y.transpose(1, 2).reshape(B, S, self.h * self.hd))
+        sinks = None if self.sinks is None else local_tensor(self.sinks)  # this rank's heads' sinks
+        y = self.core(q, k, v, sinks)
+        return self.o(y.transpose(1, 2).reshape(B, S, -1))
 
 
 class MLAttention(nn.Module):
@@ -168,16 +170,17 @@ class MLAttention(nn.Module):
 
     def forward(self, x_BSD):
         B, S, _ = x_BSD.shape
-        q = self._query(x_BSD).view(B, S, self.h, self.n + self.r).transpose(1, 2)
+        q = self._query(x_BSD).view(B, S, -1, self.n + self.r).transpose(1, 2)   # -1: this rank's heads
         q_nope, q_rope = q.split((self.n, self.r), -1)
         c_BSc, k_rope_BSr = self.kv_a(x_BSD).split((self.c, self.r), -1)
-        kv = self.kv_b(self.kv_a_norm(c_BSc)).view(B, S, self.h, self.n + self.dv).transpose(1, 2)
+        kv = self.kv_b(self.kv_a_norm(c_BSc)).view(B, S, -1, self.n + self.dv).transpose(1, 2)
         k_nope, v = kv.split((self.n, self.dv), -1)
-        k_rope = rotary(k_rope_BSr.unsqueeze(1)).expand(B, self.h, S, self.r)
+        k_rope_BSr = local_tensor(k_rope_BSr, partial_grad=True)  # one rope key for all heads: grad summed over tp
+        k_rope = rotary(k_rope_BSr.unsqueeze(1)).expand(B, k_nope.shape[1], S, self.r)
         q = torch.cat((q_nope, rotary(q_rope)), -1)
         k = torch.cat((k_nope, k_rope), -1)
         y = self.core(q, k, v)
-        return self.o(y.transpose(1, 2).reshape(B, S, self.h * self.dv))
+        return self.o(y.transpose(1, 2).reshape(B, S, -1))
 
 
 def build_attention(spec, selective: bool = False) -> nn.Module:
@@ -283,8 +286,8 @@ class StageModel(nn.Module):
             return x
         if self.final_norm is not None:
             x = self.final_norm(x)
-        head = self.lm_head.weight if self.lm_head is not None else self.embed.weight
-        return F.linear(x, head).float()
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+        return logits.float()
 
     def moe_layers(self) -> dict[int, MoE]:
         return {int(i): b.mlp for i, b in self.layers.items() if b.is_moe}

@@ -163,8 +163,11 @@ class MoE(nn.Module):
     """Router + routed experts (this rank's El of them) + shared experts (+ a parallel dense FFN)."""
 
     def __init__(self, hidden: int, moe, ep_rank: int = 0, ep_size: int = 1, ep_group=None, dispatcher=None,
-                 aux_loss_coeff: float = 0.0) -> None:
+                 aux_loss_coeff: float = 0.0, seq_mesh=None) -> None:
+        """seq_mesh: the tp DeviceMesh under sequence parallelism (each rank routes its sequence shard; the
+        balance loss is the one of the whole sequence), None without."""
         super().__init__()
+        self.seq_mesh = seq_mesh
         assert moe.num_experts % ep_size == 0, "ep must divide num_experts"
         self.spec, self.ep_size, self.ep_group, self.dispatcher = moe, ep_size, ep_group, dispatcher
         self.num_local = moe.num_experts // ep_size
@@ -206,9 +209,15 @@ class MoE(nn.Module):
 
     def _balance_loss(self, tokens_E, probs_TE):
         """Switch Transformer's auxiliary loss E x sum_e f_e P_e (Fedus et al. 2021, eq. 4), f over the k choices."""
-        E = self.spec.num_experts
-        frac_E = tokens_E.to(probs_TE.dtype) / (probs_TE.shape[0] * self.spec.top_k)
-        return E * (frac_E * probs_TE.mean(0)).sum()
+        E, T, prob_sum_E = self.spec.num_experts, probs_TE.shape[0], probs_TE.sum(0)
+        if self.seq_mesh is not None:  # sums over the whole sequence: a replicated loss, counted once
+            from torch.distributed.tensor import DTensor, Partial
+
+            tokens_E = DTensor.from_local(tokens_E, self.seq_mesh, [Partial()]).full_tensor()
+            prob_sum_E = DTensor.from_local(prob_sum_E, self.seq_mesh, [Partial()]).full_tensor()
+            T *= self.seq_mesh.size()
+        frac_E = tokens_E.to(probs_TE.dtype) / (T * self.spec.top_k)
+        return E * (frac_E * prob_sum_E / T).sum()
 
     def _shared(self, x_TD):
         out = 0

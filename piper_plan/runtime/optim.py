@@ -93,27 +93,36 @@ class Optimizers:
         return sum(optimizer_state_bytes(o) for o in self._inner())
 
 
-def global_grad_norm(dense: list, expert: list, dp: int, edp: int, device) -> torch.Tensor:
+def global_grad_norm(dense: list, expert: list, dp: int, edp: int, device, tp: int = 1) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same on every rank (one all-reduce of a scalar).
 
-    A replicated dense gradient is identical on the dp ranks of a stage and a replicated expert gradient on the
-    edp ranks of an expert, so each rank adds ``|dense|^2 / dp + |expert|^2 / edp``; an FSDP2-sharded gradient
-    (a DTensor, runtime/sharding.py) adds the square of its local shard once. The sum over the world counts
-    every parameter of every stage once (tp = 1)."""
-    from piper_plan.runtime.sharding import is_sharded, local
+    Each rank adds the squares of its local gradients divided by how many ranks hold the same values, so the sum
+    over the world counts every parameter once. tp = 1: a replicated gradient is identical on the dp ranks of a
+    stage (experts: on the edp ranks of an expert): ``|dense|^2 / dp + |expert|^2 / edp``; an FSDP2-sharded one
+    (a DTensor, runtime/sharding.py) adds its local shard once. tp > 1 (zero 0 / 1, no FSDP2): a tp-split dense
+    gradient is identical over dp, a tp-replicated one over dp x tp: ``|split|^2 / dp + |replicated|^2 /
+    (dp tp) + |expert|^2 / edp``."""
+    from piper_plan.runtime.sharding import is_sharded
+    from piper_plan.runtime.tensor_parallel import is_tp_sharded, local_tensor
 
     def square(grads):
-        grads = [local(g) for g in grads if g is not None]
+        grads = [local_tensor(g) for g in grads]
         if not grads:
             return torch.zeros((), device=device, dtype=torch.float32)
         return torch.nn.utils.get_total_norm(grads).float().square()
 
-    def part(params, replicas):
-        grads = [q.grad for q in params]
-        return (square([g for g in grads if not is_sharded(g)]) / replicas
-                + square([g for g in grads if is_sharded(g)]))
+    def grads(params, keep=lambda q: True):
+        return [q.grad for q in params if q.grad is not None and keep(q)]
 
-    sq = part(dense, dp) + part(expert, edp)
+    if tp == 1:
+        def part(params, replicas):
+            return square(grads(params, lambda q: not is_sharded(q.grad))) / replicas \
+                + square(grads(params, lambda q: is_sharded(q.grad)))
+
+        sq = part(dense, dp) + part(expert, edp)
+    else:
+        sq = square(grads(dense, is_tp_sharded)) / dp + square(grads(dense, lambda q: not is_tp_sharded(q))) / (dp * tp) \
+            + square(grads(expert)) / edp
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()

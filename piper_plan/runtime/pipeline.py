@@ -12,8 +12,11 @@ import torch.nn.functional as F
 
 
 def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of one micro-batch."""
-    return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
+    """Mean next-token cross entropy of one micro-batch. Vocabulary-sharded DTensor logits (tp > 1) need
+    tensor_parallel.loss_context around the loss and its backward; the loss returned is a plain tensor."""
+    from piper_plan.runtime.tensor_parallel import local_tensor
+
+    return local_tensor(F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1)))
 
 
 def build_schedule(module, pp_index: int, pp: int, pp_group, schedule: str, num_microbatches: int, device):

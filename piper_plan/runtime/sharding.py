@@ -101,10 +101,15 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+FSDP_MESH_DIMS = ("dp", "edp")
+"""The mesh dimensions FSDP2 shards over here (tensor parallelism's DTensors live on the "tp" dimension)."""
+
+
 def is_sharded(t) -> bool:
+    """Whether ``t`` is FSDP2-managed: a DTensor on the dp or edp mesh."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    return isinstance(t, DTensor) and (t.device_mesh.mesh_dim_names or ("",))[0] in FSDP_MESH_DIMS
 
 
 def check_shardable(spec, plan) -> None:

@@ -11,7 +11,8 @@ gathers every rank's report as one tensor per step (runtime/report.py), migrates
 runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and resharding checkpoints
 (runtime/checkpoint.py: torch.distributed.checkpoint; resumable under another layout).
 Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
-Tensor parallelism is not implemented (tp = 1; capability.py).
+Tensor parallelism (tp > 1, always with sequence parallelism) splits the stage after it is built and
+initialised (runtime/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def preflight(cfg, world: int, cuda_available: bool) -> None:
     if cfg.parallel.world != world:
         raise PiperError(f"the plan's pp x dp x tp = {cfg.parallel.world} ranks, but the launcher started {world}",
                          field="parallel")
-    problems = unsupported_features(cfg.parallel, cfg.model, cfg.training)
+    from piper_plan.runtime.tensor_parallel import problems as tp_problems
+
+    problems = unsupported_features(cfg.parallel, cfg.model, cfg.training) + tp_problems(cfg.model, cfg.parallel,
+                                                                                          cfg.training)
     if problems:
         raise PiperError("the runtime cannot run: " + "; ".join(problems), field="parallel")
     if cfg.platform.launch.device == "cuda" and not cuda_available:
@@ -144,10 +148,16 @@ class Trainer:
 
         spec, p, me = self.cfg.model, self.cfg.parallel, self.mesh.me
         moe_kwargs = {"ep_rank": me.ep_rank, "ep_size": p.ep, "ep_group": self.mesh.ep_group,
-                      "dispatcher": self._dispatcher(), "aux_loss_coeff": aux_loss_coeff}
+                      "dispatcher": self._dispatcher(), "aux_loss_coeff": aux_loss_coeff,
+                      "seq_mesh": self.mesh.submesh("tp") if p.tp > 1 else None}
         # StageModel, or VirtualStages (interleaved); plan.recompute applied inside (model.py)
-        module = build_rank_module(spec, p, me.pp_index, moe_kwargs, self.seed)
-        return module.to(self.device)
+        module = build_rank_module(spec, p, me.pp_index, moe_kwargs, self.seed).to(self.device)
+        self.tp_summed = []
+        if p.tp > 1:  # split after the full-size initialisation: the same weights as the reference
+            from piper_plan.runtime.tensor_parallel import parallelize
+
+            self.tp_summed = parallelize(module, self.mesh.submesh("tp"))
+        return module
 
     def _dispatcher(self):
         p = self.cfg.parallel
@@ -175,11 +185,12 @@ class Trainer:
     def forward_backward(self, step: int) -> list:
         """Zero grads, run every micro-batch of this dp rank through the pipeline; last-stage losses."""
         from piper_plan.runtime.pipeline import run_local, run_pipeline
+        from piper_plan.runtime.tensor_parallel import loss_context
 
         for q in self.module.parameters():
             q.grad = None
         x, y = self.batch(step)
-        with self._autocast(), self._accounting():
+        with self._autocast(), self._accounting(), loss_context(self.cfg.parallel.tp):
             if self.schedule is None:
                 return run_local(self.module, x, y, self.cfg.parallel.num_microbatches)
             return run_pipeline(self.schedule, self.module.is_first, self.module.is_last, x, y)
@@ -200,12 +211,19 @@ class Trainer:
         return contextlib.nullcontext()
 
     def sync_grads(self) -> None:
-        """Dense grads: mean over dp. Expert grads: sum over edp, divided by dp (each expert rank already
-        holds the contributions of its whole EP group's tokens)."""
+        """Dense grads: completed over tp (partial DTensor gradients reduced; replicated parameters that saw only
+        this rank's tokens summed), then mean over dp. Expert grads: sum over edp, divided by dp (each expert rank
+        already holds the contributions of its whole EP group's tokens). FSDP2-managed (zero 2/3) gradients were
+        reduced by FSDP2 itself (runtime/sharding.py): only the others are all-reduced here."""
         from piper_plan.runtime.sharding import replicated
 
         p = self.cfg.parallel
         start = time.perf_counter()
+        if p.tp > 1:
+            from piper_plan.runtime.tensor_parallel import finish_dtensor_grads
+
+            finish_dtensor_grads(self.module)
+            _allreduce_mean(self.tp_summed, self.mesh.tp_group, 1)
         if p.dp > 1:
             _allreduce_mean(replicated(self.dense), self.mesh.dp_group, p.dp)
         if p.edp > 1 or p.ep > 1:
@@ -225,7 +243,7 @@ class Trainer:
         self.sync_grads()
         memory = self.memory_bytes()
         rt, p = self.cfg.runtime, self.cfg.parallel
-        self.grad_norm = global_grad_norm(self.dense, self.expert, p.dp, p.edp, self.device)
+        self.grad_norm = global_grad_norm(self.dense, self.expert, p.dp, p.edp, self.device, p.tp)
         if rt.grad_clip_norm is not None:
             clip_grads(self.dense + self.expert, rt.grad_clip_norm, self.grad_norm)
         self.optimizer.set_lr(lr_at(step, rt.steps, rt))
@@ -359,10 +377,12 @@ def _allreduce_mean(params, group, divisor: int, bucket_numel: int = 2**25) -> N
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+    from piper_plan.runtime.tensor_parallel import local_tensor
+
     for q in params:
         if q.grad is None:
             q.grad = torch.zeros_like(q)
-    for bucket in _buckets([q.grad for q in params], bucket_numel):
+    for bucket in _buckets([local_tensor(q.grad) for q in params], bucket_numel):
         flat = _flatten_dense_tensors(bucket)
         if group is not None:
             dist.all_reduce(flat, group=group)

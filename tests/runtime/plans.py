@@ -26,14 +26,16 @@ REFERENCE_OPTIMIZER = {"lr_schedule": "constant", "warmup_steps": 0, "weight_dec
 
 
 def plan_dict(pp=2, dp=2, ep=2, schedule="1f1b", num_microbatches=2, mbs=1, seq_len=16, model="tiny-moe",
-              zero=0, steps=3, checkpoint_interval=1000, data=None, model_dict=None, layers_per_stage=None) -> dict:
+              zero=0, steps=3, checkpoint_interval=1000, data=None, model_dict=None, layers_per_stage=None,
+              tp=1) -> dict:
+    """world = pp x dp x tp; experts regroup a stage's dp x tp ranks as ep x edp."""
     spec = model_dict or load_model(model).model_dump(mode="json")
-    parallel = {"dp": dp, "tp": 1, "pp": pp, "ep": ep, "etp": 1, "edp": dp // ep, "mbs": mbs,
+    parallel = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "etp": 1, "edp": dp * tp // ep, "mbs": mbs,
                 "num_microbatches": num_microbatches, "schedule": schedule, "virtual_stages": 1,
                 "recompute": "none", "zero": zero, "a2a": "flat", "layers_per_stage": layers_per_stage}
     training = {"seq_len": seq_len, "global_batch": dp * mbs * num_microbatches, "dtype": "fp32",
                 "weight_bytes": 4, "grad_bytes": 4, "master_bytes": 0}
-    world = pp * dp
+    world = pp * dp * tp
     per_node = min(world, 8)
     return {"schema_version": SCHEMA_VERSION, "piper_version": "test", "model": spec,
             "platform": cpu_platform(per_node), "training": training, "nodes": world // per_node,

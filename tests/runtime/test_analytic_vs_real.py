@@ -177,3 +177,85 @@ def test_zero2_zero3_cost_model_equals_the_runtime(zero_measured):
             assert comp["weights"] == pytest.approx(mem["parameters_bytes"] + peak["gathered"], rel=0.01), label
             assert comp["optimizer"] == pytest.approx(mem["optimizer_bytes"], rel=0.01), label
             assert peak["grads"] <= comp["gradients"] <= 1.05 * peak["grads"], label
+
+
+# ---- tensor parallelism: tp2 (and tp2 x pp2) ---------------------------------------------------------------
+TP_MODELS = ["tiny-moe", "tiny-moe-plain", "tiny-dense", "mixtral-8x7b", "deepseek-v3", "gpt-22b"]
+TP_SEQ_LEN = 256
+
+
+def _tp_spec(name):
+    model = load_model(name)
+    return model if name in TINY else shrink_spec(model, num_experts=8 if model.moe else None)
+
+
+@pytest.fixture(scope="module")
+def tp2_real(tmp_path_factory):
+    """One 2-rank spawn: per model, rank 0's parameter counts per stage (pp 1 and 2) and saved bytes (pp 1)."""
+    from workers import spawn
+
+    models = {}
+    for name in TP_MODELS:
+        spec = _tp_spec(name)
+        splits = [ParallelPlan(pp=pp).stage_layers(spec.num_layers) for pp in (1, 2)]
+        models[name] = (spec.model_dump(mode="json"), splits)
+    jobs = [("acc", "tp_accounting", {"models": models, "seq_len": TP_SEQ_LEN})]
+    return spawn(2, jobs, tmp_path_factory.mktemp("tp2"))[0]["acc"]
+
+
+def _tp_estimate(name):
+    from plans import cpu_platform
+
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import CostOptions
+    from piper_plan.specs import PlatformSpec
+
+    data = cpu_platform(2)
+    data["device"]["peak_flops"]["fp32"] = 1e12  # only for the time terms; memory does not read it
+    training = TrainingSpec(seq_len=TP_SEQ_LEN, global_batch=1, dtype="fp32", weight_bytes=4, grad_bytes=4,
+                            master_bytes=0)
+    plan = ParallelPlan(pp=1, dp=1, tp=2, ep=1, mbs=1, num_microbatches=1, schedule="gpipe")
+    return estimate(_tp_spec(name), PlatformSpec.model_validate(data), training, 1, plan,
+                    options=CostOptions(unfused_kernels=True))
+
+
+# The cost model divides every attention, MLP and embedding parameter by tp; the runtime (Megatron-LM's split)
+# keeps row-parallel biases (o, down), MLA's q_a / kv_a and their norms and learned positions whole on every rank.
+TP_PARAMS_DIFFER = {"deepseek-v3": "MLA q_a, kv_a and their norms are replicated over tp, not split",
+                    "gpt-22b": "o / down biases and learned positions are replicated over tp, not split"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", TP_MODELS)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tp2_param_counts_equal_runtime_numel(tp2_real, name, pp):
+    if name in TP_PARAMS_DIFFER:
+        pytest.xfail(TP_PARAMS_DIFFER[name])
+    predicted = memory.rank_param_counts(_tp_spec(name), ParallelPlan(pp=pp, dp=1, tp=2, ep=1))
+    assert predicted == tp2_real[name]["params"][pp]
+
+
+def gathered_inputs_bytes(model, layers: range, is_last: bool, tp: int, tokens: int, activation_bytes: int) -> float:
+    """What torch's tensor parallelism saves beyond the cost model, per micro-batch: each column-parallel block
+    (attention, dense MLP, shared experts / residual MLP, the LM head) of these layers keeps its all-gathered input
+    [tokens, D] for backward, where the cost model (Megatron-LM, Korthikanti et al. 2022) keeps only the sequence
+    shard (1/tp of it) and gathers again in backward. Missing from cost/memory.py (reported; cost/ is the planner's)."""
+    moe = [i for i in layers if model.is_moe_layer(i)]
+    shared = (model.moe.num_shared_experts + (model.moe.parallel_dense_ffn is not None)) if model.moe else 0
+    blocks = len(layers) + (len(layers) - len(moe)) + len(moe) * shared + int(is_last)
+    return blocks * tokens * model.hidden_size * activation_bytes * (1 - 1 / tp)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-plain", "tiny-dense"])
+def test_tp2_activation_bytes(tp2_real, name):
+    comps = _tp_estimate(name).memory.per_stage[0].components
+    predicted = sum(v for k, v in comps.items() if k.startswith("activations/"))
+    measured = tp2_real[name]["saved_bytes"]
+    spec = _tp_spec(name)
+    gap = gathered_inputs_bytes(spec, range(spec.num_layers), True, 2, TP_SEQ_LEN, 4)
+    print(f"{name} tp2: predicted {predicted:.0f} B, saved-for-backward {measured} B, "
+          f"rel_error {(predicted - measured) / measured:+.4f}; predicted + gathered inputs {predicted + gap:.0f} B, "
+          f"rel_error {(predicted + gap - measured) / measured:+.4f}")
+    assert predicted + gap == pytest.approx(measured, rel=0.02)
+    assert predicted != pytest.approx(measured, rel=0.02)  # the cost model still lacks the gathered inputs

@@ -22,14 +22,22 @@ def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) 
     from piper_plan.runtime.train import Trainer
 
     trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
-    out = {"losses": [], "grads": [], "first_expert": {}}
+    out = {"losses": [], "grads": [], "first_expert": {}, "grad_norms": []}
     for step in range(steps):
         report = trainer.train_step(step).report()
         out["losses"].append(report["loss"])
-        out["grads"].append({n: q.grad.clone() for n, q in trainer.module.named_parameters()})
+        out["grad_norms"].append(float(trainer.grad_norm))
+        out["grads"].append({n: _full(q.grad) for n, q in trainer.module.named_parameters()})
     out["first_expert"] = {i: m.first_expert for i, m in trainer.module.moe_layers().items()}
     out["expert_tokens"] = report["expert_tokens"]
+    out["memory"] = report["memory"]
     return out
+
+
+def _full(grad):
+    """A gradient as one whole tensor (a tp-split DTensor gathered: collective over its tp group)."""
+    full = getattr(grad, "full_tensor", None)
+    return full() if full is not None else grad.clone()
 
 
 def dispatch_checks(rank: int, world: int) -> dict:
@@ -71,6 +79,44 @@ def resume_check(plan: dict, rank: int, world: int, run_dir: str) -> dict:
     return {"full": full, "resumed": part, "start": start}
 
 
+def tp_accounting(rank: int, world: int, models: dict, seq_len: int) -> dict:
+    """Per model (name -> (spec dict, stage layer splits)): this tp rank's parameter counts of every stage built
+    and split over tp = world, and (one stage) the peak bytes autograd saves for backward in one forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from piper_plan.runtime.accounting import SavedTensorTracker, param_counts
+    from piper_plan.runtime.model import StageModel, init_stage
+    from piper_plan.runtime.pipeline import lm_loss
+    from piper_plan.runtime.tensor_parallel import loss_context, parallelize
+    from piper_plan.specs import ModelSpec
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for name, (data, splits) in models.items():
+        spec = ModelSpec.model_validate(data)
+        counts = {}
+        for layers in splits:
+            per_stage = []
+            for stage, n in enumerate(layers):
+                module = StageModel(spec, sum(layers[:stage]), n)
+                init_stage(module, 0)
+                parallelize(module, mesh)
+                per_stage.append(param_counts(module))
+            counts[len(layers)] = per_stage
+        torch.manual_seed(0)
+        module = StageModel(spec, 0, spec.num_layers, {"seq_mesh": mesh})
+        init_stage(module, 0)
+        parallelize(module, mesh)
+        tracker = SavedTensorTracker(module)
+        x = torch.randint(0, spec.vocab_size, (1, seq_len + 1))
+        with loss_context(world):
+            with tracker.hooks():
+                loss = lm_loss(module(x[:, :-1]), x[:, 1:])
+            loss.backward()
+        out[name] = {"params": counts, "saved_bytes": tracker.peak_bytes}
+    return out
+
+
 def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     init(rank, world, port)
     results = {}
@@ -79,6 +125,8 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             results[name] = train_and_record(kwargs["plan"], rank, world, kwargs["steps"], kwargs["aux"])
         elif kind == "dispatch":
             results[name] = dispatch_checks(rank, world)
+        elif kind == "tp_accounting":
+            results[name] = tp_accounting(rank, world, kwargs["models"], kwargs["seq_len"])
         elif kind == "resume":
             results[name] = resume_check(kwargs["plan"], rank, world, kwargs["run_dir"])
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
