@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
+from piper_plan.cli.common import console, diagnostics, note, print_json
 from piper_plan.cli.options import json_option
 
 DEFAULT_PLATFORM = "local-cpu"
@@ -68,7 +68,7 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
     else:
         bench.check_local_spawn(nodes, ranks_per_node, config.sizes_bytes)
         where = f" on the emulated network {network.text}" if network else ""
-        with console().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node}){where}"):
+        with diagnostics().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node}){where}"):
             rank, result = 0, (bench.network_bench(config, network) if network else bench.spawn_bench(config))
     if rank != 0:
         sys.exit(0 if result.passed else 1)
@@ -99,6 +99,15 @@ def _report(result, verify: bool, as_json: bool) -> None:
 
     from piper_plan.calibration.bench_a2a import alltoall_bandwidths_GBps
 
+    for size in result.sizes:
+        for error in size.errors[:5]:
+            note(f"FAILED: {error}")
+    if as_json:
+        from dataclasses import asdict
+
+        print_json({**asdict(result), "passed": result.passed})
+        return
+
     where = "emulated on one machine" if result.emulated else "from the job"
     where += f", network {result.network}" if result.network else ""
     table = Table(title=f"all-to-all, {result.num_nodes} nodes x {result.ranks_per_node} ranks "
@@ -112,13 +121,6 @@ def _report(result, verify: bool, as_json: bool) -> None:
         checked = ("yes" if not size.errors else "FAILED") if verify else "-"
         table.add_row(f"{size.bytes_per_rank:,}", _ms(flat), _ms(halo), ratio, busbw, checked)
     console().print(table)
-    for size in result.sizes:
-        for error in size.errors[:5]:
-            console().print(f"FAILED: {error}", markup=False)
-    if as_json:
-        from dataclasses import asdict
-
-        print_json({**asdict(result), "passed": result.passed})
 
 
 def _ms(seconds: float | None) -> str:
@@ -139,4 +141,4 @@ def _save(result, platform, platform_name: str, output_dir: Path | None, launche
               f"({result.backend}, {how})")
     directory = output_dir or calibration_dir(platform_name)
     path = bench.write_collective_rows(directory, bench.collective_rows(result, scope, source))
-    console().print(f"wrote {len(result.sizes) * len(result.sizes[0].seconds)} rows to {path}", markup=False)
+    note(f"wrote {len(result.sizes) * len(result.sizes[0].seconds)} rows to {path}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
+from piper_plan.cli.common import console, diagnostics, note, print_json
 from piper_plan.cli.options import json_option
 from piper_plan.errors import PiperError
 
@@ -36,11 +36,11 @@ def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, out_
     with _RichReporter() as reporter:
         result = run_calibration(opts, reporter)
     for message in result.messages:
-        console().print(message, markup=False)
+        note(message)
     written = ", ".join(f"{k} {n} rows" for k, n in result.rows_written.items()) or "nothing"
     skipped = ", ".join(f"{k} {n}" for k, n in result.skipped.items() if n)
-    console().print(f"wrote {written} to {opts.out_dir}" + (f" (skipped already measured: {skipped})" if skipped else "")
-                    + f" in {time.perf_counter() - t0:.1f} s", markup=False)
+    note(f"wrote {written} to {opts.out_dir}" + (f" (skipped already measured: {skipped})" if skipped else "")
+         + f" in {time.perf_counter() - t0:.1f} s")
 
 
 def _command_line(platform_name, quick, resume, only, out_dir) -> str:
@@ -68,7 +68,7 @@ class _RichReporter:
 
         self.progress = Progress(TextColumn("{task.fields[name]:<11}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[label]}", markup=False), console=console())
+                                 TextColumn("{task.fields[label]}", markup=False), console=diagnostics())
         self.tasks: dict[str, int] = {}
         self.progress.__enter__()
         return self
@@ -110,7 +110,7 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
     path = merge_rows(directory, COLLECTIVES, rows)
     if as_json:
         print_json(rows)
-    console().print(f"imported {len(rows)} rows ({op}, {scope}, {num_nodes} x {ranks_per_node}) into {path}", markup=False)
+    note(f"imported {len(rows)} rows ({op}, {scope}, {num_nodes} x {ranks_per_node}) into {path}")
 
 
 @calibrate_group.command("show")
@@ -134,7 +134,7 @@ def show_cmd(platform_name, plot_file, as_json) -> None:
         from piper_plan.calibration.report import plot_curves
 
         plot_curves(cal, plot_file)
-        console().print(f"wrote {plot_file}", markup=False)
+        note(f"wrote {plot_file}")
 
 
 @calibrate_group.command("slurm")
@@ -158,7 +158,7 @@ def slurm_cmd(platform_name, num_nodes, quick, account, time_limit, python_cmd, 
     text = render_sweep_script(platform, num_nodes, directory, quick=quick, account=account,
                                time_limit=time_limit, python_cmd=python_cmd)
     write_script(path, text)
-    console().print(f"wrote {path}", markup=False)
+    note(f"wrote {path}")
     if submit:
         _submit(path)
 
@@ -202,7 +202,7 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     if not result.values:
         out.print("no parameter changes any prediction of these runs: nothing fitted", markup=False)
     elif not dry_run:
-        out.print(f"wrote {path}", markup=False)
+        note(f"wrote {path}")
 
 
 @calibrate_group.command("overhead")
@@ -223,4 +223,4 @@ def overhead_cmd(platform_name, out_dir, no_concurrency) -> None:
     path = merge_rows(out, OVERHEAD, rows)
     for r in rows:
         console().print(f"{r['op']:18s} size {r['size']:3d}  {r['seconds'] * 1e6:10.1f} us", markup=False)
-    console().print(f"wrote {len(rows)} rows to {path} in {time.perf_counter() - t0:.1f} s", markup=False)
+    note(f"wrote {len(rows)} rows to {path} in {time.perf_counter() - t0:.1f} s")

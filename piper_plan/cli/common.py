@@ -1,4 +1,5 @@
-"""What every command shares: the stderr console, JSON output, and the user-error boundary."""
+"""What every command shares: the result console (stdout), the diagnostics console (stderr), JSON output, and the
+user-error boundary."""
 
 from __future__ import annotations
 
@@ -11,18 +12,35 @@ import click
 from piper_plan.errors import EXIT_USER_ERROR, PiperError
 
 
-@lru_cache(maxsize=1)
 def console():
-    """The one rich Console for human output; on stderr so stdout stays machine-readable."""
+    """The rich Console for a command's human result (tables, reports): stdout, so that ``piper models | head``
+    and ``piper plan ... > plan.txt`` capture it. ``--json`` / ``--csv`` replace it (``print_json``)."""
+    return _console(stderr=False)
+
+
+def diagnostics():
+    """The rich Console for progress, warnings and diagnostics ("wrote X"): stderr, so stdout stays the result."""
+    return _console(stderr=True)
+
+
+def note(text: str) -> None:
+    """One plain diagnostic line on stderr (no markup: paths and node lists are printed as they are)."""
+    diagnostics().print(text, markup=False)
+
+
+@lru_cache(maxsize=2)
+def _console(stderr: bool):
     import os
     import sys
 
     from rich.console import Console
 
     # Piped or logged output (no terminal, no COLUMNS): wide tables instead of rich's 80-column default, and lines
-    # left unwrapped so that commands in messages stay copy-pasteable.
-    piped = not sys.stderr.isatty() and "COLUMNS" not in os.environ
-    return Console(stderr=True, highlight=False, width=160 if piped else None, soft_wrap=piped)
+    # left unwrapped so that commands in messages stay copy-pasteable. Colour and live progress only on a terminal
+    # (rich's own rule for a stream that is not one).
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not stream.isatty() and "COLUMNS" not in os.environ
+    return Console(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped)
 
 
 def print_json(obj: Any) -> None:

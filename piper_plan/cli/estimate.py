@@ -1,7 +1,7 @@
 """``piper estimate``: memory per stage and step time of ONE parallel plan, with the full breakdown.
 
-Thin: parse, load, call ``piper_plan.cost.evaluate.estimate``, render (rich tables on stderr; --json on
-stdout). A plan that does not fit is a result (shown with its overflow), not an error; an invalid plan is
+Thin: parse, load, call ``piper_plan.cost.evaluate.estimate``, render (tables on stdout, or --json
+instead). A plan that does not fit is a result (shown with its overflow), not an error; an invalid plan is
 a PiperError from the one validity check (exit 2). ``--save`` writes plan.json after the estimate succeeded.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import console, platform_calibration, print_json
+from piper_plan.cli.common import console, note, platform_calibration, print_json
 from piper_plan.cli.options import (build_plan, json_option, load_setting, model_options, parallel_options,
                                     placement_option, training_options)
 
@@ -52,8 +52,7 @@ def estimate_cmd(model_name, platform_name, nodes, seq_len, global_batch, routin
         return
     render(result, model, platform, plan)
     if save_path:
-        console().print(f"wrote {save_path}" + ("" if result.fits else " (warning: the plan does not fit)"),
-                        markup=False)
+        note(f"wrote {save_path}" + ("" if result.fits else " (warning: the plan does not fit)"))
 
 
 def with_other_placement(result, model, platform, training, nodes, plan, calibration, options):
@@ -70,7 +69,7 @@ def with_other_placement(result, model, platform, training, nodes, plan, calibra
         placement=other, step_time_s=alt.step_time_s, tokens_per_s=alt.tokens_per_s, scopes=alt.scopes)})
 
 
-# ---- rendering (human output, stderr) --------------------------------------------------------------
+# ---- rendering (human output, stdout) --------------------------------------------------------------
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f}"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
+from piper_plan.cli.common import console, note, print_json
 from piper_plan.cli.options import json_option, load_setting, training_options
 from piper_plan.errors import PiperError
 
@@ -65,8 +65,7 @@ def _search_plan(save_path, model, platform, nodes, seq_len, global_batch, strat
         raise PiperError(f"no plan piper's runtime can run fits {model_spec.name} on {nodes} {platform_spec.name} "
                          "nodes (see `piper plan --runnable`)", field="--nodes")
     _, plan = save_best(save_path, model_spec, platform_spec, training, result, kwargs, migration)
-    console().print(f"plan: the best runnable of {result.feasible:,} that fit: dp={plan.dp} tp={plan.tp} "
-                    f"pp={plan.pp} ep={plan.ep}", markup=False)
+    note(f"plan: the best runnable of {result.feasible:,} that fit: dp={plan.dp} tp={plan.tp} pp={plan.pp} ep={plan.ep}")
 
 
 def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json,
@@ -106,16 +105,16 @@ def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) ->
                     "nodes": prepared.job.nodes, "world": prepared.job.world, "steps": prepared.job.steps,
                     "time": prepared.job.time, "partition": prepared.job.partition})
         return
-    c = console()
-    c.print(f"wrote {prepared.script_path}, {prepared.out_dir / 'plan.json'}, {prepared.out_dir / 'README.md'}",
-            markup=False)
-    c.print(f"{prepared.job.nodes} nodes x {prepared.job.ranks_per_node} ranks = {prepared.job.world}, "
-            f"{prepared.job.steps} steps, time {prepared.job.time}", markup=False)
-    if job_id:
-        c.print(f"submitted job {job_id}; follow it with: piper status {job_id}", markup=False)
+    note(f"wrote {prepared.script_path}, {prepared.out_dir / 'plan.json'}, {prepared.out_dir / 'README.md'}")
+    facts = (f"{prepared.job.nodes} nodes x {prepared.job.ranks_per_node} ranks = {prepared.job.world}, "
+             f"{prepared.job.steps} steps, time {prepared.job.time}")
+    if job_id:                  # stdout is the job id alone, for JOB=$(piper launch --submit ...)
+        note(facts)
+        note(f"submitted job {job_id}; follow it with: piper status {job_id}")
         if blocked:
-            c.print(f"warning: Slurm holds job {job_id} with Reason={blocked}: it may never start as requested",
-                    markup=False)
+            note(f"warning: Slurm holds job {job_id} with Reason={blocked}: it may never start as requested")
         click.echo(job_id)
     else:
+        c = console()
+        c.print(facts, markup=False)
         c.print(f"submit with: sbatch {prepared.script_path}", markup=False)

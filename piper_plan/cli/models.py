@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
+from piper_plan.cli.common import console, note, print_json
 from piper_plan.cli.options import json_option
 
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
@@ -162,5 +162,5 @@ def import_cmd(config: Path, output: Path | None, name: str | None, force: bool,
         print_json({**model_row(spec), "output": str(output) if output else None, "spec": spec.model_dump(mode="json")})
     elif output is None:
         click.echo(text, nl=False)
-    console().print(f"{spec.name}: {format_count(spec.total_params)} total, {format_count(spec.active_params)} active"
-                    + (f"; wrote {output}" if output else ""), markup=False)
+    note(f"{spec.name}: {format_count(spec.total_params)} total, {format_count(spec.active_params)} active"
+         + (f"; wrote {output}" if output else ""))

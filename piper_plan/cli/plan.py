@@ -1,6 +1,6 @@
 """``piper plan``: search every valid parallel configuration and rank it by predicted throughput.
 
-Thin: parse, load, call ``piper_plan.search``, render (rich on stderr; --json / --csv on stdout).
+Thin: parse, load, call ``piper_plan.search``, render (the table on stdout, or --json / --csv instead).
 Exit codes: 0 a plan fits; 2 user error; 3 nothing fits (the closest candidates and what would make them fit
 are shown).
 """
@@ -12,7 +12,7 @@ import io
 
 import click
 
-from piper_plan.cli.common import console, platform_calibration, print_json
+from piper_plan.cli.common import console, note, platform_calibration, print_json
 from piper_plan.cli.options import json_option, load_setting, model_options, placement_option, training_options
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
@@ -75,7 +75,7 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable)
     if save_path:
         path, plan = save_best(save_path, model, platform, training, result, kwargs, migration)
-        console().print(f"saved {path} (layers per stage: {plan.layers_per_stage})", markup=False)
+        note(f"saved {path} (layers per stage: {plan.layers_per_stage})")
 
 
 def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False):

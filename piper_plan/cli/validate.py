@@ -1,6 +1,6 @@
 """``piper validate``: predict every published datapoint in validation/*.yaml and report the error.
 
-Thin: load, call ``piper_plan.validation``, render (rich tables on stderr; --json on stdout). Exit 1 when a
+Thin: load, call ``piper_plan.validation``, render (tables on stdout, or --json instead). Exit 1 when a
 gated row or a dataset's mean error exceeds its tolerance (so CI fails when the model drifts); 2 for user errors.
 """
 
