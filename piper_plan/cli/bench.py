@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, diagnostics, note, print_json
+from piper_plan.cli.common import EXIT_CHECK_FAILED, console, diagnostics, exit_codes, note, print_json
 from piper_plan.cli.options import json_option
 
 DEFAULT_PLATFORM = "local-cpu"
@@ -28,7 +28,7 @@ def bench_group() -> None:
     """Communication benchmarks (flat vs HALO all-to-all)."""
 
 
-@bench_group.command("a2a")
+@bench_group.command("a2a", epilog=exit_codes({EXIT_CHECK_FAILED: "--verify found HALO different from all_to_all_single"}))
 @click.option("--algo", default="flat,halo", show_default=True, help="Algorithms to time: flat, halo.")
 @click.option("--nodes", type=click.IntRange(min=1), default=2, show_default=True,
               help="Nodes to emulate on one machine (ignored under torchrun/srun: the job's own).")
@@ -71,11 +71,11 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
         with diagnostics().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node}){where}"):
             rank, result = 0, (bench.network_bench(config, network) if network else bench.spawn_bench(config))
     if rank != 0:
-        sys.exit(0 if result.passed else 1)
+        sys.exit(0 if result.passed else EXIT_CHECK_FAILED)
     _report(result, verify, as_json)
     if result.passed and not no_save:
         _save(result, platform, platform_name or DEFAULT_PLATFORM, output_dir, launched)
-    sys.exit(0 if result.passed else 1)
+    sys.exit(0 if result.passed else EXIT_CHECK_FAILED)
 
 
 def _load_platform(name: str | None):

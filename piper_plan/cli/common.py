@@ -11,6 +11,22 @@ import click
 
 from piper_plan.errors import EXIT_USER_ERROR, PiperError
 
+EXIT_CHECK_FAILED = 1
+"""A check of measurements failed: ``validate`` (a gated row or a dataset's mean outside its tolerance) and
+``bench a2a --verify`` (HALO differed from all_to_all_single). Python's own exit code for a crash is 1 too; piper
+never crashes on bad input (that is 2), so 1 with a traceback is a bug to report."""
+EXIT_NOTHING_FITS = 3
+"""``plan``: no candidate fits (the closest ones and what would make them fit are shown)."""
+
+EXIT_CODES = {0: "ok", EXIT_USER_ERROR: "bad input (one 'error:' line on stderr)"}
+"""The exit codes every command shares; ``exit_codes`` adds a command's own."""
+
+
+def exit_codes(own: dict[int, str] | None = None) -> str:
+    """A command's --help epilog: the shared exit codes plus the command's own (code -> meaning)."""
+    codes = {**EXIT_CODES, **(own or {})}
+    return "Exit codes: " + "; ".join(f"{code} {codes[code]}" for code in sorted(codes)) + "."
+
 
 def console():
     """The rich Console for a command's human result (tables, reports): stdout, so that ``piper models | head``

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import console, note, platform_calibration, print_json
+from piper_plan.cli.common import console, exit_codes, note, platform_calibration, print_json
 from piper_plan.cli.options import (build_plan, json_option, load_setting, model_options, parallel_options,
                                     placement_option, training_options)
 
 GiB = 2**30
 
 
-@click.command("estimate")
+@click.command("estimate", epilog=exit_codes())
 @model_options
 @click.option("--nodes", type=int, required=True, help="Nodes of the allocation.")
 @parallel_options

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, note, print_json
+from piper_plan.cli.common import console, exit_codes, note, print_json
 from piper_plan.cli.options import json_option, load_setting, training_options
 from piper_plan.errors import PiperError
 
 
-@click.command("launch")
+@click.command("launch", epilog=exit_codes())
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="plan.json from `piper plan --save` / `estimate --save`.")
 @click.option("--model", help="Model name or path (plan from options: runs the search).")
 @click.option("--platform", help="Platform name or path (plan from options).")
@@ -26,7 +26,8 @@ from piper_plan.errors import PiperError
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Job directory to write.")
 @click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
 @click.option("--check", is_flag=True, help="Ask Slurm whether it would accept the job (sbatch --test-only).")
-@click.option("--dry-run", is_flag=True, help="Print the script on stdout; write nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the script on stdout (with --json: the script and the job's facts); write nothing.")
 @click.option("--steps", type=int, help="Training steps (default: the plan's runtime.steps).")
 @click.option("--account", help="Slurm account (#SBATCH --account).")
 @click.option("--partition", help="Slurm partition (default: the platform's).")
@@ -41,9 +42,8 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, strateg
     The plan is --plan plan.json, or the best runnable plan `piper plan` finds for --model/--platform/--nodes."""
     import tempfile
 
-    if dry_run and (submit or as_json or check):
-        raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --check / --json",
-                         field="--dry-run")
+    if dry_run and (submit or check):
+        raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --check", field="--dry-run")
     with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")
@@ -77,7 +77,10 @@ def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partitio
                             template_dir=template_dir)
     prepared = joblib.prepare(Path(plan_path), Path(out_dir), options, python=sys.executable)
     if dry_run:
-        click.echo(prepared.script, nl=False)
+        if as_json:
+            print_json({"script": prepared.script, **_job_facts(prepared)})
+        else:
+            click.echo(prepared.script, nl=False)
         return
     joblib.check_out_dir(prepared.out_dir, force)
     joblib.write_job(prepared)
@@ -98,12 +101,19 @@ def _plan_source(plan_path, model, platform, nodes) -> str | None:
     raise PiperError("give --plan plan.json (from `piper plan --save`), or all of --model, --platform and --nodes")
 
 
+def _job_facts(prepared) -> dict:
+    """What the job asks Slurm for (the same keys with and without --dry-run)."""
+    job = prepared.job
+    return {"nodes": job.nodes, "ranks_per_node": job.ranks_per_node, "world": job.world, "steps": job.steps,
+            "time": job.time, "partition": job.partition, "account": job.account, "job_name": job.job_name,
+            "platform": job.platform, "run_dir": job.run_dir}
+
+
 def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) -> None:
     out = str(prepared.out_dir)
     if as_json:
         print_json({"job_id": job_id, "out": out, "blocked_reason": blocked, "script": str(prepared.script_path),
-                    "nodes": prepared.job.nodes, "world": prepared.job.world, "steps": prepared.job.steps,
-                    "time": prepared.job.time, "partition": prepared.job.partition})
+                    **_job_facts(prepared)})
         return
     note(f"wrote {prepared.script_path}, {prepared.out_dir / 'plan.json'}, {prepared.out_dir / 'README.md'}")
     facts = (f"{prepared.job.nodes} nodes x {prepared.job.ranks_per_node} ranks = {prepared.job.world}, "

@@ -85,7 +85,14 @@ def _module_exists(module: str) -> bool:
     return find_spec(module) is not None
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+EPILOG = ("Output: a command's result (table, report) on stdout; progress and diagnostics (\"wrote X\") on stderr; "
+          "--json (every command) replaces the result on stdout with one JSON document. "
+          "Exit codes: 0 ok; 1 a check failed (validate: a row outside its tolerance; bench a2a --verify); "
+          "2 bad input (one 'error:' line on stderr); 3 nothing fits (plan); 75 run checkpointed on SIGTERM / "
+          "SIGUSR1 (requeue).")
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.version_option(__version__, prog_name="piper")
 def cli() -> None:
     """piper: plan, calibrate and launch Mixture-of-Experts training on HPC machines."""

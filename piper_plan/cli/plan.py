@@ -12,16 +12,14 @@ import io
 
 import click
 
-from piper_plan.cli.common import console, note, platform_calibration, print_json
+from piper_plan.cli.common import EXIT_NOTHING_FITS, console, exit_codes, note, platform_calibration, print_json
 from piper_plan.cli.options import json_option, load_setting, model_options, placement_option, training_options
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
 from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows, result_json
 
-EXIT_NOTHING_FITS = 3
 
-
-@click.command("plan")
+@click.command("plan", epilog=exit_codes({EXIT_NOTHING_FITS: "nothing fits (the closest candidates are shown)"}))
 @model_options
 @click.option("--nodes", "nodes_text", default=None, help="Node count N, or a range A..B to sweep (doubling).")
 @click.option("--min-nodes", is_flag=True, help="Find the smallest node count that fits (from --nodes, default 1).")

@@ -10,13 +10,11 @@ import sys
 
 import click
 
-from piper_plan.cli.common import console, print_json
+from piper_plan.cli.common import EXIT_CHECK_FAILED, console, exit_codes, print_json
 from piper_plan.cli.options import json_option
 
-EXIT_VIOLATION = 1
 
-
-@click.command("validate")
+@click.command("validate", epilog=exit_codes({EXIT_CHECK_FAILED: "a gated row or a dataset's mean error is outside its tolerance (on this version's own checkout: piper-frontier-moe/xmoe-small, see docs/validation.md)"}))
 @click.option("--dataset", "datasets", multiple=True, help="Dataset name or path (repeatable; default: all of validation/).")
 @json_option(help="Machine-readable output on stdout.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), default=None,
@@ -41,7 +39,7 @@ def validate_cmd(datasets, as_json, markdown_path) -> None:
             render_dataset(r)
         render_violations(violations)
     if violations:
-        sys.exit(EXIT_VIOLATION)
+        sys.exit(EXIT_CHECK_FAILED)
 
 
 def _num(value: float | None, digits: int = 4) -> str:

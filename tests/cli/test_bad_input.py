@@ -105,9 +105,10 @@ def test_incompatible_options():
                               "--out", "/tmp/never-written"), "nodes=0")
 
 
-def test_launch_dry_run_cannot_combine_with_json(tmp_path, plan_json):
+def test_launch_dry_run_cannot_combine_with_submit(tmp_path, plan_json):
     plan = write(tmp_path / "in.json", plan_json)
-    assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job", "--dry-run", "--json"), "--dry-run")
+    assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job", "--dry-run", "--submit"),
+                          "--dry-run")
 
 
 def test_migrate_simulate_refuses_sizes_that_would_exhaust_memory():
