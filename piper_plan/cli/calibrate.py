@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import console, diagnostics, exit_codes, note, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.options import json_option, out_dir_option, output_option
 from piper_plan.errors import PiperError
 
 
@@ -19,8 +19,7 @@ from piper_plan.errors import PiperError
 @click.option("--quick", is_flag=True, help="A small sweep (well under 2 minutes on a 2-core machine).")
 @click.option("--resume", is_flag=True, help="Skip points already in the CSVs.")
 @click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Output directory (default calibration/<platform>/).")
+@out_dir_option("out_dir", "Output directory (default calibration/<platform>/).", old=("--out",))
 @json_option(help="What the sweep wrote (directory, rows per CSV, skipped points, seconds) as JSON on stdout.")
 @click.pass_context
 def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, out_dir, as_json) -> None:
@@ -53,14 +52,14 @@ def _command_line(platform_name, quick, resume, only, out_dir) -> str:
     """The command as a user would retype it (recorded in every row's source and in metadata.json)."""
     args = ["piper", "calibrate", "--platform", platform_name] + ["--quick"] * quick + ["--resume"] * resume
     args += ["--only", only] if only else []
-    args += ["--out", out_dir] if out_dir else []
+    args += ["--out-dir", out_dir] if out_dir else []
     return shlex.join(args)
 
 
 def _out_dir(platform_name: str, out_dir: str | None) -> Path:
     from piper_plan.catalog import calibration_dir, load_platform
 
-    platform = load_platform(platform_name)           # checked even with --out: a typo is an error, not ignored
+    platform = load_platform(platform_name)           # checked even with --out-dir: a typo is an error, not ignored
     if out_dir:
         return Path(out_dir).resolve()
     return calibration_dir(platform.name).resolve()
@@ -102,8 +101,8 @@ class _RichReporter:
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), required=True, help="Nodes the test ran on.")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), required=True, help="Ranks (GPUs) per node.")
 @click.option("--scope", required=True, help="Widest scope the ranks spanned: node, switch, group, system.")
-@click.option("--platform", "platform_name", default="frontier", show_default=True, help="Platform whose calibration to extend.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Directory (default calibration/<platform>/).")
+@click.option("--platform", "platform_name", required=True, help="Platform whose calibration to extend.")
+@out_dir_option("out_dir", "Directory (default calibration/<platform>/).", old=("--out",))
 @json_option(help="Print the imported rows as JSON on stdout.")
 def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_name, out_dir, as_json) -> None:
     """Parse nccl-tests / rccl-tests output into collectives.csv rows."""
@@ -120,7 +119,7 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
 
 
 @calibrate_group.command("show", epilog=exit_codes())
-@click.option("--platform", "platform_name", default="local-cpu", show_default=True, help="Platform name or calibration directory.")
+@click.option("--platform", "platform_name", required=True, help="Platform name or calibration directory.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None, help="Write a PNG of the curves (needs matplotlib).")
 @json_option(help="Print the curve summary as JSON on stdout.")
 def show_cmd(platform_name, plot_file, as_json) -> None:
@@ -144,14 +143,13 @@ def show_cmd(platform_name, plot_file, as_json) -> None:
 
 
 @calibrate_group.command("slurm", epilog=exit_codes())
-@click.option("--platform", "platform_name", default="frontier", show_default=True)
+@click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), required=True, help="Nodes to sweep over.")
 @click.option("--quick", is_flag=True, help="The small sweep.")
 @click.option("--account", default=None, help="#SBATCH -A (project account).")
 @click.option("--time", "time_limit", default="00:30:00", show_default=True, help="#SBATCH -t.")
 @click.option("--python", "python_cmd", default="python3", show_default=True, help="Python with piper installed, on the nodes.")
-@click.option("--output", "script_path", type=click.Path(dir_okay=False), default=None,
-              help="Script path (default calibration/<platform>/calibrate-<N>n.sbatch).")
+@output_option("script_path", "Script path (default calibration/<platform>/calibrate-<N>n.sbatch).")
 @click.option("--submit", is_flag=True, help="Submit it with sbatch.")
 @json_option(help="The script path, its rows' directory and the job id (with --submit) as JSON on stdout.")
 def slurm_cmd(platform_name, num_nodes, quick, account, time_limit, python_cmd, script_path, submit, as_json) -> None:
@@ -219,9 +217,8 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
 
 
 @calibrate_group.command("overhead", epilog=exit_codes())
-@click.option("--platform", "platform_name", default="local-cpu", show_default=True, help="Platform catalog name or YAML path.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Output directory (default calibration/<platform>/).")
+@click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
+@out_dir_option("out_dir", "Output directory (default calibration/<platform>/).", old=("--out",))
 @click.option("--no-concurrency", is_flag=True, help="Skip the rows that run 1, 2 and 4 processes at once.")
 @json_option(help="The measured rows and the file they went to as JSON on stdout.")
 def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
@@ -231,7 +228,7 @@ def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
     from piper_plan.calibration.overhead import OVERHEAD
 
     out = _out_dir(platform_name, out_dir)
-    args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out", out_dir] if out_dir else [])
+    args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out-dir", out_dir] if out_dir else [])
     t0 = time.perf_counter()
     rows = overhead_rows(shlex.join(args), concurrency=not no_concurrency)
     path = merge_rows(out, OVERHEAD, rows)

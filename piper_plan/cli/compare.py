@@ -33,7 +33,7 @@ def read_prediction(path: Path) -> dict:
 
     prediction = read_plan_file(path).prediction
     if prediction is None:
-        raise PiperError("field prediction: missing (save the plan with `piper plan --save` / `estimate --save`)",
+        raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
                          path=str(path))
     return prediction.to_json()
 

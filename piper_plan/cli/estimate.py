@@ -2,7 +2,7 @@
 
 Thin: parse, load, call ``piper_plan.cost.evaluate.estimate``, render (tables on stdout, or --json
 instead). A plan that does not fit is a result (shown with its overflow), not an error; an invalid plan is
-a PiperError from the one validity check (exit 2). ``--save`` writes plan.json after the estimate succeeded.
+a PiperError from the one validity check (exit 2). ``-o/--output`` writes plan.json after the estimate succeeded.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import click
 
 from piper_plan.cli.common import console, exit_codes, note, platform_calibration, print_json
-from piper_plan.cli.options import (build_plan, json_option, load_setting, model_options, parallel_options,
-                                    placement_option, training_options)
+from piper_plan.cli.options import (build_plan, json_option, load_setting, model_options, output_option,
+                                    parallel_options, placement_option, training_options)
 
 GiB = 2**30
 
@@ -28,8 +28,7 @@ GiB = 2**30
 @click.option("--piper-runtime", is_flag=True,
               help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
 @json_option
-@click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the plan as plan.json (DESIGN.md format).")
+@output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 def estimate_cmd(model_name, platform_name, nodes, seq_len, global_batch, routing_skew, placement, no_calibration,
                  piper_runtime, as_json, save_path, **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""

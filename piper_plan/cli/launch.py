@@ -8,12 +8,12 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import console, exit_codes, note, print_json
-from piper_plan.cli.options import json_option, load_setting, training_options
+from piper_plan.cli.options import json_option, load_setting, out_dir_option, training_options
 from piper_plan.errors import PiperError
 
 
 @click.command("launch", epilog=exit_codes())
-@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="plan.json from `piper plan --save` / `estimate --save`.")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="plan.json from `piper plan -o` / `estimate -o`.")
 @click.option("--model", help="Model name or path (plan from options: runs the search).")
 @click.option("--platform", help="Platform name or path (plan from options).")
 @click.option("--nodes", type=int, help="Nodes (plan from options).")
@@ -23,7 +23,7 @@ from piper_plan.errors import PiperError
 @click.option("--a2a", type=click.Choice(["flat", "halo", "any"]), default="any", show_default=True,
               help="Plan from options: all-to-all algorithm.")
 @click.option("--migration", is_flag=True, help="Plan from options: enable expert migration.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Job directory to write.")
+@out_dir_option("out_dir", "Job directory to write.", old=("--out",), required=True)
 @click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
 @click.option("--check", is_flag=True, help="Ask Slurm whether it would accept the job (sbatch --test-only).")
 @click.option("--dry-run", is_flag=True,
@@ -33,7 +33,7 @@ from piper_plan.errors import PiperError
 @click.option("--partition", help="Slurm partition (default: the platform's).")
 @click.option("--time", "time_", help="Wall time [D-]HH:MM:SS (default: from the predicted step time).")
 @click.option("--job-name", help="Slurm job name.")
-@click.option("--force", is_flag=True, help="Write into a non-empty --out directory.")
+@click.option("--force", is_flag=True, help="Write into a non-empty --out-dir directory.")
 @json_option
 def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration, out_dir, submit,
                check, dry_run, steps, account, partition, time_, job_name, force, as_json):
@@ -98,7 +98,7 @@ def _plan_source(plan_path, model, platform, nodes) -> str | None:
         return plan_path
     if model and platform and nodes is not None:
         return None
-    raise PiperError("give --plan plan.json (from `piper plan --save`), or all of --model, --platform and --nodes")
+    raise PiperError("give --plan plan.json (from `piper plan -o plan.json`), or all of --model, --platform and --nodes")
 
 
 def _job_facts(prepared) -> dict:

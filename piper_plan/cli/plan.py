@@ -13,7 +13,8 @@ import io
 import click
 
 from piper_plan.cli.common import EXIT_NOTHING_FITS, console, exit_codes, note, platform_calibration, print_json
-from piper_plan.cli.options import json_option, load_setting, model_options, placement_option, training_options
+from piper_plan.cli.options import (json_option, load_setting, model_options, output_option, placement_option,
+                                    training_options)
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
 from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows, result_json
@@ -37,8 +38,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
 @json_option
 @click.option("--csv", "as_csv", is_flag=True, help="The ranked plans as CSV on stdout.")
-@click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the best plan as plan.json (DESIGN.md format).")
+@output_option("save_path", "Write the best plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @click.option("--explain", is_flag=True, help="The winner's time breakdown vs the runner-up.")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a, migration,
@@ -56,7 +56,7 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     counts = _node_counts(nodes_text, min_nodes)
     if len(counts) > 1:
         if save_path:
-            raise PiperError("--save needs one node count (use --nodes N or --min-nodes)", field="--save")
+            raise PiperError("--output needs one node count (use --nodes N or --min-nodes)", field="--output")
         results = engine.sweep(model, platform, training, counts, options, **kwargs)
         _emit_sweep(results, training, as_json)
         return
@@ -159,7 +159,7 @@ def _plans_table(result, platform, training, top: int):
                       str(row["zero"]), row["a2a"], f"{row['peak_memory_bytes'] / 2**30:.1f}",
                       f"{row['step_time_s']:.2f}", f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.1f}",
                       f"{100 * row['mfu']:.1f}%", f"{100 * row['a2a_share']:.0f}%", f"{row['node_hours_to_train']:,.0f}")
-    table.caption = "bal = FLOP-balanced layers per stage (the split --save writes)"
+    table.caption = "bal = FLOP-balanced layers per stage (the split -o writes)"
     return table
 
 

@@ -9,14 +9,15 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import exit_codes, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.options import json_option, out_dir_option
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True}, epilog=exit_codes({EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 (the batch script requeues)"}))
 @click.option("--plan", "plan", required=True, type=click.Path(dir_okay=False), help="plan.json to run.")
 @click.option("--steps", type=int, default=None, help="Optimizer steps (default: the plan's runtime.steps).")
-@click.option("--out", default="run", show_default=True, help="Run directory.")
+@out_dir_option("out", "Run directory (metrics.jsonl, summary.json, checkpoints/).", old=("--out",), default="run",
+                show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from RUN_DIR/checkpoints/latest.")
 @click.option("--profile", type=int, default=0, metavar="STEPS", help="Chrome trace of STEPS steps after the first.")
 @click.option("--lr", type=float, default=None, help="Peak learning rate (default: the plan's runtime.lr).")
