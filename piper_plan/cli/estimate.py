@@ -45,13 +45,15 @@ def estimate_cmd(model_name, platform_name, nodes, seq_len, global_batch, routin
     if save_path:
         from piper_plan.planfile import write_plan_file
 
-        write_plan_file(save_path, model, platform, training, nodes, plan, placement, result)
+        written = write_plan_file(save_path, model, platform, training, nodes, plan, placement, result)
+        note(f"wrote {written}")
+        if not result.fits:
+            note(f"warning: the saved plan does not fit: peak {_gib(result.memory.peak_bytes)} of "
+                 f"{_gib(platform.device.memory_bytes)} GiB per device (`piper launch` will refuse it)")
     if as_json:
         print_json(result.to_json())
         return
     render(result, model, platform, plan)
-    if save_path:
-        note(f"wrote {save_path}" + ("" if result.fits else " (warning: the plan does not fit)"))
 
 
 def with_other_placement(result, model, platform, training, nodes, plan, calibration, options):

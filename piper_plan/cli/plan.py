@@ -53,7 +53,7 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch)
     options = search_options(strategy, a2a, memory_headroom, expert_tp)
     kwargs = search_kwargs(platform, placement, runnable)
-    counts = _node_counts(nodes_text, min_nodes)
+    counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     if len(counts) > 1:
         if save_path:
             raise PiperError("--output needs one node count (use --nodes N or --min-nodes)", field="--output")
@@ -120,6 +120,16 @@ def _node_counts(nodes_text: str | None, min_nodes: bool) -> list[int]:
     return counts
 
 
+def within_platform(counts: list[int], nodes_text: str | None, platform) -> list[int]:
+    """A range that runs past the platform's node count ends at it, and the user is told (a count beyond it is
+    left to the validity check: that number is one the user typed)."""
+    limit = platform.node_limit
+    if len(counts) < 2 or counts[-1] <= limit or counts[0] > limit:
+        return counts
+    note(f"--nodes {nodes_text}: {platform.name} has at most {limit} nodes; the range ends at {limit}")
+    return [n for n in counts if n < limit] + [limit]
+
+
 # ---- output: one search -------------------------------------------------------------------------------
 def _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable) -> None:
     if as_json:
@@ -151,7 +161,8 @@ def _plans_table(result, platform, training, top: int):
     for label in ("#", "dp tp pp ep etp", "mbs x M", "sched", "recomp", "z", "a2a", f"GiB/{cap_GiB:.0f}", "step s",
                   "tokens/s", "TF/dev", "MFU", "a2a%", "node-h"):
         table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a") else "right", no_wrap=True)
-    for row in plan_rows(result, training, top):
+    rows = plan_rows(result, training, top)
+    for row in rows:
         table.add_row(str(row["rank"]), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp")),
                       f"{row['mbs']} x {row['num_microbatches']}",
                       _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),
@@ -159,7 +170,8 @@ def _plans_table(result, platform, training, top: int):
                       str(row["zero"]), row["a2a"], f"{row['peak_memory_bytes'] / 2**30:.1f}",
                       f"{row['step_time_s']:.2f}", f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.1f}",
                       f"{100 * row['mfu']:.1f}%", f"{100 * row['a2a_share']:.0f}%", f"{row['node_hours_to_train']:,.0f}")
-    table.caption = "bal = FLOP-balanced layers per stage (the split -o writes)"
+    if any(row.get("layers_split") == "balanced" for row in rows):
+        table.caption = "'bal' after the schedule: FLOP-balanced layers per stage (the split -o writes); else even"
     return table
 
 
