@@ -16,8 +16,8 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import EXIT_CHECK_FAILED, console, diagnostics, exit_codes, note, print_json
-from piper_plan.cli.options import json_option, out_dir_option
+from piper_plan.cli.common import (EXIT_CHECK_FAILED, console, diagnostics, exit_codes, json_option, note,
+                                   out_dir_option, print_json)
 from piper_plan.errors import PiperError
 
 @click.group("bench")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, diagnostics, exit_codes, note, print_json
-from piper_plan.cli.options import json_option, out_dir_option, output_option
+from piper_plan.cli.common import (console, diagnostics, exit_codes, json_option, note, out_dir_option, output_option,
+                                   print_json)
 from piper_plan.errors import PiperError
 
 

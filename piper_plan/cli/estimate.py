@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, note, platform_calibration, print_json
-from piper_plan.cli.options import (build_plan, json_option, load_setting, model_options, output_option,
-                                    parallel_options, placement_option, training_options)
+from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
+                                   print_json)
+from piper_plan.cli.options import (build_plan, load_setting, model_options, parallel_options, placement_option,
+                                    training_options)
 
 GiB = 2**30
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, note, print_json
-from piper_plan.cli.options import json_option, load_setting, out_dir_option, training_options
+from piper_plan.cli.common import console, exit_codes, json_option, note, out_dir_option, print_json
+from piper_plan.cli.options import load_setting, training_options
 from piper_plan.errors import PiperError
 
 

@@ -6,8 +6,7 @@ import math
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import console, exit_codes, json_option, print_json
 from piper_plan.errors import PiperError
 
 MAX_EXPERTS = 16_384

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, note, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import console, exit_codes, json_option, note, print_json
 
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
 

@@ -31,48 +31,6 @@ def _bundle(*options):
     return decorate
 
 
-class AliasedOption(click.Option):
-    """An option whose old spellings (``hidden_aliases``) still parse, so no user script breaks, but are not shown
-    in --help nor in error messages."""
-
-    def __init__(self, *args, hidden_aliases: tuple[str, ...] = (), **kwargs):
-        super().__init__(*args, **kwargs)
-        self.hidden_aliases = tuple(hidden_aliases)
-
-    def _shown_only(self, render, *args):
-        every = self.opts
-        self.opts = [opt for opt in every if opt not in self.hidden_aliases]
-        try:
-            return render(*args)
-        finally:
-            self.opts = every
-
-    def get_help_record(self, ctx):
-        return self._shown_only(super().get_help_record, ctx)
-
-    def get_error_hint(self, ctx) -> str:
-        return self._shown_only(super().get_error_hint, ctx)
-
-
-def output_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
-    """``-o/--output FILE``: the one spelling of "write a file"; ``old`` spellings keep working, hidden."""
-    return click.option("-o", "--output", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="FILE",
-                        type=click.Path(dir_okay=False), default=None, help=help, **kwargs)
-
-
-def out_dir_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
-    """``--out-dir DIR``: the one spelling of "write into a directory"; ``old`` spellings keep working, hidden."""
-    kwargs.setdefault("type", click.Path(file_okay=False))
-    return click.option("--out-dir", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="DIR",
-                        help=help, **kwargs)
-
-
-def json_option(f=None, *, help: str = "Machine-readable output on stdout."):
-    """``--json`` (as ``as_json``): ``@json_option`` or ``@json_option(help="what is printed")``."""
-    option = click.option("--json", "as_json", is_flag=True, help=help)
-    return option(f) if f is not None else option
-
-
 model_options = _bundle(
     click.option("--model", "model_name", required=True, help="Catalog name or YAML/JSON path."),
     click.option("--platform", "platform_name", required=True, help="Catalog name or YAML/JSON path."),

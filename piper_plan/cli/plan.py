@@ -12,9 +12,9 @@ import io
 
 import click
 
-from piper_plan.cli.common import EXIT_NOTHING_FITS, console, exit_codes, note, platform_calibration, print_json
-from piper_plan.cli.options import (json_option, load_setting, model_options, output_option, placement_option,
-                                    training_options)
+from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, exit_codes, json_option, note, output_option,
+                                   platform_calibration, print_json)
+from piper_plan.cli.options import load_setting, model_options, placement_option, training_options
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
 from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows, result_json

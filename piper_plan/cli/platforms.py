@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import console, exit_codes, json_option, print_json
 
 GiB = 2**30
 

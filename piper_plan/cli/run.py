@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import exit_codes, print_json
-from piper_plan.cli.options import json_option, out_dir_option
+from piper_plan.cli.common import exit_codes, json_option, out_dir_option, print_json
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR
 
 

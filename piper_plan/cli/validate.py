@@ -10,8 +10,7 @@ import sys
 
 import click
 
-from piper_plan.cli.common import EXIT_CHECK_FAILED, console, exit_codes, print_json
-from piper_plan.cli.options import json_option, output_option
+from piper_plan.cli.common import EXIT_CHECK_FAILED, console, exit_codes, json_option, output_option, print_json
 
 
 @click.command("validate", epilog=exit_codes({EXIT_CHECK_FAILED: "a gated row or a dataset's mean error is outside its tolerance (on this version's own checkout: piper-frontier-moe/xmoe-small, see docs/validation.md)"}))
