@@ -198,7 +198,8 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     runs = [fitting.read_run(d) for d in run_dirs]
     platform = runs[0].plan_file.platform
     calibration = None if no_calibration else load_calibration(platform.name)
-    result = fitting.fit(runs, calibration, list(params) or None, determined=True)
+    with diagnostics().status(f"fitting to {len(runs)} runs"):
+        result = fitting.fit(runs, calibration, list(params) or None, determined=True)
     path = fitting.fit_path(platform.name)
     if not dry_run and result.values:
         fitting.write_fit(path, fitting.fit_rows(result, shlex.join(["piper", "calibrate", "fit", *run_dirs])))
@@ -230,7 +231,8 @@ def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
     out = _out_dir(platform_name, out_dir)
     args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out-dir", out_dir] if out_dir else [])
     t0 = time.perf_counter()
-    rows = overhead_rows(shlex.join(args), concurrency=not no_concurrency)
+    with diagnostics().status("measuring the runtime's overhead (about 40 s on 2 cores)"):
+        rows = overhead_rows(shlex.join(args), concurrency=not no_concurrency)
     path = merge_rows(out, OVERHEAD, rows)
     note(f"wrote {len(rows)} rows to {path} in {time.perf_counter() - t0:.1f} s")
     if as_json:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, json_option, note, out_dir_option, print_json
+from piper_plan.cli.common import console, diagnostics, exit_codes, json_option, note, out_dir_option, print_json
 from piper_plan.cli.options import load_setting, training_options
 from piper_plan.errors import PiperError
 
@@ -60,7 +60,9 @@ def _search_plan(save_path, model, platform, nodes, seq_len, global_batch, strat
 
     model_spec, platform_spec, training = load_setting(model, platform, seq_len, global_batch)
     kwargs = search_kwargs(platform_spec, "compact", runnable=True)
-    result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0), **kwargs)
+    with diagnostics().status(f"searching the best runnable plan for {model_spec.name}"):
+        result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0),
+                               **kwargs)
     if not result.feasible:
         raise PiperError(f"no plan piper's runtime can run fits {model_spec.name} on {nodes} {platform_spec.name} "
                          "nodes (see `piper plan --runnable`)", field="--nodes")

@@ -12,7 +12,7 @@ import io
 
 import click
 
-from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, exit_codes, json_option, note, output_option,
+from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
                                    platform_calibration, print_json)
 from piper_plan.cli.options import load_setting, model_options, placement_option, training_options
 from piper_plan.errors import PiperError
@@ -54,19 +54,23 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     options = search_options(strategy, a2a, memory_headroom, expert_tp)
     kwargs = search_kwargs(platform, placement, runnable)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
+    searching = diagnostics().status(f"searching {model.name} on {platform.name}")
     if len(counts) > 1:
         if save_path:
             raise PiperError("--output needs one node count (use --nodes N or --min-nodes)", field="--output")
-        results = engine.sweep(model, platform, training, counts, options, **kwargs)
+        with searching:
+            results = engine.sweep(model, platform, training, counts, options, **kwargs)
         _emit_sweep(results, training, as_json)
         return
     if min_nodes:
-        _, result = engine.min_nodes(model, platform, training, options, start=counts[0], **kwargs)
+        with searching:
+            _, result = engine.min_nodes(model, platform, training, options, start=counts[0], **kwargs)
         if result is None:
             _emit_nothing_at_any_size(model, platform, as_json)
             ctx.exit(EXIT_NOTHING_FITS)
     else:
-        result = engine.search(model, platform, training, counts[0], options, **kwargs)
+        with searching:
+            result = engine.search(model, platform, training, counts[0], options, **kwargs)
     if not result.feasible:
         _emit_nothing_fits(model, platform, training, result, options, kwargs, as_json)
         ctx.exit(EXIT_NOTHING_FITS)
