@@ -203,6 +203,7 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     path = fitting.fit_path(platform.name)
     if not dry_run and result.values:
         fitting.write_fit(path, fitting.fit_rows(result, shlex.join(["piper", "calibrate", "fit", *run_dirs])))
+        note(f"wrote {path} (platform {platform.name}, the runs' own)")
     if as_json:
         print_json({**result.to_dict(), "written": None if dry_run or not result.values else str(path)})
         return
@@ -213,8 +214,6 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
               f"{result.mape_after_pct:.1f}% after", markup=False)
     if not result.values:
         out.print("no parameter changes any prediction of these runs: nothing fitted", markup=False)
-    elif not dry_run:
-        note(f"wrote {path}")
 
 
 @calibrate_group.command("overhead", epilog=exit_codes())
