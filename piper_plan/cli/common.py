@@ -18,6 +18,10 @@ never crashes on bad input (that is 2), so 1 with a traceback is a bug to report
 EXIT_NOTHING_FITS = 3
 """``plan``: no candidate fits (the closest ones and what would make them fit are shown)."""
 
+EXIT_STDOUT_CLOSED = 141
+"""The reader of stdout left early (``piper plan | head``): a quiet exit with the status a shell gives a Unix tool
+killed by SIGPIPE (128 + 13), not 1, which means a failed check."""
+
 EXIT_CODES = {0: "ok", EXIT_USER_ERROR: "bad input (one 'error:' line on stderr)"}
 """The exit codes every command shares; ``exit_codes`` adds a command's own."""
 
@@ -44,6 +48,16 @@ def note(text: str) -> None:
     diagnostics().print(text, markup=False)
 
 
+def stdout_closed() -> None:
+    """Exit quietly with EXIT_STDOUT_CLOSED; stdout goes to /dev/null so the interpreter's last flush cannot fail."""
+    import os
+    import sys
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(EXIT_STDOUT_CLOSED)
+
+
 @lru_cache(maxsize=2)
 def _console(stderr: bool):
     import os
@@ -51,12 +65,16 @@ def _console(stderr: bool):
 
     from rich.console import Console
 
+    class PiperConsole(Console):
+        def on_broken_pipe(self) -> None:      # rich's default exits 1
+            stdout_closed()
+
     # Piped or logged output (no terminal, no COLUMNS): wide tables instead of rich's 80-column default, and lines
     # left unwrapped so that commands in messages stay copy-pasteable. Colour and live progress only on a terminal
     # (rich's own rule for a stream that is not one).
     stream = sys.stderr if stderr else sys.stdout
     piped = not stream.isatty() and "COLUMNS" not in os.environ
-    return Console(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped)
+    return PiperConsole(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped)
 
 
 def print_json(obj: Any) -> None:

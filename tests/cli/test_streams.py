@@ -39,3 +39,9 @@ def test_json_replaces_the_human_result(tmp_path):
                  tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["feasible"] > 0 and "top plans" not in done.stdout
+
+
+def test_a_reader_that_leaves_early_is_a_quiet_141(tmp_path):
+    for extra in ("", " --json"):
+        done = shell(f"piper plan --model deepseek-v3 --platform frontier --nodes 64 --top 0{extra} | true", tmp_path)
+        assert done.returncode == 141 and done.stderr == "", (extra, done.stderr)
