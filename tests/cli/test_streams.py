@@ -43,5 +43,5 @@ def test_json_replaces_the_human_result(tmp_path):
 
 def test_a_reader_that_leaves_early_is_a_quiet_141(tmp_path):
     for extra in ("", " --json"):
-        done = shell(f"piper plan --model deepseek-v3 --platform frontier --nodes 64 --top 0{extra} | true", tmp_path)
+        done = shell(f"piper models{extra} | true", tmp_path)      # `true` has left before piper writes
         assert done.returncode == 141 and done.stderr == "", (extra, done.stderr)
