@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 from piper_plan.errors import PiperError
 
+MAX_LOCAL_RANKS = 64
+"""Most processes piper starts on one machine itself (`piper bench a2a`, `piper run`; each pays a torch start-up)."""
+
 
 @dataclass(frozen=True)
 class LaunchEnv:

@@ -31,7 +31,7 @@ import numpy as np
 
 from piper_plan.calibration.schema import busbw_factor
 from piper_plan.errors import PiperError
-from piper_plan.launchenv import device_index, read_launch_env
+from piper_plan.launchenv import MAX_LOCAL_RANKS, device_index, read_launch_env
 
 ALGOS = ("flat", "halo")
 ROW_FLOATS = 64
@@ -53,8 +53,6 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-MAX_LOCAL_RANKS = 64
-"""Most gloo processes `piper bench a2a` spawns on one machine (each pays a torch start-up)."""
 BUFFERS_PER_RANK = 6
 """Message-sized buffers a rank holds at once (input, flat and HALO outputs, phase buffers, gradients)."""
 

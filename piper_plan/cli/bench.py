@@ -16,19 +16,16 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
-from piper_plan.cli.options import json_option
-
-DEFAULT_PLATFORM = "local-cpu"
-"""Platform of a single-machine run (its calibration folder receives the rows)."""
-
+from piper_plan.cli.common import (EXIT_CHECK_FAILED, console, diagnostics, exit_codes, json_option, note,
+                                   out_dir_option, print_json)
+from piper_plan.errors import PiperError
 
 @click.group("bench")
 def bench_group() -> None:
     """Communication benchmarks (flat vs HALO all-to-all)."""
 
 
-@bench_group.command("a2a")
+@bench_group.command("a2a", epilog=exit_codes({EXIT_CHECK_FAILED: "--verify found HALO different from all_to_all_single"}))
 @click.option("--algo", default="flat,halo", show_default=True, help="Algorithms to time: flat, halo.")
 @click.option("--nodes", type=click.IntRange(min=1), default=2, show_default=True,
               help="Nodes to emulate on one machine (ignored under torchrun/srun: the job's own).")
@@ -38,11 +35,11 @@ def bench_group() -> None:
               help="bytes_per_rank (nccl-tests 'size'; K = 1024).")
 @click.option("--verify", is_flag=True, help="Check HALO == all_to_all_single exactly (outputs and gradients).")
 @click.option("--platform", "platform_name", default=None,
-              help=f"Platform for the NIC map, scope and calibration folder [default: {DEFAULT_PLATFORM}].")
+              help="Platform for the NIC map, scope and calibration folder (required unless --no-save).")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed calls per size.")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed calls first.")
-@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder whose collectives.csv receives the rows [default: calibration/<platform>].")
+@out_dir_option("output_dir", "Folder whose collectives.csv receives the rows [default: calibration/<platform>].",
+                old=("--output-dir",), type=click.Path(file_okay=False, path_type=Path))
 @click.option("--no-save", is_flag=True, help="Do not write calibration rows.")
 @click.option("--emulate-network", "network_text", default=None, metavar="uplink_GBps=R,uplinks=U",
               help="Run the ranks on an emulated multi-node network (one namespace per node, U uplinks of R GB/s "
@@ -53,10 +50,14 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
     """Time flat vs HALO all-to-all (and verify HALO) on emulated or real nodes."""
     from piper_plan.calibration import bench_a2a as bench
     from piper_plan.calibration.netemu import parse_network
+    from piper_plan.catalog import load_platform
     from piper_plan.launchenv import read_launch_env
 
+    if platform_name is None and not no_save:
+        raise PiperError("give --platform P (calibration/P/collectives.csv receives the rows), or --no-save",
+                         field="--platform")
     network = parse_network(network_text) if network_text else None
-    platform = _load_platform(platform_name)
+    platform = load_platform(platform_name) if platform_name else None
     config = bench.BenchConfig(
         algos=bench.parse_algos(algo), sizes_bytes=bench.parse_sizes(sizes), nodes=nodes,
         ranks_per_node=ranks_per_node, repeats=repeats, warmup=warmup, verify=verify,
@@ -68,23 +69,14 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
     else:
         bench.check_local_spawn(nodes, ranks_per_node, config.sizes_bytes)
         where = f" on the emulated network {network.text}" if network else ""
-        with console().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node}){where}"):
+        with diagnostics().status(f"spawning {nodes * ranks_per_node} gloo ranks ({nodes} x {ranks_per_node}){where}"):
             rank, result = 0, (bench.network_bench(config, network) if network else bench.spawn_bench(config))
     if rank != 0:
-        sys.exit(0 if result.passed else 1)
+        sys.exit(0 if result.passed else EXIT_CHECK_FAILED)
     _report(result, verify, as_json)
     if result.passed and not no_save:
-        _save(result, platform, platform_name or DEFAULT_PLATFORM, output_dir, launched)
-    sys.exit(0 if result.passed else 1)
-
-
-def _load_platform(name: str | None):
-    """The named platform; the default (local-cpu) may be absent from the catalog: then no NIC map."""
-    from piper_plan.catalog import load_platform, platforms_dir
-
-    if name is None and not (platforms_dir() / f"{DEFAULT_PLATFORM}.yaml").is_file():
-        return None
-    return load_platform(name or DEFAULT_PLATFORM)
+        _save(result, platform, output_dir, launched)
+    sys.exit(0 if result.passed else EXIT_CHECK_FAILED)
 
 
 def _backend(platform) -> str:
@@ -99,6 +91,15 @@ def _report(result, verify: bool, as_json: bool) -> None:
 
     from piper_plan.calibration.bench_a2a import alltoall_bandwidths_GBps
 
+    for size in result.sizes:
+        for error in size.errors[:5]:
+            note(f"FAILED: {error}")
+    if as_json:
+        from dataclasses import asdict
+
+        print_json({**asdict(result), "passed": result.passed})
+        return
+
     where = "emulated on one machine" if result.emulated else "from the job"
     where += f", network {result.network}" if result.network else ""
     table = Table(title=f"all-to-all, {result.num_nodes} nodes x {result.ranks_per_node} ranks "
@@ -112,31 +113,23 @@ def _report(result, verify: bool, as_json: bool) -> None:
         checked = ("yes" if not size.errors else "FAILED") if verify else "-"
         table.add_row(f"{size.bytes_per_rank:,}", _ms(flat), _ms(halo), ratio, busbw, checked)
     console().print(table)
-    for size in result.sizes:
-        for error in size.errors[:5]:
-            console().print(f"FAILED: {error}", markup=False)
-    if as_json:
-        from dataclasses import asdict
-
-        print_json({**asdict(result), "passed": result.passed})
 
 
 def _ms(seconds: float | None) -> str:
     return f"{seconds * 1e3:.3f}" if seconds is not None else "-"
 
 
-def _save(result, platform, platform_name: str, output_dir: Path | None, launched: bool) -> None:
+def _save(result, platform, output_dir: Path | None, launched: bool) -> None:
     from piper_plan.calibration import bench_a2a as bench
     from piper_plan.calibration.bench_collectives import scope_of_nodes
     from piper_plan.catalog import calibration_dir
 
-    scope = scope_of_nodes(result.num_nodes, platform.network) if platform else (
-        "node" if result.num_nodes == 1 else "system")
+    scope = scope_of_nodes(result.num_nodes, platform.network)
     how = "emulated topology, one host" if result.emulated else "job topology"
     how += f", emulated network {result.network}" if result.network else ""
     command = " ".join(["piper"] + sys.argv[1:]) if sys.argv and sys.argv[0].endswith("piper") else "piper bench a2a"
     source = (f"measured: {command} on {socket.gethostname()} {time.strftime('%Y-%m-%d')} "
               f"({result.backend}, {how})")
-    directory = output_dir or calibration_dir(platform_name)
+    directory = output_dir or calibration_dir(platform.name)
     path = bench.write_collective_rows(directory, bench.collective_rows(result, scope, source))
-    console().print(f"wrote {len(result.sizes) * len(result.sizes[0].seconds)} rows to {path}", markup=False)
+    note(f"wrote {len(result.sizes) * len(result.sizes[0].seconds)} rows to {path}")

@@ -9,20 +9,20 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import (console, diagnostics, exit_codes, json_option, note, out_dir_option, output_option,
+                                   print_json)
 from piper_plan.errors import PiperError
 
 
-@click.group("calibrate", invoke_without_command=True)
+@click.group("calibrate", invoke_without_command=True, epilog=exit_codes())
 @click.option("--platform", "platform_name", default=None, help="Platform catalog name or YAML path (local-cpu, frontier).")
 @click.option("--quick", is_flag=True, help="A small sweep (well under 2 minutes on a 2-core machine).")
 @click.option("--resume", is_flag=True, help="Skip points already in the CSVs.")
 @click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Output directory (default calibration/<platform>/).")
+@out_dir_option("out_dir", "Output directory (default calibration/<platform>/).", old=("--out",))
+@json_option(help="What the sweep wrote (directory, rows per CSV, skipped points, seconds) as JSON on stdout.")
 @click.pass_context
-def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, out_dir) -> None:
+def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, out_dir, as_json) -> None:
     """Measure GEMM, attention and collectives on this machine; write calibration/<platform>/*.csv."""
     if ctx.invoked_subcommand is not None:
         return
@@ -36,25 +36,30 @@ def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, out_
     with _RichReporter() as reporter:
         result = run_calibration(opts, reporter)
     for message in result.messages:
-        console().print(message, markup=False)
+        note(message)
+    seconds = time.perf_counter() - t0
     written = ", ".join(f"{k} {n} rows" for k, n in result.rows_written.items()) or "nothing"
     skipped = ", ".join(f"{k} {n}" for k, n in result.skipped.items() if n)
-    console().print(f"wrote {written} to {opts.out_dir}" + (f" (skipped already measured: {skipped})" if skipped else "")
-                    + f" in {time.perf_counter() - t0:.1f} s", markup=False)
+    note(f"wrote {written} to {opts.out_dir}" + (f" (skipped already measured: {skipped})" if skipped else "")
+         + f" in {seconds:.1f} s")
+    if as_json:
+        print_json({"platform": platform_name, "out_dir": str(opts.out_dir), "rows_written": result.rows_written,
+                    "skipped": result.skipped, "seconds": seconds, "seconds_by_kind": result.seconds,
+                    "messages": result.messages})
 
 
 def _command_line(platform_name, quick, resume, only, out_dir) -> str:
     """The command as a user would retype it (recorded in every row's source and in metadata.json)."""
     args = ["piper", "calibrate", "--platform", platform_name] + ["--quick"] * quick + ["--resume"] * resume
     args += ["--only", only] if only else []
-    args += ["--out", out_dir] if out_dir else []
+    args += ["--out-dir", out_dir] if out_dir else []
     return shlex.join(args)
 
 
 def _out_dir(platform_name: str, out_dir: str | None) -> Path:
     from piper_plan.catalog import calibration_dir, load_platform
 
-    platform = load_platform(platform_name)           # checked even with --out: a typo is an error, not ignored
+    platform = load_platform(platform_name)           # checked even with --out-dir: a typo is an error, not ignored
     if out_dir:
         return Path(out_dir).resolve()
     return calibration_dir(platform.name).resolve()
@@ -68,7 +73,7 @@ class _RichReporter:
 
         self.progress = Progress(TextColumn("{task.fields[name]:<11}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[label]}", markup=False), console=console())
+                                 TextColumn("{task.fields[label]}", markup=False), console=diagnostics())
         self.tasks: dict[str, int] = {}
         self.progress.__enter__()
         return self
@@ -90,14 +95,14 @@ class _RichReporter:
         self.progress.console.print(text, markup=False)
 
 
-@calibrate_group.command("import-nccl-tests")
+@calibrate_group.command("import-nccl-tests", epilog=exit_codes())
 @click.argument("file", type=click.Path())
 @click.option("--op", required=True, help="all_to_all, all_reduce, all_gather, reduce_scatter, p2p, halo_all_to_all.")
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), required=True, help="Nodes the test ran on.")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), required=True, help="Ranks (GPUs) per node.")
 @click.option("--scope", required=True, help="Widest scope the ranks spanned: node, switch, group, system.")
-@click.option("--platform", "platform_name", default="frontier", show_default=True, help="Platform whose calibration to extend.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Directory (default calibration/<platform>/).")
+@click.option("--platform", "platform_name", required=True, help="Platform whose calibration to extend.")
+@out_dir_option("out_dir", "Directory (default calibration/<platform>/).", old=("--out",))
 @json_option(help="Print the imported rows as JSON on stdout.")
 def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_name, out_dir, as_json) -> None:
     """Parse nccl-tests / rccl-tests output into collectives.csv rows."""
@@ -110,11 +115,11 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
     path = merge_rows(directory, COLLECTIVES, rows)
     if as_json:
         print_json(rows)
-    console().print(f"imported {len(rows)} rows ({op}, {scope}, {num_nodes} x {ranks_per_node}) into {path}", markup=False)
+    note(f"imported {len(rows)} rows ({op}, {scope}, {num_nodes} x {ranks_per_node}) into {path}")
 
 
-@calibrate_group.command("show")
-@click.option("--platform", "platform_name", default="local-cpu", show_default=True, help="Platform name or calibration directory.")
+@calibrate_group.command("show", epilog=exit_codes())
+@click.option("--platform", "platform_name", required=True, help="Platform name or calibration directory.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None, help="Write a PNG of the curves (needs matplotlib).")
 @json_option(help="Print the curve summary as JSON on stdout.")
 def show_cmd(platform_name, plot_file, as_json) -> None:
@@ -134,20 +139,20 @@ def show_cmd(platform_name, plot_file, as_json) -> None:
         from piper_plan.calibration.report import plot_curves
 
         plot_curves(cal, plot_file)
-        console().print(f"wrote {plot_file}", markup=False)
+        note(f"wrote {plot_file}")
 
 
-@calibrate_group.command("slurm")
-@click.option("--platform", "platform_name", default="frontier", show_default=True)
+@calibrate_group.command("slurm", epilog=exit_codes())
+@click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), required=True, help="Nodes to sweep over.")
 @click.option("--quick", is_flag=True, help="The small sweep.")
 @click.option("--account", default=None, help="#SBATCH -A (project account).")
 @click.option("--time", "time_limit", default="00:30:00", show_default=True, help="#SBATCH -t.")
 @click.option("--python", "python_cmd", default="python3", show_default=True, help="Python with piper installed, on the nodes.")
-@click.option("--output", "script_path", type=click.Path(dir_okay=False), default=None,
-              help="Script path (default calibration/<platform>/calibrate-<N>n.sbatch).")
+@output_option("script_path", "Script path (default calibration/<platform>/calibrate-<N>n.sbatch).")
 @click.option("--submit", is_flag=True, help="Submit it with sbatch.")
-def slurm_cmd(platform_name, num_nodes, quick, account, time_limit, python_cmd, script_path, submit) -> None:
+@json_option(help="The script path, its rows' directory and the job id (with --submit) as JSON on stdout.")
+def slurm_cmd(platform_name, num_nodes, quick, account, time_limit, python_cmd, script_path, submit, as_json) -> None:
     """Write (and submit) the sbatch script that runs the collective sweep across N nodes."""
     from piper_plan.calibration.slurm import render_sweep_script, write_script
     from piper_plan.catalog import load_platform
@@ -158,22 +163,28 @@ def slurm_cmd(platform_name, num_nodes, quick, account, time_limit, python_cmd, 
     text = render_sweep_script(platform, num_nodes, directory, quick=quick, account=account,
                                time_limit=time_limit, python_cmd=python_cmd)
     write_script(path, text)
-    console().print(f"wrote {path}", markup=False)
-    if submit:
-        _submit(path)
+    note(f"wrote {path}")
+    job_id = _submit(path) if submit else None
+    if as_json:
+        print_json({"platform": platform.name, "nodes": num_nodes, "script": str(path), "out_dir": str(directory),
+                    "job_id": job_id})
+    elif job_id:
+        console().print(job_id, markup=False)
 
 
-def _submit(path: Path) -> None:
+def _submit(path: Path) -> str:
+    """sbatch the script; its job id (sbatch's whole answer when it is not the usual one)."""
     try:
         done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True, check=False)
     except FileNotFoundError:
         raise PiperError("sbatch not found: run this on a Slurm login node, or submit the script yourself") from None
     if done.returncode != 0:
         raise PiperError(f"sbatch failed: {done.stderr.strip() or done.stdout.strip()}", path=str(path))
-    console().print(done.stdout.strip(), markup=False)
+    answer = done.stdout.strip()
+    return answer.split()[-1] if answer.startswith("Submitted batch job") else answer
 
 
-@calibrate_group.command("fit")
+@calibrate_group.command("fit", epilog=exit_codes())
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
 @click.option("--param", "params", multiple=True, help="Parameter to fit (repeatable; default: every one the runs move).")
 @click.option("--no-calibration", is_flag=True, help="Predict with the roofline fallback (fit efficiency.gemm/attention).")
@@ -187,10 +198,12 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     runs = [fitting.read_run(d) for d in run_dirs]
     platform = runs[0].plan_file.platform
     calibration = None if no_calibration else load_calibration(platform.name)
-    result = fitting.fit(runs, calibration, list(params) or None, determined=True)
+    with diagnostics().status(f"fitting to {len(runs)} runs"):
+        result = fitting.fit(runs, calibration, list(params) or None, determined=True)
     path = fitting.fit_path(platform.name)
     if not dry_run and result.values:
         fitting.write_fit(path, fitting.fit_rows(result, shlex.join(["piper", "calibrate", "fit", *run_dirs])))
+        note(f"wrote {path} (platform {platform.name}, the runs' own)")
     if as_json:
         print_json({**result.to_dict(), "written": None if dry_run or not result.values else str(path)})
         return
@@ -201,26 +214,28 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
               f"{result.mape_after_pct:.1f}% after", markup=False)
     if not result.values:
         out.print("no parameter changes any prediction of these runs: nothing fitted", markup=False)
-    elif not dry_run:
-        out.print(f"wrote {path}", markup=False)
 
 
-@calibrate_group.command("overhead")
-@click.option("--platform", "platform_name", default="local-cpu", show_default=True, help="Platform catalog name or YAML path.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Output directory (default calibration/<platform>/).")
+@calibrate_group.command("overhead", epilog=exit_codes())
+@click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
+@out_dir_option("out_dir", "Output directory (default calibration/<platform>/).", old=("--out",))
 @click.option("--no-concurrency", is_flag=True, help="Skip the rows that run 1, 2 and 4 processes at once.")
-def overhead_cmd(platform_name, out_dir, no_concurrency) -> None:
+@json_option(help="The measured rows and the file they went to as JSON on stdout.")
+def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
     """Measure the runtime's fixed per-layer / per-micro-batch / optimizer overhead; write overhead.csv."""
     from piper_plan.calibration.bench_overhead import overhead_rows
     from piper_plan.calibration.io import merge_rows
     from piper_plan.calibration.overhead import OVERHEAD
 
     out = _out_dir(platform_name, out_dir)
-    args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out", out_dir] if out_dir else [])
+    args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out-dir", out_dir] if out_dir else [])
     t0 = time.perf_counter()
-    rows = overhead_rows(shlex.join(args), concurrency=not no_concurrency)
+    with diagnostics().status("measuring the runtime's overhead (about 40 s on 2 cores)"):
+        rows = overhead_rows(shlex.join(args), concurrency=not no_concurrency)
     path = merge_rows(out, OVERHEAD, rows)
+    note(f"wrote {len(rows)} rows to {path} in {time.perf_counter() - t0:.1f} s")
+    if as_json:
+        print_json({"file": str(path), "rows": rows})
+        return
     for r in rows:
         console().print(f"{r['op']:18s} size {r['size']:3d}  {r['seconds'] * 1e6:10.1f} us", markup=False)
-    console().print(f"wrote {len(rows)} rows to {path} in {time.perf_counter() - t0:.1f} s", markup=False)

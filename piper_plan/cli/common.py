@@ -1,4 +1,5 @@
-"""What every command shares: the stderr console, JSON output, and the user-error boundary."""
+"""What every command shares: the result console (stdout), the diagnostics console (stderr), JSON output, and the
+user-error boundary."""
 
 from __future__ import annotations
 
@@ -10,19 +11,70 @@ import click
 
 from piper_plan.errors import EXIT_USER_ERROR, PiperError
 
+EXIT_CHECK_FAILED = 1
+"""A check of measurements failed: ``validate`` (a gated row or a dataset's mean outside its tolerance) and
+``bench a2a --verify`` (HALO differed from all_to_all_single). Python's own exit code for a crash is 1 too; piper
+never crashes on bad input (that is 2), so 1 with a traceback is a bug to report."""
+EXIT_NOTHING_FITS = 3
+"""``plan``: no candidate fits (the closest ones and what would make them fit are shown)."""
 
-@lru_cache(maxsize=1)
+EXIT_STDOUT_CLOSED = 141
+"""The reader of stdout left early (``piper plan | head``): a quiet exit with the status a shell gives a Unix tool
+killed by SIGPIPE (128 + 13), not 1, which means a failed check."""
+
+EXIT_CODES = {0: "ok", EXIT_USER_ERROR: "bad input (one 'error:' line on stderr)"}
+"""The exit codes every command shares; ``exit_codes`` adds a command's own."""
+
+
+def exit_codes(own: dict[int, str] | None = None) -> str:
+    """A command's --help epilog: the shared exit codes plus the command's own (code -> meaning)."""
+    codes = {**EXIT_CODES, **(own or {})}
+    return "Exit codes: " + "; ".join(f"{code} {codes[code]}" for code in sorted(codes)) + "."
+
+
 def console():
-    """The one rich Console for human output; on stderr so stdout stays machine-readable."""
+    """The rich Console for a command's human result (tables, reports): stdout, so that ``piper models | head``
+    and ``piper plan ... > plan.txt`` capture it. ``--json`` / ``--csv`` replace it (``print_json``)."""
+    return _console(stderr=False)
+
+
+def diagnostics():
+    """The rich Console for progress, warnings and diagnostics ("wrote X"): stderr, so stdout stays the result."""
+    return _console(stderr=True)
+
+
+def note(text: str) -> None:
+    """One plain diagnostic line on stderr (no markup: paths and node lists are printed as they are)."""
+    diagnostics().print(text, markup=False)
+
+
+def stdout_closed() -> None:
+    """Exit quietly with EXIT_STDOUT_CLOSED; stdout goes to /dev/null so the interpreter's last flush cannot fail."""
+    import os
+    import sys
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(EXIT_STDOUT_CLOSED)
+
+
+@lru_cache(maxsize=2)
+def _console(stderr: bool):
     import os
     import sys
 
     from rich.console import Console
 
+    class PiperConsole(Console):
+        def on_broken_pipe(self) -> None:      # rich's default exits 1
+            stdout_closed()
+
     # Piped or logged output (no terminal, no COLUMNS): wide tables instead of rich's 80-column default, and lines
-    # left unwrapped so that commands in messages stay copy-pasteable.
-    piped = not sys.stderr.isatty() and "COLUMNS" not in os.environ
-    return Console(stderr=True, highlight=False, width=160 if piped else None, soft_wrap=piped)
+    # left unwrapped so that commands in messages stay copy-pasteable. Colour and live progress only on a terminal
+    # (rich's own rule for a stream that is not one).
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not stream.isatty() and "COLUMNS" not in os.environ
+    return PiperConsole(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped)
 
 
 def print_json(obj: Any) -> None:
@@ -38,6 +90,48 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+class AliasedOption(click.Option):
+    """An option whose old spellings (``hidden_aliases``) still parse, so no user script breaks, but are not shown
+    in --help nor in error messages."""
+
+    def __init__(self, *args, hidden_aliases: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hidden_aliases = tuple(hidden_aliases)
+
+    def _shown_only(self, render, *args):
+        every = self.opts
+        self.opts = [opt for opt in every if opt not in self.hidden_aliases]
+        try:
+            return render(*args)
+        finally:
+            self.opts = every
+
+    def get_help_record(self, ctx):
+        return self._shown_only(super().get_help_record, ctx)
+
+    def get_error_hint(self, ctx) -> str:
+        return self._shown_only(super().get_error_hint, ctx)
+
+
+def output_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
+    """``-o/--output FILE``: the one spelling of "write a file"; ``old`` spellings keep working, hidden."""
+    return click.option("-o", "--output", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="FILE",
+                        type=click.Path(dir_okay=False), default=None, help=help, **kwargs)
+
+
+def out_dir_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
+    """``--out-dir DIR``: the one spelling of "write into a directory"; ``old`` spellings keep working, hidden."""
+    kwargs.setdefault("type", click.Path(file_okay=False))
+    return click.option("--out-dir", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="DIR",
+                        help=help, **kwargs)
+
+
+def json_option(f=None, *, help: str = "Machine-readable output on stdout."):
+    """``--json`` (as ``as_json``): ``@json_option`` or ``@json_option(help="what is printed")``."""
+    option = click.option("--json", "as_json", is_flag=True, help=help)
+    return option(f) if f is not None else option
 
 
 class UserError(click.ClickException):

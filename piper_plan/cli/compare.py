@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import console, exit_codes, json_option, print_json
 from piper_plan.errors import PiperError
 from piper_plan.metricsfile import read_metrics
 
@@ -33,12 +32,12 @@ def read_prediction(path: Path) -> dict:
 
     prediction = read_plan_file(path).prediction
     if prediction is None:
-        raise PiperError("field prediction: missing (save the plan with `piper plan --save` / `estimate --save`)",
+        raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
                          path=str(path))
     return prediction.to_json()
 
 
-@click.command("compare")
+@click.command("compare", epilog=exit_codes())
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @json_option(help="Each quantity as {predicted, measured, rel_error} on stdout.")
 def compare_cmd(run_dir: str, as_json: bool) -> None:

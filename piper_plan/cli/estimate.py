@@ -1,22 +1,23 @@
 """``piper estimate``: memory per stage and step time of ONE parallel plan, with the full breakdown.
 
-Thin: parse, load, call ``piper_plan.cost.evaluate.estimate``, render (rich tables on stderr; --json on
-stdout). A plan that does not fit is a result (shown with its overflow), not an error; an invalid plan is
-a PiperError from the one validity check (exit 2). ``--save`` writes plan.json after the estimate succeeded.
+Thin: parse, load, call ``piper_plan.cost.evaluate.estimate``, render (tables on stdout, or --json
+instead). A plan that does not fit is a result (shown with its overflow), not an error; an invalid plan is
+a PiperError from the one validity check (exit 2). ``-o/--output`` writes plan.json after the estimate succeeded.
 """
 
 from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import console, platform_calibration, print_json
-from piper_plan.cli.options import (build_plan, json_option, load_setting, model_options, parallel_options,
-                                    placement_option, training_options)
+from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
+                                   print_json)
+from piper_plan.cli.options import (build_plan, load_setting, model_options, parallel_options, placement_option,
+                                    training_options)
 
 GiB = 2**30
 
 
-@click.command("estimate")
+@click.command("estimate", epilog=exit_codes())
 @model_options
 @click.option("--nodes", type=int, required=True, help="Nodes of the allocation.")
 @parallel_options
@@ -28,8 +29,7 @@ GiB = 2**30
 @click.option("--piper-runtime", is_flag=True,
               help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
 @json_option
-@click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the plan as plan.json (DESIGN.md format).")
+@output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 def estimate_cmd(model_name, platform_name, nodes, seq_len, global_batch, routing_skew, placement, no_calibration,
                  piper_runtime, as_json, save_path, **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
@@ -46,14 +46,15 @@ def estimate_cmd(model_name, platform_name, nodes, seq_len, global_batch, routin
     if save_path:
         from piper_plan.planfile import write_plan_file
 
-        write_plan_file(save_path, model, platform, training, nodes, plan, placement, result)
+        written = write_plan_file(save_path, model, platform, training, nodes, plan, placement, result)
+        note(f"wrote {written}")
+        if not result.fits:
+            note(f"warning: the saved plan does not fit: peak {_gib(result.memory.peak_bytes)} of "
+                 f"{_gib(platform.device.memory_bytes)} GiB per device (`piper launch` will refuse it)")
     if as_json:
         print_json(result.to_json())
         return
     render(result, model, platform, plan)
-    if save_path:
-        console().print(f"wrote {save_path}" + ("" if result.fits else " (warning: the plan does not fit)"),
-                        markup=False)
 
 
 def with_other_placement(result, model, platform, training, nodes, plan, calibration, options):
@@ -70,7 +71,7 @@ def with_other_placement(result, model, platform, training, nodes, plan, calibra
         placement=other, step_time_s=alt.step_time_s, tokens_per_s=alt.tokens_per_s, scopes=alt.scopes)})
 
 
-# ---- rendering (human output, stderr) --------------------------------------------------------------
+# ---- rendering (human output, stdout) --------------------------------------------------------------
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f}"
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
-from piper_plan.cli.options import json_option, load_setting, training_options
+from piper_plan.cli.common import console, diagnostics, exit_codes, json_option, note, out_dir_option, print_json
+from piper_plan.cli.options import load_setting, training_options
 from piper_plan.errors import PiperError
 
 
-@click.command("launch")
-@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="plan.json from `piper plan --save` / `estimate --save`.")
+@click.command("launch", epilog=exit_codes())
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="plan.json from `piper plan -o` / `estimate -o`.")
 @click.option("--model", help="Model name or path (plan from options: runs the search).")
 @click.option("--platform", help="Platform name or path (plan from options).")
 @click.option("--nodes", type=int, help="Nodes (plan from options).")
@@ -23,16 +23,17 @@ from piper_plan.errors import PiperError
 @click.option("--a2a", type=click.Choice(["flat", "halo", "any"]), default="any", show_default=True,
               help="Plan from options: all-to-all algorithm.")
 @click.option("--migration", is_flag=True, help="Plan from options: enable expert migration.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Job directory to write.")
+@out_dir_option("out_dir", "Job directory to write.", old=("--out",), required=True)
 @click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
 @click.option("--check", is_flag=True, help="Ask Slurm whether it would accept the job (sbatch --test-only).")
-@click.option("--dry-run", is_flag=True, help="Print the script on stdout; write nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the script on stdout (with --json: the script and the job's facts); write nothing.")
 @click.option("--steps", type=int, help="Training steps (default: the plan's runtime.steps).")
 @click.option("--account", help="Slurm account (#SBATCH --account).")
 @click.option("--partition", help="Slurm partition (default: the platform's).")
 @click.option("--time", "time_", help="Wall time [D-]HH:MM:SS (default: from the predicted step time).")
 @click.option("--job-name", help="Slurm job name.")
-@click.option("--force", is_flag=True, help="Write into a non-empty --out directory.")
+@click.option("--force", is_flag=True, help="Write into a non-empty --out-dir directory.")
 @json_option
 def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration, out_dir, submit,
                check, dry_run, steps, account, partition, time_, job_name, force, as_json):
@@ -41,9 +42,8 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, strateg
     The plan is --plan plan.json, or the best runnable plan `piper plan` finds for --model/--platform/--nodes."""
     import tempfile
 
-    if dry_run and (submit or as_json or check):
-        raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --check / --json",
-                         field="--dry-run")
+    if dry_run and (submit or check):
+        raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --check", field="--dry-run")
     with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")
@@ -60,13 +60,14 @@ def _search_plan(save_path, model, platform, nodes, seq_len, global_batch, strat
 
     model_spec, platform_spec, training = load_setting(model, platform, seq_len, global_batch)
     kwargs = search_kwargs(platform_spec, "compact", runnable=True)
-    result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0), **kwargs)
+    with diagnostics().status(f"searching the best runnable plan for {model_spec.name}"):
+        result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0),
+                               **kwargs)
     if not result.feasible:
         raise PiperError(f"no plan piper's runtime can run fits {model_spec.name} on {nodes} {platform_spec.name} "
                          "nodes (see `piper plan --runnable`)", field="--nodes")
     _, plan = save_best(save_path, model_spec, platform_spec, training, result, kwargs, migration)
-    console().print(f"plan: the best runnable of {result.feasible:,} that fit: dp={plan.dp} tp={plan.tp} "
-                    f"pp={plan.pp} ep={plan.ep}", markup=False)
+    note(f"plan: the best runnable of {result.feasible:,} that fit: dp={plan.dp} tp={plan.tp} pp={plan.pp} ep={plan.ep}")
 
 
 def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json,
@@ -78,7 +79,10 @@ def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partitio
                             template_dir=template_dir)
     prepared = joblib.prepare(Path(plan_path), Path(out_dir), options, python=sys.executable)
     if dry_run:
-        click.echo(prepared.script, nl=False)
+        if as_json:
+            print_json({"script": prepared.script, **_job_facts(prepared)})
+        else:
+            click.echo(prepared.script, nl=False)
         return
     joblib.check_out_dir(prepared.out_dir, force)
     joblib.write_job(prepared)
@@ -96,26 +100,33 @@ def _plan_source(plan_path, model, platform, nodes) -> str | None:
         return plan_path
     if model and platform and nodes is not None:
         return None
-    raise PiperError("give --plan plan.json (from `piper plan --save`), or all of --model, --platform and --nodes")
+    raise PiperError("give --plan plan.json (from `piper plan -o plan.json`), or all of --model, --platform and --nodes")
+
+
+def _job_facts(prepared) -> dict:
+    """What the job asks Slurm for (the same keys with and without --dry-run)."""
+    job = prepared.job
+    return {"nodes": job.nodes, "ranks_per_node": job.ranks_per_node, "world": job.world, "steps": job.steps,
+            "time": job.time, "partition": job.partition, "account": job.account, "job_name": job.job_name,
+            "platform": job.platform, "run_dir": job.run_dir}
 
 
 def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) -> None:
     out = str(prepared.out_dir)
     if as_json:
         print_json({"job_id": job_id, "out": out, "blocked_reason": blocked, "script": str(prepared.script_path),
-                    "nodes": prepared.job.nodes, "world": prepared.job.world, "steps": prepared.job.steps,
-                    "time": prepared.job.time, "partition": prepared.job.partition})
+                    **_job_facts(prepared)})
         return
-    c = console()
-    c.print(f"wrote {prepared.script_path}, {prepared.out_dir / 'plan.json'}, {prepared.out_dir / 'README.md'}",
-            markup=False)
-    c.print(f"{prepared.job.nodes} nodes x {prepared.job.ranks_per_node} ranks = {prepared.job.world}, "
-            f"{prepared.job.steps} steps, time {prepared.job.time}", markup=False)
-    if job_id:
-        c.print(f"submitted job {job_id}; follow it with: piper status {job_id}", markup=False)
+    note(f"wrote {prepared.script_path}, {prepared.out_dir / 'plan.json'}, {prepared.out_dir / 'README.md'}")
+    facts = (f"{prepared.job.nodes} nodes x {prepared.job.ranks_per_node} ranks = {prepared.job.world}, "
+             f"{prepared.job.steps} steps, time {prepared.job.time}")
+    if job_id:                  # stdout is the job id alone, for JOB=$(piper launch --submit ...)
+        note(facts)
+        note(f"submitted job {job_id}; follow it with: piper status {job_id}")
         if blocked:
-            c.print(f"warning: Slurm holds job {job_id} with Reason={blocked}: it may never start as requested",
-                    markup=False)
+            note(f"warning: Slurm holds job {job_id} with Reason={blocked}: it may never start as requested")
         click.echo(job_id)
     else:
+        c = console()
+        c.print(facts, markup=False)
         c.print(f"submit with: sbatch {prepared.script_path}", markup=False)

@@ -53,11 +53,13 @@ class LazyGroup(click.Group):
             raise _one_line(exc) from None
 
     def invoke(self, ctx: click.Context):
-        from piper_plan.cli.common import UserError
+        from piper_plan.cli.common import UserError, stdout_closed
         from piper_plan.errors import PiperError
 
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:            # click's own handler exits 1, which piper keeps for a failed check
+            stdout_closed()
         except PiperError as exc:
             raise UserError(str(exc)) from None
         except click.UsageError as exc:
@@ -85,7 +87,14 @@ def _module_exists(module: str) -> bool:
     return find_spec(module) is not None
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+EPILOG = ("Output: a command's result (table, report) on stdout; progress and diagnostics (\"wrote X\") on stderr; "
+          "--json (every command) replaces the result on stdout with one JSON document. "
+          "Exit codes: 0 ok; 1 a check failed (validate: a row outside its tolerance; bench a2a --verify); "
+          "2 bad input (one 'error:' line on stderr); 3 nothing fits (plan); 75 run checkpointed on SIGTERM / "
+          "SIGUSR1 (requeue); 141 stdout closed early (| head).")
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.version_option(__version__, prog_name="piper")
 def cli() -> None:
     """piper: plan, calibrate and launch Mixture-of-Experts training on HPC machines."""

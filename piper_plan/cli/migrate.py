@@ -6,8 +6,7 @@ import math
 
 import click
 
-from piper_plan.cli.common import console, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import console, exit_codes, json_option, print_json
 from piper_plan.errors import PiperError
 
 MAX_EXPERTS = 16_384
@@ -24,7 +23,7 @@ def migrate_group() -> None:
     """Expert migration: simulate the swap planner."""
 
 
-@migrate_group.command("simulate")
+@migrate_group.command("simulate", epilog=exit_codes())
 @click.option("--experts", "num_experts", type=click.IntRange(min=1, max=MAX_EXPERTS),
               help="Experts per MoE layer (E); default: the model's.")
 @click.option("--ep", type=click.IntRange(min=1), required=True, help="Ranks in the expert-parallel group (G); must divide E.")

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import console, exit_codes, json_option, note, print_json
 
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
 
@@ -107,7 +106,7 @@ def render_model_summary(s: dict) -> None:
         out.print(f"notes: {s['notes']}", markup=False)
 
 
-@click.command("models")
+@click.command("models", epilog=exit_codes())
 @json_option(help="Print a JSON list on stdout.")
 def models_cmd(as_json: bool) -> None:
     """List the model catalog (models/*.yaml)."""
@@ -125,7 +124,7 @@ def model_group() -> None:
     """Show or import one model spec."""
 
 
-@model_group.command("show")
+@model_group.command("show", epilog=exit_codes())
 @click.argument("model")
 @json_option(help="Print one JSON object on stdout.")
 def show_cmd(model: str, as_json: bool) -> None:
@@ -139,7 +138,7 @@ def show_cmd(model: str, as_json: bool) -> None:
         render_model_summary(summary)
 
 
-@model_group.command("import")
+@model_group.command("import", epilog=exit_codes())
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the spec here (YAML); default: stdout.")
 @click.option("--name", help="Catalog name of the spec (default: from the config's _name_or_path or file name).")
@@ -162,5 +161,5 @@ def import_cmd(config: Path, output: Path | None, name: str | None, force: bool,
         print_json({**model_row(spec), "output": str(output) if output else None, "spec": spec.model_dump(mode="json")})
     elif output is None:
         click.echo(text, nl=False)
-    console().print(f"{spec.name}: {format_count(spec.total_params)} total, {format_count(spec.active_params)} active"
-                    + (f"; wrote {output}" if output else ""), markup=False)
+    note(f"{spec.name}: {format_count(spec.total_params)} total, {format_count(spec.active_params)} active"
+         + (f"; wrote {output}" if output else ""))

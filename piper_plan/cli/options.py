@@ -31,12 +31,6 @@ def _bundle(*options):
     return decorate
 
 
-def json_option(f=None, *, help: str = "Machine-readable output on stdout."):
-    """``--json`` (as ``as_json``): ``@json_option`` or ``@json_option(help="what is printed")``."""
-    option = click.option("--json", "as_json", is_flag=True, help=help)
-    return option(f) if f is not None else option
-
-
 model_options = _bundle(
     click.option("--model", "model_name", required=True, help="Catalog name or YAML/JSON path."),
     click.option("--platform", "platform_name", required=True, help="Catalog name or YAML/JSON path."),

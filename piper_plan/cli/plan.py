@@ -1,6 +1,6 @@
 """``piper plan``: search every valid parallel configuration and rank it by predicted throughput.
 
-Thin: parse, load, call ``piper_plan.search``, render (rich on stderr; --json / --csv on stdout).
+Thin: parse, load, call ``piper_plan.search``, render (the table on stdout, or --json / --csv instead).
 Exit codes: 0 a plan fits; 2 user error; 3 nothing fits (the closest candidates and what would make them fit
 are shown).
 """
@@ -12,16 +12,15 @@ import io
 
 import click
 
-from piper_plan.cli.common import console, platform_calibration, print_json
-from piper_plan.cli.options import json_option, load_setting, model_options, placement_option, training_options
+from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
+                                   platform_calibration, print_json)
+from piper_plan.cli.options import load_setting, model_options, placement_option, training_options
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
 from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows, result_json
 
-EXIT_NOTHING_FITS = 3
 
-
-@click.command("plan")
+@click.command("plan", epilog=exit_codes({EXIT_NOTHING_FITS: "nothing fits (the closest candidates are shown)"}))
 @model_options
 @click.option("--nodes", "nodes_text", default=None, help="Node count N, or a range A..B to sweep (doubling).")
 @click.option("--min-nodes", is_flag=True, help="Find the smallest node count that fits (from --nodes, default 1).")
@@ -39,8 +38,7 @@ EXIT_NOTHING_FITS = 3
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
 @json_option
 @click.option("--csv", "as_csv", is_flag=True, help="The ranked plans as CSV on stdout.")
-@click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the best plan as plan.json (DESIGN.md format).")
+@output_option("save_path", "Write the best plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @click.option("--explain", is_flag=True, help="The winner's time breakdown vs the runner-up.")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a, migration,
@@ -55,27 +53,31 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch)
     options = search_options(strategy, a2a, memory_headroom, expert_tp)
     kwargs = search_kwargs(platform, placement, runnable)
-    counts = _node_counts(nodes_text, min_nodes)
+    counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
+    searching = diagnostics().status(f"searching {model.name} on {platform.name}")
     if len(counts) > 1:
         if save_path:
-            raise PiperError("--save needs one node count (use --nodes N or --min-nodes)", field="--save")
-        results = engine.sweep(model, platform, training, counts, options, **kwargs)
+            raise PiperError("--output needs one node count (use --nodes N or --min-nodes)", field="--output")
+        with searching:
+            results = engine.sweep(model, platform, training, counts, options, **kwargs)
         _emit_sweep(results, training, as_json)
         return
     if min_nodes:
-        _, result = engine.min_nodes(model, platform, training, options, start=counts[0], **kwargs)
+        with searching:
+            _, result = engine.min_nodes(model, platform, training, options, start=counts[0], **kwargs)
         if result is None:
             _emit_nothing_at_any_size(model, platform, as_json)
             ctx.exit(EXIT_NOTHING_FITS)
     else:
-        result = engine.search(model, platform, training, counts[0], options, **kwargs)
+        with searching:
+            result = engine.search(model, platform, training, counts[0], options, **kwargs)
     if not result.feasible:
         _emit_nothing_fits(model, platform, training, result, options, kwargs, as_json)
         ctx.exit(EXIT_NOTHING_FITS)
     _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable)
     if save_path:
         path, plan = save_best(save_path, model, platform, training, result, kwargs, migration)
-        console().print(f"saved {path} (layers per stage: {plan.layers_per_stage})", markup=False)
+        note(f"saved {path} (layers per stage: {plan.layers_per_stage})")
 
 
 def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False):
@@ -122,6 +124,16 @@ def _node_counts(nodes_text: str | None, min_nodes: bool) -> list[int]:
     return counts
 
 
+def within_platform(counts: list[int], nodes_text: str | None, platform) -> list[int]:
+    """A range that runs past the platform's node count ends at it, and the user is told (a count beyond it is
+    left to the validity check: that number is one the user typed)."""
+    limit = platform.node_limit
+    if len(counts) < 2 or counts[-1] <= limit or counts[0] > limit:
+        return counts
+    note(f"--nodes {nodes_text}: {platform.name} has at most {limit} nodes; the range ends at {limit}")
+    return [n for n in counts if n < limit] + [limit]
+
+
 # ---- output: one search -------------------------------------------------------------------------------
 def _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable) -> None:
     if as_json:
@@ -153,7 +165,8 @@ def _plans_table(result, platform, training, top: int):
     for label in ("#", "dp tp pp ep etp", "mbs x M", "sched", "recomp", "z", "a2a", f"GiB/{cap_GiB:.0f}", "step s",
                   "tokens/s", "TF/dev", "MFU", "a2a%", "node-h"):
         table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a") else "right", no_wrap=True)
-    for row in plan_rows(result, training, top):
+    rows = plan_rows(result, training, top)
+    for row in rows:
         table.add_row(str(row["rank"]), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp")),
                       f"{row['mbs']} x {row['num_microbatches']}",
                       _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),
@@ -161,7 +174,8 @@ def _plans_table(result, platform, training, top: int):
                       str(row["zero"]), row["a2a"], f"{row['peak_memory_bytes'] / 2**30:.1f}",
                       f"{row['step_time_s']:.2f}", f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.1f}",
                       f"{100 * row['mfu']:.1f}%", f"{100 * row['a2a_share']:.0f}%", f"{row['node_hours_to_train']:,.0f}")
-    table.caption = "bal = FLOP-balanced layers per stage (the split --save writes)"
+    if any(row.get("layers_split") == "balanced" for row in rows):
+        table.caption = "'bal' after the schedule: FLOP-balanced layers per stage (the split -o writes); else even"
     return table
 
 

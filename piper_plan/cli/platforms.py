@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import console, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import console, exit_codes, json_option, print_json
 
 GiB = 2**30
 
@@ -64,7 +63,7 @@ def render_platform_summary(s: dict) -> None:
         out.print(line, markup=False)
 
 
-@click.command("platforms")
+@click.command("platforms", epilog=exit_codes())
 @json_option(help="Print a JSON list on stdout.")
 def platforms_cmd(as_json: bool) -> None:
     """List the platform catalog (platforms/*.yaml)."""
@@ -82,7 +81,7 @@ def platform_group() -> None:
     """Show one platform spec."""
 
 
-@platform_group.command("show")
+@platform_group.command("show", epilog=exit_codes())
 @click.argument("platform")
 @json_option(help="Print one JSON object on stdout.")
 def show_cmd(platform: str, as_json: bool) -> None:

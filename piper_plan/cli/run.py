@@ -1,27 +1,150 @@
-"""``piper run``: a thin alias of ``python -m piper_plan.runtime.train`` (same options; torch imported only here)."""
+"""``piper run --plan plan.json``: train a plan.
+
+Under torchrun or srun this process is one rank (``python -m piper_plan.runtime.train`` with the same options).
+Started by hand, it checks the plan first (no torch yet: a missing or bad file is one line at once), then starts
+the plan's ranks itself with torch's elastic launcher when they fit this machine (one node; CPU ranks of several
+emulated nodes), or prints the exact torchrun and srun lines for the allocation the plan needs.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import click
 
+from piper_plan.cli.common import console, exit_codes, json_option, note, out_dir_option, print_json
+from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 
-@click.command("run", context_settings={"ignore_unknown_options": True})
-@click.option("--plan", "plan", required=True, type=click.Path(dir_okay=False), help="plan.json to run.")
-@click.option("--steps", type=int, default=None, help="Optimizer steps (default: the plan's runtime.steps).")
-@click.option("--out", default="run", show_default=True, help="Run directory.")
+EPILOG = exit_codes({EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 (the batch script requeues)"}) + (
+    " A plan that needs more than this machine is not run: the torchrun and srun lines to run it are the result"
+    " (exit 0).")
+
+
+@click.command("run", epilog=EPILOG)
+@click.option("--plan", "plan", required=True, type=click.Path(), help="plan.json to run.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Optimizer steps (default: the plan's runtime.steps).")
+@out_dir_option("out", "Run directory (metrics.jsonl, summary.json, checkpoints/).", old=("--out",), default="run",
+                show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from RUN_DIR/checkpoints/latest.")
-@click.option("--profile", type=int, default=0, metavar="STEPS", help="Chrome trace of STEPS steps after the first.")
+@click.option("--profile", type=click.IntRange(min=0), default=0, metavar="STEPS",
+              help="Chrome trace of STEPS steps after the first.")
 @click.option("--lr", type=float, default=None, help="Peak learning rate (default: the plan's runtime.lr).")
 @click.option("--aux-loss-coeff", type=float, default=None,
               help="Balance-loss coefficient (default: the plan's runtime.aux_loss_coeff).")
-def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff) -> None:
-    """Run the training runtime on a plan.json (launch it under torchrun or srun for several ranks)."""
-    from piper_plan.runtime.train import main
+@json_option(help="The run's summary (summary.json with the run directory), or the commands for a plan that does "
+                  "not fit here, as JSON on stdout.")
+def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> None:
+    """Train a plan.json: on this machine's own ranks when they fit, else print the torchrun / srun lines."""
+    from piper_plan.launch.local import runtime_args
+    from piper_plan.launchenv import read_launch_env
 
-    argv = ["--plan", plan, "--out", out, "--profile", str(profile)]
-    argv += ["--lr", str(lr)] if lr is not None else []
-    argv += ["--aux-loss-coeff", str(aux_loss_coeff)] if aux_loss_coeff is not None else []
-    argv += (["--steps", str(steps)] if steps else []) + (["--resume"] if resume else [])
-    sys.exit(main(argv))
+    _check_file(plan)
+    args = runtime_args(plan, out, steps, resume, profile, lr, aux_loss_coeff)
+    env = read_launch_env()
+    if env.launched:                     # one rank of a job torchrun or srun started
+        from piper_plan.runtime.train import main
+
+        code = main(args)
+        if as_json and env.rank == 0:
+            print_run_summary(Path(out), code)
+        sys.exit(code)
+    cfg, layout = _checked_plan(args)
+    if not layout.runs_here:
+        absolute = runtime_args(str(Path(plan).resolve()), str(Path(out).resolve()), steps, resume, profile, lr,
+                                aux_loss_coeff)            # the nodes need not share this working directory
+        _print_commands(layout, absolute, as_json)
+        return
+    _check_devices(cfg)
+    note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
+                                                     if layout.emulated_topology else "") + f", run directory {out}")
+    code = launch_local(layout, args)
+    if as_json:
+        print_run_summary(Path(out), code)
+    sys.exit(code)
+
+
+def _check_file(plan: str) -> None:
+    """A missing plan is one line before anything heavy is imported."""
+    path = Path(plan)
+    if not path.exists():
+        raise PiperError("no such file", path=plan)
+    if not path.is_file():
+        raise PiperError("is not a file", path=plan)
+
+
+def _checked_plan(args: list[str]):
+    """(the plan with the options applied, its layout) after every check the ranks would make before any
+    collective (runtime/train.py preflight) but the GPU one: here, and without torch."""
+    from pydantic import ValidationError
+
+    from piper_plan.catalog import validation_message
+    from piper_plan.launch.local import layout_of
+    from piper_plan.runtime.train import load_plan, parse_args, preflight
+
+    try:
+        cfg = load_plan(parse_args(args))
+    except ValidationError as exc:      # an option out of range (--lr nan): with_runtime validates the block
+        raise PiperError(validation_message(exc), field="runtime options") from None
+    preflight(cfg, cfg.parallel.world, cuda_available=True)
+    return cfg, layout_of(cfg)
+
+
+def _check_devices(cfg) -> None:
+    """A GPU plan on a machine without one is one line here, not the same line from every rank."""
+    if cfg.platform.launch.device == "cuda":
+        import torch
+
+        from piper_plan.runtime.train import preflight
+
+        preflight(cfg, cfg.parallel.world, torch.cuda.is_available())
+
+
+def launch_local(layout, args: list[str]) -> int:
+    """The plan's ranks as local processes (torch.distributed's elastic launcher, as torchrun --standalone);
+    the first failed rank's exit code, else 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if layout.emulated_topology:
+        os.environ["PIPER_EMULATE_TOPOLOGY"] = layout.emulated_topology
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=layout.world, run_id=f"piper-run-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    try:
+        elastic_launch(config, sys.executable)("-m", "piper_plan.runtime.train", *args)
+    except ChildFailedError as exc:
+        _, failure = exc.get_first_failure()
+        return failure.exitcode
+    return 0
+
+
+def _print_commands(layout, args: list[str], as_json: bool) -> None:
+    from piper_plan.launch.local import srun_command, torchrun_command
+
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    commands = {"torchrun": torchrun_command(layout, args, torchrun), "srun": srun_command(layout, args, sys.executable)}
+    why = (f"the plan needs {layout.nodes} nodes x {layout.ranks_per_node} {layout.device} ranks = {layout.world}; "
+           "this machine runs one node (or CPU ranks standing in for nodes)")
+    if as_json:
+        print_json({"launched": False, "reason": why, "nodes": layout.nodes, "ranks_per_node": layout.ranks_per_node,
+                    "world": layout.world, **commands})
+        return
+    note(f"piper run: not started here: {why}")
+    out = console()
+    out.print("# on every node (MASTER_ADDR = the first node's host name):", markup=False)
+    out.print(commands["torchrun"], markup=False)
+    out.print("# or once inside a Slurm allocation (salloc / sbatch; `piper launch` writes the whole job):", markup=False)
+    out.print(commands["srun"], markup=False)
+
+
+def print_run_summary(run_dir: Path, code: int) -> None:
+    """summary.json of a finished run as one JSON object on stdout (nothing to print after a user error)."""
+    from piper_plan.fileio import parse_json, read_text
+
+    summary = run_dir / "summary.json"
+    if code == EXIT_USER_ERROR or not summary.is_file():
+        return
+    print_json({"run_dir": str(run_dir), **parse_json(read_text(summary), str(summary))})

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, print_json
-from piper_plan.cli.options import json_option
+from piper_plan.cli.common import console, exit_codes, json_option, print_json
 from piper_plan.errors import PiperError
 
 
@@ -42,7 +41,7 @@ def _last_record(lines: list[str]) -> dict | None:
     return None
 
 
-@click.command("status")
+@click.command("status", epilog=exit_codes())
 @click.argument("job_id")
 @click.option("--dir", "job_dir", type=click.Path(exists=True, file_okay=False), help="Job directory (default: the job's WorkDir).")
 @json_option(help="Machine output on stdout.")

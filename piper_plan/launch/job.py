@@ -59,9 +59,9 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
 
 def check_out_dir(out_dir: Path, force: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
-        raise PiperError("--out exists and is not a directory", path=str(out_dir))
+        raise PiperError("--out-dir exists and is not a directory", path=str(out_dir))
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise PiperError("--out is not empty; pass --force to overwrite job.sbatch, plan.json and README.md there",
+        raise PiperError("--out-dir is not empty; pass --force to overwrite job.sbatch, plan.json and README.md there",
                          path=str(out_dir))
 
 

@@ -136,7 +136,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
                          f"{nodes} x {dpn} = {nodes * dpn}; the plan must fill its nodes", path=source or plan_path)
     launch = platform.launch
     steps = v.positive_int(_given(options.steps, plan_file.runtime.steps), "steps")
-    out_dir, plan_path = v.abs_path(out_dir, "--out"), v.abs_path(plan_path, "--plan")
+    out_dir, plan_path = v.abs_path(out_dir, "--out-dir"), v.abs_path(plan_path, "--plan")
     run_dir = f"{out_dir}/run"
     python = v.abs_path(python, "python")
     span = nodes > 1 and platform.network.nodes_per_switch > 1 and expert_groups_span_nodes(plan, dpn)

@@ -60,3 +60,64 @@ def summarise(records: list[dict]) -> dict:
             "migration": migration_summary(records),
             "peak_memory_bytes": [max(r["memory_bytes"][i]["total_bytes"] for r in records)
                                   for i in range(len(records[0]["memory_bytes"]))] if records else []}
+
+
+# ---- rank 0's progress line (step, loss, tokens/s, ETA) -----------------------------------------------------------
+PROGRESS_EVERY_STEPS = 10
+"""Off a terminal (a log file, a Slurm job's output) a plain line every this many steps, and at the last step."""
+
+
+def eta_s(step_times_s: list[float], steps_left: int) -> float | None:
+    """Seconds to the last step: the mean step time so far times the steps left; the first step (warm-up) is left
+    out once there are others. None before the first step."""
+    steady = step_times_s[1:] if len(step_times_s) > 1 else step_times_s
+    return sum(steady) / len(steady) * steps_left if steady else None
+
+
+def hms(seconds: float) -> str:
+    """12 -> '12s', 192 -> '3m12s', 3725 -> '1h02m05s'."""
+    total = max(int(round(seconds)), 0)
+    h, m, s = total // 3600, total % 3600 // 60, total % 60
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def progress_line(record: dict, total_steps: int, eta: float | None) -> str:
+    """One metrics.jsonl record as the line a person reads: 'step 12/200 | loss 6.2374 | 41,234 tokens/s | ETA 3m12s'."""
+    tokens = record.get("tokens_per_s")
+    return " | ".join([f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}",
+                       f"{tokens:,.0f} tokens/s" if tokens else "- tokens/s",
+                       f"ETA {hms(eta)}" if eta is not None else "ETA -"])
+
+
+class ProgressLine:
+    """Rank 0's progress on ``stream`` (stderr): on a terminal one line rewritten in place every step, otherwise a
+    plain line every ``every`` steps and at the last. ``update`` takes each metrics.jsonl record as it is written."""
+
+    def __init__(self, total_steps: int, stream=None, every: int = PROGRESS_EVERY_STEPS,
+                 is_terminal: bool | None = None) -> None:
+        import sys
+
+        self.total_steps, self.every = total_steps, max(every, 1)
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = self.stream.isatty() if is_terminal is None else is_terminal
+        self.step_times_s: list[float] = []
+        self.open_line = False
+        """A live line is on screen without its newline."""
+
+    def update(self, record: dict) -> None:
+        self.step_times_s.append(record["step_time_s"])
+        line = progress_line(record, self.total_steps, eta_s(self.step_times_s, self.total_steps - record["step"]))
+        last = record["step"] >= self.total_steps
+        if self.live:
+            self.stream.write("\r\x1b[2K" + line + ("\n" if last else ""))
+            self.open_line = not last
+        elif last or record["step"] % self.every == 0:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End a live line that did not reach the last step (a run stopped on a signal)."""
+        if self.open_line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open_line = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from click.testing import CliRunner
@@ -47,6 +48,12 @@ def test_slurm_script_cpu_platform_has_no_gpus(tmp_path):
     assert result.exit_code == 0, result.output
     srun = next(line for line in script.read_text().splitlines() if line.startswith("srun "))
     assert "--ntasks=4" in srun and "gpus-per-task" not in srun
+    as_json = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--output",
+                                       str(script), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.stdout) == {"platform": "local-cpu", "nodes": 2, "script": str(script),
+                                          "out_dir": json.loads(as_json.stdout)["out_dir"], "job_id": None}
+    assert as_json.stderr == f"wrote {script}\n"
 
 
 def test_gpu_platform_without_gpu_refuses_compute_sweep(tmp_path):

@@ -98,7 +98,8 @@ def test_cli_import_writes_rows(tmp_path):
     log.write_text(NCCL_TESTS)
     out = tmp_path / "cal"
     result = CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_to_all", "--nodes", "2",
-                                      "--ranks-per-node", "1", "--scope", "switch", "--out", str(out)])
+                                      "--ranks-per-node", "1", "--scope", "switch", "--platform", "frontier",
+                                      "--out-dir", str(out)])
     assert result.exit_code == 0, result.output
     frame = read_table(out / "collectives.csv", COLLECTIVES)
     assert list(frame.bytes_per_rank) == [1024, 1048576]  # the zero-byte line carries no information
@@ -109,7 +110,8 @@ def test_cli_import_writes_rows(tmp_path):
 def test_cli_import_errors_exit_2(tmp_path):
     log = tmp_path / "bad.log"
     log.write_text(NCCL_TESTS.replace("    8.72      0", "    8.72      3"))
-    args = ["calibrate", "import-nccl-tests", str(log), "--nodes", "2", "--ranks-per-node", "1", "--out", str(tmp_path)]
+    args = ["calibrate", "import-nccl-tests", str(log), "--nodes", "2", "--ranks-per-node", "1", "--platform", "frontier",
+            "--out", str(tmp_path)]
     wrong = CliRunner().invoke(cli, args + ["--op", "all_to_all", "--scope", "switch"])
     assert wrong.exit_code == 2 and "#wrong" in wrong.output and "bad.log" in wrong.output
     scope = CliRunner().invoke(cli, args + ["--op", "all_to_all", "--scope", "rack"])

@@ -39,8 +39,12 @@ def swept(tmp_path_factory):
     out = tmp_path_factory.mktemp("local-cpu")
     merge_rows(out, GEMM, [{"device": _cpu_name(), **OLD_GEMM}])
     merge_rows(out, COLLECTIVES, [OLD_COLL])
-    result = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--quick", "--resume", "--out", str(out)])
+    result = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--quick", "--resume", "--out", str(out),
+                                      "--json"])
     assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)              # --json: what was written, and nothing else on stdout
+    assert report["out_dir"] == str(out.resolve()) and report["skipped"]["gemm"] == 1
+    assert report["rows_written"]["gemm"] == len(gemm_points("cpu", quick=True)) - 1 and "wrote " in result.stderr
     return out
 
 

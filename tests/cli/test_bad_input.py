@@ -105,9 +105,10 @@ def test_incompatible_options():
                               "--out", "/tmp/never-written"), "nodes=0")
 
 
-def test_launch_dry_run_cannot_combine_with_json(tmp_path, plan_json):
+def test_launch_dry_run_cannot_combine_with_submit(tmp_path, plan_json):
     plan = write(tmp_path / "in.json", plan_json)
-    assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job", "--dry-run", "--json"), "--dry-run")
+    assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job", "--dry-run", "--submit"),
+                          "--dry-run")
 
 
 def test_migrate_simulate_refuses_sizes_that_would_exhaust_memory():
@@ -120,8 +121,8 @@ def test_migrate_simulate_refuses_sizes_that_would_exhaust_memory():
 def test_calibrate_bad_arguments_fail_before_measuring(tmp_path):
     assert_one_line_error(run("calibrate", "--platform", "local-cpu", "--only", "", "--out", tmp_path), "--only")
     out = tmp_path / "x.sbatch"
-    assert_one_line_error(run("calibrate", "slurm", "--nodes", "2", "--time", "abc", "--output", out), "time='abc'")
-    assert_one_line_error(run("calibrate", "slurm", "--nodes", "2", "--account", "a;b", "--output", out), "account")
+    assert_one_line_error(run("calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--time", "abc", "--output", out), "time='abc'")
+    assert_one_line_error(run("calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--account", "a;b", "--output", out), "account")
     assert not out.exists()
 
 
@@ -190,12 +191,16 @@ def test_json_goes_to_stdout(args):
     assert json.loads(result.stdout)
 
 
+def test_bench_a2a_never_picks_a_platform_to_write_into():
+    assert_one_line_error(run("bench", "a2a"), "--platform", "--no-save")
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--nodes", "20", "--ranks-per-node", "8"], "160 local processes"),
     (["--nodes", "2", "--ranks-per-node", "4", "--sizes", "4G"], "needs ~"),
 ])
 def test_bench_a2a_refuses_a_local_spawn_the_machine_cannot_hold(args, needle):
-    res = CliRunner().invoke(cli, ["bench", "a2a", *args])
+    res = CliRunner().invoke(cli, ["bench", "a2a", "--no-save", *args])
     assert res.exit_code == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.output

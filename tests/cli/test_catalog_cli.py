@@ -32,13 +32,13 @@ def test_models_json_lists_the_catalog_with_exact_counts():
     assert len(rows) >= 26
 
 
-def test_models_table_goes_to_stderr_only():
+def test_human_results_go_to_stdout_only():
     result = run("models")
-    assert result.exit_code == 0 and result.stdout == ""
-    assert "mixtral-8x7b" in result.stderr
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "mixtral-8x7b" in result.stdout
     for args in (("model", "show", "tiny-mla"), ("platforms",), ("platform", "show", "frontier")):
         shown = run(*args)
-        assert shown.exit_code == 0 and shown.stdout == "" and shown.stderr
+        assert shown.exit_code == 0 and shown.stderr == "" and shown.stdout
 
 
 def test_model_show_json_breaks_counts_down():

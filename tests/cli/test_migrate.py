@@ -74,11 +74,11 @@ def test_measured_loads_file(tmp_path):
     assert hill["after"]["per_layer"][0] == pytest.approx(82 / 73)
 
 
-def test_human_output_goes_to_stderr():
+def test_human_output_goes_to_stdout():
     result = _run("--experts", "8", "--ep", "2")
     assert result.exit_code == 0
-    assert result.stdout == ""
-    assert "hill_climb" in result.stderr
+    assert result.stderr == ""
+    assert "hill_climb" in result.stdout
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -92,11 +92,13 @@ def test_runnable_and_explain_json():
     assert ex["breakdown"]
 
 
-def test_human_output_goes_to_stderr():
+def test_human_result_goes_to_stdout_and_saved_to_stderr(tmp_path):
     res = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1",
-                                   "--seq", "512", "--global-batch", "64", "--explain"])
+                                   "--seq", "512", "--global-batch", "64", "--explain",
+                                   "--save", str(tmp_path / "plan.json")])
     assert res.exit_code == 0, res.output
-    assert res.stdout == ""
+    assert "top plans" in res.stdout and "winner vs runner-up" in res.stdout and "saved" not in res.stdout
+    assert res.stderr.startswith("saved ") and res.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -216,7 +216,7 @@ def hf_cases() -> list[Case]:
 
 
 IMPORT = ["calibrate", "import-nccl-tests", "--op", "all_to_all", "--nodes", "1", "--ranks-per-node", "2",
-          "--scope", "node", "--out", "{tmp}/cal"]
+          "--scope", "node", "--platform", "frontier", "--out", "{tmp}/cal"]
 
 
 def _good_log(tmp: Path) -> None:
@@ -228,7 +228,7 @@ def _good_log(tmp: Path) -> None:
 def nccl_cases() -> list[Case]:
     cases = [Case(f"import-nccl/{p.name}", [*IMPORT[:2], str(p), *IMPORT[2:], "--json"],
                   outputs=("{tmp}/cal/collectives.csv",)) for p in sorted((CORPUS / "nccl").iterdir())]
-    good = ["calibrate", "import-nccl-tests", "{tmp}/good.txt"]
+    good = ["calibrate", "import-nccl-tests", "{tmp}/good.txt", "--platform", "frontier"]
     opts = ["--op", "all_to_all", "--ranks-per-node", "2"]
     cases += [
         Case("import-nccl/directory", ["calibrate", "import-nccl-tests", "{tmp}", *IMPORT[2:]]),
@@ -336,7 +336,8 @@ def launch_cases() -> list[Case]:
              setup=lambda t: (t / "p").mkdir(), outputs=("{tmp}/job",)),
         Case("launch/out-is-file", ["launch", "--plan", "{tmp}/plan.json", "--out", "{tmp}/plan.json"], setup=good),
         Case("launch/plan-and-model", [*LAUNCH, "--model", "tiny-moe"], setup=good, outputs=("{tmp}/job",)),
-        Case("launch/dry-run-json", [*LAUNCH, "--dry-run", "--json"], setup=good, outputs=("{tmp}/job",)),
+        Case("launch/dry-run-submit", [*LAUNCH, "--dry-run", "--submit"], setup=good, outputs=("{tmp}/job",)),
+        Case("launch/dry-run-json", [*LAUNCH, "--dry-run", "--json"], expect=0, setup=good),
         Case("launch/plan-not-utf8", [*LAUNCH], setup=lambda t: (t / "plan.json").write_bytes(b"\xff\xfe{}"),
              outputs=("{tmp}/job",)),
         Case("launch/plan-deep", [*LAUNCH], outputs=("{tmp}/job",),
@@ -373,7 +374,7 @@ def option_cases() -> list[Case]:
     plan = ["plan", *TINY]
     cases += [Case(f"plan-opt/{' '.join(extra)}", [*plan, *extra, "--json"], expect=exit_) for extra, exit_ in (
         (["--nodes", "abc"], 2), (["--nodes", "0"], 2), (["--nodes", "-1"], 2), (["--nodes", "8..4"], 2),
-        (["--nodes", "1..100000000"], 2), (["--nodes", "1...2"], 2), (["--nodes", "1e3"], 2),
+        (["--nodes", "1..100000000"], 0), (["--nodes", "5..100000000"], 2), (["--nodes", "1...2"], 2), (["--nodes", "1e3"], 2),
         (["--nodes", "100000000"], 2), (["--nodes", "1", "--seq", "1000000000000"], 2), (["--nodes", "1", "--seq", "0"], 2),
         (["--nodes", "1", "--global-batch", "0"], 2), (["--nodes", "1", "--memory-headroom", "1.5"], 2),
         (["--nodes", "1", "--memory-headroom", "-0.1"], 2), (["--nodes", "1", "--memory-headroom", "nan"], 2),

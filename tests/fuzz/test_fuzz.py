@@ -127,7 +127,7 @@ def test_nccl_line_fuzz(tmp_path_factory, tokens):
     tmp = tmp_path_factory.mktemp("n")
     (tmp / "log.txt").write_text(NCCL_HEADER + "  " + "  ".join(tokens) + "\n")
     args = ["calibrate", "import-nccl-tests", "{tmp}/log.txt", "--op", "all_to_all", "--nodes", "1",
-            "--ranks-per-node", "2", "--scope", "node", "--out", "{tmp}/cal", "--json"]
+            "--ranks-per-node", "2", "--scope", "node", "--platform", "frontier", "--out", "{tmp}/cal", "--json"]
     outcome = run_case(Case("h", args), tmp)
     _assert_behaves(outcome, True)
     csv = tmp / "cal" / "collectives.csv"

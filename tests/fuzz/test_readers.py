@@ -204,7 +204,7 @@ def test_load_fit_is_strict(tmp_path):
 ])
 def test_nccl_import_refusals(tmp_path, name, needle):
     one_error(run("calibrate", "import-nccl-tests", CORPUS / "nccl" / f"{name}.txt", "--op", "all_to_all", "--nodes", "1",
-                  "--ranks-per-node", "2", "--scope", "node", "--out", tmp_path / "cal"), needle)
+                  "--ranks-per-node", "2", "--scope", "node", "--platform", "frontier", "--out", tmp_path / "cal"), needle)
     assert not (tmp_path / "cal" / "collectives.csv").exists()
 
 
@@ -212,10 +212,11 @@ def test_nccl_import_option_checks(tmp_path):
     good = tmp_path / "good.txt"
     good.write_text(NCCL_HEADER + nccl_line())
     base = ["calibrate", "import-nccl-tests", good, "--op", "all_to_all", "--ranks-per-node", "2", "--out", tmp_path / "c"]
-    one_error(run(*base, "--nodes", "2", "--scope", "node"), "scope node is one node")
+    one_error(run(*base, "--nodes", "2", "--scope", "node", "--platform", "frontier"), "scope node is one node")
     one_error(run(*base, "--nodes", "1", "--scope", "node", "--platform", "no-such"), "unknown platform 'no-such'")
     one_error(run("calibrate", "import-nccl-tests", tmp_path, "--op", "all_to_all", "--ranks-per-node", "2", "--nodes",
-                  "1", "--scope", "node"), "is a directory")
+                  "1", "--scope", "node", "--platform", "frontier"), "is a directory")
+    one_error(run(*base, "--nodes", "1", "--scope", "node"), "--platform")     # never a platform the user did not name
 
 
 # ---- calibrate fit ------------------------------------------------------------------------------------------

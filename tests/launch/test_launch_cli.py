@@ -68,6 +68,12 @@ def test_dry_run_prints_and_writes_nothing(tmp_path, plan):
     result = run("launch", "--plan", plan, "--out", out, "--dry-run")
     assert result.exit_code == 0 and result.stdout.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in result.stdout
     assert not out.exists()
+    as_json = run("launch", "--plan", plan, "--out", out, "--dry-run", "--json")
+    assert as_json.exit_code == 0, as_json.output
+    report = json.loads(as_json.stdout)
+    assert report["script"] == result.stdout and (report["nodes"], report["world"]) == (2, 16)
+    assert report["ranks_per_node"] == 8 and report["platform"] == "frontier"
+    assert not out.exists()
 
 
 def test_plan_outside_runtime_capability_is_refused(tmp_path):

@@ -262,7 +262,7 @@ def test_bench_cli_verifies_and_writes_rows(tmp_path):
     from piper_plan.cli.main import cli
 
     args = ["bench", "a2a", "--nodes", "2", "--ranks-per-node", "1", "--sizes", "4K,16K", "--verify",
-            "--repeats", "1", "--output-dir", str(tmp_path), "--json"]
+            "--repeats", "1", "--platform", "local-cpu", "--out-dir", str(tmp_path), "--json"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)

@@ -1,0 +1,56 @@
+"""Output that says what it means (issue 20): no footnote for a mark not shown, no Python reprs, a warning when a
+saved plan does not fit, and a note when a node range is cut at the platform's size."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from piper_plan.cli.main import cli
+
+TINY = ["--model", "tiny-moe", "--platform", "local-cpu", "--seq", "256", "--global-batch", "8"]
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_plan_footnote_only_when_a_balanced_row_is_shown():
+    even = run("plan", "--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--top", "5")
+    assert even.exit_code == 0, even.output
+    assert " bal " not in even.stdout and "FLOP-balanced" not in even.stdout
+    balanced = run("plan", "--model", "deepseek-v3", "--platform", "frontier", "--nodes", "64", "--top", "3")
+    assert balanced.exit_code == 0, balanced.output
+    assert "1f1b bal" in balanced.stdout and "FLOP-balanced" in balanced.stdout
+
+
+def test_estimate_scopes_read_as_words():
+    done = run("estimate", *TINY, "--nodes", "1", "--dp", "2", "--ep", "2")
+    assert done.exit_code == 0, done.output
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("scopes: "))
+    assert "{" not in line and "'" not in line and "dp node" in line
+
+
+def test_estimate_output_of_a_plan_that_does_not_fit_warns_on_stderr(tmp_path):
+    args = ["estimate", "--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--dp", "16", "--pp",
+            "4", "--ep", "8"]
+    for extra in ([], ["--json"]):
+        path = tmp_path / f"plan{len(extra)}.json"
+        done = run(*args, "-o", path, *extra)
+        assert done.exit_code == 0 and path.is_file(), done.output
+        lines = done.stderr.splitlines()
+        assert lines[0] == f"wrote {path}" and lines[1].startswith("warning: the saved plan does not fit: peak 66.69")
+        if extra:
+            assert json.loads(done.stdout)["fits"] is False
+    fits = run("estimate", *TINY, "--nodes", "1", "--dp", "2", "--ep", "2", "-o", tmp_path / "ok.json")
+    assert fits.exit_code == 0 and "warning" not in fits.stderr, fits.output
+
+
+def test_a_node_range_past_the_platform_says_where_it_ends():
+    done = run("plan", *TINY, "--nodes", "1..1000000000", "--json")
+    assert done.exit_code == 0, done.output
+    assert done.stderr == "--nodes 1..1000000000: local-cpu has at most 4 nodes; the range ends at 4\n"
+    assert [row["nodes"] for row in json.loads(done.stdout)["sweep"]] == [1, 2, 4]
+    inside = run("plan", *TINY, "--nodes", "1..4", "--json")
+    assert inside.exit_code == 0 and inside.stderr == ""
