@@ -9,7 +9,6 @@ from __future__ import annotations
 
 RUNTIME_CAPABILITY: dict[str, tuple] = {
     "schedule": ("gpipe", "1f1b", "interleaved"),
-    "tp": (1,),
     "etp": (1,),
     "recompute": ("none", "selective", "full"),
     "zero": (0, 1, 2, 3),
@@ -22,20 +21,20 @@ RUNTIME_CAPABILITY: dict[str, tuple] = {
 """Allowed values per feature. Everything else a ModelSpec can say is built (runtime/model.py): q/k/v/o
 biases, attention sinks, LayerNorm with bias, parallel attention + MLP, shared experts and their gate,
 router bias, sigmoid routing, dense layers by first_k_dense / every / phase / explicit, the parallel dense
-FFN, learned positions; any valid virtual_stages (valid chunks split num_layers evenly). Not run: tensor parallelism,
-a capacity factor (the runtime is dropless), tied embeddings over more than one model chunk, 0 or 1 norms
-per layer, 3 norms per layer without Arctic's residual MLP in every layer."""
+FFN, learned positions; any valid virtual_stages (valid chunks split num_layers evenly); any tp the plan rules
+allow (runtime/tensor_parallel.py, always with sequence parallelism; MLA splits q or q_b, kv_b and o, and keeps
+q_a, kv_a and their norms whole), with zero 0, 2 or 3 (``_tp_problems``). Not run: expert tensor parallelism
+(etp > 1: out of the default search, benchmarks/etp_value.py), a capacity factor (the runtime is dropless), tied
+embeddings over more than one model chunk, 0 or 1 norms per layer, 3 norms per layer without Arctic's residual
+MLP in every layer, sliding-window attention, fp16 / fp8 / mxfp8, and the ``_tp_problems`` below."""
 
 
 def _plan_problems(plan) -> list[str]:
     cap, out = RUNTIME_CAPABILITY, []
-    for field in ("schedule", "tp", "etp", "recompute", "zero", "a2a"):
+    for field in ("schedule", "etp", "recompute", "zero", "a2a"):
         value = getattr(plan, field)
         if value not in cap[field]:
             out.append(f"parallel.{field}={value} (runtime supports {', '.join(map(str, cap[field]))})")
-    if plan.zero >= 2 and plan.tp > 1:
-        out.append(f"parallel.zero={plan.zero} with tp={plan.tp} (FSDP2 is not composed with tensor parallelism "
-                   "yet: zero 0 or 1 with tp > 1)")
     return out
 
 
@@ -77,6 +76,36 @@ def _model_problems(model, plan) -> list[str]:
     return out
 
 
+def _tp_problems(model, plan, training) -> list[str]:
+    """What of a tp > 1 plan the runtime cannot split (runtime/tensor_parallel.py); empty when tp = 1."""
+    tp = plan.tp
+    if tp == 1:
+        return []
+    out = []
+    if not plan.sequence_parallel:
+        out.append(f"parallel.sequence_parallel=false with tp={tp} (the runtime always runs sequence parallelism "
+                   "with tensor parallelism)")
+    if plan.zero == 1:
+        out.append(f"parallel.zero=1 with tp={tp} (ZeroRedundancyOptimizer does not take tp-split parameters: "
+                   "zero 0, 2 or 3)")
+    if model.attention.qk_norm == "full":
+        out.append(f"attention.qk_norm='full' with tp={tp} (a norm over all heads is not split)")
+    if model.tie_embeddings and not model.norm.final:
+        out.append(f"tie_embeddings=true without a final norm with tp={tp}")
+    sizes = {"vocab_size": model.vocab_size or 0}
+    if training is not None:
+        sizes["training.seq_len"] = training.seq_len
+    moe = model.moe
+    for name, ffn in (("dense_ffn", model.dense_ffn),
+                      ("moe.shared_expert", moe.shared if moe is not None and moe.num_shared_experts else None),
+                      ("moe.parallel_dense_ffn", moe.parallel_dense_ffn if moe is not None else None)):
+        if ffn is not None:
+            sizes[f"{name}.intermediate_size"] = ffn.intermediate_size
+    out += [f"{name}={value} is not divisible by tp={tp} (tensor parallelism splits it evenly)"
+            for name, value in sizes.items() if value % tp]
+    return out
+
+
 def _training_problems(training) -> list[str]:
     if training is None or training.dtype in RUNTIME_CAPABILITY["dtype"]:
         return []
@@ -87,7 +116,8 @@ def _training_problems(training) -> list[str]:
 def unsupported_features(plan, model, training=None) -> list[str]:
     """What ``plan`` on ``model`` (trained as ``training``, when given) needs that the runtime cannot do (the plan
     assumed valid)."""
-    return _plan_problems(plan) + _model_problems(model, plan) + _training_problems(training)
+    return (_plan_problems(plan) + _model_problems(model, plan) + _training_problems(training)
+            + _tp_problems(model, plan, training))
 
 
 def runnable_problems(model, platform, training, nodes: int, plan) -> list[str]:

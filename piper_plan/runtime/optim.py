@@ -96,36 +96,39 @@ class Optimizers:
 def global_grad_norm(dense: list, expert: list, dp: int, edp: int, device, tp: int = 1) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same on every rank (one all-reduce of a scalar).
 
-    Each rank adds the squares of its local gradients divided by how many ranks hold the same values, so the sum
-    over the world counts every parameter once. tp = 1: a replicated gradient is identical on the dp ranks of a
-    stage (experts: on the edp ranks of an expert): ``|dense|^2 / dp + |expert|^2 / edp``; an FSDP2-sharded one
-    (a DTensor, runtime/sharding.py) adds its local shard once. tp > 1 (zero 0 / 1, no FSDP2): a tp-split dense
-    gradient is identical over dp, a tp-replicated one over dp x tp: ``|split|^2 / dp + |replicated|^2 /
-    (dp tp) + |expert|^2 / edp``."""
-    from piper_plan.runtime.sharding import is_sharded
-    from piper_plan.runtime.tensor_parallel import is_tp_sharded, local_tensor
+    Each rank adds the square of its local gradient values divided by how many ranks hold the same values
+    (``_copies``), so the sum over the world counts every parameter once: dense gradients live on the stage's
+    dp x tp ranks, expert gradients on the edp ranks of an expert; a DTensor (tensor parallelism's on the tp mesh,
+    FSDP2's on the dp / edp mesh, or both) holds distinct values along its sharded mesh dimensions only."""
+    from piper_plan.runtime.tensor_parallel import local_tensor
 
-    def square(grads):
-        grads = [local_tensor(g) for g in grads]
-        if not grads:
-            return torch.zeros((), device=device, dtype=torch.float32)
-        return torch.nn.utils.get_total_norm(grads).float().square()
+    def part(params, group: int):
+        by_copies: dict[int, list] = {}
+        for q in params:
+            if q.grad is not None:
+                by_copies.setdefault(_copies(q.grad, group), []).append(local_tensor(q.grad))
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        for copies, grads in sorted(by_copies.items()):
+            total = total + torch.nn.utils.get_total_norm(grads).float().square() / copies
+        return total
 
-    def grads(params, keep=lambda q: True):
-        return [q.grad for q in params if q.grad is not None and keep(q)]
-
-    if tp == 1:
-        def part(params, replicas):
-            return square(grads(params, lambda q: not is_sharded(q.grad))) / replicas \
-                + square(grads(params, lambda q: is_sharded(q.grad)))
-
-        sq = part(dense, dp) + part(expert, edp)
-    else:
-        sq = square(grads(dense, is_tp_sharded)) / dp + square(grads(dense, lambda q: not is_tp_sharded(q))) / (dp * tp) \
-            + square(grads(expert)) / edp
+    sq = part(dense, dp * tp) + part(expert, edp)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()
+
+
+def _copies(grad, group: int) -> int:
+    """Ranks of a gradient's group (``group`` ranks hold the parameter) that hold this rank's local values: the
+    group over the DTensor mesh's ranks, times the mesh's replicated dimensions (any other placement shards,
+    FSDP2's _StridedShard over a tp split included); a plain tensor: the group."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return group
+    mesh = grad.device_mesh
+    replicated = math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate() or p.is_partial())
+    return group // mesh.size() * replicated
 
 
 def clip_grads(params: list, max_norm: float, total_norm: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ What is split (one function per block kind):
 - embedding: vocabulary-parallel (``RowwiseParallel``, output sequence-sharded); learned positions replicated
   (added to the all-reduced embedding, then the sum is sequence-sharded at the first block).
 - attention (MHA / GQA): q, k, v column-parallel (local heads), o row-parallel; sinks sharded with the heads;
-  per-head qk-norm weights replicated (their gradients summed over tp). qk_norm "full" is refused (``problems``).
+  per-head qk-norm weights replicated (their gradients summed over tp). qk_norm "full" is refused (capability.py).
 - MLA: q (full-rank) or q_b column-parallel, kv_b column-parallel, o row-parallel; q_a, q_a_norm, kv_a and
   kv_a_norm replicated (run on the gathered sequence); the rope key shared by all heads is replicated and its
   gradient summed over tp (model.py ``local_tensor(..., partial_grad=True)``).
@@ -49,34 +49,6 @@ def is_tp_sharded(param) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
-
-
-# ---- checks (no communication) --------------------------------------------------------------------
-def problems(model, plan, training) -> list[str]:
-    """What of a tp > 1 plan this runtime cannot split; empty when tp = 1."""
-    tp = plan.tp
-    if tp == 1:
-        return []
-    out = []
-    if not plan.sequence_parallel:
-        out.append(f"parallel.sequence_parallel=false with tp={tp} (the runtime always runs sequence parallelism "
-                   "with tensor parallelism)")
-    if plan.zero:
-        out.append(f"parallel.zero={plan.zero} with tp={tp} (the sharded optimizer does not take tp-split parameters)")
-    if model.attention.qk_norm == "full":
-        out.append(f"attention.qk_norm='full' with tp={tp} (a norm over all heads is not split)")
-    if model.tie_embeddings and not model.norm.final:
-        out.append(f"tie_embeddings=true without a final norm with tp={tp}")
-    sizes = {"vocab_size": model.vocab_size or 0, "training.seq_len": training.seq_len}
-    moe = model.moe
-    for name, ffn in (("dense_ffn", model.dense_ffn),
-                      ("moe.shared_expert", moe.shared if moe is not None and moe.num_shared_experts else None),
-                      ("moe.parallel_dense_ffn", moe.parallel_dense_ffn if moe is not None else None)):
-        if ffn is not None:
-            sizes[f"{name}.intermediate_size"] = ffn.intermediate_size
-    out += [f"{name}={value} is not divisible by tp={tp} (tensor parallelism splits it evenly)"
-            for name, value in sizes.items() if value % tp]
-    return out
 
 
 # ---- the plan, one function per block kind -------------------------------------------------------

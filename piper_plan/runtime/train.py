@@ -57,10 +57,7 @@ def preflight(cfg, world: int, cuda_available: bool) -> None:
     if cfg.parallel.world != world:
         raise PiperError(f"the plan's pp x dp x tp = {cfg.parallel.world} ranks, but the launcher started {world}",
                          field="parallel")
-    from piper_plan.runtime.tensor_parallel import problems as tp_problems
-
-    problems = unsupported_features(cfg.parallel, cfg.model, cfg.training) + tp_problems(cfg.model, cfg.parallel,
-                                                                                          cfg.training)
+    problems = unsupported_features(cfg.parallel, cfg.model, cfg.training)
     if problems:
         raise PiperError("the runtime cannot run: " + "; ".join(problems), field="parallel")
     if cfg.platform.launch.device == "cuda" and not cuda_available:
@@ -109,6 +106,10 @@ class Trainer:
 
         self.module = shard_stage_module(self._build_model(cfg.runtime.aux_loss_coeff), self.mesh, p, cfg.training.dtype)
         named = list(self.module.named_parameters())
+        summed = {id(q) for q in self.tp_summed}        # FSDP2 replaces the parameters it shards: find them by name
+        summed_names = {n for n, q in self._built_named if id(q) in summed}
+        self.tp_summed = [q for n, q in named if n in summed_names]
+        del self._built_named
         dense = [(n, q) for n, q in named if ".experts." not in n]
         expert = [(n, q) for n, q in named if ".experts." in n]
         self.dense, self.expert = [q for _, q in dense], [q for _, q in expert]
@@ -157,6 +158,7 @@ class Trainer:
             from piper_plan.runtime.tensor_parallel import parallelize
 
             self.tp_summed = parallelize(module, self.mesh.submesh("tp"))
+        self._built_named = list(module.named_parameters())
         return module
 
     def _dispatcher(self):

@@ -29,9 +29,10 @@ def test_every_catalog_feature_model_is_runnable_at_pp1():
 
 def test_each_unsupported_feature_is_named():
     plan = ParallelPlan(pp=2, dp=4, tp=2, ep=2, schedule="interleaved", virtual_stages=2, recompute="full",
-                        num_microbatches=2)
-    problems = unsupported_features(plan, load_model("tiny-mla"))
-    assert problems == ["parallel.tp=2 (runtime supports 1)"]
+                        num_microbatches=2, zero=1)
+    assert unsupported_features(plan, load_model("tiny-mla")) == [
+        "parallel.zero=1 with tp=2 (ZeroRedundancyOptimizer does not take tp-split parameters: zero 0, 2 or 3)"]
+    assert unsupported_features(plan.model_copy(update={"zero": 3}), load_model("tiny-mla")) == []
 
 
 def test_runnable_is_valid_and_inside_the_capability_list():

@@ -124,18 +124,19 @@ def _memory_equals_cost_model(plan: dict, per_rank: list[dict]) -> None:
 @pytest.mark.distributed
 def test_four_ranks_tp2_pp2_and_tp2_ep2_dp2(tmp_path):
     plans = {"tp2_pp2": plan_dict(pp=2, dp=1, ep=1, tp=2, num_microbatches=2, seq_len=64),
-             "tp2_ep2_dp2": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2)}
+             "tp2_ep2_dp2": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2),
+             "tp2_ep2_dp2_zero3": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=3)}
     results = _run(4, plans, tmp_path)
     _memory_equals_cost_model(plans["tp2_pp2"], [r["tp2_pp2"] for r in results])
 
 
 def _problems(model=None, tp=2, **upd):
-    from piper_plan.runtime.tensor_parallel import problems
+    from piper_plan.capability import _tp_problems
 
     plan = plan_dict(pp=1, dp=1, ep=1, tp=tp, zero=upd.pop("zero", 0), model_dict=model)
     plan["parallel"].update(upd)
     cfg = parse_plan_dict(plan, "test plan")
-    return problems(cfg.model, cfg.parallel, cfg.training)
+    return _tp_problems(cfg.model, cfg.parallel, cfg.training)
 
 
 def test_tp_refusals_are_one_line_each():
@@ -144,7 +145,9 @@ def test_tp_refusals_are_one_line_each():
     assert _problems(sequence_parallel=False) == [
         "parallel.sequence_parallel=false with tp=2 (the runtime always runs sequence parallelism with tensor "
         "parallelism)"]
-    assert _problems(zero=1) == ["parallel.zero=1 with tp=2 (the sharded optimizer does not take tp-split parameters)"]
+    assert _problems(zero=1) == ["parallel.zero=1 with tp=2 (ZeroRedundancyOptimizer does not take tp-split "
+                                 "parameters: zero 0, 2 or 3)"]
+    assert _problems(zero=3) == []
     assert _problems(model=_shrunk("tiny-moe", attention={"qk_norm": "full"})) == [
         "attention.qk_norm='full' with tp=2 (a norm over all heads is not split)"]
     odd = _shrunk("tiny-moe")
