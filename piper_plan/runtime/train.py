@@ -36,9 +36,15 @@ def with_runtime(cfg, **overrides):
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not overrides:
         return cfg
+    from pydantic import ValidationError
+
+    from piper_plan.catalog import validation_message
     from piper_plan.planfile import RuntimeBlock
 
-    runtime = RuntimeBlock.model_validate({**cfg.runtime.model_dump(), **overrides})
+    try:
+        runtime = RuntimeBlock.model_validate({**cfg.runtime.model_dump(), **overrides})
+    except ValidationError as exc:        # --lr nan, --steps 0: one line, as a bad plan.json field would give
+        raise PiperError(validation_message(exc), field="runtime options") from None
     return cfg.model_copy(update={"runtime": runtime})
 
 
@@ -519,7 +525,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     import torch.distributed as dist
 
     from piper_plan.fileio import atomic_write_json
-    from piper_plan.runtime.metrics import MetricsWriter, summarise
+    from piper_plan.runtime.metrics import MetricsWriter, ProgressLine, summarise
 
     device = _init(cfg, rank, world, local)
     stop = _StopFlag()
@@ -535,6 +541,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     tokens = cfg.training.global_batch * cfg.training.seq_len
     records = _kept_records(run_dir / "metrics.jsonl", start) if rank == 0 and args.resume else []
     writer = MetricsWriter(run_dir / "metrics.jsonl", resume=False) if rank == 0 else None
+    progress = ProgressLine(steps) if rank == 0 else None
     if rank == 0:
         _keep_plan(Path(args.plan), run_dir)
     for r in records:
@@ -547,6 +554,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         if rank == 0:
             records.append(merge_reports(gathered, step + 1, tokens))
             writer.write(records[-1])
+            progress.update(records[-1])
         saved = (step + 1) % interval == 0
         if saved:
             trainer.save(run_dir, step + 1)
@@ -556,6 +564,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             code = EXIT_REQUEUE
             break
     if rank == 0:
+        progress.close()
         writer.close()
         atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
                                                      "world": world, "device": device.type})

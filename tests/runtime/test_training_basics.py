@@ -177,3 +177,14 @@ def test_bad_runtime_setting_is_one_line(tmp_path):
     with pytest.raises(PiperError, match="warmup_steps") as err:
         load_plan(parse_args(["--plan", str(path)]))
     assert "\n" not in str(err.value)
+
+
+def test_a_bad_runtime_override_is_one_line():
+    """`--lr nan` / `--steps 0` on the trainer's command line: a PiperError naming the field, not pydantic's."""
+    from piper_plan.runtime.train import with_runtime
+
+    cfg = parse_plan_dict(plan_dict(pp=1, dp=2, ep=2), "test plan")
+    for override, field in (({"lr": float("nan")}, "lr"), ({"steps": 0}, "steps")):
+        with pytest.raises(PiperError, match=field) as err:
+            with_runtime(cfg, **override)
+        assert "\n" not in str(err.value)
