@@ -70,3 +70,23 @@ def test_requeue_resume_equals_uninterrupted(slurm_cluster, tmp_path):
     print(f"requeued (restarts {infos['requeued']['Restarts']}): final loss {requeued['final_loss']!r}; "
           f"uninterrupted: {straight['final_loss']!r}")
     assert requeued["final_loss"] == straight["final_loss"]
+
+
+def test_tensor_parallel_plan_end_to_end_and_compare(slurm_cluster, tmp_path):
+    """A tp2 plan (dp2 tp2 ep2 zero 3 on 2 emulated nodes): piper estimate -o -> launch --submit -> trains -> compare."""
+    plan = tmp_path / "plan.json"
+    saved = CliRunner().invoke(cli, ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "2",
+                                     "--seq", "64", "--global-batch", "8", "--dp", "2", "--tp", "2", "--pp", "1",
+                                     "--ep", "2", "--zero", "3", "-o", str(plan)])
+    assert saved.exit_code == 0, saved.output
+    assert json.loads(plan.read_text())["parallel"]["tp"] == 2
+    result = launch("--plan", plan, "--out", tmp_path / "job", "--submit", "--json", "--steps", "4", "--time", "00:08:00")
+    assert result.exit_code == 0, result.output
+    job_id = json.loads(result.stdout)["job_id"]
+    info = wait_for_job(job_id, timeout_s=400)
+    assert info.get("JobState") == "COMPLETED", (tmp_path / "job" / f"slurm-{job_id}.out").read_text()
+    compared = CliRunner().invoke(cli, ["compare", str(tmp_path / "job" / "run"), "--json"])
+    assert compared.exit_code == 0, compared.output
+    data = json.loads(compared.stdout)
+    assert data["steps_measured"] == 3 and data["step_time_s"]["measured"] > 0
+    print("tp2 compare:", {k: data[k] for k in ("step_time_s", "tokens_per_s")})
