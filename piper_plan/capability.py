@@ -106,6 +106,22 @@ def _tp_problems(model, plan, training) -> list[str]:
     return out
 
 
+def uses_fsdp(plan) -> bool:
+    """Whether the runtime wraps this plan's stages in FSDP2 (zero 2 or 3 with dp > 1: runtime/sharding.py)."""
+    return plan.zero >= 2 and plan.dp > 1
+
+
+def _fsdp_problems(model, plan) -> list[str]:
+    """FSDP2 shards expert weights over edp on dim 1 (hidden / expert width), which must divide evenly."""
+    if not uses_fsdp(plan) or plan.edp == 1 or model.moe is None:
+        return []
+    bad = sorted(s for s in {model.hidden_size, model.moe.expert.intermediate_size} if s % plan.edp)
+    if not bad:
+        return []
+    return [f"parallel.zero={plan.zero} shards expert weights over edp={plan.edp} on the hidden/expert width, "
+            f"which must be divisible by edp (got {bad})"]
+
+
 def _training_problems(training) -> list[str]:
     if training is None or training.dtype in RUNTIME_CAPABILITY["dtype"]:
         return []
@@ -117,7 +133,7 @@ def unsupported_features(plan, model, training=None) -> list[str]:
     """What ``plan`` on ``model`` (trained as ``training``, when given) needs that the runtime cannot do (the plan
     assumed valid)."""
     return (_plan_problems(plan) + _model_problems(model, plan) + _training_problems(training)
-            + _tp_problems(model, plan, training))
+            + _tp_problems(model, plan, training) + _fsdp_problems(model, plan))
 
 
 def runnable_problems(model, platform, training, nodes: int, plan) -> list[str]:

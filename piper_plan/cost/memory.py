@@ -41,7 +41,7 @@ in fp32 (MixedPrecisionPolicy(reduce_dtype=float32), runtime/sharding.py)."""
 
 
 def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero, pp=1, one_layer=None,
-                root=0.0) -> dict[str, np.ndarray]:
+                root=0.0, fp32_replicas: bool = False) -> dict[str, np.ndarray]:
     """Weights, gradients and master + optimizer bytes of one rank holding ``dense`` and ``expert`` params at the
     step's peak (``one_layer``: the params of the stage's largest layer, ``root`` its embedding / final norm / head:
     for FSDP2 at pp = 1), as piper's runtime holds them (docs/design-notes.md, "zero 0-3 in the
@@ -50,7 +50,9 @@ def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero, pp=1, one_
     the gathered compute-dtype weights: the stage's at pp > 1 (torch's PipelineStage keeps them to the last
     backward) and under zero 2, the root's and one layer's under zero 3 at pp = 1; gradients: the stage's unsharded
     fp32 accumulation at pp > 1 (the reduce-scatter waits for the last micro-batch), else the sharded fp32
-    gradient plus one layer's unsharded one."""
+    gradient plus one layer's unsharded one. ``fp32_replicas`` (piper's runtime, zero 0 / 1): fp32 weights and
+    gradients, the optimizer's fp32 state without a separate master, and under bf16 autocast's bf16 copy of every
+    weight (runtime/train.py; docs/design-notes.md, "zero 0-3 in the runtime")."""
     keep = training.master_bytes + training.optimizer_bytes
     shard_dense = np.where(zero >= 1, dp, 1)
     shard_expert = np.where(zero >= 1, edp, 1)
@@ -61,6 +63,11 @@ def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero, pp=1, one_
     gathered = np.where(piped | (zero == 2), full, one_layer + root) * training.weight_bytes
     weights = np.where(fsdp, local * FSDP_GRAD_BYTES + gathered, full * training.weight_bytes)
     grads = np.where(fsdp, np.where(piped, full, local + one_layer) * FSDP_GRAD_BYTES, full * training.grad_bytes)
+    if fp32_replicas:
+        autocast = 0 if training.dtype == "fp32" else training.weight_bytes
+        weights = np.where(fsdp, weights, full * (FSDP_GRAD_BYTES + autocast))
+        grads = np.where(fsdp, grads, full * FSDP_GRAD_BYTES)
+        keep = training.optimizer_bytes
     return {
         "weights": weights + full * training.low_precision_copy_bytes,
         "gradients": grads,

@@ -32,20 +32,10 @@ EXPERT_SHARD_DIM = 1
 
 
 def uses_fsdp(plan) -> bool:
-    """Whether this plan's stages are wrapped in FSDP2 (zero 2 or 3 with dp > 1)."""
-    return plan.zero >= 2 and plan.dp > 1
+    """Whether this plan's stages are wrapped in FSDP2 (zero 2 or 3 with dp > 1; capability.uses_fsdp)."""
+    from piper_plan.capability import uses_fsdp as planned
 
-
-def expert_shard_problem(spec, plan) -> str | None:
-    """Why the experts cannot be sharded over edp (FSDP2 needs dim 1 divisible by edp for a Shard(1)); None = fine."""
-    if not uses_fsdp(plan) or plan.edp == 1 or spec.moe is None:
-        return None
-    sizes = {spec.hidden_size, spec.moe.expert.intermediate_size}
-    bad = sorted(s for s in sizes if s % plan.edp)
-    if bad:
-        return (f"parallel.zero={plan.zero} shards expert weights over edp={plan.edp} on the hidden/expert width, "
-                f"which must be divisible by edp (got {bad})")
-    return None
+    return planned(plan)
 
 
 def mixed_precision(dtype: str):
@@ -110,13 +100,6 @@ def is_sharded(t) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor) and (t.device_mesh.mesh_dim_names or ("",))[0] in FSDP_MESH_DIMS
-
-
-def check_shardable(spec, plan) -> None:
-    """Raise PiperError (one line) when the plan's experts cannot be sharded over edp."""
-    problem = expert_shard_problem(spec, plan)
-    if problem:
-        raise PiperError(problem, field="parallel.zero")
 
 
 def replicated(params: list) -> list:

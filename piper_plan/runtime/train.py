@@ -69,9 +69,6 @@ def preflight(cfg, world: int, cuda_available: bool) -> None:
     if cfg.platform.launch.device == "cuda" and not cuda_available:
         raise PiperError(f"platform {cfg.platform.name} runs on GPUs (launch.device='cuda') but this machine has "
                          "none visible to torch; use a CPU platform (launch.device='cpu')", field="platform.launch.device")
-    from piper_plan.runtime.sharding import check_shardable
-
-    check_shardable(cfg.model, cfg.parallel)
     if cfg.runtime.data:
         from piper_plan.runtime.data import open_token_file
 
