@@ -34,6 +34,14 @@ def unfused_norm_bytes(tokens, d, ab, sp, opts):
     return (tokens * d * ab + tokens * 4) / sp if opts.unfused_kernels else 0.0
 
 
+def gathered_input_bytes(tokens, d, ab, sp, opts):
+    """What a column-parallel block of piper's runtime keeps beyond its input's sequence shard: torch's tensor
+    parallelism saves the all-gathered input [tokens, D] for backward (runtime/tensor_parallel.py), where
+    Megatron keeps the 1/tp shard and gathers again (Korthikanti et al. 2022); 0 with fused kernels or sp = 1.
+    Measured: tests/runtime/test_analytic_vs_real.py."""
+    return tokens * d * ab * (1 - 1 / sp) if opts.unfused_kernels else 0.0 * sp
+
+
 # ---- training state ------------------------------------------------------------------------------
 FSDP_GRAD_BYTES = 4
 """Bytes per parameter of FSDP2's gradients and sharded parameters: piper's runtime keeps fp32 masters and reduces
@@ -83,6 +91,7 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     tokens = mbs * s
     heads_local = a.num_heads / tp
     kept = 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts)   # norm input + QKV input
+    kept = kept + gathered_input_bytes(tokens, d, ab, sp, opts)
     if a.kind == "mla":
         latent = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
         kept = kept + 2 * tokens * latent * ab               # compressed q / kv before and after their norms
@@ -117,7 +126,8 @@ def dense_mlp_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     """One dense MLP block: norm input, MLP input, intermediates, dropout mask."""
     tokens, d, ab = mbs * training.seq_len, model.hidden_size, training.activation_bytes
     out = 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts) \
-        + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp, opts.unfused_kernels)
+        + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp, opts.unfused_kernels) \
+        + gathered_input_bytes(tokens, d, ab, sp, opts)
     return out + (tokens * d / sp if opts.dropout else 0)
 
 
@@ -172,10 +182,12 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOpt
         out["router"] = out["router"] + tokens / tp * moe.top_k * INDEX_BYTES   # top-k expert ids (int64)
         if getattr(moe, "normalize_top_k", False):    # top / top.sum(): the division keeps both (runtime/moe.py)
             out["router"] = out["router"] + tokens / tp * (moe.top_k + 1) * ROUTER_BYTES
+    gathered = gathered_input_bytes(tokens, d, ab, sp, opts)
     if moe.num_shared_experts:
-        out["shared"] = moe.num_shared_experts * ffn_activation_bytes(moe.shared, tokens, ab, tp, unfused)
+        out["shared"] = moe.num_shared_experts * (ffn_activation_bytes(moe.shared, tokens, ab, tp, unfused) + gathered)
     if moe.parallel_dense_ffn is not None:
-        out["shared"] = out["shared"] + ffn_activation_bytes(moe.parallel_dense_ffn, tokens, ab, tp, unfused)
+        out["shared"] = out["shared"] + ffn_activation_bytes(moe.parallel_dense_ffn, tokens, ab, tp, unfused) \
+            + gathered
     if opts.dropout:
         out["moe_input"] = out["moe_input"] + tokens * d / sp
     return out

@@ -35,6 +35,11 @@ class LayerParams:
     lm_head: int             # 0 when tied or absent
     tied_head: int           # tied LM head: the copy of the word embedding the last stage keeps when pp > 1
     final_norm: int
+    attention_whole: int = 0     # the parts of the modules above that tensor parallelism keeps whole on every
+    dense_mlp_whole: int = 0     # rank (tp_whole_params); the rest is split over tp
+    shared_whole: int = 0
+    parallel_dense_whole: int = 0
+    embedding_whole: int = 0
 
 
 def layer_params(model: ModelSpec) -> LayerParams:
@@ -55,7 +60,31 @@ def layer_params(model: ModelSpec) -> LayerParams:
         lm_head=lm_head,
         tied_head=(model.vocab_size or 0) * d if model.tie_embeddings else 0,
         final_norm=norm_params(model.norm, d) if model.norm.final else 0,
+        **tp_whole_params(model),
     )
+
+
+def tp_whole_params(model: ModelSpec) -> dict[str, int]:
+    """Parameters tensor parallelism keeps whole on every tp rank, as piper's runtime splits them
+    (runtime/tensor_parallel.py) and Megatron-LM does: a row-parallel projection's bias (attention's o, every MLP's
+    down), per-head qk-norm weights, the shared-expert gate, MLA's compressions (q_a, kv_a and their norms), learned
+    position embeddings."""
+    a, d, moe = model.attention, model.hidden_size, model.moe
+    attention = d if a.o_bias else 0
+    if a.qk_norm == "per_head":
+        attention += 2 * model.head_dim
+    if a.kind == "mla":
+        qb = int(a.qkv_bias)
+        if a.q_lora_rank is not None:
+            attention += (d + qb) * a.q_lora_rank + a.q_lora_rank
+        attention += (d + qb) * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+    down_bias = lambda ffn: d if ffn is not None and ffn.bias else 0  # noqa: E731
+    shared = 0
+    if moe is not None:
+        shared = moe.num_shared_experts * down_bias(moe.shared) + (d if moe.shared_expert_gate else 0)
+    return {"attention_whole": attention, "dense_mlp_whole": down_bias(model.dense_ffn), "shared_whole": shared,
+            "parallel_dense_whole": down_bias(moe.parallel_dense_ffn) if moe is not None else 0,
+            "embedding_whole": model.max_seq_len * d if model.learned_position_embeddings else 0}
 
 
 def moe_prefix(model: ModelSpec) -> np.ndarray:
@@ -88,10 +117,12 @@ def rank_stage_params(lp: LayerParams, layers, moe_layers, first, last, tp, ep, 
     ``layers`` / ``moe_layers``: layers of the stage and how many of them are MoE; ``first`` / ``last``:
     whether the stage is the first / last one (embedding / final norm + LM head; with a tied LM head and
     pp > 1 the last stage keeps its own copy of the word embedding, as Megatron-LM does)."""
-    per_layer = lp.attention / tp + lp.norms + lp.dense_mlp / tp
-    per_moe = (lp.shared + lp.parallel_dense - lp.dense_mlp) / tp + lp.router
+    split = lambda total, whole: (total - whole) / tp + whole  # noqa: E731   (tp_whole_params stays whole)
+    per_layer = split(lp.attention, lp.attention_whole) + lp.norms + split(lp.dense_mlp, lp.dense_mlp_whole)
+    per_moe = (split(lp.shared, lp.shared_whole) + split(lp.parallel_dense, lp.parallel_dense_whole)
+               - split(lp.dense_mlp, lp.dense_mlp_whole) + lp.router)
     first, last = np.asarray(first), np.asarray(last)
-    dense = layers * per_layer + moe_layers * per_moe + first * (lp.embedding / tp)
+    dense = layers * per_layer + moe_layers * per_moe + first * split(lp.embedding, lp.embedding_whole)
     dense = dense + last * ((lp.lm_head + lp.tied_head * ~first) / tp + lp.final_norm)
     expert = moe_layers * (lp.num_experts * lp.expert / (ep * etp))
     return dense, expert

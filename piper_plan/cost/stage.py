@@ -139,7 +139,8 @@ def end_bytes(ctx: Context, c):
     sp = sequence_split(c)
     d_bytes = tokens * m.hidden_size * t.activation_bytes / sp
     if ctx.opts.unfused_kernels:
-        logits = tokens * (m.vocab_size or 0) / c.tp * 4 + 3 * d_bytes + tokens * (4 + mem.INDEX_BYTES)
+        logits = tokens * (m.vocab_size or 0) / c.tp * 4 + 3 * d_bytes + tokens * (4 + mem.INDEX_BYTES) \
+            + mem.gathered_input_bytes(tokens, m.hidden_size, t.activation_bytes, sp, ctx.opts)   # the head's input
         return tokens * mem.INDEX_BYTES + 0.0 * d_bytes, logits
     return d_bytes, tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
 
