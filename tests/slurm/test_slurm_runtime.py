@@ -20,6 +20,18 @@ def data_pp(plan) -> int:
     return json.loads(plan.read_text())["parallel"]["pp"]
 
 
+def submit_train_compare(plan, tmp_path) -> dict:
+    """piper launch --submit (4 steps) -> wait for the job -> piper compare --json of its run."""
+    result = launch("--plan", plan, "--out", tmp_path / "job", "--submit", "--json", "--steps", "4", "--time", "00:08:00")
+    assert result.exit_code == 0, result.output
+    job_id = json.loads(result.stdout)["job_id"]
+    info = wait_for_job(job_id, timeout_s=400)
+    assert info.get("JobState") == "COMPLETED", (tmp_path / "job" / f"slurm-{job_id}.out").read_text()
+    compared = CliRunner().invoke(cli, ["compare", str(tmp_path / "job" / "run"), "--json"])
+    assert compared.exit_code == 0, compared.output
+    return json.loads(compared.stdout)
+
+
 def test_end_to_end_tiny_moe_and_compare(slurm_cluster, tmp_path):
     """piper plan --save -> piper launch --submit -> the runtime trains (halo, migration on) -> piper compare."""
     plan = tmp_path / "plan.json"
@@ -29,14 +41,7 @@ def test_end_to_end_tiny_moe_and_compare(slurm_cluster, tmp_path):
     assert planned.exit_code == 0, planned.output
     data = json.loads(plan.read_text())
     assert data["parallel"]["a2a"] == "halo" and data["migration"]["enabled"] and data["nodes"] == 2
-    result = launch("--plan", plan, "--out", tmp_path / "job", "--submit", "--json", "--steps", "4", "--time", "00:08:00")
-    assert result.exit_code == 0, result.output
-    job_id = json.loads(result.stdout)["job_id"]
-    info = wait_for_job(job_id, timeout_s=400)
-    assert info.get("JobState") == "COMPLETED", (tmp_path / "job" / f"slurm-{job_id}.out").read_text()
-    compared = CliRunner().invoke(cli, ["compare", str(tmp_path / "job" / "run"), "--json"])
-    assert compared.exit_code == 0, compared.output
-    data = json.loads(compared.stdout)
+    data = submit_train_compare(plan, tmp_path)
     assert data["steps_measured"] == 3  # 4 steps, the first (warm-up) left out
     for key in ("step_time_s", "tokens_per_s", "a2a_share"):
         q = data[key]
@@ -80,13 +85,6 @@ def test_tensor_parallel_plan_end_to_end_and_compare(slurm_cluster, tmp_path):
                                      "--ep", "2", "--zero", "3", "-o", str(plan)])
     assert saved.exit_code == 0, saved.output
     assert json.loads(plan.read_text())["parallel"]["tp"] == 2
-    result = launch("--plan", plan, "--out", tmp_path / "job", "--submit", "--json", "--steps", "4", "--time", "00:08:00")
-    assert result.exit_code == 0, result.output
-    job_id = json.loads(result.stdout)["job_id"]
-    info = wait_for_job(job_id, timeout_s=400)
-    assert info.get("JobState") == "COMPLETED", (tmp_path / "job" / f"slurm-{job_id}.out").read_text()
-    compared = CliRunner().invoke(cli, ["compare", str(tmp_path / "job" / "run"), "--json"])
-    assert compared.exit_code == 0, compared.output
-    data = json.loads(compared.stdout)
+    data = submit_train_compare(plan, tmp_path)
     assert data["steps_measured"] == 3 and data["step_time_s"]["measured"] > 0
     print("tp2 compare:", {k: data[k] for k in ("step_time_s", "tokens_per_s")})
