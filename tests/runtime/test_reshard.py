@@ -1,7 +1,8 @@
 """Resharding checkpoints (runtime/checkpoint.py, torch.distributed.checkpoint): 4 steps on layout A with a
 checkpoint at step 2, resumed on layout B from step 2: steps 3-4 equal the uninterrupted run on A. Layouts change
 pp (2 -> 1, interleaved -> 1), dp / ep (dp4 ep4 -> pp2 dp2 ep2, dp4 ep4 -> dp2 ep2 on fewer ranks), ZeRO-1 ->
-none, world 2 -> 1, and one run migrates experts before its checkpoint (slots permuted when saved). Bad
+none, world 2 -> 1, pp2 -> tp2, FSDP2 (zero 3) <-> other layouts, and one run migrates experts before its
+checkpoint (slots permuted when saved). Bad
 checkpoints give one PiperError on every rank and change nothing. One spawn per world size (4, then 2)."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ PLANS = {
 INTERLEAVED = plan_dict(pp=2, dp=1, ep=1, schedule="interleaved", num_microbatches=4)
 INTERLEAVED["parallel"]["virtual_stages"] = 2  # chunks.<v>. prefixes in the module's FQNs
 PLANS["pp2_v2_dp1_ep1"] = INTERLEAVED
+PLANS["pp1_dp2_ep2_zero3"] = plan_dict(pp=1, dp=2, ep=2, num_microbatches=2, zero=3)   # FSDP2: DTensor state
+PLANS["pp1_tp2"] = plan_dict(pp=1, dp=1, ep=1, tp=2, num_microbatches=4)               # tensor parallel
 # (A, B, world of A, world of B)
 CASES = {
     "migrated_pp2_dp2_ep2_to_pp1_dp4_ep4": ("pp2_dp2_ep2_migrating", "pp1_dp4_ep4_zero1", 4, 4),
@@ -43,6 +46,9 @@ CASES = {
     "pp2_to_pp1_dp2_ep2": ("pp2_dp1_ep1", "pp1_dp2_ep2", 2, 2),
     "interleaved_to_pp1_dp2_ep2": ("pp2_v2_dp1_ep1", "pp1_dp2_ep2", 2, 2),
     "same_layout_pp2": ("pp2_dp1_ep1", "pp2_dp1_ep1", 2, 2),
+    "pp2_to_tp2": ("pp2_dp1_ep1", "pp1_tp2", 2, 2),
+    "zero3_to_pp2": ("pp1_dp2_ep2_zero3", "pp2_dp1_ep1", 2, 2),
+    "tp2_to_zero3": ("pp1_tp2", "pp1_dp2_ep2_zero3", 2, 2),
 }
 
 
