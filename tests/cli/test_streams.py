@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PIPER = Path(sys.executable).parent / "piper"
+
+pytestmark = pytest.mark.distributed   # every test starts real shell and piper processes: the multi-process tier
 
 
 def shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
