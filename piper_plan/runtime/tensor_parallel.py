@@ -175,12 +175,16 @@ def parallelize_stage(stage, tp_mesh) -> None:
         parallelize_module(stage.final_norm, tp_mesh, tied)
 
 
-def parallelize(module, tp_mesh) -> list:
-    """Split this rank's module (StageModel or VirtualStages) over tp; returns the replicated parameters whose
-    gradients must be summed over tp (DENSE_TP_SUMMED)."""
+def parallelize(module, tp_mesh) -> None:
+    """Split this rank's module (StageModel or VirtualStages) over tp (in place)."""
     stages = list(module.chunks) if hasattr(module, "chunks") else [module]
     for stage in stages:
         parallelize_stage(stage, tp_mesh)
+
+
+def tp_summed_params(module) -> list:
+    """The replicated parameters whose gradients must be summed over tp (DENSE_TP_SUMMED), found by name (FSDP2
+    replaces the parameter objects it shards, never their names)."""
     return [q for n, q in module.named_parameters()
             if ".experts." not in n and any(f".{part}." in f".{n}" for part in DENSE_TP_SUMMED)]
 

@@ -109,10 +109,11 @@ class Trainer:
 
         self.module = shard_stage_module(self._build_model(cfg.runtime.aux_loss_coeff), self.mesh, p, cfg.training.dtype)
         named = list(self.module.named_parameters())
-        summed = {id(q) for q in self.tp_summed}        # FSDP2 replaces the parameters it shards: find them by name
-        summed_names = {n for n, q in self._built_named if id(q) in summed}
-        self.tp_summed = [q for n, q in named if n in summed_names]
-        del self._built_named
+        self.tp_summed = []
+        if p.tp > 1:
+            from piper_plan.runtime.tensor_parallel import tp_summed_params
+
+            self.tp_summed = tp_summed_params(self.module)
         dense = [(n, q) for n, q in named if ".experts." not in n]
         expert = [(n, q) for n, q in named if ".experts." in n]
         self.dense, self.expert = [q for _, q in dense], [q for _, q in expert]
@@ -156,12 +157,10 @@ class Trainer:
                       "seq_mesh": self.mesh.submesh("tp") if p.tp > 1 else None}
         # StageModel, or VirtualStages (interleaved); plan.recompute applied inside (model.py)
         module = build_rank_module(spec, p, me.pp_index, moe_kwargs, self.seed).to(self.device)
-        self.tp_summed = []
         if p.tp > 1:  # split after the full-size initialisation: the same weights as the reference
             from piper_plan.runtime.tensor_parallel import parallelize
 
-            self.tp_summed = parallelize(module, self.mesh.submesh("tp"))
-        self._built_named = list(module.named_parameters())
+            parallelize(module, self.mesh.submesh("tp"))
         return module
 
     def _dispatcher(self):
