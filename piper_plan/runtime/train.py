@@ -531,7 +531,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         start = trainer.resume(run_dir) if args.resume else 0
     except PiperError as exc:  # the same on every rank (checkpoint.load agrees on it): nothing written yet
         stop.release()
-        dist.destroy_process_group()
+        _end_process_group()
         return _report_user_error(exc, rank)
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
@@ -565,11 +565,20 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
                                                      "world": world, "device": device.type})
     dist.barrier()
+    _end_process_group()
+    return code
+
+
+def _end_process_group() -> None:
+    """Destroy the process group after a garbage collection (environment.md: processes that used DTensor / FSDP2 /
+    functional collectives may otherwise abort at interpreter exit, 'terminate called without an active
+    exception', turning an exit code into SIGABRT)."""
     import gc
 
-    gc.collect()  # environment.md: FSDP2 / DTensor processes may abort at exit otherwise
+    import torch.distributed as dist
+
+    gc.collect()
     dist.destroy_process_group()
-    return code
 
 
 def _keep_plan(plan_path: Path, run_dir: Path) -> None:
@@ -607,4 +616,7 @@ def _profiler(profile_steps: int, index: int, run_dir: Path, rank: int):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # every file is written and closed by now; skip the interpreter teardown that may abort (above)
