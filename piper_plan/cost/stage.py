@@ -104,11 +104,10 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.
 
 def _largest_layer(ctx: Context, c, st: StageShape):
     """(params of the stage's largest layer, of its root: embedding / final norm / LM head) on one rank."""
-    one = np.minimum(st.layers, 1)
-    layer_d, layer_e = rank_stage_params(ctx.lp, one, np.minimum(st.moe_layers, 1), False, False, c.tp, c.ep, c.etp)
-    with_root_d, with_root_e = rank_stage_params(ctx.lp, one, np.minimum(st.moe_layers, 1), st.first, st.last, c.tp,
-                                                 c.ep, c.etp)
-    return layer_d + layer_e, with_root_d + with_root_e - layer_d - layer_e
+    layer_d, layer_e = rank_stage_params(ctx.lp, np.minimum(st.layers, 1), np.minimum(st.moe_layers, 1), False,
+                                         False, c.tp, c.ep, c.etp)
+    root_d, root_e = rank_stage_params(ctx.lp, 0, 0, st.first, st.last, c.tp, c.ep, c.etp)
+    return layer_d + layer_e, root_d + root_e
 
 
 def _moe_names(acts) -> list[str]:

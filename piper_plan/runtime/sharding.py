@@ -25,17 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from piper_plan.errors import PiperError
+from piper_plan.capability import uses_fsdp
 
 EXPERT_SHARD_DIM = 1
 """The dim of the stacked ``[El, ...]`` expert tensors sharded over edp (dim 0 would split experts between ranks)."""
-
-
-def uses_fsdp(plan) -> bool:
-    """Whether this plan's stages are wrapped in FSDP2 (zero 2 or 3 with dp > 1; capability.uses_fsdp)."""
-    from piper_plan.capability import uses_fsdp as planned
-
-    return planned(plan)
 
 
 def mixed_precision(dtype: str):

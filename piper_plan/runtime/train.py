@@ -207,7 +207,7 @@ class Trainer:
     def _autocast(self):
         import torch
 
-        from piper_plan.runtime.sharding import uses_fsdp
+        from piper_plan.capability import uses_fsdp
 
         if self.device.type == "cuda" and self.cfg.training.dtype in ("bf16", "fp16") and not uses_fsdp(self.cfg.parallel):
             dtype = torch.bfloat16 if self.cfg.training.dtype == "bf16" else torch.float16
