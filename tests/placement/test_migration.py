@@ -174,23 +174,23 @@ def test_branch_and_bound_equals_exhaustive():
 
 
 def _exhaustive_best(loads, ep):
-    """Every assignment of experts to ranks with equal counts (G^E of them), the slow independent way."""
+    """Every assignment of experts to ranks with equal counts (G^E of them), the slow independent way (one
+    array row per assignment)."""
     per_rank = len(loads) // ep
-    best = np.inf
-    for assign in product(range(ep), repeat=len(loads)):
-        counts = np.bincount(assign, minlength=ep)
-        if (counts == per_rank).all():
-            best = min(best, np.bincount(assign, weights=loads, minlength=ep).max())
-    return best
+    assign_AE = np.array(list(product(range(ep), repeat=len(loads))))
+    onehot_AEG = assign_AE[:, :, None] == np.arange(ep)
+    equal = (onehot_AEG.sum(axis=1) == per_rank).all(axis=1)
+    return (onehot_AEG[equal] * np.asarray(loads)[None, :, None]).sum(axis=1).max(axis=1).min()
 
 
 def test_distance_to_optimum_measured():
-    """2000 seeded random cases (E <= 12, Dirichlet alpha 0.1-3, random start, T = 16). Measured:
-    hill climbing reaches the optimum max rank load in ~69% of cases, +0.73% on average, worst 1.25x."""
+    """500 seeded random cases (E <= 12, Dirichlet alpha 0.1-3, random start, T = 16). Measured:
+    hill climbing reaches the optimum max rank load in ~68% of cases, +0.75% on average, worst 1.25x
+    (2000 cases: 69%, +0.73%, 1.25x)."""
     rng = np.random.default_rng(1)
     shapes = [(e, g) for e in range(4, 13) for g in range(2, e // 2 + 1) if e % g == 0]
     ratios = []
-    for _ in range(2000):
+    for _ in range(500):
         num_experts, ep = shapes[rng.integers(len(shapes))]
         loads = rng.dirichlet(np.full(num_experts, rng.uniform(0.1, 3)))
         placement = rng.permutation(M.contiguous_placement(num_experts, ep))
@@ -199,8 +199,8 @@ def test_distance_to_optimum_measured():
         ratios.append(hill.rank_loads_after.max() / opt.rank_loads_after.max())
     ratios = np.array(ratios)
     assert ratios.min() >= 1 - 1e-12
-    assert ratios.mean() == pytest.approx(1.0073, abs=0.002)
-    assert np.mean(ratios <= 1 + 1e-9) == pytest.approx(0.687, abs=0.02)
+    assert ratios.mean() == pytest.approx(1.0075, abs=0.002)
+    assert np.mean(ratios <= 1 + 1e-9) == pytest.approx(0.684, abs=0.02)
     assert ratios.max() == pytest.approx(1.2506, abs=0.001)
 
 

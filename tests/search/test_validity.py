@@ -29,7 +29,7 @@ def _whole_space(model, platform, training, nodes, options) -> PlanBatch:
     return expand(grid, training, options)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(["tiny-moe", "tiny-dense", "mixtral-8x7b", "deepseek-v3"]),
        nodes=st.sampled_from([1, 2, 3, 4, 6, 8]), batch=st.sampled_from([8, 12, 16, 48, 64]),
        strategy=st.sampled_from(["general", "piper"]), vs=st.sampled_from([2, 3]))
