@@ -282,13 +282,19 @@ def report(rows, checks, shares, loop_rows) -> str:
              f"by hand. {UPLINKS} uplinks per node (veth into one bridge per uplink index, tc tbf each way), ranks of a "
              f"node in one network namespace (loopback inside), gloo over the uplink addresses, CPU ranks on this "
              f"2-core machine shared with other work: medians of {REPEATS} calls, slowest rank.",
-             "", "## Shaping check", "", "| set GB/s per uplink | measured between nodes | within 10% | inside a node |",
-             "|---|---|---|---|"]
+             "", "## Shaping check", "", "| set GB/s per uplink | measured between nodes | within 10% | inside a node "
+             "| both ways, one communicator | both ways, two communicators |", "|---|---|---|---|---|---|"]
     for rate, c in checks.items():
         ok = abs(c["inter_node_GBps"] / rate - 1) <= 0.10
-        lines.append(f"| {rate:g} | {c['inter_node_GBps']:.4f} | {'yes' if ok else 'NO'} | {c['intra_node_GBps']:.3f} (unshaped) |")
+        two_way = [f"{c[k]:.4f}" if c.get(k) else "not measured"
+                   for k in ("two_way_one_connection_GBps", "two_way_two_connections_GBps")]
+        lines.append(f"| {rate:g} | {c['inter_node_GBps']:.4f} | {'yes' if ok else 'NO'} | {c['intra_node_GBps']:.3f} "
+                     f"(unshaped) | {two_way[0]} | {two_way[1]} |")
     lines += ["", "One-way 16 MiB `send`/`recv`, one message at a time (piper_plan/calibration/bench_shaping.py). GB/s = "
-              "1e9 payload bytes/s; tbf counts frame bytes (MTU 9000: ~0.6% headers).", "",
+              "1e9 payload bytes/s; tbf counts frame bytes (MTU 9000: ~0.6% headers). Both ways: 16 MiB each way "
+              "between the same two ranks at once, GB/s per direction; on one communicator both directions share one "
+              "gloo connection, which carries one direction at a time, so HALO's phase II sends each direction on its "
+              "own communicator (runtime/halo.py `_p2p_group`).", "",
               "## NIC use (tc byte counters, 2 nodes, 4 MiB per rank, uplinks at "
               f"{SHARE_RATE_GBps:g} GB/s)", "", "| algorithm | ranks per node | busiest uplink's share of a node's inter-node bytes |",
               "|---|---|---|"]

@@ -4,8 +4,11 @@
 
 Rank 0 sends ``size`` bytes to rank ``g`` (the first rank of node 1: across one uplink) and, when a node has two
 ranks, to rank 1 (inside node 0: loopback, unshaped); one message at a time, so the rate is the link's, not a
-contended share. Seconds = median over ``repeats`` after one warm-up (calibration.timing). Rank 0 writes
-``{"inter_node_GBps", "intra_node_GBps", "bytes"}`` (GB/s = 1e9 bytes per second, payload bytes).
+contended share. Seconds = median over ``repeats`` after one warm-up (calibration.timing). Then the same
+transfer both ways at once between rank 0 and rank ``g``: on one communicator (one gloo connection) and with each
+direction on its own communicator (HALO's phase II, runtime/halo.py ``_p2p_group``). Rank 0 writes
+``{"inter_node_GBps", "intra_node_GBps", "two_way_one_connection_GBps", "two_way_two_connections_GBps",
+"bytes"}`` (GB/s = 1e9 payload bytes per second in each direction).
 """
 
 from __future__ import annotations
@@ -33,6 +36,32 @@ def one_way_GBps(peer: int, nbytes: int, repeats: int, device) -> float | None:
     return nbytes / seconds / 1e9 if rank == 0 else None
 
 
+def two_way_GBps(peer: int, nbytes: int, repeats: int, device, reverse_group) -> float | None:
+    """Rank 0 <-> ``peer`` at once, ``nbytes`` each way: payload GB/s per direction. ``reverse_group``: the
+    communicator of peer -> 0 (the default group: both directions on one connection)."""
+    import torch
+    import torch.distributed as dist
+
+    from piper_plan.calibration.timing import median_seconds
+
+    rank = dist.get_rank()
+    out, back = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+
+    def exchange(to: int, forward_send: bool):
+        sent = dist.isend(out, to) if forward_send else dist.isend(out, to, group=reverse_group)
+        got = dist.irecv(back, to, group=reverse_group) if forward_send else dist.irecv(back, to)
+        sent.wait()
+        got.wait()
+
+    seconds = None
+    if rank == 0:
+        seconds = median_seconds(lambda: exchange(peer, True), device, warmup=1, repeats=repeats, min_sample_s=0.0)
+    elif rank == peer:
+        median_seconds(lambda: exchange(0, False), device, warmup=1, repeats=repeats, min_sample_s=0.0)
+    dist.barrier()
+    return nbytes / seconds / 1e9 if rank == 0 else None
+
+
 def main(argv: list[str]) -> int:
     from datetime import timedelta
 
@@ -49,8 +78,11 @@ def main(argv: list[str]) -> int:
         device = torch.device("cpu")
         inter = one_way_GBps(env.ranks_per_node, nbytes, repeats, device)
         intra = one_way_GBps(1, nbytes, repeats, device) if env.ranks_per_node > 1 else None
+        one = two_way_GBps(env.ranks_per_node, nbytes, repeats, device, dist.group.WORLD)
+        two = two_way_GBps(env.ranks_per_node, nbytes, repeats, device, dist.new_group(list(range(env.world_size))))
         if env.rank == 0:
-            atomic_write_json(out, {"inter_node_GBps": inter, "intra_node_GBps": intra, "bytes": nbytes})
+            atomic_write_json(out, {"inter_node_GBps": inter, "intra_node_GBps": intra, "bytes": nbytes,
+                                    "two_way_one_connection_GBps": one, "two_way_two_connections_GBps": two})
     finally:
         dist.destroy_process_group()
     return 0

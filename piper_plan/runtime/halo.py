@@ -218,7 +218,8 @@ class HaloDispatcher:
     Built by ``build_halo_dispatchers`` (collective), not directly.
     """
 
-    def __init__(self, ep_ranks: Sequence[int], topology: RankTopology, me: int, ep_group, intra_groups):
+    def __init__(self, ep_ranks: Sequence[int], topology: RankTopology, me: int, ep_group, intra_groups,
+                 descending_group=None):
         self.ep_ranks = tuple(ep_ranks)
         """Global ranks of the EP group, in group-rank order."""
         self.me = me
@@ -226,6 +227,8 @@ class HaloDispatcher:
         self.node_of = tuple(topology.node_of_rank[r] for r in self.ep_ranks)
         self.nic_of = tuple(topology.nic_of_rank[r] for r in self.ep_ranks)
         self.group = ep_group
+        self.descending_group = ep_group if descending_group is None else descending_group
+        """Phase II transfers from a higher to a lower group rank (``_p2p_group``); ``ep_group`` on nccl."""
         self.intra_groups = intra_groups
         """(phase I group, phase III group) of this rank's node; None where the node holds one member."""
         from piper_plan.runtime.dispatch import CommTimer
@@ -306,14 +309,23 @@ class HaloDispatcher:
 
         send = x_RD[_index(plan.inter_send_index, x_RD.device)]
         recv = x_RD.new_empty((sum(n for _, n in plan.inter_recvs),) + tuple(x_RD.shape[1:]))
-        ops = [dist.P2POp(dist.isend, block, self.ep_ranks[peer], self.group)
+        ops = [dist.P2POp(dist.isend, block, self.ep_ranks[peer], self._p2p_group(self.me, peer))
                for (peer, _), block in zip(plan.inter_sends, torch.split(send, [n for _, n in plan.inter_sends]))]
-        ops += [dist.P2POp(dist.irecv, block, self.ep_ranks[src], self.group)
+        ops += [dist.P2POp(dist.irecv, block, self.ep_ranks[src], self._p2p_group(src, self.me))
                 for (src, _), block in zip(plan.inter_recvs, torch.split(recv, [n for _, n in plan.inter_recvs]))]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        by_group: dict[int, list] = {}
+        for op in ops:                       # batch_isend_irecv takes one communicator per batch
+            by_group.setdefault(id(op.group), []).append(op)
+        works = [w for batch in by_group.values() for w in dist.batch_isend_irecv(batch)]
+        for work in works:
+            work.wait()
         return recv
+
+    def _p2p_group(self, source: int, dest: int):
+        """The communicator of a phase II transfer from group rank ``source`` to ``dest``: the two directions
+        between a pair travel on two communicators, because one gloo connection carries one direction at a time
+        (docs/halo-measured.md, shaping check: both ways on one communicator get half the one-way rate)."""
+        return self.group if source < dest else self.descending_group
 
     def _phase_redistribute(self, relay_in, plan: ExchangePlan):
         """Phase III: what I relayed goes to its destinations on my node."""
@@ -394,6 +406,8 @@ def build_halo_dispatchers(ep_groups: list[list[int]], topology: RankTopology, m
     communicators on the same node-local ranks, so that phase I runs concurrently with phase III (collectives on
     one communicator are serialised). Node-local groups are made here, not by the mesh, because an EP group's
     split over nodes need not be regular (ep = 6 on 4-device nodes).
+    On gloo, an EP group that spans nodes gets one more communicator on its ranks for phase II's descending
+    transfers (``HaloDispatcher._p2p_group``): a gloo connection is not full duplex; nccl's is.
     Group-rank order is ascending global rank (torch's ``new_group`` order, as for FlatDispatcher).
     Returns this rank's dispatcher, or None if the rank is in no group.
     """
@@ -401,12 +415,14 @@ def build_halo_dispatchers(ep_groups: list[list[int]], topology: RankTopology, m
 
     check_ep_groups(ep_groups, topology.world_size)
     rank = dist.get_rank()
+    half_duplex = dist.get_backend() == "gloo"
     mine = None
     for ranks in (sorted(g) for g in ep_groups):  # new_group orders members by global rank: so do we
         ep_group = my_ep_group if my_ep_group is not None and rank in ranks else None
         if my_ep_group is None:
             ep_group = dist.new_group(list(ranks))
         by_node = node_members([topology.node_of_rank[r] for r in ranks])
+        descending = dist.new_group(list(ranks)) if half_duplex and len(by_node) > 1 else None
         groups_per_node = 1 if len(by_node) == 1 else 2
         intra: dict[int, tuple] = {}
         for node, positions in by_node.items():
@@ -415,5 +431,5 @@ def build_halo_dispatchers(ep_groups: list[list[int]], topology: RankTopology, m
             intra[node] = (made[0], made[-1])
         if rank in ranks:
             mine = HaloDispatcher(ranks, topology, list(ranks).index(rank), ep_group,
-                                  intra[topology.node_of_rank[rank]])
+                                  intra[topology.node_of_rank[rank]], descending)
     return mine
