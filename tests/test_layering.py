@@ -21,7 +21,8 @@ PLANNER_MODULES = ["piper_plan.specs", "piper_plan.specs.vocab", "piper_plan.spe
                    "piper_plan.plans", "piper_plan.capability", "piper_plan.planfile", "piper_plan.cost.evaluate",
                    "piper_plan.cost.batch", "piper_plan.cost.overhead", "piper_plan.search.engine",
                    "piper_plan.search.report", "piper_plan.search.space", "piper_plan.placement.migration",
-                   "piper_plan.launch.job", "piper_plan.launchenv", "piper_plan.validation", "piper_plan.plots"]
+                   "piper_plan.launch.job", "piper_plan.launchenv", "piper_plan.validation", "piper_plan.plots",
+                   "piper_plan.export.torchtitan", "piper_plan.export.megatron"]
 
 
 def test_planner_imports_no_torch_rich_click():

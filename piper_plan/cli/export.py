@@ -6,11 +6,12 @@ from __future__ import annotations
 import click
 
 from piper_plan.cli.common import exit_codes, json_option, note, output_option, print_json
+from piper_plan.export import ENGINES
 
 
 @click.command("export", epilog=exit_codes())
 @click.argument("plan", type=click.Path(dir_okay=False))
-@click.option("--engine", type=click.Choice(["torchtitan", "megatron"]), required=True,
+@click.option("--engine", type=click.Choice(ENGINES), required=True,
               help="torchtitan 0.3 (torchrun -m torchtitan.train) or Megatron-LM (pretrain_gpt.py).")
 @output_option("out_path", "Write the job script to FILE (executable); default: print it on stdout.")
 @json_option(help="The script and the file it was written to as JSON on stdout.")

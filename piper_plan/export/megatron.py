@@ -5,7 +5,7 @@ lists the ones piper may write, with the commit they were read from, and a test 
 
 from __future__ import annotations
 
-from piper_plan.export import job_script, piper_only, torchrun_launcher
+from piper_plan.export.script import job_script, piper_only, torchrun_launcher
 
 INSTEAD = {
     "halo": "Megatron's alltoall token dispatcher (--moe-token-dispatcher-type alltoall; flex for DeepEP) sends one "

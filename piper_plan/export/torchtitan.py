@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from piper_plan.errors import PiperError
-from piper_plan.export import job_script, piper_only, torchrun_launcher
+from piper_plan.export.script import job_script, piper_only, torchrun_launcher
 
 MODELS: dict[str, tuple[str, str]] = {
     "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b"),

@@ -70,7 +70,7 @@ def test_export_cli_writes_an_executable_script(plans, tmp_path):
     assert res.exit_code == 0, res.output
     text = out.read_text()
     assert text.startswith("#!/usr/bin/env bash") and "--module gpt_oss" in text
-    assert "HALO" in text and "activation_checkpoint:full" in text
+    assert "HALO hierarchical all-to-all (this plan uses it)" in text and "activation_checkpoint:full" in text
     assert out.stat().st_mode & stat.S_IXUSR
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
 
