@@ -3,6 +3,8 @@ engine's launch. Thin: read the plan, render with ``piper_plan.export``, write t
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from piper_plan.cli.common import exit_codes, json_option, note, output_option, print_json
@@ -25,8 +27,6 @@ def export_cmd(plan, engine, out_path, as_json) -> None:
         check_writable(out_path)
     text = render(read_plan_file(plan), engine)
     if out_path:
-        import os
-
         os.chmod(atomic_write_text(out_path, text), 0o755)
         note(f"wrote {out_path}")
     if as_json:
