@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shlex
 
+from piper_plan.launch.local import MASTER_PORT
+
 
 def piper_only(plan_file, instead: dict[str, str]) -> list[str]:
     """Comment lines: what only piper's runtime does (and whether this plan uses it), what the engine does instead,
@@ -41,4 +43,4 @@ def _join(tokens: list[str]) -> str:
 def torchrun_launcher(plan_file, tail: list[str]) -> list[str]:
     """torchrun for the plan's allocation: one process per device, c10d rendezvous on $MASTER_ADDR."""
     return ["torchrun", f"--nnodes={plan_file.nodes}", f"--nproc-per-node={plan_file.platform.devices_per_node}",
-            "--rdzv-backend=c10d", "--rdzv-endpoint=${MASTER_ADDR}:29500", *tail]
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=${{MASTER_ADDR}}:{MASTER_PORT}", *tail]

@@ -32,10 +32,9 @@ STAGE_LESS_LAYERS = 2
 count as one layer each when torchtitan splits layers over stages."""
 
 INSTEAD = {
-    "halo": "torchtitan's expert parallelism sends one flat all-to-all per MoE layer (the plan's a2a=halo "
-            "becomes flat)",
-    "migration": "torchtitan keeps experts where they start and balances load with the router's auxiliary-loss-free "
-                 "bias (no expert moves between ranks)",
+    "halo": "torchtitan's expert parallelism sends one flat all-to-all per MoE layer",
+    "migration": "torchtitan keeps experts where they start and balances load with the auxiliary-loss-free expert "
+                 "bias (its MoE.Config.load_balance_coeff; no expert moves between ranks)",
     "always": "piper's layer split per stage (torchtitan splits layers itself), its checkpoint-on-signal requeue, "
               "and its metrics.jsonl for `piper compare`",
 }
