@@ -19,6 +19,8 @@ PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": [], "fp8": ["
 RECOMPUTE = {"none": [], "selective": [["--recompute-granularity", "selective"]],
              "full": [["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
                       ["--recompute-num-layers", "1"]]}
+QK_NORM = {"per_head": "--qk-layernorm", "weightless": "--qk-l2-norm"}
+"""piper's q/k norm -> Megatron's flag (per-head RMSNorm as in Qwen3; the weightless L2 norm of Llama 4)."""
 ZERO = {0: [], 1: [["--use-distributed-optimizer"]],
         2: [["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy", "optim_grads"]],
         3: [["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy", "optim_grads_params"]]}
@@ -53,9 +55,24 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
             lines += [["--group-query-attention"], ["--num-query-groups", str(a.kv_heads)]]
         if a.head_dim is not None:
             lines.append(["--kv-channels", str(a.head_dim)])
+    if a.qk_norm in QK_NORM:
+        lines.append([QK_NORM[a.qk_norm]])
     if model.moe is not None:
         lines += moe_arguments(model)
     return lines
+
+
+def model_notes(model) -> list[str]:
+    """What of the architecture the exported flags leave out (set it for your Megatron version)."""
+    a, notes = model.attention, []
+    if a.sliding_window is not None:
+        notes.append(f"sliding-window attention ({a.sliding_window} tokens, one layer in {a.sliding_window_every}): "
+                     "not written (Megatron's --window-size / --window-attn-skip-freq)")
+    if a.sinks:
+        notes.append("attention sinks: not written (Megatron's --softmax-type learnable)")
+    if a.qk_norm == "full":
+        notes.append("q/k norm over all heads: not written (Megatron's --qk-layernorm is per head)")
+    return notes
 
 
 def moe_arguments(model) -> list[list[str]]:
@@ -114,7 +131,8 @@ def split_arguments(layers: list[int], notes: list[str]) -> list[list[str]]:
 def arguments(pf) -> tuple[list[list[str]], list[str]]:
     parallel, notes = parallel_arguments(pf)
     data = [["--mock-data"], ["--tokenizer-type", "NullTokenizer"]]
-    return model_arguments(pf.model, pf.training.seq_len) + parallel + data, notes + piper_only(pf, INSTEAD)
+    return (model_arguments(pf.model, pf.training.seq_len) + parallel + data,
+            model_notes(pf.model) + notes + piper_only(pf, INSTEAD))
 
 
 def flags(pf) -> list[str]:
