@@ -47,10 +47,30 @@ def measured_a2a_share(records: list[dict]) -> float | None:
 def predicted_a2a_share(prediction: dict) -> float | None:
     if isinstance(prediction.get("a2a_share"), (int, float)):
         return prediction["a2a_share"]
+    a2a, step = predicted_term_s(prediction, A2A_KEY_PARTS), prediction.get("step_time_s")
+    return a2a / step if a2a is not None and step else None
+
+
+TIME_TERMS: dict[str, tuple[str, ...]] = {"a2a": A2A_KEY_PARTS, "p2p": ("p2p",), "dp_sync": ("dp/sync",),
+                                          "migration": ("migration",)}
+"""Measured time terms (metrics.jsonl ``time_s``) -> name parts of the prediction breakdown entries that price them."""
+
+
+def predicted_term_s(prediction: dict, parts: tuple[str, ...]) -> float | None:
+    """Seconds per step of the prediction breakdown entries whose name contains one of ``parts``."""
     breakdown = (prediction.get("time") or {}).get("breakdown") or {}
-    step = prediction.get("step_time_s")
-    a2a = [s for name, s in breakdown.items() if any(p in name for p in A2A_KEY_PARTS)]
-    return sum(a2a) / step if a2a and step else None
+    matched = [s for name, s in breakdown.items() if any(p in name for p in parts)]
+    return sum(matched) if matched else None
+
+
+def time_terms(prediction: dict, records: list[dict]) -> dict[str, dict]:
+    """Per measured time term: predicted seconds per step vs the median over the steady steps."""
+    steady = steady_steps(records)
+    out = {}
+    for term, parts in TIME_TERMS.items():
+        measured = [r["time_s"][term] for r in steady if isinstance((r.get("time_s") or {}).get(term), (int, float))]
+        out[term] = quantity(predicted_term_s(prediction, parts), median(measured) if measured else None)
+    return out
 
 
 def _stage_bytes(entry) -> float | None:
@@ -106,6 +126,7 @@ def compare(prediction: dict, records: list[dict]) -> dict:
         "step_time_s": quantity(prediction.get("step_time_s"), _median_of(steady, "step_time_s")),
         "tokens_per_s": quantity(prediction.get("tokens_per_s"), _median_of(steady, "tokens_per_s")),
         "a2a_share": quantity(predicted_a2a_share(prediction), measured_a2a_share(steady)),
+        "time_s": time_terms(prediction, records),
         "memory_bytes_per_stage": [quantity(p, m) for p, m in zip(pad(pred_mem), pad(meas_mem))],
         "memory_basis": ("tensor accounting (prediction without framework and fragmentation)" if tensors_only
                          else "allocator peak"),

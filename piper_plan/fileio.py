@@ -266,12 +266,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     Missing parent folders are created. An OS error (read-only folder, a file where a folder is needed,
     full disk) becomes one PiperError line naming the path; nothing is left behind.
     """
-    path = Path(path)
-    check_writable(path)
-    try:
-        return _write_replace(path, text)
-    except OSError as exc:
-        raise PiperError(f"cannot write: {exc.strerror or exc}", path=str(path)) from None
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def check_writable(path: str | Path) -> None:
@@ -288,12 +283,22 @@ def check_writable(path: str | Path) -> None:
         raise PiperError(f"cannot write: {existing} is not writable", path=str(path))
 
 
-def _write_replace(path: Path, text: str) -> Path:
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (``atomic_write_text``'s rules; a PNG, say)."""
+    path = Path(path)
+    check_writable(path)
+    try:
+        return _write_replace(path, data)
+    except OSError as exc:
+        raise PiperError(f"cannot write: {exc.strerror or exc}", path=str(path)) from None
+
+
+def _write_replace(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())               # mkstemp's 0600 -> what open() would have made

@@ -272,12 +272,9 @@ def have_matplotlib() -> bool:
 
 def plot_halo(rows: list[dict], path) -> None:
     """Speedup of HALO over flat vs nodes, one line per message size (needs the ``plot`` extra)."""
-    import matplotlib
+    from piper_plan.plots import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for size in sorted({r["size_MiB"] for r in rows}):
         pts = [r for r in rows if r["size_MiB"] == size]
         ax.plot([r["nodes"] for r in pts], [r["speedup"] for r in pts], marker="o", label=f"{size:g} MiB")
@@ -287,8 +284,7 @@ def plot_halo(rows: list[dict], path) -> None:
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def speedup_at(rows: list[dict], nodes: int) -> np.ndarray:

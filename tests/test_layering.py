@@ -21,7 +21,8 @@ PLANNER_MODULES = ["piper_plan.specs", "piper_plan.specs.vocab", "piper_plan.spe
                    "piper_plan.plans", "piper_plan.capability", "piper_plan.planfile", "piper_plan.cost.evaluate",
                    "piper_plan.cost.batch", "piper_plan.cost.overhead", "piper_plan.search.engine",
                    "piper_plan.search.report", "piper_plan.search.space", "piper_plan.placement.migration",
-                   "piper_plan.launch.job", "piper_plan.launchenv", "piper_plan.validation"]
+                   "piper_plan.launch.job", "piper_plan.launchenv", "piper_plan.validation", "piper_plan.plots",
+                   "piper_plan.export.torchtitan", "piper_plan.export.megatron"]
 
 
 def test_planner_imports_no_torch_rich_click():
@@ -29,13 +30,13 @@ def test_planner_imports_no_torch_rich_click():
     click in (one of them doing so would show here)."""
     loaded = modules_loaded_by("\n".join(f"import {m}" for m in PLANNER_MODULES))
     assert set(PLANNER_MODULES) <= loaded
-    assert not {m for m in loaded if m.split(".")[0] in HEAVY}
+    assert not {m for m in loaded if m.split(".")[0] in HEAVY + ("matplotlib",)}
 
 
 def test_cli_help_imports_no_torch_and_no_command_module():
     loaded = modules_loaded_by("from piper_plan.cli.main import cli\n"
                                "try:\n    cli(['--help'])\nexcept SystemExit:\n    pass")
-    assert "torch" not in loaded
+    assert "torch" not in loaded and "matplotlib" not in loaded
     assert not {m for m in loaded if m.startswith("piper_plan.cli.") and m not in
                 ("piper_plan.cli.main",)}
 

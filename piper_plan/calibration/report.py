@@ -85,18 +85,11 @@ def _collectives_table(cal, Table):
     return t
 
 
-def plot_curves(cal, path: str) -> None:
+def plot_curves(cal, path: str):
     """A PNG: GEMM TFLOPS vs tokens, attention TFLOPS vs sequence, collective busbw vs bytes (log axes)."""
-    try:
-        import matplotlib
+    from piper_plan.plots import pyplot, save_png
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        from piper_plan.errors import PiperError
-
-        raise PiperError("--plot needs matplotlib: pip install 'piper-plan[plot]'") from None
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = pyplot().subplots(1, 3, figsize=(16, 4.5))
     for (dtype, n, k, g), f in cal.gemm.groupby(["dtype", "n", "k", "groups"]):
         axes[0].plot(f.m, f.tflops, marker="o", label=f"{dtype} n{n} k{k} g{g}")
     for (dtype, p, c, h, d), f in cal.attention.groupby(["dtype", "pass", "causal", "num_heads", "head_dim"]):
@@ -107,4 +100,4 @@ def plot_curves(cal, path: str) -> None:
         ax.set_xscale("log"), ax.set_yscale("log"), ax.set_xlabel(x), ax.set_ylabel(y), ax.legend(fontsize=5)
     fig.suptitle(str(cal.directory))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return save_png(fig, path)

@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import (console, diagnostics, exit_codes, json_option, note, out_dir_option, output_option,
-                                   print_json)
+                                   plot_option, print_json)
 from piper_plan.errors import PiperError
+from piper_plan.plots import check_plot_path
 
 
 @click.group("calibrate", invoke_without_command=True, epilog=exit_codes())
@@ -120,13 +121,15 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
 
 @calibrate_group.command("show", epilog=exit_codes())
 @click.option("--platform", "platform_name", required=True, help="Platform name or calibration directory.")
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None, help="Write a PNG of the curves (needs matplotlib).")
+@plot_option("Write a PNG of the curves")
 @json_option(help="Print the curve summary as JSON on stdout.")
-def show_cmd(platform_name, plot_file, as_json) -> None:
+def show_cmd(platform_name, plot_path, as_json) -> None:
     """The calibration curves as tables: seed vs measured rows, and the ranges beyond which the model extrapolates."""
     from piper_plan.calibration import load_calibration
     from piper_plan.calibration.report import summary, render_tables
 
+    if plot_path:
+        check_plot_path(plot_path)
     cal = load_calibration(Path(platform_name) if Path(platform_name).is_dir() else platform_name)
     if cal is None:
         raise PiperError(f"no calibration CSVs for {platform_name!r}; run `piper calibrate --platform {platform_name}`")
@@ -135,11 +138,10 @@ def show_cmd(platform_name, plot_file, as_json) -> None:
         print_json(data)
     else:
         render_tables(cal, data, console())
-    if plot_file:
+    if plot_path:
         from piper_plan.calibration.report import plot_curves
 
-        plot_curves(cal, plot_file)
-        note(f"wrote {plot_file}")
+        note(f"wrote {plot_curves(cal, plot_path)}")
 
 
 @calibrate_group.command("slurm", epilog=exit_codes())

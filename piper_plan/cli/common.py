@@ -128,6 +128,12 @@ def out_dir_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
                         help=help, **kwargs)
 
 
+def plot_option(help: str):
+    """``--plot FILE.png`` (as ``plot_path``): a picture of the result (the ``plot`` extra)."""
+    return click.option("--plot", "plot_path", metavar="FILE.png", type=click.Path(dir_okay=False), default=None,
+                        help=help + " (needs the plot extra: matplotlib)")
+
+
 def json_option(f=None, *, help: str = "Machine-readable output on stdout."):
     """``--json`` (as ``as_json``): ``@json_option`` or ``@json_option(help="what is printed")``."""
     option = click.option("--json", "as_json", is_flag=True, help=help)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, json_option, print_json
+from piper_plan.cli.common import console, exit_codes, json_option, note, plot_option, print_json
 from piper_plan.errors import PiperError
 from piper_plan.metricsfile import read_metrics
 
@@ -40,19 +40,35 @@ def read_prediction(path: Path) -> dict:
 @click.command("compare", epilog=exit_codes())
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @json_option(help="Each quantity as {predicted, measured, rel_error} on stdout.")
-def compare_cmd(run_dir: str, as_json: bool) -> None:
+@plot_option("Write predicted vs measured step time per step and per time term as a PNG")
+def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     """Measured vs predicted step time, tokens/s, all-to-all share and memory per stage."""
     from piper_plan.compare import compare
+    from piper_plan.plots import check_plot_path
 
+    if plot_path:
+        check_plot_path(plot_path)
     run = Path(run_dir)
     metrics_path = find_metrics(run)
     plan_path = find_plan(metrics_path.parent)
-    result = compare(read_prediction(plan_path), read_metrics(metrics_path))
+    records = read_metrics(metrics_path)
+    result = compare(read_prediction(plan_path), records)
     result = {"run_dir": str(metrics_path.parent), "plan": str(plan_path), **result}
+    if plot_path:
+        note(f"wrote {_plot(plot_path, result, records)}")
     if as_json:
         print_json(result)
     else:
         _table(result)
+
+
+def _plot(path, result: dict, records: list[dict]):
+    from piper_plan.plots import compare_plot
+
+    by_step = {r["step"]: r["step_time_s"] for r in records if isinstance(r.get("step_time_s"), (int, float))}
+    steps = sorted(by_step)
+    return compare_plot(path, steps, [by_step[s] for s in steps], result["step_time_s"]["predicted"], result["time_s"],
+                        f"{result['run_dir']}: predicted vs measured")
 
 
 def _fmt(value, scale: float = 1.0, digits: int = 4) -> str:
@@ -67,6 +83,7 @@ def _table(result: dict) -> None:
         table.add_column(col, justify="left" if col == "quantity" else "right")
     rows = [("step time (s)", result["step_time_s"], 1.0), ("tokens/s", result["tokens_per_s"], 1.0),
             ("all-to-all share (%)", result["a2a_share"], 100.0)]
+    rows += [(f"{term} time per step (s)", q, 1.0) for term, q in result["time_s"].items()]
     rows += [(f"memory stage {i} (GiB)", q, 1 / 2**30) for i, q in enumerate(result["memory_bytes_per_stage"])]
     for name, q, scale in rows:
         table.add_row(name, _fmt(q["predicted"], scale), _fmt(q["measured"], scale), _fmt(q["rel_error"], 100.0, 3))

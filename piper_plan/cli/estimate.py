@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
-                                   print_json)
+                                   plot_option, print_json)
 from piper_plan.cli.options import (build_plan, load_setting, model_options, parallel_options, placement_option,
                                     training_options)
 
@@ -30,11 +30,16 @@ GiB = 2**30
               help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
 @json_option
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
+@plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
 def estimate_cmd(model_name, platform_name, nodes, seq_len, global_batch, routing_skew, placement, no_calibration,
-                 piper_runtime, as_json, save_path, **parallel):
+                 piper_runtime, as_json, save_path, plot_path, **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
     from piper_plan.cost.evaluate import estimate
     from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS
+    from piper_plan.plots import check_plot_path
+
+    if plot_path:
+        check_plot_path(plot_path)
 
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew)
     plan = build_plan(model, platform, training, nodes, **parallel)
@@ -51,10 +56,21 @@ def estimate_cmd(model_name, platform_name, nodes, seq_len, global_batch, routin
         if not result.fits:
             note(f"warning: the saved plan does not fit: peak {_gib(result.memory.peak_bytes)} of "
                  f"{_gib(platform.device.memory_bytes)} GiB per device (`piper launch` will refuse it)")
+    if plot_path:
+        note(f"wrote {_plot(plot_path, result, model, platform, plan)}")
     if as_json:
         print_json(result.to_json())
         return
     render(result, model, platform, plan)
+
+
+def _plot(path, result, model, platform, plan):
+    from piper_plan.plots import estimate_plot
+
+    title = (f"{model.name} on {result.nodes} x {platform.name}: dp={plan.dp} tp={plan.tp} pp={plan.pp} ep={plan.ep} "
+             f"mbs={plan.mbs} {plan.schedule} recompute={plan.recompute} zero={plan.zero}\n"
+             f"peak {_gib(result.memory.peak_bytes)} of {_gib(platform.device.memory_bytes)} GiB per device")
+    return estimate_plot(path, [s.components for s in result.memory.per_stage], platform.device.memory_bytes, title)
 
 
 def with_other_placement(result, model, platform, training, nodes, plan, calibration, options):

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("piper_plan.cli.bench", "bench_group", "Communication benchmarks (flat vs HALO all-to-all)."),
     "migrate": ("piper_plan.cli.migrate", "migrate_group", "Expert migration: simulate the swap planner."),
     "run": ("piper_plan.cli.run", "run_cmd", "Run the training runtime on a plan.json (alias of python -m piper_plan.runtime.train)."),
+    "export": ("piper_plan.cli.export", "export_cmd", "Write a plan's launch for torchtitan or Megatron-LM."),
     "launch": ("piper_plan.cli.launch", "launch_cmd", "Write (and submit) a Slurm job for a plan."),
     "status": ("piper_plan.cli.status", "status_cmd", "Show a Slurm job and its run directory."),
     "compare": ("piper_plan.cli.compare", "compare_cmd", "Measured (metrics.jsonl) vs predicted (plan.json)."),

@@ -13,10 +13,11 @@ import io
 import click
 
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
-                                   platform_calibration, print_json)
+                                   platform_calibration, plot_option, print_json)
 from piper_plan.cli.options import load_setting, model_options, placement_option, training_options
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
+from piper_plan.plots import check_plot_path
 from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows, result_json
 
 
@@ -40,9 +41,11 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @click.option("--csv", "as_csv", is_flag=True, help="The ranked plans as CSV on stdout.")
 @output_option("save_path", "Write the best plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @click.option("--explain", is_flag=True, help="The winner's time breakdown vs the runner-up.")
+@plot_option("Write tokens/s vs peak memory of every evaluated plan (Pareto set and chosen plan marked, rejected "
+             "ones coloured by reason) as a PNG")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a, migration,
-             runnable, placement, memory_headroom, expert_tp, top, as_json, as_csv, save_path, explain):
+             runnable, placement, memory_headroom, expert_tp, top, as_json, as_csv, save_path, explain, plot_path):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
 
@@ -50,14 +53,17 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
         raise PiperError("--json and --csv both write stdout; choose one", field="--csv")
     if save_path:
         check_writable(save_path)
+    if plot_path:
+        check_plot_path(plot_path)
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch)
     options = search_options(strategy, a2a, memory_headroom, expert_tp)
     kwargs = search_kwargs(platform, placement, runnable)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
     if len(counts) > 1:
-        if save_path:
-            raise PiperError("--output needs one node count (use --nodes N or --min-nodes)", field="--output")
+        for path, option in ((save_path, "--output"), (plot_path, "--plot")):
+            if path:
+                raise PiperError(f"{option} needs one node count (use --nodes N or --min-nodes)", field=option)
         with searching:
             results = engine.sweep(model, platform, training, counts, options, **kwargs)
         _emit_sweep(results, training, as_json)
@@ -71,6 +77,8 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     else:
         with searching:
             result = engine.search(model, platform, training, counts[0], options, **kwargs)
+    if plot_path:
+        note(f"wrote {_plot(plot_path, result, model, platform)}")
     if not result.feasible:
         _emit_nothing_fits(model, platform, training, result, options, kwargs, as_json)
         ctx.exit(EXIT_NOTHING_FITS)
@@ -78,6 +86,19 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
     if save_path:
         path, plan = save_best(save_path, model, platform, training, result, kwargs, migration)
         note(f"saved {path} (layers per stage: {plan.layers_per_stage})")
+
+
+def _plot(path, result, model, platform):
+    from piper_plan.plots import plan_plot
+    from piper_plan.search.report import candidate_status
+
+    ev = result.evaluation
+    title = (f"{model.name} on {result.nodes} {platform.name} nodes ({result.world} devices): "
+             f"{len(result.fields['dp']):,} plans evaluated, {result.feasible:,} fit\n"
+             f"({result.candidates_total - len(result.fields['dp']):,} more refused by the structural rules before "
+             "pricing: not shown)")
+    return plan_plot(path, ev.tokens_per_s, ev.peak_memory_bytes, candidate_status(result), result.pareto, result.best,
+                     result.memory_limit_bytes, title)
 
 
 def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False):

@@ -39,6 +39,18 @@ def result_json(result, model, platform, training, top: int) -> dict:
     }
 
 
+def candidate_status(result) -> np.ndarray:
+    """Per evaluated candidate (``result.fields``): "feasible", or the reason the ranking left it out
+    (out_of_memory, not_runnable). Candidates refused before the cost model (structural reasons) are not in it."""
+    from piper_plan.search import rank
+
+    ev = result.evaluation
+    fits = np.asarray(ev.fits, dtype=bool) & (np.asarray(ev.peak_memory_bytes) <= result.memory_limit_bytes)
+    status = np.where(fits, rank.NOT_RUNNABLE, rank.OUT_OF_MEMORY).astype(object)
+    status[result.order] = "feasible"
+    return status
+
+
 def runner_up(result) -> int | None:
     """The best plan with other degrees (dp, tp, pp, ep, etp) than the winner; else simply the second plan.
 

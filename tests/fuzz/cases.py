@@ -419,9 +419,30 @@ def _one_byte_frontier(tmp: Path) -> None:
     (tmp / "f.yaml").write_text(yaml.safe_dump(data))
 
 
+EXPORT = ["export", "--engine", "torchtitan", "{tmp}/plan.json", "-o", "{tmp}/job.sh"]
+
+
+def export_cases() -> list[Case]:
+    """piper export and --plot: a plan file that cannot be read, a model or degree the engine lacks, bad paths."""
+    deep = CORPUS / "models" / "model-json-deep.json"
+    return [
+        Case("export/plan-missing", EXPORT, outputs=("{tmp}/job.sh",)),
+        Case("export/plan-not-utf8", EXPORT, setup=lambda t: (t / "plan.json").write_bytes(b"\xff\xfe{}"),
+             outputs=("{tmp}/job.sh",)),
+        Case("export/plan-deep", EXPORT, setup=lambda t: shutil.copy(deep, t / "plan.json"), outputs=("{tmp}/job.sh",)),
+        Case("export/model-torchtitan-lacks", EXPORT, setup=plan_file(), outputs=("{tmp}/job.sh",)),
+        Case("export/out-is-dir", [*EXPORT[:-1], "{tmp}"], setup=plan_file()),
+        Case("export/engine-bogus", ["export", "--engine", "deepspeed", "{tmp}/plan.json"], setup=plan_file()),
+        Case("plot/not-png", ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--plot",
+                              "{tmp}/x.txt"], outputs=("{tmp}/x.txt",)),
+        Case("plot/under-a-file", ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                                   "--dp", "2", "--ep", "2", "--plot", "{tmp}/plan.json/x.png"], setup=plan_file()),
+    ]
+
+
 def all_cases() -> list[Case]:
     cases = (model_cases() + platform_cases() + hf_cases() + nccl_cases() + calibration_cases() + compare_cases()
-             + launch_cases() + option_cases())
+             + launch_cases() + option_cases() + export_cases())
     for case in cases:
         if case.id in ARGUABLY_VALID:
             case.expect = 0

@@ -1,0 +1,145 @@
+"""A plan as Megatron-LM ``pretrain_gpt.py`` arguments: the same architecture, degrees, batch, recomputation and
+precision. Flag names are Megatron-LM's (``megatron/training/arguments.py``); tests/export/megatron_flags.txt
+lists the ones piper may write, with the commit they were read from, and a test holds every exported flag to it.
+"""
+
+from __future__ import annotations
+
+from piper_plan.export.script import job_script, piper_only, torchrun_launcher
+
+INSTEAD = {
+    "halo": "Megatron's alltoall token dispatcher (--moe-token-dispatcher-type alltoall; flex for DeepEP) sends one "
+            "flat all-to-all per MoE layer",
+    "migration": "Megatron keeps experts where they start; its router balances load (auxiliary loss, or the "
+                 "expert bias of --moe-router-enable-expert-bias)",
+    "always": "the data (--mock-data with a NullTokenizer stands in: give --data-path and a tokenizer), piper's "
+              "checkpoint-on-signal requeue and its metrics.jsonl for `piper compare`",
+}
+PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": [], "fp8": ["--bf16"], "mxfp8": ["--bf16"]}
+RECOMPUTE = {"none": [], "selective": [["--recompute-granularity", "selective"]],
+             "full": [["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
+                      ["--recompute-num-layers", "1"]]}
+QK_NORM = {"per_head": "--qk-layernorm", "weightless": "--qk-l2-norm"}
+"""piper's q/k norm -> Megatron's flag (per-head RMSNorm as in Qwen3; the weightless L2 norm of Llama 4)."""
+ZERO = {0: [], 1: [["--use-distributed-optimizer"]],
+        2: [["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy", "optim_grads"]],
+        3: [["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy", "optim_grads_params"]]}
+
+
+def model_arguments(model, seq_len: int) -> list[list[str]]:
+    """Architecture flags: sizes, attention (GQA or MLA), MLP, MoE."""
+    a = model.attention
+    ffn = model.dense_ffn or (model.moe.expert if model.moe else None)
+    lines = [["--num-layers", str(model.num_layers)], ["--hidden-size", str(model.hidden_size)],
+             ["--num-attention-heads", str(a.num_heads)], ["--ffn-hidden-size", str(ffn.intermediate_size)],
+             ["--seq-length", str(seq_len)], ["--max-position-embeddings", str(model.max_seq_len or seq_len)],
+             ["--vocab-size", str(model.vocab_size)],
+             ["--normalization", "RMSNorm" if model.norm.kind == "rmsnorm" else "LayerNorm"],
+             ["--position-embedding-type", "learned_absolute" if model.learned_position_embeddings else "rope"]]
+    if ffn.gated:
+        lines.append(["--swiglu"])
+    if not ffn.bias:
+        lines.append(["--disable-bias-linear"])
+    if a.qkv_bias:
+        lines.append(["--add-qkv-bias"])
+    if not model.tie_embeddings:
+        lines.append(["--untie-embeddings-and-output-weights"])
+    if a.kind == "mla":
+        lines += [["--multi-latent-attention"], ["--kv-lora-rank", str(a.kv_lora_rank)],
+                  ["--qk-head-dim", str(a.qk_nope_head_dim)], ["--qk-pos-emb-head-dim", str(a.qk_rope_head_dim)],
+                  ["--v-head-dim", str(a.v_head_dim)]]
+        if a.q_lora_rank is not None:
+            lines.append(["--q-lora-rank", str(a.q_lora_rank)])
+    else:
+        if a.kv_heads != a.num_heads:
+            lines += [["--group-query-attention"], ["--num-query-groups", str(a.kv_heads)]]
+        if a.head_dim is not None:
+            lines.append(["--kv-channels", str(a.head_dim)])
+    if a.qk_norm in QK_NORM:
+        lines.append([QK_NORM[a.qk_norm]])
+    if model.moe is not None:
+        lines += moe_arguments(model)
+    return lines
+
+
+def model_notes(model) -> list[str]:
+    """What of the architecture the exported flags leave out (set it for your Megatron version)."""
+    a, notes = model.attention, []
+    if a.sliding_window is not None:
+        notes.append(f"sliding-window attention ({a.sliding_window} tokens, one layer in {a.sliding_window_every}): "
+                     "not written (Megatron's --window-size / --window-attn-skip-freq)")
+    if a.sinks:
+        notes.append("attention sinks: not written (Megatron's --softmax-type learnable)")
+    if a.qk_norm == "full":
+        notes.append("q/k norm over all heads: not written (Megatron's --qk-layernorm is per head)")
+    return notes
+
+
+def moe_arguments(model) -> list[list[str]]:
+    m = model.moe
+    pattern = [1 if model.is_moe_layer(i) else 0 for i in range(model.num_layers)]
+    lines = [["--num-experts", str(m.num_experts)], ["--moe-router-topk", str(m.top_k)],
+             ["--moe-ffn-hidden-size", str(m.expert.intermediate_size)],
+             ["--moe-router-score-function", m.scoring], ["--moe-token-dispatcher-type", "alltoall"],
+             ["--moe-grouped-gemm"]]
+    if not all(pattern):
+        lines.append(["--moe-layer-freq", "[" + ",".join(map(str, pattern)) + "]"])
+    if m.num_shared_experts:
+        width = (m.shared_expert or m.expert).intermediate_size
+        lines.append(["--moe-shared-expert-intermediate-size", str(m.num_shared_experts * width)])
+    return lines
+
+
+def parallel_arguments(pf) -> tuple[list[list[str]], list[str]]:
+    """Degrees, batch, schedule, recomputation, ZeRO and precision flags, and the notes on what differs."""
+    p, t, notes = pf.parallel, pf.training, []
+    lines = [["--tensor-model-parallel-size", str(p.tp)], ["--pipeline-model-parallel-size", str(p.pp)],
+             ["--context-parallel-size", str(getattr(p, "cp", 1))],
+             ["--micro-batch-size", str(p.mbs)], ["--global-batch-size", str(t.global_batch)],
+             ["--train-iters", str(pf.runtime.steps)]]
+    if pf.model.moe is not None:
+        lines += [["--expert-model-parallel-size", str(p.ep)], ["--expert-tensor-parallel-size", str(p.etp)]]
+    if p.tp > 1 and p.sequence_parallel:
+        lines.append(["--sequence-parallel"])
+    if p.schedule == "interleaved":
+        lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
+    lines += split_arguments(p.stage_layers(pf.model.num_layers), notes)
+    lines += RECOMPUTE[p.recompute] + ZERO[p.zero]
+    lines += [[flag] for flag in PRECISION_FLAGS[t.dtype]]
+    if p.schedule == "gpipe" and p.pp > 1:
+        notes.append("schedule gpipe -> Megatron runs 1F1B (same bubble, fewer activations in flight)")
+    if p.zero >= 2:
+        notes.append(f"zero {p.zero} -> Megatron FSDP's sharding strategy (turn Megatron FSDP on as your version "
+                     "asks, e.g. --use-megatron-fsdp)")
+    if t.dtype in ("fp8", "mxfp8"):
+        notes.append(f"{t.dtype}: add Transformer Engine's fp8 recipe flags for your Megatron version (not written)")
+    return lines, notes
+
+
+def split_arguments(layers: list[int], notes: list[str]) -> list[list[str]]:
+    """Megatron's first / last stage layer counts when only they differ from an even middle; else a note."""
+    if len(set(layers)) <= 1:
+        return []
+    middle = layers[1:-1]
+    if len(set(middle)) <= 1:
+        return [["--decoder-first-pipeline-num-layers", str(layers[0])],
+                ["--decoder-last-pipeline-num-layers", str(layers[-1])]]
+    notes.append(f"piper's layers per stage {layers}: Megatron splits evenly (or take --pipeline-model-parallel-layout)")
+    return []
+
+
+def arguments(pf) -> tuple[list[list[str]], list[str]]:
+    parallel, notes = parallel_arguments(pf)
+    data = [["--mock-data"], ["--tokenizer-type", "NullTokenizer"]]
+    return (model_arguments(pf.model, pf.training.seq_len) + parallel + data,
+            model_notes(pf.model) + notes + piper_only(pf, INSTEAD))
+
+
+def flags(pf) -> list[str]:
+    """Every flag name the export writes (for the check against Megatron-LM's list)."""
+    return [group[0] for group in arguments(pf)[0]]
+
+
+def script(pf) -> str:
+    lines, notes = arguments(pf)
+    return job_script("Megatron-LM", pf, torchrun_launcher(pf, ["pretrain_gpt.py"]), lines, notes)

@@ -1,0 +1,131 @@
+"""A plan as a torchtitan 0.3 launch: ``--module`` / ``--config`` naming a registered configuration, then
+``--section.key`` overrides for the degrees, batch, recomputation and precision.
+
+Names follow torchtitan 0.3.0's own sources: ``torchtitan/config/manager.py`` (ConfigManager: --module, --config),
+``torchtitan/config/configs.py`` (ParallelismConfig, TrainingConfig fields), ``torchtitan/distributed/
+activation_checkpoint.py`` (the ``activation_checkpoint:none|selective|full`` choice) and each model's
+``config_registry.py`` (the registered configurations below). The tests parse the output with torchtitan's
+ConfigManager and check its ParallelDims at the plan's world size.
+"""
+
+from __future__ import annotations
+
+import math
+
+from piper_plan.errors import PiperError
+from piper_plan.export.script import job_script, piper_only, torchrun_launcher
+
+MODELS: dict[str, tuple[str, str]] = {
+    "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b"),
+    "qwen3-30b-a3b": ("qwen3", "qwen3_30b_a3b"),
+    "gpt-oss-120b": ("gpt_oss", "gpt_oss_120b"),
+}
+"""piper catalog model -> (torchtitan module, registered configuration of the same architecture)."""
+FP8_CONFIGS = {"deepseek-v3": "deepseek_v3_671b_float8"}
+"""Registered float8 variants (torchtitan's converters live in the configuration, not on the command line)."""
+SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}
+"""piper schedule -> torch.distributed.pipelining schedule name (ParallelismConfig.pipeline_parallel_schedule)."""
+PRECISION = {"bf16": "bfloat16", "fp32": "float32", "fp8": "bfloat16"}
+"""piper dtype -> TrainingConfig.mixed_precision_param (fp8: bf16 training with the float8 configuration)."""
+STAGE_LESS_LAYERS = 2
+"""ParallelismConfig's first- and last-stage 'less layers' defaults (1 each): the embedding and the output head
+count as one layer each when torchtitan splits layers over stages."""
+
+INSTEAD = {
+    "halo": "torchtitan's expert parallelism sends one flat all-to-all per MoE layer",
+    "migration": "torchtitan keeps experts where they start and balances load with the auxiliary-loss-free expert "
+                 "bias (its MoE.Config.load_balance_coeff; no expert moves between ranks)",
+    "always": "piper's layer split per stage (torchtitan splits layers itself), its checkpoint-on-signal requeue, "
+              "and its metrics.jsonl for `piper compare`",
+}
+
+
+def config_names(model) -> tuple[str, str]:
+    if model.name not in MODELS:
+        raise PiperError(f"torchtitan 0.3 has no registered configuration for model {model.name!r}; "
+                         f"exportable: {', '.join(MODELS)}", field="model")
+    return MODELS[model.name]
+
+
+def dp_split(plan) -> tuple[int, int]:
+    """(data_parallel_replicate_degree, data_parallel_shard_degree). zero >= 1 shards over all of dp (FSDP);
+    zero 0 replicates, except that torchtitan's experts borrow their ranks from the shard axis
+    (dp_shard x cp x tp = efsdp x ep), so the smallest shard degree that holds ep is used."""
+    cp = getattr(plan, "cp", 1)
+    if plan.zero >= 1:
+        shard = plan.dp
+    else:
+        shard = next(s for s in range(1, plan.dp + 1) if plan.dp % s == 0 and (s * cp * plan.tp) % plan.ep == 0) \
+            if (plan.dp * cp * plan.tp) % plan.ep == 0 else plan.dp
+    if (shard * cp * plan.tp) % plan.ep:
+        raise PiperError(f"ep={plan.ep} does not divide dp x cp x tp = {plan.dp * cp * plan.tp}: torchtitan's experts "
+                         "use the dense data-parallel x tp ranks", field="parallel.ep")
+    return plan.dp // shard, shard
+
+
+def layers_per_virtual_stage(num_layers: int, stages: int) -> int | None:
+    """pipeline_parallel_layers_per_stage giving ``stages`` stages (torchtitan: ceil((L + 2) / n) stages), or None."""
+    total = num_layers + STAGE_LESS_LAYERS
+    return next((n for n in range(1, total + 1) if math.ceil(total / n) == stages), None)
+
+
+def arguments(pf) -> tuple[list[list[str]], list[str]]:
+    """(argument groups, notes) of the torchtitan command for plan file ``pf``."""
+    model, p, t = pf.model, pf.parallel, pf.training
+    module, config = config_names(model)
+    notes: list[str] = []
+    if p.etp != 1:
+        raise PiperError(f"etp={p.etp}: torchtitan 0.3 has no expert tensor parallelism (its experts take whole "
+                         "ranks from the dp x tp region); export a plan with etp=1", field="parallel.etp")
+    if t.dtype not in PRECISION or (t.dtype == "fp8" and model.name not in FP8_CONFIGS):
+        raise PiperError(f"training dtype {t.dtype!r}: torchtitan 0.3 trains {model.name} in bf16 or fp32"
+                         + (" (fp8 via a registered float8 configuration)" if model.name in FP8_CONFIGS else ""),
+                         field="training.dtype")
+    if t.dtype == "fp8":
+        config = FP8_CONFIGS[model.name]
+    replicate, shard = dp_split(p)
+    if p.zero == 0 and shard > 1:
+        notes.append(f"zero 0 -> HSDP replicate {replicate} x shard {shard}: torchtitan's experts borrow the shard axis")
+    if p.zero == 1:
+        notes.append("zero 1 -> FSDP keeping parameters gathered from forward to backward (torchtitan has no "
+                     "optimizer-only sharding; it also shards gradients and parameters)")
+    lines = [["--module", module], ["--config", config],
+             ["--parallelism.data_parallel_replicate_degree", str(replicate)],
+             ["--parallelism.data_parallel_shard_degree", str(shard)],
+             ["--parallelism.tensor_parallel_degree", str(p.tp)],
+             ["--parallelism.pipeline_parallel_degree", str(p.pp)],
+             ["--parallelism.expert_parallel_degree", str(p.ep)],
+             ["--parallelism.context_parallel_degree", str(getattr(p, "cp", 1))],
+             ["--parallelism.pipeline_parallel_microbatch_size", str(p.mbs)],
+             ["--training.local_batch_size", str(p.mbs * (p.num_microbatches if p.pp > 1 else 1))],
+             ["--training.global_batch_size", str(t.global_batch)],
+             ["--training.seq_len", str(t.seq_len)],
+             ["--training.steps", str(pf.runtime.steps)],
+             ["--training.mixed_precision_param", PRECISION[t.dtype]]]
+    if p.zero >= 1:
+        lines.append(["--parallelism.fsdp_reshard_after_forward", "always" if p.zero == 3 else "never"])
+    if p.tp > 1 and not p.sequence_parallel:
+        lines.append(["--parallelism.no-enable-sequence-parallel"])
+    if p.pp > 1 or p.ep > 1:     # Trainer.Config refuses CUDA graphs with pipelining or the all-to-all dispatcher
+        lines.append(["--training.disable_cuda_graphs"])
+    if p.pp > 1:
+        lines.append(["--parallelism.pipeline_parallel_schedule", SCHEDULES[p.schedule]])
+        if p.schedule == "interleaved" and p.virtual_stages != 2:
+            per_stage = layers_per_virtual_stage(model.num_layers, p.pp * p.virtual_stages)
+            if per_stage is None:
+                raise PiperError(f"virtual_stages={p.virtual_stages}: no torchtitan layers-per-stage gives "
+                                 f"{p.pp * p.virtual_stages} stages of {model.num_layers} layers",
+                                 field="parallel.virtual_stages")
+            lines.append(["--parallelism.pipeline_parallel_layers_per_stage", str(per_stage)])
+    lines.append([f"activation_checkpoint:{p.recompute}"])
+    return lines, notes + piper_only(pf, INSTEAD)
+
+
+def flat_arguments(pf) -> list[str]:
+    """The torchtitan arguments as one list (what ConfigManager.parse_args takes)."""
+    return [word for group in arguments(pf)[0] for word in group]
+
+
+def script(pf) -> str:
+    lines, notes = arguments(pf)
+    return job_script("torchtitan 0.3", pf, torchrun_launcher(pf, ["-m", "torchtitan.train"]), lines, notes)
