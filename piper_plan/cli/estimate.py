@@ -30,13 +30,14 @@ GiB = 2**30
               help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
 @json_option
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
-def estimate_cmd(model_name, platform_name, nodes, seq_len, global_batch, routing_skew, placement, no_calibration,
-                 piper_runtime, as_json, save_path, **parallel):
+def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_batch, routing_skew, placement,
+                 no_calibration, piper_runtime, as_json, save_path, **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
     from piper_plan.cost.evaluate import estimate
     from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS
 
-    model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew)
+    model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew,
+                                             mtp_layers)
     plan = build_plan(model, platform, training, nodes, **parallel)
     calibration = None if no_calibration else platform_calibration(platform.name)
     options = PIPER_RUNTIME_OPTIONS if piper_runtime else DEFAULT_OPTIONS

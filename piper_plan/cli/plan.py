@@ -41,7 +41,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @output_option("save_path", "Write the best plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @click.option("--explain", is_flag=True, help="The winner's time breakdown vs the runner-up.")
 @click.pass_context
-def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a, migration,
+def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a, migration,
              runnable, placement, memory_headroom, expert_tp, top, as_json, as_csv, save_path, explain):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
@@ -50,7 +50,7 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
         raise PiperError("--json and --csv both write stdout; choose one", field="--csv")
     if save_path:
         check_writable(save_path)
-    model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch)
+    model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers)
     options = search_options(strategy, a2a, memory_headroom, expert_tp)
     kwargs = search_kwargs(platform, placement, runnable)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)

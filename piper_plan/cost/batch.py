@@ -109,11 +109,13 @@ def per_split_argmax(values, split) -> np.ndarray:
     return np.stack([np.where(split == code, values, _NONE).argmax(0) for code in SPLITS])
 
 
-def stage_time_parts(per_layer: dict, head, st: stg.StageShape) -> dict[str, np.ndarray]:
+def stage_time_parts(model, per_layer: dict, head, st: stg.StageShape) -> dict[str, np.ndarray]:
     """Seconds per micro-batch of stages ``st`` by breakdown name (without p2p): per-layer terms times the
-    stage's dense / MoE layer counts, the LM head on the last stage."""
+    stage's dense / MoE block counts (the MTP blocks included), the LM head on the last stage (once more per MTP
+    module; eh_proj, 2 d^2 per token, is not priced)."""
+    st = stg.with_mtp_blocks(model, st)
     parts = {k: st.dense_layers * d + st.moe_layers * m for k, (d, m) in per_layer.items()}
-    parts["compute/lm_head"] = np.where(st.last, head, 0.0)
+    parts["compute/lm_head"] = np.where(st.last, head * (1 + model.mtp_layers), 0.0)
     return parts
 
 
@@ -122,7 +124,7 @@ def time_by_key(ctx, alloc, sub):
     breakdown of that stage {name: [2, U]}."""
     per_layer, head = layer_terms(ctx, alloc, sub, stg.layer_activations(ctx, sub))
     split, st, _ = stage_table(ctx, sub)
-    parts = stage_time_parts(per_layer, head, st)
+    parts = stage_time_parts(ctx.model, per_layer, head, st)
     total = sum(parts.values())
     slow = per_split_argmax(total, split)
     cols = np.arange(total.shape[1])
@@ -237,6 +239,6 @@ def stage_detail(ctx, alloc, c, layers_per_stage: list[int]):
     flight = in_flight(c.schedule, stages, c.pp, c.num_microbatches, c.virtual_stages)
     memory = {k: np.broadcast_to(v, stages.shape) for k, v in stg.stage_memory(ctx, c, st, flight, acts).items()}
     per_layer, head = layer_terms(ctx, alloc, c, acts)
-    times = stage_time_parts(per_layer, head, st)
+    times = stage_time_parts(ctx.model, per_layer, head, st)
     times["pipeline/p2p"] = np.broadcast_to(p2p_seconds(ctx, c, spans(alloc, c)), stages.shape)
     return st, memory, times

@@ -59,6 +59,15 @@ class StageShape:
         return self.layers - self.moe_layers
 
 
+def with_mtp_blocks(model: ModelSpec, st: StageShape) -> StageShape:
+    """The transformer blocks a stage runs: its layers, and on the last stage the MTP modules' blocks (each shaped
+    like the model's last layer), whose activations and time count like a layer's."""
+    if not model.mtp_layers:
+        return st
+    extra = st.last * model.mtp_layers
+    return StageShape(st.layers + extra, st.moe_layers + extra * model.mtp_is_moe, st.first, st.last)
+
+
 # ---- memory ----------------------------------------------------------------------------------------
 def sequence_split(c):
     """How many ways activations outside the tp region are split: tp with sequence parallelism, else 1."""
@@ -85,6 +94,7 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
     out = mem.state_bytes(ctx.training, dense, expert, c.dp, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st),
                           fp32_replicas=ctx.opts.unfused_kernels)
+    st = with_mtp_blocks(ctx.model, st)                   # activations: the MTP blocks count like layers
     core = np.where(c.recompute == NO_RECOMPUTE, acts["attention_core"], 0.0)
     keep_all = c.recompute != FULL
     layer_sum = lambda value, count: np.where(keep_all, value * count * flight, 0.0)  # noqa: E731
@@ -129,7 +139,8 @@ def _working(st: StageShape, acts):
 
 def end_bytes(ctx: Context, c):
     """(first stage, last stage) activation bytes per micro-batch in flight outside the layers: the embedding
-    output; the logits in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy).
+    output; the logits in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy), once more
+    per MTP module with its embedding output, hidden state and eh_proj input (4 d per token) around its block.
     ``unfused_kernels`` (piper's runtime): the embedding keeps its int64 token ids (its output is layer 0's norm
     input); the loss keeps the fp32 log-softmax and the int64 targets, the head its input, the final norm its
     input, normalised input and fp32 rstd."""
@@ -140,8 +151,10 @@ def end_bytes(ctx: Context, c):
     if ctx.opts.unfused_kernels:
         logits = tokens * (m.vocab_size or 0) / c.tp * 4 + 3 * d_bytes + tokens * (4 + mem.INDEX_BYTES) \
             + mem.gathered_input_bytes(tokens, m.hidden_size, t.activation_bytes, sp, ctx.opts)   # the head's input
+        logits = logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
         return tokens * mem.INDEX_BYTES + 0.0 * d_bytes, logits
-    return d_bytes, tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+    logits = tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+    return d_bytes, logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
 
 
 def _end_activations(ctx: Context, c, st: StageShape, flight) -> dict:
