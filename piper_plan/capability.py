@@ -10,6 +10,7 @@ from __future__ import annotations
 RUNTIME_CAPABILITY: dict[str, tuple] = {
     "schedule": ("gpipe", "1f1b", "interleaved"),
     "etp": (1,),
+    "cp": (1,),
     "recompute": ("none", "selective", "full"),
     "zero": (0, 1, 2, 3),
     "a2a": ("flat", "halo"),
@@ -37,6 +38,8 @@ def _plan_problems(plan) -> list[str]:
         value = getattr(plan, field)
         if value not in cap[field]:
             out.append(f"parallel.{field}={value} (runtime supports {', '.join(map(str, cap[field]))})")
+    if plan.cp not in cap["cp"]:
+        out.append(f"parallel.cp={plan.cp} (the runtime has no context parallelism)")
     return out
 
 

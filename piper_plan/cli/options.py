@@ -51,6 +51,8 @@ placement_option = click.option("--placement", type=click.Choice(Placement.value
 parallel_options = _bundle(
     click.option("--dp", type=int, default=_plan_default("dp"), show_default=True,
                  help="Data-parallel degree (dense weights)."),
+    click.option("--cp", type=int, default=_plan_default("cp"), show_default=True,
+                 help="Context-parallel degree (each sequence split over cp ranks)."),
     click.option("--tp", type=int, default=_plan_default("tp"), show_default=True, help="Tensor-parallel degree."),
     click.option("--pp", type=int, default=_plan_default("pp"), show_default=True, help="Pipeline stages."),
     click.option("--ep", type=int, default=_plan_default("ep"), show_default=True, help="Expert-parallel degree."),

@@ -33,6 +33,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @placement_option
 @click.option("--memory-headroom", type=float, default=0.0, show_default=True,
               help="Fraction of device memory to keep free (0.1 = plans must fit in 90%).")
+@click.option("--cp", "cp_text", default=None,
+              help="Context-parallel degrees to search, e.g. 1,2,4 (default: 1, and 2, 4, 8 from 16k-token sequences).")
 @click.option("--expert-tp", is_flag=True,
               help="Also search expert tensor parallelism etp > 1 (piper's runtime runs etp = 1 only).")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
@@ -42,7 +44,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @click.option("--explain", is_flag=True, help="The winner's time breakdown vs the runner-up.")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a, migration,
-             runnable, placement, memory_headroom, expert_tp, top, as_json, as_csv, save_path, explain):
+             runnable, placement, memory_headroom, cp_text, expert_tp, top, as_json, as_csv, save_path, explain):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
 
@@ -51,7 +53,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     if save_path:
         check_writable(save_path)
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers)
-    options = search_options(strategy, a2a, memory_headroom, expert_tp)
+    options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
@@ -80,12 +82,26 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
         note(f"saved {path} (layers per stage: {plan.layers_per_stage})")
 
 
-def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False):
+def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False,
+                   cp: tuple[int, ...] | None = None):
     from piper_plan.search.space import SearchOptions
 
     if not 0.0 <= memory_headroom < 1.0:
         raise PiperError(f"memory headroom {memory_headroom}; allowed 0 <= h < 1", field="--memory-headroom")
-    return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom, expert_tp=expert_tp)
+    return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom, expert_tp=expert_tp, cp=cp)
+
+
+def parse_cp(text: str | None) -> tuple[int, ...] | None:
+    """'1,2,4' -> (1, 2, 4); None keeps the default space."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise PiperError(f"{text!r}; allowed: comma-separated degrees >= 1, e.g. 1,2,4", field="--cp")
+    return values
 
 
 def search_kwargs(platform, placement: str, runnable: bool) -> dict:

@@ -5,12 +5,13 @@ construction; ``stage_detail`` then walks that one plan's every stage for the re
 
 What depends on what (the keys below; every one a few hundred to a few thousand distinct values in a search):
 
-- time per micro-batch of every stage: (pp, tp, ep, etp, mbs, recompute, a2a, virtual_stages, sp)   KEY_TIME
-- peak memory: (pp, tp, ep, etp, mbs, recompute, virtual_stages, sp, dp, num_microbatches, schedule,
+- time per micro-batch of every stage: (pp, tp, cp, ep, etp, mbs, recompute, a2a, virtual_stages, sp) KEY_TIME
+- peak memory: (pp, tp, cp, ep, etp, mbs, recompute, virtual_stages, sp, dp, num_microbatches, schedule,
   zero)                                                                                             KEY_MEMORY
   of which memory without the micro-batches in flight: KEY_MEMORY less schedule, num_microbatches  KEY_STATE
-- gradient sync and the optimizer step: (pp, tp, dp, ep, etp, virtual_stages, zero, num_microbatches) KEY_SYNC
-- pipeline p2p: (pp, tp, dp, mbs, virtual_stages)                                                  KEY_P2P
+- gradient sync and the optimizer step: (pp, tp, cp, dp, ep, etp, virtual_stages, zero, num_microbatches)
+                                                                                                   KEY_SYNC
+- pipeline p2p: (pp, tp, cp, dp, mbs, virtual_stages)                                              KEY_P2P
 
 Stages come from ``pipeline.stage_rows``: the distinct stage shapes of each layer split the plan may use
 (even, FLOP-balanced; or the plan's explicit list), so per-stage arrays are [S, U] with S small. A plan whose
@@ -31,12 +32,12 @@ from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds
 from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
 
-KEY_TIME = ("pp", "tp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
-KEY_MEMORY = ("pp", "tp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
+KEY_TIME = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
+KEY_MEMORY = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
               "num_microbatches", "schedule", "zero")
-KEY_STATE = ("pp", "tp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero")
-KEY_SYNC = ("pp", "tp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches")
-KEY_P2P = ("pp", "tp", "dp", "mbs", "virtual_stages")
+KEY_STATE = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero")
+KEY_SYNC = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches")
+KEY_P2P = ("pp", "tp", "cp", "dp", "mbs", "virtual_stages")
 SPLITS = (0, 1)
 """Split slots of the per-split arrays: 0 the even (or the explicit) split, 1 the FLOP-balanced one."""
 _NONE = -np.inf
