@@ -183,7 +183,8 @@ def _plans_table(result, platform, training, top: int):
         table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a") else "right", no_wrap=True)
     rows = plan_rows(result, training, top)
     for row in rows:
-        table.add_row(str(row["rank"]), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp")),
+        table.add_row(str(row["rank"]), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp"))
+                      + (f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""),
                       f"{row['mbs']} x {row['num_microbatches']}",
                       _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),
                       row["recompute"][:4],
@@ -258,7 +259,7 @@ def _emit_nothing_fits(model, platform, training, result, options, kwargs, as_js
     from rich.table import Table
 
     table = Table(title="closest candidates")
-    keys = ("dp", "tp", "pp", "ep", "etp", "mbs", "schedule", "recompute", "zero", "a2a")
+    keys = ("dp", "cp", "tp", "pp", "ep", "etp", "mbs", "schedule", "recompute", "zero", "a2a")
     for label in (*keys, "peak GiB", "over by GiB"):
         table.add_column(label, justify="right")
     for r in info["closest"]:
