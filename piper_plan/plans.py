@@ -61,6 +61,8 @@ class PlanBatch:
         for name, a in zip(names, arrays):
             object.__setattr__(self, name, np.ascontiguousarray(a))
         object.__setattr__(self, "_edp", self.dp * self.cp * self.tp // (self.ep * self.etp))
+        object.__setattr__(self, "_dp_cp", self.dp * self.cp)
+        object.__setattr__(self, "_seq_share", self.mbs / self.cp)
 
     def __len__(self) -> int:
         return len(self.dp)
@@ -77,12 +79,12 @@ class PlanBatch:
     @property
     def dp_cp(self) -> np.ndarray:
         """Ranks holding the same dense weights: dense gradients are reduced (and ZeRO shards) over dp x cp."""
-        return self.dp * self.cp
+        return self._dp_cp
 
     @property
     def seq_share(self) -> np.ndarray:
         """Sequences' worth of tokens one rank processes per micro-batch: mbs / cp (context parallelism)."""
-        return self.mbs / self.cp
+        return self._seq_share
 
     @classmethod
     def of(cls, plan: ParallelPlan) -> "PlanBatch":

@@ -236,7 +236,7 @@ def layer_comm_seconds(ctx: Context, c, spans) -> dict[str, np.ndarray]:
     m, t = ctx.model, ctx.training
     tokens, ab, d = c.seq_share * t.seq_len, t.activation_bytes, m.hidden_size
     out = {"tp": 2 * ctx.net.seconds("all_reduce", c.tp, tokens * d * ab, spans["tp"][0]),
-           "cp_step": np.where(c.cp > 1, ctx.net.seconds("p2p", 2, kv_bytes(ctx, c), spans["cp"][0]), 0.0)}
+           "cp_step": cp_step_seconds(ctx, c, spans["cp"][0])}
     if m.moe is not None:
         sent, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
         load = received / sent                                  # the busiest receiver sets the pace
@@ -258,6 +258,14 @@ def kv_bytes(ctx: Context, c):
     heads, qk, v = score_widths(m)
     kv_heads = heads if m.attention.kind == "mla" else m.attention.kv_heads
     return c.seq_share * t.seq_len * kv_heads * (qk + v) / c.tp * t.activation_bytes
+
+
+def cp_step_seconds(ctx: Context, c, cp_scope):
+    """Seconds of one step of the context-parallel ring (kv_bytes as one p2p at the cp group's scope); 0 at cp = 1."""
+    ring = c.cp > 1
+    if not ring.any():
+        return np.zeros(len(c))
+    return np.where(ring, ctx.net.seconds("p2p", 2, kv_bytes(ctx, c), cp_scope), 0.0)
 
 
 def cp_exchange_seconds(c, step_s, core_fwd_s, core_bwd_s, passes_fwd):
