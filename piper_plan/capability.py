@@ -10,6 +10,7 @@ from __future__ import annotations
 RUNTIME_CAPABILITY: dict[str, tuple] = {
     "schedule": ("gpipe", "1f1b", "interleaved"),
     "etp": (1,),
+    "cp": (1,),
     "recompute": ("none", "selective", "full"),
     "zero": (0, 1, 2, 3),
     "a2a": ("flat", "halo"),
@@ -26,7 +27,9 @@ allow (runtime/tensor_parallel.py, always with sequence parallelism; MLA splits 
 q_a, kv_a and their norms whole), with zero 0, 2 or 3 (``_tp_problems``). Not run: expert tensor parallelism
 (etp > 1: out of the default search, benchmarks/etp_value.py), a capacity factor (the runtime is dropless), tied
 embeddings over more than one model chunk, 0 or 1 norms per layer, 3 norms per layer without Arctic's residual
-MLP in every layer, sliding-window attention, fp16 / fp8 / mxfp8, and the ``_tp_problems`` below."""
+MLP in every layer, sliding-window attention, fp16 / fp8 / mxfp8, multi-token-prediction modules (mtp_layers > 0:
+the planner prices them, the runtime builds none), context parallelism (cp > 1), and the ``_tp_problems``
+below."""
 
 
 def _plan_problems(plan) -> list[str]:
@@ -35,6 +38,8 @@ def _plan_problems(plan) -> list[str]:
         value = getattr(plan, field)
         if value not in cap[field]:
             out.append(f"parallel.{field}={value} (runtime supports {', '.join(map(str, cap[field]))})")
+    if plan.cp not in cap["cp"]:
+        out.append(f"parallel.cp={plan.cp} (the runtime has no context parallelism)")
     return out
 
 
@@ -73,6 +78,9 @@ def _model_problems(model, plan) -> list[str]:
         out.append("vocab_size=null (runtime needs a vocabulary)")
     if model.moe is not None and model.moe.capacity_factor is not None:
         out.append(f"moe.capacity_factor={model.moe.capacity_factor} (runtime is dropless)")
+    if model.mtp_layers:
+        out.append(f"mtp_layers={model.mtp_layers} (the runtime builds no multi-token-prediction module; "
+                   "train without it: --mtp-layers 0)")
     return out
 
 

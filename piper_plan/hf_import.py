@@ -122,7 +122,8 @@ def _qwen_moe(c: _Config, qwen3: bool) -> dict:
 
 def _deepseek(c: _Config, mla: bool) -> dict:
     """DeepSeekMoE v1 (MHA), V2 / V3 / Kimi K2 (MLA): first_k_dense_replace dense layers, then MoE
-    every moe_layer_freq layers (the reference code's rule; transformers' V2/V3 assume freq 1)."""
+    every moe_layer_freq layers (the reference code's rule; transformers' V2/V3 assume freq 1);
+    num_nextn_predict_layers MTP modules (V3: 1, Kimi K2: 0; transformers builds none of them)."""
     mlp_bias = c.flag("mlp_bias", False)
     bias = c.flag("attention_bias", False)
     attn = _mla(c) if mla else _gqa(c, qkv_bias=bias, o_bias=bias)
@@ -137,7 +138,8 @@ def _deepseek(c: _Config, mla: bool) -> dict:
         # The reference code builds the shared experts as ONE MLP of width n_shared x moe_intermediate_size;
         # that is the same weights as n_shared experts, but one set of biases.
         moe.update(num_shared_experts=1, shared_expert=_ffn(shared * c.int_("moe_intermediate_size"), bias=True))
-    return {**_base(c), "attention": attn, "dense_ffn": _ffn(c.int_("intermediate_size"), bias=mlp_bias), "moe": moe}
+    return {**_base(c), "attention": attn, "dense_ffn": _ffn(c.int_("intermediate_size"), bias=mlp_bias), "moe": moe,
+            "mtp_layers": c.int_("num_nextn_predict_layers", 0, minimum=0)}
 
 
 def _dbrx(c: _Config) -> dict:

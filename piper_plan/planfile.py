@@ -2,7 +2,7 @@
 
 Written by ``estimate --save``, ``plan --save`` and ``launch``; read by ``launch``, ``compare``, ``calibrate fit``
 and the runtime. The ``parallel`` block carries the derived ``edp`` and the resolved ``layers_per_stage`` so that
-a reader never re-derives them; on reading, ``edp`` is checked against ``dp x tp / (ep x etp)``, the plan against
+a reader never re-derives them; on reading, ``edp`` is checked against ``dp x cp x tp / (ep x etp)``, the plan against
 the one validity check (``plans.check_plan``), and ``prediction`` against the ``Estimate`` schema: a file that
 reads is a valid plan with a well-formed prediction.
 
@@ -168,7 +168,7 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
         data["parallel"] = parallel
     plan_file = parse_spec(PlanFile, data, path)
     if edp is not None and edp != plan_file.parallel.edp:
-        raise PiperError(f"edp={edp} but dp x tp / (ep x etp) = {plan_file.parallel.edp}", path=path,
+        raise PiperError(f"edp={edp} but dp x cp x tp / (ep x etp) = {plan_file.parallel.edp}", path=path,
                          field="parallel.edp")
     check_plan(plan_file.model, plan_file.platform, plan_file.training, plan_file.nodes, plan_file.parallel, path)
     return plan_file

@@ -51,6 +51,8 @@ class PlanBatch:
     a2a: np.ndarray
     sequence_parallel: np.ndarray
     layers_split: np.ndarray
+    cp: np.ndarray = 1
+    """Context-parallel degree (1 where a caller does not say)."""
     explicit_layers: tuple | None = None
 
     def __post_init__(self):
@@ -58,19 +60,31 @@ class PlanBatch:
         arrays = np.broadcast_arrays(*(np.atleast_1d(np.asarray(getattr(self, n), np.int64)) for n in names))
         for name, a in zip(names, arrays):
             object.__setattr__(self, name, np.ascontiguousarray(a))
-        object.__setattr__(self, "_edp", self.dp * self.tp // (self.ep * self.etp))
+        object.__setattr__(self, "_edp", self.dp * self.cp * self.tp // (self.ep * self.etp))
+        object.__setattr__(self, "_dp_cp", self.dp * self.cp)
+        object.__setattr__(self, "_seq_share", self.mbs / self.cp)
 
     def __len__(self) -> int:
         return len(self.dp)
 
     @property
     def edp(self) -> np.ndarray:
-        """Ranks holding the same experts: dp x tp / (ep x etp)."""
+        """Ranks holding the same experts: dp x cp x tp / (ep x etp)."""
         return self._edp
 
     @property
     def world(self) -> np.ndarray:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def dp_cp(self) -> np.ndarray:
+        """Ranks holding the same dense weights: dense gradients are reduced (and ZeRO shards) over dp x cp."""
+        return self._dp_cp
+
+    @property
+    def seq_share(self) -> np.ndarray:
+        """Sequences' worth of tokens one rank processes per micro-batch: mbs / cp (context parallelism)."""
+        return self._seq_share
 
     @classmethod
     def of(cls, plan: ParallelPlan) -> "PlanBatch":
@@ -189,8 +203,11 @@ RULES: tuple[Rule, ...] = (
          lambda s, p: f"seq_len={s.training.seq_len} exceeds {s.model.name}'s max_seq_len={s.model.max_seq_len}",
          level="allocation"),
     Rule("world_mismatch", lambda s, c: c.world != s.world,
-         lambda s, p: f"pp x dp x tp = {p.pp} x {p.dp} x {p.tp} = {p.world} must equal the world size "
+         lambda s, p: f"pp x dp x cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp} = {p.world} must equal the world size "
                       f"{s.nodes} nodes x {s.platform.devices_per_node} = {s.world}"),
+    Rule("cp_not_divisor_seq", lambda s, c: (c.cp > 1) & (s.training.seq_len % (2 * c.cp) != 0),
+         lambda s, p: f"cp={p.cp} needs seq_len={s.training.seq_len} divisible by 2 x cp = {2 * p.cp} (the "
+                      "load-balanced causal split cuts each sequence into 2 cp equal chunks)"),
     Rule("pp_exceeds_layers", lambda s, c: c.pp > s.model.num_layers,
          lambda s, p: f"pp={p.pp} must be <= num_layers={s.model.num_layers}"),
     Rule("tp_exceeds_node", lambda s, c: c.tp > s.platform.devices_per_node,
@@ -205,8 +222,9 @@ RULES: tuple[Rule, ...] = (
          lambda s, p: f"etp={p.etp} must divide the expert intermediate size {s.expert_ffn}"),
     Rule("ep_not_divisor", lambda s, c: s.num_experts % c.ep != 0,
          lambda s, p: f"ep={p.ep} must divide num_experts={s.num_experts}"),
-    Rule("ep_etp_not_divisor_ranks", lambda s, c: (c.dp * c.tp) % (c.ep * c.etp) != 0,
-         lambda s, p: f"ep x etp = {p.ep} x {p.etp} must divide a stage's dp x tp = {p.dp} x {p.tp} ranks"),
+    Rule("ep_etp_not_divisor_ranks", lambda s, c: (c.dp * c.cp * c.tp) % (c.ep * c.etp) != 0,
+         lambda s, p: f"ep x etp = {p.ep} x {p.etp} must divide a stage's dp x cp x tp = {p.dp} x {p.cp} x {p.tp} "
+                      "ranks"),
     Rule("batch_not_divisible", lambda s, c: s.training.global_batch % (c.dp * c.mbs) != 0,
          lambda s, p: f"global_batch={s.training.global_batch} must be divisible by dp x mbs = {p.dp} x {p.mbs}"),
     Rule("microbatches_mismatch",

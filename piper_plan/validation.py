@@ -333,7 +333,7 @@ def plan_quantity(quantity: str, est, stage: int | None = None) -> float:
 
 
 def plan_summary(plan) -> dict:
-    keys = ("dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "virtual_stages", "recompute",
+    keys = ("dp", "cp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "virtual_stages", "recompute",
             "zero", "a2a", "sequence_parallel")
     return plan.model_dump(mode="json", include=set(keys))
 

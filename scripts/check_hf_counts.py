@@ -78,6 +78,9 @@ def check(path: Path) -> bool | None:
     ok = (total, active) == (spec.total_params, spec.active_params)
     print(f"{path.name}: total expected {total:,}, got {spec.total_params:,}; active expected {active:,}, "
           f"got {spec.active_params:,}: {'match' if ok else 'MISMATCH'}")
+    if spec.mtp_layers:    # transformers builds no MTP module: the main model is what is compared
+        print(f"  + {spec.mtp_layers} MTP module(s) that transformers does not build: piper counts "
+              f"{spec.params.mtp:,} of their own parameters apart (not compared here)")
     return ok
 
 

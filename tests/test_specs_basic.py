@@ -12,7 +12,7 @@ LOCAL = load_platform("local-cpu")
 
 
 def test_plan_ep_must_divide_dp_tp():
-    with pytest.raises(PiperError, match=r"ep x etp = 3 x 1 must divide a stage's dp x tp = 4 x 1"):
+    with pytest.raises(PiperError, match=r"ep x etp = 3 x 1 must divide a stage's dp x cp x tp = 4 x 1 x 1"):
         check_plan(load_model("mixtral-8x7b"), LOCAL, TrainingSpec(global_batch=4), 1, ParallelPlan(dp=4, ep=3,
                                                                                                     num_microbatches=1))
 

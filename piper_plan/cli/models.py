@@ -55,7 +55,10 @@ def model_summary(spec) -> dict:
             "active_params_excluding_embedding": p.active_excluding_embedding,
             "non_embedding_params": p.non_embedding,
             "params_by_component": {k: v for k, v in p.as_dict().items()
-                                    if k not in ("total", "active", "active_excluding_embedding")},
+                                    if k not in ("total", "active", "active_excluding_embedding", "mtp", "mtp_active",
+                                                 "total_with_mtp")},
+            "mtp_layers": spec.mtp_layers,
+            "mtp_params": p.mtp, "mtp_active_params": p.mtp_active, "total_params_with_mtp": p.total_with_mtp,
             "moe_layers": moe_layers,
             "dense_layers": [i for i in range(spec.num_layers) if i not in set(moe_layers)],
             "source": spec.source, "notes": spec.notes, "spec": spec.model_dump(mode="json")}
@@ -98,6 +101,10 @@ def render_model_summary(s: dict) -> None:
                        ("active without input embedding", "active_params_excluding_embedding"),
                        ("non-embedding", "non_embedding_params")):
         table.add_row(label, format_count(s[key]), f"{s[key]:,}")
+    if s["mtp_layers"]:
+        for label, key in ((f"MTP modules ({s['mtp_layers']}, not in total)", "mtp_params"),
+                           ("MTP active", "mtp_active_params"), ("total with MTP", "total_params_with_mtp")):
+            table.add_row(label, format_count(s[key]), f"{s[key]:,}")
     out.print(table)
     out.print(f"layers: {s['num_layers']}; MoE: {layer_ranges(s['moe_layers'])}; "
               f"dense: {layer_ranges(s['dense_layers'])}", markup=False)

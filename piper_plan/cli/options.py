@@ -34,6 +34,8 @@ def _bundle(*options):
 model_options = _bundle(
     click.option("--model", "model_name", required=True, help="Catalog name or YAML/JSON path."),
     click.option("--platform", "platform_name", required=True, help="Catalog name or YAML/JSON path."),
+    click.option("--mtp-layers", type=int, default=None,
+                 help="Multi-token-prediction modules to train, 0 to the model's own count (default: all of them)."),
 )
 
 training_options = _bundle(
@@ -49,6 +51,8 @@ placement_option = click.option("--placement", type=click.Choice(Placement.value
 parallel_options = _bundle(
     click.option("--dp", type=int, default=_plan_default("dp"), show_default=True,
                  help="Data-parallel degree (dense weights)."),
+    click.option("--cp", type=int, default=_plan_default("cp"), show_default=True,
+                 help="Context-parallel degree (each sequence split over cp ranks)."),
     click.option("--tp", type=int, default=_plan_default("tp"), show_default=True, help="Tensor-parallel degree."),
     click.option("--pp", type=int, default=_plan_default("pp"), show_default=True, help="Pipeline stages."),
     click.option("--ep", type=int, default=_plan_default("ep"), show_default=True, help="Expert-parallel degree."),
@@ -75,14 +79,14 @@ parallel_options = _bundle(
 
 
 def load_setting(model_name: str, platform_name: str, seq_len: int | None, global_batch: int,
-                 routing_skew: float = 1.0):
+                 routing_skew: float = 1.0, mtp_layers: int | None = None):
     """(model, platform, training) from the shared options; --seq defaults to min(4096, max_seq_len)."""
     from pydantic import ValidationError
 
     from piper_plan.catalog import load_model, load_platform, validation_message
     from piper_plan.specs import TrainingSpec
 
-    model, platform = load_model(model_name), load_platform(platform_name)
+    model, platform = with_mtp_layers(load_model(model_name), mtp_layers), load_platform(platform_name)
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, model.max_seq_len or DEFAULT_SEQ_LEN)
     try:
@@ -91,6 +95,17 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="training options") from None
     return model, platform, training
+
+
+def with_mtp_layers(model, mtp_layers: int | None):
+    """``model`` training ``mtp_layers`` of its MTP modules (None: all); more than it defines is one error line."""
+    if mtp_layers is None or mtp_layers == model.mtp_layers:
+        return model
+    if not 0 <= mtp_layers <= model.mtp_layers:
+        have = f"defines {model.mtp_layers}" if model.mtp_layers else "has no multi-token-prediction module"
+        raise PiperError(f"{mtp_layers}; {model.name} {have} (its mtp_layers; Hugging Face num_nextn_predict_layers): "
+                         f"allowed 0 to {model.mtp_layers}", field="--mtp-layers")
+    return type(model).model_validate({**model.model_dump(), "mtp_layers": mtp_layers})   # no cached counts copied
 
 
 def parse_layers(text: str | None) -> list[int] | None:

@@ -34,6 +34,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @placement_option
 @click.option("--memory-headroom", type=float, default=0.0, show_default=True,
               help="Fraction of device memory to keep free (0.1 = plans must fit in 90%).")
+@click.option("--cp", "cp_text", default=None,
+              help="Context-parallel degrees to search, e.g. 1,2,4 (default: 1, and 2, 4, 8 from 16k-token sequences).")
 @click.option("--expert-tp", is_flag=True,
               help="Also search expert tensor parallelism etp > 1 (piper's runtime runs etp = 1 only).")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
@@ -44,8 +46,9 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @plot_option("Write tokens/s vs peak memory of every evaluated plan (Pareto set and chosen plan marked, rejected "
              "ones coloured by reason) as a PNG")
 @click.pass_context
-def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a, migration,
-             runnable, placement, memory_headroom, expert_tp, top, as_json, as_csv, save_path, explain, plot_path):
+def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a,
+             migration, runnable, placement, memory_headroom, cp_text, expert_tp, top, as_json, as_csv, save_path,
+             explain, plot_path):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
 
@@ -55,8 +58,8 @@ def plan_cmd(ctx, model_name, platform_name, nodes_text, min_nodes, seq_len, glo
         check_writable(save_path)
     if plot_path:
         check_plot_path(plot_path)
-    model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch)
-    options = search_options(strategy, a2a, memory_headroom, expert_tp)
+    model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers)
+    options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
@@ -101,12 +104,26 @@ def _plot(path, result, model, platform):
                      result.memory_limit_bytes, title)
 
 
-def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False):
+def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False,
+                   cp: tuple[int, ...] | None = None):
     from piper_plan.search.space import SearchOptions
 
     if not 0.0 <= memory_headroom < 1.0:
         raise PiperError(f"memory headroom {memory_headroom}; allowed 0 <= h < 1", field="--memory-headroom")
-    return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom, expert_tp=expert_tp)
+    return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom, expert_tp=expert_tp, cp=cp)
+
+
+def parse_cp(text: str | None) -> tuple[int, ...] | None:
+    """'1,2,4' -> (1, 2, 4); None keeps the default space."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise PiperError(f"{text!r}; allowed: comma-separated degrees >= 1, e.g. 1,2,4", field="--cp")
+    return values
 
 
 def search_kwargs(platform, placement: str, runnable: bool) -> dict:
@@ -188,7 +205,8 @@ def _plans_table(result, platform, training, top: int):
         table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a") else "right", no_wrap=True)
     rows = plan_rows(result, training, top)
     for row in rows:
-        table.add_row(str(row["rank"]), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp")),
+        table.add_row(str(row["rank"]), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp"))
+                      + (f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""),
                       f"{row['mbs']} x {row['num_microbatches']}",
                       _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),
                       row["recompute"][:4],
@@ -263,7 +281,7 @@ def _emit_nothing_fits(model, platform, training, result, options, kwargs, as_js
     from rich.table import Table
 
     table = Table(title="closest candidates")
-    keys = ("dp", "tp", "pp", "ep", "etp", "mbs", "schedule", "recompute", "zero", "a2a")
+    keys = ("dp", "cp", "tp", "pp", "ep", "etp", "mbs", "schedule", "recompute", "zero", "a2a")
     for label in (*keys, "peak GiB", "over by GiB"):
         table.add_column(label, justify="right")
     for r in info["closest"]:

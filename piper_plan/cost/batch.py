@@ -5,12 +5,13 @@ construction; ``stage_detail`` then walks that one plan's every stage for the re
 
 What depends on what (the keys below; every one a few hundred to a few thousand distinct values in a search):
 
-- time per micro-batch of every stage: (pp, tp, ep, etp, mbs, recompute, a2a, virtual_stages, sp)   KEY_TIME
-- peak memory: (pp, tp, ep, etp, mbs, recompute, virtual_stages, sp, dp, num_microbatches, schedule,
+- time per micro-batch of every stage: (pp, tp, cp, ep, etp, mbs, recompute, a2a, virtual_stages, sp) KEY_TIME
+- peak memory: (pp, tp, cp, ep, etp, mbs, recompute, virtual_stages, sp, dp, num_microbatches, schedule,
   zero)                                                                                             KEY_MEMORY
   of which memory without the micro-batches in flight: KEY_MEMORY less schedule, num_microbatches  KEY_STATE
-- gradient sync and the optimizer step: (pp, tp, dp, ep, etp, virtual_stages, zero, num_microbatches) KEY_SYNC
-- pipeline p2p: (pp, tp, dp, mbs, virtual_stages)                                                  KEY_P2P
+- gradient sync and the optimizer step: (pp, tp, cp, dp, ep, etp, virtual_stages, zero, num_microbatches)
+                                                                                                   KEY_SYNC
+- pipeline p2p: (pp, tp, cp, dp, mbs, virtual_stages)                                              KEY_P2P
 
 Stages come from ``pipeline.stage_rows``: the distinct stage shapes of each layer split the plan may use
 (even, FLOP-balanced; or the plan's explicit list), so per-stage arrays are [S, U] with S small. A plan whose
@@ -31,12 +32,12 @@ from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds
 from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
 
-KEY_TIME = ("pp", "tp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
-KEY_MEMORY = ("pp", "tp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
+KEY_TIME = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
+KEY_MEMORY = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
               "num_microbatches", "schedule", "zero")
-KEY_STATE = ("pp", "tp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero")
-KEY_SYNC = ("pp", "tp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches")
-KEY_P2P = ("pp", "tp", "dp", "mbs", "virtual_stages")
+KEY_STATE = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero")
+KEY_SYNC = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches")
+KEY_P2P = ("pp", "tp", "cp", "dp", "mbs", "virtual_stages")
 SPLITS = (0, 1)
 """Split slots of the per-split arrays: 0 the even (or the explicit) split, 1 the FLOP-balanced one."""
 _NONE = -np.inf
@@ -109,11 +110,13 @@ def per_split_argmax(values, split) -> np.ndarray:
     return np.stack([np.where(split == code, values, _NONE).argmax(0) for code in SPLITS])
 
 
-def stage_time_parts(per_layer: dict, head, st: stg.StageShape) -> dict[str, np.ndarray]:
+def stage_time_parts(model, per_layer: dict, head, st: stg.StageShape) -> dict[str, np.ndarray]:
     """Seconds per micro-batch of stages ``st`` by breakdown name (without p2p): per-layer terms times the
-    stage's dense / MoE layer counts, the LM head on the last stage."""
+    stage's dense / MoE block counts (the MTP blocks included), the LM head on the last stage (once more per MTP
+    module; eh_proj, 2 d^2 per token, is not priced)."""
+    st = stg.with_mtp_blocks(model, st)
     parts = {k: st.dense_layers * d + st.moe_layers * m for k, (d, m) in per_layer.items()}
-    parts["compute/lm_head"] = np.where(st.last, head, 0.0)
+    parts["compute/lm_head"] = np.where(st.last, head * (1 + model.mtp_layers), 0.0)
     return parts
 
 
@@ -122,7 +125,7 @@ def time_by_key(ctx, alloc, sub):
     breakdown of that stage {name: [2, U]}."""
     per_layer, head = layer_terms(ctx, alloc, sub, stg.layer_activations(ctx, sub))
     split, st, _ = stage_table(ctx, sub)
-    parts = stage_time_parts(per_layer, head, st)
+    parts = stage_time_parts(ctx.model, per_layer, head, st)
     total = sum(parts.values())
     slow = per_split_argmax(total, split)
     cols = np.arange(total.shape[1])
@@ -237,6 +240,6 @@ def stage_detail(ctx, alloc, c, layers_per_stage: list[int]):
     flight = in_flight(c.schedule, stages, c.pp, c.num_microbatches, c.virtual_stages)
     memory = {k: np.broadcast_to(v, stages.shape) for k, v in stg.stage_memory(ctx, c, st, flight, acts).items()}
     per_layer, head = layer_terms(ctx, alloc, c, acts)
-    times = stage_time_parts(per_layer, head, st)
+    times = stage_time_parts(ctx.model, per_layer, head, st)
     times["pipeline/p2p"] = np.broadcast_to(p2p_seconds(ctx, c, spans(alloc, c)), stages.shape)
     return st, memory, times

@@ -102,16 +102,30 @@ def _core_keys(model: ModelSpec, seq_len: int, flash: bool) -> float:
 def model_flops_per_token(model: ModelSpec, seq_len: int, convention: str = "palm") -> float:
     """Model FLOPs per token of training (forward + backward = 3 x forward), no recompute: ``6 N`` plus 3 x the
     attention scores (PaLM's 12 L H Q T with separate q/k and v widths for MLA). N = active non-embedding
-    parameters incl. an untied LM head."""
-    return 6.0 * model.params.active_excluding_embedding + 3.0 * attention_score_flops_per_token(model, seq_len,
+    parameters incl. an untied LM head. The megatron convention adds the MTP modules: 3 x mtp_forward_flops."""
+    main = 6.0 * model.params.active_excluding_embedding + 3.0 * attention_score_flops_per_token(model, seq_len,
                                                                                                 convention)
+    return main + (3.0 * mtp_forward_flops(model, seq_len) if convention == "megatron" else 0.0)
+
+
+def mtp_forward_flops(model: ModelSpec, seq_len: int) -> float:
+    """Forward FLOPs per token of the MTP modules, as Megatron-LM's ``num_floating_point_operations`` counts them
+    (megatron/training/training.py: each module one more MoE layer, its norms and eh_proj ``3 d + 2 d^2``, the
+    logits once more): 2 x the module's active parameters + 2 V d for its pass through the shared head + its
+    block's attention scores, causal (s / 2 keys per query, full attention)."""
+    if not model.mtp_layers:
+        return 0.0
+    heads, qk, v = score_widths(model)
+    per_module = 2.0 * (model.vocab_size or 0) * model.hidden_size + 2.0 * heads * (qk + v) * seq_len / 2
+    return 2.0 * model.params.mtp_active + model.mtp_layers * per_module
 
 
 def recompute_flops_per_token(model: ModelSpec, seq_len: int, lf: LayerFlops, recompute, flash: bool,
                               convention: str = "palm"):
     """Forward FLOPs per token that recomputation repeats (arrays broadcast over ``recompute`` codes): full = every
-    layer's forward (GEMMs and scores), selective = the attention scores (none under flash attention, whose
-    backward recomputes them anyway and is counted as the model's backward)."""
+    layer's forward (GEMMs and scores; megatron: the MTP blocks' too, their shared-head logits excluded),
+    selective = the attention scores (none under flash attention, whose backward recomputes them anyway and is
+    counted as the model's backward)."""
     import numpy as np
 
     from piper_plan.specs.vocab import Recompute
@@ -119,5 +133,8 @@ def recompute_flops_per_token(model: ModelSpec, seq_len: int, lf: LayerFlops, re
     moe_l, dense_l, layers = model.num_moe_layers, model.num_dense_layers, model.num_layers
     gemm_fwd = layers * lf.attention_proj + dense_l * lf.dense_mlp + moe_l * (lf.router + lf.experts + lf.shared)
     scores = attention_score_flops_per_token(model, seq_len, convention)
+    if convention == "megatron":
+        gemm_fwd = gemm_fwd + mtp_forward_flops(model, seq_len) \
+            - model.mtp_layers * 2.0 * (model.vocab_size or 0) * model.hidden_size
     return np.where(recompute == Recompute.FULL.code, gemm_fwd + scores,
                     np.where(recompute == Recompute.SELECTIVE.code, 0.0 if flash else scores, 0.0))

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from piper_plan.specs.model import ModelSpec
-from piper_plan.specs.params import (attention_params, ffn_params, norm_params, router_params,
-                                     shared_expert_params)
+from piper_plan.specs.params import (attention_params, ffn_params, linear_params, mtp_extra_params, norm_params,
+                                     router_params, shared_expert_params)
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class LayerParams:
     shared_whole: int = 0
     parallel_dense_whole: int = 0
     embedding_whole: int = 0
+    mtp_layers: int = 0          # multi-token-prediction modules, all on the last stage (Megatron-Core puts them
+    mtp_moe: bool = False        # there, after the decoder); each is a block shaped like the last layer (MoE or
+    mtp_proj: int = 0            # dense) + eh_proj (split over tp like a column-parallel Linear)
+    mtp_norms: int = 0           # + enorm, hnorm, final norm (whole)
+    mtp_embedding: int = 0       # the word embedding the last stage keeps for its MTP modules when pp > 1
 
 
 def layer_params(model: ModelSpec) -> LayerParams:
@@ -61,7 +66,18 @@ def layer_params(model: ModelSpec) -> LayerParams:
         tied_head=(model.vocab_size or 0) * d if model.tie_embeddings else 0,
         final_norm=norm_params(model.norm, d) if model.norm.final else 0,
         **tp_whole_params(model),
+        **mtp_params(model),
     )
+
+
+def mtp_params(model: ModelSpec) -> dict:
+    """The MTP fields of LayerParams (all 0 without MTP modules)."""
+    if not model.mtp_layers:
+        return {}
+    d = model.hidden_size
+    return {"mtp_layers": model.mtp_layers, "mtp_moe": model.mtp_is_moe, "mtp_proj": linear_params(2 * d, d, False),
+            "mtp_norms": mtp_extra_params(model) - linear_params(2 * d, d, False),
+            "mtp_embedding": 0 if model.tie_embeddings else model.vocab_size * d}
 
 
 def tp_whole_params(model: ModelSpec) -> dict[str, int]:
@@ -116,7 +132,8 @@ def rank_stage_params(lp: LayerParams, layers, moe_layers, first, last, tp, ep, 
 
     ``layers`` / ``moe_layers``: layers of the stage and how many of them are MoE; ``first`` / ``last``:
     whether the stage is the first / last one (embedding / final norm + LM head; with a tied LM head and
-    pp > 1 the last stage keeps its own copy of the word embedding, as Megatron-LM does)."""
+    pp > 1 the last stage keeps its own copy of the word embedding, as Megatron-LM does; the last stage also holds
+    the MTP modules, and at pp > 1 a copy of the word embedding for them, as Megatron-Core builds it)."""
     split = lambda total, whole: (total - whole) / tp + whole  # noqa: E731   (tp_whole_params stays whole)
     per_layer = split(lp.attention, lp.attention_whole) + lp.norms + split(lp.dense_mlp, lp.dense_mlp_whole)
     per_moe = (split(lp.shared, lp.shared_whole) + split(lp.parallel_dense, lp.parallel_dense_whole)
@@ -124,5 +141,10 @@ def rank_stage_params(lp: LayerParams, layers, moe_layers, first, last, tp, ep, 
     first, last = np.asarray(first), np.asarray(last)
     dense = layers * per_layer + moe_layers * per_moe + first * split(lp.embedding, lp.embedding_whole)
     dense = dense + last * ((lp.lm_head + lp.tied_head * ~first) / tp + lp.final_norm)
-    expert = moe_layers * (lp.num_experts * lp.expert / (ep * etp))
+    expert_layer = lp.num_experts * lp.expert / (ep * etp)
+    expert = moe_layers * expert_layer
+    if lp.mtp_layers:
+        module = per_layer + lp.mtp_moe * per_moe + lp.mtp_proj / tp + lp.mtp_norms
+        dense = dense + last * (lp.mtp_layers * module + lp.mtp_embedding * ~first / tp)
+        expert = expert + last * (lp.mtp_layers * lp.mtp_moe * expert_layer)
     return dense, expert

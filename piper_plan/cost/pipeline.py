@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from piper_plan.cost.flops import mtp_forward_flops
 from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, moe_prefix
 from piper_plan.specs import even_split
 from piper_plan.specs.params import attention_params, ffn_params, router_params, shared_expert_params
@@ -53,9 +54,10 @@ def layer_flops_per_token(model, seq_len: int) -> np.ndarray:
     return out
 
 
-def lm_head_flops_per_token(model) -> float:
-    """The LM head's forward FLOPs per token (2 V d); 0 without a vocabulary."""
-    return 2.0 * (model.vocab_size or 0) * model.hidden_size
+def lm_head_flops_per_token(model, seq_len: int = 0) -> float:
+    """Forward FLOPs per token of what the last stage runs after its layers: the LM head (2 V d; 0 without a
+    vocabulary) and the MTP modules (cost/flops.py mtp_forward_flops)."""
+    return 2.0 * (model.vocab_size or 0) * model.hidden_size + mtp_forward_flops(model, seq_len)
 
 
 def balanced_stage_layers(model, seq_len: int, pp: int) -> list[int]:
@@ -67,15 +69,15 @@ def balanced_stage_layers(model, seq_len: int, pp: int) -> list[int]:
         return [model.num_layers]
     w = layer_flops_per_token(model, seq_len)
     even = even_split(model.num_layers, pp)
-    best = _min_max_split(w, pp, lm_head_flops_per_token(model))
-    return even if _heaviest(w, even, model) <= _heaviest(w, best, model) * (1 + 1e-12) else best
+    best = _min_max_split(w, pp, lm_head_flops_per_token(model, seq_len))
+    return even if _heaviest(w, even, model, seq_len) <= _heaviest(w, best, model, seq_len) * (1 + 1e-12) else best
 
 
-def _heaviest(w: np.ndarray, split: list[int], model) -> float:
+def _heaviest(w: np.ndarray, split: list[int], model, seq: int) -> float:
     ends = np.cumsum(split)
     starts = ends - np.asarray(split)
     loads = [w[s:e].sum() for s, e in zip(starts, ends)]
-    loads[-1] += lm_head_flops_per_token(model)
+    loads[-1] += lm_head_flops_per_token(model, seq)
     return max(loads)
 
 

@@ -59,7 +59,19 @@ class StageShape:
         return self.layers - self.moe_layers
 
 
+def with_mtp_blocks(model: ModelSpec, st: StageShape) -> StageShape:
+    """The transformer blocks a stage runs: its layers, and on the last stage the MTP modules' blocks (each shaped
+    like the model's last layer), whose activations and time count like a layer's."""
+    if not model.mtp_layers:
+        return st
+    extra = st.last * model.mtp_layers
+    return StageShape(st.layers + extra, st.moe_layers + extra * model.mtp_is_moe, st.first, st.last)
+
+
 # ---- memory ----------------------------------------------------------------------------------------
+# Every per-rank token count below is c.seq_share x seq_len = mbs x s / cp: context parallelism splits each
+# sequence, so activations, GEMMs, the attention scores a rank computes (its queries against all keys, s / 2 on
+# average under the load-balanced causal split) and the collectives all scale by 1 / cp.
 def sequence_split(c):
     """How many ways activations outside the tp region are split: tp with sequence parallelism, else 1."""
     return np.where(c.sequence_parallel == 1, c.tp, 1)
@@ -69,12 +81,12 @@ def layer_activations(ctx: Context, c) -> dict:
     """Per-layer, per-micro-batch activation bytes by component (arrays [N])."""
     m, t, o = ctx.model, ctx.training, ctx.opts
     sp = sequence_split(c)
-    kept, core = mem.attention_activation_bytes(m, t, o, c.tp, c.mbs, sp)
+    kept, core = mem.attention_activation_bytes(m, t, o, c.tp, c.seq_share, sp)
     out = {"attention": kept, "attention_core": core + 0.0 * kept,
-           "mlp": mem.dense_mlp_activation_bytes(m, t, o, c.tp, c.mbs, sp) if m.dense_ffn is not None else 0.0 * kept,
-           "input": mem.layer_input_bytes(m, t, o, c.tp, c.mbs, sp)}
+           "mlp": mem.dense_mlp_activation_bytes(m, t, o, c.tp, c.seq_share, sp) if m.dense_ffn is not None else 0.0 * kept,
+           "input": mem.layer_input_bytes(m, t, o, c.tp, c.seq_share, sp)}
     if m.moe is not None:
-        for name, value in mem.moe_activation_bytes(m, t, o, c.tp, c.mbs, c.ep, c.etp, sp).items():
+        for name, value in mem.moe_activation_bytes(m, t, o, c.tp, c.seq_share, c.ep, c.etp, sp).items():
             out[f"moe/{name}"] = value + 0.0 * kept
     return out
 
@@ -83,8 +95,9 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.
     """Bytes per rank of a stage by component (arrays shaped like ``st``); ``total`` includes overheads.
     ``flight``: micro-batches in flight (memory.in_flight); ``acts``: layer_activations(ctx, c)."""
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
-    out = mem.state_bytes(ctx.training, dense, expert, c.dp, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st),
+    out = mem.state_bytes(ctx.training, dense, expert, c.dp_cp, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st),
                           fp32_replicas=ctx.opts.unfused_kernels)
+    st = with_mtp_blocks(ctx.model, st)                   # activations: the MTP blocks count like layers
     core = np.where(c.recompute == NO_RECOMPUTE, acts["attention_core"], 0.0)
     keep_all = c.recompute != FULL
     layer_sum = lambda value, count: np.where(keep_all, value * count * flight, 0.0)  # noqa: E731
@@ -129,19 +142,22 @@ def _working(st: StageShape, acts):
 
 def end_bytes(ctx: Context, c):
     """(first stage, last stage) activation bytes per micro-batch in flight outside the layers: the embedding
-    output; the logits in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy).
+    output; the logits in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy), once more
+    per MTP module with its embedding output, hidden state and eh_proj input (4 d per token) around its block.
     ``unfused_kernels`` (piper's runtime): the embedding keeps its int64 token ids (its output is layer 0's norm
     input); the loss keeps the fp32 log-softmax and the int64 targets, the head its input, the final norm its
     input, normalised input and fp32 rstd."""
     m, t = ctx.model, ctx.training
-    tokens = c.mbs * t.seq_len
+    tokens = c.seq_share * t.seq_len
     sp = sequence_split(c)
     d_bytes = tokens * m.hidden_size * t.activation_bytes / sp
     if ctx.opts.unfused_kernels:
         logits = tokens * (m.vocab_size or 0) / c.tp * 4 + 3 * d_bytes + tokens * (4 + mem.INDEX_BYTES) \
             + mem.gathered_input_bytes(tokens, m.hidden_size, t.activation_bytes, sp, ctx.opts)   # the head's input
+        logits = logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
         return tokens * mem.INDEX_BYTES + 0.0 * d_bytes, logits
-    return d_bytes, tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+    logits = tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+    return d_bytes, logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
 
 
 def _end_activations(ctx: Context, c, st: StageShape, flight) -> dict:
@@ -171,7 +187,7 @@ def _ffn_gemms(ctx: Context, ffn, rows, tp, groups=1, count=1):
 def layer_compute_seconds(ctx: Context, c) -> dict[str, tuple]:
     """(fwd, bwd) seconds per layer per micro-batch, by component (arrays [N])."""
     m, t = ctx.model, ctx.training
-    tokens = c.mbs * t.seq_len
+    tokens = c.seq_share * t.seq_len
     d = m.hidden_size
     out = {"attention": _gemm(ctx, tokens, ctx.lp.attention / d / c.tp, d)}
     out["attention_core"] = _attention_core(ctx, c)
@@ -180,7 +196,7 @@ def layer_compute_seconds(ctx: Context, c) -> dict[str, tuple]:
     if m.moe is not None:
         moe = m.moe
         out["router"] = _gemm(ctx, tokens / c.tp, moe.num_experts, d)
-        _, received = mem.routed_rows(m, t, c.tp, c.mbs, c.ep)
+        _, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
         local = moe.num_experts / c.ep
         out["experts"] = _ffn_gemms(ctx, moe.expert, received * c.etp / local, c.etp, groups=local)
         shared = (0.0 * tokens, 0.0 * tokens)
@@ -198,7 +214,7 @@ def _attention_core(ctx: Context, c):
     Unfused attention: two batched GEMMs per head ([s x qk] @ [qk x s], [s x s] @ [s x v]), priced by GEMM
     shape (low intensity for small head widths), backward 2 x forward; softmax and masks are elementwise."""
     m, t = ctx.model, ctx.training
-    tokens, s = c.mbs * t.seq_len, t.seq_len
+    tokens, s = c.seq_share * t.seq_len, t.seq_len
     core_flops = tokens * ctx.lf.attention_core / c.tp
     heads = m.attention.num_heads / c.tp
     if t.flash_attention:
@@ -208,7 +224,7 @@ def _attention_core(ctx: Context, c):
     from piper_plan.cost.flops import score_widths
 
     _, qk, v = score_widths(m)
-    batch = c.mbs * heads
+    batch = c.seq_share * heads
     fwd = ctx.rates.gemm_seconds(s, s, qk, batch) + ctx.rates.gemm_seconds(s, v, s, batch)
     bwd = ctx.rates.gemm_seconds(s, s, qk, batch, True) + ctx.rates.gemm_seconds(s, v, s, batch, True)
     return fwd, bwd
@@ -218,10 +234,11 @@ def layer_comm_seconds(ctx: Context, c, spans) -> dict[str, np.ndarray]:
     """Seconds of one forward pass's collectives per layer per micro-batch (arrays [N]); the backward
     repeats them once, full recompute once more. spans: dict name -> (scope, nodes) from placement."""
     m, t = ctx.model, ctx.training
-    tokens, ab, d = c.mbs * t.seq_len, t.activation_bytes, m.hidden_size
-    out = {"tp": 2 * ctx.net.seconds("all_reduce", c.tp, tokens * d * ab, spans["tp"][0])}
+    tokens, ab, d = c.seq_share * t.seq_len, t.activation_bytes, m.hidden_size
+    out = {"tp": 2 * ctx.net.seconds("all_reduce", c.tp, tokens * d * ab, spans["tp"][0]),
+           "cp_step": cp_step_seconds(ctx, c, spans["cp"][0])}
     if m.moe is not None:
-        sent, received = mem.routed_rows(m, t, c.tp, c.mbs, c.ep)
+        sent, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
         load = received / sent                                  # the busiest receiver sets the pace
         nbytes = sent * d * ab * load
         intra, inter = ctx.net.a2a_seconds(c.a2a, c.ep, spans["ep"][1], nbytes, spans["ep"][0])
@@ -229,6 +246,38 @@ def layer_comm_seconds(ctx: Context, c, spans) -> dict[str, np.ndarray]:
         # expert tensor parallelism: all-gather the etp group's rows before, reduce-scatter after the experts
         out["etp"] = ctx.net.seconds("all_reduce", c.etp, nbytes * c.etp, spans["etp"][0])
     return out
+
+
+def kv_bytes(ctx: Context, c):
+    """Bytes of K and V of one rank's sequence chunks per layer and micro-batch, for its tp share of the heads:
+    what one step of the context-parallel ring sends (MLA: per-head K (nope + rope) and V, as Megatron-Core
+    passes them to Transformer Engine's ring attention)."""
+    from piper_plan.cost.flops import score_widths
+
+    m, t = ctx.model, ctx.training
+    heads, qk, v = score_widths(m)
+    kv_heads = heads if m.attention.kind == "mla" else m.attention.kv_heads
+    return c.seq_share * t.seq_len * kv_heads * (qk + v) / c.tp * t.activation_bytes
+
+
+def cp_step_seconds(ctx: Context, c, cp_scope):
+    """Seconds of one step of the context-parallel ring (kv_bytes as one p2p at the cp group's scope); 0 at cp = 1."""
+    ring = c.cp > 1
+    if not ring.any():
+        return np.zeros(len(c))
+    return np.where(ring, ctx.net.seconds("p2p", 2, kv_bytes(ctx, c), cp_scope), 0.0)
+
+
+def cp_exchange_seconds(c, step_s, core_fwd_s, core_bwd_s, passes_fwd):
+    """Exposed seconds of the context-parallel KV ring per layer and micro-batch (Megatron-Core's cp_comm_type
+    p2p, Transformer Engine's ring attention): cp - 1 steps each send K and V of the local chunk (``step_s``), and
+    each overlaps the attention compute of one step, 1 / cp of the core; backward passes K, V and their gradients
+    (twice the bytes) against the backward core. What the compute does not cover is exposed; ``passes_fwd``:
+    forward passes (2 with full recompute)."""
+    steps = c.cp - 1
+    fwd = steps * np.maximum(step_s - core_fwd_s / c.cp, 0.0)
+    bwd = steps * np.maximum(2 * step_s - core_bwd_s / c.cp, 0.0)
+    return fwd * passes_fwd + bwd
 
 
 def elementwise_bytes_per_layer(ctx: Context, c, acts) -> tuple:

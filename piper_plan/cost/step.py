@@ -19,7 +19,7 @@ def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span) -> tuple
     gathers = np.where(piped, np.where(c.zero == 3, m + 1, 1), np.where(c.zero == 3, 2 * m, m))
     scatters = np.where(piped, 1, m)
     out = []
-    for params, n, span in ((dense, c.dp, dp_span), (expert, c.edp, edp_span)):
+    for params, n, span in ((dense, c.dp_cp, dp_span), (expert, c.edp, edp_span)):
         grads = params * training.grad_bytes
         weights = net.seconds("all_gather", n, params * training.weight_bytes, span)
         plain = net.seconds("all_reduce", n, grads, span)
@@ -32,7 +32,7 @@ def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span) -> tuple
 def optimizer_seconds(rates, training, dense, expert, c) -> np.ndarray:
     """Adam step, memory-bound: read + write master and optimizer state, read gradients, write weights,
     for the parameters this rank updates (its ZeRO-1 shard)."""
-    local = dense / np.where(c.zero >= 1, c.dp, 1) + expert / np.where(c.zero >= 1, c.edp, 1)
+    local = dense / np.where(c.zero >= 1, c.dp_cp, 1) + expert / np.where(c.zero >= 1, c.edp, 1)
     per_param = 2 * (training.master_bytes + training.optimizer_bytes) + training.grad_bytes + training.weight_bytes
     per_param += 2 * training.grad_bytes          # gradient-norm clipping and loss-scale unscaling read them again
     return rates.memory_seconds(local * per_param)

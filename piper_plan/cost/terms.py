@@ -14,13 +14,14 @@ from piper_plan.specs.vocab import Recompute
 
 
 def spans(alloc, c: PlanBatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """(scope index, nodes spanned) of each parallel group kind, per candidate."""
+    """(scope index, nodes spanned) of each parallel group kind, per candidate, in the rank order tp, cp, dp, pp
+    (fastest first): "dp" is the dp x cp group the dense gradients are reduced over."""
     out = {}
-    for name, stride, count in (("tp", 1, c.tp), ("ep", c.etp, c.ep), ("etp", 1, c.etp), ("dp", c.tp, c.dp),
-                                ("edp", c.ep * c.etp, c.edp)):
+    for name, stride, count in (("tp", 1, c.tp), ("cp", c.tp, c.cp), ("ep", c.etp, c.ep), ("etp", 1, c.etp),
+                                ("dp", c.tp, c.dp_cp), ("edp", c.ep * c.etp, c.edp)):
         scope, nodes, _ = span_arrays(alloc, stride, count)
         out[name] = (scope, nodes)
-    out["pp"] = (stage_pair_scope(alloc, c.dp * c.tp), None)
+    out["pp"] = (stage_pair_scope(alloc, c.dp_cp * c.tp), None)
     return out
 
 
@@ -47,19 +48,20 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
     rec_m = np.where(full, attn_fwd + fwd("router") + fwd("experts") + fwd("shared_experts") + elem_m, sel)
     passes = 2 + full                                         # forward, backward, + recompute forward
     tp = comm["tp"] * passes * (1 - o.tp_overlap)
+    cp = stg.cp_exchange_seconds(c, comm["cp_step"], fwd("attention_core"), comp["attention_core"][1], 1 + full)
     per_layer = {
         "compute/attention": (attn, attn), "compute/mlp": (fb("mlp"), zero),
         "compute/router": (zero, fb("router")), "compute/experts": (zero, fb("experts")),
         "compute/shared_experts": (zero, fb("shared_experts")),
         "compute/elementwise": (3 * elem_d, 3 * elem_m), "compute/recompute": (rec_d, rec_m),
-        "comm/tp": (tp, tp),
+        "comm/tp": (tp, tp), "comm/cp": (cp, cp),
     }
     if "a2a_intra" in comm:
         per_layer["comm/etp"] = (zero, comm["etp"] * passes * (1 - o.tp_overlap))
         for part in ("dispatch", "combine"):
             for where, key in (("intra_node", "a2a_intra"), ("inter_node", "a2a_inter")):
                 per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
-    head_f, head_b = stg._gemm(ctx, c.mbs * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
+    head_f, head_b = stg._gemm(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms
     overhead = getattr(ctx.rates.calibration, "overhead", None)
@@ -80,7 +82,7 @@ def p2p_seconds(ctx, c: PlanBatch, group_spans) -> np.ndarray:
     Each tp rank sends 1/tp of the activation (Megatron's scatter/gather optimisation, Narayanan et al.
     2021 sec. 4.1; with sequence parallelism the activation is split anyway); the intra-node all-gather that
     follows is small and not counted."""
-    nbytes = c.mbs * ctx.training.seq_len * ctx.model.hidden_size * ctx.training.activation_bytes / c.tp
+    nbytes = c.seq_share * ctx.training.seq_len * ctx.model.hidden_size * ctx.training.activation_bytes / c.tp
     t = 2 * ctx.net.seconds("p2p", 2, nbytes, group_spans["pp"][0]) * c.virtual_stages
     return np.where(c.pp > 1, t * (1 - ctx.opts.p2p_overlap), 0.0)
 

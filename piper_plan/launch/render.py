@@ -76,10 +76,10 @@ class JobSpec:
 
 
 def expert_groups_span_nodes(plan, devices_per_node: int) -> bool:
-    """True when some expert-parallel group (ep x etp consecutive ranks of a stage's dp x tp block, DESIGN.md
+    """True when some expert-parallel group (ep x etp consecutive ranks of a stage's dp x cp x tp block, DESIGN.md
     rank order) holds ranks of more than one node."""
     group = plan.ep * plan.etp
-    block = plan.dp * plan.tp
+    block = plan.dp * plan.cp * plan.tp
     for stage in range(plan.pp):
         for start in range(stage * block, (stage + 1) * block, group):
             if start // devices_per_node != (start + group - 1) // devices_per_node:
@@ -132,7 +132,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
     platform, plan, nodes = plan_file.platform, plan_file.parallel, v.positive_int(plan_file.nodes, "nodes")
     dpn = platform.devices_per_node
     if plan.world != nodes * dpn:
-        raise PiperError(f"parallel: pp x dp x tp = {plan.world} ranks, but nodes x devices_per_node = "
+        raise PiperError(f"parallel: pp x dp x cp x tp = {plan.world} ranks, but nodes x devices_per_node = "
                          f"{nodes} x {dpn} = {nodes * dpn}; the plan must fill its nodes", path=source or plan_path)
     launch = platform.launch
     steps = v.positive_int(_given(options.steps, plan_file.runtime.steps), "steps")

@@ -411,10 +411,11 @@ def _shrunk_heads(a, hidden_size: int) -> dict:
 def shrink_spec(spec, hidden_size: int = 64, num_layers: int | None = 4, num_experts: int | None = None,
                 vocab_size: int = 512, ffn_size: int = 128):
     """A reduced-width/-depth copy of a catalog spec (same structure: attention kind and options, norms,
-    gating, biases, shared experts and their gate, dense/MoE pattern, ties, positions) for CPU tests."""
+    gating, biases, shared experts and their gate, dense/MoE pattern, ties, positions) for CPU tests. MTP modules
+    are dropped (mtp_layers 0, as ``--mtp-layers 0``): the runtime builds none (capability.py)."""
     attn = spec.attention.model_copy(update=_shrunk_heads(spec.attention, hidden_size))
     upd = {"hidden_size": hidden_size, "num_layers": num_layers or spec.num_layers, "vocab_size": vocab_size,
-           "attention": attn, "max_seq_len": min(spec.max_seq_len or 1024, 1024)}
+           "attention": attn, "max_seq_len": min(spec.max_seq_len or 1024, 1024), "mtp_layers": 0}
     if spec.dense_ffn is not None:
         upd["dense_ffn"] = spec.dense_ffn.model_copy(update={"intermediate_size": ffn_size})
     if spec.moe is not None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from piper_plan.errors import PiperError
 
-COMPARED_FIELDS = ("dp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "recompute", "zero", "a2a")
+COMPARED_FIELDS = ("dp", "cp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "recompute", "zero", "a2a")
 """Plan fields the winner / runner-up comparison names when they differ."""
 
 
@@ -52,7 +52,7 @@ def candidate_status(result) -> np.ndarray:
 
 
 def runner_up(result) -> int | None:
-    """The best plan with other degrees (dp, tp, pp, ep, etp) than the winner; else simply the second plan.
+    """The best plan with other degrees (dp, cp, tp, pp, ep, etp) than the winner; else simply the second plan.
 
     Plans that differ only in a setting the model predicts no effect for (selective recompute with flash
     attention, say) tie with the winner and say nothing about what separates it from the alternatives."""
@@ -61,7 +61,7 @@ def runner_up(result) -> int | None:
     f, order = result.fields, result.order
     w = order[0]
     differs = np.zeros(len(order) - 1, dtype=bool)
-    for k in ("dp", "tp", "pp", "ep", "etp"):
+    for k in ("dp", "cp", "tp", "pp", "ep", "etp"):
         differs |= f[k][order[1:]] != f[k][w]
     hits = np.flatnonzero(differs)
     return int(order[1 + hits[0]]) if len(hits) else int(order[1])

@@ -1,13 +1,14 @@
-"""Candidate generation: every (dp, tp, pp, ep, etp, mbs, schedule, recompute, zero, a2a) of one allocation.
+"""Candidate generation: every (dp, cp, tp, pp, ep, etp, mbs, schedule, recompute, zero, a2a) of one allocation.
 
-Pure numpy (no torch, no I/O). Vocabulary from DESIGN.md: ``world = nodes x devices_per_node = pp x dp x tp``;
-experts regroup a stage's ``dp x tp`` ranks as ``ep x etp x edp``; ``num_microbatches = global_batch / (dp x mbs)``.
+Pure numpy (no torch, no I/O). Vocabulary from DESIGN.md and docs/design-notes.md:
+``world = nodes x devices_per_node = pp x dp x cp x tp``; experts regroup a stage's ``dp x cp x tp`` ranks as
+``ep x etp x edp``; ``num_microbatches = global_batch / (dp x mbs)``.
 
 The space is a cartesian product: divisor lists per axis, broadcast with ``np.meshgrid`` (no Python loop per
 candidate). Validity is ``piper_plan.plans``' rules, applied in two steps so that the big product never
 materialises for structurally invalid rows:
 
-1. the *structural* grid (pp, tp, ep, etp, mbs) with ``pp x tp`` dividing the world (dp is derived), checked by
+1. the *structural* grid (pp, tp, cp, ep, etp, mbs) with ``pp x tp x cp`` dividing the world (dp is derived), checked by
    the rules that depend on those fields only; each invalid row is counted under its first reason, times the
    number of (schedule, recompute, zero, a2a) combinations it stands for;
 2. the valid rows times (schedule, recompute, zero, a2a), checked by the remaining rules, then by the search's
@@ -41,7 +42,7 @@ DUPLICATE_REASONS: tuple[str, ...] = (
     "duplicate_pp1_schedule",                   # pp = 1: GPipe and 1F1B are the same run (1F1B kept)
     "duplicate_one_microbatch_schedule",        # one micro-batch: GPipe and 1F1B are the same run (1F1B kept)
     "duplicate_no_all_to_all",                  # ep = 1: no expert all-to-all, halo = flat (flat kept)
-    "duplicate_zero_no_replicas",               # dp = edp = 1: ZeRO 1-3 shard nothing (zero=0 kept)
+    "duplicate_zero_no_replicas",               # dp x cp = edp = 1: ZeRO 1-3 shard nothing (zero=0 kept)
     "duplicate_halo_one_node",                  # every expert group inside one node: HALO is its phase I = flat
     "duplicate_selective_flash",                # flash attention keeps no scores: selective = none (none kept)
 )
@@ -63,6 +64,8 @@ class SearchOptions:
     """ZeRO stages to consider."""
     mbs: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes (sequences) to consider."""
+    cp: tuple[int, ...] | None = None
+    """Context-parallel degrees to consider; None = ``default_cp(seq_len)``."""
     virtual_stages: int = 2
     """Model chunks per rank for the interleaved schedule."""
     expert_tp: bool = False
@@ -92,6 +95,19 @@ class Space:
 
     def __len__(self) -> int:
         return len(self.fields["dp"])
+
+
+CP_MIN_SEQ_LEN = 16384
+"""Shortest sequence for which the default space tries context parallelism: below it a rank's chunk falls under
+8k tokens at cp = 2, where the KV ring is hard to hide behind attention (Megatron-Core's long-context recipes
+start at 16k-32k)."""
+DEFAULT_CP = (1, 2, 4, 8)
+"""cp values of the default space for sequences of CP_MIN_SEQ_LEN tokens or more."""
+
+
+def default_cp(seq_len: int) -> tuple[int, ...]:
+    """The cp values the search tries by default: 1, and from CP_MIN_SEQ_LEN tokens on 2, 4 and 8."""
+    return DEFAULT_CP if seq_len >= CP_MIN_SEQ_LEN else (1,)
 
 
 def divisors(n: int) -> list[int]:
@@ -133,14 +149,16 @@ def structural_grid(model, platform, training, world: int, options: SearchOption
     if options.strategy == "piper":
         pp, m = (a.ravel() for a in np.meshgrid(divs, mbs, indexing="ij"))
         one = np.ones_like(pp)
-        grid = {"pp": pp, "tp": one, "dp": world // pp, "ep": world // pp, "etp": one, "mbs": m}
+        grid = {"pp": pp, "tp": one, "cp": one, "dp": world // pp, "ep": world // pp, "etp": one, "mbs": m}
     else:
         ep_values = np.array(_ep_values(model, world), dtype=np.int64)
         etp_values = np.array(divisors(platform.devices_per_node) if options.expert_tp else [1], dtype=np.int64)
-        pp, tp, ep, etp, m = (a.ravel() for a in np.meshgrid(divs, divs, ep_values, etp_values, mbs, indexing="ij"))
-        keep = world % (pp * tp) == 0
-        grid = {"pp": pp[keep], "tp": tp[keep], "ep": ep[keep], "etp": etp[keep], "mbs": m[keep]}
-        grid["dp"] = world // (grid["pp"] * grid["tp"])
+        cp_values = np.array(sorted(set(options.cp or default_cp(training.seq_len))), dtype=np.int64)
+        pp, tp, cp, ep, etp, m = (a.ravel() for a in np.meshgrid(divs, divs, cp_values, ep_values, etp_values, mbs,
+                                                                 indexing="ij"))
+        keep = world % (pp * tp * cp) == 0
+        grid = {"pp": pp[keep], "tp": tp[keep], "cp": cp[keep], "ep": ep[keep], "etp": etp[keep], "mbs": m[keep]}
+        grid["dp"] = world // (grid["pp"] * grid["tp"] * grid["cp"])
         if model.moe is None:   # a dense model: no expert axes; etp is irrelevant, keep etp = 1
             sel = grid["etp"] == 1
             grid = {k: v[sel] for k, v in grid.items()}
@@ -200,7 +218,7 @@ def search_masks(model, platform, training, c: PlanBatch, options: SearchOptions
         (c.pp == 1) & gpipe,
         (c.num_microbatches == 1) & gpipe,
         (c.ep == 1) & halo,
-        (c.dp == 1) & (c.edp == 1) & (c.zero >= 1),
+        (c.dp_cp == 1) & (c.edp == 1) & (c.zero >= 1),
         halo_twin & (c.ep > 1) & groups_in_one_node & halo,
         selective_twin & (c.recompute == Recompute.SELECTIVE.code),
     ])

@@ -210,6 +210,13 @@ class ModelSpec(Spec):
     """A learned position table of max_seq_len x d (GPT-2/Megatron GPT)."""
     norm: NormSpec = NormSpec()
     """Normalisation layers."""
+    mtp_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)
+    """Multi-token-prediction modules (DeepSeek-V3: 1; HF ``num_nextn_predict_layers``). Module k predicts token
+    t + k + 1: it norms the previous depth's hidden state and the embedding of token t + k (enorm, hnorm),
+    projects their concatenation 2d -> d (eh_proj), runs one transformer block shaped like the model's last layer
+    and the shared LM head after its own final norm (DeepSeek-V3 report, sec. 2.2; Megatron-Core's
+    MultiTokenPredictionBlock). The embedding and the head are shared with the main model; the counts in
+    ``params`` exclude the modules (``params.mtp``), as the published 671B of DeepSeek-V3 does."""
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -225,6 +232,9 @@ class ModelSpec(Spec):
                              f"({self._dense_reason()}) but dense_ffn is not set")
         if self.learned_position_embeddings and self.max_seq_len is None:
             raise ValueError("learned_position_embeddings needs max_seq_len")
+        if self.mtp_layers and self.vocab_size is None:
+            raise ValueError(f"mtp_layers={self.mtp_layers} needs a vocabulary (an MTP module embeds tokens and "
+                             "predicts them through the shared LM head); vocab_size is null")
         return self
 
     def _dense_reason(self) -> str:
@@ -258,6 +268,11 @@ class ModelSpec(Spec):
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    @property
+    def mtp_is_moe(self) -> bool:
+        """An MTP module's block is shaped like the model's last layer (DeepSeek-V3: MoE)."""
+        return self.mtp_layers > 0 and self.is_moe_layer(self.num_layers - 1)
 
     @property
     def is_moe(self) -> bool:

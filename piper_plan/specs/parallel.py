@@ -11,10 +11,15 @@ from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
 
 class ParallelPlan(Spec):
-    """Degrees and schedule. world = pp x dp x tp; experts regroup a stage's dp x tp ranks as ep x etp x edp."""
+    """Degrees and schedule. world = pp x dp x cp x tp; experts regroup a stage's dp x cp x tp ranks as
+    ep x etp x edp (Megatron-Core); rank order tp, cp, dp, pp, fastest first (docs/design-notes.md)."""
 
     dp: PositiveInt = 1
-    """Data-parallel degree of the dense weights."""
+    """Data-parallel degree of the dense weights (their gradients are reduced over dp x cp)."""
+    cp: PositiveInt = 1
+    """Context-parallel degree: each sequence split over cp ranks in 2 cp chunks, rank i holding chunks i and
+    2 cp - 1 - i (the load-balanced causal split of Megatron-Core / Transformer Engine), K and V passed around a
+    ring (docs/design-notes.md, "context parallelism")."""
     tp: PositiveInt = 1
     """Tensor-parallel degree (inside a node)."""
     pp: PositiveInt = 1
@@ -69,11 +74,11 @@ class ParallelPlan(Spec):
     @property
     def edp(self) -> int:
         """Ranks holding the same experts (expert gradients are reduced over them)."""
-        return self.dp * self.tp // (self.ep * self.etp)
+        return self.dp * self.cp * self.tp // (self.ep * self.etp)
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Layers per stage: the explicit list, else the even split (cost/pipeline.py resolves the others)."""
@@ -82,7 +87,8 @@ class ParallelPlan(Spec):
         return even_split(num_layers, self.pp)
 
     def degrees(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp, "edp": self.edp}
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp,
+                "edp": self.edp}
 
 
 def even_split(num_layers: int, pp: int) -> list[int]:

@@ -28,6 +28,10 @@ class ParamBreakdown:
     shared_experts: int
     norms: int
     lm_head: int
+    mtp: int = 0
+    """Multi-token-prediction modules, all their own weights (not in ``total``: see mtp_module_params)."""
+    mtp_active: int = 0
+    """What one token touches of them (top_k routed experts)."""
 
     @property
     def total(self) -> int:
@@ -49,10 +53,16 @@ class ParamBreakdown:
         """Total minus the input embedding (and the LM head when tied to it)."""
         return self.total - self.embedding
 
+    @property
+    def total_with_mtp(self) -> int:
+        """The main model and its MTP modules (DeepSeek-V3: the 685B of its Hugging Face checkpoint less the
+        copies of the embedding and head that checkpoint stores again for the module)."""
+        return self.total + self.mtp
+
     def as_dict(self) -> dict[str, int]:
         out = asdict(self)
         out.update(total=self.total, active=self.active,
-                   active_excluding_embedding=self.active_excluding_embedding)
+                   active_excluding_embedding=self.active_excluding_embedding, total_with_mtp=self.total_with_mtp)
         return out
 
 
@@ -122,6 +132,33 @@ def norm_params(norm: NormSpec, width: int) -> int:
     return width * (2 if norm.kind == "layernorm" and norm.bias else 1)
 
 
+def moe_block_params(moe: MoESpec, hidden: int, active: bool = False) -> int:
+    """The MoE block of one layer: router, routed experts (all, or the top_k one token visits), shared experts,
+    parallel dense MLP."""
+    n = router_params(moe, hidden) + (moe.top_k if active else moe.num_experts) * ffn_params(moe.expert, hidden)
+    n += shared_expert_params(moe, hidden)
+    if moe.parallel_dense_ffn is not None:
+        n += ffn_params(moe.parallel_dense_ffn, hidden)
+    return n
+
+
+def mtp_extra_params(model: ModelSpec) -> int:
+    """What one MTP module adds around its block: enorm, hnorm and the final norm before the shared head
+    (3 norms over d) and eh_proj, Linear(2d, d) without bias (DeepSeek-V3 report sec. 2.2; Megatron-Core
+    multi_token_prediction.py; its FLOP count takes the same 3 d + 2 d^2)."""
+    d = model.hidden_size
+    return 3 * norm_params(model.norm, d) + linear_params(2 * d, d, False)
+
+
+def mtp_module_params(model: ModelSpec, active: bool = False) -> int:
+    """One MTP module's own parameters: its transformer block (attention, per-layer norms, the FFN of the model's
+    last layer) plus mtp_extra_params; the embedding and the LM head are the main model's (shared)."""
+    d = model.hidden_size
+    block = attention_params(model.attention, d, model.head_dim) + model.norm.per_layer * norm_params(model.norm, d)
+    block += moe_block_params(model.moe, d, active) if model.mtp_is_moe else ffn_params(model.dense_ffn, d)
+    return block + mtp_extra_params(model)
+
+
 def count_params(model: ModelSpec) -> ParamBreakdown:
     """All parameters of ``model`` by component."""
     d, moe = model.hidden_size, model.moe
@@ -152,4 +189,6 @@ def count_params(model: ModelSpec) -> ParamBreakdown:
         shared_experts=shared,
         norms=norms,
         lm_head=lm_head,
+        mtp=model.mtp_layers * mtp_module_params(model) if model.mtp_layers else 0,
+        mtp_active=model.mtp_layers * mtp_module_params(model, active=True) if model.mtp_layers else 0,
     )

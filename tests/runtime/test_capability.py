@@ -22,9 +22,14 @@ def test_interleaved_recompute_and_mla_now_run():
 
 
 def test_every_catalog_feature_model_is_runnable_at_pp1():
+    """Every catalog model's features run; DeepSeek-V3 trained without its MTP module (the runtime builds none)."""
     plan = ParallelPlan(pp=1, dp=8, ep=8)
-    for name in ("arctic", "grok-1", "deepseek-v3", "llama4-scout", "gpt-175b", "glam", "switch-base"):
+    for name in ("arctic", "grok-1", "llama4-scout", "gpt-175b", "glam", "switch-base"):
         assert unsupported_features(plan, load_model(name)) == [], name
+    dsv3 = load_model("deepseek-v3")
+    assert [p.split(" ")[0] for p in unsupported_features(plan, dsv3)] == ["mtp_layers=1"]
+    no_mtp = type(dsv3).model_validate({**dsv3.model_dump(), "mtp_layers": 0})
+    assert unsupported_features(plan, no_mtp) == []
 
 
 def test_each_unsupported_feature_is_named():
