@@ -24,7 +24,7 @@ biases, attention sinks, LayerNorm with bias, parallel attention + MLP, shared e
 router bias, sigmoid routing, dense layers by first_k_dense / every / phase / explicit, the parallel dense
 FFN, learned positions; any valid virtual_stages (valid chunks split num_layers evenly); any tp the plan rules
 allow (runtime/tensor_parallel.py, always with sequence parallelism; MLA splits q or q_b, kv_b and o, and keeps
-q_a, kv_a and their norms whole), with zero 0, 2 or 3 (``_tp_problems``). Not run: expert tensor parallelism
+q_a, kv_a and their norms whole), with zero 0-3 (zero 1: runtime/optim.py). Not run: expert tensor parallelism
 (etp > 1: out of the default search, benchmarks/etp_value.py), a capacity factor (the runtime is dropless), tied
 embeddings over more than one model chunk, 0 or 1 norms per layer, 3 norms per layer without Arctic's residual
 MLP in every layer, sliding-window attention, fp16 / fp8 / mxfp8, multi-token-prediction modules (mtp_layers > 0:
@@ -93,9 +93,6 @@ def _tp_problems(model, plan, training) -> list[str]:
     if not plan.sequence_parallel:
         out.append(f"parallel.sequence_parallel=false with tp={tp} (the runtime always runs sequence parallelism "
                    "with tensor parallelism)")
-    if plan.zero == 1:
-        out.append(f"parallel.zero=1 with tp={tp} (ZeroRedundancyOptimizer does not take tp-split parameters: "
-                   "zero 0, 2 or 3)")
     if model.attention.qk_norm == "full":
         out.append(f"attention.qk_norm='full' with tp={tp} (a norm over all heads is not split)")
     if model.tie_embeddings and not model.norm.final:

@@ -205,20 +205,48 @@ def reseed(seed: int, step: int, rank: int) -> None:
     np.random.seed(value)
 
 
+def leaf_optimizer_state(module, optim, dtensor_of: dict) -> dict:
+    """get_optimizer_state_dict's ``{"state": {FQN: {key: value}}}`` for an optimizer that steps local-shard leaves
+    of DTensor parameters (runtime/optim.py: ZeRO-1 with tp; ``dtensor_of``: leaf -> parameter): the parameter's
+    FQN, and each state tensor shaped like a leaf as a DTensor with its parameter's mesh and placements over the
+    same storage, so that DCP saves and reshards it as a tp run's AdamW state, and dcp.load writes into it. A fresh
+    optimizer first gets its state from torch's own zero-learning-rate step (as get_optimizer_state_dict does)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from torch.distributed.tensor import DTensor
+
+    def as_param(value, leaf, param):
+        if param is leaf or not torch.is_tensor(value) or value.shape != leaf.shape:
+            return value
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
+
+    _init_optim_state(optim)
+    fqn = {q: name for name, q in module.named_parameters()}
+    state = {}
+    for leaf in (q for g in optim.param_groups for q in g["params"]):
+        param = dtensor_of.get(leaf, leaf)
+        if leaf in optim.state:
+            state[fqn[param]] = {k: as_param(v, leaf, param) for k, v in optim.state[leaf].items()}
+    return {"state": state}
+
+
 class RankState:
     """This rank's part of a checkpoint: its module, optimizers and plan; the flat state dict in both directions."""
 
     def __init__(self, module, optimizers, cfg, rank: int, world: int) -> None:
         self.module, self.optims, self.cfg, self.rank, self.world = module, torch_optimizers(optimizers), cfg, rank, world
+        self.dtensor_of = optimizers.dtensor_of
 
     def torch_state(self) -> tuple[dict, list[dict]]:
         """The module's state dict and each optimizer's (torch.distributed.checkpoint.state_dict: FQN-keyed,
         references to the live tensors for plain modules; a fresh optimizer gets its state created by a
-        zero-learning-rate step first). One optimizer at a time: a ZeRO-1 shard may hold an empty parameter
-        group, which get_state_dict / set_state_dict refuse for several optimizers at once."""
+        zero-learning-rate step first; one over local-shard leaves: leaf_optimizer_state). One optimizer at a
+        time: a ZeRO-1 shard may hold an empty parameter group, which get_state_dict / set_state_dict refuse for
+        several optimizers at once."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        return get_model_state_dict(self.module), [get_optimizer_state_dict(self.module, o) for o in self.optims]
+        optim_sds = [leaf_optimizer_state(self.module, o, leaves) if leaves
+                     else get_optimizer_state_dict(self.module, o) for o, leaves in zip(self.optims, self.dtensor_of)]
+        return get_model_state_dict(self.module), optim_sds
 
     def held(self) -> dict[int, list[tuple[int, int]]]:
         return {i: held_experts(m.slot_of_expert.tolist(), m.first_expert, m.num_local)
@@ -373,8 +401,9 @@ def _restore(state: RankState, model_sd: dict, optim_sds: list[dict], flat: dict
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(state.module, model_sd)
-    for optim, sd in zip(state.optims, optim_sds):
-        set_optimizer_state_dict(state.module, optim, sd)
+    for optim, sd, leaves in zip(state.optims, optim_sds, state.dtensor_of):
+        if not leaves:  # over local-shard leaves the state is the live one (leaf_optimizer_state): loaded in place
+            set_optimizer_state_dict(state.module, optim, sd)
     if same_layout:
         _set_rng(flat[f"{RNG}{state.rank}"])
     else:

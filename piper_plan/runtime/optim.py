@@ -1,6 +1,15 @@
 """The optimizer side of a step: learning-rate schedule, weight-decay groups, global gradient clipping, and one
 optimizer per gradient group (dense over dp, experts over edp; ZeRO-1 shards each over its group).
 
+ZeRO-1 with tensor parallelism: torch's ZeroRedundancyOptimizer partitions, steps and broadcasts plain tensors
+only, so it is given, for each DTensor parameter (tp-split or tp-replicated), a leaf ``nn.Parameter`` over the
+parameter's local tensor (:func:`shard_leaf`, the same storage: its update is the DTensor's), whose ``.grad`` is
+set to the local gradient before each step. Every tp index has its own dp / edp group (mesh.py), and every tp rank
+holds local shards of the same shapes, so each group's ZeRO partitions its tp index's shards the same way and
+shard i of a parameter has its optimizer state on the same dp index for every tp index. Gradient clipping and the
+global norm read the DTensor gradients as without ZeRO. Checkpoints: ``dtensor_of`` lets runtime/checkpoint.py
+save that state under the parameter's name and tp layout.
+
 Settings: plan.json's ``runtime`` block (planfile.RuntimeBlock: lr, lr_schedule, warmup_steps, min_lr_ratio,
 weight_decay, grad_clip_norm). Fused AdamW on GPUs.
 """
@@ -40,8 +49,19 @@ def param_groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> 
             if g["params"]]
 
 
+def shard_leaf(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local tensor as a leaf ``nn.Parameter`` over the same storage (what
+    ZeroRedundancyOptimizer can step and broadcast); any other parameter itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param
+    return torch.nn.Parameter(param.detach().to_local(), requires_grad=param.requires_grad)
+
+
 class Optimizers:
-    """One optimizer per gradient group; ZeRO-1 (ZeroRedundancyOptimizer) shards each over its group."""
+    """One optimizer per gradient group; ZeRO-1 (ZeroRedundancyOptimizer) shards each over its group.
+    ``dtensor_of[i]``: {leaf: DTensor parameter} of optimizer i's local-shard leaves (empty without ZeRO or tp)."""
 
     def __init__(self, groups: list[tuple[list, object, int]], training, rt, device, zero: int) -> None:
         """groups: (named parameters, process group, group size) per gradient group; zero: the plan's stage."""
@@ -51,7 +71,7 @@ class Optimizers:
             cls, kw = torch.optim.AdamW, ({"fused": True} if device.type == "cuda" else {})
         else:
             cls, kw = torch.optim.SGD, {}
-        self.optims = []
+        self.optims, self.dtensor_of = [], []
         for named, group, size in groups:
             pgroups = param_groups(named, rt.weight_decay)
             if not pgroups:
@@ -59,7 +79,11 @@ class Optimizers:
             if training.optimizer != "adam":
                 for g in pgroups:
                     g["weight_decay"] = 0.0           # SGD's weight_decay is an L2 term, not AdamW's decay
+            leaves = {}
             if zero == 1 and size > 1:                # zero 2/3: FSDP2 shards the state (runtime/sharding.py)
+                for g in pgroups:
+                    params, g["params"] = g["params"], [shard_leaf(q) for q in g["params"]]
+                    leaves.update({leaf: q for leaf, q in zip(g["params"], params) if leaf is not q})
                 self.optims.append(ZeroRedundancyOptimizer(pgroups[0]["params"], optimizer_class=cls,
                                                            process_group=group, lr=rt.lr,
                                                            weight_decay=pgroups[0]["weight_decay"], **kw))
@@ -67,6 +91,7 @@ class Optimizers:
                     self.optims[-1].add_param_group(g)
             else:
                 self.optims.append(cls(pgroups, lr=rt.lr, **kw))
+            self.dtensor_of.append(leaves)
 
     def _inner(self):
         return [getattr(o, "optim", o) for o in self.optims]
@@ -77,7 +102,12 @@ class Optimizers:
                 g["lr"] = lr
 
     def step(self) -> None:
-        for o in self.optims:
+        """Each optimizer's step; a local-shard leaf first gets its DTensor parameter's local gradient."""
+        from piper_plan.runtime.sharding import local
+
+        for o, leaves in zip(self.optims, self.dtensor_of):
+            for leaf, q in leaves.items():
+                leaf.grad = None if q.grad is None else local(q.grad)
             o.step()
 
     def state_dict(self) -> list:

@@ -79,13 +79,13 @@ def test_csv_rows_are_ranked_plans():
 
 
 def test_runnable_and_explain_json():
-    res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--runnable", "--explain", "--json")
+    res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--runnable", "--expert-tp",
+               "--explain", "--json")
     assert res.exit_code == 0, res.output
     obj = json.loads(res.stdout)
     from piper_plan.capability import RUNTIME_CAPABILITY
 
-    assert all(p["schedule"] in RUNTIME_CAPABILITY["schedule"] and not (p["tp"] > 1 and p["zero"] == 1)
-               for p in obj["plans"])
+    assert all(p["schedule"] in RUNTIME_CAPABILITY["schedule"] and p["etp"] == 1 for p in obj["plans"])
     assert obj["infeasible_reasons"]["not_runnable"] > 0
     ex = obj["explain"]
     assert ex["winner"]["tokens_per_s"] >= ex["runner_up"]["tokens_per_s"]

@@ -91,12 +91,19 @@ def _zero_plans() -> dict:
             for pp in (1, 2) for zero in (2, 3)}
 
 
+def _tp2_zero1_plan() -> dict:
+    from plans import plan_dict
+
+    return plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1)
+
+
 @pytest.fixture(scope="module")
 def zero_measured(tmp_path_factory):
     """One 4-rank spawn: step 1 of each plan of _zero_plans measured (fsdp_worker.measure_check)."""
     from fsdp_worker import spawn
 
     jobs = [(f"pp{pp}_zero{zero}", "measure", {"plan": p}) for (pp, zero), p in _zero_plans().items()]
+    jobs.append(("tp2_zero1", "measure", {"plan": _tp2_zero1_plan()}))
     return spawn(4, jobs, tmp_path_factory.mktemp("zero"))
 
 
@@ -157,26 +164,45 @@ def test_zero2_zero3_collectives_per_step_equal_formulas(zero_measured):
             assert got == want, f"pp{pp} zero{zero} stage {r['stage']}"
 
 
-@pytest.mark.distributed
-def test_zero2_zero3_cost_model_equals_the_runtime(zero_measured):
-    """Analytic = real for FSDP2: the cost model's weights (at rest + gathered) and optimizer state per rank within
-    1% of what the runtime holds, its gradients an upper bound within 5% (pp = 1: one layer's unsharded gradient)."""
+def _runtime_estimate(plan: dict):
+    """The cost model's figures for a test plan, on the local-cpu platform as piper's runtime runs it."""
     from piper_plan.catalog import load_platform
     from piper_plan.cost.evaluate import estimate
     from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
     from piper_plan.planfile import parse_plan_dict
 
+    cfg = parse_plan_dict(plan, "test plan")
+    local = load_platform("local-cpu")        # the test plans' CPU platform has no fp32 rate; memory needs none
+    return estimate(cfg.model, local, cfg.training, cfg.parallel.world // local.devices_per_node, cfg.parallel,
+                    options=PIPER_RUNTIME_OPTIONS)
+
+
+@pytest.mark.distributed
+def test_zero2_zero3_cost_model_equals_the_runtime(zero_measured):
+    """Analytic = real for FSDP2: the cost model's weights (at rest + gathered) and optimizer state per rank within
+    1% of what the runtime holds, its gradients an upper bound within 5% (pp = 1: one layer's unsharded gradient)."""
     for (pp, zero), plan in _zero_plans().items():
-        cfg = parse_plan_dict(plan, "test plan")
-        local = load_platform("local-cpu")        # the test plans' CPU platform has no fp32 rate; memory needs none
-        est = estimate(cfg.model, local, cfg.training, cfg.parallel.world // local.devices_per_node, cfg.parallel,
-                       options=PIPER_RUNTIME_OPTIONS)
+        est = _runtime_estimate(plan)
         for r in (res[f"pp{pp}_zero{zero}"] for res in zero_measured):
             comp, mem, peak = est.memory.per_stage[r["stage"]].components, r["memory"], r["peaks"]
             label = f"pp{pp} zero{zero} stage {r['stage']}"
             assert comp["weights"] == pytest.approx(mem["parameters_bytes"] + peak["gathered"], rel=0.01), label
             assert comp["optimizer"] == pytest.approx(mem["optimizer_bytes"], rel=0.01), label
             assert peak["grads"] <= comp["gradients"] <= 1.05 * peak["grads"], label
+
+
+@pytest.mark.distributed
+def test_tp2_zero1_optimizer_state_equals_cost_model(zero_measured):
+    """zero 1 with tp = 2 (runtime/optim.py: ZeroRedundancyOptimizer over each DTensor's local shard): this rank's
+    AdamW state within 2% of the cost model's optimizer bytes, and about half of what a tp rank holds unsharded."""
+    est = _runtime_estimate(_tp2_zero1_plan())
+    for r in (res["tp2_zero1"] for res in zero_measured):
+        predicted, measured = est.memory.per_stage[r["stage"]].components["optimizer"], r["memory"]["optimizer_bytes"]
+        unsharded = 2 * r["memory"]["parameters_bytes"]      # exp_avg + exp_avg_sq of every local parameter
+        print(f"tp2 dp2 ep2 zero1: optimizer state {measured} B, cost model {predicted:.0f} B, "
+              f"rel_error {(predicted - measured) / measured:+.4f}; unsharded {unsharded} B")
+        assert predicted == pytest.approx(measured, rel=0.02)
+        assert measured < 0.6 * unsharded
 
 
 # ---- tensor parallelism: tp2 (and tp2 x pp2) ---------------------------------------------------------------

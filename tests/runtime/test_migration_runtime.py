@@ -40,9 +40,11 @@ HALO_PLAN = plan_dict(pp=1, dp=4, ep=4, num_microbatches=1, model_dict=_biased_m
 HALO_PLAN["parallel"]["a2a"] = "halo"  # on PIPER_EMULATE_TOPOLOGY=2x2 (set by the worker): 2 nodes x 2 ranks
 INTERLEAVED_PLAN = plan_dict(pp=2, dp=2, ep=2, schedule="interleaved", num_microbatches=2, model_dict=_biased_model())
 INTERLEAVED_PLAN["parallel"]["virtual_stages"] = 2  # each rank: two 1-layer chunks, migrated together
+TP_ZERO1_PLAN = plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1, model_dict=_biased_model())
 PAIRS = {"every_step_pp2_dp2_ep2": ("pp2_True", "pp2_False"), "skewed_pp1_dp4_ep2_zero1": ("skew", "skew_static"),
          "every_step_halo_pp1_dp4_ep4": ("halo_True", "halo_False"),
-         "every_step_interleaved_pp2_v2": ("interleaved_True", "interleaved_False")}
+         "every_step_interleaved_pp2_v2": ("interleaved_True", "interleaved_False"),
+         "every_step_tp2_dp2_ep2_zero1": ("tp_zero1_True", "tp_zero1_False")}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,9 @@ def results(tmp_path_factory):
     for migrate in (True, False):
         jobs.append((f"halo_{migrate}", "train", {"plan": HALO_PLAN, "steps": 3, "migrate": migrate,
                                                   "router_bias": ROUTER_BIAS}))
+    for migrate in (True, False):  # zero 1 over tp-split dense weights: experts (etp = 1) and their Adam state move
+        jobs.append((f"tp_zero1_{migrate}", "train", {"plan": TP_ZERO1_PLAN, "steps": 3, "migrate": migrate,
+                                                      "router_bias": ROUTER_BIAS}))
     for name, migrate in (("skew", True), ("skew_static", False)):
         jobs.append((name, "train", {"plan": PLANS["pp1_dp4_ep2_zero1"], "steps": SKEW_STEPS, "migrate": migrate,
                                      "router_bias": ROUTER_BIAS, "settings": skew}))
@@ -164,6 +169,7 @@ def test_migrating_run_matches_static_run(results, pair):
     merged_m, merged_s = _by_group(moving), _by_group(static)
     groups = len({r["ep_group"] for r in moving})  # EP groups per stage
     assert merged_m.keys() == merged_s.keys() and len(merged_m) == groups * 4 * 8  # x 4 MoE layers x 8 experts
+    assert any(".exp_avg" in n for tensors in merged_m.values() for n in tensors)  # Adam state compared too
     for k, tensors in merged_m.items():
         assert tensors.keys() == merged_s[k].keys()
         for name, value in tensors.items():

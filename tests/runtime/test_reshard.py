@@ -1,8 +1,8 @@
 """Resharding checkpoints (runtime/checkpoint.py, torch.distributed.checkpoint): 4 steps on layout A with a
 checkpoint at step 2, resumed on layout B from step 2: steps 3-4 equal the uninterrupted run on A. Layouts change
 pp (2 -> 1, interleaved -> 1), dp / ep (dp4 ep4 -> pp2 dp2 ep2, dp4 ep4 -> dp2 ep2 on fewer ranks), ZeRO-1 ->
-none, world 2 -> 1, pp2 -> tp2, FSDP2 (zero 3) <-> other layouts, and one run migrates experts before its
-checkpoint (slots permuted when saved). Bad
+none, world 2 -> 1, pp2 -> tp2, FSDP2 (zero 3) <-> other layouts, ZeRO-1 over tp shards (tp2 x dp2 zero 1) <->
+pp2 and zero 3, and one run migrates experts before its checkpoint (slots permuted when saved). Bad
 checkpoints give one PiperError on every rank and change nothing. One spawn per world size (4, then 2)."""
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ INTERLEAVED["parallel"]["virtual_stages"] = 2  # chunks.<v>. prefixes in the mod
 PLANS["pp2_v2_dp1_ep1"] = INTERLEAVED
 PLANS["pp1_dp2_ep2_zero3"] = plan_dict(pp=1, dp=2, ep=2, num_microbatches=2, zero=3)   # FSDP2: DTensor state
 PLANS["pp1_tp2"] = plan_dict(pp=1, dp=1, ep=1, tp=2, num_microbatches=4)               # tensor parallel
+PLANS["pp1_dp2_tp2_zero1"] = plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1)  # ZeRO over tp shards
+PLANS["pp1_dp4_ep4_zero3"] = plan_dict(pp=1, dp=4, ep=4, num_microbatches=1, zero=3)
 # (A, B, world of A, world of B)
 CASES = {
     "migrated_pp2_dp2_ep2_to_pp1_dp4_ep4": ("pp2_dp2_ep2_migrating", "pp1_dp4_ep4_zero1", 4, 4),
@@ -49,6 +51,9 @@ CASES = {
     "pp2_to_tp2": ("pp2_dp1_ep1", "pp1_tp2", 2, 2),
     "zero3_to_pp2": ("pp1_dp2_ep2_zero3", "pp2_dp1_ep1", 2, 2),
     "tp2_to_zero3": ("pp1_tp2", "pp1_dp2_ep2_zero3", 2, 2),
+    "tp2_dp2_zero1_to_pp2_dp2_ep2": ("pp1_dp2_tp2_zero1", "pp2_dp2_ep2", 4, 4),
+    "zero3_to_tp2_dp2_zero1": ("pp1_dp4_ep4_zero3", "pp1_dp2_tp2_zero1", 4, 4),
+    "same_layout_tp2_dp2_zero1": ("pp1_dp2_tp2_zero1", "pp1_dp2_tp2_zero1", 4, 4),
 }
 
 

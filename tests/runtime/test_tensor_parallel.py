@@ -1,7 +1,8 @@
 """Tensor + sequence parallelism (runtime/tensor_parallel.py) on gloo ranks equals the single-process reference:
 tp2 on several model structures (MoE, MLA, sinks / per-head qk-norm / biases / shared-expert gate, tied embedding
-with learned positions, Arctic, Grok-1 with ep inside the tp block), tp2 x pp2 and tp2 x ep2 x dp2. One spawn per
-world size. What the runtime refuses with tp > 1 is checked without processes.
+with learned positions, Arctic, Grok-1 with ep inside the tp block), tp2 x pp2, tp2 x ep2 x dp2 (zero 0, 1, 3) and
+tp2 x pp2 x dp2 x ep2 zero 1 with HALO. One spawn per world size. What the runtime refuses with tp > 1 is checked
+without processes.
 
 Tolerances (fp32): step 0's gradients elementwise within rtol 1e-4, atol 1e-6 (measured: max |diff| <= 1.1e-6 x
 max |ref|) and the global gradient norm within rel 1e-5; later steps' gradients within 1e-3 x max |ref| per tensor
@@ -115,9 +116,19 @@ def _memory_equals_cost_model(plan: dict, per_rank: list[dict]) -> None:
 def test_four_ranks_tp2_pp2_and_tp2_ep2_dp2(tmp_path):
     plans = {"tp2_pp2": plan_dict(pp=2, dp=1, ep=1, tp=2, num_microbatches=2, seq_len=64),
              "tp2_ep2_dp2": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2),
-             "tp2_ep2_dp2_zero3": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=3)}
+             "tp2_ep2_dp2_zero3": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=3),
+             "tp2_ep2_dp2_zero1": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1)}
     results = _run(4, plans, tmp_path)
     _memory_equals_cost_model(plans["tp2_pp2"], [r["tp2_pp2"] for r in results])
+
+
+@pytest.mark.distributed
+def test_eight_ranks_tp2_pp2_dp2_ep2_zero1_halo(tmp_path):
+    """zero 1 over tp shards (runtime/optim.py) under 1F1B pipelining and the HALO dispatcher (the 8 ranks are one
+    node here: HALO's node-local phase)."""
+    plan = plan_dict(pp=2, dp=2, ep=2, tp=2, num_microbatches=2, zero=1)
+    plan["parallel"]["a2a"] = "halo"
+    _run(8, {"tp2_pp2_dp2_ep2_zero1_halo": plan}, tmp_path)
 
 
 def _problems(model=None, tp=2, **upd):
@@ -135,9 +146,7 @@ def test_tp_refusals_are_one_line_each():
     assert _problems(sequence_parallel=False) == [
         "parallel.sequence_parallel=false with tp=2 (the runtime always runs sequence parallelism with tensor "
         "parallelism)"]
-    assert _problems(zero=1) == ["parallel.zero=1 with tp=2 (ZeroRedundancyOptimizer does not take tp-split "
-                                 "parameters: zero 0, 2 or 3)"]
-    assert _problems(zero=3) == []
+    assert _problems(zero=1) == _problems(zero=3) == []
     assert _problems(model=_shrunk("tiny-moe", attention={"qk_norm": "full"})) == [
         "attention.qk_norm='full' with tp=2 (a norm over all heads is not split)"]
     odd = _shrunk("tiny-moe")

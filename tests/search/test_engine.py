@@ -38,12 +38,17 @@ def test_weak_scaling_1024_gcds_piper_strategy_admits_exactly_pp32_ep32():
 
 
 def test_runnable_keeps_only_what_the_runtime_runs():
+    """The runtime runs the whole default space (tp with every zero): --runnable removes nothing there; with expert
+    tensor parallelism searched too it removes the etp > 1 plans."""
     model = load_model("mixtral-8x7b")
     r = engine.search(model, FRONTIER, TrainingSpec(), 16, runnable=True)
-    assert r.feasible > 0 and r.reasons["not_runnable"] > 0
+    assert r.feasible == engine.search(model, FRONTIER, TrainingSpec(), 16).feasible > 0
+    assert "not_runnable" not in r.reasons
     tp, zero = r.fields["tp"][r.order], r.fields["zero"][r.order]
-    assert np.any(tp > 1) and not np.any((tp > 1) & (zero == 1))       # tp runs, but not with the sharded optimizer
-    assert r.candidates_total == r.feasible + sum(r.reasons.values())
+    assert np.any((tp > 1) & (zero == 1))                                # tp with the sharded optimizer
+    etp = engine.search(model, FRONTIER, TrainingSpec(), 16, SearchOptions(expert_tp=True), runnable=True)
+    assert etp.reasons["not_runnable"] > 0 and not np.any(etp.fields["etp"][etp.order] > 1)
+    assert etp.candidates_total == etp.feasible + sum(etp.reasons.values())
 
 
 def test_memory_headroom_removes_tight_plans():

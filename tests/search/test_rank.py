@@ -12,7 +12,7 @@ from piper_plan.capability import unsupported_features
 from piper_plan.cost.evaluate import evaluate
 from piper_plan.catalog import load_model, load_platform
 from piper_plan.search import rank
-from piper_plan.search.space import CANDIDATE_FIELDS, describe, enumerate_space
+from piper_plan.search.space import CANDIDATE_FIELDS, SearchOptions, describe, enumerate_space
 from piper_plan.specs import TrainingSpec
 
 FRONTIER = load_platform("frontier")
@@ -88,8 +88,9 @@ def test_more_memory_never_makes_a_feasible_plan_infeasible(mem_GiB, factor):
 
 
 def test_runnable_mask_matches_capability_per_candidate():
+    """With expert tensor parallelism searched (the runtime runs etp = 1 only) some candidates are refused."""
     model = load_model("mixtral-8x7b")
-    space = enumerate_space(model, FRONTIER, TrainingSpec(), 2)
+    space = enumerate_space(model, FRONTIER, TrainingSpec(), 2, SearchOptions(expert_tp=True))
     ok, features = rank.runnable_mask(space.fields, model)
     from piper_plan.specs import ParallelPlan
 
@@ -99,7 +100,8 @@ def test_runnable_mask_matches_capability_per_candidate():
         expect = not unsupported_features(ParallelPlan(**{k: d[k] for k in CANDIDATE_FIELDS}), model)
         assert bool(ok[i]) == expect
     assert 0 < ok.sum() < len(space)
-    assert not np.any((space.fields["tp"][ok] > 1) & (space.fields["zero"][ok] == 1))
+    assert not np.any(space.fields["etp"][ok] > 1)
+    assert np.any((space.fields["tp"][ok] > 1) & (space.fields["zero"][ok] == 1))  # tp runs with zero 1
     assert sum(features.values()) >= np.count_nonzero(~ok)
 
 
