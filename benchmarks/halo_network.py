@@ -214,8 +214,8 @@ def closed_loop(out: Path, shares: dict, steps: int) -> list[dict]:
             "piper_plan.runtime.train", "--plan", str(run_dir / "plan.json"), "--out", str(run_dir), "--steps",
             str(steps), "--aux-loss-coeff", "0"), 600)
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        step = compare(prediction, records)["step_time_s"]
-        a2a_pred = prediction["time"]["breakdown"].get("moe/dispatch/inter_node", 0.0)
+        step = compare(prediction.to_json(), records)["step_time_s"]
+        a2a_pred = prediction.time.breakdown.get("moe/dispatch/inter_node", 0.0)
         rows.append({"plan": f"dp4 ep4 {a2a}", "predicted_s": step["predicted"], "measured_s": step["measured"],
                      "rel_error": step["rel_error"], "a2a_inter_node_pred_s": a2a_pred})
         print(f"closed loop {rows[-1]}", flush=True)

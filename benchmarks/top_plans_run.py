@@ -7,6 +7,8 @@ stages, recompute, zero and a2a are kept, and the model is cut by ``runtime.mode
 64, <= 8 experts); the shrunk plans run on this machine's CPU platform (platforms/local-cpu.yaml, fp32, gloo),
 all layouts of one world size in one torchrun (one process group, one Trainer per layout).
 
+DeepSeek-V3 is planned without its MTP module (``MTP_LAYERS``).
+
 Run: ``python benchmarks/top_plans_run.py [--out DIR] [--top 10] [--cases mixtral,deepseek,qwen]``.
 Prints one row per ranked plan, then one per shrunk layout (3 losses, or why the runtime refused it).
 """
@@ -26,6 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 CASES = {"mixtral": ("mixtral-8x7b", "frontier", 8), "deepseek": ("deepseek-v3", "frontier", 128),
          "qwen": ("qwen3-235b-a22b", "dgx-h100", 32)}
+MTP_LAYERS = {"deepseek": 0}
+"""MTP modules trained per case (``piper plan --mtp-layers``; default: all the model defines). DeepSeek-V3 is
+planned without its MTP module: piper's runtime builds none (capability.py), so with it no plan would launch."""
 SHRUNK_PLATFORM = "local-cpu"
 STEPS = 3
 
@@ -34,6 +39,7 @@ STEPS = 3
 def ranked_plans(case: str, top: int, out: Path) -> list[dict]:
     """The top plans of one setting, each written as plan.json and put through `piper launch --dry-run`."""
     from piper_plan.catalog import load_model, load_platform
+    from piper_plan.cli.options import with_mtp_layers
     from piper_plan.cli.plan import search_kwargs
     from piper_plan.planfile import write_plan_file
     from piper_plan.search.engine import search
@@ -42,7 +48,7 @@ def ranked_plans(case: str, top: int, out: Path) -> list[dict]:
     from piper_plan.specs.training import TrainingSpec
 
     model_name, platform_name, nodes = CASES[case]
-    model, platform = load_model(model_name), load_platform(platform_name)
+    model, platform = with_mtp_layers(load_model(model_name), MTP_LAYERS.get(case)), load_platform(platform_name)
     training = TrainingSpec(seq_len=min(4096, model.max_seq_len or 4096))
     kwargs = search_kwargs(platform, "compact", False)
     result = search(model, platform, training, nodes, SearchOptions(), **kwargs)
