@@ -31,8 +31,8 @@ GiB = 2**30
 @json_option
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
-def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_batch, routing_skew, placement,
-                 no_calibration, piper_runtime, as_json, save_path, plot_path, **parallel):
+def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_batch, dtype, grad_bytes, routing_skew,
+                 placement, no_calibration, piper_runtime, as_json, save_path, plot_path, **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
     from piper_plan.cost.evaluate import estimate
     from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS
@@ -42,7 +42,7 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
         check_plot_path(plot_path)
 
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew,
-                                             mtp_layers)
+                                             mtp_layers, dtype, grad_bytes)
     plan = build_plan(model, platform, training, nodes, **parallel)
     calibration = None if no_calibration else platform_calibration(platform.name)
     options = PIPER_RUNTIME_OPTIONS if piper_runtime else DEFAULT_OPTIONS

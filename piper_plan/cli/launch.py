@@ -35,8 +35,8 @@ from piper_plan.errors import PiperError
 @click.option("--job-name", help="Slurm job name.")
 @click.option("--force", is_flag=True, help="Write into a non-empty --out-dir directory.")
 @json_option
-def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration, out_dir, submit,
-               check, dry_run, steps, account, partition, time_, job_name, force, as_json):
+def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, dtype, grad_bytes, strategy, a2a, migration,
+               out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json):
     """Write DIR/job.sbatch, DIR/plan.json and DIR/README.md for a plan; --submit sends it to Slurm.
 
     The plan is --plan plan.json, or the best runnable plan `piper plan` finds for --model/--platform/--nodes."""
@@ -47,18 +47,22 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, strateg
     with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")
-            _search_plan(plan_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration)
+            _search_plan(plan_path, model, platform, nodes, (seq_len, global_batch, dtype, grad_bytes), strategy, a2a,
+                         migration)
         template_dir = str(Path(platform).parent) if platform and Path(platform).is_file() else None
         _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force,
                 as_json, template_dir)
 
 
-def _search_plan(save_path, model, platform, nodes, seq_len, global_batch, strategy, a2a, migration) -> None:
-    """The best plan the runtime can run (piper plan's search with runnable=True), saved to ``save_path``."""
+def _search_plan(save_path, model, platform, nodes, training_args, strategy, a2a, migration) -> None:
+    """The best plan the runtime can run (piper plan's search with runnable=True), saved to ``save_path``.
+    ``training_args``: (seq_len, global_batch, dtype, grad_bytes) from the shared training options."""
     from piper_plan.cli.plan import save_best, search_kwargs, search_options
     from piper_plan.search import engine
 
-    model_spec, platform_spec, training = load_setting(model, platform, seq_len, global_batch)
+    seq_len, global_batch, dtype, grad_bytes = training_args
+    model_spec, platform_spec, training = load_setting(model, platform, seq_len, global_batch, dtype=dtype,
+                                                       grad_bytes=grad_bytes)
     kwargs = search_kwargs(platform_spec, "compact", runnable=True)
     with diagnostics().status(f"searching the best runnable plan for {model_spec.name}"):
         result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0),

@@ -43,6 +43,12 @@ training_options = _bundle(
                  help=f"Sequence length, tokens (default: {DEFAULT_SEQ_LEN}, or the model's max_seq_len if smaller)."),
     click.option("--global-batch", type=int, default=TrainingSpec.model_fields["global_batch"].default,
                  show_default=True, help="Sequences per step."),
+    click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8", "mxfp8"]), default=None,
+                 help="Training precision (default: bf16 on GPUs, fp32 on CPU ranks). fp8 / mxfp8: bf16 training "
+                      "with 8-bit linear GEMMs, where the platform has the rate."),
+    click.option("--grad-bytes", type=click.Choice(["2", "4"]), default=None,
+                 help="Bytes per gradient value (default: 2 under bf16 / fp16; 4 = fp32 main gradients, "
+                      "Megatron's default)."),
 )
 
 placement_option = click.option("--placement", type=click.Choice(Placement.values()), default="compact",
@@ -79,8 +85,10 @@ parallel_options = _bundle(
 
 
 def load_setting(model_name: str, platform_name: str, seq_len: int | None, global_batch: int,
-                 routing_skew: float = 1.0, mtp_layers: int | None = None):
-    """(model, platform, training) from the shared options; --seq defaults to min(4096, max_seq_len)."""
+                 routing_skew: float = 1.0, mtp_layers: int | None = None, dtype: str | None = None,
+                 grad_bytes: str | None = None):
+    """(model, platform, training) from the shared options; --seq defaults to min(4096, max_seq_len); --dtype and
+    --grad-bytes replace the device's defaults (TrainingSpec.for_device) when given."""
     from pydantic import ValidationError
 
     from piper_plan.catalog import load_model, load_platform, validation_message
@@ -90,8 +98,10 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, model.max_seq_len or DEFAULT_SEQ_LEN)
     try:
+        given = {k: v for k, v in (("dtype", dtype), ("grad_bytes", None if grad_bytes is None else int(grad_bytes)))
+                 if v is not None}
         training = TrainingSpec.for_device(platform.launch.device, seq_len=seq_len, global_batch=global_batch,
-                                           routing_skew=routing_skew)
+                                           routing_skew=routing_skew, **given)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="training options") from None
     return model, platform, training

@@ -46,8 +46,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @plot_option("Write tokens/s vs peak memory of every evaluated plan (Pareto set and chosen plan marked, rejected "
              "ones coloured by reason) as a PNG")
 @click.pass_context
-def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, strategy, a2a,
-             migration, runnable, placement, memory_headroom, cp_text, expert_tp, top, as_json, as_csv, save_path,
+def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, dtype,
+             grad_bytes, strategy, a2a, migration, runnable, placement, memory_headroom, cp_text, expert_tp, top, as_json, as_csv, save_path,
              explain, plot_path):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
@@ -58,7 +58,8 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
         check_writable(save_path)
     if plot_path:
         check_plot_path(plot_path)
-    model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers)
+    model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
+                                             dtype=dtype, grad_bytes=grad_bytes)
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)

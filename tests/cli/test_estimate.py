@@ -71,3 +71,22 @@ def test_estimate_says_where_the_all_to_all_time_comes_from():
     calibrated = json.loads(_run([a for a in ARGS if a != "--no-calibration"] + ["--json"]).stdout)
     assert calibrated["sources"]["a2a"] == "calibration: all_to_all@node"
     assert calibrated["time"]["breakdown"]["moe/dispatch/intra_node"] != plain["time"]["breakdown"]["moe/dispatch/intra_node"]
+
+
+def test_precision_and_gradient_bytes_are_options_and_reach_the_plan(tmp_path):
+    """--dtype fp8 on a platform with an 8-bit rate: faster GEMMs, 8-bit weight copies; --grad-bytes 4 (fp32
+    main gradients) costs 2 more bytes per parameter; both are saved in plan.json. Frontier has no fp8: one line."""
+    h100 = ["estimate", "--model", "mixtral-8x7b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "8",
+            "--pp", "2", "--ep", "8", "--no-calibration", "--json"]
+    base = json.loads(_run(h100).stdout)
+    fp8 = json.loads(_run(h100 + ["--dtype", "fp8"]).stdout)
+    assert fp8["step_time_s"] < base["step_time_s"]
+    assert fp8["memory"]["peak_bytes"] > base["memory"]["peak_bytes"]
+    saved = tmp_path / "plan.json"
+    grad4 = _run(h100 + ["--grad-bytes", "4", "-o", str(saved)])
+    assert json.loads(grad4.stdout)["memory"]["peak_bytes"] > base["memory"]["peak_bytes"]
+    training = read_plan_file(saved).training
+    assert (training.dtype, training.grad_bytes) == ("bf16", 4)
+    refused = _run(ARGS + ["--dtype", "fp8"])
+    assert refused.exit_code == 2 and "no peak for dtype=fp8" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
