@@ -7,5 +7,4 @@ scripts/install.sh --test
 if [[ -x scripts/slurm-local.sh ]] && command -v slurmctld >/dev/null 2>&1; then
   scripts/slurm-local.sh >/tmp/piper-slurm-start.log 2>&1 || { cat /tmp/piper-slurm-start.log; exit 1; }
 fi
-export PYTHONDONTWRITEBYTECODE=1
 exec .venv/bin/python -m pytest -q "$@"
