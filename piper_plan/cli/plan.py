@@ -182,10 +182,10 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
         print_json(obj)
         return
     if as_csv:
-        click.echo(_csv(plan_rows(result, training, top)), nl=False)
+        click.echo(_csv(plan_rows(result, model, training, top)), nl=False)
         return
     out = console()
-    out.print(_plans_table(result, platform, training, top), width=_table_width(out))
+    out.print(_plans_table(result, model, platform, training, top), width=_table_width(out))
     out.print(f"{result.candidates_total:,} candidates, {len(result.fields['dp']):,} evaluated by the cost model, "
               f"{result.feasible:,} fit, in {result.search_seconds:.3f} s"
               + (" (runnable by the piper runtime only)" if runnable else ""), markup=False)
@@ -194,7 +194,7 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
         out.print(_explain_table(result))
 
 
-def _plans_table(result, platform, training, top: int):
+def _plans_table(result, model, platform, training, top: int):
     from rich import box
     from rich.table import Table
 
@@ -204,9 +204,9 @@ def _plans_table(result, platform, training, top: int):
     for label in ("#", "dp tp pp ep etp", "mbs x M", "sched", "recomp", "z", "a2a", f"GiB/{cap_GiB:.0f}", "step s",
                   "tokens/s", "TF/dev", "MFU", "a2a%", "node-h"):
         table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a") else "right", no_wrap=True)
-    rows = plan_rows(result, training, top)
+    rows = plan_rows(result, model, training, top)
     for row in rows:
-        table.add_row(str(row["rank"]), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp"))
+        table.add_row(str(row["rank"]) + ("" if row["runnable_by_piper"] else "*"), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp"))
                       + (f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""),
                       f"{row['mbs']} x {row['num_microbatches']}",
                       _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),
@@ -214,8 +214,13 @@ def _plans_table(result, platform, training, top: int):
                       str(row["zero"]), row["a2a"], f"{row['peak_memory_bytes'] / 2**30:.1f}",
                       f"{row['step_time_s']:.2f}", f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.1f}",
                       f"{100 * row['mfu']:.1f}%", f"{100 * row['a2a_share']:.0f}%", f"{row['node_hours_to_train']:,.0f}")
+    notes = []
     if any(row.get("layers_split") == "balanced" for row in rows):
-        table.caption = "'bal' after the schedule: FLOP-balanced layers per stage (the split -o writes); else even"
+        notes.append("'bal' after the schedule: FLOP-balanced layers per stage (the split -o writes); else even")
+    missing = sorted({m for row in rows for m in row["runtime_missing"]})
+    if missing:
+        notes.append("* piper's runtime cannot run it (`piper launch` refuses): " + "; ".join(missing))
+    table.caption = "\n".join(notes) or None
     return table
 
 
@@ -248,7 +253,7 @@ def _csv(rows: list[dict]) -> str:
     if rows:
         writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: "; ".join(v) if isinstance(v, list) else v for k, v in row.items()} for row in rows)
     return buf.getvalue()
 
 

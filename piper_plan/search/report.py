@@ -13,12 +13,20 @@ COMPARED_FIELDS = ("dp", "cp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches
 """Plan fields the winner / runner-up comparison names when they differ."""
 
 
-def plan_rows(result, training, top: int) -> list[dict]:
-    """The best ``top`` plans as dicts (degrees, figures, node-hours to train)."""
+def plan_rows(result, model, training, top: int) -> list[dict]:
+    """The best ``top`` plans as dicts (degrees, figures, node-hours to train, and whether piper's runtime runs
+    them: ``runtime_missing`` lists what it lacks, capability.py)."""
+    from piper_plan.capability import unsupported_features
+    from piper_plan.search.space import CANDIDATE_FIELDS
+    from piper_plan.specs import ParallelPlan
+
     rows = []
     for rank_index, i in enumerate(result.order[:top] if top > 0 else result.order, start=1):
         row = {"rank": rank_index, **result.row(int(i))}
         row["node_hours_to_train"] = training.tokens_to_train / row["tokens_per_s"] / 3600.0 * result.nodes
+        plan = ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS})
+        row["runtime_missing"] = unsupported_features(plan, model, training)
+        row["runnable_by_piper"] = not row["runtime_missing"]
         rows.append(row)
     return rows
 
@@ -34,7 +42,7 @@ def result_json(result, model, platform, training, top: int) -> dict:
         "unsupported_features": result.unsupported,
         "search_seconds": result.search_seconds,
         "memory_limit_bytes": result.memory_limit_bytes,
-        "plans": plan_rows(result, training, top),
+        "plans": plan_rows(result, model, training, top),
         "pareto": [result.row(int(i)) for i in result.pareto],
     }
 

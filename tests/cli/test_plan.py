@@ -92,6 +92,23 @@ def test_runnable_and_explain_json():
     assert ex["breakdown"]
 
 
+def test_each_ranked_plan_says_whether_piper_runs_it_and_launch_agrees(tmp_path):
+    """DeepSeek-V3 has an MTP module the runtime does not build: every ranked plan is marked (JSON, table) and
+    `launch` refuses the saved one naming it; trained without it (--mtp-layers 0) the same plans are runnable."""
+    args = ("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "32", "--top", "3")
+    with_mtp = json.loads(_run(*args, "--json").stdout)["plans"]
+    assert all(not p["runnable_by_piper"] and any("mtp_layers=1" in m for m in p["runtime_missing"])
+               for p in with_mtp)
+    table = _run(*args)
+    assert "1*" in table.stdout and "piper's runtime cannot run it" in table.stdout
+    saved = tmp_path / "plan.json"
+    assert _run(*args, "-o", str(saved)).exit_code == 0
+    refused = CliRunner().invoke(cli, ["launch", "--plan", str(saved), "--out-dir", str(tmp_path / "job"), "--dry-run"])
+    assert refused.exit_code == 2 and "mtp_layers=1" in refused.stderr
+    without = json.loads(_run(*args, "--mtp-layers", "0", "--json").stdout)["plans"]
+    assert all(p["runnable_by_piper"] and p["runtime_missing"] == [] for p in without)
+
+
 def test_human_result_goes_to_stdout_and_saved_to_stderr(tmp_path):
     res = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1",
                                    "--seq", "512", "--global-batch", "64", "--explain",
