@@ -117,7 +117,10 @@ def uses_fsdp(plan) -> bool:
 
 
 def _fsdp_problems(model, plan) -> list[str]:
-    """FSDP2 shards expert weights over edp on dim 1 (hidden / expert width), which must divide evenly."""
+    """FSDP2 shards expert weights over edp on dim 1 (hidden / expert width), which must divide evenly; HSDP
+    (dp_replicate > 1) runs with tp = 1 (tests/runtime/test_fsdp_runtime.py), not yet composed with tp."""
+    if plan.dp_replicate > 1 and plan.tp > 1:
+        return [f"parallel.dp_replicate={plan.dp_replicate} with tp={plan.tp} (HSDP runs with tp = 1 only)"]
     if not uses_fsdp(plan) or plan.edp == 1 or model.moe is None:
         return []
     bad = sorted(s for s in {model.hidden_size, model.moe.expert.intermediate_size} if s % plan.edp)

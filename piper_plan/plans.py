@@ -53,6 +53,8 @@ class PlanBatch:
     layers_split: np.ndarray
     cp: np.ndarray = 1
     """Context-parallel degree (1 where a caller does not say)."""
+    dp_replicate: np.ndarray = 1
+    """HSDP replicas of the dense FSDP2 shard group (1 where a caller does not say; the search keeps 1)."""
     explicit_layers: tuple | None = None
 
     def __post_init__(self):
@@ -62,6 +64,7 @@ class PlanBatch:
             object.__setattr__(self, name, np.ascontiguousarray(a))
         object.__setattr__(self, "_edp", self.dp * self.cp * self.tp // (self.ep * self.etp))
         object.__setattr__(self, "_dp_cp", self.dp * self.cp)
+        object.__setattr__(self, "_dense_shard", self._dp_cp // np.maximum(self.dp_replicate, 1))
         object.__setattr__(self, "_seq_share", self.mbs / self.cp)
 
     def __len__(self) -> int:
@@ -80,6 +83,11 @@ class PlanBatch:
     def dp_cp(self) -> np.ndarray:
         """Ranks holding the same dense weights: dense gradients are reduced (and ZeRO shards) over dp x cp."""
         return self._dp_cp
+
+    @property
+    def dense_shard(self) -> np.ndarray:
+        """Ranks the dense weights' ZeRO state is sharded over: dp x cp / dp_replicate (HSDP's shard group)."""
+        return self._dense_shard
 
     @property
     def seq_share(self) -> np.ndarray:
@@ -225,6 +233,10 @@ RULES: tuple[Rule, ...] = (
     Rule("ep_etp_not_divisor_ranks", lambda s, c: (c.dp * c.cp * c.tp) % (c.ep * c.etp) != 0,
          lambda s, p: f"ep x etp = {p.ep} x {p.etp} must divide a stage's dp x cp x tp = {p.dp} x {p.cp} x {p.tp} "
                       "ranks"),
+    Rule("dp_replicate_not_divisor_dp", lambda s, c: c.dp % c.dp_replicate != 0,
+         lambda s, p: f"dp_replicate={p.dp_replicate} must divide dp={p.dp} (HSDP: replicas of a shard group)"),
+    Rule("dp_replicate_needs_fsdp", lambda s, c: (c.dp_replicate > 1) & (c.zero < 2),
+         lambda s, p: f"dp_replicate={p.dp_replicate} needs zero 2 or 3 (HSDP shards with FSDP2; got zero={p.zero})"),
     Rule("batch_not_divisible", lambda s, c: s.training.global_batch % (c.dp * c.mbs) != 0,
          lambda s, p: f"global_batch={s.training.global_batch} must be divisible by dp x mbs = {p.dp} x {p.mbs}"),
     Rule("microbatches_mismatch",

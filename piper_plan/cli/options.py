@@ -73,6 +73,8 @@ parallel_options = _bundle(
                  show_default=True),
     click.option("--zero", type=click.Choice(["0", "1", "2", "3"]), default=str(_plan_default("zero")),
                  show_default=True, help="ZeRO stage: 1 sharded optimizer, 2 / 3 FSDP2 (docs/design-notes.md)."),
+    click.option("--dp-replicate", type=int, default=_plan_default("dp_replicate"), show_default=True,
+                 help="HSDP with zero 2/3: replicas of the FSDP2 shard group among the dp ranks."),
     click.option("--a2a", type=click.Choice(A2A.values()), default=_plan_default("a2a"), show_default=True),
     click.option("--sequence-parallel/--no-sequence-parallel", default=_plan_default("sequence_parallel"),
                  show_default=True, help="Megatron sequence parallelism with tp > 1."),

@@ -7,10 +7,10 @@ What depends on what (the keys below; every one a few hundred to a few thousand 
 
 - time per micro-batch of every stage: (pp, tp, cp, ep, etp, mbs, recompute, a2a, virtual_stages, sp) KEY_TIME
 - peak memory: (pp, tp, cp, ep, etp, mbs, recompute, virtual_stages, sp, dp, num_microbatches, schedule,
-  zero)                                                                                             KEY_MEMORY
+  zero, dp_replicate)                                                                               KEY_MEMORY
   of which memory without the micro-batches in flight: KEY_MEMORY less schedule, num_microbatches  KEY_STATE
-- gradient sync and the optimizer step: (pp, tp, cp, dp, ep, etp, virtual_stages, zero, num_microbatches)
-                                                                                                   KEY_SYNC
+- gradient sync and the optimizer step: (pp, tp, cp, dp, ep, etp, virtual_stages, zero, num_microbatches,
+  dp_replicate)                                                                                     KEY_SYNC
 - pipeline p2p: (pp, tp, cp, dp, mbs, virtual_stages)                                              KEY_P2P
 
 Stages come from ``pipeline.stage_rows``: the distinct stage shapes of each layer split the plan may use
@@ -34,9 +34,10 @@ from piper_plan.specs.vocab import LayerSplit
 
 KEY_TIME = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
 KEY_MEMORY = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
-              "num_microbatches", "schedule", "zero")
-KEY_STATE = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero")
-KEY_SYNC = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches")
+              "num_microbatches", "schedule", "zero", "dp_replicate")
+KEY_STATE = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero",
+             "dp_replicate")
+KEY_SYNC = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches", "dp_replicate")
 KEY_P2P = ("pp", "tp", "cp", "dp", "mbs", "virtual_stages")
 SPLITS = (0, 1)
 """Split slots of the per-split arrays: 0 the even (or the explicit) split, 1 the FLOP-balanced one."""
@@ -172,7 +173,8 @@ def sync_by_key(ctx, sub, group_spans) -> dict[str, np.ndarray]:
     out = {"dp/sync/dense": [], "dp/sync/expert": [], "optimizer/step": []}
     for v in SPLITS:
         sync_d, sync_e = dp_sync_seconds(ctx.net, ctx.training, dense[v], expert[v], sub, group_spans["dp"][0],
-                                         group_spans["edp"][0])
+                                         group_spans["edp"][0], group_spans["dp_shard"][0],
+                                         group_spans["dp_replicate"][0])
         out["dp/sync/dense"].append(sync_d * (1 - o.dp_overlap))
         out["dp/sync/expert"].append(sync_e * (1 - o.dp_overlap))
         out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub)

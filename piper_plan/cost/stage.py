@@ -95,7 +95,7 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.
     """Bytes per rank of a stage by component (arrays shaped like ``st``); ``total`` includes overheads.
     ``flight``: micro-batches in flight (memory.in_flight); ``acts``: layer_activations(ctx, c)."""
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
-    out = mem.state_bytes(ctx.training, dense, expert, c.dp_cp, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st),
+    out = mem.state_bytes(ctx.training, dense, expert, c.dense_shard, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st),
                           fp32_replicas=ctx.opts.unfused_kernels)
     st = with_mtp_blocks(ctx.model, st)                   # activations: the MTP blocks count like layers
     core = np.where(c.recompute == NO_RECOMPUTE, acts["attention_core"], 0.0)

@@ -5,34 +5,48 @@ from __future__ import annotations
 import numpy as np
 
 
-def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span) -> tuple[np.ndarray, np.ndarray]:
+def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span, shard_span=None,
+                    replica_span=None) -> tuple[np.ndarray, np.ndarray]:
     """(dense, expert) gradient sync seconds of one rank per step, as piper's runtime syncs (docs/design-notes.md,
     "zero 0-3 in the runtime"). zero 0: all-reduce of the gradients; 1: their reduce-scatter and an all-gather of
     the updated weights (Rajbhandari et al. 2020); 2 and 3 (FSDP2): fp32 reduce-scatters and compute-dtype
     all-gathers: at pp > 1 one reduce-scatter per step (PipelineStage defers it to the last backward) and one
     all-gather (2) or M + 1 (3: before every op that follows a forward); at pp = 1 one reduce-scatter per
-    micro-batch and M (2) or 2 M (3) all-gathers. Nothing overlapped (CostOptions.dp_overlap)."""
+    micro-batch and M (2) or 2 M (3) all-gathers. HSDP (``c.dp_replicate`` > 1): the dense all-gathers and
+    reduce-scatters run in the shard group (``shard_span``), and each reduce-scatter is followed by an fp32
+    all-reduce of the gradient shard over the replicas (``replica_span``), as FSDP2 does on a 2-D mesh.
+    Nothing overlapped (CostOptions.dp_overlap)."""
     from piper_plan.cost.memory import FSDP_GRAD_BYTES
 
     m = c.num_microbatches
     piped = c.pp > 1
     gathers = np.where(piped, np.where(c.zero == 3, m + 1, 1), np.where(c.zero == 3, 2 * m, m))
     scatters = np.where(piped, 1, m)
+    hsdp = c.dp_replicate > 1
+    shard_n, shard_span = np.where(hsdp, c.dense_shard, c.dp_cp), dp_span if shard_span is None else shard_span
+    shard_span = np.where(hsdp, shard_span, dp_span)
     out = []
-    for params, n, span in ((dense, c.dp_cp, dp_span), (expert, c.edp, edp_span)):
+    for params, n, span, fsdp_n, fsdp_span in ((dense, c.dp_cp, dp_span, shard_n, shard_span),
+                                               (expert, c.edp, edp_span, c.edp, edp_span)):
         grads = params * training.grad_bytes
         weights = net.seconds("all_gather", n, params * training.weight_bytes, span)
         plain = net.seconds("all_reduce", n, grads, span)
         sharded = net.seconds("reduce_scatter", n, grads, span) + weights
-        fsdp = scatters * net.seconds("reduce_scatter", n, params * FSDP_GRAD_BYTES, span) + gathers * weights
+        fsdp_weights = net.seconds("all_gather", fsdp_n, params * training.weight_bytes, fsdp_span)
+        fsdp = scatters * net.seconds("reduce_scatter", fsdp_n, params * FSDP_GRAD_BYTES, fsdp_span) \
+            + gathers * fsdp_weights
         out.append(np.where(c.zero >= 2, fsdp, np.where(c.zero == 1, sharded, plain)))
+    if replica_span is not None and hsdp.any():
+        replicas = np.maximum(c.dp_replicate, 1)
+        across = net.seconds("all_reduce", replicas, dense / np.maximum(shard_n, 1) * FSDP_GRAD_BYTES, replica_span)
+        out[0] = out[0] + np.where(hsdp & (c.zero >= 2), scatters * across, 0.0)
     return out[0], out[1]
 
 
 def optimizer_seconds(rates, training, dense, expert, c) -> np.ndarray:
     """Adam step, memory-bound: read + write master and optimizer state, read gradients, write weights,
     for the parameters this rank updates (its ZeRO-1 shard)."""
-    local = dense / np.where(c.zero >= 1, c.dp_cp, 1) + expert / np.where(c.zero >= 1, c.edp, 1)
+    local = dense / np.where(c.zero >= 1, c.dense_shard, 1) + expert / np.where(c.zero >= 1, c.edp, 1)
     per_param = 2 * (training.master_bytes + training.optimizer_bytes) + training.grad_bytes + training.weight_bytes
     per_param += 2 * training.grad_bytes          # gradient-norm clipping and loss-scale unscaling read them again
     return rates.memory_seconds(local * per_param)

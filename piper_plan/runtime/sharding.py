@@ -7,7 +7,8 @@ Per pipeline stage (each model chunk of an interleaved rank is its own root):
   and expert migration exchanges local slices slot by slot (runtime/migration.py); their gradients are summed over
   edp and divided by dp (each expert rank already holds its EP group's tokens): ``set_gradient_divide_factor(dp)``
   with ``set_force_sum_reduction_for_comms`` (gloo has no PREMUL_SUM);
-- then each Block over ``dp`` (its dense weights: attention, norms, router, shared experts, dense MLP);
+- then each Block over ``dp`` (its dense weights: attention, norms, router, shared experts, dense MLP), or HSDP's
+  2-D (dp_replicate, dp_shard) mesh when ``plan.dp_replicate`` > 1 (``dense_mesh``);
 - then the stage root (embedding, final norm, LM head) over ``dp``, ``reshard_after_forward=False`` (its weights
   are the first ones backward needs).
 
@@ -53,7 +54,7 @@ def shard_stage_module(module: nn.Module, mesh, plan, dtype: str) -> nn.Module:
 
     policy = mixed_precision(dtype)
     per_block = plan.zero == 3
-    dp_mesh = mesh.submesh("dp")
+    dp_mesh = dense_mesh(mesh, plan)
     for stage in stage_roots(module):
         for block in stage.layers.values():
             if block.is_moe:
@@ -61,6 +62,15 @@ def shard_stage_module(module: nn.Module, mesh, plan, dtype: str) -> nn.Module:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=per_block, mp_policy=policy)
         fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     return module
+
+
+def dense_mesh(mesh, plan):
+    """The mesh FSDP2 shards the dense weights over: dp, or HSDP's 2-D ("dp_replicate", "dp_shard") view of it
+    (plan.dp_replicate replicas of a shard group of consecutive dp ranks; FSDP2 replicates over dim 0)."""
+    dp_mesh = mesh.submesh("dp")
+    if plan.dp_replicate == 1:
+        return dp_mesh
+    return dp_mesh._unflatten(0, (plan.dp_replicate, plan.dp // plan.dp_replicate), ("dp_replicate", "dp_shard"))
 
 
 def _shard_experts(experts: nn.Module, mesh, plan, policy, per_block: bool) -> None:
@@ -84,7 +94,7 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-FSDP_MESH_DIMS = ("dp", "edp")
+FSDP_MESH_DIMS = ("dp", "edp", "dp_replicate")
 """The mesh dimensions FSDP2 shards over here (tensor parallelism's DTensors live on the "tp" dimension)."""
 
 

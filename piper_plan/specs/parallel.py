@@ -47,6 +47,11 @@ class ParallelPlan(Spec):
     (a sharded optimizer); 2 and 3 are FSDP2 (parameters, gradients and optimizer state sharded at rest;
     2 keeps the gathered parameters from forward to backward, 3 re-gathers them). What each holds and sends
     per step: docs/design-notes.md, "zero 0-3"."""
+    dp_replicate: PositiveInt = 1
+    """HSDP (zero 2 / 3 only): the stage's dp x cp ranks form ``dp_replicate`` replicas of an FSDP2 shard group of
+    dp x cp / dp_replicate consecutive ranks; dense weights, gradients and optimizer state are sharded inside a
+    shard group, and gradients all-reduced across the replicas. 1 = sharded over all dp x cp. Experts shard over
+    edp as ever. Not searched: `piper estimate --dp-replicate` (docs/design-notes.md, "zero 0-3")."""
     a2a: A2A = A2A.FLAT
     """Expert all-to-all algorithm."""
     layers_split: LayerSplit = LayerSplit.AUTO

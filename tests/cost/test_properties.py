@@ -387,3 +387,18 @@ def test_optimizer_framework_overhead_is_priced():
         ranks_per_host(local, 2))
     assert priced - none.time.breakdown["optimizer/step"] == pytest.approx(float(by_hand), rel=1e-9)
     assert by_hand > 0
+
+
+def test_hsdp_shards_dense_state_over_the_shard_group_and_all_reduces_across_replicas():
+    """dp_replicate r: the dense optimizer state per rank grows r-fold (sharded over dp / r), expert state does
+    not change, and the dense sync adds an all-reduce over the r replicas (plans.PlanBatch.dense_shard)."""
+    from piper_plan.cost.evaluate import estimate
+
+    model, training = load_model("mixtral-8x7b"), TrainingSpec()
+    base = ParallelPlan(dp=32, pp=2, ep=8, num_microbatches=32, zero=3)
+    one, two = (estimate(model, FRONTIER, training, 8, base.model_copy(update={"dp_replicate": r})) for r in (1, 2))
+    stage = lambda e: e.memory.per_stage[0].components  # noqa: E731
+    grow = stage(two)["optimizer"] - stage(one)["optimizer"]
+    assert grow > 0 and two.time.breakdown["dp/sync/dense"] != one.time.breakdown["dp/sync/dense"]
+    four = estimate(model, FRONTIER, training, 8, base.model_copy(update={"dp_replicate": 4}))
+    assert stage(four)["optimizer"] - stage(one)["optimizer"] == pytest.approx(3 * grow, rel=1e-9)

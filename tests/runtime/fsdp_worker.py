@@ -52,6 +52,8 @@ def train_check(plan: dict, rank: int, world: int, steps: int, aux: float, migra
     out["experts"] = logical_shards(trainer)
     out["ep_group"] = trainer.mesh.me.ep_group_index
     out["sharded"] = sorted(n for n, q in trainer.module.named_parameters() if _is_dtensor(q))
+    out["mesh_shapes"] = sorted({tuple(q.device_mesh.mesh.shape) for q in trainer.module.parameters()
+                                 if _is_dtensor(q)})
     return out
 
 

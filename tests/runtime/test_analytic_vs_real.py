@@ -104,7 +104,17 @@ def zero_measured(tmp_path_factory):
 
     jobs = [(f"pp{pp}_zero{zero}", "measure", {"plan": p}) for (pp, zero), p in _zero_plans().items()]
     jobs.append(("tp2_zero1", "measure", {"plan": _tp2_zero1_plan()}))
+    jobs.append(("pp1_zero3_hsdp2", "measure", {"plan": _hsdp_plan()}))
     return spawn(4, jobs, tmp_path_factory.mktemp("zero"))
+
+
+def _hsdp_plan() -> dict:
+    """zero 3 with HSDP: dp 4 = 2 replicas x a shard group of 2 (parallel.dp_replicate)."""
+    from plans import plan_dict
+
+    plan = plan_dict(pp=1, dp=4, ep=2, num_microbatches=2, zero=3)
+    plan["parallel"]["dp_replicate"] = 2
+    return plan
 
 
 def _expected_bytes(pp: int, zero: int, dp: int, edp: int, n: dict) -> dict:
@@ -135,6 +145,23 @@ def test_zero2_zero3_bytes_per_rank_equal_formulas(zero_measured):
             assert peak["gathered"] == want["gathered"], label
             low, high = want["grads"]
             assert low <= peak["grads"] <= high, label
+
+
+@pytest.mark.distributed
+def test_hsdp_bytes_per_rank_equal_the_cost_model(zero_measured):
+    """HSDP (dp_replicate 2 of dp 4): dense state sharded over the shard group of 2, experts over edp; the cost
+    model's weights-at-rest and optimizer state (memory.state_bytes with PlanBatch.dense_shard) equal the runtime's."""
+    from piper_plan.cost.memory import state_bytes
+    from piper_plan.planfile import parse_plan_dict
+
+    pf = parse_plan_dict(_hsdp_plan(), "hsdp plan")
+    for r in (res["pp1_zero3_hsdp2"] for res in zero_measured):
+        n, mem = r["numel"], r["memory"]
+        shard = n["dense"] / 2 + n["expert"] / pf.parallel.edp
+        assert mem["parameters_bytes"] == 4 * shard
+        assert 8 * shard <= mem["optimizer_bytes"] <= 8 * shard * 1.001
+        model = state_bytes(pf.training, n["dense"], n["expert"], 2, pf.parallel.edp, 3)
+        assert abs(float(model["optimizer"]) - mem["optimizer_bytes"]) <= 0.02 * mem["optimizer_bytes"]
 
 
 def _expected_collectives(pp: int, zero: int, dp: int, edp: int, nmb: int, blocks: int, n: dict) -> dict:

@@ -45,9 +45,16 @@ def _bf16(plan: dict) -> dict:
     return plan
 
 
+def _hsdp(plan: dict, replicas: int) -> dict:
+    plan["parallel"]["dp_replicate"] = replicas
+    return plan
+
+
 FOUR = {"pp2_dp2_ep2_zero2_halo": _plan(2, 2, 2, 2, a2a="halo"),
         "pp1_dp4_ep2_zero3": _plan(1, 4, 2, 3),
         "pp2_dp2_ep2_zero3_interleaved_recompute": _interleaved_recompute_zero3()}
+HSDP = "pp1_dp4_ep2_zero3_hsdp2x2"
+FOUR[HSDP] = _hsdp(_plan(1, 4, 2, 3), 2)
 MIGRATING = "pp1_dp4_ep2_zero3_migrating"
 TP, TP_MIGRATING = "tp2_dp2_ep2_zero3", "tp2_dp2_ep2_zero3_migrating"
 TP_PLAN = plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=3)
@@ -112,6 +119,13 @@ def test_four_rank_layouts_equal_reference(four, layout):
     per_rank = [r[layout] for r in four]
     _sharded_as_planned(FOUR[layout], per_rank)
     _compare(FOUR[layout], per_rank)
+
+
+@pytest.mark.distributed
+def test_hsdp_shards_dense_weights_over_a_2d_mesh(four):
+    """dp_replicate = 2 of dp 4: the dense weights live on a 2 x 2 (replicate, shard) mesh, the experts on edp."""
+    assert all((2, 2) in r[HSDP]["mesh_shapes"] for r in four)
+    assert all((2, 2) not in r["pp1_dp4_ep2_zero3"]["mesh_shapes"] for r in four)
 
 
 @pytest.mark.distributed

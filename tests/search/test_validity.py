@@ -69,6 +69,8 @@ def test_every_rule_can_fire_and_names_its_values():
              ParallelPlan(dp=1, pp=8, num_microbatches=8), ParallelPlan(dp=4, tp=2, ep=8, num_microbatches=2),
              ParallelPlan(dp=8, mbs=3), ParallelPlan(dp=2, pp=2, tp=2, etp=2, num_microbatches=4),
              ParallelPlan(dp=4, cp=3, num_microbatches=2),
+             ParallelPlan(dp=8, num_microbatches=1, zero=3, dp_replicate=3),
+             ParallelPlan(dp=8, num_microbatches=1, zero=1, dp_replicate=2),
              ParallelPlan(tp=16, num_microbatches=8),
              ParallelPlan(dp=4, pp=2, num_microbatches=3, schedule="interleaved", virtual_stages=2)]
     for plan in cases:
