@@ -40,6 +40,8 @@ PLANS["pp1_dp2_ep2_zero3"] = plan_dict(pp=1, dp=2, ep=2, num_microbatches=2, zer
 PLANS["pp1_tp2"] = plan_dict(pp=1, dp=1, ep=1, tp=2, num_microbatches=4)               # tensor parallel
 PLANS["pp1_dp2_tp2_zero1"] = plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1)  # ZeRO over tp shards
 PLANS["pp1_dp4_ep4_zero3"] = plan_dict(pp=1, dp=4, ep=4, num_microbatches=1, zero=3)
+PLANS["pp1_dp4_ep4_zero3_hsdp2"] = plan_dict(pp=1, dp=4, ep=4, num_microbatches=1, zero=3)
+PLANS["pp1_dp4_ep4_zero3_hsdp2"]["parallel"]["dp_replicate"] = 2                       # HSDP: 2-D DTensor state
 # (A, B, world of A, world of B)
 CASES = {
     "migrated_pp2_dp2_ep2_to_pp1_dp4_ep4": ("pp2_dp2_ep2_migrating", "pp1_dp4_ep4_zero1", 4, 4),
@@ -54,6 +56,7 @@ CASES = {
     "tp2_dp2_zero1_to_pp2_dp2_ep2": ("pp1_dp2_tp2_zero1", "pp2_dp2_ep2", 4, 4),
     "zero3_to_tp2_dp2_zero1": ("pp1_dp4_ep4_zero3", "pp1_dp2_tp2_zero1", 4, 4),
     "same_layout_tp2_dp2_zero1": ("pp1_dp2_tp2_zero1", "pp1_dp2_tp2_zero1", 4, 4),
+    "hsdp_to_pp2_dp2_ep2": ("pp1_dp4_ep4_zero3_hsdp2", "pp2_dp2_ep2", 4, 4),
 }
 
 
