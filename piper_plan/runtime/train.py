@@ -107,7 +107,10 @@ class Trainer:
         torch.manual_seed(self.seed + rank)
         from piper_plan.runtime.sharding import shard_stage_module
 
+        from piper_plan.runtime.model import materialize
+
         self.module = shard_stage_module(self._build_model(cfg.runtime.aux_loss_coeff), self.mesh, p, cfg.training.dtype)
+        materialize(self.module, device, self.seed)  # only this rank's shards are allocated
         named = list(self.module.named_parameters())
         self.tp_summed = []
         if p.tp > 1:
@@ -155,9 +158,13 @@ class Trainer:
         moe_kwargs = {"ep_rank": me.ep_rank, "ep_size": p.ep, "ep_group": self.mesh.ep_group,
                       "dispatcher": self._dispatcher(), "aux_loss_coeff": aux_loss_coeff,
                       "seq_mesh": self.mesh.submesh("tp") if p.tp > 1 else None}
-        # StageModel, or VirtualStages (interleaved); plan.recompute applied inside (model.py)
-        module = build_rank_module(spec, p, me.pp_index, moe_kwargs, self.seed).to(self.device)
-        if p.tp > 1:  # split after the full-size initialisation: the same weights as the reference
+        # StageModel, or VirtualStages (interleaved); plan.recompute applied inside (model.py). On the meta
+        # device: split (tp) and sharded (FSDP2) before materialize allocates and initialises this rank's part
+        import torch
+
+        with torch.device("meta"):
+            module = build_rank_module(spec, p, me.pp_index, moe_kwargs, seed=None)
+        if p.tp > 1:
             from piper_plan.runtime.tensor_parallel import parallelize
 
             parallelize(module, self.mesh.submesh("tp"))

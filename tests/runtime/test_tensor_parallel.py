@@ -18,7 +18,7 @@ from plans import plan_dict
 from piper_plan.catalog import load_model
 from piper_plan.planfile import parse_plan_dict
 from piper_plan.runtime.model import shrink_spec
-from reference import reference_run
+from reference import assert_initial_weights_equal, reference_run, whole_model_name
 from workers import spawn
 
 STEPS, LR, AUX = 2, 1e-2, 0.01
@@ -39,10 +39,6 @@ def _recompute(plan: dict, kind: str) -> dict:
     return plan
 
 
-def _reference_name(name: str) -> str:
-    return name.split(".", 2)[2] if name.startswith("chunks.") else name
-
-
 def _compare(plan: dict, per_rank: list[dict]) -> None:
     ref = reference_run(parse_plan_dict(plan, "test plan"), STEPS, LR, AUX)
     p = plan["parallel"]
@@ -52,12 +48,13 @@ def _compare(plan: dict, per_rank: list[dict]) -> None:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     ref_norm = torch.stack([g.norm() for g in ref["grads"][0].values()]).norm()
     for r in per_rank:
+        assert_initial_weights_equal(ref, r)
         assert r["grad_norms"][0] == pytest.approx(float(ref_norm), rel=1e-5)
         for step in range(STEPS):
             for name, grad in r["grads"][step].items():
-                want = ref["grads"][step][_reference_name(name)]
+                want = ref["grads"][step][whole_model_name(name)]
                 if ".experts." in name:
-                    first = r["first_expert"][int(_reference_name(name).split(".")[1])]
+                    first = r["first_expert"][int(whole_model_name(name).split(".")[1])]
                     want = want[first: first + grad.shape[0]]
                 if step == 0:
                     torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=f"{name} step 0")

@@ -22,7 +22,7 @@ def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) 
     from piper_plan.runtime.train import Trainer
 
     trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
-    out = {"losses": [], "grads": [], "first_expert": {}, "grad_norms": []}
+    out = {"losses": [], "grads": [], "first_expert": {}, "grad_norms": [], "init": full_params(trainer.module)}
     for step in range(steps):
         report = trainer.train_step(step).report()
         out["losses"].append(report["loss"])
@@ -32,6 +32,11 @@ def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) 
     out["expert_tokens"] = report["expert_tokens"]
     out["memory"] = report["memory"]
     return out
+
+
+def full_params(module) -> dict:
+    """Every parameter before training as one whole tensor (a DTensor gathered: collective over its mesh)."""
+    return {n: _full(q.detach()).clone() for n, q in module.named_parameters()}
 
 
 def _full(grad):
