@@ -259,7 +259,7 @@ class _KeepCounters:
 class StageModel(nn.Module):
     """The layers [first_layer, first_layer + num_layers) of the model (+ embedding on the first stage,
     + final norm and LM head on the last). Input: tokens [B, S] (first) or hidden [B, S, D]; output: hidden
-    or fp32 logits [B, S, V] (last)."""
+    or fp32 logits [B, S, V] (last; its final hidden states where ``return_hidden``)."""
 
     def __init__(self, spec, first_layer: int, num_layers: int, moe_kwargs: dict | None = None,
                  recompute: str = "none") -> None:
@@ -275,6 +275,9 @@ class StageModel(nn.Module):
         self.final_norm = make_norm(spec.norm, d) if self.is_last and spec.norm.final else None
         tied = spec.tie_embeddings and self.is_first
         self.lm_head = nn.Linear(d, spec.vocab_size, bias=False) if self.is_last and not tied else None
+        self.return_hidden = False
+        """Last stage: return the final hidden states; the loss applies ``logits`` to them chunk by chunk
+        (pipeline.ChunkedLoss: no fp32 logits of the whole micro-batch)."""
 
     def forward(self, x):
         if self.is_first:
@@ -287,7 +290,11 @@ class StageModel(nn.Module):
             return x
         if self.final_norm is not None:
             x = self.final_norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+        return x if self.return_hidden else self.logits(x)
+
+    def logits(self, h_BSD):
+        """fp32 logits [B, S, V] of final hidden states: the LM head, or the tied embedding."""
+        logits = self.lm_head(h_BSD) if self.lm_head is not None else F.linear(h_BSD, self.embed.weight)
         return logits.float()
 
     def moe_layers(self) -> dict[int, MoE]:

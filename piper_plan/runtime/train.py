@@ -122,12 +122,15 @@ class Trainer:
         self.dense, self.expert = [q for _, q in dense], [q for _, q in expert]
         self.optimizer = Optimizers([(dense, self.mesh.dp_group, p.dp), (expert, self.mesh.edp_group, p.edp)],
                                     cfg.training, cfg.runtime, device, p.zero)
+        from piper_plan.runtime.pipeline import loss_function
+
+        self.loss_fn = loss_function(self.module, p.mbs * cfg.training.seq_len, cfg.runtime.loss_chunk_rows, p.tp)
         self.schedule = None
         if p.pp > 1:
             from piper_plan.runtime.pipeline import build_schedule
 
             self.schedule = build_schedule(self.module, self.mesh.me.pp_index, p.pp, self.mesh.pp_group,
-                                           p.schedule, p.num_microbatches, device)
+                                           p.schedule, p.num_microbatches, device, self.loss_fn)
         from piper_plan.runtime.accounting import SavedTensorTracker
         from piper_plan.runtime.data import make_source
         from piper_plan.runtime.pipeline import P2PTimer
@@ -203,7 +206,7 @@ class Trainer:
         x, y = self.batch(step)
         with self._autocast(), self._accounting(), loss_context(self.cfg.parallel.tp):
             if self.schedule is None:
-                return run_local(self.module, x, y, self.cfg.parallel.num_microbatches)
+                return run_local(self.module, x, y, self.cfg.parallel.num_microbatches, self.loss_fn)
             return run_pipeline(self.schedule, self.module.is_first, self.module.is_last, x, y)
 
     def _accounting(self):

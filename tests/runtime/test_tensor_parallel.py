@@ -1,7 +1,8 @@
 """Tensor + sequence parallelism (runtime/tensor_parallel.py) on gloo ranks equals the single-process reference:
 tp2 on several model structures (MoE, MLA, sinks / per-head qk-norm / biases / shared-expert gate, tied embedding
-with learned positions, Arctic, Grok-1 with ep inside the tp block), tp2 x pp2 and tp2 x ep2 x dp2. One spawn per
-world size. What the runtime refuses with tp > 1 is checked without processes.
+with learned positions, Arctic, Grok-1 with ep inside the tp block), tp2 x pp2 and tp2 x ep2 x dp2; the chunked LM
+loss (pipeline.ChunkedLoss: untied and tied heads, and tp2 x pp2 x zero 3) against the reference's whole logits.
+One spawn per world size. What the runtime refuses with tp > 1 is checked without processes.
 
 Tolerances (fp32): step 0's gradients elementwise within rtol 1e-4, atol 1e-6 (measured: max |diff| <= 1.1e-6 x
 max |ref|) and the global gradient norm within rel 1e-5; later steps' gradients within 1e-3 x max |ref| per tensor
@@ -32,6 +33,12 @@ def _shrunk(name: str, attention: dict | None = None, moe: dict | None = None) -
     if moe:
         data["moe"].update(moe)
     return data
+
+
+def _chunked_loss(plan: dict, rows: int = 6) -> dict:
+    """The LM loss in chunks of ``rows`` logit rows (16-token micro-batches: three chunks, the last one short)."""
+    plan["runtime"]["loss_chunk_rows"] = rows
+    return plan
 
 
 def _recompute(plan: dict, kind: str) -> dict:
@@ -83,6 +90,8 @@ def test_two_ranks_tp2(tmp_path):
         "tied_positions": _recompute(plan_dict(ep=1, model_dict=_shrunk("gpt-22b"), **one), "full"),
         "arctic": plan_dict(ep=1, model_dict=_shrunk("arctic"), **one),
         "grok_ep2": plan_dict(ep=2, model_dict=_shrunk("grok-1"), **one),
+        "moe_chunked_loss": _chunked_loss(plan_dict(ep=1, **one)),
+        "tied_chunked_loss": _chunked_loss(plan_dict(ep=1, model_dict=_shrunk("gpt-22b"), **one)),
     }
     _run(2, plans, tmp_path)
 
@@ -112,7 +121,9 @@ def _memory_equals_cost_model(plan: dict, per_rank: list[dict]) -> None:
 def test_four_ranks_tp2_pp2_and_tp2_ep2_dp2(tmp_path):
     plans = {"tp2_pp2": plan_dict(pp=2, dp=1, ep=1, tp=2, num_microbatches=2, seq_len=64),
              "tp2_ep2_dp2": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2),
-             "tp2_ep2_dp2_zero3": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=3)}
+             "tp2_ep2_dp2_zero3": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=3),
+             "tp2_pp2_zero3_chunked_loss": _chunked_loss(plan_dict(pp=2, dp=1, ep=1, tp=2, num_microbatches=2,
+                                                                   zero=3))}
     results = _run(4, plans, tmp_path)
     _memory_equals_cost_model(plans["tp2_pp2"], [r["tp2_pp2"] for r in results])
 
