@@ -141,6 +141,7 @@ class Trainer:
         self.dp_sync_s = 0.0
         if self.schedule is not None:
             self._infer_shapes()
+        self.reducer = self._reducer()
         from piper_plan.runtime.migration import ExpertMigrator
 
         self.migrator = ExpertMigrator.from_trainer(self, cfg.migration)
@@ -224,24 +225,31 @@ class Trainer:
             return torch.autocast("cuda", dtype=dtype)
         return contextlib.nullcontext()
 
-    def sync_grads(self) -> None:
-        """Dense grads: completed over tp (partial DTensor gradients reduced; replicated parameters that saw only
-        this rank's tokens summed), then mean over dp. Expert grads: sum over edp, divided by dp (each expert rank
-        already holds the contributions of its whole EP group's tokens). FSDP2-managed (zero 2/3) gradients were
-        reduced by FSDP2 itself (runtime/sharding.py): only the others are all-reduced here."""
+    def _reducer(self, bucket_bytes: int | None = None):
+        """Dense grads: mean over dp. Expert grads: sum over edp, divided by dp (each expert rank already holds the
+        contributions of its whole EP group's tokens). Bucketed and overlapped with backward (runtime/grad_sync.py);
+        FSDP2-managed (zero 2/3) gradients are FSDP2's (runtime/sharding.py): only the others are reduced here."""
+        from piper_plan.runtime.grad_sync import BUCKET_BYTES, OverlappedReducer
         from piper_plan.runtime.sharding import replicated
 
-        p = self.cfg.parallel
+        p, m = self.cfg.parallel, self.mesh
+        return OverlappedReducer([(replicated(self.dense), m.dp_group if p.dp > 1 else None, p.dp),
+                                  (replicated(self.expert), m.edp_group if p.edp > 1 else None, p.dp)],
+                                 p.num_microbatches, bucket_bytes or BUCKET_BYTES)
+
+    def sync_grads(self) -> None:
+        """The dp / edp reductions launched during backward completed (``_reducer``), then dense grads completed
+        over tp (partial DTensor gradients reduced; replicated parameters that saw only this rank's tokens summed;
+        linear, so after the dp mean as well as before)."""
+        from piper_plan.runtime.grad_sync import allreduce_mean
+
         start = time.perf_counter()
-        if p.tp > 1:
+        self.reducer.finish()
+        if self.cfg.parallel.tp > 1:
             from piper_plan.runtime.tensor_parallel import finish_dtensor_grads
 
             finish_dtensor_grads(self.module)
-            _allreduce_mean(self.tp_summed, self.mesh.tp_group, 1)
-        if p.dp > 1:
-            _allreduce_mean(replicated(self.dense), self.mesh.dp_group, p.dp)
-        if p.edp > 1 or p.ep > 1:
-            _allreduce_mean(replicated(self.expert), self.mesh.edp_group if p.edp > 1 else None, p.dp)
+            allreduce_mean(self.tp_summed, self.mesh.tp_group, 1)
         self.dp_sync_s += time.perf_counter() - start
 
     def train_step(self, step: int) -> "StepResult":
@@ -253,6 +261,7 @@ class Trainer:
 
         self._reset_counters()
         start = time.perf_counter()
+        self.reducer.arm()
         losses = self.forward_backward(step)
         self.sync_grads()
         memory = self.memory_bytes()
@@ -383,38 +392,6 @@ class Trainer:
         from piper_plan.runtime.checkpoint import load
 
         return load(run_dir, self.checkpoint_state())
-
-
-def _allreduce_mean(params, group, divisor: int, bucket_numel: int = 2**25) -> None:
-    """Sum gradients over ``group`` (None: no communication) in flat buckets, then divide by ``divisor``."""
-    import torch
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    from piper_plan.runtime.tensor_parallel import local_tensor
-
-    for q in params:
-        if q.grad is None:
-            q.grad = torch.zeros_like(q)
-    for bucket in _buckets([local_tensor(q.grad) for q in params], bucket_numel):
-        flat = _flatten_dense_tensors(bucket)
-        if group is not None:
-            dist.all_reduce(flat, group=group)
-        flat /= divisor
-        for g, s in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(s)
-
-
-def _buckets(tensors, bucket_numel: int):
-    bucket, size = [], 0
-    for t in tensors:
-        if bucket and size + t.numel() > bucket_numel:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += t.numel()
-    if bucket:
-        yield bucket
 
 
 # ---- rank-0 reporting ---------------------------------------------------------------------------
