@@ -1,18 +1,19 @@
 """The training runtime: ``python -m piper_plan.runtime.train --plan plan.json [--steps N] [--out RUN_DIR] [--resume]``.
 
 Reads plan.json through planfile.read_plan_file (the one validated PlanFile; ``runtime`` and ``migration`` blocks
-hold every setting and its default, the options only override them). Builds this rank's pipeline stage
-(mesh.py for the rank order, model.py for the weights), runs
-GPipe / 1F1B over pp, dispatches tokens to experts over each EP group (flat or HALO), all-reduces dense
-gradients over dp and expert gradients over edp (bucketed, one flat buffer per <= 2^25 elements), steps
+hold every setting and its default, the options only override them). Builds this rank's pipeline stage on the
+meta device, splits and shards it there, then allocates and initialises only its own part (mesh.py for the rank
+order, model.py for the weights), runs GPipe / 1F1B over pp with a chunked LM loss (pipeline.py), dispatches
+tokens to experts over each EP group (flat or HALO), all-reduces dense gradients over dp and expert gradients
+over edp in buckets launched during backward (runtime/grad_sync.py; FSDP2's own under zero 2/3), steps
 AdamW / SGD with warmup + cosine decay and global-norm clipping (optionally ZeRO-1 sharded; runtime/optim.py),
 gathers every rank's report as one tensor per step (runtime/report.py), migrates experts at step boundaries
 (plan.json ``migration``;
 runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and resharding checkpoints
 (runtime/checkpoint.py: torch.distributed.checkpoint; resumable under another layout).
 Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
-Tensor parallelism (tp > 1, always with sequence parallelism) splits the stage after it is built and
-initialised (runtime/tensor_parallel.py).
+Tensor parallelism (tp > 1, always with sequence parallelism) splits the stage on the meta device, before the
+seeded initialisation writes each rank's part (runtime/tensor_parallel.py).
 """
 
 from __future__ import annotations

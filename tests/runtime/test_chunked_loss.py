@@ -12,9 +12,9 @@ from piper_plan.planfile import parse_plan_dict
 from piper_plan.runtime.pipeline import ChunkedLoss, lm_loss
 from plans import plan_dict
 
-SEQ, MBS, MICRO = 64, 2, 2
+SEQ, MBS, MICRO = 32, 2, 2
 VOCAB, HIDDEN = 512, 64  # tiny-moe
-CHUNK_ROWS = 40  # 20 positions x 2 sequences: chunks of 20, 20, 20 and 4 positions (the last one short)
+CHUNK_ROWS = 24  # 12 positions x 2 sequences: chunks of 12, 12 and 8 positions (the last one short)
 
 
 def _trainer(chunk_rows):
