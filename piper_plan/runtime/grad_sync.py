@@ -111,6 +111,7 @@ class OverlappedReducer:
         self._calls += 1
         key = id(param)
         self._count[key] += 1
+        assert self._count[key] <= self.num_microbatches, "a gradient accumulated after its bucket's reduction began"
         bucket = self._bucket_of[key]
         if self._count[key] == self.num_microbatches and bucket.work is None and \
                 all(self._count[id(q)] == self.num_microbatches for q in bucket.params):
