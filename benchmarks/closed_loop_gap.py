@@ -59,7 +59,6 @@ def microbatch_call(model, platform, training, plan):
     """A zero-argument call running micro-batch i forward + backward as Trainer.forward_backward does."""
     from piper_plan.planfile import parse_plan_dict, plan_file_dict
     from piper_plan.runtime import train as rt
-    from piper_plan.runtime.pipeline import lm_loss
 
     from piper_plan.calibration.bench_overhead import _free_port
 
@@ -74,7 +73,7 @@ def microbatch_call(model, platform, training, plan):
         for q in trainer.module.parameters():
             q.grad = None
         with trainer.tracker.hooks():
-            loss = lm_loss(trainer.module(x[i:i + 1]), y[i:i + 1])
+            loss = trainer.loss_fn(trainer.module(x[i:i + 1]), y[i:i + 1])
         loss.backward()
     return call
 

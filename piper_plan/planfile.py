@@ -90,6 +90,9 @@ class RuntimeBlock(Spec):
     """Clip the global gradient norm (every rank's gradients together) to this; None = no clipping."""
     aux_loss_coeff: NonNegativeFloat = 0.01
     """Switch balance-loss coefficient (0 = off)."""
+    loss_chunk_rows: PositiveInt | None = 1024
+    """Logit rows (tokens) the LM loss computes at once: a micro-batch with more is split into chunks whose
+    fp32 logits exist one at a time (runtime/pipeline.py ChunkedLoss); None = the whole micro-batch at once."""
 
 
 class PlanFile(Spec):

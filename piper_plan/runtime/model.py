@@ -36,6 +36,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from piper_plan.errors import PiperError
@@ -258,7 +259,7 @@ class _KeepCounters:
 class StageModel(nn.Module):
     """The layers [first_layer, first_layer + num_layers) of the model (+ embedding on the first stage,
     + final norm and LM head on the last). Input: tokens [B, S] (first) or hidden [B, S, D]; output: hidden
-    or fp32 logits [B, S, V] (last)."""
+    or fp32 logits [B, S, V] (last; its final hidden states where ``return_hidden``)."""
 
     def __init__(self, spec, first_layer: int, num_layers: int, moe_kwargs: dict | None = None,
                  recompute: str = "none") -> None:
@@ -274,6 +275,9 @@ class StageModel(nn.Module):
         self.final_norm = make_norm(spec.norm, d) if self.is_last and spec.norm.final else None
         tied = spec.tie_embeddings and self.is_first
         self.lm_head = nn.Linear(d, spec.vocab_size, bias=False) if self.is_last and not tied else None
+        self.return_hidden = False
+        """Last stage: return the final hidden states; the loss applies ``logits`` to them chunk by chunk
+        (pipeline.ChunkedLoss: no fp32 logits of the whole micro-batch)."""
 
     def forward(self, x):
         if self.is_first:
@@ -286,7 +290,11 @@ class StageModel(nn.Module):
             return x
         if self.final_norm is not None:
             x = self.final_norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+        return x if self.return_hidden else self.logits(x)
+
+    def logits(self, h_BSD):
+        """fp32 logits [B, S, V] of final hidden states: the LM head, or the tied embedding."""
+        logits = self.lm_head(h_BSD) if self.lm_head is not None else F.linear(h_BSD, self.embed.weight)
         return logits.float()
 
     def moe_layers(self) -> dict[int, MoE]:
@@ -332,20 +340,27 @@ def chunk_layers(spec, plan) -> list[int]:
     return [spec.num_layers // n] * n
 
 
-def build_rank_module(spec, plan, pp_index: int, moe_kwargs: dict, seed: int) -> nn.Module:
-    """This rank's initialised module: a StageModel, or VirtualStages for the interleaved schedule."""
+def build_rank_module(spec, plan, pp_index: int, moe_kwargs: dict, seed: int | None) -> nn.Module:
+    """This rank's module: a StageModel, or VirtualStages for the interleaved schedule; initialised from
+    ``seed``, or left for ``materialize`` (seed None: built under ``torch.device("meta")`` it holds no storage)."""
     layers = chunk_layers(spec, plan)
     if plan.schedule != "interleaved":
         module = StageModel(spec, sum(layers[:pp_index]), layers[pp_index], moe_kwargs, plan.recompute)
+    else:
+        stages = [pp_index + v * plan.pp for v in range(plan.virtual_stages)]
+        module = VirtualStages([StageModel(spec, sum(layers[:s]), layers[s], moe_kwargs, plan.recompute)
+                                for s in stages])
+    if seed is not None:
         init_stage(module, seed)
-        return module
-    chunks = []
-    for v in range(plan.virtual_stages):
-        stage = pp_index + v * plan.pp
-        chunk = StageModel(spec, sum(layers[:stage]), layers[stage], moe_kwargs, plan.recompute)
-        init_stage(chunk, seed)
-        chunks.append(chunk)
-    return VirtualStages(chunks)
+    return module
+
+
+def materialize(module: nn.Module, device, seed: int) -> None:
+    """Allocate a module built on the meta device (after any tp split and FSDP2 sharding: each parameter then
+    holds only this rank's part) on ``device`` and run the seeded initialisation into it (torchtitan's order:
+    build on meta, parallelise, ``to_empty``, initialise). The values equal ``init_stage`` of the whole model."""
+    module.to_empty(device=device)
+    init_stage(module, seed)
 
 
 # ---- deterministic initialisation --------------------------------------------------------------
@@ -355,22 +370,41 @@ def _generator(seed: int, *key: int) -> torch.Generator:
     return g
 
 
-def _fill(param: torch.Tensor, name: str, gen: torch.Generator, std_out: float) -> None:
-    """Norm weights 1, biases 0, output projections N(0, std_out), everything else N(0, 0.02)."""
+def _value(shape, name: str, gen: torch.Generator, std_out: float) -> torch.Tensor:
+    """Norm weights 1, biases 0, output projections N(0, std_out), everything else N(0, 0.02) (fp32, host)."""
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name and leaf == "weight":
-        value = torch.ones(param.shape)
-    elif leaf.startswith("b") and leaf != "weight" or leaf == "bias":
-        value = torch.zeros(param.shape)
-    else:
-        std = std_out if (".o." in name or ".down." in name or leaf == "w_out") else 0.02
-        value = torch.empty(param.shape).normal_(0.0, std, generator=gen)
+        return torch.ones(shape)
+    if leaf.startswith("b") and leaf != "weight" or leaf == "bias":
+        return torch.zeros(shape)
+    std = std_out if (".o." in name or ".down." in name or leaf == "w_out") else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def _local_part(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The part of the whole-model ``value`` that this rank's ``param`` holds: a DTensor's (tensor parallel or
+    FSDP2 shard) local piece, cut locally (``src_data_rank=None``: no communication); a plain tensor: all."""
+    if not isinstance(param, DTensor):
+        return value
+    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+def _fill(param: torch.Tensor, name: str, gen: torch.Generator, std_out: float) -> None:
+    value = _local_part(param, _value(param.shape, name, gen, std_out))
     with torch.no_grad():
-        param.copy_(value.to(param.dtype))
+        local_tensor(param).copy_(value.to(param.dtype))
+
+
+def _fill_expert(param: torch.Tensor, j: int, name: str, gen: torch.Generator, std_out: float) -> None:
+    """Local expert j's slice of a stacked [El, ...] parameter (FSDP2 shards experts on dim 1, never dim 0)."""
+    value = _local_part(param, _value((1, *param.shape[1:]), name, gen, std_out))[0]
+    with torch.no_grad():
+        local_tensor(param)[j].copy_(value.to(param.dtype))
 
 
 def init_stage(model: StageModel, seed: int) -> None:
-    """Initialise every parameter from (seed, layer[, expert]) so that any pp/ep split equals the whole."""
+    """Initialise every parameter from (seed, layer[, expert]) so that any pp/ep/tp/FSDP2 split equals the
+    whole; the MoE buffers to their start values (identity slots, zero counts)."""
     if isinstance(model, VirtualStages):
         for chunk in model.chunks:
             init_stage(chunk, seed)
@@ -392,7 +426,10 @@ def _init_experts(moe: MoE, seed: int, layer: int, std_out: float) -> None:
     for j in range(moe.num_local):
         gen = _generator(seed, layer, moe.first_expert + j)
         for name, p in moe.experts.named_parameters():
-            _fill(p[j], name, gen, std_out)
+            _fill_expert(p, j, name, gen, std_out)
+    with torch.no_grad():
+        moe.slot_of_expert.copy_(torch.arange(moe.spec.num_experts))
+        moe.expert_tokens.zero_()
 
 
 # ---- reduced-size copies of catalog models -----------------------------------------------------

@@ -19,7 +19,48 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     return local_tensor(F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1)))
 
 
-def build_schedule(module, pp_index: int, pp: int, pp_group, schedule: str, num_microbatches: int, device):
+class ChunkedLoss:
+    """The mean next-token cross entropy of one micro-batch from the last stage's final hidden states
+    (``StageModel.return_hidden``), ``chunk_rows`` logit rows at a time: each chunk's LM head + cross entropy is
+    checkpointed (torch.utils.checkpoint, non-reentrant), so forward keeps no logits and backward recomputes one
+    chunk's at a time; no fp32 logits of the whole micro-batch exist. Under tp the logits stay
+    vocabulary-parallel (``loss_parallel``, as lm_loss); an untied head gathers the sequence shards of each chunk
+    (tensor_parallel.py), whose targets are then every tp rank's positions of that chunk, in gather order."""
+
+    def __init__(self, stage, chunk_rows: int, seq_shards: int) -> None:
+        """seq_shards: tp where the hidden states arrive sequence-sharded (an untied head under tp), else 1."""
+        self.stage, self.chunk_rows, self.seq_shards = stage, chunk_rows, seq_shards
+
+    def __call__(self, h_BsD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        B, s = h_BsD.shape[0], h_BsD.shape[1]                          # s: this rank's sequence positions
+        step = max(1, self.chunk_rows // (B * self.seq_shards))
+        y_BPs = targets_BS.reshape(B, self.seq_shards, s)
+        total = 0.0
+        for h_chunk, y_chunk in zip(h_BsD.split(step, dim=1), y_BPs.split(step, dim=2)):
+            total = total + checkpoint(self._chunk_sum, h_chunk, y_chunk.reshape(B, -1), use_reentrant=False)
+        return total / targets_BS.numel()
+
+    def _chunk_sum(self, h_BcD, y_Bc):
+        from piper_plan.runtime.tensor_parallel import local_tensor
+
+        logits = self.stage.logits(h_BcD)
+        return local_tensor(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y_Bc.reshape(-1), reduction="sum"))
+
+
+def loss_function(module, rows: int, chunk_rows: int | None, tp: int):
+    """The LM loss of this rank's module (micro-batches of ``rows`` tokens): ChunkedLoss where a micro-batch has
+    more rows than ``chunk_rows`` (its last stage then returns hidden states), else lm_loss on whole logits."""
+    last = module.chunks[-1] if hasattr(module, "chunks") else module
+    if chunk_rows is None or rows <= chunk_rows or not last.is_last:
+        return lm_loss
+    last.return_hidden = True
+    return ChunkedLoss(last, chunk_rows, tp if last.lm_head is not None else 1)
+
+
+def build_schedule(module, pp_index: int, pp: int, pp_group, schedule: str, num_microbatches: int, device,
+                   loss_fn=lm_loss):
     """A GPipe, 1F1B or interleaved 1F1B schedule over this rank's stage(s) (pp > 1)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
@@ -28,10 +69,10 @@ def build_schedule(module, pp_index: int, pp: int, pp_group, schedule: str, num_
         chunks = list(module.chunks)
         n = pp * len(chunks)
         stages = [PipelineStage(c, pp_index + v * pp, n, device, group=pp_group) for v, c in enumerate(chunks)]
-        return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=lm_loss)
+        return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
     stage = PipelineStage(module, pp_index, pp, device, group=pp_group)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    return cls(stage, n_microbatches=num_microbatches, loss_fn=lm_loss)
+    return cls(stage, n_microbatches=num_microbatches, loss_fn=loss_fn)
 
 
 def run_pipeline(schedule, is_first: bool, is_last: bool, x, y) -> list[torch.Tensor]:
@@ -46,12 +87,12 @@ def run_pipeline(schedule, is_first: bool, is_last: bool, x, y) -> list[torch.Te
     return losses
 
 
-def run_local(module, x, y, num_microbatches: int) -> list[torch.Tensor]:
+def run_local(module, x, y, num_microbatches: int, loss_fn=lm_loss) -> list[torch.Tensor]:
     """pp = 1: forward/backward each micro-batch, then divide gradients by the micro-batch count (as the
     pipelining schedules' scale_grads do, so an in-stage balance loss is weighted the same way)."""
     losses = []
     for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
-        loss = lm_loss(module(xm), ym)
+        loss = loss_fn(module(xm), ym)
         loss.backward()
         losses.append(loss.detach())
     scale_grads(module, num_microbatches)

@@ -1,8 +1,9 @@
 """Tensor parallelism with sequence parallelism over the mesh's tp dimension (Shoeybi et al. 2019; Korthikanti
 et al. 2022), on torch's ``torch.distributed.tensor.parallel``.
 
-A StageModel is built and initialised at full size (model.py), then split here by ``parallelize_module``:
-distributing an initialised parameter keeps its values, so a tp run starts from the reference's weights.
+A StageModel is built on the meta device (model.py), split here by ``parallelize_module``, then materialised:
+the seeded initialisation computes each parameter's whole value and keeps this rank's part (model.py
+``materialize``), so a tp run starts from the reference's weights.
 Sequence parallelism is always on with tp > 1: the residual stream between blocks is a local tensor holding this
 rank's sequence shard [B, S / tp, D] (pipeline stages send and receive it as such), norms run on it
 (``SequenceParallel``), and each block all-gathers its input and reduce-scatters its output.

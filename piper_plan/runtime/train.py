@@ -1,18 +1,19 @@
 """The training runtime: ``python -m piper_plan.runtime.train --plan plan.json [--steps N] [--out RUN_DIR] [--resume]``.
 
 Reads plan.json through planfile.read_plan_file (the one validated PlanFile; ``runtime`` and ``migration`` blocks
-hold every setting and its default, the options only override them). Builds this rank's pipeline stage
-(mesh.py for the rank order, model.py for the weights), runs
-GPipe / 1F1B over pp, dispatches tokens to experts over each EP group (flat or HALO), all-reduces dense
-gradients over dp and expert gradients over edp (bucketed, one flat buffer per <= 2^25 elements), steps
+hold every setting and its default, the options only override them). Builds this rank's pipeline stage on the
+meta device, splits and shards it there, then allocates and initialises only its own part (mesh.py for the rank
+order, model.py for the weights), runs GPipe / 1F1B over pp with a chunked LM loss (pipeline.py), dispatches
+tokens to experts over each EP group (flat or HALO), all-reduces dense gradients over dp and expert gradients
+over edp in buckets launched during backward (runtime/grad_sync.py; FSDP2's own under zero 2/3), steps
 AdamW / SGD with warmup + cosine decay and global-norm clipping (optionally ZeRO-1 sharded; runtime/optim.py),
 gathers every rank's report as one tensor per step (runtime/report.py), migrates experts at step boundaries
 (plan.json ``migration``;
 runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and resharding checkpoints
 (runtime/checkpoint.py: torch.distributed.checkpoint; resumable under another layout).
 Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
-Tensor parallelism (tp > 1, always with sequence parallelism) splits the stage after it is built and
-initialised (runtime/tensor_parallel.py).
+Tensor parallelism (tp > 1, always with sequence parallelism) splits the stage on the meta device, before the
+seeded initialisation writes each rank's part (runtime/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -107,7 +108,10 @@ class Trainer:
         torch.manual_seed(self.seed + rank)
         from piper_plan.runtime.sharding import shard_stage_module
 
+        from piper_plan.runtime.model import materialize
+
         self.module = shard_stage_module(self._build_model(cfg.runtime.aux_loss_coeff), self.mesh, p, cfg.training.dtype)
+        materialize(self.module, device, self.seed)  # only this rank's shards are allocated
         named = list(self.module.named_parameters())
         self.tp_summed = []
         if p.tp > 1:
@@ -119,12 +123,15 @@ class Trainer:
         self.dense, self.expert = [q for _, q in dense], [q for _, q in expert]
         self.optimizer = Optimizers([(dense, self.mesh.dp_group, p.dp), (expert, self.mesh.edp_group, p.edp)],
                                     cfg.training, cfg.runtime, device, p.zero)
+        from piper_plan.runtime.pipeline import loss_function
+
+        self.loss_fn = loss_function(self.module, p.mbs * cfg.training.seq_len, cfg.runtime.loss_chunk_rows, p.tp)
         self.schedule = None
         if p.pp > 1:
             from piper_plan.runtime.pipeline import build_schedule
 
             self.schedule = build_schedule(self.module, self.mesh.me.pp_index, p.pp, self.mesh.pp_group,
-                                           p.schedule, p.num_microbatches, device)
+                                           p.schedule, p.num_microbatches, device, self.loss_fn)
         from piper_plan.runtime.accounting import SavedTensorTracker
         from piper_plan.runtime.data import make_source
         from piper_plan.runtime.pipeline import P2PTimer
@@ -135,6 +142,7 @@ class Trainer:
         self.dp_sync_s = 0.0
         if self.schedule is not None:
             self._infer_shapes()
+        self.reducer = self._reducer()
         from piper_plan.runtime.migration import ExpertMigrator
 
         self.migrator = ExpertMigrator.from_trainer(self, cfg.migration)
@@ -155,9 +163,13 @@ class Trainer:
         moe_kwargs = {"ep_rank": me.ep_rank, "ep_size": p.ep, "ep_group": self.mesh.ep_group,
                       "dispatcher": self._dispatcher(), "aux_loss_coeff": aux_loss_coeff,
                       "seq_mesh": self.mesh.submesh("tp") if p.tp > 1 else None}
-        # StageModel, or VirtualStages (interleaved); plan.recompute applied inside (model.py)
-        module = build_rank_module(spec, p, me.pp_index, moe_kwargs, self.seed).to(self.device)
-        if p.tp > 1:  # split after the full-size initialisation: the same weights as the reference
+        # StageModel, or VirtualStages (interleaved); plan.recompute applied inside (model.py). On the meta
+        # device: split (tp) and sharded (FSDP2) before materialize allocates and initialises this rank's part
+        import torch
+
+        with torch.device("meta"):
+            module = build_rank_module(spec, p, me.pp_index, moe_kwargs, seed=None)
+        if p.tp > 1:
             from piper_plan.runtime.tensor_parallel import parallelize
 
             parallelize(module, self.mesh.submesh("tp"))
@@ -196,7 +208,7 @@ class Trainer:
         x, y = self.batch(step)
         with self._autocast(), self._accounting(), loss_context(self.cfg.parallel.tp):
             if self.schedule is None:
-                return run_local(self.module, x, y, self.cfg.parallel.num_microbatches)
+                return run_local(self.module, x, y, self.cfg.parallel.num_microbatches, self.loss_fn)
             return run_pipeline(self.schedule, self.module.is_first, self.module.is_last, x, y)
 
     def _accounting(self):
@@ -214,24 +226,31 @@ class Trainer:
             return torch.autocast("cuda", dtype=dtype)
         return contextlib.nullcontext()
 
-    def sync_grads(self) -> None:
-        """Dense grads: completed over tp (partial DTensor gradients reduced; replicated parameters that saw only
-        this rank's tokens summed), then mean over dp. Expert grads: sum over edp, divided by dp (each expert rank
-        already holds the contributions of its whole EP group's tokens). FSDP2-managed (zero 2/3) gradients were
-        reduced by FSDP2 itself (runtime/sharding.py): only the others are all-reduced here."""
+    def _reducer(self, bucket_bytes: int | None = None):
+        """Dense grads: mean over dp. Expert grads: sum over edp, divided by dp (each expert rank already holds the
+        contributions of its whole EP group's tokens). Bucketed and overlapped with backward (runtime/grad_sync.py);
+        FSDP2-managed (zero 2/3) gradients are FSDP2's (runtime/sharding.py): only the others are reduced here."""
+        from piper_plan.runtime.grad_sync import BUCKET_BYTES, OverlappedReducer
         from piper_plan.runtime.sharding import replicated
 
-        p = self.cfg.parallel
+        p, m = self.cfg.parallel, self.mesh
+        return OverlappedReducer([(replicated(self.dense), m.dp_group if p.dp > 1 else None, p.dp),
+                                  (replicated(self.expert), m.edp_group if p.edp > 1 else None, p.dp)],
+                                 p.num_microbatches, bucket_bytes or BUCKET_BYTES)
+
+    def sync_grads(self) -> None:
+        """The dp / edp reductions launched during backward completed (``_reducer``), then dense grads completed
+        over tp (partial DTensor gradients reduced; replicated parameters that saw only this rank's tokens summed;
+        linear, so after the dp mean as well as before)."""
+        from piper_plan.runtime.grad_sync import allreduce_mean
+
         start = time.perf_counter()
-        if p.tp > 1:
+        self.reducer.finish()
+        if self.cfg.parallel.tp > 1:
             from piper_plan.runtime.tensor_parallel import finish_dtensor_grads
 
             finish_dtensor_grads(self.module)
-            _allreduce_mean(self.tp_summed, self.mesh.tp_group, 1)
-        if p.dp > 1:
-            _allreduce_mean(replicated(self.dense), self.mesh.dp_group, p.dp)
-        if p.edp > 1 or p.ep > 1:
-            _allreduce_mean(replicated(self.expert), self.mesh.edp_group if p.edp > 1 else None, p.dp)
+            allreduce_mean(self.tp_summed, self.mesh.tp_group, 1)
         self.dp_sync_s += time.perf_counter() - start
 
     def train_step(self, step: int) -> "StepResult":
@@ -243,6 +262,7 @@ class Trainer:
 
         self._reset_counters()
         start = time.perf_counter()
+        self.reducer.arm()
         losses = self.forward_backward(step)
         self.sync_grads()
         memory = self.memory_bytes()
@@ -373,38 +393,6 @@ class Trainer:
         from piper_plan.runtime.checkpoint import load
 
         return load(run_dir, self.checkpoint_state())
-
-
-def _allreduce_mean(params, group, divisor: int, bucket_numel: int = 2**25) -> None:
-    """Sum gradients over ``group`` (None: no communication) in flat buckets, then divide by ``divisor``."""
-    import torch
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    from piper_plan.runtime.tensor_parallel import local_tensor
-
-    for q in params:
-        if q.grad is None:
-            q.grad = torch.zeros_like(q)
-    for bucket in _buckets([local_tensor(q.grad) for q in params], bucket_numel):
-        flat = _flatten_dense_tensors(bucket)
-        if group is not None:
-            dist.all_reduce(flat, group=group)
-        flat /= divisor
-        for g, s in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(s)
-
-
-def _buckets(tensors, bucket_numel: int):
-    bucket, size = [], 0
-    for t in tensors:
-        if bucket and size + t.numel() > bucket_numel:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += t.numel()
-    if bucket:
-        yield bucket
 
 
 # ---- rank-0 reporting ---------------------------------------------------------------------------

@@ -38,7 +38,9 @@ def train_check(plan: dict, rank: int, world: int, steps: int, aux: float, migra
     trainer = _trainer(plan, rank, world, aux)
     migrator = ExpertMigrator.from_trainer(trainer, MigrationBlock(threshold=1.0, interval=1, max_iters=4)) \
         if migrate else None
-    out = {"losses": [], "grads": [], "grad_norm": [], "swaps": 0}
+    from workers import full_params
+
+    out = {"losses": [], "grads": [], "grad_norm": [], "swaps": 0, "init": full_params(trainer.module)}
     for step in range(steps):
         report = trainer.train_step(step).report()
         out["losses"].append(report["loss"])

@@ -17,7 +17,7 @@ def reference_run(cfg, steps: int, lr: float, aux: float) -> dict:
     init_stage(model, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     data = make_source(None, spec.vocab_size, tr.seq_len, 0)
-    out = {"losses": [], "grads": []}
+    out = {"losses": [], "grads": [], "init": {n: q.detach().clone() for n, q in model.named_parameters()}}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         batch, losses = data.batch(step, tr.global_batch), []
@@ -32,3 +32,22 @@ def reference_run(cfg, steps: int, lr: float, aux: float) -> dict:
         out["grads"].append({n: q.grad.clone() for n, q in model.named_parameters()})
         opt.step()
     return out
+
+
+def whole_model_name(name: str) -> str:
+    """An interleaved rank's ``chunks.<v>.layers.<i>...`` -> the whole model's ``layers.<i>...``."""
+    return name.split(".", 2)[2] if name.startswith("chunks.") else name
+
+
+def assert_initial_weights_equal(ref: dict, result: dict) -> None:
+    """A rank's weights before its first step (meta-device build, tp split, FSDP2 shards, then the seeded init
+    of its own part: model.materialize) equal the whole model's ``init_stage`` bit for bit; local experts their
+    slice of the stacked experts."""
+    assert result["init"], "the rank recorded no weights"
+    for name, value in result["init"].items():
+        whole = whole_model_name(name)
+        want = ref["init"][whole]
+        if ".experts." in whole:
+            first = result["first_expert"][int(whole.split(".")[1])]
+            want = want[first: first + value.shape[0]]
+        assert torch.equal(value, want), f"{name}: initial weights differ from the whole model's"

@@ -15,7 +15,7 @@ import torch
 from fsdp_worker import spawn
 from piper_plan.planfile import parse_plan_dict
 from plans import plan_dict
-from reference import reference_run
+from reference import assert_initial_weights_equal, reference_run, whole_model_name
 
 STEPS, LR, AUX = 2, 1e-2, 0.01
 RTOL, ATOL = 1e-4, 1e-6  # fp32, as tests/runtime/test_mesh_training.py
@@ -89,22 +89,19 @@ def _compare(plan: dict, per_rank: list[dict]) -> None:
     assert len(losses) == plan["parallel"]["dp"]
     for r in losses:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    for r in per_rank:
+        assert_initial_weights_equal(ref, r)
     for step in range(STEPS):
         ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref["grads"][step].values()]))
         for r in per_rank:
             assert r["grad_norm"][step] == pytest.approx(float(ref_norm), rel=1e-5), f"grad norm step {step}"
             for chunk_name, grad in r["grads"][step].items():
-                name = _whole_model_name(chunk_name)
+                name = whole_model_name(chunk_name)
                 want = ref["grads"][step][name]
                 if ".experts." in name:
                     first = r["first_expert"][int(name.split(".")[1])]
                     want = want[first: first + grad.shape[0]]
                 torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL, msg=f"{name} step {step}")
-
-
-def _whole_model_name(name: str) -> str:
-    """An interleaved rank's ``chunks.<v>.layers.<i>...`` -> the whole model's ``layers.<i>...``."""
-    return name.split(".", 2)[2] if name.startswith("chunks.") else name
 
 
 def _sharded_as_planned(plan: dict, per_rank: list[dict]) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from plans import plan_dict
 from piper_plan.planfile import parse_plan_dict
-from reference import reference_run
+from reference import assert_initial_weights_equal, reference_run
 from workers import spawn
 
 STEPS, LR, AUX = 3, 1e-2, 0.01
@@ -22,6 +22,7 @@ def _compare(plan: dict, per_rank: list[dict]) -> None:
     for r in losses:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     for r in per_rank:
+        assert_initial_weights_equal(ref, r)
         for step in range(STEPS):
             for name, grad in r["grads"][step].items():
                 want = ref["grads"][step][name]

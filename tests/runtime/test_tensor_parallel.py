@@ -1,8 +1,9 @@
 """Tensor + sequence parallelism (runtime/tensor_parallel.py) on gloo ranks equals the single-process reference:
 tp2 on several model structures (MoE, MLA, sinks / per-head qk-norm / biases / shared-expert gate, tied embedding
 with learned positions, Arctic, Grok-1 with ep inside the tp block), tp2 x pp2, tp2 x ep2 x dp2 (zero 0, 1, 3) and
-tp2 x pp2 x dp2 x ep2 zero 1 with HALO. One spawn per world size. What the runtime refuses with tp > 1 is checked
-without processes.
+tp2 x pp2 x dp2 x ep2 zero 1 with HALO; the chunked LM loss (pipeline.ChunkedLoss: untied and tied heads, and
+tp2 x pp2 x zero 3) against the reference's whole logits. One spawn per world size. What the runtime refuses with
+tp > 1 is checked without processes.
 
 Tolerances (fp32): step 0's gradients elementwise within rtol 1e-4, atol 1e-6 (measured: max |diff| <= 1.1e-6 x
 max |ref|) and the global gradient norm within rel 1e-5; later steps' gradients within 1e-3 x max |ref| per tensor
@@ -19,7 +20,7 @@ from plans import plan_dict
 from piper_plan.catalog import load_model
 from piper_plan.planfile import parse_plan_dict
 from piper_plan.runtime.model import shrink_spec
-from reference import reference_run
+from reference import assert_initial_weights_equal, reference_run, whole_model_name
 from workers import spawn
 
 STEPS, LR, AUX = 2, 1e-2, 0.01
@@ -35,13 +36,15 @@ def _shrunk(name: str, attention: dict | None = None, moe: dict | None = None) -
     return data
 
 
-def _recompute(plan: dict, kind: str) -> dict:
-    plan["parallel"]["recompute"] = kind
+def _chunked_loss(plan: dict, rows: int = 6) -> dict:
+    """The LM loss in chunks of ``rows`` logit rows (16-token micro-batches: three chunks, the last one short)."""
+    plan["runtime"]["loss_chunk_rows"] = rows
     return plan
 
 
-def _reference_name(name: str) -> str:
-    return name.split(".", 2)[2] if name.startswith("chunks.") else name
+def _recompute(plan: dict, kind: str) -> dict:
+    plan["parallel"]["recompute"] = kind
+    return plan
 
 
 def _compare(plan: dict, per_rank: list[dict]) -> None:
@@ -53,12 +56,13 @@ def _compare(plan: dict, per_rank: list[dict]) -> None:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     ref_norm = torch.stack([g.norm() for g in ref["grads"][0].values()]).norm()
     for r in per_rank:
+        assert_initial_weights_equal(ref, r)
         assert r["grad_norms"][0] == pytest.approx(float(ref_norm), rel=1e-5)
         for step in range(STEPS):
             for name, grad in r["grads"][step].items():
-                want = ref["grads"][step][_reference_name(name)]
+                want = ref["grads"][step][whole_model_name(name)]
                 if ".experts." in name:
-                    first = r["first_expert"][int(_reference_name(name).split(".")[1])]
+                    first = r["first_expert"][int(whole_model_name(name).split(".")[1])]
                     want = want[first: first + grad.shape[0]]
                 if step == 0:
                     torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=f"{name} step 0")
@@ -87,6 +91,8 @@ def test_two_ranks_tp2(tmp_path):
         "tied_positions": _recompute(plan_dict(ep=1, model_dict=_shrunk("gpt-22b"), **one), "full"),
         "arctic": plan_dict(ep=1, model_dict=_shrunk("arctic"), **one),
         "grok_ep2": plan_dict(ep=2, model_dict=_shrunk("grok-1"), **one),
+        "moe_chunked_loss": _chunked_loss(plan_dict(ep=1, **one)),
+        "tied_chunked_loss": _chunked_loss(plan_dict(ep=1, model_dict=_shrunk("gpt-22b"), **one)),
     }
     _run(2, plans, tmp_path)
 
@@ -117,7 +123,9 @@ def test_four_ranks_tp2_pp2_and_tp2_ep2_dp2(tmp_path):
     plans = {"tp2_pp2": plan_dict(pp=2, dp=1, ep=1, tp=2, num_microbatches=2, seq_len=64),
              "tp2_ep2_dp2": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2),
              "tp2_ep2_dp2_zero3": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=3),
-             "tp2_ep2_dp2_zero1": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1)}
+             "tp2_ep2_dp2_zero1": plan_dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1),
+             "tp2_pp2_zero3_chunked_loss": _chunked_loss(plan_dict(pp=2, dp=1, ep=1, tp=2, num_microbatches=2,
+                                                                   zero=3))}
     results = _run(4, plans, tmp_path)
     _memory_equals_cost_model(plans["tp2_pp2"], [r["tp2_pp2"] for r in results])
 

@@ -22,7 +22,7 @@ def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) 
     from piper_plan.runtime.train import Trainer
 
     trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
-    out = {"losses": [], "grads": [], "first_expert": {}, "grad_norms": []}
+    out = {"losses": [], "grads": [], "first_expert": {}, "grad_norms": [], "init": full_params(trainer.module)}
     for step in range(steps):
         report = trainer.train_step(step).report()
         out["losses"].append(report["loss"])
@@ -34,10 +34,39 @@ def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) 
     return out
 
 
+def full_params(module) -> dict:
+    """Every parameter before training as one whole tensor (a DTensor gathered: collective over its mesh)."""
+    return {n: _full(q.detach()).clone() for n, q in module.named_parameters()}
+
+
 def _full(grad):
     """A gradient as one whole tensor (a tp-split DTensor gathered: collective over its tp group)."""
     full = getattr(grad, "full_tensor", None)
     return full() if full is not None else grad.clone()
+
+
+def overlap_check(plan: dict, rank: int, world: int, bucket_bytes: int) -> dict:
+    """One step's gradients after sync_grads with the dp / edp all-reduces overlapped with backward (small buckets)
+    and with them all blocking after backward (the hooks removed: every bucket reduced in finish, the old path);
+    the overlapped run's launches (runtime/grad_sync.py)."""
+    from piper_plan.planfile import parse_plan_dict
+    from piper_plan.runtime.train import Trainer
+
+    cfg = parse_plan_dict(plan, "test plan")
+    out = {}
+    for name in ("overlapped", "blocking"):
+        trainer = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
+        trainer.reducer.remove()
+        if name == "overlapped":
+            trainer.reducer = trainer._reducer(bucket_bytes)
+        trainer.reducer.arm()
+        trainer.forward_backward(0)
+        launches = list(trainer.reducer.launches)
+        trainer.sync_grads()
+        out[name] = {"grads": {n: _full(q.grad) for n, q in trainer.module.named_parameters()},
+                     "launches": launches, "hooked": trainer.reducer.hooked_params,
+                     "buckets": trainer.reducer.overlapped_buckets}
+    return out
 
 
 def dispatch_checks(rank: int, world: int) -> dict:
@@ -129,6 +158,8 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             results[name] = tp_accounting(rank, world, kwargs["models"], kwargs["seq_len"])
         elif kind == "resume":
             results[name] = resume_check(kwargs["plan"], rank, world, kwargs["run_dir"])
+        elif kind == "overlap":
+            results[name] = overlap_check(kwargs["plan"], rank, world, kwargs["bucket_bytes"])
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     import torch.distributed as dist
 
