@@ -28,6 +28,11 @@ class CostOptions:
     permutation (its MoE README, 2025/07: the probs multiplication moved into the experts' activation function;
     permute is an ``index_select`` and unpermute a ``scatter_add``, which save only indices:
     megatron/core/transformer/moe/moe_utils.py at commit 00611e6e); datasets of such runs set it."""
+    loss_chunk_rows: int | None = None
+    """With ``unfused_kernels``: the runtime's chunked LM loss (planfile.RuntimeBlock.loss_chunk_rows, runtime/
+    pipeline.py ChunkedLoss): a micro-batch of more than this many tokens keeps no fp32 log-softmax of the whole
+    vocabulary (its chunks are checkpointed); None = the whole micro-batch's (Megatron's loss, and the runtime's
+    at or under the limit)."""
     tp_overlap: float = 0.0
     """Fraction of tensor-parallel collective time hidden behind compute."""
     a2a_overlap: float = 0.0
@@ -42,6 +47,6 @@ class CostOptions:
 
 DEFAULT_OPTIONS = CostOptions()
 
-PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True)
+PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True, loss_chunk_rows=1024)
 """How piper's own torch runtime runs (plans it will execute: `plan --runnable`, `launch`, `estimate
 --piper-runtime`): unfused PyTorch kernels; every other assumption as the defaults."""
