@@ -20,6 +20,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 
 from piper_plan import __version__
 from piper_plan.catalog import parse_spec, read_structured
+from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
 from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json
 from piper_plan.plans import check_plan
@@ -90,7 +91,7 @@ class RuntimeBlock(Spec):
     """Clip the global gradient norm (every rank's gradients together) to this; None = no clipping."""
     aux_loss_coeff: NonNegativeFloat = 0.01
     """Switch balance-loss coefficient (0 = off)."""
-    loss_chunk_rows: PositiveInt | None = 1024
+    loss_chunk_rows: PositiveInt | None = PIPER_RUNTIME_OPTIONS.loss_chunk_rows
     """Logit rows (tokens) the LM loss computes at once: a micro-batch with more is split into chunks whose
     fp32 logits exist one at a time (runtime/pipeline.py ChunkedLoss); None = the whole micro-batch at once."""
 

@@ -64,7 +64,7 @@ class PlanBatch:
             object.__setattr__(self, name, np.ascontiguousarray(a))
         object.__setattr__(self, "_edp", self.dp * self.cp * self.tp // (self.ep * self.etp))
         object.__setattr__(self, "_dp_cp", self.dp * self.cp)
-        object.__setattr__(self, "_dense_shard", self._dp_cp // np.maximum(self.dp_replicate, 1))
+        object.__setattr__(self, "_dense_shard", self._dp_cp // self.dp_replicate)
         object.__setattr__(self, "_seq_share", self.mbs / self.cp)
 
     def __len__(self) -> int:

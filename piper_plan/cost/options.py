@@ -47,6 +47,6 @@ class CostOptions:
 
 DEFAULT_OPTIONS = CostOptions()
 
-PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True, loss_chunk_rows=1024)
+PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True, loss_chunk_rows=1024)   # planfile.RuntimeBlock's default
 """How piper's own torch runtime runs (plans it will execute: `plan --runnable`, `launch`, `estimate
 --piper-runtime`): unfused PyTorch kernels; every other assumption as the defaults."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span, shard_span=None,
-                    replica_span=None) -> tuple[np.ndarray, np.ndarray]:
+def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span, shard_span,
+                    replica_span) -> tuple[np.ndarray, np.ndarray]:
     """(dense, expert) gradient sync seconds of one rank per step, as piper's runtime syncs (docs/design-notes.md,
     "zero 0-3 in the runtime"). zero 0: all-reduce of the gradients; 1: their reduce-scatter and an all-gather of
     the updated weights (Rajbhandari et al. 2020); 2 and 3 (FSDP2): fp32 reduce-scatters and compute-dtype
@@ -22,11 +22,9 @@ def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span, shard_sp
     piped = c.pp > 1
     gathers = np.where(piped, np.where(c.zero == 3, m + 1, 1), np.where(c.zero == 3, 2 * m, m))
     scatters = np.where(piped, 1, m)
-    hsdp = c.dp_replicate > 1
-    shard_n, shard_span = np.where(hsdp, c.dense_shard, c.dp_cp), dp_span if shard_span is None else shard_span
-    shard_span = np.where(hsdp, shard_span, dp_span)
+    hsdp = c.dp_replicate > 1          # else the shard group is the whole dp x cp group: c.dense_shard == c.dp_cp
     out = []
-    for params, n, span, fsdp_n, fsdp_span in ((dense, c.dp_cp, dp_span, shard_n, shard_span),
+    for params, n, span, fsdp_n, fsdp_span in ((dense, c.dp_cp, dp_span, c.dense_shard, shard_span),
                                                (expert, c.edp, edp_span, c.edp, edp_span)):
         grads = params * training.grad_bytes
         weights = net.seconds("all_gather", n, params * training.weight_bytes, span)
@@ -36,9 +34,8 @@ def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span, shard_sp
         fsdp = scatters * net.seconds("reduce_scatter", fsdp_n, params * FSDP_GRAD_BYTES, fsdp_span) \
             + gathers * fsdp_weights
         out.append(np.where(c.zero >= 2, fsdp, np.where(c.zero == 1, sharded, plain)))
-    if replica_span is not None and hsdp.any():
-        replicas = np.maximum(c.dp_replicate, 1)
-        across = net.seconds("all_reduce", replicas, dense / np.maximum(shard_n, 1) * FSDP_GRAD_BYTES, replica_span)
+    if hsdp.any():
+        across = net.seconds("all_reduce", c.dp_replicate, dense / c.dense_shard * FSDP_GRAD_BYTES, replica_span)
         out[0] = out[0] + np.where(hsdp & (c.zero >= 2), scatters * across, 0.0)
     return out[0], out[1]
 

@@ -20,7 +20,7 @@ def spans(alloc, c: PlanBatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     for name, stride, count in (("tp", 1, c.tp), ("cp", c.tp, c.cp), ("ep", c.etp, c.ep), ("etp", 1, c.etp),
                                 ("dp", c.tp, c.dp_cp), ("edp", c.ep * c.etp, c.edp),
                                 ("dp_shard", c.tp, c.dense_shard), ("dp_replicate", c.tp * c.dense_shard,
-                                                                    np.maximum(c.dp_replicate, 1))):
+                                                                    c.dp_replicate)):
         scope, nodes, _ = span_arrays(alloc, stride, count)
         out[name] = (scope, nodes)
     out["pp"] = (stage_pair_scope(alloc, c.dp_cp * c.tp), None)
