@@ -4,7 +4,9 @@
 
 Rank 0 sends ``size`` bytes to rank ``g`` (the first rank of node 1: across one uplink) and, when a node has two
 ranks, to rank 1 (inside node 0: loopback, unshaped); one message at a time, so the rate is the link's, not a
-contended share. Seconds = median over ``repeats`` after one warm-up (calibration.timing). Then the same
+contended share. Each send waits for a one-float ack from the receiver, so its time ends when the last byte has
+arrived, not when the sender's socket buffers took it. Seconds = median over ``repeats`` after one warm-up
+(calibration.timing). Then the same
 transfer both ways at once between rank 0 and rank ``g``: on one communicator (one gloo connection) and with each
 direction on its own communicator (HALO's phase II, runtime/halo.py ``_p2p_group``). Rank 0 writes
 ``{"inter_node_GBps", "intra_node_GBps", "two_way_one_connection_GBps", "two_way_two_connections_GBps",
@@ -27,11 +29,21 @@ def one_way_GBps(peer: int, nbytes: int, repeats: int, device) -> float | None:
     from piper_plan.calibration.timing import median_seconds
 
     rank = dist.get_rank()
-    buffer = torch.ones(nbytes // 4)
+    buffer, ack = torch.ones(nbytes // 4), torch.zeros(1)
+
+    def send_then_ack():  # a send returns once the socket buffers hold the tail (up to the tbf queue): wait for
+        dist.send(buffer, peer)  # the receiver's one-float ack, so the time covers the arrival of the last byte
+        dist.recv(ack, peer)
+
+    def recv_then_ack():
+        dist.recv(buffer, 0)
+        dist.send(ack, 0)
+
+    seconds = None
     if rank == 0:
-        seconds = median_seconds(lambda: dist.send(buffer, peer), device, warmup=1, repeats=repeats, min_sample_s=0.0)
+        seconds = median_seconds(send_then_ack, device, warmup=1, repeats=repeats, min_sample_s=0.0)
     elif rank == peer:
-        median_seconds(lambda: dist.recv(buffer, 0), device, warmup=1, repeats=repeats, min_sample_s=0.0)
+        median_seconds(recv_then_ack, device, warmup=1, repeats=repeats, min_sample_s=0.0)
     dist.barrier()
     return nbytes / seconds / 1e9 if rank == 0 else None
 
