@@ -18,19 +18,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def count(moe, hidden: int, tokens: int = 32):
-    import torch
-
-    from host_syncs import HostSyncCounter
-
-    x = torch.randn(1, tokens, hidden, requires_grad=True)
-    with HostSyncCounter() as fwd:
-        y = moe(x)
-    with HostSyncCounter() as bwd:
-        y.square().sum().backward()
-    return fwd, bwd
-
-
 def cases(group):
     from piper_plan.runtime.dispatch import FlatDispatcher
     from piper_plan.runtime.halo import HaloDispatcher
@@ -51,6 +38,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from host_syncs import count_moe_layer
     from piper_plan.catalog import load_model
     from piper_plan.runtime.moe import MoE
 
@@ -63,8 +51,8 @@ def main() -> int:
         for name, dispatcher, group in cases(dist.group.WORLD):
             torch.manual_seed(0)
             moe = MoE(spec.hidden_size, spec.moe, 0, 1, group, dispatcher)
-            count(moe, spec.hidden_size)  # warm-up
-            fwd, bwd = count(moe, spec.hidden_size)
+            count_moe_layer(moe, spec.hidden_size)  # warm-up
+            fwd, bwd = count_moe_layer(moe, spec.hidden_size)
             print(f"{name}: forward {fwd.total} ({dict(fwd.counts)}), backward {bwd.total} ({dict(bwd.counts)})")
     finally:
         dist.destroy_process_group()

@@ -89,6 +89,71 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad_SD, recv, send, group, timer), None, None, None, None
 
 
+class PendingExchange:
+    """A dispatch in flight (``FlatDispatcher.dispatch_async``): ``wait()`` returns the received rows.
+
+    Two autograd nodes around the exchange, so that work between start and wait overlaps it in both passes:
+    forward, ``_StartAllToAll`` starts the exchange and ``wait`` completes it; backward, ``_WaitAllToAll``
+    starts the reverse exchange and ``_StartAllToAll`` completes it, and autograd runs the backward of what the
+    forward ran in between (created after the start, so it is ready first) while the rows travel."""
+
+    def __init__(self, timer: CommTimer) -> None:
+        self.timer = timer
+        self.exchange = None
+        """(send counts, receive counts, group) of the forward exchange."""
+        self.out = self.work = self.grad_out = self.grad_work = None
+        """The forward exchange's output and Work; the reverse exchange's (backward)."""
+
+    def wait(self) -> torch.Tensor:
+        return _WaitAllToAll.apply(self.out, self)
+
+
+class ReadyExchange:
+    """A dispatch that completed when it was started (a dispatcher without an asynchronous exchange)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def wait(self) -> torch.Tensor:
+        return self.rows
+
+
+def _start_exchange(x_RD: torch.Tensor, send, recv, group, timer):
+    out = x_RD.new_empty((sum(recv),) + tuple(x_RD.shape[1:]))
+    work = timer.run(lambda: dist.all_to_all_single(out, x_RD.contiguous(), list(recv), list(send), group=group,
+                                                    async_op=True), device=x_RD.device)
+    return out, work
+
+
+class _StartAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, send, recv, group, pending):
+        ctx.pending = pending
+        out, pending.work = _start_exchange(x_RD, send, recv, group, pending.timer)
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_SD):
+        pending = ctx.pending
+        pending.timer.run(pending.grad_work.wait, device=pending.grad_out.device)
+        return pending.grad_out, None, None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out_SD, pending):
+        ctx.pending = pending
+        pending.timer.run(pending.work.wait, device=out_SD.device)
+        return out_SD.view_as(out_SD)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        pending = ctx.pending
+        send, recv, group = pending.exchange
+        pending.grad_out, pending.grad_work = _start_exchange(grad_SD, recv, send, group, pending.timer)
+        return grad_SD, None
+
+
 class FlatDispatcher:
     """One all_to_all_single over the whole EP group (the baseline HALO improves on)."""
 
@@ -113,6 +178,14 @@ class FlatDispatcher:
     def dispatch(self, x_RD: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
         """x_RD rows grouped by destination -> x_SD rows grouped by source; differentiable."""
         return _AllToAll.apply(x_RD, layout.send_counts, layout.recv_counts, self.group, self.timer)
+
+    def dispatch_async(self, x_RD: torch.Tensor, layout: DispatchLayout) -> PendingExchange:
+        """``dispatch`` started, not waited for: compute that needs no received row runs before ``.wait()``
+        (the shared experts, runtime/moe.py), and its backward runs while the reverse exchange travels."""
+        pending = PendingExchange(self.timer)
+        pending.exchange = (layout.send_counts, layout.recv_counts, self.group)
+        pending.out = _StartAllToAll.apply(x_RD, layout.send_counts, layout.recv_counts, self.group, pending)
+        return pending
 
     def combine(self, y_SD: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
         """The reverse of dispatch: y_SD rows grouped by source -> y_RD in this rank's send order."""

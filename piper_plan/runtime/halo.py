@@ -274,6 +274,12 @@ class HaloDispatcher:
         assert x_RD.shape[0] == sum(layout.send_counts), f"x has {x_RD.shape[0]} rows; sends {layout.send_counts}"
         return _exchange_function().apply(x_RD, self, layout.dispatch_plan, layout.combine_plan)
 
+    def dispatch_async(self, x_RD, layout: HaloLayout):
+        """``dispatch``, run to completion now (its three phases are not split around other work)."""
+        from piper_plan.runtime.dispatch import ReadyExchange
+
+        return ReadyExchange(self.dispatch(x_RD, layout))
+
     def combine(self, y_SD, layout: HaloLayout):
         """The reverse exchange: rows grouped by source go back, arriving grouped by destination; differentiable."""
         assert layout.combine_plan is not None, "a HaloDispatcher needs its own layout (HaloDispatcher.layout)"

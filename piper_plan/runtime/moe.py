@@ -163,11 +163,12 @@ class MoE(nn.Module):
     """Router + routed experts (this rank's El of them) + shared experts (+ a parallel dense FFN)."""
 
     def __init__(self, hidden: int, moe, ep_rank: int = 0, ep_size: int = 1, ep_group=None, dispatcher=None,
-                 aux_loss_coeff: float = 0.0, seq_mesh=None) -> None:
+                 aux_loss_coeff: float = 0.0, seq_mesh=None, overlap_shared: bool = True) -> None:
         """seq_mesh: the tp DeviceMesh under sequence parallelism (each rank routes its sequence shard; the
-        balance loss is the one of the whole sequence), None without."""
+        balance loss is the one of the whole sequence), None without. overlap_shared: run the shared experts
+        (and a parallel dense FFN) while the dispatch exchange is in flight (planfile.RuntimeBlock)."""
         super().__init__()
-        self.seq_mesh = seq_mesh
+        self.seq_mesh, self.overlap_shared = seq_mesh, overlap_shared
         assert moe.num_experts % ep_size == 0, "ep must divide num_experts"
         self.spec, self.ep_size, self.ep_group, self.dispatcher = moe, ep_size, ep_group, dispatcher
         self.num_local = moe.num_experts // ep_size
@@ -191,8 +192,8 @@ class MoE(nn.Module):
         tokens_E = _counts(idx_Tk.reshape(-1), self.spec.num_experts)
         with torch.no_grad():
             self.expert_tokens += tokens_E
-        out_TD = self._routed(x_TD, idx_Tk, weights_Tk, tokens_E)
-        out_TD = out_TD + self._shared(x_TD)
+        out_TD, shared_TD = self._routed(x_TD, idx_Tk, weights_Tk, tokens_E)
+        out_TD = out_TD + shared_TD
         if self.aux_loss_coeff and torch.is_grad_enabled():
             out_TD = AuxLossScaler.apply(out_TD, self.aux_loss_coeff * self._balance_loss(tokens_E, probs_TE))
         return out_TD.view_as(x_BSD)
@@ -230,29 +231,37 @@ class MoE(nn.Module):
         return out
 
     def _routed(self, x_TD, idx_Tk, weights_Tk, tokens_E):
+        """(routed experts' output, shared experts' output) [T, D] each; the shared ones computed while the
+        dispatch exchange travels where ``overlap_shared``."""
         T, k = idx_Tk.shape
         flat_R = self.slot_of_expert[idx_Tk.reshape(-1)]  # rows by slot (= by EP rank, then local expert)
         order_R = torch.argsort(flat_R, stable=True)
         x_RD = x_TD.index_select(0, order_R // k)
         counts_S = torch.empty_like(tokens_E).scatter_(0, self.slot_of_expert, tokens_E)  # rows per slot
         if self.dispatcher is None:
-            y_RD = self.experts(x_RD, counts_S)
-        else:
-            y_RD = self._exchange_and_compute(x_RD.to(_compute_dtype(x_RD)), counts_S)  # bf16 rows under autocast
+            y_RD, shared_TD = self.experts(x_RD, counts_S), self._shared(x_TD)
+        else:  # bf16 rows under autocast
+            y_RD, shared_TD = self._exchange_and_compute(x_RD.to(_compute_dtype(x_RD)), counts_S, x_TD)
         y_TkD = y_RD.index_select(0, torch.argsort(order_R)).view(T, k, -1)
-        return (y_TkD.to(weights_Tk.dtype) * weights_Tk.unsqueeze(-1)).sum(1)
+        return (y_TkD.to(weights_Tk.dtype) * weights_Tk.unsqueeze(-1)).sum(1), shared_TD
 
-    def _exchange_and_compute(self, x_RD, counts_S):
-        """Exchange the counts (the one host read of the layer), send rows to their experts' ranks, run the
-        local experts on rows regrouped by expert, send the results back."""
+    def _exchange_and_compute(self, x_RD, counts_S, x_TD):
+        """Exchange the counts (the one host read of the layer), send rows to their experts' ranks (the shared
+        experts run meanwhile), run the local experts on rows regrouped by expert, send the results back."""
         layout = self.dispatcher.layout(counts_S.view(self.ep_size, self.num_local))
-        x_XD = self.dispatcher.dispatch(x_RD, layout)
+        if self.overlap_shared:
+            pending = self.dispatcher.dispatch_async(x_RD, layout)
+            shared_TD = self._shared(x_TD)
+            x_XD = pending.wait()
+        else:
+            x_XD = self.dispatcher.dispatch(x_RD, layout)
         recv_pE = layout.recv_expert_counts_tensor.to(x_XD.device).view(self.ep_size, self.num_local)
         expert_X = torch.arange(self.num_local, device=x_XD.device).repeat(self.ep_size)
         expert_X = torch.repeat_interleave(expert_X, recv_pE.reshape(-1), output_size=x_XD.shape[0])
         perm_X = torch.argsort(expert_X, stable=True)
         y_XD = self.experts(x_XD.index_select(0, perm_X), recv_pE.sum(0))
-        return self.dispatcher.combine(y_XD.index_select(0, torch.argsort(perm_X)), layout)
+        y_RD = self.dispatcher.combine(y_XD.index_select(0, torch.argsort(perm_X)), layout)
+        return y_RD, (shared_TD if self.overlap_shared else self._shared(x_TD))
 
 
 def _counts(index: torch.Tensor, size: int) -> torch.Tensor:

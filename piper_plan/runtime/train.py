@@ -162,7 +162,8 @@ class Trainer:
         spec, p, me = self.cfg.model, self.cfg.parallel, self.mesh.me
         moe_kwargs = {"ep_rank": me.ep_rank, "ep_size": p.ep, "ep_group": self.mesh.ep_group,
                       "dispatcher": self._dispatcher(), "aux_loss_coeff": aux_loss_coeff,
-                      "seq_mesh": self.mesh.submesh("tp") if p.tp > 1 else None}
+                      "seq_mesh": self.mesh.submesh("tp") if p.tp > 1 else None,
+                      "overlap_shared": self.cfg.runtime.shared_expert_overlap}
         # StageModel, or VirtualStages (interleaved); plan.recompute applied inside (model.py). On the meta
         # device: split (tp) and sharded (FSDP2) before materialize allocates and initialises this rank's part
         import torch

@@ -83,3 +83,13 @@ class HostSyncCounter:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+def count_moe_layer(moe, hidden: int, tokens: int = 32) -> tuple[HostSyncCounter, HostSyncCounter]:
+    """Host synchronisations of one forward and one backward of an MoE layer on ``tokens`` random tokens."""
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+    with HostSyncCounter() as fwd:
+        y = moe(x)
+    with HostSyncCounter() as bwd:
+        y.square().sum().backward()
+    return fwd, bwd
