@@ -94,10 +94,10 @@ class RuntimeBlock(Spec):
     loss_chunk_rows: PositiveInt | None = PIPER_RUNTIME_OPTIONS.loss_chunk_rows
     """Logit rows (tokens) the LM loss computes at once: a micro-batch with more is split into chunks whose
     fp32 logits exist one at a time (runtime/pipeline.py ChunkedLoss); None = the whole micro-batch at once."""
-    shared_expert_overlap: bool = True
-    """Run the shared experts (and a parallel dense FFN) while the expert dispatch exchange is in flight, in
-    forward and backward (runtime/moe.py; Megatron-Core's ``moe_shared_expert_overlap``). The flat dispatcher
-    overlaps; HALO's three phases run to completion first."""
+    shared_expert_overlap: bool = PIPER_RUNTIME_OPTIONS.shared_expert_overlap
+    """Run the shared experts while the expert dispatch exchange is in flight, in forward and backward
+    (runtime/moe.py; Megatron-Core's ``moe_shared_expert_overlap``). The flat dispatcher overlaps; HALO's three
+    phases run to completion first."""
 
 
 class PlanFile(Spec):

@@ -37,6 +37,10 @@ class CostOptions:
     """Fraction of tensor-parallel collective time hidden behind compute."""
     a2a_overlap: float = 0.0
     """Fraction of expert all-to-all time hidden behind compute (e.g. shared experts or the other micro-batch)."""
+    shared_expert_overlap: bool = False
+    """The dispatch exchange runs while the shared experts compute, forward and backward (flat all-to-all):
+    piper's runtime (runtime.shared_expert_overlap); Megatron-Core's ``moe_shared_expert_overlap``, off by
+    default there."""
     p2p_overlap: float = 0.0
     """Fraction of pipeline p2p time hidden behind compute."""
     dp_overlap: float = 0.0
@@ -47,6 +51,6 @@ class CostOptions:
 
 DEFAULT_OPTIONS = CostOptions()
 
-PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True, loss_chunk_rows=1024)   # planfile.RuntimeBlock's default
+PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True, loss_chunk_rows=1024, shared_expert_overlap=True)   # planfile.RuntimeBlock's default
 """How piper's own torch runtime runs (plans it will execute: `plan --runnable`, `launch`, `estimate
 --piper-runtime`): unfused PyTorch kernels; every other assumption as the defaults."""

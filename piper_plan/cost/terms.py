@@ -10,7 +10,7 @@ import numpy as np
 from piper_plan.cost import stage as stg
 from piper_plan.placement.layout import span_arrays, stage_pair_scope
 from piper_plan.plans import PlanBatch
-from piper_plan.specs.vocab import Recompute
+from piper_plan.specs.vocab import A2A, Recompute
 
 
 def spans(alloc, c: PlanBatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -25,6 +25,23 @@ def spans(alloc, c: PlanBatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         out[name] = (scope, nodes)
     out["pp"] = (stage_pair_scope(alloc, c.dp_cp * c.tp), None)
     return out
+
+
+def _hide_dispatch_behind_shared_experts(per_layer: dict, shared_fb, c: PlanBatch, full) -> None:
+    """The runtime's shared-expert overlap (planfile.RuntimeBlock.shared_expert_overlap; flat all-to-all only):
+    in each pass the dispatch exchange is exposed only where it outlasts the shared experts of that pass
+    (forward, its recompute under full recompute, backward). Scales the moe/dispatch terms in place.
+    ``shared_fb``: stage.py's "shared_experts" (fwd, bwd), which includes a parallel dense FFN where a model has
+    both (none in the catalog; the runtime runs that FFN outside the overlap)."""
+    names = [n for n in per_layer if n.startswith("moe/dispatch/")]
+    dispatch = sum(per_layer[n][1] for n in names)                   # all passes
+    passes = 2 + full
+    per_pass = dispatch / passes
+    shared_f, shared_b = shared_fb
+    exposed = (np.maximum(per_pass - shared_f, 0) * (passes - 1) + np.maximum(per_pass - shared_b, 0))
+    keep = np.where((c.a2a == A2A.FLAT.code) & (dispatch > 0), exposed / np.maximum(dispatch, 1e-300), 1.0)
+    for n in names:
+        per_layer[n] = (per_layer[n][0], per_layer[n][1] * keep)
 
 
 def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
@@ -63,6 +80,8 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
         for part in ("dispatch", "combine"):
             for where, key in (("intra_node", "a2a_intra"), ("inter_node", "a2a_inter")):
                 per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
+        if o.shared_expert_overlap and ctx.model.moe.num_shared_experts:
+            _hide_dispatch_behind_shared_experts(per_layer, comp["shared_experts"], c, full)
     head_f, head_b = stg._gemm(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms
