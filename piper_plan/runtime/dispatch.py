@@ -89,6 +89,16 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad_SD, recv, send, group, timer), None, None, None, None
 
 
+class PendingLayout:
+    """A count exchange in flight (``start_layout``): ``wait()`` returns the dispatcher's layout."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+
+    def wait(self):
+        return self._finish()
+
+
 class PendingExchange:
     """A dispatch in flight (``FlatDispatcher.dispatch_async``): ``wait()`` returns the received rows.
 
@@ -165,10 +175,19 @@ class FlatDispatcher:
     def layout(self, send_counts: torch.Tensor) -> DispatchLayout:
         """send_counts: int64 [ep] (or [ep, n_local]) rows per destination; one all_to_all_single, then ONE
         host read of the sent and received counts together (the split sizes must be Python ints)."""
-        per_expert = send_counts.dim() == 2
+        return self.start_layout(send_counts).wait()
+
+    def start_layout(self, send_counts: torch.Tensor) -> "PendingLayout":
+        """``layout`` with its count exchange started, not waited for: work that needs no count (the rows'
+        permutation, runtime/moe.py) runs while it travels; ``.wait()`` reads the counts and builds the layout."""
         flat = send_counts.reshape(-1).to(torch.int64)
         recv = torch.empty_like(flat)
-        self.timer.run(lambda: dist.all_to_all_single(recv, flat, group=self.group), device=flat.device)
+        work = self.timer.run(lambda: dist.all_to_all_single(recv, flat, group=self.group, async_op=True),
+                              device=flat.device)
+        return PendingLayout(lambda: self._layout(send_counts.dim() == 2, flat, recv, work))
+
+    def _layout(self, per_expert: bool, flat, recv, work) -> DispatchLayout:
+        self.timer.run(work.wait, device=flat.device)
         send_host, recv_host = torch.stack([flat, recv]).view(2, self.size, -1).tolist()
         if not per_expert:
             return DispatchLayout(tuple(r[0] for r in send_host), tuple(r[0] for r in recv_host))

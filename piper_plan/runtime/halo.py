@@ -247,8 +247,14 @@ class HaloDispatcher:
         send_counts: int64 [P] rows this rank sends to each group member, or [P, n_local] rows per
         (member, local expert); the layout then carries ``recv_expert_counts`` as FlatDispatcher's does.
         """
+        return self.start_layout(send_counts).wait()
+
+    def start_layout(self, send_counts):
+        """``layout`` with its gather started, not waited for (as FlatDispatcher.start_layout)."""
         import torch
         import torch.distributed as dist
+
+        from piper_plan.runtime.dispatch import PendingLayout
 
         counts = torch.as_tensor(send_counts, dtype=torch.int64)
         if counts.shape[0] != len(self.ep_ranks) or counts.dim() > 2:
@@ -256,7 +262,14 @@ class HaloDispatcher:
                              f"non-negative ints, got shape {tuple(counts.shape)}")
         flat = counts.reshape(-1).to(comm_device(self.group))
         gathered = [torch.zeros_like(flat) for _ in self.ep_ranks]
-        self.timer.run(lambda: dist.all_gather(gathered, flat, group=self.group), device=flat.device)
+        work = self.timer.run(lambda: dist.all_gather(gathered, flat, group=self.group, async_op=True),
+                              device=flat.device)
+        return PendingLayout(lambda: self._layout(counts, gathered, work))
+
+    def _layout(self, counts, gathered, work) -> HaloLayout:
+        import torch
+
+        self.timer.run(work.wait, device=gathered[0].device)
         matrix = torch.stack(gathered)
         matrix_PX = np.asarray(matrix.tolist(), dtype=np.int64)  # the layer's one host read
         if (matrix_PX < 0).any():

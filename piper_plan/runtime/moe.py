@@ -234,21 +234,23 @@ class MoE(nn.Module):
         """(routed experts' output, shared experts' output) [T, D] each; the shared ones computed while the
         dispatch exchange travels where ``overlap_shared``."""
         T, k = idx_Tk.shape
+        counts_S = torch.empty_like(tokens_E).scatter_(0, self.slot_of_expert, tokens_E)  # rows per slot
+        pending = None if self.dispatcher is None else \
+            self.dispatcher.start_layout(counts_S.view(self.ep_size, self.num_local))  # travels while rows sort
         flat_R = self.slot_of_expert[idx_Tk.reshape(-1)]  # rows by slot (= by EP rank, then local expert)
         order_R = torch.argsort(flat_R, stable=True)
         x_RD = x_TD.index_select(0, order_R // k)
-        counts_S = torch.empty_like(tokens_E).scatter_(0, self.slot_of_expert, tokens_E)  # rows per slot
-        if self.dispatcher is None:
+        if pending is None:
             y_RD, shared_TD = self.experts(x_RD, counts_S), self._shared(x_TD)
         else:  # bf16 rows under autocast
-            y_RD, shared_TD = self._exchange_and_compute(x_RD.to(_compute_dtype(x_RD)), counts_S, x_TD)
+            y_RD, shared_TD = self._exchange_and_compute(x_RD.to(_compute_dtype(x_RD)), pending, x_TD)
         y_TkD = y_RD.index_select(0, torch.argsort(order_R)).view(T, k, -1)
         return (y_TkD.to(weights_Tk.dtype) * weights_Tk.unsqueeze(-1)).sum(1), shared_TD
 
-    def _exchange_and_compute(self, x_RD, counts_S, x_TD):
-        """Exchange the counts (the one host read of the layer), send rows to their experts' ranks (the shared
-        experts run meanwhile), run the local experts on rows regrouped by expert, send the results back."""
-        layout = self.dispatcher.layout(counts_S.view(self.ep_size, self.num_local))
+    def _exchange_and_compute(self, x_RD, pending_layout, x_TD):
+        """Finish the count exchange (the one host read of the layer), send rows to their experts' ranks (the
+        shared experts run meanwhile), run the local experts on rows regrouped by expert, send the results back."""
+        layout = pending_layout.wait()
         if self.overlap_shared:
             pending = self.dispatcher.dispatch_async(x_RD, layout)
             shared_TD = self._shared(x_TD)

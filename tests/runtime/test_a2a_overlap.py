@@ -1,5 +1,6 @@
-"""The shared experts run while the dispatch exchange is in flight, forward and backward (runtime/moe.py,
-runtime/dispatch.py ``dispatch_async``), and the result is the one of the unoverlapped layer bit for bit.
+"""The rows are sorted while the count exchange travels (``start_layout``), and the shared experts run while the
+dispatch exchange is in flight, forward and backward (``dispatch_async``; runtime/moe.py, runtime/dispatch.py);
+the result is the one of the unoverlapped layer bit for bit.
 
 One process, a world-1 gloo group: the exchange path runs (asynchronously) without spawning ranks.
 """
@@ -29,20 +30,18 @@ def _record(monkeypatch, moe, log):
     real = dist.all_to_all_single
 
     class Logged:
-        def __init__(self, work):
-            self.work = work
+        def __init__(self, work, name):
+            self.work, self.name = work, name
 
         def wait(self):
-            log.append("wait")
+            log.append(self.name)
             return self.work.wait()
 
     def spy(out, inp, *args, async_op=False, **kwargs):
         work = real(out, inp, *args, async_op=async_op, **kwargs)
-        if not inp.is_floating_point():
-            log.append("counts")
-            return work
-        log.append("start" if async_op else "exchange")
-        return Logged(work) if async_op else work
+        counts = "counts " if not inp.is_floating_point() else ""
+        log.append(counts + ("start" if async_op else "exchange"))
+        return Logged(work, counts + "wait") if async_op else work
 
     monkeypatch.setattr(dist, "all_to_all_single", spy)
     shared = moe.shared[0]
@@ -56,7 +55,7 @@ def test_shared_experts_run_between_start_and_wait_in_both_passes(world1, monkey
     _record(monkeypatch, moe, log)
     x = torch.randn(1, 16, spec.hidden_size, requires_grad=True)
     y = moe(x)
-    assert log == ["counts", "start", "shared forward", "wait", "exchange"], log
+    assert log == ["counts start", "counts wait", "start", "shared forward", "wait", "exchange"], log
     log.clear()
     y.square().sum().backward()
     # combine's reverse (synchronous), then dispatch's reverse started, the shared experts' backward, its wait
@@ -69,6 +68,17 @@ def test_without_overlap_the_exchanges_are_synchronous(world1, monkeypatch):
     _record(monkeypatch, moe, log)
     moe(torch.randn(1, 16, spec.hidden_size)).sum().backward()
     assert "start" not in log and "wait" not in log, log
+
+
+def test_rows_are_sorted_while_the_counts_travel(world1, monkeypatch):
+    """The count exchange starts before the rows' permutation (argsort, index_select) and is read after it."""
+    moe, spec = _moe(world1, overlap=True)
+    log: list[str] = []
+    _record(monkeypatch, moe, log)
+    real_argsort = torch.argsort
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: log.append("argsort") or real_argsort(*a, **k))
+    moe(torch.randn(1, 16, spec.hidden_size))
+    assert log[:3] == ["counts start", "argsort", "counts wait"], log
 
 
 def test_overlap_changes_nothing_in_the_result(world1):

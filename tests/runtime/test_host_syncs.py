@@ -73,8 +73,8 @@ def test_halo_dispatch_syncs_once_per_layer_and_microbatch(world1):
 
 def test_a2a_timer_measures_without_synchronising_the_device(world1, monkeypatch):
     """The exchange timer never calls a device-wide barrier (CUDA events on GPUs, the wall clock on CPU),
-    and time_s.a2a still counts every exchange: the layout's, dispatch (start and wait), combine and their
-    backward (the dispatch's reverse: start and wait)."""
+    and time_s.a2a still counts every exchange: the layout's (start and wait), dispatch (start and wait),
+    combine and their backward (the dispatch's reverse: start and wait)."""
     from piper_plan.runtime.dispatch import FlatDispatcher
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("device synchronised in the a2a path"))
@@ -89,7 +89,7 @@ def test_a2a_timer_measures_without_synchronising_the_device(world1, monkeypatch
     dispatcher = FlatDispatcher(world1)
     moe, spec = _moe(dispatcher, world1)
     _count(moe, spec)
-    assert len(calls) == 7 and dispatcher.timer.seconds > 0
+    assert len(calls) == 8 and dispatcher.timer.seconds > 0
     dispatcher.timer.reset()
     assert dispatcher.timer.seconds == 0.0
 
