@@ -6,12 +6,17 @@ Each bundle is a decorator; ``@model_options @training_options`` on a command ad
 
 from __future__ import annotations
 
+import typing
+
 import click
 
 from piper_plan.errors import PiperError
 from piper_plan.specs.parallel import ParallelPlan
 from piper_plan.specs.training import TrainingSpec
 from piper_plan.specs.vocab import A2A, LayerSplit, Placement, Recompute, Schedule
+
+DTYPES: tuple[str, ...] = typing.get_args(TrainingSpec.model_fields["dtype"].annotation)
+"""Training precisions (TrainingSpec.dtype)."""
 
 DEFAULT_SEQ_LEN = TrainingSpec.model_fields["seq_len"].default
 """--seq when not given: min(this, the model's max_seq_len)."""
@@ -43,9 +48,11 @@ training_options = _bundle(
                  help=f"Sequence length, tokens (default: {DEFAULT_SEQ_LEN}, or the model's max_seq_len if smaller)."),
     click.option("--global-batch", type=int, default=TrainingSpec.model_fields["global_batch"].default,
                  show_default=True, help="Sequences per step."),
-    click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8", "mxfp8"]), default=None,
+    click.option("--dtype", default=None, metavar="|".join(DTYPES),
                  help="Training precision (default: bf16 on GPUs, fp32 on CPU ranks). fp8 / mxfp8: bf16 training "
-                      "with 8-bit linear GEMMs, where the platform has the rate."),
+                      "with 8-bit linear GEMMs, where the platform has the rate. `piper plan` also takes a list "
+                      "(bf16,fp8) or 'any' (the default and every 8-bit recipe the platform has a peak for) and "
+                      "searches precision as an axis."),
     click.option("--grad-bytes", type=click.Choice(["2", "4"]), default=None,
                  help="Bytes per gradient value (default: 2 under bf16 / fp16; 4 = fp32 main gradients, "
                       "Megatron's default)."),
@@ -86,6 +93,14 @@ parallel_options = _bundle(
 )
 
 
+def check_dtype(dtype: str | None) -> str | None:
+    """One --dtype value, or one error line naming what is allowed."""
+    if dtype is not None and dtype not in DTYPES:
+        also = " (a list or 'any' only for piper plan)" if dtype == "any" or "," in dtype else ""
+        raise PiperError(f"{dtype!r}; allowed: {', '.join(DTYPES)}{also}", field="--dtype")
+    return dtype
+
+
 def load_setting(model_name: str, platform_name: str, seq_len: int | None, global_batch: int,
                  routing_skew: float = 1.0, mtp_layers: int | None = None, dtype: str | None = None,
                  grad_bytes: str | None = None):
@@ -96,6 +111,7 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
     from piper_plan.catalog import load_model, load_platform, validation_message
     from piper_plan.specs import TrainingSpec
 
+    check_dtype(dtype)
     model, platform = with_mtp_layers(load_model(model_name), mtp_layers), load_platform(platform_name)
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, model.max_seq_len or DEFAULT_SEQ_LEN)

@@ -58,12 +58,26 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
         check_writable(save_path)
     if plot_path:
         check_plot_path(plot_path)
+    dtypes = precisions(dtype, platform_name)
+    if dtype == "any" and len(dtypes) == 1:
+        note(f"--dtype any: {platform_name} has no peak for fp8 or mxfp8 (device.peak_flops): {dtypes[0]} only")
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
-                                             dtype=dtype, grad_bytes=grad_bytes)
+                                             dtype=dtypes[0], grad_bytes=grad_bytes)
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
+    if len(dtypes) > 1:
+        if len(counts) > 1 or min_nodes or plot_path or explain:
+            raise PiperError(f"{dtype!r}: several precisions are searched at one node count (--nodes N), without "
+                             "--min-nodes, --plot and --explain", field="--dtype")
+        trainings = [training] + [load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
+                                               dtype=d, grad_bytes=grad_bytes)[2] for d in dtypes[1:]]
+        with searching:
+            searches = [(t, engine.search(model, platform, t, counts[0], options, **kwargs)) for t in trainings]
+        _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_json, as_csv, runnable, save_path,
+                         migration)
+        return
     if len(counts) > 1:
         for path, option in ((save_path, "--output"), (plot_path, "--plot")):
             if path:
@@ -103,6 +117,23 @@ def _plot(path, result, model, platform):
              "pricing: not shown)")
     return plan_plot(path, ev.tokens_per_s, ev.peak_memory_bytes, candidate_status(result), result.pareto, result.best,
                      result.memory_limit_bytes, title)
+
+
+def precisions(text: str | None, platform_name: str) -> list[str | None]:
+    """--dtype of ``piper plan``: [None] (the device's default), one precision, a comma-separated list, or 'any':
+    the device's default precision and every 8-bit recipe (fp8, mxfp8) the platform has a peak for."""
+    from piper_plan.catalog import load_platform
+    from piper_plan.cli.options import check_dtype
+    from piper_plan.specs import TrainingSpec
+    from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES
+
+    if text is None:
+        return [None]
+    if text == "any":
+        platform = load_platform(platform_name)
+        default = TrainingSpec.for_device(platform.launch.device).dtype
+        return [default] + [d for d in LOW_PRECISION_GEMM_DTYPES if d in platform.device.peak_flops]
+    return list(dict.fromkeys(check_dtype(part.strip()) for part in text.split(",")))
 
 
 def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False,
@@ -185,28 +216,62 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
         click.echo(_csv(plan_rows(result, model, training, top)), nl=False)
         return
     out = console()
-    out.print(_plans_table(result, model, platform, training, top), width=_table_width(out))
-    out.print(f"{result.candidates_total:,} candidates, {len(result.fields['dp']):,} evaluated by the cost model, "
-              f"{result.feasible:,} fit, in {result.search_seconds:.3f} s"
-              + (" (runnable by the piper runtime only)" if runnable else ""), markup=False)
+    out.print(_plans_table(result, platform, plan_rows(result, model, training, top)), width=_table_width(out))
+    out.print(_counts_line(result.candidates_total, len(result.fields["dp"]), result.feasible, result.search_seconds,
+                           runnable), markup=False)
     out.print(_reasons_table(result.reasons))
     if explain:
         out.print(_explain_table(result))
 
 
-def _plans_table(result, model, platform, training, top: int):
+def _counts_line(candidates: int, evaluated: int, feasible: int, seconds: float, runnable: bool) -> str:
+    return (f"{candidates:,} candidates, {evaluated:,} evaluated by the cost model, {feasible:,} fit, in "
+            f"{seconds:.3f} s" + (" (runnable by the piper runtime only)" if runnable else ""))
+
+
+# ---- output: one search per precision (--dtype LIST|any) -------------------------------------------------
+def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_json, as_csv, runnable, save_path,
+                     migration) -> None:
+    from piper_plan.search.report import best_search, precision_rows, precisions_json
+
+    winner = best_search(searches)
+    if winner is None:
+        training, result = searches[0]
+        _emit_nothing_fits(model, platform, training, result, options, kwargs, as_json)
+        ctx.exit(EXIT_NOTHING_FITS)
+    if as_json:
+        print_json(precisions_json(searches, model, platform, top))
+    elif as_csv:
+        click.echo(_csv(precision_rows(searches, model, top)), nl=False)
+    else:
+        out = console()
+        out.print(_plans_table(winner[1], platform, precision_rows(searches, model, top)), width=_table_width(out))
+        for training, result in searches:
+            out.print(f"{training.dtype}: " + _counts_line(result.candidates_total, len(result.fields["dp"]),
+                                                         result.feasible, result.search_seconds, runnable),
+                      markup=False)
+    if save_path:
+        path, plan = save_best(save_path, model, platform, winner[0], winner[1], kwargs, migration)
+        note(f"saved {path} ({winner[0].dtype}; layers per stage: {plan.layers_per_stage})")
+
+
+def _plans_table(result, platform, rows: list[dict]):
+    """The ranked ``rows`` (plan_rows, or precision_rows with a dtype column) of a search at result.nodes."""
     from rich import box
     from rich.table import Table
 
     cap_GiB = platform.device.memory_bytes / 2**30
     table = Table(title=f"top plans: {result.nodes} nodes, {result.world} devices", box=box.SIMPLE_HEAD,
                   pad_edge=False)
-    for label in ("#", "dp tp pp ep etp", "mbs x M", "sched", "recomp", "z", "a2a", f"GiB/{cap_GiB:.0f}", "step s",
-                  "tokens/s", "TF/dev", "MFU", "a2a%", "node-h"):
-        table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a") else "right", no_wrap=True)
-    rows = plan_rows(result, model, training, top)
+    with_dtype = any("dtype" in row for row in rows)
+    for label in ("#", *(("dtype",) if with_dtype else ()), "dp tp pp ep etp", "mbs x M", "sched", "recomp", "z",
+                  "a2a", f"GiB/{cap_GiB:.0f}", "step s", "tokens/s", "TF/dev", "MFU", "a2a%", "node-h"):
+        table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a", "dtype") else "right",
+                         no_wrap=True)
     for row in rows:
-        table.add_row(str(row["rank"]) + ("" if row["runnable_by_piper"] else "*"), " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp"))
+        table.add_row(str(row["rank"]) + ("" if row["runnable_by_piper"] else "*"),
+                      *((row["dtype"],) if with_dtype else ()),
+                      " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp"))
                       + (f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""),
                       f"{row['mbs']} x {row['num_microbatches']}",
                       _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),

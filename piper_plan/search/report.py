@@ -47,6 +47,45 @@ def result_json(result, model, platform, training, top: int) -> dict:
     }
 
 
+def precision_rows(searches, model, top: int) -> list[dict]:
+    """Several searches of one setting at different precisions, ``[(training, result)]``, as one ranking: every
+    row carries its ``dtype``, ranked by tokens/s (each search's own order kept among equals)."""
+    rows = [{**row, "dtype": training.dtype} for training, result in searches if result.feasible
+            for row in plan_rows(result, model, training, top)]
+    rows.sort(key=lambda row: -row["tokens_per_s"])
+    rows = rows[:top] if top > 0 else rows
+    for rank_index, row in enumerate(rows, start=1):
+        row["rank"] = rank_index
+    return rows
+
+
+def best_search(searches):
+    """The (training, result) whose best plan is the fastest (searches with a feasible plan only)."""
+    feasible = [(t, r) for t, r in searches if r.feasible]
+    return max(feasible, key=lambda tr: float(tr[1].evaluation.tokens_per_s[tr[1].best])) if feasible else None
+
+
+def precisions_json(searches, model, platform, top: int) -> dict:
+    """``piper plan --dtype LIST|any``: the winning precision's document, its plans replaced by the ranking over
+    every precision, the counts summed, and one summary per precision."""
+    training, result = best_search(searches)
+    obj = result_json(result, model, platform, training, top)
+    reasons: dict[str, int] = {}
+    for _, r in searches:
+        for name, count in r.reasons.items():
+            reasons[name] = reasons.get(name, 0) + count
+    obj.update(dtype=training.dtype, plans=precision_rows(searches, model, top), infeasible_reasons=reasons,
+               candidates_enumerated=sum(r.candidates_total for _, r in searches),
+               cost_model_evaluations=sum(len(r.fields["dp"]) for _, r in searches),
+               feasible=sum(r.feasible for _, r in searches),
+               search_seconds=sum(r.search_seconds for _, r in searches),
+               precisions=[{"dtype": t.dtype, "candidates_enumerated": r.candidates_total,
+                            "cost_model_evaluations": len(r.fields["dp"]), "feasible": r.feasible,
+                            "best_tokens_per_s": float(r.evaluation.tokens_per_s[r.best]) if r.feasible else None}
+                           for t, r in searches])
+    return obj
+
+
 def candidate_status(result) -> np.ndarray:
     """Per evaluated candidate (``result.fields``): "feasible", or the reason the ranking left it out
     (out_of_memory, not_runnable). Candidates refused before the cost model (structural reasons) are not in it."""

@@ -166,3 +166,47 @@ def test_saved_plan_prediction_equals_its_ranking_row(tmp_path):
     assert (pf.parallel.layers_per_stage != even_split(61, pf.parallel.pp)) == (best["layers_split"] == "balanced")
     if pf.parallel.layers_per_stage is not None:
         assert sum(pf.parallel.layers_per_stage) == 61
+
+
+# ---- precision as a searched axis (--dtype LIST|any) ------------------------------------------------------
+QWEN_H100 = ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2")
+
+
+def test_precisions_are_one_ranking_each_plan_with_its_dtype():
+    both = json.loads(_run(*QWEN_H100, "--dtype", "bf16,fp8", "--json", "--top", "0").stdout)
+    alone = {d: json.loads(_run(*QWEN_H100, "--dtype", d, "--json", "--top", "0").stdout) for d in ("bf16", "fp8")}
+    assert [p["dtype"] for p in both["precisions"]] == ["bf16", "fp8"]
+    assert both["feasible"] == len(both["plans"]) == sum(a["feasible"] for a in alone.values())
+    assert both["candidates_enumerated"] == sum(a["candidates_enumerated"] for a in alone.values())
+    tps = [p["tokens_per_s"] for p in both["plans"]]
+    assert tps == sorted(tps, reverse=True) and [p["rank"] for p in both["plans"]] == list(range(1, len(tps) + 1))
+    for d, a in alone.items():  # each precision's own ranking, in its own order, inside the merged one
+        assert [p["tokens_per_s"] for p in both["plans"] if p["dtype"] == d] == [p["tokens_per_s"] for p in a["plans"]]
+    winner = max(alone, key=lambda d: alone[d]["plans"][0]["tokens_per_s"])
+    assert both["dtype"] == both["plans"][0]["dtype"] == winner
+    assert all(p["runtime_missing"] for p in both["plans"] if p["dtype"] == "fp8")  # the runtime has no 8-bit GEMMs
+
+
+def test_any_is_the_default_and_the_platforms_8_bit_recipes(tmp_path):
+    res = _run(*QWEN_H100, "--dtype", "any", "--runnable", "--top", "3", "-o", str(tmp_path / "plan.json"))
+    assert res.exit_code == 0, res.output
+    assert "bf16: " in res.stdout and "fp8: " in res.stdout and "mxfp8" not in res.stdout  # H100: no mxfp8 peak
+    assert json.loads((tmp_path / "plan.json").read_text())["training"]["dtype"] == "bf16"  # runnable: bf16 wins
+    frontier = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--dtype", "any", "--json")
+    assert frontier.exit_code == 0 and "has no peak for fp8 or mxfp8" in frontier.stderr
+    assert "precisions" not in json.loads(frontier.stdout)  # one precision: the plain document
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--dtype", "bf16,fp9"), "--dtype: 'fp9'; allowed: bf16, fp16, fp32, fp8, mxfp8"),
+    (("--dtype", "bf16,fp8", "--explain"), "several precisions are searched at one node count"),
+    (("--dtype", "any", "--min-nodes"), "several precisions"),
+])
+def test_precision_search_bad_input_is_one_line(args, needle):
+    res = _run(*QWEN_H100, *args)
+    assert res.exit_code == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_estimate_takes_one_precision():
+    res = CliRunner().invoke(cli, ["estimate", *QWEN_H100, "--dp", "16", "--ep", "8", "--dtype", "any"])
+    assert res.exit_code == 2 and "a list or 'any' only for piper plan" in res.stderr, res.stderr
