@@ -58,6 +58,11 @@ training_options = _bundle(
                       "Megatron's default)."),
 )
 
+dropout_option = click.option(
+    "--dropout", is_flag=True,
+    help="Price dropout layers: their 1-byte masks in activation memory (Megatron GPT's, Korthikanti et al. "
+         "2022; modern MoE pre-training runs without; piper's runtime has none).")
+
 placement_option = click.option("--placement", type=click.Choice(Placement.values()), default="compact",
                                 show_default=True, help="Allocation shape.")
 
@@ -134,6 +139,20 @@ def with_mtp_layers(model, mtp_layers: int | None):
         raise PiperError(f"{mtp_layers}; {model.name} {have} (its mtp_layers; Hugging Face num_nextn_predict_layers): "
                          f"allowed 0 to {model.mtp_layers}", field="--mtp-layers")
     return type(model).model_validate({**model.model_dump(), "mtp_layers": mtp_layers})   # no cached counts copied
+
+
+def cost_options(piper_runtime: bool, dropout: bool):
+    """The CostOptions of a plan or an estimate: piper's runtime's (unfused kernels, ...) or the default
+    (Megatron's fused kernels), with dropout layers where asked; the runtime has none (one error line)."""
+    from dataclasses import replace
+
+    from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS
+
+    if dropout and piper_runtime:
+        raise PiperError("piper's runtime trains without dropout: price it without --dropout, or drop "
+                         "--runnable / --piper-runtime", field="--dropout")
+    options = PIPER_RUNTIME_OPTIONS if piper_runtime else DEFAULT_OPTIONS
+    return replace(options, dropout=True) if dropout else options
 
 
 def parse_layers(text: str | None) -> list[int] | None:

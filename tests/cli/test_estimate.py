@@ -90,3 +90,34 @@ def test_precision_and_gradient_bytes_are_options_and_reach_the_plan(tmp_path):
     refused = _run(ARGS + ["--dtype", "fp8"])
     assert refused.exit_code == 2 and "no peak for dtype=fp8" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_dropout_adds_its_masks_to_activations_only_and_the_runtime_refuses_it(tmp_path):
+    """--dropout (CostOptions.dropout): 1-byte masks after the attention projection and the MLP (and on the
+    attention scores without flash attention): activations grow (and the fragmentation allowance on them),
+    nothing else; the plan `plan --dropout` saves carries the prediction `estimate` makes with dropout."""
+    from piper_plan.cli.common import platform_calibration
+    from piper_plan.cli.options import cost_options
+    from piper_plan.cost.evaluate import estimate
+
+    base, drop = (json.loads(_run(ARGS + extra + ["--json"]).stdout) for extra in ([], ["--dropout"]))
+    assert drop["options"]["dropout"] is True and base["options"]["dropout"] is False
+    for a, b in zip(base["memory"]["per_stage"], drop["memory"]["per_stage"]):
+        grown = {k for k in a["components"] if b["components"][k] != a["components"][k]}
+        assert grown and all(k.startswith("activations/") or k == "fragmentation" for k in grown), grown
+        assert all(b["components"][k] > a["components"][k] for k in grown)
+    saved = tmp_path / "plan.json"
+    res = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--seq",
+                                   "256", "--global-batch", "16", "--dropout", "-o", str(saved)])
+    assert res.exit_code == 0, res.output
+    pf = read_plan_file(saved)
+    again = estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, placement=pf.placement,
+                     calibration=platform_calibration("frontier"), options=cost_options(False, True))
+    assert again.memory.peak_bytes == pf.prediction.memory.peak_bytes
+    assert again.memory.peak_bytes > estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel,
+                                              placement=pf.placement,
+                                              calibration=platform_calibration("frontier")).memory.peak_bytes
+    for refused in (ARGS + ["--dropout", "--piper-runtime"],
+                    ["plan", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--dropout", "--runnable"]):
+        res = CliRunner().invoke(cli, refused)
+        assert res.exit_code == 2 and "trains without dropout" in res.stderr and res.stderr.count("\n") == 1
