@@ -77,9 +77,13 @@ def sequence_split(c):
     return np.where(c.sequence_parallel == 1, c.tp, 1)
 
 
-def layer_activations(ctx: Context, c) -> dict:
-    """Per-layer, per-micro-batch activation bytes by component (arrays [N])."""
+def layer_activations(ctx: Context, c, streamed: bool = False) -> dict:
+    """Per-layer, per-micro-batch activation bytes by component (arrays [N]): as saved for backward, or
+    (``streamed``) as the elementwise kernels read and write them, in the activation dtype (the 8-bit casts of
+    GEMM inputs that fp8 recipes save are extra outputs of those kernels, not smaller tensors)."""
     m, t, o = ctx.model, ctx.training, ctx.opts
+    if streamed:
+        t = t.model_copy(update={"dtype": t.attention_dtype})
     sp = sequence_split(c)
     kept, core = mem.attention_activation_bytes(m, t, o, c.tp, c.seq_share, sp)
     out = {"attention": kept, "attention_core": core + 0.0 * kept,
@@ -286,7 +290,9 @@ def cp_exchange_seconds(c, step_s, core_fwd_s, core_bwd_s, passes_fwd):
 
 def elementwise_bytes_per_layer(ctx: Context, c, acts) -> tuple:
     """(dense layer, MoE layer) bytes streamed by memory-bound kernels in one forward pass: every saved
-    activation is written once and read once [modelling assumption]."""
+    activation is written once and read once, in the activation dtype [modelling assumption]."""
+    if mem.gemm_input_bytes(ctx.training, ctx.opts) != ctx.training.activation_bytes:
+        acts = layer_activations(ctx, c, streamed=True)
     core = acts["attention_core"]
     dense = 2 * (acts["attention"] + core + acts["mlp"])
     moe = 2 * (acts["attention"] + core + sum((v for k, v in acts.items() if k.startswith("moe/")), 0.0))
