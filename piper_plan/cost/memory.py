@@ -243,6 +243,14 @@ def in_flight(schedule, stage, pp, num_microbatches, virtual_stages):
     return out
 
 
+def loss_in_flight(schedule, num_microbatches):
+    """Micro-batches whose loss graph (logits, softmax) the last stage holds at its peak: all M under GPipe; one
+    under 1F1B and interleaved 1F1B, where the last stage runs each micro-batch's last chunk forward and then at
+    once its backward (Narayanan et al. 2021; Megatron-Core's interleaved schedule: the last rank's warm-up covers
+    the other v - 1 chunks, so the loss chunk alternates one forward, one backward)."""
+    return np.where(schedule == Schedule.GPIPE.code, num_microbatches, np.minimum(num_microbatches, 1)).astype(float)
+
+
 # ---- public helper -------------------------------------------------------------------------------
 def rank_param_counts(model: ModelSpec, plan: ParallelPlan) -> list[dict]:
     """Per pipeline stage, for ONE rank of that stage: {"dense", "expert", "total"} parameter counts."""

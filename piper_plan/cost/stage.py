@@ -22,6 +22,7 @@ from piper_plan.specs.training import TrainingSpec
 from piper_plan.specs.vocab import Recompute
 
 FULL, NO_RECOMPUTE = Recompute.FULL.code, Recompute.NONE.code
+LOSS_SOFTMAX_BYTES = 4   # the fp32 softmax Megatron's vocab-parallel cross entropy saves per logit (end_bytes)
 
 
 @dataclass
@@ -95,9 +96,10 @@ def layer_activations(ctx: Context, c, streamed: bool = False) -> dict:
     return out
 
 
-def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.ndarray]:
+def stage_memory(ctx: Context, c, st: StageShape, flight, acts, loss_flight) -> dict[str, np.ndarray]:
     """Bytes per rank of a stage by component (arrays shaped like ``st``); ``total`` includes overheads.
-    ``flight``: micro-batches in flight (memory.in_flight); ``acts``: layer_activations(ctx, c)."""
+    ``flight``: micro-batches in flight (memory.in_flight); ``loss_flight``: those whose logits the last stage
+    holds (memory.loss_in_flight); ``acts``: layer_activations(ctx, c)."""
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
     out = mem.state_bytes(ctx.training, dense, expert, c.dense_shard, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st),
                           fp32_replicas=ctx.opts.unfused_kernels)
@@ -111,7 +113,7 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.
         out[f"activations/{k}"] = layer_sum(acts[k], st.moe_layers)
     out["activations/recompute_inputs"] = np.where(keep_all, 0.0, acts["input"] * st.layers * flight)
     out["activations/recompute_working"] = np.where(keep_all, 0.0, _working(st, acts))
-    out.update(_end_activations(ctx, c, st, flight))
+    out.update(_end_activations(ctx, c, st, flight, loss_flight))
     tensors = sum(out.values())
     out["fragmentation"] = tensors * ctx.platform.memory.fragmentation
     out["framework"] = np.zeros_like(tensors) + ctx.platform.memory.framework_bytes
@@ -146,7 +148,10 @@ def _working(st: StageShape, acts):
 
 def end_bytes(ctx: Context, c):
     """(first stage, last stage) activation bytes per micro-batch in flight outside the layers: the embedding
-    output; the logits in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy), once more
+    output; the loss's fp32 softmax of the logits (Megatron-Core's vocab-parallel cross entropy upcasts the logits
+    and saves exp(logits - max) in fp32, in place; the head's own bf16 output is saved by nobody:
+    megatron/core/fusions/fused_cross_entropy.py ``_VocabParallelCrossEntropy.forward``, and the unfused
+    tensor_parallel/cross_entropy.py on ``logits.float()``), once more
     per MTP module with its embedding output, hidden state and eh_proj input (4 d per token) around its block.
     ``unfused_kernels`` (piper's runtime): the embedding keeps its int64 token ids (its output is layer 0's norm
     input); the loss keeps the fp32 log-softmax and the int64 targets, the head its input, the final norm its
@@ -164,16 +169,17 @@ def end_bytes(ctx: Context, c):
             + mem.gathered_input_bytes(tokens, m.hidden_size, t.activation_bytes, sp, ctx.opts)   # the head's input
         logits = logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
         return tokens * mem.INDEX_BYTES + 0.0 * d_bytes, logits
-    logits = tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+    logits = tokens * (m.vocab_size or 0) / c.tp * LOSS_SOFTMAX_BYTES
     return d_bytes, logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
 
 
-def _end_activations(ctx: Context, c, st: StageShape, flight) -> dict:
-    """end_bytes on the first / last stage, times the micro-batches in flight (a micro-batch's loss graph lives
-    until its backward: all M under GPipe)."""
+def _end_activations(ctx: Context, c, st: StageShape, flight, loss_flight) -> dict:
+    """end_bytes on the first / last stage, times the micro-batches in flight there: the stage's for the embedding,
+    ``loss_flight`` for the logits (a micro-batch's loss graph lives until its backward: all M under GPipe, one
+    under 1F1B)."""
     emb, logits = end_bytes(ctx, c)
     return {"activations/embedding": np.where(st.first, emb * flight, 0.0),
-            "activations/logits": np.where(st.last, logits * flight, 0.0)}
+            "activations/logits": np.where(st.last, logits * loss_flight, 0.0)}
 
 
 # ---- time per micro-batch ------------------------------------------------------------------------
