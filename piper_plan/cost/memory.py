@@ -214,6 +214,33 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOpt
     return out
 
 
+def selective_dropped_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, ep, etp, sp) -> dict:
+    """Bytes per layer and micro-batch that ``recompute: selective`` drops beyond the attention core, by the
+    component they come out of, for the modules CostOptions.recompute_modules names (Megatron-Core's selective
+    recompute keeps a module's input and discards what it saves inside): ``mla_up_proj`` the per-head q, k and v
+    (from "attention"); ``layernorm`` the two norm outputs (attention's QKV input, the MLP's or router's input);
+    ``mlp`` the dense MLP's intermediates; ``moe_act`` the experts' activation output (their second GEMM's input)."""
+    modules, d, ab = set(opts.recompute_modules), model.hidden_size, training.activation_bytes
+    gb = gemm_input_bytes(training, opts)
+    tokens = mbs * training.seq_len
+    zero = 0.0 * (tp * mbs * sp)
+    out = {"attention": zero, "mlp": zero, "moe/moe_input": zero, "moe/experts": zero}
+    a = model.attention
+    if "mla_up_proj" in modules and a.kind == "mla":
+        out["attention"] = out["attention"] + tokens * a.num_heads / tp * (2 * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+                                                                           + a.v_head_dim) * ab
+    if "layernorm" in modules:
+        out["attention"] = out["attention"] + tokens * d * gb / sp
+        out["mlp"] = out["mlp"] + tokens * d * gb / sp
+        out["moe/moe_input"] = out["moe/moe_input"] + tokens * d * ab / sp
+    if "mlp" in modules and model.dense_ffn is not None:
+        out["mlp"] = out["mlp"] + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp, opts.unfused_kernels, gb)
+    if "moe_act" in modules and model.moe is not None:
+        _, received = routed_rows(model, training, tp, mbs, ep)
+        out["moe/experts"] = out["moe/experts"] + received * model.moe.expert.intermediate_size * gb
+    return out
+
+
 def _own_cast(tokens, d, ab, gb, sp):
     """A shared expert's own 8-bit cast of the block input it reads beside the router (0 when inputs stay in the
     activation dtype: the router's saved input is the same tensor)."""

@@ -21,7 +21,7 @@ from piper_plan.specs.platform import PlatformSpec
 from piper_plan.specs.training import TrainingSpec
 from piper_plan.specs.vocab import Recompute
 
-FULL, NO_RECOMPUTE = Recompute.FULL.code, Recompute.NONE.code
+FULL, SELECTIVE = Recompute.FULL.code, Recompute.SELECTIVE.code
 LOSS_SOFTMAX_BYTES = 4   # the fp32 softmax Megatron's vocab-parallel cross entropy saves per logit (end_bytes)
 
 
@@ -93,6 +93,8 @@ def layer_activations(ctx: Context, c, streamed: bool = False) -> dict:
     if m.moe is not None:
         for name, value in mem.moe_activation_bytes(m, t, o, c.tp, c.seq_share, c.ep, c.etp, sp).items():
             out[f"moe/{name}"] = value + 0.0 * kept
+    if not streamed:
+        out["selective"] = mem.selective_dropped_bytes(m, t, o, c.tp, c.seq_share, c.ep, c.etp, sp)
     return out
 
 
@@ -104,13 +106,16 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts, loss_flight) -> 
     out = mem.state_bytes(ctx.training, dense, expert, c.dense_shard, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st),
                           fp32_replicas=ctx.opts.unfused_kernels)
     st = with_mtp_blocks(ctx.model, st)                   # activations: the MTP blocks count like layers
-    core = np.where(c.recompute == NO_RECOMPUTE, acts["attention_core"], 0.0)
+    selective = c.recompute == SELECTIVE
+    drops_core = (c.recompute == FULL) | (selective & ("core_attn" in ctx.opts.recompute_modules))
+    core = np.where(drops_core, 0.0, acts["attention_core"])
     keep_all = c.recompute != FULL
+    kept = lambda name: acts[name] - np.where(selective, acts["selective"].get(name, 0.0), 0.0)  # noqa: E731
     layer_sum = lambda value, count: np.where(keep_all, value * count * flight, 0.0)  # noqa: E731
-    out["activations/attention"] = layer_sum(acts["attention"] + core, st.layers)
-    out["activations/mlp"] = layer_sum(acts["mlp"], st.dense_layers)
+    out["activations/attention"] = layer_sum(kept("attention") + core, st.layers)
+    out["activations/mlp"] = layer_sum(kept("mlp"), st.dense_layers)
     for k in _moe_names(acts):
-        out[f"activations/{k}"] = layer_sum(acts[k], st.moe_layers)
+        out[f"activations/{k}"] = layer_sum(kept(k), st.moe_layers)
     out["activations/recompute_inputs"] = np.where(keep_all, 0.0, acts["input"] * st.layers * flight)
     out["activations/recompute_working"] = np.where(keep_all, 0.0, _working(st, acts))
     out.update(_end_activations(ctx, c, st, flight, loss_flight))
@@ -221,6 +226,33 @@ def layer_compute_seconds(ctx: Context, c) -> dict[str, tuple]:
             shared = (shared[0] + pf, shared[1] + pb)
         out["shared_experts"] = shared
     return out
+
+
+def selective_recompute_seconds(ctx: Context, c, comp, acts) -> tuple:
+    """(dense layer, MoE layer) forward seconds that ``recompute: selective`` re-runs in backward per micro-batch,
+    beyond the attention core, for the modules of CostOptions.recompute_modules (memory.selective_dropped_bytes):
+    MLA's up-projection GEMMs (q from its latent, k_nope and v from the kv latent), the dense MLP's forward, and
+    memory-bound kernels (the norms, the experts' activation) at HBM bandwidth: read their input, write their
+    output once more. ``comp``: layer_compute_seconds; ``acts``: layer_activations."""
+    m, t, modules = ctx.model, ctx.training, set(ctx.opts.recompute_modules)
+    tokens, d, ab = c.seq_share * t.seq_len, m.hidden_size, t.activation_bytes
+    zero = 0.0 * tokens
+    attn, dense, moe = zero, zero, zero
+    a = m.attention
+    if "mla_up_proj" in modules and a.kind == "mla":
+        heads = a.num_heads / c.tp
+        q_up = _gemm(ctx, tokens, heads * (a.qk_nope_head_dim + a.qk_rope_head_dim), a.q_lora_rank or d)[0]
+        kv_up = _gemm(ctx, tokens, heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)[0]
+        attn = attn + q_up + kv_up
+    if "layernorm" in modules:
+        norm = ctx.rates.memory_seconds(2 * tokens * d * ab / sequence_split(c))
+        attn, dense, moe = attn + norm, dense + norm, moe + norm
+    if "mlp" in modules and "mlp" in comp:
+        dense = dense + comp["mlp"][0]
+    if "moe_act" in modules and m.moe is not None:
+        _, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
+        moe = moe + ctx.rates.memory_seconds(received * 3 * m.moe.expert.intermediate_size * ab)
+    return attn + dense, attn + moe
 
 
 def _attention_core(ctx: Context, c):
