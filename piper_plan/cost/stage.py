@@ -328,10 +328,16 @@ def cp_exchange_seconds(c, step_s, core_fwd_s, core_bwd_s, passes_fwd):
 
 def elementwise_bytes_per_layer(ctx: Context, c, acts) -> tuple:
     """(dense layer, MoE layer) bytes streamed by memory-bound kernels in one forward pass: every saved
-    activation is written once and read once, in the activation dtype [modelling assumption]."""
+    activation is written once and read once, in the activation dtype [modelling assumption]; and the token rows
+    of the dispatch permutation and the combine, [rows sent x hidden] each, written and read whether the MoE block
+    saves them (memory.moe_saved_rows) or, like Megatron-Core's memory-efficient permutation, only their indices."""
     if mem.gemm_input_bytes(ctx.training, ctx.opts) != ctx.training.activation_bytes:
         acts = layer_activations(ctx, c, streamed=True)
     core = acts["attention_core"]
     dense = 2 * (acts["attention"] + core + acts["mlp"])
     moe = 2 * (acts["attention"] + core + sum((v for k, v in acts.items() if k.startswith("moe/")), 0.0))
+    unsaved = 2 - mem.moe_saved_rows(ctx.opts)
+    if ctx.model.moe is not None and unsaved > 0:
+        sent, _ = mem.routed_rows(ctx.model, ctx.training, c.tp, c.seq_share, c.ep)
+        moe = moe + 2 * unsaved * sent * ctx.model.hidden_size * ctx.training.activation_bytes
     return dense, moe

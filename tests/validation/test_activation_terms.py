@@ -78,3 +78,14 @@ def test_megatron_core_permutation_keeps_no_token_rows():
         buffers.append(comps.components["activations/moe/buffers"])
     rows = 128 * model.moe.top_k * model.hidden_size * 4 * model.num_moe_layers   # k s x h fp32, every MoE layer
     assert buffers == [2 * rows, 0.0, rows]
+
+
+def test_token_rows_are_streamed_whether_or_not_they_are_saved():
+    """The dispatch permutation and the combine write and read their [k s x h] rows in every case: moe_saved_rows
+    changes the memory, not the elementwise time (before this, 0 also dropped the rows' traffic)."""
+    model = load_model("tiny-moe")
+    training = TrainingSpec(seq_len=128, global_batch=1)
+    plan = ParallelPlan(mbs=1, num_microbatches=1)
+    seconds = [estimate(model, load_platform("dgx-h100"), training, 1, plan, options=opts).time.breakdown[
+        "compute/elementwise"] for opts in (CostOptions(), CostOptions(moe_saved_rows=0))]
+    assert seconds[1] == pytest.approx(seconds[0]) and seconds[0] > 0
