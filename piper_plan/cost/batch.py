@@ -140,22 +140,22 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     components {name: [2, U]}.
 
     One formula, stage.stage_memory, which is affine in the micro-batches in flight and in those whose loss the
-    last stage holds: it is evaluated at (0, 0), (1, 0) and (0, 1) once per KEY_STATE row (everything but the
-    schedule and the micro-batch count), and each KEY_MEMORY row takes ``m0 + flight x (m1 - m0) + loss x (m_loss -
-    m0)`` for its own flight (memory.in_flight, memory.loss_in_flight)."""
+    last stage holds: it is evaluated at 0 and 1 in flight (no loss) once per KEY_STATE row (everything but the
+    schedule and the micro-batch count), and each KEY_MEMORY row takes ``m0 + flight x (m1 - m0) + loss x
+    per_loss`` for its own flights (memory.in_flight, memory.loss_in_flight; stage.loss_memory_per_micro_batch)."""
     rows_s, inv_s = keys.factorize(KEY_STATE)
     sub_s = c.take(rows_s)
     split, st, index = stage_table(ctx, sub_s)
     acts = stg.layer_activations(ctx, sub_s)
-    m0, m1, m_loss = (stg.stage_memory(ctx, sub_s, st, flight, acts, loss) for flight, loss in ((0.0, 0.0), (1.0, 0.0),
-                                                                                              (0.0, 1.0)))
+    m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts, 0.0) for flight in (0.0, 1.0))
+    per_loss = stg.loss_memory_per_micro_batch(ctx, sub_s, st)
     sub_m, a = c.take(rows_m), inv_s[rows_m]
     flight = in_flight(sub_m.schedule, index[:, a], sub_m.pp, sub_m.num_microbatches, sub_m.virtual_stages)
     loss = loss_in_flight(sub_m.schedule, sub_m.num_microbatches)
     shape = flight.shape
     at = lambda name: (np.broadcast_to(m0[name], split.shape)[:, a]                                  # noqa: E731
                        + flight * np.broadcast_to(m1[name] - m0[name], split.shape)[:, a]
-                       + loss * np.broadcast_to(m_loss[name] - m0[name], split.shape)[:, a])
+                       + loss * np.broadcast_to(per_loss.get(name, 0.0), split.shape)[:, a])
     total = at("total")
     split_m = split[:, a]
     peak = per_split_max(total, split_m)

@@ -178,6 +178,15 @@ def end_bytes(ctx: Context, c):
     return d_bytes, logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
 
 
+def loss_memory_per_micro_batch(ctx: Context, c, st: StageShape) -> dict:
+    """What one more micro-batch of logits in flight adds to stage_memory's components: the logits, their share
+    of fragmentation, and the total."""
+    _, logits = end_bytes(ctx, c)
+    held = np.where(st.last, logits, 0.0)
+    frag = ctx.platform.memory.fragmentation
+    return {"activations/logits": held, "fragmentation": held * frag, "total": held * (1 + frag)}
+
+
 def _end_activations(ctx: Context, c, st: StageShape, flight, loss_flight) -> dict:
     """end_bytes on the first / last stage, times the micro-batches in flight there: the stage's for the embedding,
     ``loss_flight`` for the logits (a micro-batch's loss graph lives until its backward: all M under GPipe, one
