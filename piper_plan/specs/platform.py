@@ -150,7 +150,11 @@ class NetworkSpec(Spec):
 
     @property
     def max_nodes(self) -> int:
-        return self.nodes_per_group * self.num_groups
+        """Nodes one job can have: every slot, or under segments ``segment_nodes`` of each switch."""
+        slots = self.nodes_per_group * self.num_groups
+        if self.segment_nodes is None:
+            return slots
+        return slots // self.nodes_per_switch * self.segment_nodes
 
 
 class LaunchSpec(Spec):

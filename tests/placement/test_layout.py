@@ -81,6 +81,7 @@ def test_gb200_segments_keep_expert_groups_inside_one_rack():
     racks_filled = allocation(gb200.model_copy(update={"network": gb200.network.model_copy(
         update={"segment_nodes": None})}), 64)
     assert group_span(racks_filled, 1, 64).scope == "group"
+    assert gb200.network.max_nodes == 128 * 16                   # 128 racks, 16 trays of each a job can use
 
 
 def test_segment_larger_than_a_switch_is_refused():
