@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from piper_plan.cost import stage as stg
-from piper_plan.cost.memory import in_flight
+from piper_plan.cost.memory import in_flight, loss_in_flight
 from piper_plan.cost.overhead import optimizer_step_overhead
 from piper_plan.cost.pipeline import bubble_microbatches, explicit_stage_rows, stage_layers, stage_rows
 from piper_plan.cost.params import moe_prefix, rank_stage_params
@@ -139,19 +139,23 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     """Per KEY_MEMORY row and split: peak bytes over the stages [2, U], and (``detail``) the peak stage's
     components {name: [2, U]}.
 
-    One formula, stage.stage_memory, which is affine in the micro-batches in flight: it is evaluated at 0 and 1
-    in flight once per KEY_STATE row (everything but the schedule and the micro-batch count), and each KEY_MEMORY
-    row takes ``m0 + flight x (m1 - m0)`` for its own flight (memory.in_flight)."""
+    One formula, stage.stage_memory, which is affine in the micro-batches in flight and in those whose loss the
+    last stage holds: it is evaluated at 0 and 1 in flight (no loss) once per KEY_STATE row (everything but the
+    schedule and the micro-batch count), and each KEY_MEMORY row takes ``m0 + flight x (m1 - m0) + loss x
+    per_loss`` for its own flights (memory.in_flight, memory.loss_in_flight; stage.loss_memory_per_micro_batch)."""
     rows_s, inv_s = keys.factorize(KEY_STATE)
     sub_s = c.take(rows_s)
     split, st, index = stage_table(ctx, sub_s)
     acts = stg.layer_activations(ctx, sub_s)
-    m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts) for flight in (0.0, 1.0))
+    m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts, 0.0) for flight in (0.0, 1.0))
+    per_loss = stg.loss_memory_per_micro_batch(ctx, sub_s, st)
     sub_m, a = c.take(rows_m), inv_s[rows_m]
     flight = in_flight(sub_m.schedule, index[:, a], sub_m.pp, sub_m.num_microbatches, sub_m.virtual_stages)
+    loss = loss_in_flight(sub_m.schedule, sub_m.num_microbatches)
     shape = flight.shape
     at = lambda name: (np.broadcast_to(m0[name], split.shape)[:, a]                                  # noqa: E731
-                       + flight * np.broadcast_to(m1[name] - m0[name], split.shape)[:, a])
+                       + flight * np.broadcast_to(m1[name] - m0[name], split.shape)[:, a]
+                       + loss * np.broadcast_to(per_loss.get(name, 0.0), split.shape)[:, a])
     total = at("total")
     split_m = split[:, a]
     peak = per_split_max(total, split_m)
@@ -240,7 +244,8 @@ def stage_detail(ctx, alloc, c, layers_per_stage: list[int]):
     st = stg.StageShape(layers, moe, stages == 0, stages == pp - 1)
     acts = stg.layer_activations(ctx, c)
     flight = in_flight(c.schedule, stages, c.pp, c.num_microbatches, c.virtual_stages)
-    memory = {k: np.broadcast_to(v, stages.shape) for k, v in stg.stage_memory(ctx, c, st, flight, acts).items()}
+    loss = loss_in_flight(c.schedule, c.num_microbatches)
+    memory = {k: np.broadcast_to(v, stages.shape) for k, v in stg.stage_memory(ctx, c, st, flight, acts, loss).items()}
     per_layer, head = layer_terms(ctx, alloc, c, acts)
     times = stage_time_parts(ctx.model, per_layer, head, st)
     times["pipeline/p2p"] = np.broadcast_to(p2p_seconds(ctx, c, spans(alloc, c)), stages.shape)

@@ -21,11 +21,25 @@ from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, lay
 from piper_plan.specs.vocab import Schedule
 from piper_plan.specs.model import ModelSpec
 from piper_plan.specs.parallel import ParallelPlan
-from piper_plan.specs.training import TrainingSpec
+from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES, TrainingSpec
 
 LSE_BYTES = 4          # flash attention keeps one fp32 log-sum-exp per query row and head (Dao 2022)
 ROUTER_BYTES = 4       # router logits and probabilities in fp32 (Megatron-Core router, fp32 for stability)
 INDEX_BYTES = 8        # int64 indices (token ids, top-k expert ids) that PyTorch's gather / embedding backward keep
+
+
+def gemm_input_bytes(training: TrainingSpec, opts: CostOptions) -> float:
+    """Bytes per element of a GEMM input saved for backward. Under an 8-bit recipe Transformer Engine saves the
+    input's fp8 cast for the weight-gradient GEMM, not the bf16 tensor (transformer_engine/pytorch/module/
+    linear.py ``_Linear.forward``: ``saved_inputmat = inputmat`` or its fp8 transpose ``inputmat_t`` when fp8, the
+    unquantised ``inputmat_no_fp8`` otherwise; grouped and layernorm-fused linears alike): 1 byte, plus one 1-byte
+    scale per 32 values under mxfp8 (LOW_PRECISION_GEMM_DTYPES: the weight copy's bytes, halved). Everything else
+    (norm inputs, the SwiGLU input, attention's q / k / v) stays in the activation dtype. Piper's runtime has no
+    8-bit GEMMs: ``unfused_kernels`` keeps the activation dtype."""
+    low = LOW_PRECISION_GEMM_DTYPES.get(training.dtype)
+    if low is None or opts.unfused_kernels:
+        return float(training.activation_bytes)
+    return low / 2
 
 
 def unfused_norm_bytes(tokens, d, ab, sp, opts):
@@ -88,13 +102,14 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     """(kept, core): bytes of one attention block that stay through any recompute but full, and the
     attention-core part that selective recompute drops (the s^2 score matrices without flash)."""
     a, s, d, ab = model.attention, training.seq_len, model.hidden_size, training.activation_bytes
+    gb = gemm_input_bytes(training, opts)
     tokens = mbs * s
     heads_local = a.num_heads / tp
-    kept = 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts)   # norm input + QKV input
+    kept = tokens * d * (ab + gb) / sp + unfused_norm_bytes(tokens, d, ab, sp, opts)   # norm input + QKV input
     kept = kept + gathered_input_bytes(tokens, d, ab, sp, opts)
     if a.kind == "mla":
         latent = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
-        kept = kept + 2 * tokens * latent * ab               # compressed q / kv before and after their norms
+        kept = kept + tokens * latent * (ab + gb)            # compressed q / kv before and after their norms
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         kept = kept + tokens * heads_local * (2 * qk + a.v_head_dim) * ab
         v_dim = a.v_head_dim
@@ -105,7 +120,7 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
         v_dim = model.head_dim
         if opts.unfused_kernels:
             kept = kept + 4 * s * model.head_dim * ab        # RoPE cos + sin [s, hd], once for q, once for k
-    kept = kept + tokens * heads_local * v_dim * ab          # output-projection input (= attention output)
+    kept = kept + tokens * heads_local * v_dim * gb          # output-projection input (= attention output)
     if opts.dropout:
         kept = kept + tokens * d / sp                        # 1-byte dropout mask after the projection
     if training.flash_attention:
@@ -115,18 +130,22 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     return kept, core
 
 
-def ffn_activation_bytes(ffn, rows, ab, tp, unfused: bool = False):
+def ffn_activation_bytes(ffn, rows, ab, tp, unfused: bool = False, gb=None):
     """Intermediates of one MLP over ``rows`` token rows, split over tp: gated 3 x d_ffn (gate, up, product;
-    fused SwiGLU), 4 x d_ffn unfused (silu(gate) kept too), plain 2 x d_ffn (activation input and output)."""
-    per_row = ((4 if unfused else 3) if ffn.gated else 2) * ffn.intermediate_size
-    return rows * per_row * ab / tp
+    fused SwiGLU), 4 x d_ffn unfused (silu(gate) kept too), plain 2 x d_ffn (activation input and output). The
+    last one (product / activation output) is the second GEMM's input, kept at ``gb`` bytes (gemm_input_bytes;
+    default ``ab``)."""
+    gb = ab if gb is None else gb
+    kept_in_ab = ((3 if unfused else 2) if ffn.gated else 1) * ffn.intermediate_size
+    return rows * (kept_in_ab * ab + ffn.intermediate_size * gb) / tp
 
 
 def dense_mlp_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, sp):
     """One dense MLP block: norm input, MLP input, intermediates, dropout mask."""
     tokens, d, ab = mbs * training.seq_len, model.hidden_size, training.activation_bytes
-    out = 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts) \
-        + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp, opts.unfused_kernels) \
+    gb = gemm_input_bytes(training, opts)
+    out = tokens * d * (ab + gb) / sp + unfused_norm_bytes(tokens, d, ab, sp, opts) \
+        + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp, opts.unfused_kernels, gb) \
         + gathered_input_bytes(tokens, d, ab, sp, opts)
     return out + (tokens * d / sp if opts.dropout else 0)
 
@@ -168,6 +187,7 @@ def moe_saved_rows(opts: CostOptions) -> int:
 def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, ep, etp, sp):
     """One MoE block, by component: norm/input, router, saved token-row buffers, routed experts, shared."""
     moe, d, ab = model.moe, model.hidden_size, training.activation_bytes
+    gb = gemm_input_bytes(training, opts)
     tokens = mbs * training.seq_len
     sent, received = routed_rows(model, training, tp, mbs, ep)
     unfused = opts.unfused_kernels
@@ -175,7 +195,7 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOpt
         "moe_input": 2 * tokens * d * ab / sp + unfused_norm_bytes(tokens, d, ab, sp, opts),  # norm + router input
         "router": tokens / tp * (2 * moe.num_experts * ROUTER_BYTES + moe.top_k * ROUTER_BYTES),
         "buffers": moe_saved_rows(opts) * sent * d * ab,
-        "experts": received * etp * d * ab + ffn_activation_bytes(moe.expert, received * etp, ab, etp, unfused),
+        "experts": received * etp * d * gb + ffn_activation_bytes(moe.expert, received * etp, ab, etp, unfused, gb),
         "shared": 0.0 * tp,
     }
     if unfused:
@@ -184,13 +204,47 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOpt
             out["router"] = out["router"] + tokens / tp * (moe.top_k + 1) * ROUTER_BYTES
     gathered = gathered_input_bytes(tokens, d, ab, sp, opts)
     if moe.num_shared_experts:
-        out["shared"] = moe.num_shared_experts * (ffn_activation_bytes(moe.shared, tokens, ab, tp, unfused) + gathered)
+        out["shared"] = moe.num_shared_experts * (ffn_activation_bytes(moe.shared, tokens, ab, tp, unfused, gb)
+                                                  + gathered + _own_cast(tokens, d, ab, gb, sp))
     if moe.parallel_dense_ffn is not None:
-        out["shared"] = out["shared"] + ffn_activation_bytes(moe.parallel_dense_ffn, tokens, ab, tp, unfused) \
-            + gathered
+        out["shared"] = out["shared"] + ffn_activation_bytes(moe.parallel_dense_ffn, tokens, ab, tp, unfused, gb) \
+            + gathered + _own_cast(tokens, d, ab, gb, sp)
     if opts.dropout:
         out["moe_input"] = out["moe_input"] + tokens * d / sp
     return out
+
+
+def selective_dropped_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, ep, etp, sp) -> dict:
+    """Bytes per layer and micro-batch that ``recompute: selective`` drops beyond the attention core, by the
+    component they come out of, for the modules CostOptions.recompute_modules names (Megatron-Core's selective
+    recompute keeps a module's input and discards what it saves inside): ``mla_up_proj`` the per-head q, k and v
+    (from "attention"); ``layernorm`` the two norm outputs (attention's QKV input, the MLP's or router's input);
+    ``mlp`` the dense MLP's intermediates; ``moe_act`` the experts' activation output (their second GEMM's input)."""
+    modules, d, ab = set(opts.recompute_modules), model.hidden_size, training.activation_bytes
+    gb = gemm_input_bytes(training, opts)
+    tokens = mbs * training.seq_len
+    zero = 0.0 * (tp * mbs * sp)
+    out = {"attention": zero, "mlp": zero, "moe/moe_input": zero, "moe/experts": zero}
+    a = model.attention
+    if "mla_up_proj" in modules and a.kind == "mla":
+        out["attention"] = out["attention"] + tokens * a.num_heads / tp * (2 * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+                                                                           + a.v_head_dim) * ab
+    if "layernorm" in modules:
+        out["attention"] = out["attention"] + tokens * d * gb / sp
+        out["mlp"] = out["mlp"] + tokens * d * gb / sp
+        out["moe/moe_input"] = out["moe/moe_input"] + tokens * d * ab / sp
+    if "mlp" in modules and model.dense_ffn is not None:
+        out["mlp"] = out["mlp"] + ffn_activation_bytes(model.dense_ffn, tokens, ab, tp, opts.unfused_kernels, gb)
+    if "moe_act" in modules and model.moe is not None:
+        _, received = routed_rows(model, training, tp, mbs, ep)
+        out["moe/experts"] = out["moe/experts"] + received * model.moe.expert.intermediate_size * gb
+    return out
+
+
+def _own_cast(tokens, d, ab, gb, sp):
+    """A shared expert's own 8-bit cast of the block input it reads beside the router (0 when inputs stay in the
+    activation dtype: the router's saved input is the same tensor)."""
+    return tokens * d * gb / sp if gb != ab else 0.0
 
 
 def layer_input_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, sp):
@@ -214,6 +268,14 @@ def in_flight(schedule, stage, pp, num_microbatches, virtual_stages):
         chunks = np.minimum((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, m * virtual_stages)
         out = np.where(interleaved, chunks / virtual_stages, out)
     return out
+
+
+def loss_in_flight(schedule, num_microbatches):
+    """Micro-batches whose loss graph (logits, softmax) the last stage holds at its peak: all M under GPipe; one
+    under 1F1B and interleaved 1F1B, where the last stage runs each micro-batch's last chunk forward and then at
+    once its backward (Narayanan et al. 2021; Megatron-Core's interleaved schedule: the last rank's warm-up covers
+    the other v - 1 chunks, so the loss chunk alternates one forward, one backward)."""
+    return np.where(schedule == Schedule.GPIPE.code, num_microbatches, np.minimum(num_microbatches, 1)).astype(float)
 
 
 # ---- public helper -------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm")
+"""The selective-recompute modules CostOptions.recompute_modules may name."""
+
+
 @dataclass(frozen=True)
 class CostOptions:
     """Explicit assumptions of the resource model (defaults = the pessimistic, nothing-overlapped case)."""
@@ -33,6 +37,13 @@ class CostOptions:
     pipeline.py ChunkedLoss): a micro-batch of more than this many tokens keeps no fp32 log-softmax of the whole
     vocabulary (its chunks are checkpointed); None = the whole micro-batch's (Megatron's loss, and the runtime's
     at or under the limit)."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """What a plan's ``recompute: selective`` re-runs in backward, as Megatron-Core names its modules
+    (TransformerConfig.recompute_modules with recompute_granularity "selective"; its default is core_attn):
+    ``core_attn`` the attention core (its score matrices; nothing under flash attention), ``mla_up_proj`` MLA's
+    up-projections (q, k, v of every head rebuilt from the compressed latents), ``mlp`` the dense MLP, ``moe_act``
+    the experts' activation function (its output, the second GEMM's input), ``layernorm`` the norms before
+    attention and MLP (their outputs). A module's input stays saved; its forward runs again in backward."""
     tp_overlap: float = 0.0
     """Fraction of tensor-parallel collective time hidden behind compute."""
     a2a_overlap: float = 0.0
@@ -47,6 +58,15 @@ class CostOptions:
     """Fraction of data-parallel gradient sync hidden behind the backward pass of the last micro-batch."""
     migration_fraction: float = 0.0
     """Amortised expert-migration time as a fraction of step time (the Piper paper bounds it below 5%)."""
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            from piper_plan.errors import PiperError
+
+            raise PiperError(f"recompute_modules names {', '.join(map(repr, unknown))}; allowed: "
+                             f"{', '.join(RECOMPUTE_MODULES)}", field="options.recompute_modules")
+        object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
 
 
 DEFAULT_OPTIONS = CostOptions()

@@ -21,7 +21,8 @@ from piper_plan.specs.platform import PlatformSpec
 from piper_plan.specs.training import TrainingSpec
 from piper_plan.specs.vocab import Recompute
 
-FULL, NO_RECOMPUTE = Recompute.FULL.code, Recompute.NONE.code
+FULL, SELECTIVE = Recompute.FULL.code, Recompute.SELECTIVE.code
+LOSS_SOFTMAX_BYTES = 4   # the fp32 softmax Megatron's vocab-parallel cross entropy saves per logit (end_bytes)
 
 
 @dataclass
@@ -77,9 +78,13 @@ def sequence_split(c):
     return np.where(c.sequence_parallel == 1, c.tp, 1)
 
 
-def layer_activations(ctx: Context, c) -> dict:
-    """Per-layer, per-micro-batch activation bytes by component (arrays [N])."""
+def layer_activations(ctx: Context, c, streamed: bool = False) -> dict:
+    """Per-layer, per-micro-batch activation bytes by component (arrays [N]): as saved for backward, or
+    (``streamed``) as the elementwise kernels read and write them, in the activation dtype (the 8-bit casts of
+    GEMM inputs that fp8 recipes save are extra outputs of those kernels, not smaller tensors)."""
     m, t, o = ctx.model, ctx.training, ctx.opts
+    if streamed:
+        t = t.model_copy(update={"dtype": t.attention_dtype})
     sp = sequence_split(c)
     kept, core = mem.attention_activation_bytes(m, t, o, c.tp, c.seq_share, sp)
     out = {"attention": kept, "attention_core": core + 0.0 * kept,
@@ -88,26 +93,32 @@ def layer_activations(ctx: Context, c) -> dict:
     if m.moe is not None:
         for name, value in mem.moe_activation_bytes(m, t, o, c.tp, c.seq_share, c.ep, c.etp, sp).items():
             out[f"moe/{name}"] = value + 0.0 * kept
+    if not streamed:
+        out["selective"] = mem.selective_dropped_bytes(m, t, o, c.tp, c.seq_share, c.ep, c.etp, sp)
     return out
 
 
-def stage_memory(ctx: Context, c, st: StageShape, flight, acts) -> dict[str, np.ndarray]:
+def stage_memory(ctx: Context, c, st: StageShape, flight, acts, loss_flight) -> dict[str, np.ndarray]:
     """Bytes per rank of a stage by component (arrays shaped like ``st``); ``total`` includes overheads.
-    ``flight``: micro-batches in flight (memory.in_flight); ``acts``: layer_activations(ctx, c)."""
+    ``flight``: micro-batches in flight (memory.in_flight); ``loss_flight``: those whose logits the last stage
+    holds (memory.loss_in_flight); ``acts``: layer_activations(ctx, c)."""
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
     out = mem.state_bytes(ctx.training, dense, expert, c.dense_shard, c.edp, c.zero, c.pp, *_largest_layer(ctx, c, st),
                           fp32_replicas=ctx.opts.unfused_kernels)
     st = with_mtp_blocks(ctx.model, st)                   # activations: the MTP blocks count like layers
-    core = np.where(c.recompute == NO_RECOMPUTE, acts["attention_core"], 0.0)
+    selective = c.recompute == SELECTIVE
+    drops_core = (c.recompute == FULL) | (selective & ("core_attn" in ctx.opts.recompute_modules))
+    core = np.where(drops_core, 0.0, acts["attention_core"])
     keep_all = c.recompute != FULL
+    kept = lambda name: acts[name] - np.where(selective, acts["selective"].get(name, 0.0), 0.0)  # noqa: E731
     layer_sum = lambda value, count: np.where(keep_all, value * count * flight, 0.0)  # noqa: E731
-    out["activations/attention"] = layer_sum(acts["attention"] + core, st.layers)
-    out["activations/mlp"] = layer_sum(acts["mlp"], st.dense_layers)
+    out["activations/attention"] = layer_sum(kept("attention") + core, st.layers)
+    out["activations/mlp"] = layer_sum(kept("mlp"), st.dense_layers)
     for k in _moe_names(acts):
-        out[f"activations/{k}"] = layer_sum(acts[k], st.moe_layers)
+        out[f"activations/{k}"] = layer_sum(kept(k), st.moe_layers)
     out["activations/recompute_inputs"] = np.where(keep_all, 0.0, acts["input"] * st.layers * flight)
     out["activations/recompute_working"] = np.where(keep_all, 0.0, _working(st, acts))
-    out.update(_end_activations(ctx, c, st, flight))
+    out.update(_end_activations(ctx, c, st, flight, loss_flight))
     tensors = sum(out.values())
     out["fragmentation"] = tensors * ctx.platform.memory.fragmentation
     out["framework"] = np.zeros_like(tensors) + ctx.platform.memory.framework_bytes
@@ -142,7 +153,10 @@ def _working(st: StageShape, acts):
 
 def end_bytes(ctx: Context, c):
     """(first stage, last stage) activation bytes per micro-batch in flight outside the layers: the embedding
-    output; the logits in the dtype and in fp32 for the loss (Megatron's vocab-parallel cross entropy), once more
+    output; the loss's fp32 softmax of the logits (Megatron-Core's vocab-parallel cross entropy upcasts the logits
+    and saves exp(logits - max) in fp32, in place; the head's own bf16 output is saved by nobody:
+    megatron/core/fusions/fused_cross_entropy.py ``_VocabParallelCrossEntropy.forward``, and the unfused
+    tensor_parallel/cross_entropy.py on ``logits.float()``), once more
     per MTP module with its embedding output, hidden state and eh_proj input (4 d per token) around its block.
     ``unfused_kernels`` (piper's runtime): the embedding keeps its int64 token ids (its output is layer 0's norm
     input); the loss keeps the fp32 log-softmax and the int64 targets, the head its input, the final norm its
@@ -160,16 +174,26 @@ def end_bytes(ctx: Context, c):
             + mem.gathered_input_bytes(tokens, m.hidden_size, t.activation_bytes, sp, ctx.opts)   # the head's input
         logits = logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
         return tokens * mem.INDEX_BYTES + 0.0 * d_bytes, logits
-    logits = tokens * (m.vocab_size or 0) / c.tp * (t.activation_bytes + 4)
+    logits = tokens * (m.vocab_size or 0) / c.tp * LOSS_SOFTMAX_BYTES
     return d_bytes, logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
 
 
-def _end_activations(ctx: Context, c, st: StageShape, flight) -> dict:
-    """end_bytes on the first / last stage, times the micro-batches in flight (a micro-batch's loss graph lives
-    until its backward: all M under GPipe)."""
+def loss_memory_per_micro_batch(ctx: Context, c, st: StageShape) -> dict:
+    """What one more micro-batch of logits in flight adds to stage_memory's components: the logits, their share
+    of fragmentation, and the total."""
+    _, logits = end_bytes(ctx, c)
+    held = np.where(st.last, logits, 0.0)
+    frag = ctx.platform.memory.fragmentation
+    return {"activations/logits": held, "fragmentation": held * frag, "total": held * (1 + frag)}
+
+
+def _end_activations(ctx: Context, c, st: StageShape, flight, loss_flight) -> dict:
+    """end_bytes on the first / last stage, times the micro-batches in flight there: the stage's for the embedding,
+    ``loss_flight`` for the logits (a micro-batch's loss graph lives until its backward: all M under GPipe, one
+    under 1F1B)."""
     emb, logits = end_bytes(ctx, c)
     return {"activations/embedding": np.where(st.first, emb * flight, 0.0),
-            "activations/logits": np.where(st.last, logits * flight, 0.0)}
+            "activations/logits": np.where(st.last, logits * loss_flight, 0.0)}
 
 
 # ---- time per micro-batch ------------------------------------------------------------------------
@@ -211,6 +235,33 @@ def layer_compute_seconds(ctx: Context, c) -> dict[str, tuple]:
             shared = (shared[0] + pf, shared[1] + pb)
         out["shared_experts"] = shared
     return out
+
+
+def selective_recompute_seconds(ctx: Context, c, comp, acts) -> tuple:
+    """(dense layer, MoE layer) forward seconds that ``recompute: selective`` re-runs in backward per micro-batch,
+    beyond the attention core, for the modules of CostOptions.recompute_modules (memory.selective_dropped_bytes):
+    MLA's up-projection GEMMs (q from its latent, k_nope and v from the kv latent), the dense MLP's forward, and
+    memory-bound kernels (the norms, the experts' activation) at HBM bandwidth: read their input, write their
+    output once more. ``comp``: layer_compute_seconds; ``acts``: layer_activations."""
+    m, t, modules = ctx.model, ctx.training, set(ctx.opts.recompute_modules)
+    tokens, d, ab = c.seq_share * t.seq_len, m.hidden_size, t.activation_bytes
+    zero = 0.0 * tokens
+    attn, dense, moe = zero, zero, zero
+    a = m.attention
+    if "mla_up_proj" in modules and a.kind == "mla":
+        heads = a.num_heads / c.tp
+        q_up = _gemm(ctx, tokens, heads * (a.qk_nope_head_dim + a.qk_rope_head_dim), a.q_lora_rank or d)[0]
+        kv_up = _gemm(ctx, tokens, heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)[0]
+        attn = attn + q_up + kv_up
+    if "layernorm" in modules:
+        norm = ctx.rates.memory_seconds(2 * tokens * d * ab / sequence_split(c))
+        attn, dense, moe = attn + norm, dense + norm, moe + norm
+    if "mlp" in modules and "mlp" in comp:
+        dense = dense + comp["mlp"][0]
+    if "moe_act" in modules and m.moe is not None:
+        _, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
+        moe = moe + ctx.rates.memory_seconds(received * 3 * m.moe.expert.intermediate_size * ab)
+    return attn + dense, attn + moe
 
 
 def _attention_core(ctx: Context, c):
@@ -286,8 +337,16 @@ def cp_exchange_seconds(c, step_s, core_fwd_s, core_bwd_s, passes_fwd):
 
 def elementwise_bytes_per_layer(ctx: Context, c, acts) -> tuple:
     """(dense layer, MoE layer) bytes streamed by memory-bound kernels in one forward pass: every saved
-    activation is written once and read once [modelling assumption]."""
+    activation is written once and read once, in the activation dtype [modelling assumption]; and the token rows
+    of the dispatch permutation and the combine, [rows sent x hidden] each, written and read whether the MoE block
+    saves them (memory.moe_saved_rows) or, like Megatron-Core's memory-efficient permutation, only their indices."""
+    if mem.gemm_input_bytes(ctx.training, ctx.opts) != ctx.training.activation_bytes:
+        acts = layer_activations(ctx, c, streamed=True)
     core = acts["attention_core"]
     dense = 2 * (acts["attention"] + core + acts["mlp"])
     moe = 2 * (acts["attention"] + core + sum((v for k, v in acts.items() if k.startswith("moe/")), 0.0))
+    unsaved = 2 - mem.moe_saved_rows(ctx.opts)
+    if ctx.model.moe is not None and unsaved > 0:
+        sent, _ = mem.routed_rows(ctx.model, ctx.training, c.tp, c.seq_share, c.ep)
+        moe = moe + 2 * unsaved * sent * ctx.model.hidden_size * ctx.training.activation_bytes
     return dense, moe

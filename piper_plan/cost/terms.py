@@ -60,11 +60,14 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
     # selective recompute re-runs the attention core: its GEMMs and its softmax / mask / dropout kernels, which
     # write and read the s^2 tensors once more (the same elementwise rule as elementwise_bytes_per_layer)
     core_elem = ctx.rates.memory_seconds(2 * acts["attention_core"])
-    sel = zero if ctx.training.flash_attention else \
-        np.where(c.recompute == Recompute.SELECTIVE.code, fwd("attention_core") + core_elem, 0.0)
+    selective = c.recompute == Recompute.SELECTIVE.code
+    no_core_rerun = ctx.training.flash_attention or "core_attn" not in ctx.opts.recompute_modules
+    sel = zero if no_core_rerun else np.where(selective, fwd("attention_core") + core_elem, 0.0)
+    sel_d, sel_m = stg.selective_recompute_seconds(ctx, c, comp, acts)
     attn_fwd = fwd("attention") + fwd("attention_core")
-    rec_d = np.where(full, attn_fwd + fwd("mlp") + elem_d, sel)
-    rec_m = np.where(full, attn_fwd + fwd("router") + fwd("experts") + fwd("shared_experts") + elem_m, sel)
+    rec_d = np.where(full, attn_fwd + fwd("mlp") + elem_d, sel + np.where(selective, sel_d, 0.0))
+    rec_m = np.where(full, attn_fwd + fwd("router") + fwd("experts") + fwd("shared_experts") + elem_m,
+                     sel + np.where(selective, sel_m, 0.0))
     passes = 2 + full                                         # forward, backward, + recompute forward
     tp = comm["tp"] * passes * (1 - o.tp_overlap)
     cp = stg.cp_exchange_seconds(c, comm["cp_step"], fwd("attention_core"), comp["attention_core"][1], 1 + full)

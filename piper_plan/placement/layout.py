@@ -4,7 +4,10 @@ Rank order (DESIGN.md): ``rank = (pp_index x dp + dp_index) x tp + tp_index``; r
 (``node = rank // devices_per_node``, one srun task per device). Node placement on the network:
 
 - ``compact``: node j sits on switch ``j // nodes_per_switch`` of group ``j // nodes_per_group`` (fewest
-  switches and groups: what a topology-aware scheduler hands out).
+  switches and groups: what a topology-aware scheduler hands out). Where the platform allocates in segments
+  (``network.segment_nodes``, Slurm topology/block ``--segment``: GB200 NVL72 racks), each switch gets
+  ``segment_nodes`` consecutive job nodes and the next segment starts on the next switch: job node j sits at
+  slot ``(j // segment) x nodes_per_switch + j % segment``, so no segment straddles two NVLink domains.
 - ``spread``: every node on its own switch, and consecutive nodes in different dragonfly groups
   (node j in group ``j % num_groups``): the worst case a busy machine hands out.
 
@@ -37,6 +40,8 @@ class Allocation:
     num_groups: int
     device_nic: tuple[int, ...]
     placement: str = "compact"
+    segment_nodes: int | None = None
+    """Job nodes per switch under compact placement (network.segment_nodes); None = every slot of a switch."""
 
     @property
     def world(self) -> int:
@@ -53,17 +58,24 @@ class Allocation:
         nics = max(self.device_nic) + 1
         return self.node_of_rank(rank) * nics + np.asarray(self.device_nic)[self.local_rank(rank)]
 
+    def slot_of_node(self, node):
+        """Position of job node ``node`` among the machine's node slots under compact placement."""
+        node = np.asarray(node)
+        if self.segment_nodes is None:
+            return node
+        return node // self.segment_nodes * self.nodes_per_switch + node % self.segment_nodes
+
     def switch_of_node(self, node):
         node = np.asarray(node)
         if self.placement == "spread":
             return node                                   # one node per switch
-        return node // self.nodes_per_switch
+        return self.slot_of_node(node) // self.nodes_per_switch
 
     def group_of_node(self, node):
         node = np.asarray(node)
         if self.placement == "spread":
             return node % self.num_groups
-        return node // self.nodes_per_group
+        return self.slot_of_node(node) // self.nodes_per_group
 
     def scope_of_pair(self, a, b):
         """Scope index (0 node .. 3 system) of the link between ranks a and b (arrays broadcast)."""
@@ -84,7 +96,7 @@ def allocation(platform: PlatformSpec, nodes: int, placement: str = "compact") -
     return Allocation(nodes=nodes, devices_per_node=platform.devices_per_node,
                       nodes_per_switch=net.nodes_per_switch, nodes_per_group=net.nodes_per_group,
                       num_groups=net.num_groups, device_nic=tuple(platform.node.nic_of_device),
-                      placement=placement)
+                      placement=placement, segment_nodes=net.segment_nodes)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,9 @@ class NetworkSpec(Spec):
     """Nodes in one dragonfly group / cabinet (Frontier: 128)."""
     num_groups: int = Field(default=1, ge=1, le=MAX_NODES)
     """Dragonfly groups in the machine."""
+    segment_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
+    """Nodes a job is given per switch when placed compactly, in whole segments that never straddle a switch (Slurm's
+    topology/block ``--segment``: a rack-scale NVLink domain); None = switches filled completely."""
     scopes: dict[Scope, ScopeLinkSpec] = Field(min_length=1)
     """Per-scope bandwidth/latency: the fallback when calibration data lacks a collective."""
     global_taper: float = Field(default=1.0, gt=0, le=1000)
@@ -138,6 +141,8 @@ class NetworkSpec(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> "NetworkSpec":
+        if self.segment_nodes is not None and self.segment_nodes > self.nodes_per_switch:
+            raise ValueError(f"segment_nodes = {self.segment_nodes} exceeds nodes_per_switch = {self.nodes_per_switch}")
         if self.nodes_per_group * self.num_groups > MAX_NODES:
             raise ValueError(f"nodes_per_group x num_groups = {self.nodes_per_group * self.num_groups:,} nodes; "
                              f"at most {MAX_NODES:,}")
@@ -145,7 +150,11 @@ class NetworkSpec(Spec):
 
     @property
     def max_nodes(self) -> int:
-        return self.nodes_per_group * self.num_groups
+        """Nodes one job can have: every slot, or under segments ``segment_nodes`` of each switch."""
+        slots = self.nodes_per_group * self.num_groups
+        if self.segment_nodes is None:
+            return slots
+        return slots // self.nodes_per_switch * self.segment_nodes
 
 
 class LaunchSpec(Spec):

@@ -53,3 +53,21 @@ def _core_seconds(dtype: str, platform) -> float:
 def test_a_precision_the_platform_has_no_rate_for_is_one_clear_error():
     with pytest.raises(PiperError, match="no peak for dtype=fp8"):
         _estimate("fp8", load_platform("frontier"))          # MI250X: no fp8 (platforms/frontier.yaml)
+
+
+@pytest.mark.parametrize("dtype,gemm_byte", [("bf16", 2.0), ("fp8", 1.0), ("mxfp8", 1 + 1 / 32)])
+def test_8_bit_recipes_save_gemm_inputs_as_their_8_bit_casts(dtype, gemm_byte):
+    """Mixtral 8x7B expert block, tp 1, ep 8, mbs 1, s 4096, top-2 (routing skew 1): 8,192 rows reach a rank.
+    Saved: the experts' fc1 input [8192 x 4096] and the SwiGLU product [8192 x 14336] (fc2's input) at the GEMM
+    input's bytes (Transformer Engine saves the 8-bit cast), gate and up [8192 x 2 x 14336] in bf16."""
+    from piper_plan.cost.memory import moe_activation_bytes
+    from piper_plan.cost.options import CostOptions
+
+    model = load_model("mixtral-8x7b")
+    training = TrainingSpec(seq_len=4096, global_batch=128, dtype=dtype)
+    rows, d, ffn = 8192, 4096, 14336
+    expected = rows * d * gemm_byte + rows * 2 * ffn * 2 + rows * ffn * gemm_byte
+    got = moe_activation_bytes(model, training, CostOptions(), 1, 1, 8, 1, 1)["experts"]
+    assert got == pytest.approx(expected)
+    runtime = moe_activation_bytes(model, training, CostOptions(unfused_kernels=True), 1, 1, 8, 1, 1)["experts"]
+    assert runtime == pytest.approx(rows * d * 2 + rows * 4 * ffn * 2)       # piper's runtime: no 8-bit GEMMs

@@ -246,6 +246,34 @@ def test_in_flight_by_schedule_by_hand():
     assert inter.tolist() == pytest.approx([31 / 3, 25 / 3, 17 / 3])
 
 
+def test_loss_in_flight_by_schedule():
+    """The last stage holds the logits of all M micro-batches under GPipe, of one under 1F1B and interleaved 1F1B
+    (its loss chunk runs a forward, then at once its backward), though interleaving keeps (v - 1) pp + 1 chunks of
+    its layers in flight (pp 2, v 24, M 32: 47 / 24 stages' worth)."""
+    from piper_plan.cost.memory import in_flight, loss_in_flight
+
+    schedules = np.array([0, 1, 2])
+    assert loss_in_flight(schedules, 32).tolist() == [32, 1, 1]
+    assert in_flight(np.array([2]), np.array([1]), 2, 32, 24)[0] == pytest.approx(47 / 24)
+
+
+def test_interleaved_last_stage_keeps_one_micro_batch_of_logits():
+    """Qwen3-30B-A3B on 16 H100s, pp 2, dp 8, mbs 2, interleaved v 24: the last stage's logits are one
+    micro-batch's fp32 softmax, 2 x 4096 tokens x 151,936 vocabulary x 4 B (Megatron's vocab-parallel cross
+    entropy), in both pricing paths (the search's affine memory and estimate's per-stage detail)."""
+    from piper_plan.cost.evaluate import estimate, evaluate
+    from piper_plan.plans import PlanBatch
+    from piper_plan.specs import ParallelPlan
+
+    model, h100 = load_model("qwen3-30b-a3b"), load_platform("dgx-h100")
+    training = TrainingSpec(seq_len=4096, global_batch=512, grad_bytes=4)
+    plan = ParallelPlan(dp=8, pp=2, ep=8, mbs=2, num_microbatches=32, schedule="interleaved", virtual_stages=24)
+    est = estimate(model, h100, training, 2, plan)
+    assert est.memory.per_stage[1].components["activations/logits"] == pytest.approx(2 * 4096 * 151936 * 4)
+    ev = evaluate(model, h100, training, 2, PlanBatch.of(plan))
+    assert ev.peak_memory_bytes[0] == pytest.approx(est.memory.peak_bytes)
+
+
 def test_mla_attention_activations_by_hand():
     """tiny-mla, tp 1, one sequence of 32, bf16, flash: per token norm input + q/kv input (2 x 64), latent
     (32 + 16 + 8) before and after its norms (2 x 56), q and k (2 x 4 x 24), v (4 x 16), output (4 x 16):

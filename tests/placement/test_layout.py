@@ -66,3 +66,27 @@ def test_pipeline_pairs_cross_the_widest_boundary():
     assert stage_pair_scope(alloc, np.array([8, 4, 32])).tolist() == [2, 2, 2]
     assert stage_pair_scope(allocation(FRONTIER, 2), np.array([4, 8])).tolist() == [1, 1]
     assert stage_pair_scope(allocation(FRONTIER, 1), np.array([4])).tolist() == [0]
+
+
+def test_gb200_segments_keep_expert_groups_inside_one_rack():
+    """GB200 NVL72: 18 trays of 4 GPUs per rack, jobs placed in 16-tray segments (network.segment_nodes).
+    A 64-tray job (256 GPUs) at dp = ep = 64, pp = 4: every stage's 64 ranks = 16 trays = one rack (NVLink);
+    filling racks completely (no segments) puts stage 1 on trays 16-31, straddling racks 0 and 1."""
+    gb200 = load_platform("gb200-nvl72")
+    alloc = allocation(gb200, 64)
+    assert alloc.segment_nodes == 16
+    assert alloc.switch_of_node(np.array([0, 15, 16, 31, 32, 63])).tolist() == [0, 0, 1, 1, 2, 3]
+    assert group_span(alloc, 1, 64).scope == "switch"
+    assert stage_pair_scope(alloc, np.array([64]))[0] == 2       # stage 0 -> 1: rack 0 -> rack 1 of one SU (group)
+    racks_filled = allocation(gb200.model_copy(update={"network": gb200.network.model_copy(
+        update={"segment_nodes": None})}), 64)
+    assert group_span(racks_filled, 1, 64).scope == "group"
+    assert gb200.network.max_nodes == 128 * 16                   # 128 racks, 16 trays of each a job can use
+
+
+def test_segment_larger_than_a_switch_is_refused():
+    from pydantic import ValidationError
+
+    net = load_platform("gb200-nvl72").network.model_dump()
+    with pytest.raises(ValidationError, match="segment_nodes"):
+        type(load_platform("gb200-nvl72").network).model_validate({**net, "segment_nodes": 19})

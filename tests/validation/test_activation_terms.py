@@ -61,8 +61,9 @@ def test_fused_default_is_unchanged_and_smaller():
     for opts in (CostOptions(), CostOptions(unfused_kernels=True)):
         comps = estimate(model, load_platform("local-cpu"), training, 1, plan, options=opts).memory.per_stage[0]
         acts.append(sum(v for k, v in comps.components.items() if k.startswith("activations/")))
-    # per layer, fused: attention 165,888 + MoE 664,576 B; 4 layers + embedding 32,768 + logits 524,288 (hand count)
-    assert acts[0] == pytest.approx(4 * (165_888 + 65_536 + 9_216 + 131_072 + 458_752) + 32_768 + 524_288)
+    # per layer, fused: attention 165,888 + MoE 664,576 B; 4 layers + embedding 32,768 + logits 262,144 (hand
+    # count: 128 tokens x 512 vocabulary x the loss's 4-byte fp32 softmax)
+    assert acts[0] == pytest.approx(4 * (165_888 + 65_536 + 9_216 + 131_072 + 458_752) + 32_768 + 262_144)
     assert acts[1] > acts[0]
 
 
@@ -77,3 +78,14 @@ def test_megatron_core_permutation_keeps_no_token_rows():
         buffers.append(comps.components["activations/moe/buffers"])
     rows = 128 * model.moe.top_k * model.hidden_size * 4 * model.num_moe_layers   # k s x h fp32, every MoE layer
     assert buffers == [2 * rows, 0.0, rows]
+
+
+def test_token_rows_are_streamed_whether_or_not_they_are_saved():
+    """The dispatch permutation and the combine write and read their [k s x h] rows in every case: moe_saved_rows
+    changes the memory, not the elementwise time (before this, 0 also dropped the rows' traffic)."""
+    model = load_model("tiny-moe")
+    training = TrainingSpec(seq_len=128, global_batch=1)
+    plan = ParallelPlan(mbs=1, num_microbatches=1)
+    seconds = [estimate(model, load_platform("dgx-h100"), training, 1, plan, options=opts).time.breakdown[
+        "compute/elementwise"] for opts in (CostOptions(), CostOptions(moe_saved_rows=0))]
+    assert seconds[1] == pytest.approx(seconds[0]) and seconds[0] > 0

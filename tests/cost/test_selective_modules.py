@@ -1,0 +1,54 @@
+"""Selective recompute by module (CostOptions.recompute_modules, Megatron-Core's recompute_modules): what each
+module drops from the saved activations and what it re-runs, by hand on tiny-mla (4 layers: 1 dense, 3 MoE)."""
+
+from __future__ import annotations
+
+import pytest
+
+from piper_plan.catalog import load_model, load_platform
+from piper_plan.cost.evaluate import estimate
+from piper_plan.cost.options import CostOptions
+from piper_plan.errors import PiperError
+from piper_plan.specs import ParallelPlan, TrainingSpec
+
+MODEL = load_model("tiny-mla")
+H100 = load_platform("dgx-h100")
+TRAINING = TrainingSpec(seq_len=32, global_batch=1)
+PLAN = ParallelPlan(mbs=1, num_microbatches=1, recompute="selective")
+
+
+def _stage(modules, plan=PLAN):
+    est = estimate(MODEL, H100, TRAINING, 1, plan, options=CostOptions(recompute_modules=modules))
+    return est.memory.per_stage[0].components, est.time.breakdown
+
+
+def test_mla_up_proj_drops_every_heads_q_k_v():
+    """32 tokens x 4 heads x (q 24 + k 24 + v 16) x 2 B = 16,384 B per layer, 4 layers, one micro-batch."""
+    default, t_default = _stage(("core_attn",))
+    up, t_up = _stage(("core_attn", "mla_up_proj"))
+    assert default["activations/attention"] - up["activations/attention"] == pytest.approx(4 * 32 * 4 * 64 * 2)
+    assert t_up["compute/recompute"] > t_default["compute/recompute"]       # the up-projections run again
+
+
+def test_mlp_moe_act_and_layernorm_drop_their_outputs():
+    """mlp: the dense layer's SwiGLU intermediates 32 x 3 x 192 x 2 B; moe_act: 3 MoE layers x the experts'
+    activation output, 32 tokens x top-2 x 32 x 2 B; layernorm: the QKV input on 4 layers, the MLP input on 1 and
+    the router input on 3, 32 x 64 x 2 B each."""
+    default, _ = _stage(("core_attn",))
+    mlp, _ = _stage(("core_attn", "mlp"))
+    assert default["activations/mlp"] - mlp["activations/mlp"] == pytest.approx(32 * 3 * 192 * 2)
+    act, _ = _stage(("core_attn", "moe_act"))
+    assert default["activations/moe/experts"] - act["activations/moe/experts"] == pytest.approx(3 * 32 * 2 * 32 * 2)
+    norm, _ = _stage(("core_attn", "layernorm"))
+    dropped = sum(default[k] - norm[k] for k in ("activations/attention", "activations/mlp", "activations/moe/moe_input"))
+    assert dropped == pytest.approx((4 + 1 + 3) * 32 * 64 * 2)
+
+
+def test_modules_only_act_under_selective_recompute():
+    none = ParallelPlan(mbs=1, num_microbatches=1)
+    assert _stage(("mla_up_proj", "layernorm"), none)[0] == _stage(("core_attn",), none)[0]
+
+
+def test_an_unknown_module_is_one_clear_error():
+    with pytest.raises(PiperError, match="recompute_modules names 'attn'; allowed: core_attn, mla_up_proj"):
+        CostOptions(recompute_modules=("attn",))
