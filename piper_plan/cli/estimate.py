@@ -11,7 +11,7 @@ import click
 
 from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
                                    plot_option, print_json)
-from piper_plan.cli.options import (build_plan, cost_options, dropout_option, load_setting, model_options,
+from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options,
                                     parallel_options, placement_option, training_options)
 
 GiB = 2**30
@@ -28,12 +28,13 @@ GiB = 2**30
 @click.option("--no-calibration", is_flag=True, help="Ignore calibration/<platform>/ (roofline fallback).")
 @click.option("--piper-runtime", is_flag=True,
               help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
-@dropout_option
+@cost_knobs
 @json_option
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
 def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_batch, dtype, grad_bytes, routing_skew,
-                 placement, no_calibration, piper_runtime, dropout, as_json, save_path, plot_path, **parallel):
+                 placement, no_calibration, piper_runtime, dropout, recompute_modules, as_json, save_path, plot_path,
+                 **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
     from piper_plan.cost.evaluate import estimate
     from piper_plan.plots import check_plot_path
@@ -45,7 +46,7 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
                                              mtp_layers, dtype, grad_bytes)
     plan = build_plan(model, platform, training, nodes, **parallel)
     calibration = None if no_calibration else platform_calibration(platform.name)
-    options = cost_options(piper_runtime, dropout)
+    options = cost_options(piper_runtime, dropout, recompute_modules)
     result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement,
                       options=options)
     result = with_other_placement(result, model, platform, training, nodes, plan, calibration, options)

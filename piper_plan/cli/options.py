@@ -58,10 +58,18 @@ training_options = _bundle(
                       "Megatron's default)."),
 )
 
-dropout_option = click.option(
-    "--dropout", is_flag=True,
-    help="Price dropout layers: their 1-byte masks in activation memory (Megatron GPT's, Korthikanti et al. "
-         "2022; modern MoE pre-training runs without; piper's runtime has none).")
+def cost_knobs(fn):
+    """--dropout and --recompute-modules: what plan and estimate price beyond the plan's degrees."""
+    from piper_plan.cost.options import RECOMPUTE_MODULES
+
+    fn = click.option("--recompute-modules", "recompute_modules", default=None, metavar="LIST",
+                      help="What --recompute selective re-runs, as Megatron-Core names its modules: "
+                           f"comma-separated from {', '.join(RECOMPUTE_MODULES)} (default: core_attn; piper's "
+                           "runtime recomputes core_attn only).")(fn)
+    return click.option("--dropout", is_flag=True,
+                        help="Price dropout layers: their 1-byte masks in activation memory (Megatron GPT's, "
+                             "Korthikanti et al. 2022; modern MoE pre-training runs without; piper's runtime has "
+                             "none).")(fn)
 
 placement_option = click.option("--placement", type=click.Choice(Placement.values()), default="compact",
                                 show_default=True, help="Allocation shape.")
@@ -141,18 +149,22 @@ def with_mtp_layers(model, mtp_layers: int | None):
     return type(model).model_validate({**model.model_dump(), "mtp_layers": mtp_layers})   # no cached counts copied
 
 
-def cost_options(piper_runtime: bool, dropout: bool):
+def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: str | None = None):
     """The CostOptions of a plan or an estimate: piper's runtime's (unfused kernels, ...) or the default
-    (Megatron's fused kernels), with dropout layers where asked; the runtime has none (one error line)."""
+    (Megatron's fused kernels), with dropout layers and the selective-recompute modules where asked; what the
+    runtime does not do is one error line."""
     from dataclasses import replace
 
     from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS
 
-    if dropout and piper_runtime:
-        raise PiperError("piper's runtime trains without dropout: price it without --dropout, or drop "
-                         "--runnable / --piper-runtime", field="--dropout")
     options = PIPER_RUNTIME_OPTIONS if piper_runtime else DEFAULT_OPTIONS
-    return replace(options, dropout=True) if dropout else options
+    modules = options.recompute_modules if recompute_modules is None else \
+        tuple(dict.fromkeys(m.strip() for m in recompute_modules.split(",")))
+    if piper_runtime and (dropout or modules != PIPER_RUNTIME_OPTIONS.recompute_modules):
+        what, field = ("trains without dropout", "--dropout") if dropout else \
+            (f"recomputes {', '.join(PIPER_RUNTIME_OPTIONS.recompute_modules)} only", "--recompute-modules")
+        raise PiperError(f"piper's runtime {what}: drop {field}, or drop --runnable / --piper-runtime", field=field)
+    return replace(options, dropout=dropout or options.dropout, recompute_modules=modules)
 
 
 def parse_layers(text: str | None) -> list[int] | None:

@@ -14,7 +14,7 @@ import click
 
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
                                    platform_calibration, plot_option, print_json)
-from piper_plan.cli.options import (cost_options, dropout_option, load_setting, model_options, placement_option,
+from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, model_options, placement_option,
                                     training_options)
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
@@ -32,7 +32,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @click.option("--a2a", type=click.Choice(["flat", "halo", "any"]), default="any", show_default=True)
 @click.option("--migration", is_flag=True, help="Record expert migration as enabled in the saved plan.")
 @click.option("--runnable", is_flag=True, help="Keep only plans the piper runtime can execute.")
-@dropout_option
+@cost_knobs
 @placement_option
 @click.option("--memory-headroom", type=float, default=0.0, show_default=True,
               help="Fraction of device memory to keep free (0.1 = plans must fit in 90%).")
@@ -49,7 +49,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
              "ones coloured by reason) as a PNG")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, dtype,
-             grad_bytes, strategy, a2a, migration, runnable, dropout, placement, memory_headroom, cp_text, expert_tp, top,
+             grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, placement, memory_headroom,
+             cp_text, expert_tp, top,
              as_json, as_csv, save_path, explain, plot_path):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
@@ -66,7 +67,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
                                              dtype=dtypes[0], grad_bytes=grad_bytes)
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
-    kwargs = search_kwargs(platform, placement, runnable, dropout)
+    kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
     if len(dtypes) > 1:
@@ -160,11 +161,12 @@ def parse_cp(text: str | None) -> tuple[int, ...] | None:
     return values
 
 
-def search_kwargs(platform, placement: str, runnable: bool, dropout: bool = False) -> dict:
+def search_kwargs(platform, placement: str, runnable: bool, dropout: bool = False,
+                  recompute_modules: str | None = None) -> dict:
     """engine.search's keyword arguments: the platform's calibration, and for runnable plans the runtime's own
-    way of running (cost/options.py: unfused kernels), with dropout where asked."""
+    way of running (cost/options.py: unfused kernels), with dropout and recompute modules where asked."""
     return {"calibration": platform_calibration(platform.name), "placement": placement, "runnable": runnable,
-            "cost_options": cost_options(runnable, dropout)}
+            "cost_options": cost_options(runnable, dropout, recompute_modules)}
 
 
 def save_best(path, model, platform, training, result, kwargs: dict, migration: bool):

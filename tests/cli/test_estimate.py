@@ -121,3 +121,18 @@ def test_dropout_adds_its_masks_to_activations_only_and_the_runtime_refuses_it(t
                     ["plan", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--dropout", "--runnable"]):
         res = CliRunner().invoke(cli, refused)
         assert res.exit_code == 2 and "trains without dropout" in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_recompute_modules_are_priced_and_the_runtime_keeps_its_own():
+    """--recompute-modules (CostOptions.recompute_modules) changes what --recompute selective saves; the names
+    are checked; piper's runtime recomputes the attention core only."""
+    args = ["estimate", "--model", "tiny-mla", "--platform", "frontier", "--nodes", "1", "--dp", "8", "--ep", "8",
+            "--seq", "256", "--global-batch", "16", "--no-calibration", "--recompute", "selective", "--json"]
+    core, more = (json.loads(_run(args + extra).stdout) for extra in ([], ["--recompute-modules", "mla_up_proj,mlp"]))
+    assert core["options"]["recompute_modules"] == ["core_attn"]
+    assert more["options"]["recompute_modules"] == ["mla_up_proj", "mlp"]
+    assert more["memory"]["peak_bytes"] < core["memory"]["peak_bytes"] and more["step_time_s"] > core["step_time_s"]
+    for extra, needle in ((["--recompute-modules", "mlp,bogus"], "'bogus'; allowed: core_attn, mla_up_proj"),
+                          (["--recompute-modules", "mlp", "--piper-runtime"], "recomputes core_attn only")):
+        res = CliRunner().invoke(cli, args + extra)
+        assert res.exit_code == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
