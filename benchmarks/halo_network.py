@@ -146,8 +146,9 @@ def half_duplex(check: dict) -> bool:
 
 def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dict, flat_share: float, check: dict,
                  host_copy_GBps: float):
-    """platforms/netemu.yaml with this network's figures: NICs as the script set them, node figures and latencies
-    from the calibration, switch bandwidth = what a flat exchange gets per rank (busiest-uplink share); gloo's
+    """platforms/netemu.yaml with this network's figures: NICs as the script set them, each at what it carries per
+    direction while both directions are busy (shaping check, two communicators), node figures and latencies from
+    the calibration, switch bandwidth = what a flat exchange gets per rank (busiest-uplink share); gloo's
     all-to-all posts all messages at once; half duplex from the shaping check; HALO's copies at the host's copy
     rate shared by all ranks of the job (every emulated node runs on this one host)."""
     import yaml
@@ -156,11 +157,12 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
 
     data = yaml.safe_load(PLATFORM_FILE.read_text())
     g = ranks_per_node
-    data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=rate_GBps,
+    nic_GBps = min(rate_GBps, check.get("two_way_two_connections_GBps") or rate_GBps)  # an all-to-all loads both ways
+    data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=nic_GBps,
                         device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=host_copy_GBps / (nodes * g))
     data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check))
     data["network"]["scopes"]["node"].update(bandwidth_GBps=figures["node_GBps"], latency_us=figures["node_latency_us"])
-    data["network"]["scopes"]["switch"].update(bandwidth_GBps=rate_GBps / (g * flat_share),
+    data["network"]["scopes"]["switch"].update(bandwidth_GBps=nic_GBps / (g * flat_share),
                                                latency_us=figures["switch_latency_us"])
     return PlatformSpec.model_validate(data)
 

@@ -27,6 +27,13 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
   A single connection carries at most what one point-to-point transfer gets (the ``p2p`` curve where
   calibrated): flat sends S/n bytes per peer, HALO R/(nodes-1) per relay. Measured on the emulated network
   (docs/halo-measured.md). On one node HALO is flat.
+- Where the platform says so (defaults keep the terms above exactly): ``network.a2a_posts_all`` (gloo's
+  alltoallv posts every message before waiting: one latency per exchange, not per peer);
+  ``network.half_duplex_connections`` (one gloo TCP connection carries one direction at a time: a p2p row, a
+  sendrecv on one connection, moves 2 b in turn, so HALO's phase II, each direction on its own communicator,
+  costs the row of b / 2 per relay, while flat's pairs pay the whole row); ``node.relay_copy_GBps`` (HALO's row
+  gathers and final reorder on the rank, ``relay_copy_bytes``, in series with the phases:
+  ``max(I, II + III) + copies``). Measured on the emulated network: docs/halo-measured.md.
 """
 
 from __future__ import annotations
