@@ -116,19 +116,23 @@ def link_figures(directory: Path) -> dict:
             "p2p_switch_GBps": float(p2p[p2p["scope"] == "switch"]["algbw_GBps"].max())}
 
 
-def relay_copies(out: Path) -> dict:
+def relay_copies(out: Path, reuse: bool = False) -> dict:
     """HALO's row copies alone (benchmarks/halo_phases.py --copies: no communication) on COPY_NODES x COPY_RANKS
     ranks at once, COPY_BYTES per rank: the host's copy rate, all ranks together (kept in OUT/copies.json)."""
     from piper_plan.cost.comm import relay_copy_bytes
     from piper_plan.fileio import atomic_write_json
 
-    path = out / "copies.json"
+    path, probe = out / "copies.json", out / "copies-probe.json"
     if path.is_file():
         return json.loads(path.read_text())
-    probe = out / "copies-probe.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "halo_phases.py"), "--copies", "--rate",
-                    f"{SHARE_RATE_GBps:g}", "--nodes", str(COPY_NODES), "--ranks-per-node", str(COPY_RANKS),
-                    "--sizes", str(COPY_BYTES), "--out", str(probe)], check=True, timeout=600)
+    command = [sys.executable, str(ROOT / "benchmarks" / "halo_phases.py"), "--copies", "--rate", f"{SHARE_RATE_GBps:g}",
+               "--nodes", str(COPY_NODES), "--ranks-per-node", str(COPY_RANKS), "--sizes", str(COPY_BYTES),
+               "--out", str(probe)]
+    if not probe.is_file() and reuse:
+        sys.exit(f"halo_network.py --reuse: {path} missing (HALO's copy rate); measure it as root with "
+                 f"{' '.join(command[1:])}, or run without --reuse")
+    if not probe.is_file():
+        subprocess.run(command, check=True, timeout=600)
     seconds = json.loads(probe.read_text())[str(COPY_BYTES)]["copies"]
     ranks = COPY_NODES * COPY_RANKS
     copied = float(relay_copy_bytes(ranks, COPY_NODES, COPY_BYTES))
@@ -394,7 +398,7 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    copies = relay_copies(out)
+    copies = relay_copies(out, reuse=args.reuse)
     print(f"relay copies: {copies}", flush=True)
     if args.reuse:
         saved = json.loads((out / "results.json").read_text())
