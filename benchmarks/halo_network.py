@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -45,6 +46,7 @@ REPEATS = 5
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
+HOST_CORES = os.cpu_count() or 1  # every emulated node's ranks run on this host's cores
 HALF_DUPLEX_BELOW = 0.75  # two ways on one connection below this share of one way: half duplex
 
 
@@ -163,7 +165,8 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     g = ranks_per_node
     nic_GBps = min(rate_GBps, check.get("two_way_two_connections_GBps") or rate_GBps)  # an all-to-all loads both ways
     data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=nic_GBps,
-                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=host_copy_GBps / (nodes * g))
+                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=host_copy_GBps / (nodes * g),
+                        serial_phases=nodes * g > HOST_CORES)
     data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check))
     data["network"]["scopes"]["node"].update(bandwidth_GBps=figures["node_GBps"], latency_us=figures["node_latency_us"])
     data["network"]["scopes"]["switch"].update(bandwidth_GBps=nic_GBps / (g * flat_share),

@@ -33,7 +33,8 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
   sendrecv on one connection, moves 2 b in turn, so HALO's phase II, each direction on its own communicator,
   costs the row of b / 2 per relay, while flat's pairs pay the whole row); ``node.relay_copy_GBps`` (HALO's row
   gathers and final reorder on the rank, ``relay_copy_bytes``, in series with the phases:
-  ``max(I, II + III) + copies``). Measured on the emulated network: docs/halo-measured.md.
+  ``max(I, II + III) + copies``); ``node.serial_phases`` (CPU ranks on fewer cores than ranks: phase I does not
+  overlap II + III, ``I + II + III + copies``). Measured on the emulated network: docs/halo-measured.md.
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ class Network:
         t_local, t_flat_r, t_halo_r, t_redis = self.a2a_phases(n, nodes, nbytes, scope)
         multi = (nodes > 1) & (n > 1)
         flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local)
-        halo_total = np.maximum(t_local, t_halo_r + t_redis) + np.where(multi, self.relay_copy_seconds(n, nodes, nbytes), 0)
+        phases = t_local + t_halo_r + t_redis if self.platform.node.serial_phases else np.maximum(t_local, t_halo_r + t_redis)
+        halo_total = phases + np.where(multi, self.relay_copy_seconds(n, nodes, nbytes), 0)
         halo = algo == A2A.HALO.code
         total = np.where(multi & halo, halo_total, flat_total)
         total = self._calibrated_a2a(total, algo, n, nbytes, scope, multi)

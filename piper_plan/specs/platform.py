@@ -79,6 +79,9 @@ class NodeSpec(Spec):
     relay_copy_GBps: float = Field(default=0.0, ge=0, le=1e6)
     """Per rank, GB/s of output of HALO's row copies (the gathers before phases I-III and the final reorder,
     runtime/halo.py) when every rank copies at once; 0 = not priced (cost/comm.py, ``relay_copy_bytes``)."""
+    serial_phases: bool = False
+    """HALO's phase I does not run beside phases II + III: CPU ranks on fewer cores than ranks, where concurrent
+    phases share the same cores (measured: docs/halo-measured.md, phase probe). False: ``max(I, II + III)``."""
     source: str
     """Citation."""
 

@@ -19,6 +19,7 @@ def netemu(**changes) -> PlatformSpec:
     data["node"]["relay_copy_GBps"] = changes.get("relay_copy_GBps", 0.0)
     data["network"]["a2a_posts_all"] = changes.get("a2a_posts_all", False)
     data["network"]["half_duplex_connections"] = changes.get("half_duplex", False)
+    data["node"]["serial_phases"] = changes.get("serial_phases", False)
     return PlatformSpec.model_validate(data)
 
 
@@ -67,9 +68,20 @@ def test_half_duplex_prices_one_way_transfers_at_half_a_sendrecv():
     assert half.a2a_phases(4, 2, 16 * MiB, 1)[1] == full.a2a_phases(4, 2, 16 * MiB, 1)[1]
 
 
+def test_serial_phases_add_phase_one():
+    """Where the ranks' cores are oversubscribed HALO's phase I does not hide behind II + III: the whole exchange
+    is I + II + III instead of max(I, II + III)."""
+    overlapped, serial = Network(netemu()), Network(netemu(serial_phases=True))
+    local, _, remote, redistribute = overlapped.a2a_phases(8, 4, 16 * MiB, 1)
+    assert sum(overlapped.a2a_seconds(1, 8, 4, 16 * MiB, 1)) == pytest.approx(max(local, remote + redistribute))
+    assert sum(serial.a2a_seconds(1, 8, 4, 16 * MiB, 1)) == pytest.approx(local + remote + redistribute)
+    assert sum(serial.a2a_seconds(0, 8, 4, 16 * MiB, 1)) == sum(overlapped.a2a_seconds(0, 8, 4, 16 * MiB, 1))
+
+
 @pytest.mark.parametrize("name", [p for p in catalog_names(platforms_dir()) if p != "netemu"])
 def test_other_platforms_keep_the_terms_off(name):
     """No shipped platform but the emulated network sets a gloo term: their predictions are as before."""
     platform = load_platform(name)
     assert platform.node.relay_copy_GBps == 0
     assert not platform.network.a2a_posts_all and not platform.network.half_duplex_connections
+    assert not platform.node.serial_phases
