@@ -14,7 +14,8 @@ sample (so each figure is one operation from a common start, not a pipelined str
   and to the end of phase III (``halo_to_III``);
 - ``phase_I`` / ``phase_II`` / ``phase_III``: each phase alone.
 
-Prints and writes the slowest rank's median of each, in seconds, per size.
+Prints and writes the slowest rank's median of each, in seconds, per size, and the tbf counters of every
+uplink over the whole run (bytes sent, packets dropped).
 """
 
 from __future__ import annotations
@@ -142,6 +143,22 @@ def copy_seconds(halo, nbytes: int, repeats: int) -> dict[str, float]:
     return {"copies": statistics.median(s["t"] for s in timed(copies, repeats)), "bytes": x.numel() * 4}
 
 
+def tbf_counters() -> dict[str, list[int]]:
+    """[bytes sent, packets dropped] of every tbf qdisc of this run's network (scripts/netemu.sh), per device."""
+    import os
+    import re
+    import subprocess
+
+    name, counters = os.environ.get("PIPER_NETEMU", ""), {}
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for ns in (x for x in spaces if name and x.startswith(f"{name}-")):
+        text = subprocess.run(["tc", "-s", "-n", ns, "qdisc", "show"], capture_output=True, text=True).stdout
+        for dev, sent, dropped in re.findall(r"qdisc tbf \S+ dev (\S+) .*?\n\s*Sent (\d+) bytes \d+ pkt \(dropped (\d+)",
+                                             text):
+            counters[f"{ns}/{dev}"] = [int(sent), int(dropped)]
+    return counters
+
+
 def rank_main(out: str, sizes: list[int], repeats: int) -> int:
     from datetime import timedelta
 
@@ -166,7 +183,7 @@ def rank_main(out: str, sizes: list[int], repeats: int) -> int:
             dist.all_gather_object(gathered, mine)
             table[nbytes] = {k: max(g[k] for g in gathered) for k in mine}
         if dist.get_rank() == 0:
-            atomic_write_json(out, table)
+            atomic_write_json(out, {**table, "tbf": tbf_counters()})
     finally:
         dist.destroy_process_group()
     return 0
@@ -192,6 +209,7 @@ def main() -> int:
                args.sizes, "--repeats", str(args.repeats), "--out", args.out] + (["--copies"] if args.copies else [])
     run_on_network(NetworkSpec(args.rate, 2), args.nodes, args.ranks_per_node, command, 600)
     table = json.loads(Path(args.out).read_text())
+    print(f"tbf [bytes sent, dropped] over the whole run: {table.pop('tbf')}")
     for nbytes, row in table.items():
         print(f"{args.rate:g} GB/s {args.nodes}x{args.ranks_per_node} {int(nbytes):>9} B: "
               + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in row.items()) + "  (ms)")
