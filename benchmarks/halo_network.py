@@ -46,7 +46,6 @@ REPEATS = 5
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
-HOST_CORES = os.cpu_count() or 1  # every emulated node's ranks run on this host's cores
 HALF_DUPLEX_BELOW = 0.75  # two ways on one connection below this share of one way: half duplex
 
 
@@ -139,7 +138,7 @@ def relay_copies(out: Path, reuse: bool = False) -> dict:
     ranks = COPY_NODES * COPY_RANKS
     copied = float(relay_copy_bytes(ranks, COPY_NODES, COPY_BYTES))
     result = {"ranks": ranks, "bytes_per_rank": COPY_BYTES, "copy_bytes_per_rank": copied, "seconds": seconds,
-              "host_GBps": ranks * copied / seconds / 1e9}
+              "host_GBps": ranks * copied / seconds / 1e9, "host_cores": os.cpu_count() or 1}
     atomic_write_json(path, result)
     return result
 
@@ -151,12 +150,13 @@ def half_duplex(check: dict) -> bool:
 
 
 def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dict, flat_share: float, check: dict,
-                 host_copy_GBps: float):
+                 copies: dict):
     """platforms/netemu.yaml with this network's figures: NICs as the script set them, each at what it carries per
     direction while both directions are busy (shaping check, two communicators), node figures and latencies from
     the calibration, switch bandwidth = what a flat exchange gets per rank (busiest-uplink share); gloo's
     all-to-all posts all messages at once; half duplex from the shaping check; HALO's copies at the host's copy
-    rate shared by all ranks of the job (every emulated node runs on this one host)."""
+    rate shared by all ranks of the job (every emulated node runs on this one host), HALO's phases in series
+    where the job has more ranks than the host has cores."""
     import yaml
 
     from piper_plan.specs.platform import PlatformSpec
@@ -165,8 +165,8 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     g = ranks_per_node
     nic_GBps = min(rate_GBps, check.get("two_way_two_connections_GBps") or rate_GBps)  # an all-to-all loads both ways
     data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=nic_GBps,
-                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=host_copy_GBps / (nodes * g),
-                        serial_phases=nodes * g > HOST_CORES)
+                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=copies["host_GBps"] / (nodes * g),
+                        serial_phases=nodes * g > copies["host_cores"])
     data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check))
     data["network"]["scopes"]["node"].update(bandwidth_GBps=figures["node_GBps"], latency_us=figures["node_latency_us"])
     data["network"]["scopes"]["switch"].update(bandwidth_GBps=nic_GBps / (g * flat_share),
@@ -221,7 +221,7 @@ def sweep(out: Path, shares: dict, copies: dict) -> tuple[list[dict], dict]:
 def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration) -> dict:
     """``row`` (one measured point) with the model's flat and HALO seconds for it."""
     g, nodes = row["ranks_per_node"], row["nodes"]
-    platform = platform_for(row["rate_GBps"], nodes, g, check["figures"], shares[f"flat {g}"], check, copies["host_GBps"])
+    platform = platform_for(row["rate_GBps"], nodes, g, check["figures"], shares[f"flat {g}"], check, copies)
     pred = predict(platform, calibration, nodes, g, row["bytes"])
     row["flat_pred_s"], row["halo_pred_s"] = pred["flat"], pred["halo"]
     return row
@@ -249,7 +249,7 @@ def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, steps: int,
     shutil.copytree(calibration_dir("local-cpu"), cal_dir)  # GEMM, attention, overhead: the same CPU ranks
     shutil.copy(out / f"calibration-{rate:g}" / "collectives.csv", cal_dir / "collectives.csv")
     calibration = load_calibration(cal_dir)
-    platform = platform_for(rate, 2, 2, link_figures(cal_dir), shares["flat 2"], checks[rate], copies["host_GBps"])
+    platform = platform_for(rate, 2, 2, link_figures(cal_dir), shares["flat 2"], checks[rate], copies)
     model = load_model(MODEL)
     training = TrainingSpec(seq_len=SEQ, global_batch=BATCH, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
     rows = []
