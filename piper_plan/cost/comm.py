@@ -221,7 +221,8 @@ class Network:
         t_local, t_flat_r, t_halo_r, t_redis = self.a2a_phases(n, nodes, nbytes, scope)
         multi = (nodes > 1) & (n > 1)
         flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local)
-        phases = t_local + t_halo_r + t_redis if self.platform.node.serial_phases else np.maximum(t_local, t_halo_r + t_redis)
+        serial = self.platform.node.serial_phases
+        phases = t_local + t_halo_r + t_redis if serial else np.maximum(t_local, t_halo_r + t_redis)
         halo_total = phases + np.where(multi, self.relay_copy_seconds(n, nodes, nbytes), 0)
         halo = algo == A2A.HALO.code
         total = np.where(multi & halo, halo_total, flat_total)
