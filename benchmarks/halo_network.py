@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -43,6 +45,8 @@ BIG = 256 * 1024  # the sizes that matter for the 15% target
 REPEATS = 5
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
+COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
+HALF_DUPLEX_BELOW = 0.75  # two ways on one connection below this share of one way: half duplex
 
 
 def module(name: str, *args: str) -> list[str]:
@@ -113,19 +117,59 @@ def link_figures(directory: Path) -> dict:
             "p2p_switch_GBps": float(p2p[p2p["scope"] == "switch"]["algbw_GBps"].max())}
 
 
-def platform_for(rate_GBps: float, ranks_per_node: int, figures: dict, flat_share: float):
-    """platforms/netemu.yaml with this network's figures: NICs as the script set them, node figures and latencies
-    from the calibration, switch bandwidth = what a flat exchange gets per rank (busiest-uplink share)."""
+def relay_copies(out: Path, reuse: bool = False) -> dict:
+    """HALO's row copies alone (benchmarks/halo_phases.py --copies: no communication) on COPY_NODES x COPY_RANKS
+    ranks at once, COPY_BYTES per rank: the host's copy rate, all ranks together (kept in OUT/copies.json)."""
+    from piper_plan.cost.comm import relay_copy_bytes
+    from piper_plan.fileio import atomic_write_json
+
+    path, probe = out / "copies.json", out / "copies-probe.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    command = [sys.executable, str(ROOT / "benchmarks" / "halo_phases.py"), "--copies", "--rate", f"{SHARE_RATE_GBps:g}",
+               "--nodes", str(COPY_NODES), "--ranks-per-node", str(COPY_RANKS), "--sizes", str(COPY_BYTES),
+               "--out", str(probe)]
+    if not probe.is_file() and reuse:
+        sys.exit(f"halo_network.py --reuse: {path} missing (HALO's copy rate); measure it as root with "
+                 f"{' '.join(command[1:])}, or run without --reuse")
+    if not probe.is_file():
+        subprocess.run(command, check=True, timeout=600)
+    seconds = json.loads(probe.read_text())[str(COPY_BYTES)]["copies"]
+    ranks = COPY_NODES * COPY_RANKS
+    copied = float(relay_copy_bytes(ranks, COPY_NODES, COPY_BYTES))
+    result = {"ranks": ranks, "bytes_per_rank": COPY_BYTES, "copy_bytes_per_rank": copied, "seconds": seconds,
+              "host_GBps": ranks * copied / seconds / 1e9, "host_cores": os.cpu_count() or 1}
+    atomic_write_json(path, result)
+    return result
+
+
+def half_duplex(check: dict) -> bool:
+    """Whether one connection carries one direction at a time: both ways on one communicator get clearly less
+    per direction than one way (shaping check)."""
+    return check["two_way_one_connection_GBps"] < HALF_DUPLEX_BELOW * check["inter_node_GBps"]
+
+
+def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dict, flat_share: float, check: dict,
+                 copies: dict):
+    """platforms/netemu.yaml with this network's figures: NICs as the script set them, each at what it carries per
+    direction while both directions are busy (shaping check, two communicators), node figures and latencies from
+    the calibration, switch bandwidth = what a flat exchange gets per rank (busiest-uplink share); gloo's
+    all-to-all posts all messages at once; half duplex from the shaping check; HALO's copies at the host's copy
+    rate shared by all ranks of the job (every emulated node runs on this one host), HALO's phases in series
+    where the job has more ranks than the host has cores."""
     import yaml
 
     from piper_plan.specs.platform import PlatformSpec
 
     data = yaml.safe_load(PLATFORM_FILE.read_text())
     g = ranks_per_node
-    data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=rate_GBps,
-                        device_nic=[j % UPLINKS for j in range(g)])
+    nic_GBps = min(rate_GBps, check.get("two_way_two_connections_GBps") or rate_GBps)  # an all-to-all loads both ways
+    data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=nic_GBps,
+                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=copies["host_GBps"] / (nodes * g),
+                        serial_phases=nodes * g > copies["host_cores"])
+    data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check))
     data["network"]["scopes"]["node"].update(bandwidth_GBps=figures["node_GBps"], latency_us=figures["node_latency_us"])
-    data["network"]["scopes"]["switch"].update(bandwidth_GBps=rate_GBps / (g * flat_share),
+    data["network"]["scopes"]["switch"].update(bandwidth_GBps=nic_GBps / (g * flat_share),
                                                latency_us=figures["switch_latency_us"])
     return PlatformSpec.model_validate(data)
 
@@ -150,7 +194,7 @@ def measure(spec: NetworkSpec, nodes: int, g: int, out: Path):
     return result
 
 
-def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
+def sweep(out: Path, shares: dict, copies: dict) -> tuple[list[dict], dict]:
     from piper_plan.calibration import load_calibration
 
     rows, checks = [], {}
@@ -160,29 +204,35 @@ def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
         print(f"shaping {spec.text}: {checks[rate]}", flush=True)
         cal_dir = out / f"calibration-{rate:g}"
         calibrate(spec, cal_dir)
-        figures = link_figures(cal_dir)
-        checks[rate]["figures"] = figures
+        checks[rate]["figures"] = link_figures(cal_dir)
         calibration = load_calibration(cal_dir)
         for nodes, g in SHAPES:
             result = measure(spec, nodes, g, out)
-            platform = platform_for(rate, g, figures, shares[f"flat {g}"])
             for size in result.sizes:
-                pred = predict(platform, calibration, nodes, g, size.bytes_per_rank)
                 rows.append({"rate_GBps": rate, "nodes": nodes, "ranks_per_node": g, "bytes": size.bytes_per_rank,
-                             "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"],
-                             "flat_pred_s": pred["flat"], "halo_pred_s": pred["halo"]})
-                r = rows[-1]
+                             "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"]})
+                r = predict_row(rows[-1], checks[rate], shares, copies, calibration)
                 print(f"{rate:g} GB/s {nodes}x{g} {size.bytes_per_rank:>9} B: flat {r['flat_s'] * 1e3:8.2f} ms "
                       f"(pred {r['flat_pred_s'] * 1e3:8.2f})  halo {r['halo_s'] * 1e3:8.2f} ms "
                       f"(pred {r['halo_pred_s'] * 1e3:8.2f})", flush=True)
     return rows, checks
 
 
+def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration) -> dict:
+    """``row`` (one measured point) with the model's flat and HALO seconds for it."""
+    g, nodes = row["ranks_per_node"], row["nodes"]
+    platform = platform_for(row["rate_GBps"], nodes, g, check["figures"], shares[f"flat {g}"], check, copies)
+    pred = predict(platform, calibration, nodes, g, row["bytes"])
+    row["flat_pred_s"], row["halo_pred_s"] = pred["flat"], pred["halo"]
+    return row
+
+
 # ------------------------------------------------------------------------------ closed loop
 
 
-def closed_loop(out: Path, shares: dict, steps: int) -> list[dict]:
-    """dp4 ep4 (tiny-moe) with flat and with HALO on 2 nodes x 2 ranks of the slowest network."""
+def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, steps: int, run: bool = True) -> list[dict]:
+    """dp4 ep4 (tiny-moe) with flat and with HALO on 2 nodes x 2 ranks of the slowest network; ``run=False``
+    predicts again and compares with the steps measured before (OUT/closed-loop-*/metrics.jsonl)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from closed_loop import BATCH, MODEL, SEQ, runtime_options
 
@@ -199,7 +249,7 @@ def closed_loop(out: Path, shares: dict, steps: int) -> list[dict]:
     shutil.copytree(calibration_dir("local-cpu"), cal_dir)  # GEMM, attention, overhead: the same CPU ranks
     shutil.copy(out / f"calibration-{rate:g}" / "collectives.csv", cal_dir / "collectives.csv")
     calibration = load_calibration(cal_dir)
-    platform = platform_for(rate, 2, link_figures(cal_dir), shares["flat 2"])
+    platform = platform_for(rate, 2, 2, link_figures(cal_dir), shares["flat 2"], checks[rate], copies)
     model = load_model(MODEL)
     training = TrainingSpec(seq_len=SEQ, global_batch=BATCH, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
     rows = []
@@ -207,17 +257,19 @@ def closed_loop(out: Path, shares: dict, steps: int) -> list[dict]:
         plan = ParallelPlan(dp=4, ep=4, mbs=1, a2a=a2a, num_microbatches=BATCH // 4)
         prediction = estimate(model, platform, training, 2, plan, calibration=calibration, options=runtime_options())
         run_dir = out / f"closed-loop-{a2a}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_plan_file(run_dir / "plan.json", model, platform, training, 2, plan, "compact", prediction,
-                        migration={"enabled": False})
-        run_on_network(NetworkSpec(rate, UPLINKS), 2, 2, module(
-            "piper_plan.runtime.train", "--plan", str(run_dir / "plan.json"), "--out", str(run_dir), "--steps",
-            str(steps), "--aux-loss-coeff", "0"), 600)
+        if run:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_plan_file(run_dir / "plan.json", model, platform, training, 2, plan, "compact", prediction,
+                            migration={"enabled": False})
+            run_on_network(NetworkSpec(rate, UPLINKS), 2, 2, module(
+                "piper_plan.runtime.train", "--plan", str(run_dir / "plan.json"), "--out", str(run_dir), "--steps",
+                str(steps), "--aux-loss-coeff", "0"), 600)
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         step = compare(prediction.to_json(), records)["step_time_s"]
         a2a_pred = prediction.time.breakdown.get("moe/dispatch/inter_node", 0.0)
         rows.append({"plan": f"dp4 ep4 {a2a}", "predicted_s": step["predicted"], "measured_s": step["measured"],
-                     "rel_error": step["rel_error"], "a2a_inter_node_pred_s": a2a_pred})
+                     "rel_error": step["rel_error"], "a2a_inter_node_pred_s": a2a_pred,
+                     "a2a_pred_s": a2a_pred + prediction.time.breakdown.get("moe/dispatch/intra_node", 0.0)})
         print(f"closed loop {rows[-1]}", flush=True)
     return rows
 
@@ -275,7 +327,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(rows, checks, shares, loop_rows) -> str:
+def report(rows, checks, shares, loop_rows, copies) -> str:
     s = summary(rows)
     lines = ["# HALO vs flat all-to-all on an emulated multi-node network (measured)", "",
              "Generated by `benchmarks/halo_network.py` (run as root; scripts/netemu.sh builds the network); do not edit "
@@ -300,12 +352,21 @@ def report(rows, checks, shares, loop_rows) -> str:
               "|---|---|---|"]
     lines += [f"| {k.split()[0]} | {k.split()[1]} | {v:.3f} (even: {1 / UPLINKS:.2f}) |" for k, v in shares.items()]
     lines += ["", "## Calibration used by the model (per rate; 2 nodes x 4 ranks, all-to-all across nodes dropped)", "",
-              "| GB/s per uplink | node all_to_all busbw GB/s | node latency us | switch latency us | best inter-node p2p (sendrecv) GB/s |",
-              "|---|---|---|---|---|"]
+              "| GB/s per uplink | node all_to_all busbw GB/s | node latency us | switch latency us | best inter-node p2p (sendrecv) GB/s | half duplex |",
+              "|---|---|---|---|---|---|"]
     for rate, c in checks.items():
         f = c["figures"]
         lines.append(f"| {rate:g} | {f['node_GBps']:.3f} | {f['node_latency_us']:.0f} | {f['switch_latency_us']:.0f} | "
-                     f"{f['p2p_switch_GBps']:.4f} |")
+                     f"{f['p2p_switch_GBps']:.4f} | {'yes' if half_duplex(c) else 'no'} |")
+    lines += ["", f"Half duplex: both ways on one communicator below {HALF_DUPLEX_BELOW:g} x the one-way rate (shaping "
+              "check); then a one-way transfer of b bytes is priced as the p2p (sendrecv) row of b / 2 "
+              "(network.half_duplex_connections). gloo's all_to_all_single posts every message before it waits "
+              "(gloo/alltoallv.cc), so an exchange pays one latency, not one per peer (network.a2a_posts_all). "
+              f"HALO's row copies (cost/comm.py relay_copy_bytes) timed alone on {copies['ranks']} ranks at once, "
+              f"{copies['bytes_per_rank'] // 2**20} MiB per rank (benchmarks/halo_phases.py --copies): "
+              f"{copies['seconds'] * 1e3:.1f} ms for {copies['copy_bytes_per_rank'] / 1e6:.1f} MB per rank, the host "
+              f"copies {copies['host_GBps']:.2f} GB/s over all ranks; a job of n ranks gets 1/n of it per rank "
+              "(node.relay_copy_GBps)."]
     lines += ["", "## Flat vs HALO: measured and predicted", ""] + table(rows) + [
         "", "![measured (solid) and modelled (dashed) all-to-all time; dotted: measured flat / HALO](halo-measured.png)", "",
         "## Against the targets", "",
@@ -321,9 +382,9 @@ def report(rows, checks, shares, loop_rows) -> str:
                   f"tiny-moe, seq 128, global batch 8, 2 nodes x 2 ranks, {UPLINKS} x {min(RATES_GBps):g} GB/s uplinks; "
                   "prediction with this network's platform and collective calibration plus calibration/local-cpu's "
                   "GEMM / attention / overhead rows (runtime under scripts/netemu.sh run).", "",
-                  "| plan | predicted step s | measured step s | error | predicted inter-node a2a s |", "|---|---|---|---|---|"]
+                  "| plan | predicted step s | measured step s | error | predicted a2a s (inter-node part) |", "|---|---|---|---|---|"]
         lines += [f"| {r['plan']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {100 * r['rel_error']:+.1f}% | "
-                  f"{r['a2a_inter_node_pred_s']:.4f} |" for r in loop_rows]
+                  f"{r.get('a2a_pred_s', float('nan')):.4f} ({r['a2a_inter_node_pred_s']:.4f}) |" for r in loop_rows]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -340,37 +401,36 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    copies = relay_copies(out, reuse=args.reuse)
+    print(f"relay copies: {copies}", flush=True)
     if args.reuse:
         saved = json.loads((out / "results.json").read_text())
-        rows, checks, shares, loop_rows = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"], saved["closed_loop"]
-        rows = repredict(out, rows, checks, shares)
+        rows, checks, shares = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"]
+        rows = repredict(out, rows, checks, shares, copies)
+        loop_rows = closed_loop(out, shares, checks, copies, args.steps, run=False) if saved["closed_loop"] else []
     else:
         shares_path = out / "shares.json"
         shares = json.loads(shares_path.read_text()) if shares_path.is_file() else nic_shares(out)
         atomic_write_json(shares_path, shares)
         print(f"busiest-uplink shares: {shares}", flush=True)
-        rows, checks = sweep(out, shares)
-        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, args.steps)
-    atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows})
+        rows, checks = sweep(out, shares, copies)
+        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, args.steps)
+    atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
+                                             "copies": copies})
     doc = Path(args.doc)
     plot(rows, doc.with_suffix(".png"))
-    text = report(rows, checks, shares, loop_rows)
+    text = report(rows, checks, shares, loop_rows, copies)
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0
 
 
-def repredict(out: Path, rows: list[dict], checks: dict, shares: dict) -> list[dict]:
+def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict) -> list[dict]:
     """The saved measurements with the model's predictions computed again (after a model change)."""
     from piper_plan.calibration import load_calibration
 
     cals = {rate: load_calibration(out / f"calibration-{rate:g}") for rate in checks}
-    for r in rows:
-        platform = platform_for(r["rate_GBps"], r["ranks_per_node"], checks[r["rate_GBps"]]["figures"],
-                                shares[f"flat {r['ranks_per_node']}"])
-        pred = predict(platform, cals[r["rate_GBps"]], r["nodes"], r["ranks_per_node"], r["bytes"])
-        r["flat_pred_s"], r["halo_pred_s"] = pred["flat"], pred["halo"]
-    return rows
+    return [predict_row(r, checks[r["rate_GBps"]], shares, copies, cals[r["rate_GBps"]]) for r in rows]
 
 
 def analysis_text() -> str:

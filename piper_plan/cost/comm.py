@@ -27,6 +27,14 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
   A single connection carries at most what one point-to-point transfer gets (the ``p2p`` curve where
   calibrated): flat sends S/n bytes per peer, HALO R/(nodes-1) per relay. Measured on the emulated network
   (docs/halo-measured.md). On one node HALO is flat.
+- Where the platform says so (defaults keep the terms above exactly): ``network.a2a_posts_all`` (gloo's
+  alltoallv posts every message before waiting: one latency per exchange, not per peer);
+  ``network.half_duplex_connections`` (one gloo TCP connection carries one direction at a time: a p2p row, a
+  sendrecv on one connection, moves 2 b in turn, so HALO's phase II, each direction on its own communicator,
+  costs the row of b / 2 per relay, while flat's pairs pay the whole row); ``node.relay_copy_GBps`` (HALO's row
+  gathers and final reorder on the rank, ``relay_copy_bytes``, in series with the phases:
+  ``max(I, II + III) + copies``); ``node.serial_phases`` (CPU ranks on fewer cores than ranks: phase I does not
+  overlap II + III, ``I + II + III + copies``). Measured on the emulated network: docs/halo-measured.md.
 """
 
 from __future__ import annotations
@@ -60,6 +68,18 @@ def alpha_beta_seconds(op: str, n, nbytes, bandwidth_Bps, latency_s):
     else:
         t = frac * nbytes / bandwidth_Bps + (n - 1) * latency_s
     return np.where(n > 1, t, 0.0) if op != "p2p" else t
+
+
+def relay_copy_bytes(n, nodes, nbytes) -> np.ndarray:
+    """Bytes HALO's row copies write on one rank per exchange (runtime/halo.py ``_exchange``).
+
+    Per rank sending S bytes, g = n / nodes, R = S (n - g) / n: the gathers of phase I's rows (S g / n) and
+    phase II's (R), the relay's gather of what it received (R) before phase III, and the final cat and reorder
+    of the S bytes received (2 S): ``S (2 + g / n) + 2 R``, one after another on the rank."""
+    n = np.asarray(n, float)
+    g = n / np.maximum(np.asarray(nodes, float), 1)
+    per_rank = np.asarray(nbytes, float) / np.maximum(n, 1)
+    return per_rank * (2 * n + g) + 2 * per_rank * (n - g)
 
 
 def calibrated_pairs(calibration) -> frozenset[tuple[str, str]]:
@@ -119,12 +139,15 @@ class Network:
         local = nbytes * (g - 1) / np.maximum(n, 1)
         remote = nbytes * (n - g) / np.maximum(n, 1)
         bw_s, lat_s, bw_n, lat_n = self.bw[scope], self.lat[scope], self.bw[0], self.lat[0]
-        t_local = local / bw_n + (g - 1) * lat_n
-        t_flat_remote = np.maximum(remote / bw_s + (n - g) * lat_s, self._connection_seconds(nbytes / np.maximum(n, 1), scope))
+        peers_local, peers_remote, relays = self._latencies_paid(g - 1, n - g, nodes - 1)
+        t_local = local / bw_n + peers_local * lat_n
+        # flat: each pair's two directions share one connection, as a p2p (sendrecv) row measures them
+        t_flat_remote = np.maximum(remote / bw_s + peers_remote * lat_s,
+                                   self._connection_seconds(nbytes / np.maximum(n, 1), scope))
         bw_halo = np.where(np.asarray(scope) == SCOPES.index("switch"), np.maximum(bw_s, self._nic_affine_Bps()), bw_s)
-        t_halo_remote = np.maximum(remote / bw_halo + (nodes - 1) * lat_s,
-                                   self._connection_seconds(remote / np.maximum(nodes - 1, 1), scope))
-        t_redistribute = remote * (g - 1) / g / bw_n + (g - 1) * lat_n
+        t_halo_remote = np.maximum(remote / bw_halo + relays * lat_s,
+                                   self._one_way_seconds(remote / np.maximum(nodes - 1, 1), scope))
+        t_redistribute = remote * (g - 1) / g / bw_n + peers_local * lat_n
         if self._calibrated("all_to_all", "node"):
             t_local = self._curve("all_to_all", "node", g, nbytes * g / np.maximum(n, 1), t_local, "HALO phase I")
             t_redistribute = self._curve("all_to_all", "node", g, remote, t_redistribute, "HALO phase III")
@@ -133,6 +156,26 @@ class Network:
                 at = np.broadcast_to(scope == i, np.shape(t_halo_remote))
                 t_halo_remote = self._curve("all_to_all", name, n, nbytes, t_halo_remote, "HALO phase II", at)
         return t_local, t_flat_remote, t_halo_remote, t_redistribute
+
+    def _latencies_paid(self, local_peers, remote_peers, relays):
+        """Latencies an exchange pays (local peers, remote peers, relays): one per peer, or one per exchange
+        where the all-to-all posts every message at once (network.a2a_posts_all)."""
+        if not self.platform.network.a2a_posts_all:
+            return local_peers, remote_peers, relays
+        return tuple(np.minimum(np.asarray(k, float), 1.0) for k in (local_peers, remote_peers, relays))
+
+    def relay_copy_seconds(self, n, nodes, nbytes):
+        """HALO's row copies on one rank (``relay_copy_bytes``) at node.relay_copy_GBps; 0 where not priced."""
+        copy_bytes = relay_copy_bytes(n, nodes, nbytes)
+        rate_Bps = self.platform.node.relay_copy_GBps * 1e9
+        return copy_bytes / rate_Bps if rate_Bps > 0 else np.zeros_like(copy_bytes)
+
+    def _one_way_seconds(self, nbytes, scope):
+        """One connection carrying ``nbytes`` one way (HALO's phase II: each direction on its own communicator,
+        runtime/halo.py ``_p2p_group``). A p2p row is a sendrecv, both ways on one connection: on a half-duplex
+        network (network.half_duplex_connections) that moves 2 x its bytes in turn, so one way = the row of b / 2."""
+        nbytes = np.asarray(nbytes, float)
+        return self._connection_seconds(nbytes / 2 if self.platform.network.half_duplex_connections else nbytes, scope)
 
     def _nic_affine_Bps(self) -> float:
         """Per-rank bandwidth when every rank sends over its own NIC: NIC bandwidth / ranks on the busiest NIC."""
@@ -178,7 +221,9 @@ class Network:
         t_local, t_flat_r, t_halo_r, t_redis = self.a2a_phases(n, nodes, nbytes, scope)
         multi = (nodes > 1) & (n > 1)
         flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local)
-        halo_total = np.maximum(t_local, t_halo_r + t_redis)
+        serial = self.platform.node.serial_phases
+        phases = t_local + t_halo_r + t_redis if serial else np.maximum(t_local, t_halo_r + t_redis)
+        halo_total = phases + np.where(multi, self.relay_copy_seconds(n, nodes, nbytes), 0)
         halo = algo == A2A.HALO.code
         total = np.where(multi & halo, halo_total, flat_total)
         total = self._calibrated_a2a(total, algo, n, nbytes, scope, multi)

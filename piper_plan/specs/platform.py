@@ -76,6 +76,12 @@ class NodeSpec(Spec):
     """Per NIC, per direction, GB/s."""
     device_nic: list[int] | None = None
     """NIC index of each local device (Frontier: the two GCDs of a package share a NIC); None = round robin."""
+    relay_copy_GBps: float = Field(default=0.0, ge=0, le=1e6)
+    """Per rank, GB/s of output of HALO's row copies (the gathers before phases I-III and the final reorder,
+    runtime/halo.py) when every rank copies at once; 0 = not priced (cost/comm.py, ``relay_copy_bytes``)."""
+    serial_phases: bool = False
+    """HALO's phase I does not run beside phases II + III: CPU ranks on fewer cores than ranks, where concurrent
+    phases share the same cores (measured: docs/halo-measured.md, phase probe). False: ``max(I, II + III)``."""
     source: str
     """Citation."""
 
@@ -136,6 +142,13 @@ class NetworkSpec(Spec):
     """Per-scope bandwidth/latency: the fallback when calibration data lacks a collective."""
     global_taper: float = Field(default=1.0, gt=0, le=1000)
     """Injection : global-link bandwidth ratio (Frontier ~1.75)."""
+    a2a_posts_all: bool = False
+    """An all-to-all posts every peer's message before it waits for any (gloo's alltoallv): one latency per
+    exchange, not one per peer (cost/comm.py). False: one latency per peer (pairwise exchange)."""
+    half_duplex_connections: bool = False
+    """One connection carries one direction at a time (gloo over TCP, measured: docs/halo-measured.md), so a
+    ``p2p`` calibration row (sendrecv: both ways on one connection) moves its bytes twice over; a one-way
+    transfer of b bytes then costs the p2p row of b / 2 (cost/comm.py ``_one_way_seconds``)."""
     source: str
     """Citation."""
 

@@ -1,0 +1,88 @@
+"""The all-to-all model's gloo / emulated-network terms (cost/comm.py): relay copies, one latency per exchange,
+half-duplex connections. Each term is off by default, so every other platform's prediction stays as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from piper_plan.catalog import catalog_names, load_platform, platforms_dir
+from piper_plan.cost.comm import Network, relay_copy_bytes
+from piper_plan.specs import PlatformSpec
+
+MiB = 2**20
+
+
+def netemu(**changes) -> PlatformSpec:
+    """platforms/netemu.yaml (2 nodes' worth of figures) with the gloo terms switched as given."""
+    data = load_platform("netemu").model_dump()
+    data["node"]["relay_copy_GBps"] = changes.get("relay_copy_GBps", 0.0)
+    data["network"]["a2a_posts_all"] = changes.get("a2a_posts_all", False)
+    data["network"]["half_duplex_connections"] = changes.get("half_duplex", False)
+    data["node"]["serial_phases"] = changes.get("serial_phases", False)
+    return PlatformSpec.model_validate(data)
+
+
+def test_relay_copy_bytes_by_hand():
+    """2 nodes x 2 ranks, S = 1 MiB: phase I rows S/2, phase II rows R = S/2, relay gather R, cat + reorder 2 S:
+    3.5 MiB. 4 nodes x 2: S/4 + 3/4 S + 3/4 S + 2 S = 3.75 MiB."""
+    assert relay_copy_bytes(4, 2, MiB) == pytest.approx(3.5 * MiB)
+    assert relay_copy_bytes(8, 4, MiB) == pytest.approx(3.75 * MiB)
+
+
+def test_relay_copies_add_to_halo_only():
+    """At 1 GB/s per rank the copies add 3.5 MiB / 1e9 s to HALO across nodes; flat and one-node HALO unchanged."""
+    base, copying = Network(netemu()), Network(netemu(relay_copy_GBps=1.0))
+    halo = [sum(net.a2a_seconds(1, 4, 2, 16 * MiB, 1)) for net in (base, copying)]
+    assert halo[1] - halo[0] == pytest.approx(3.5 * 16 * MiB / 1e9)
+    for algo, n, nodes, scope in ((0, 4, 2, 1), (1, 2, 1, 0)):
+        times = [sum(net.a2a_seconds(algo, n, nodes, 16 * MiB, scope)) for net in (base, copying)]
+        assert times[0] == times[1]
+
+
+def test_posting_all_messages_pays_one_latency():
+    """A 4 KiB exchange on 4 nodes x 2 ranks: flat's remote part pays 6 switch latencies when the pairs go one
+    after another, one when every message is posted at once (gloo); HALO's phase II 3, or 1."""
+    per_peer, at_once = Network(netemu()), Network(netemu(a2a_posts_all=True))
+    lat = per_peer.lat[1]
+    bytes_term = 4096 * 6 / 8 / per_peer.bw[1]
+    _, flat_per_peer, _, _ = per_peer.a2a_phases(8, 4, 4096, 1)
+    _, flat_once, _, _ = at_once.a2a_phases(8, 4, 4096, 1)
+    connection = per_peer._connection_seconds(4096 / 8, 1)
+    assert flat_per_peer == pytest.approx(max(bytes_term + 6 * lat, connection))
+    assert flat_once == pytest.approx(max(bytes_term + lat, connection))
+    assert flat_once < flat_per_peer
+
+
+def test_half_duplex_prices_one_way_transfers_at_half_a_sendrecv():
+    """2 nodes x 2 ranks, 16 MiB: HALO's phase II sends R = 8 MiB to one relay. A p2p row (sendrecv) moves the
+    bytes both ways on one connection; on a half-duplex network one way costs the row of R / 2."""
+    full, half = Network(netemu()), Network(netemu(half_duplex=True))
+    remote = 8 * MiB
+    _, _, ii_full, _ = full.a2a_phases(4, 2, 16 * MiB, 1)
+    _, _, ii_half, _ = half.a2a_phases(4, 2, 16 * MiB, 1)
+    link = remote / np.maximum(full.bw[1], full._nic_affine_Bps()) + full.lat[1]
+    assert ii_full == pytest.approx(max(link, full._connection_seconds(remote, 1)))
+    assert ii_half == pytest.approx(max(link, full._connection_seconds(remote / 2, 1)))
+    assert ii_half < ii_full
+    # flat's pairs carry both directions on one connection: a whole sendrecv row either way
+    assert half.a2a_phases(4, 2, 16 * MiB, 1)[1] == full.a2a_phases(4, 2, 16 * MiB, 1)[1]
+
+
+def test_serial_phases_add_phase_one():
+    """Where the ranks' cores are oversubscribed HALO's phase I does not hide behind II + III: the whole exchange
+    is I + II + III instead of max(I, II + III)."""
+    overlapped, serial = Network(netemu()), Network(netemu(serial_phases=True))
+    local, _, remote, redistribute = overlapped.a2a_phases(8, 4, 16 * MiB, 1)
+    assert sum(overlapped.a2a_seconds(1, 8, 4, 16 * MiB, 1)) == pytest.approx(max(local, remote + redistribute))
+    assert sum(serial.a2a_seconds(1, 8, 4, 16 * MiB, 1)) == pytest.approx(local + remote + redistribute)
+    assert sum(serial.a2a_seconds(0, 8, 4, 16 * MiB, 1)) == sum(overlapped.a2a_seconds(0, 8, 4, 16 * MiB, 1))
+
+
+@pytest.mark.parametrize("name", [p for p in catalog_names(platforms_dir()) if p != "netemu"])
+def test_other_platforms_keep_the_terms_off(name):
+    """No shipped platform but the emulated network sets a gloo term: their predictions are as before."""
+    platform = load_platform(name)
+    assert platform.node.relay_copy_GBps == 0
+    assert not platform.network.a2a_posts_all and not platform.network.half_duplex_connections
+    assert not platform.node.serial_phases
