@@ -115,7 +115,8 @@ class PendingExchange:
         """The forward exchange's output and Work; the reverse exchange's (backward)."""
 
     def wait(self) -> torch.Tensor:
-        return _WaitAllToAll.apply(self.out, self)
+        out, self.out = self.out, None  # the handle keeps no tensor of the graph: no cycle through autograd's
+        return _WaitAllToAll.apply(out, self)  # nodes, which would keep unreached nodes' saved tensors alive
 
 
 class ReadyExchange:
@@ -145,15 +146,18 @@ class _StartAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_SD):
         pending = ctx.pending
-        pending.timer.run(pending.grad_work.wait, device=pending.grad_out.device)
-        return pending.grad_out, None, None, None, None
+        grad_RD, work = pending.grad_out, pending.grad_work
+        pending.grad_out = pending.grad_work = None
+        pending.timer.run(work.wait, device=grad_RD.device)
+        return grad_RD, None, None, None, None
 
 
 class _WaitAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out_SD, pending):
         ctx.pending = pending
-        pending.timer.run(pending.work.wait, device=out_SD.device)
+        work, pending.work = pending.work, None
+        pending.timer.run(work.wait, device=out_SD.device)
         return out_SD.view_as(out_SD)
 
     @staticmethod
