@@ -138,13 +138,19 @@ def _compare(plan: dict, per_rank: list[dict], steps: int = STEPS) -> None:
                 want = want[first: first + grad.shape[0]]
             torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} step 0: {m}")
     assert names == set(ref["grads"][0])                         # every parameter, the MTP module's included
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref["grads"][0].values()]))
+    for r in per_rank:   # the global norm counts the last stage's embedding copy once (train.py _norm_dense)
+        assert r["grad_norms"][0] == pytest.approx(float(norm), rel=1e-5)
 
 
-def test_one_rank_mtp_equals_the_reference(world1):
-    """pp 1 through the Trainer (data, loss function, report) on one rank: losses and gradients."""
+@pytest.mark.parametrize("chunk_rows", [None, 8])
+def test_one_rank_mtp_equals_the_reference(world1, chunk_rows):
+    """pp 1 through the Trainer (data, loss function, report) on one rank, 2 modules: losses and gradients; with
+    the chunked loss (8 logit rows at a time, ChunkedLoss as the shared head) too."""
     from workers import train_and_record
 
-    plan = mtp_plan(pp=1, dp=1, ep=1, num_microbatches=2)
+    plan = mtp_plan(2, pp=1, dp=1, ep=1, num_microbatches=2)
+    plan["runtime"]["loss_chunk_rows"] = chunk_rows
     _compare(plan, [train_and_record(plan, 0, 1, STEPS, AUX)])
 
 
@@ -172,7 +178,13 @@ def test_mtp_mesh_equals_the_reference(mesh_runs, name):
     """pp 2 (embedding copy on the last stage, its gradient summed with the first stage's), tp 2 (eh_proj
     column-parallel, norms sequence-parallel), ep 2 (the MTP block's experts over the EP group), zero 3 (the
     module one FSDP2 unit): losses, MTP losses and every gradient equal the single-process reference."""
-    _compare(mtp_plan(**MESH_PLANS[name]), [r[name] for r in mesh_runs])
+    plan = mtp_plan(**MESH_PLANS[name])
+    _compare(plan, [r[name] for r in mesh_runs])
+    cfg = parse_plan_dict(plan, "test plan")
+    if cfg.parallel.zero < 2:      # every rank's parameter bytes = the planner's count for its stage (tp split)
+        counts = memory.rank_param_counts(cfg.model, cfg.parallel)
+        for r in (r[name] for r in mesh_runs):
+            assert r["memory"]["parameters_bytes"] == 4 * counts[r["memory"]["stage"]]["total"]
 
 
 @pytest.mark.distributed
@@ -183,3 +195,36 @@ def test_mtp_checkpoint_resumes_exactly(mesh_runs):
     for r in res:
         assert r["start"] == 2 and r["resumed"] == r["full"]
     assert res[-1]["full"][0] is not None
+
+
+# ---- resharding checkpoints ----------------------------------------------------------------------------------
+RESHARD = {"pp2": dict(pp=2, dp=1, ep=1, num_microbatches=4),          # global batch 4 on every layout
+           "pp1_dp2_ep2": dict(pp=1, dp=2, ep=2, num_microbatches=2),
+           "pp1_tp2": dict(pp=1, dp=1, ep=1, tp=2, num_microbatches=4)}
+
+
+@pytest.fixture(scope="module")
+def reshard_runs(tmp_path_factory):
+    """One 2-rank spawn (tests/runtime/reshard_worker.py): 4 steps at pp 2 saving at step 2 (the embedding saved
+    from both stages under one key, DCP keeping one copy), then resumed at pp 1 x dp 2 x ep 2 and at tp 2."""
+    from reshard_worker import worker
+    from workers import spawn
+
+    tmp = tmp_path_factory.mktemp("mtp_reshard")
+    run_dir = str(tmp / "pp2")
+    jobs = [("train", "train", {"plan": mtp_plan(**RESHARD["pp2"]), "run_dir": run_dir})]
+    jobs += [(name, "resume", {"plan": mtp_plan(**RESHARD[name]), "run_dir": run_dir})
+             for name in ("pp1_dp2_ep2", "pp1_tp2")]
+    return spawn(2, jobs, tmp, target=worker)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["pp1_dp2_ep2", "pp1_tp2"])
+def test_mtp_checkpoint_reshards_from_pp2(reshard_runs, layout):
+    """Steps 3-4 resumed under another layout equal the uninterrupted pp 2 run (other layouts sum in another
+    order: 1e-5)."""
+    want = [r["train"]["losses"][2:] for r in reshard_runs if r["train"]["losses"][0] is not None]
+    got = [r[layout]["losses"] for r in reshard_runs if r[layout]["losses"] and r[layout]["losses"][0] is not None]
+    assert want and got and all(r[layout]["start"] == 2 for r in reshard_runs)
+    for losses in got:
+        assert losses == pytest.approx(want[0], rel=1e-5)
