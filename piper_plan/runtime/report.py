@@ -2,7 +2,7 @@
 (no object pickling each step) and the host reads them once, after the step.
 
 Layout: the fields of ``FIELDS``, then the expert-token counts of every MoE layer of the model (layer order,
-E per layer; zero for the layers this rank does not hold). Counts and byte figures are integers below 2^53,
+E per layer; zero for the layers this rank does not hold; the MTP modules' MoE blocks last). Counts and byte figures are integers below 2^53,
 exact in float64. The stop flag (a signal asked the run to stop) rides along, so no second collective is needed.
 """
 
@@ -12,8 +12,8 @@ import math
 
 import torch
 
-FIELDS = ("loss", "mtp_loss", "seconds", "a2a", "p2p", "dp_sync", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
-          "activations_bytes", "total_bytes", "stage", "dp_index", "stop")
+FIELDS = ("loss", "mtp_loss", "seconds", "a2a", "p2p", "dp_sync", "parameters_bytes", "gradients_bytes",
+          "optimizer_bytes", "activations_bytes", "total_bytes", "stage", "dp_index", "stop")
 _MEMORY = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
 _TIMES = ("a2a", "p2p", "dp_sync")
 
