@@ -46,7 +46,7 @@ class MemmapTokens:
 
     def __init__(self, path: str | Path, vocab_size: int, seq_len: int, extra: int = 0) -> None:
         self.path, self.seq_len, self.extra = Path(path), seq_len, extra
-        self.tokens = open_token_file(self.path, vocab_size, seq_len + extra)
+        self.tokens = open_token_file(self.path, vocab_size, seq_len, extra)
 
     def batch(self, step: int, num_sequences: int) -> torch.Tensor:
         """[num_sequences, seq_len + 1 + extra] (``extra`` tokens more per sequence, the starts unchanged)."""
@@ -57,17 +57,18 @@ class MemmapTokens:
         return torch.from_numpy(np.stack(rows))
 
 
-def open_token_file(path: Path, vocab_size: int, seq_len: int) -> np.memmap:
-    """Open and check a token file; every problem is one PiperError naming the file."""
+def open_token_file(path: Path, vocab_size: int, seq_len: int, extra: int = 0) -> np.memmap:
+    """Open and check a token file (sequences of seq_len + 1 + ``extra`` tokens); every problem is one PiperError
+    naming the file."""
     dtype = token_dtype(vocab_size)
     try:
         tokens = np.memmap(path, dtype=dtype, mode="r")
     except (OSError, ValueError) as exc:
         raise PiperError(f"cannot read token file ({exc.__class__.__name__}: {exc}); expected a flat "
                          f"{np.dtype(dtype).name} .bin", path=str(path), field="runtime.data") from None
-    if len(tokens) < seq_len + 1:
-        raise PiperError(f"holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}",
-                         path=str(path), field="runtime.data")
+    if len(tokens) < seq_len + 1 + extra:
+        need = f"seq_len + 1 = {seq_len + 1}" if not extra else f"seq_len + 1 + mtp_layers = {seq_len + 1 + extra}"
+        raise PiperError(f"holds {len(tokens)} tokens, fewer than {need}", path=str(path), field="runtime.data")
     return tokens
 
 

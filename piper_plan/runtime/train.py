@@ -74,7 +74,7 @@ def preflight(cfg, world: int, cuda_available: bool) -> None:
     if cfg.runtime.data:
         from piper_plan.runtime.data import open_token_file
 
-        open_token_file(Path(cfg.runtime.data), cfg.model.vocab_size, cfg.training.seq_len + cfg.model.mtp_layers)
+        open_token_file(Path(cfg.runtime.data), cfg.model.vocab_size, cfg.training.seq_len, cfg.model.mtp_layers)
 
 
 # ---- the trainer ------------------------------------------------------------------------------

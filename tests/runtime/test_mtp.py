@@ -116,6 +116,23 @@ def test_lambda_zero_main_loss_equals_the_model_without_mtp():
     assert 0 < weighted["mtp_losses"][0] < 2 * weighted["losses"][0]
 
 
+def test_mtp_bad_input_is_one_line(tmp_path):
+    """A negative lambda (plan.json or --mtp-loss-weight) and a token file shorter than seq_len + 1 + mtp_layers:
+    one PiperError each, naming the field."""
+    from piper_plan.errors import PiperError
+    from piper_plan.runtime.data import open_token_file
+    from piper_plan.runtime.train import with_runtime
+
+    cfg = parse_plan_dict(mtp_plan(pp=1, dp=1, ep=1), "mtp plan")
+    with pytest.raises(PiperError, match="mtp_loss_weight"):
+        with_runtime(cfg, mtp_loss_weight=-0.1)
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(bytes(2 * 17))                              # 17 uint16 tokens: enough for seq 16 without MTP
+    open_token_file(path, 512, 16)
+    with pytest.raises(PiperError, match=r"fewer than seq_len \+ 1 \+ mtp_layers = 18"):
+        open_token_file(path, 512, 16, 1)
+
+
 def _compare(plan: dict, per_rank: list[dict], steps: int = STEPS) -> None:
     """Losses of every step (next-token and MTP) within 1e-5; step 0's gradients within fp32 reduction-order noise.
     Later steps' gradients are not compared: after AdamW's first step (every weight moved by about lr, whatever the
@@ -159,7 +176,8 @@ def test_one_rank_mtp_equals_the_reference(world1):
 MIGRATION = {"enabled": True, "threshold": 1.0, "interval": 2, "max_iters": 4}
 """Experts migrate at the step-2 boundary, before the checkpoint (the MTP block's MoE layer among the others)."""
 MESH_PLANS = {"pp2_dp2_ep2": dict(pp=2, dp=2, ep=2, num_microbatches=2),
-              "pp1_dp2_tp2_ep2": dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2),
+              "pp1_dp2_tp2_ep2_zero1": dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1),
+              "pp2_tp2_ep2": dict(pp=2, dp=1, ep=2, tp=2, num_microbatches=2),
               "pp2_dp2_ep2_zero3": dict(pp=2, dp=2, ep=2, num_microbatches=2, zero=3)}
 INTERLEAVED = dict(pp=2, dp=1, ep=1, num_microbatches=2, schedule="interleaved")
 """4 chunks of 1 layer on 2 ranks, the module in the last. dp 1 and edp 1: with a reduction group of 2 (dp 2, or
@@ -191,8 +209,9 @@ def mesh_runs(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(MESH_PLANS))
 def test_mtp_mesh_equals_the_reference(mesh_runs, name):
     """pp 2 (embedding copy on the last stage, its gradient summed with the first stage's), tp 2 (eh_proj
-    column-parallel, norms sequence-parallel), ep 2 (the MTP block's experts over the EP group), zero 3 (the
-    module one FSDP2 unit): losses, MTP losses and every gradient equal the single-process reference."""
+    column-parallel, norms sequence-parallel; with ZeRO-1 over the tp shards, and at pp 2 with the copy
+    vocabulary-parallel), ep 2 (the MTP block's experts over the EP group), zero 3 (the module one FSDP2 unit):
+    losses, MTP losses and every gradient equal the single-process reference."""
     plan = mesh_plan(name)
     _compare(plan, [r[name] for r in mesh_runs])
     cfg = parse_plan_dict(plan, "test plan")
