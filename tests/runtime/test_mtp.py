@@ -178,6 +178,7 @@ MIGRATION = {"enabled": True, "threshold": 1.0, "interval": 2, "max_iters": 4}
 MESH_PLANS = {"pp2_dp2_ep2": dict(pp=2, dp=2, ep=2, num_microbatches=2),
               "pp1_dp2_tp2_ep2_zero1": dict(pp=1, dp=2, ep=2, tp=2, num_microbatches=2, zero=1),
               "pp2_tp2_ep2": dict(pp=2, dp=1, ep=2, tp=2, num_microbatches=2),
+              "pp4": dict(pp=4, dp=1, ep=1, num_microbatches=4),     # the copy's group: stages 0 and 3 only
               "pp2_dp2_ep2_zero3": dict(pp=2, dp=2, ep=2, num_microbatches=2, zero=3)}
 INTERLEAVED = dict(pp=2, dp=1, ep=1, num_microbatches=2, schedule="interleaved")
 """4 chunks of 1 layer on 2 ranks, the module in the last. dp 1 and edp 1: with a reduction group of 2 (dp 2, or
@@ -208,7 +209,7 @@ def mesh_runs(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(MESH_PLANS))
 def test_mtp_mesh_equals_the_reference(mesh_runs, name):
-    """pp 2 (embedding copy on the last stage, its gradient summed with the first stage's), tp 2 (eh_proj
+    """pp 2 and 4 (embedding copy on the last stage, its gradient summed with the first stage's), tp 2 (eh_proj
     column-parallel, norms sequence-parallel; with ZeRO-1 over the tp shards, and at pp 2 with the copy
     vocabulary-parallel), ep 2 (the MTP block's experts over the EP group), zero 3 (the module one FSDP2 unit):
     losses, MTP losses and every gradient equal the single-process reference."""
