@@ -7,7 +7,8 @@ stages, recompute, zero and a2a are kept, and the model is cut by ``runtime.mode
 64, <= 8 experts); the shrunk plans run on this machine's CPU platform (platforms/local-cpu.yaml, fp32, gloo),
 all layouts of one world size in one torchrun (one process group, one Trainer per layout).
 
-DeepSeek-V3 is planned without its MTP module (``MTP_LAYERS``).
+DeepSeek-V3 is planned, launched and trained with its MTP module (the catalog's ``mtp_layers``: 1; the shrunk
+model keeps it).
 
 Run: ``python benchmarks/top_plans_run.py [--out DIR] [--top 10] [--cases mixtral,deepseek,qwen]``.
 Prints one row per ranked plan, then one per shrunk layout (3 losses, or why the runtime refused it).
@@ -28,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 CASES = {"mixtral": ("mixtral-8x7b", "frontier", 8), "deepseek": ("deepseek-v3", "frontier", 128),
          "qwen": ("qwen3-235b-a22b", "dgx-h100", 32)}
-MTP_LAYERS = {"deepseek": 0}
-"""MTP modules trained per case (``piper plan --mtp-layers``; default: all the model defines). DeepSeek-V3 is
-planned without its MTP module: piper's runtime builds none (capability.py), so with it no plan would launch."""
+MTP_LAYERS: dict[str, int] = {}
+"""MTP modules trained per case (``piper plan --mtp-layers``; absent: all the model defines, DeepSeek-V3's one
+included: the runtime builds it, runtime/model.py MTPModule)."""
 SHRUNK_PLATFORM = "local-cpu"
 STEPS = 3
 
@@ -87,7 +88,7 @@ def shrunk_plan_file(key: tuple, model, path: Path) -> Path:
                         virtual_stages=virtual_stages, recompute=recompute, zero=zero, a2a=a2a)
     training = TrainingSpec(seq_len=32, global_batch=dp * micro, dtype="fp32", weight_bytes=4, grad_bytes=4,
                             master_bytes=0)
-    small = shrink_spec(model, num_layers=4)
+    small = shrink_spec(model, num_layers=4, mtp_layers=None)
     nodes = max(1, plan.world // platform.devices_per_node)
     runtime = RuntimeBlock(steps=STEPS, lr_schedule="constant", warmup_steps=0)
     return write_plan_file(path, small, platform, training, nodes, plan, "compact", None, runtime=runtime)

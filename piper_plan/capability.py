@@ -27,9 +27,9 @@ allow (runtime/tensor_parallel.py, always with sequence parallelism; MLA splits 
 q_a, kv_a and their norms whole), with zero 0-3 (zero 1: runtime/optim.py). Not run: expert tensor parallelism
 (etp > 1: out of the default search, benchmarks/etp_value.py), a capacity factor (the runtime is dropless), tied
 embeddings over more than one model chunk, 0 or 1 norms per layer, 3 norms per layer without Arctic's residual
-MLP in every layer, sliding-window attention, fp16 / fp8 / mxfp8, multi-token-prediction modules (mtp_layers > 0:
-the planner prices them, the runtime builds none), context parallelism (cp > 1), and the ``_tp_problems``
-below."""
+MLP in every layer, sliding-window attention, fp16 / fp8 / mxfp8, context parallelism (cp > 1), and the
+``_tp_problems`` below. Multi-token-prediction modules (mtp_layers > 0) are built on the last stage
+(runtime/model.py MTPModule, the loss runtime/pipeline.py MTPLoss) with every pp, tp, ep and zero above."""
 
 
 def _plan_problems(plan) -> list[str]:
@@ -78,9 +78,6 @@ def _model_problems(model, plan) -> list[str]:
         out.append("vocab_size=null (runtime needs a vocabulary)")
     if model.moe is not None and model.moe.capacity_factor is not None:
         out.append(f"moe.capacity_factor={model.moe.capacity_factor} (runtime is dropless)")
-    if model.mtp_layers:
-        out.append(f"mtp_layers={model.mtp_layers} (the runtime builds no multi-token-prediction module; "
-                   "train without it: --mtp-layers 0)")
     return out
 
 
@@ -97,6 +94,9 @@ def _tp_problems(model, plan, training) -> list[str]:
         out.append(f"attention.qk_norm='full' with tp={tp} (a norm over all heads is not split)")
     if model.tie_embeddings and not model.norm.final:
         out.append(f"tie_embeddings=true without a final norm with tp={tp}")
+    if model.mtp_layers and (model.tie_embeddings or model.learned_position_embeddings):
+        out.append(f"mtp_layers={model.mtp_layers} with tie_embeddings or learned positions and tp={tp} (the MTP "
+                   "modules read the sequence-sharded hidden states of an untied head)")
     sizes = {"vocab_size": model.vocab_size or 0}
     if training is not None:
         sizes["training.seq_len"] = training.seq_len

@@ -91,6 +91,10 @@ class RuntimeBlock(Spec):
     """Clip the global gradient norm (every rank's gradients together) to this; None = no clipping."""
     aux_loss_coeff: NonNegativeFloat = 0.01
     """Switch balance-loss coefficient (0 = off)."""
+    mtp_loss_weight: NonNegativeFloat = 0.1
+    """lambda, the weight of the multi-token-prediction loss (the mean over the model's MTP modules) added to the
+    next-token loss (runtime/pipeline.py MTPLoss). 0.1: Megatron-Core's ``mtp_loss_scaling_factor`` default and
+    DeepSeek-V3's value for its last 4.8T tokens (0.3 for the first 10T; report sec. 4.2). Unused without MTP."""
     loss_chunk_rows: PositiveInt | None = PIPER_RUNTIME_OPTIONS.loss_chunk_rows
     """Logit rows (tokens) the LM loss computes at once: a micro-batch with more is split into chunks whose
     fp32 logits exist one at a time (runtime/pipeline.py ChunkedLoss); None = the whole micro-batch at once."""

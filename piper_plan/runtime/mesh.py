@@ -78,6 +78,23 @@ class Mesh:
     def is_last_stage(self) -> bool:
         return self.me.pp_index == self.pp - 1
 
+    def first_last_group(self):
+        """The process group of this rank's (dp, tp) position on the first and the last stage (pp > 1; the MTP
+        modules' embedding copy, train.py): the pp group where pp = 2, else one ``new_group`` per position, every
+        rank creating all of them in the same order (DeviceMesh has no view of two non-adjacent pp indices).
+        None on the stages between."""
+        import torch.distributed as dist
+
+        if self.pp == 2:
+            return self.pp_group
+        block = self.dp * self.tp
+        mine = None
+        for position in range(block):
+            group = dist.new_group([position, (self.pp - 1) * block + position])
+            if self.me.rank % block == position and self.me.pp_index in (0, self.pp - 1):
+                mine = group
+        return mine
+
     def submesh(self, name: str):
         """The 1-D DeviceMesh of one dimension: "pp", "dp", "tp" (dense) or "ep", "edp" (experts)."""
         return self.expert_mesh[name] if name in ("ep", "edp") else self.device_mesh[name]

@@ -25,6 +25,13 @@ What each spec feature builds (reference module in brackets):
   different input can reach it); with 2 or 4 norms it reads the MoE's input and adds to its output.
 Recompute (torch.utils.checkpoint, non-reentrant): full = each whole layer, selective = the attention core
 (softmax(q k^T) v, Megatron-LM's selective recomputation, Korthikanti et al. 2022).
+Multi-token prediction (mtp_layers > 0) [DeepSeek-V3 report sec. 2.2; Megatron-Core multi_token_prediction.py]:
+module k (``mtp.<num_layers + k>``, as the Hugging Face DeepSeek-V3 checkpoint names it ``layers.61``) on the last
+stage: eh_proj([hnorm(h); enorm(Emb(tokens shifted by k + 1))]) (2d -> d, no bias), one Block shaped like the
+model's last layer, its own final norm; h is the main model's final (normed) hidden state for k = 0, module
+k - 1's output after. The embedding and LM head are the main model's: at pp > 1 the last stage holds a copy of
+the embedding under the same name (``embed``), initialised alike and its gradient summed with the first stage's
+(train.py), as Megatron-Core keeps it. The loss over the modules is runtime/pipeline.py MTPLoss.
 """
 
 from __future__ import annotations
@@ -191,7 +198,8 @@ def build_attention(spec, selective: bool = False) -> nn.Module:
 class Block(nn.Module):
     """One transformer layer; the norm layout follows norm.per_layer and parallel_attn_mlp (module docstring)."""
 
-    def __init__(self, spec, layer: int, moe_kwargs: dict, recompute: str = "none") -> None:
+    def __init__(self, spec, layer: int, moe_kwargs: dict, recompute: str = "none", is_moe: bool | None = None) -> None:
+        """is_moe: None = the spec's layer pattern at ``layer`` (an MTP block passes spec.mtp_is_moe)."""
         super().__init__()
         d, per = spec.hidden_size, spec.norm.per_layer
         self.per_layer, self.parallel = per, spec.parallel_attn_mlp
@@ -199,7 +207,7 @@ class Block(nn.Module):
         self.norm3 = make_norm(spec.norm, d) if per >= 3 else None
         self.norm4 = make_norm(spec.norm, d) if per >= 4 else None
         self.attn = build_attention(spec, selective=recompute == "selective")
-        self.is_moe = spec.is_moe_layer(layer)
+        self.is_moe = spec.is_moe_layer(layer) if is_moe is None else is_moe
         self.mlp, self.residual_mlp = self._mlp(spec, moe_kwargs)
         self.full_recompute = recompute == "full"
 
@@ -256,6 +264,23 @@ class _KeepCounters:
         return False
 
 
+class MTPModule(nn.Module):
+    """One multi-token-prediction depth (module docstring): hidden [B, S, D] of the depth before and the embedding of
+    the tokens it is to see next [B, S, D] -> its normed hidden state [B, S, D] for the shared LM head."""
+
+    def __init__(self, spec, layer: int, moe_kwargs: dict, recompute: str = "none") -> None:
+        super().__init__()
+        d = spec.hidden_size
+        self.hnorm, self.enorm = make_norm(spec.norm, d), make_norm(spec.norm, d)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = Block(spec, layer, moe_kwargs, recompute, is_moe=spec.mtp_is_moe)
+        self.final_norm = make_norm(spec.norm, d)
+
+    def forward(self, h_BSD, emb_BSD):
+        x_BSD = self.eh_proj(torch.cat((self.hnorm(h_BSD), self.enorm(emb_BSD)), -1))
+        return self.final_norm(self.block(x_BSD))
+
+
 class StageModel(nn.Module):
     """The layers [first_layer, first_layer + num_layers) of the model (+ embedding on the first stage,
     + final norm and LM head on the last). Input: tokens [B, S] (first) or hidden [B, S, D]; output: hidden
@@ -268,16 +293,20 @@ class StageModel(nn.Module):
         self.spec, self.first_layer = spec, first_layer
         self.is_first, self.is_last = first_layer == 0, first_layer + num_layers == spec.num_layers
         d = spec.hidden_size
-        self.embed = nn.Embedding(spec.vocab_size, d) if self.is_first else None
+        mtp = spec.mtp_layers if self.is_last else 0
+        self.embed = nn.Embedding(spec.vocab_size, d) if self.is_first or mtp else None
         self.pos = nn.Embedding(spec.max_seq_len, d) if self.is_first and spec.learned_position_embeddings else None
         self.layers = nn.ModuleDict({str(i): Block(spec, i, moe_kwargs or {}, recompute)
                                      for i in range(first_layer, first_layer + num_layers)})
         self.final_norm = make_norm(spec.norm, d) if self.is_last and spec.norm.final else None
         tied = spec.tie_embeddings and self.is_first
         self.lm_head = nn.Linear(d, spec.vocab_size, bias=False) if self.is_last and not tied else None
-        self.return_hidden = False
+        self.mtp = nn.ModuleDict({str(spec.num_layers + k): MTPModule(spec, spec.num_layers + k, moe_kwargs or {},
+                                                                      recompute) for k in range(mtp)})
+        """The MTP modules (last stage), run by the loss (pipeline.MTPLoss) on this stage's final hidden states."""
+        self.return_hidden = bool(mtp)
         """Last stage: return the final hidden states; the loss applies ``logits`` to them chunk by chunk
-        (pipeline.ChunkedLoss: no fp32 logits of the whole micro-batch)."""
+        (pipeline.ChunkedLoss: no fp32 logits of the whole micro-batch) or runs the MTP modules on them."""
 
     def forward(self, x):
         if self.is_first:
@@ -298,7 +327,14 @@ class StageModel(nn.Module):
         return logits.float()
 
     def moe_layers(self) -> dict[int, MoE]:
-        return {int(i): b.mlp for i, b in self.layers.items() if b.is_moe}
+        """MoE blocks by global layer index; an MTP module's at num_layers + k."""
+        blocks = {**self.layers, **{i: m.block for i, m in self.mtp.items()}}
+        return {int(i): b.mlp for i, b in blocks.items() if b.is_moe}
+
+    def blocks(self) -> dict[str, Block]:
+        """Every transformer block by FQN prefix (``layers.<i>``, ``mtp.<i>.block``)."""
+        return {**{f"layers.{i}": b for i, b in self.layers.items()},
+                **{f"mtp.{i}.block": m.block for i, m in self.mtp.items()}}
 
 
 class VirtualStages(nn.Module):
@@ -411,13 +447,14 @@ def init_stage(model: StageModel, seed: int) -> None:
         return
     std_out = 0.02 / math.sqrt(2 * model.spec.num_layers)
     for name, p in model.named_parameters():
-        if not name.startswith("layers."):  # embedding, positions, final norm, LM head: one stream each
+        if not name.startswith(("layers.", "mtp.")):  # embedding (and its MTP copy), positions, final norm, LM head
             _fill(p, name, _generator(seed, -1, zlib.crc32(name.encode())), 0.02)
-    for idx, block in model.layers.items():
+    for idx, layer in {**model.layers, **model.mtp}.items():   # an MTP module: one stream, as a layer's
         gen = _generator(seed, int(idx))
-        for name, p in block.named_parameters():
+        for name, p in layer.named_parameters():
             if ".experts." not in f".{name}":
                 _fill(p, name, gen, std_out)
+        block = layer.block if isinstance(layer, MTPModule) else layer
         if block.is_moe:
             _init_experts(block.mlp, seed, int(idx), std_out)
 
@@ -446,13 +483,14 @@ def _shrunk_heads(a, hidden_size: int) -> dict:
 
 
 def shrink_spec(spec, hidden_size: int = 64, num_layers: int | None = 4, num_experts: int | None = None,
-                vocab_size: int = 512, ffn_size: int = 128):
+                vocab_size: int = 512, ffn_size: int = 128, mtp_layers: int | None = 0):
     """A reduced-width/-depth copy of a catalog spec (same structure: attention kind and options, norms,
-    gating, biases, shared experts and their gate, dense/MoE pattern, ties, positions) for CPU tests. MTP modules
-    are dropped (mtp_layers 0, as ``--mtp-layers 0``): the runtime builds none (capability.py)."""
+    gating, biases, shared experts and their gate, dense/MoE pattern, ties, positions) for CPU tests; MTP modules
+    dropped unless ``mtp_layers`` says how many to keep (None: the spec's)."""
     attn = spec.attention.model_copy(update=_shrunk_heads(spec.attention, hidden_size))
     upd = {"hidden_size": hidden_size, "num_layers": num_layers or spec.num_layers, "vocab_size": vocab_size,
-           "attention": attn, "max_seq_len": min(spec.max_seq_len or 1024, 1024), "mtp_layers": 0}
+           "attention": attn, "max_seq_len": min(spec.max_seq_len or 1024, 1024),
+           "mtp_layers": spec.mtp_layers if mtp_layers is None else mtp_layers}
     if spec.dense_ffn is not None:
         upd["dense_ffn"] = spec.dense_ffn.model_copy(update={"intermediate_size": ffn_size})
     if spec.moe is not None:

@@ -49,14 +49,56 @@ class ChunkedLoss:
         return local_tensor(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y_Bc.reshape(-1), reduction="sum"))
 
 
-def loss_function(module, rows: int, chunk_rows: int | None, tp: int):
+class HeadLoss:
+    """lm_loss of the LM head's logits of final hidden states (the whole micro-batch at once)."""
+
+    def __init__(self, stage) -> None:
+        self.stage = stage
+
+    def __call__(self, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.stage.logits(h_BSD), targets_BS)
+
+
+class MTPLoss:
+    """DeepSeek-V3's training objective (report sec. 2.2, eq. 21-25): the next-token loss plus ``weight`` times the
+    mean over the D MTP modules of their cross entropies, module k (0-based) predicting the token k + 2 ahead.
+    Runs the last stage's MTP modules (model.MTPModule) on its final hidden states ``h_BSD``; ``targets_BT``
+    holds the S next tokens and D more (data.dp_slice with ``extra`` = D): module k embeds targets[:, k : S + k]
+    (the tokens shifted by k + 1) with the shared embedding and is scored on targets[:, k + 1 : S + k + 1], both
+    through ``head_loss`` (HeadLoss or ChunkedLoss: the shared LM head). ``parts`` keeps each micro-batch's
+    (main loss, MTP mean) detached, for the report."""
+
+    def __init__(self, stage, head_loss, weight: float) -> None:
+        self.stage, self.head_loss, self.weight = stage, head_loss, weight
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, h_BSD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        modules = list(self.stage.mtp.values())
+        S = targets_BT.shape[1] - len(modules)
+        main = self.head_loss(h_BSD, targets_BT[:, :S])
+        mtp = 0.0
+        for k, module in enumerate(modules):
+            h_BSD = module(h_BSD, self.stage.embed(targets_BT[:, k: S + k]))
+            mtp = mtp + self.head_loss(h_BSD, targets_BT[:, k + 1: S + k + 1])
+        mtp = mtp / len(modules)
+        self.parts.append((main.detach(), mtp.detach()))
+        return main + self.weight * mtp
+
+
+def loss_function(module, rows: int, chunk_rows: int | None, tp: int, mtp_weight: float = 0.0):
     """The LM loss of this rank's module (micro-batches of ``rows`` tokens): ChunkedLoss where a micro-batch has
-    more rows than ``chunk_rows`` (its last stage then returns hidden states), else lm_loss on whole logits."""
+    more rows than ``chunk_rows`` (its last stage then returns hidden states), else lm_loss on whole logits;
+    MTPLoss around either where the last stage holds MTP modules (weight ``mtp_weight``)."""
     last = module.chunks[-1] if hasattr(module, "chunks") else module
-    if chunk_rows is None or rows <= chunk_rows or not last.is_last:
+    if not last.is_last:
         return lm_loss
-    last.return_hidden = True
-    return ChunkedLoss(last, chunk_rows, tp if last.lm_head is not None else 1)
+    chunked = chunk_rows is not None and rows > chunk_rows
+    if chunked:
+        last.return_hidden = True
+        head = ChunkedLoss(last, chunk_rows, tp if last.lm_head is not None else 1)
+    else:
+        head = HeadLoss(last) if len(last.mtp) else lm_loss
+    return MTPLoss(last, head, mtp_weight) if len(last.mtp) else head
 
 
 def build_schedule(module, pp_index: int, pp: int, pp_group, schedule: str, num_microbatches: int, device,

@@ -2,7 +2,7 @@
 (no object pickling each step) and the host reads them once, after the step.
 
 Layout: the fields of ``FIELDS``, then the expert-token counts of every MoE layer of the model (layer order,
-E per layer; zero for the layers this rank does not hold). Counts and byte figures are integers below 2^53,
+E per layer; zero for the layers this rank does not hold; the MTP modules' MoE blocks last). Counts and byte figures are integers below 2^53,
 exact in float64. The stop flag (a signal asked the run to stop) rides along, so no second collective is needed.
 """
 
@@ -12,22 +12,29 @@ import math
 
 import torch
 
-FIELDS = ("loss", "seconds", "a2a", "p2p", "dp_sync", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
-          "activations_bytes", "total_bytes", "stage", "dp_index", "stop")
+FIELDS = ("loss", "mtp_loss", "seconds", "a2a", "p2p", "dp_sync", "parameters_bytes", "gradients_bytes",
+          "optimizer_bytes", "activations_bytes", "total_bytes", "stage", "dp_index", "stop")
 _MEMORY = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
 _TIMES = ("a2a", "p2p", "dp_sync")
 
 
+_LOSSES = ("loss", "mtp_loss")
+
+
 def moe_layer_ids(spec) -> list[int]:
-    return [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+    """The MoE layers, then the MTP modules' MoE blocks (num_layers + k: runtime/model.py)."""
+    mtp = [spec.num_layers + k for k in range(spec.mtp_layers)] if spec.mtp_is_moe else []
+    return [i for i in range(spec.num_layers) if spec.is_moe_layer(i)] + mtp
 
 
-def encode(spec, values: dict, loss: torch.Tensor | None, expert_tokens: dict, device) -> torch.Tensor:
-    """This rank's report: ``values`` holds every field of FIELDS but loss (host numbers); ``loss`` stays a
-    device tensor (None: not the last stage); ``expert_tokens`` maps layer -> int64 [E] device counters."""
-    head = torch.tensor([math.nan] + [float(values[k]) for k in FIELDS[1:]], dtype=torch.float64, device=device)
-    if loss is not None:
-        head[0] = loss.to(torch.float64)
+def encode(spec, values: dict, losses: dict, expert_tokens: dict, device) -> torch.Tensor:
+    """This rank's report: ``values`` holds every field of FIELDS but the losses (host numbers); ``losses`` maps
+    "loss" (and "mtp_loss" with MTP modules) to device tensors (none off the last stage); ``expert_tokens`` maps
+    layer -> int64 [E] device counters."""
+    head = torch.tensor([math.nan] * len(_LOSSES) + [float(values[k]) for k in FIELDS[len(_LOSSES):]],
+                        dtype=torch.float64, device=device)
+    for name, value in losses.items():
+        head[FIELDS.index(name)] = value.to(torch.float64)
     experts = spec.moe.num_experts if spec.moe else 0
     tokens = torch.zeros(len(moe_layer_ids(spec)), experts, dtype=torch.float64, device=device)
     for row, layer in enumerate(moe_layer_ids(spec)):
@@ -44,7 +51,7 @@ def decode(spec, row: list[float], rank: int, memory_source: str) -> dict:
     tokens = {layer: [int(c) for c in row[len(FIELDS) + i * experts: len(FIELDS) + (i + 1) * experts]]
               for i, layer in enumerate(moe_layer_ids(spec))}
     return {"rank": rank, "stage": stage, "dp_index": int(head["dp_index"]),
-            "loss": None if math.isnan(head["loss"]) else head["loss"], "seconds": head["seconds"],
+            **{k: None if math.isnan(head[k]) else head[k] for k in _LOSSES}, "seconds": head["seconds"],
             "memory": {"stage": stage, **{k: int(head[k]) for k in _MEMORY}, "source": memory_source},
             "time_s": {k: head[k] for k in _TIMES}, "expert_tokens": tokens, "migration": None,
             "stop": bool(head["stop"])}

@@ -8,7 +8,8 @@ Per pipeline stage (each model chunk of an interleaved rank is its own root):
   edp and divided by dp (each expert rank already holds its EP group's tokens): ``set_gradient_divide_factor(dp)``
   with ``set_force_sum_reduction_for_comms`` (gloo has no PREMUL_SUM);
 - then each Block over ``dp`` (its dense weights: attention, norms, router, shared experts, dense MLP), or HSDP's
-  2-D (dp_replicate, dp_shard) mesh when ``plan.dp_replicate`` > 1 (``dense_mesh``);
+  2-D (dp_replicate, dp_shard) mesh when ``plan.dp_replicate`` > 1 (``dense_mesh``); an MTP module (its norms,
+  eh_proj and block) as one unit, like a Block;
 - then the stage root (embedding, final norm, LM head) over ``dp``, ``reshard_after_forward=False`` (its weights
   are the first ones backward needs).
 
@@ -56,10 +57,11 @@ def shard_stage_module(module: nn.Module, mesh, plan, dtype: str) -> nn.Module:
     per_block = plan.zero == 3
     dp_mesh = dense_mesh(mesh, plan)
     for stage in stage_roots(module):
-        for block in stage.layers.values():
+        for block in stage.blocks().values():
             if block.is_moe:
                 _shard_experts(block.mlp.experts, mesh, plan, policy, per_block)
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=per_block, mp_policy=policy)
+        for unit in (*stage.layers.values(), *stage.mtp.values()):
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=per_block, mp_policy=policy)
         fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     return module
 

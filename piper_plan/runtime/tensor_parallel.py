@@ -23,6 +23,9 @@ What is split (one function per block kind):
 - final norm sequence-parallel; LM head column-parallel with DTensor logits sharded on the vocabulary, whose
   cross entropy runs under ``loss_parallel`` (no full-vocabulary gather); a tied head uses the embedding's
   vocabulary shard the same way.
+- MTP modules (last stage): the embedding's copy (pp > 1) vocabulary-parallel as on the first stage; hnorm, enorm
+  and the final norm sequence-parallel; eh_proj column-parallel, its output redistributed to the sequence shard
+  (Megatron-Core: ColumnParallelLinear, gather, scatter to the sequence-parallel region); the block as a layer's.
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def ends_plan(stage) -> dict:
                                                    SequenceParallel)
 
     plan = {}
+    if stage.embed is not None and not stage.is_first:   # the MTP modules' copy on the last stage
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=_seq())
     if stage.is_first and stage.pos is None:
         plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=_seq())
     elif stage.is_first:  # positions are added to the whole sequence, then it is split at the first block
@@ -128,6 +133,16 @@ def ends_plan(stage) -> dict:
         plan["final_norm"] = SequenceParallel(use_local_output=stage.lm_head is not None)
     if stage.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=_seq(), use_local_output=False)
+    return plan
+
+
+def mtp_plan(prefix: str, module) -> dict:
+    """One MTP module (model.MTPModule) on the sequence-sharded residual stream."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    plan = {f"{prefix}.{name}": SequenceParallel(use_local_output=True) for name in ("hnorm", "enorm", "final_norm")}
+    plan[f"{prefix}.eh_proj"] = ColwiseParallel(input_layouts=_seq(), output_layouts=_seq())
+    plan.update(block_plan(f"{prefix}.block", module.block))
     return plan
 
 
@@ -147,7 +162,7 @@ def _replicate_mla_latents(stage, tp_mesh) -> None:
     """MLA's down-projections and their norms: replicated DTensors (they read the gathered sequence)."""
     from torch.distributed.tensor import distribute_module
 
-    for block in stage.layers.values():
+    for block in stage.blocks().values():
         for name in ("q_a", "q_a_norm", "kv_a", "kv_a_norm"):
             if hasattr(block.attn, name):
                 distribute_module(getattr(block.attn, name), tp_mesh)
@@ -156,7 +171,7 @@ def _replicate_mla_latents(stage, tp_mesh) -> None:
 def _shard_sinks(stage, tp_mesh) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    for block in stage.layers.values():
+    for block in stage.blocks().values():
         if getattr(block.attn, "sinks", None) is not None:
             block.attn.sinks = torch.nn.Parameter(distribute_tensor(block.attn.sinks.data, tp_mesh, [Shard(0)]))
 
@@ -168,6 +183,8 @@ def parallelize_stage(stage, tp_mesh) -> None:
     plan = ends_plan(stage)
     for idx, block in stage.layers.items():
         plan.update(block_plan(f"layers.{idx}", block))
+    for idx, module in stage.mtp.items():
+        plan.update(mtp_plan(f"mtp.{idx}", module))
     _replicate_mla_latents(stage, tp_mesh)
     _shard_sinks(stage, tp_mesh)
     parallelize_module(stage, tp_mesh, plan)

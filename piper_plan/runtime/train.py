@@ -53,7 +53,8 @@ def load_plan(args):
     """plan.json (planfile.read_plan_file: the one validated PlanFile) with the command line's overrides."""
     from piper_plan.planfile import read_plan_file
 
-    return with_runtime(read_plan_file(args.plan), steps=args.steps, lr=args.lr, aux_loss_coeff=args.aux_loss_coeff)
+    return with_runtime(read_plan_file(args.plan), steps=args.steps, lr=args.lr, aux_loss_coeff=args.aux_loss_coeff,
+                        mtp_loss_weight=args.mtp_loss_weight)
 
 
 def preflight(cfg, world: int, cuda_available: bool) -> None:
@@ -73,7 +74,7 @@ def preflight(cfg, world: int, cuda_available: bool) -> None:
     if cfg.runtime.data:
         from piper_plan.runtime.data import open_token_file
 
-        open_token_file(Path(cfg.runtime.data), cfg.model.vocab_size, cfg.training.seq_len)
+        open_token_file(Path(cfg.runtime.data), cfg.model.vocab_size, cfg.training.seq_len, cfg.model.mtp_layers)
 
 
 # ---- the trainer ------------------------------------------------------------------------------
@@ -121,11 +122,13 @@ class Trainer:
         dense = [(n, q) for n, q in named if ".experts." not in n]
         expert = [(n, q) for n, q in named if ".experts." in n]
         self.dense, self.expert = [q for _, q in dense], [q for _, q in expert]
+        self.embedding_copy = self._embedding_copy()
         self.optimizer = Optimizers([(dense, self.mesh.dp_group, p.dp), (expert, self.mesh.edp_group, p.edp)],
                                     cfg.training, cfg.runtime, device, p.zero)
         from piper_plan.runtime.pipeline import loss_function
 
-        self.loss_fn = loss_function(self.module, p.mbs * cfg.training.seq_len, cfg.runtime.loss_chunk_rows, p.tp)
+        self.loss_fn = loss_function(self.module, p.mbs * cfg.training.seq_len, cfg.runtime.loss_chunk_rows, p.tp,
+                                     cfg.runtime.mtp_loss_weight)
         self.schedule = None
         if p.pp > 1:
             from piper_plan.runtime.pipeline import build_schedule
@@ -136,7 +139,8 @@ class Trainer:
         from piper_plan.runtime.data import make_source
         from piper_plan.runtime.pipeline import P2PTimer
 
-        self.data = make_source(cfg.runtime.data, cfg.model.vocab_size, cfg.training.seq_len, self.seed)
+        self.data = make_source(cfg.runtime.data, cfg.model.vocab_size, cfg.training.seq_len, self.seed,
+                                cfg.model.mtp_layers)
         self.tracker = SavedTensorTracker(self.module)
         self.p2p = P2PTimer()
         self.dp_sync_s = 0.0
@@ -176,6 +180,21 @@ class Trainer:
             parallelize(module, self.mesh.submesh("tp"))
         return module
 
+    def _embedding_copy(self):
+        """(the word embedding, the group that sums its gradient) on the first and last stage where the last holds
+        MTP modules and pp > 1 (its copy of the embedding: model.py); None elsewhere. The group joins the first
+        and last stage ranks of one (dp, tp) position (collective: every rank builds every group)."""
+        if not self.cfg.model.mtp_layers or self.cfg.parallel.pp == 1:
+            return None
+        group = self.mesh.first_last_group()
+        stage = self.module.chunks[0] if hasattr(self.module, "chunks") else self.module
+        if self.mesh.me.pp_index == 0:
+            return stage.embed.weight, group
+        if self.mesh.is_last_stage:
+            last = self.module.chunks[-1] if hasattr(self.module, "chunks") else self.module
+            return last.embed.weight, group
+        return None
+
     def _dispatcher(self):
         p = self.cfg.parallel
         if p.ep == 1:
@@ -196,7 +215,7 @@ class Trainer:
         from piper_plan.runtime.data import dp_slice
 
         tr, p = self.cfg.training, self.cfg.parallel
-        x, y = dp_slice(self.data.batch(step, tr.global_batch), self.mesh.me.dp_index, p.dp)
+        x, y = dp_slice(self.data.batch(step, tr.global_batch), self.mesh.me.dp_index, p.dp, self.cfg.model.mtp_layers)
         return x.to(self.device), y.to(self.device)
 
     def forward_backward(self, step: int) -> list:
@@ -206,6 +225,8 @@ class Trainer:
 
         for q in self.module.parameters():
             q.grad = None
+        if hasattr(self.loss_fn, "parts"):
+            self.loss_fn.parts.clear()
         x, y = self.batch(step)
         with self._autocast(), self._accounting(), loss_context(self.cfg.parallel.tp):
             if self.schedule is None:
@@ -252,6 +273,9 @@ class Trainer:
 
             finish_dtensor_grads(self.module)
             allreduce_mean(self.tp_summed, self.mesh.tp_group, 1)
+        if self.embedding_copy is not None:   # first stage's + the MTP modules' (last stage's copy) gradient
+            weight, group = self.embedding_copy
+            allreduce_mean([weight], group, 1)
         self.dp_sync_s += time.perf_counter() - start
 
     def train_step(self, step: int) -> "StepResult":
@@ -268,7 +292,7 @@ class Trainer:
         self.sync_grads()
         memory = self.memory_bytes()
         rt, p = self.cfg.runtime, self.cfg.parallel
-        self.grad_norm = global_grad_norm(self.dense, self.expert, p.dp, p.edp, self.device, p.tp)
+        self.grad_norm = global_grad_norm(self._norm_dense(), self.expert, p.dp, p.edp, self.device, p.tp)
         if rt.grad_clip_norm is not None:
             clip_grads(self.dense + self.expert, rt.grad_clip_norm, self.grad_norm)
         self.optimizer.set_lr(lr_at(step, rt.steps, rt))
@@ -282,24 +306,35 @@ class Trainer:
                   "stop": 0}
         return StepResult(self._encode(values, self._mean_loss(losses)), migration, self)
 
-    def _mean_loss(self, losses: list):
-        """The step's mean loss over micro-batches and dp ranks (a device tensor; None off the last stage)."""
+    def _norm_dense(self) -> list:
+        """The dense parameters whose gradients enter the global norm: the last stage's copy of the embedding
+        (MTP, pp > 1) left out, as its gradient equals the first stage's."""
+        if self.embedding_copy is None or not self.mesh.is_last_stage:
+            return self.dense
+        return [q for q in self.dense if q is not self.embedding_copy[0]]
+
+    def _mean_loss(self, losses: list) -> dict:
+        """The step's mean loss over micro-batches and dp ranks as {"loss": device tensor} (empty off the last
+        stage); with MTP modules "loss" is the next-token loss and "mtp_loss" the mean of theirs (MTPLoss.parts)."""
         import torch
         import torch.distributed as dist
 
         if not self.module.is_last:
-            return None
-        mean = torch.stack(losses).mean().detach().float()
+            return {}
+        parts = getattr(self.loss_fn, "parts", None)
+        per_mb = {"loss": losses} if not parts else {"loss": [p[0] for p in parts], "mtp_loss": [p[1] for p in parts]}
+        means = {k: torch.stack(v).mean().detach().float() for k, v in per_mb.items()}
         if self.cfg.parallel.dp > 1:
-            dist.all_reduce(mean, group=self.mesh.dp_group)
-            mean /= self.cfg.parallel.dp
-        return mean
+            for mean in means.values():
+                dist.all_reduce(mean, group=self.mesh.dp_group)
+                mean /= self.cfg.parallel.dp
+        return means
 
-    def _encode(self, values: dict, loss):
+    def _encode(self, values: dict, losses: dict):
         from piper_plan.runtime.report import encode
 
         tokens = {i: m.expert_tokens for i, m in self.module.moe_layers().items()}
-        return encode(self.cfg.model, values, loss, tokens, self.device)
+        return encode(self.cfg.model, values, losses, tokens, self.device)
 
     def decode(self, row: list[float], rank: int) -> dict:
         """A gathered report row -> train.merge_reports' per-rank dict."""
@@ -415,8 +450,10 @@ def merge_reports(reports: list[dict], step: int, tokens: int):
     time_s = {k: max(r["time_s"][k] for r in reports) for k in ("a2a", "p2p", "dp_sync")}
     time_s["migration"] = max((e["seconds"] for e in migrations), default=0.0)
     seconds = max(r["seconds"] for r in reports)
-    return step_record(step, loss, seconds, tokens, time_s, memory, dict(sorted(experts.items(), key=lambda kv: int(kv[0]))),
-                       migrations)
+    record = step_record(step, loss, seconds, tokens, time_s, memory,
+                         dict(sorted(experts.items(), key=lambda kv: int(kv[0]))), migrations)
+    mtp = next((r["mtp_loss"] for r in reports if r.get("mtp_loss") is not None), None)
+    return record if mtp is None else {**record, "mtp_loss": mtp}
 
 
 # ---- entry point --------------------------------------------------------------------------------
@@ -431,6 +468,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: plan runtime.lr)")
     ap.add_argument("--aux-loss-coeff", type=float, default=None,
                     help="Switch balance-loss coefficient, 0 = off (default: plan runtime.aux_loss_coeff)")
+    ap.add_argument("--mtp-loss-weight", type=float, default=None,
+                    help="weight of the multi-token-prediction loss (default: plan runtime.mtp_loss_weight)")
     return ap.parse_args(argv)
 
 

@@ -93,20 +93,26 @@ def test_runnable_and_explain_json():
 
 
 def test_each_ranked_plan_says_whether_piper_runs_it_and_launch_agrees(tmp_path):
-    """DeepSeek-V3 has an MTP module the runtime does not build: every ranked plan is marked (JSON, table) and
-    `launch` refuses the saved one naming it; trained without it (--mtp-layers 0) the same plans are runnable."""
+    """Context parallelism is an axis the runtime does not run: with --cp 2 every ranked plan is marked (JSON,
+    table) and `launch` refuses the saved one naming it. DeepSeek-V3 with its MTP module (the runtime builds it)
+    is runnable, and `launch` writes its job."""
     args = ("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "32", "--top", "3")
-    with_mtp = json.loads(_run(*args, "--json").stdout)["plans"]
-    assert all(not p["runnable_by_piper"] and any("mtp_layers=1" in m for m in p["runtime_missing"])
-               for p in with_mtp)
-    table = _run(*args)
+    with_cp = json.loads(_run(*args, "--cp", "2", "--json").stdout)["plans"]
+    assert all(not p["runnable_by_piper"] and any("parallel.cp=2" in m for m in p["runtime_missing"])
+               for p in with_cp)
+    table = _run(*args, "--cp", "2")
     assert "1*" in table.stdout and "piper's runtime cannot run it" in table.stdout
     saved = tmp_path / "plan.json"
-    assert _run(*args, "-o", str(saved)).exit_code == 0
+    assert _run(*args, "--cp", "2", "-o", str(saved)).exit_code == 0
     refused = CliRunner().invoke(cli, ["launch", "--plan", str(saved), "--out-dir", str(tmp_path / "job"), "--dry-run"])
-    assert refused.exit_code == 2 and "mtp_layers=1" in refused.stderr
-    without = json.loads(_run(*args, "--mtp-layers", "0", "--json").stdout)["plans"]
-    assert all(p["runnable_by_piper"] and p["runtime_missing"] == [] for p in without)
+    assert refused.exit_code == 2 and "parallel.cp=2" in refused.stderr
+    with_mtp = json.loads(_run(*args, "--json").stdout)["plans"]
+    assert all(p["runnable_by_piper"] and p["runtime_missing"] == [] for p in with_mtp)
+    mtp_plan = tmp_path / "mtp.json"
+    assert _run(*args, "-o", str(mtp_plan)).exit_code == 0
+    launched = CliRunner().invoke(cli, ["launch", "--plan", str(mtp_plan), "--out-dir", str(tmp_path / "mtp_job"),
+                                        "--dry-run"])
+    assert launched.exit_code == 0, launched.stderr
 
 
 def test_human_result_goes_to_stdout_and_saved_to_stderr(tmp_path):

@@ -6,28 +6,40 @@ import torch
 
 from piper_plan.runtime.data import dp_slice, make_source
 from piper_plan.runtime.model import StageModel, init_stage
-from piper_plan.runtime.pipeline import lm_loss, scale_grads
+from piper_plan.runtime.pipeline import HeadLoss, MTPLoss, lm_loss, scale_grads
 
 
-def reference_run(cfg, steps: int, lr: float, aux: float) -> dict:
+def reference_run(cfg, steps: int, lr: float, aux: float, mtp_weight: float | None = None) -> dict:
     """Per step: the mean loss over every (dp rank, micro-batch) chunk and the gradients, averaged the same
-    way the mesh averages them (each chunk's loss backward, gradients / (dp x num_microbatches))."""
+    way the mesh averages them (each chunk's loss backward, gradients / (dp x num_microbatches)). With MTP modules
+    the loss backward is MTPLoss's (weight ``mtp_weight``, default the plan's runtime.mtp_loss_weight) on
+    sequences of D more tokens; "losses" holds the next-token loss, "mtp_losses" the modules' mean."""
     spec, p, tr = cfg.model, cfg.parallel, cfg.training
     model = StageModel(spec, 0, spec.num_layers, {"aux_loss_coeff": aux})
     init_stage(model, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    data = make_source(None, spec.vocab_size, tr.seq_len, 0)
-    out = {"losses": [], "grads": [], "init": {n: q.detach().clone() for n, q in model.named_parameters()}}
+    extra = spec.mtp_layers
+    data = make_source(None, spec.vocab_size, tr.seq_len, 0, extra)
+    loss_fn = lm_loss
+    if extra:
+        loss_fn = MTPLoss(model, HeadLoss(model), cfg.runtime.mtp_loss_weight if mtp_weight is None else mtp_weight)
+    out = {"losses": [], "mtp_losses": [], "grads": [],
+           "init": {n: q.detach().clone() for n, q in model.named_parameters()}}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         batch, losses = data.batch(step, tr.global_batch), []
+        if extra:
+            loss_fn.parts.clear()
         for d in range(p.dp):
-            x, y = dp_slice(batch, d, p.dp)
+            x, y = dp_slice(batch, d, p.dp, extra)
             for xm, ym in zip(x.chunk(p.num_microbatches), y.chunk(p.num_microbatches)):
-                loss = lm_loss(model(xm), ym)
+                loss = loss_fn(model(xm), ym)
                 loss.backward()
                 losses.append(float(loss.detach()))
         scale_grads(model, p.dp * p.num_microbatches)
+        if extra:
+            losses = [float(main) for main, _ in loss_fn.parts]
+            out["mtp_losses"].append(sum(float(m) for _, m in loss_fn.parts) / len(loss_fn.parts))
         out["losses"].append(sum(losses) / len(losses))
         out["grads"].append({n: q.grad.clone() for n, q in model.named_parameters()})
         opt.step()

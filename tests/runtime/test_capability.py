@@ -22,14 +22,20 @@ def test_interleaved_recompute_and_mla_now_run():
 
 
 def test_every_catalog_feature_model_is_runnable_at_pp1():
-    """Every catalog model's features run; DeepSeek-V3 trained without its MTP module (the runtime builds none)."""
+    """Every catalog model's features run, DeepSeek-V3 with its MTP module (runtime/model.py MTPModule) too, at
+    pp 1 and with the module on the last of 8 stages under tp 2."""
     plan = ParallelPlan(pp=1, dp=8, ep=8)
-    for name in ("arctic", "grok-1", "llama4-scout", "gpt-175b", "glam", "switch-base"):
+    for name in ("arctic", "grok-1", "llama4-scout", "gpt-175b", "glam", "switch-base", "deepseek-v3"):
         assert unsupported_features(plan, load_model(name)) == [], name
-    dsv3 = load_model("deepseek-v3")
-    assert [p.split(" ")[0] for p in unsupported_features(plan, dsv3)] == ["mtp_layers=1"]
-    no_mtp = type(dsv3).model_validate({**dsv3.model_dump(), "mtp_layers": 0})
-    assert unsupported_features(plan, no_mtp) == []
+    assert load_model("deepseek-v3").mtp_layers == 1
+    assert unsupported_features(ParallelPlan(pp=8, dp=4, tp=2, ep=8), load_model("deepseek-v3")) == []
+
+
+def test_mtp_with_a_tied_head_is_refused_under_tp_only():
+    tied = load_model("tiny-moe").model_copy(update={"tie_embeddings": True, "mtp_layers": 1})
+    assert unsupported_features(ParallelPlan(pp=1, dp=2, ep=2), tied) == []
+    found = unsupported_features(ParallelPlan(pp=1, dp=1, tp=2, ep=2), tied)
+    assert len(found) == 1 and found[0].startswith("mtp_layers=1 with tie_embeddings")
 
 
 def test_tp_interleaved_recompute_mla_is_runnable_with_every_zero():

@@ -23,11 +23,14 @@ from piper_plan.specs.params import count_params
 
 torch.set_num_threads(1)
 CATALOG = sorted(p.stem for p in (project_root() / "models").glob("*.yaml"))
-COMPONENTS = ("embedding", "attention", "dense_mlp", "router", "routed_experts", "shared_experts", "norms", "lm_head")
+COMPONENTS = ("embedding", "attention", "dense_mlp", "router", "routed_experts", "shared_experts", "norms", "lm_head",
+              "mtp")
 
 
 def component_of(name: str) -> str:
-    """Runtime parameter name -> the ParamBreakdown field that counts it."""
+    """Runtime parameter name -> the ParamBreakdown field that counts it (an MTP module: ``mtp``, all its own)."""
+    if name.startswith("mtp."):
+        return "mtp"
     if name.startswith(("embed.", "pos.")):
         return "embedding"
     if name.startswith("lm_head."):

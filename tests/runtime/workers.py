@@ -22,10 +22,12 @@ def train_and_record(plan: dict, rank: int, world: int, steps: int, aux: float) 
     from piper_plan.runtime.train import Trainer
 
     trainer = Trainer(parse_plan_dict(plan, "test plan"), rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=aux)
-    out = {"losses": [], "grads": [], "first_expert": {}, "grad_norms": [], "init": full_params(trainer.module)}
+    out = {"losses": [], "mtp_losses": [], "grads": [], "first_expert": {}, "grad_norms": [],
+           "init": full_params(trainer.module)}
     for step in range(steps):
         report = trainer.train_step(step).report()
         out["losses"].append(report["loss"])
+        out["mtp_losses"].append(report["mtp_loss"])
         out["grad_norms"].append(float(trainer.grad_norm))
         out["grads"].append({n: _full(q.grad) for n, q in trainer.module.named_parameters()})
     out["first_expert"] = {i: m.first_expert for i, m in trainer.module.moe_layers().items()}
