@@ -4,11 +4,13 @@ Each gradient group (dense weights over dp, routed experts over edp) is cut into
 ``BUCKET_BYTES`` in reverse parameter order (roughly the order backward produces gradients, as torch DDP's
 reducer). A ``register_post_accumulate_grad_hook`` counts each parameter's gradient accumulations; once every
 parameter of a bucket has had its last one of the step (one per micro-batch: ``num_microbatches``, so under
-pipelining only the last micro-batch's backward of that parameter launches it), the bucket is flattened into its own
-buffer and all-reduced asynchronously while backward goes on. ``finish`` (after the schedule's step) waits for the
-reductions and writes ``sum / (divisor x num_microbatches)`` back: the micro-batch mean is folded in there because
-the buffer was copied before the schedule's ``scale_grads`` divided the local gradients, which the write-back
-replaces. A bucket whose hooks did not all fire (a parameter without a gradient this step) is reduced in ``finish``
+pipelining only the last micro-batch's backward of that parameter launches it), the bucket is all-reduced
+asynchronously from its own buffer while backward goes on. Each parameter's gradient is copied into that buffer
+at its own last accumulation, not when the bucket is complete: under the interleaved schedule the schedule scales
+a model chunk's gradients (``scale_grads``) after that chunk's last backward, which can come before the other
+chunk's parameters of the same bucket are done. ``finish`` (after the schedule's step) waits for the reductions
+and writes ``sum / (divisor x num_microbatches)`` back: the micro-batch mean is folded in there because every copy
+was taken before ``scale_grads`` divided the local gradients, which the write-back replaces. A bucket whose hooks did not all fire (a parameter without a gradient this step) is reduced in ``finish``
 as before: zeros for missing gradients, the local gradients already scaled. Groups of one rank are only divided.
 """
 
@@ -56,6 +58,18 @@ class _Bucket:
     def __init__(self, params: list, group, divisor: int) -> None:
         self.params, self.group, self.divisor = params, group, divisor
         self.work = self.flat = self.grads = None
+        sizes = [local_tensor(q).numel() for q in params]
+        self.offset = {id(q): sum(sizes[:i]) for i, q in enumerate(params)}
+        """Where each parameter's local gradient sits in ``flat``."""
+        self.numel = sum(sizes)
+
+    def copy_in(self, param) -> None:
+        """The parameter's gradient as it is now (its last accumulation of the step) into the bucket's buffer."""
+        grad = local_tensor(param.grad).reshape(-1)
+        if self.flat is None:
+            self.flat = grad.new_empty(self.numel)
+        start = self.offset[id(param)]
+        self.flat[start:start + grad.numel()].copy_(grad)
 
 
 class OverlappedReducer:
@@ -113,13 +127,14 @@ class OverlappedReducer:
         self._count[key] += 1
         assert self._count[key] <= self.num_microbatches, "a gradient accumulated after its bucket's reduction began"
         bucket = self._bucket_of[key]
-        if self._count[key] == self.num_microbatches and bucket.work is None and \
-                all(self._count[id(q)] == self.num_microbatches for q in bucket.params):
+        if self._count[key] < self.num_microbatches:
+            return
+        bucket.copy_in(param)
+        if bucket.work is None and all(self._count[id(q)] == self.num_microbatches for q in bucket.params):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.grads = [local_tensor(q.grad) for q in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in bucket.grads])  # a copy, never a view of one gradient
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self.launches.append({"params": len(bucket.params), "calls": self._calls,
                               "in_backward": torch._C._current_graph_task_id() != -1})

@@ -180,10 +180,10 @@ MESH_PLANS = {"pp2_dp2_ep2": dict(pp=2, dp=2, ep=2, num_microbatches=2),
               "pp2_tp2_ep2": dict(pp=2, dp=1, ep=2, tp=2, num_microbatches=2),
               "pp4": dict(pp=4, dp=1, ep=1, num_microbatches=4),     # the copy's group: stages 0 and 3 only
               "pp2_dp2_ep2_zero3": dict(pp=2, dp=2, ep=2, num_microbatches=2, zero=3)}
-INTERLEAVED = dict(pp=2, dp=1, ep=1, num_microbatches=2, schedule="interleaved")
-"""4 chunks of 1 layer on 2 ranks, the module in the last. dp 1 and edp 1: with a reduction group of 2 (dp 2, or
-tp 2 making edp 2) the second chunk's gradients come out 0.5 relative off with or without MTP (tiny-moe pp2 v2
-dp2 ep2, step 0: every chunks.1 gradient), a fault of the interleaved schedule's reduction outside MTP."""
+INTERLEAVED = dict(pp=2, dp=2, ep=2, num_microbatches=2, schedule="interleaved")
+"""4 chunks of 1 layer on 4 ranks, the module in the last. dp 2: the reduction overlapped with backward must copy
+each gradient at its last accumulation (runtime/grad_sync.py): the schedule scales a chunk's gradients after that
+chunk's last backward, before the other chunk's parameters of the same bucket are done."""
 
 
 def mesh_plan(name: str) -> dict:
@@ -227,7 +227,7 @@ def test_mtp_interleaved_equals_the_reference(tmp_path):
     from workers import spawn
 
     plan = mesh_plan("pp2_v2_interleaved")
-    _compare(plan, [r["run"] for r in spawn(2, [("run", "train", {"plan": plan, "steps": STEPS, "aux": AUX})],
+    _compare(plan, [r["run"] for r in spawn(4, [("run", "train", {"plan": plan, "steps": STEPS, "aux": AUX})],
                                             tmp_path)])
 
 
