@@ -5,13 +5,14 @@ Each gradient group (dense weights over dp, routed experts over edp) is cut into
 reducer). A ``register_post_accumulate_grad_hook`` counts each parameter's gradient accumulations; once every
 parameter of a bucket has had its last one of the step (one per micro-batch: ``num_microbatches``, so under
 pipelining only the last micro-batch's backward of that parameter launches it), the bucket is all-reduced
-asynchronously from its own buffer while backward goes on. Each parameter's gradient is copied into that buffer
-at its own last accumulation, not when the bucket is complete: under the interleaved schedule the schedule scales
-a model chunk's gradients (``scale_grads``) after that chunk's last backward, which can come before the other
-chunk's parameters of the same bucket are done. ``finish`` (after the schedule's step) waits for the reductions
-and writes ``sum / (divisor x num_microbatches)`` back: the micro-batch mean is folded in there because every copy
-was taken before ``scale_grads`` divided the local gradients, which the write-back replaces. A bucket whose hooks did not all fire (a parameter without a gradient this step) is reduced in ``finish``
-as before: zeros for missing gradients, the local gradients already scaled. Groups of one rank are only divided.
+asynchronously from its own buffer while backward goes on. Each parameter's gradient is copied at its own last
+accumulation (the buffer is their concatenation), not when the bucket is complete: the interleaved schedule
+scales a model chunk's gradients (``scale_grads``) right after that chunk's last backward, which can come before
+the other chunk's parameters of the same bucket are done. ``finish`` (after the schedule's step) waits for the
+reductions and writes ``sum / (divisor x num_microbatches)`` back: the micro-batch mean is folded in there because
+every copy was taken before ``scale_grads`` divided the local gradients, which the write-back replaces. A bucket
+whose hooks did not all fire (a parameter without a gradient this step) is reduced in ``finish`` as before: zeros
+for missing gradients, the local gradients already scaled. Groups of one rank are only divided.
 """
 
 from __future__ import annotations
@@ -58,18 +59,13 @@ class _Bucket:
     def __init__(self, params: list, group, divisor: int) -> None:
         self.params, self.group, self.divisor = params, group, divisor
         self.work = self.flat = self.grads = None
-        sizes = [local_tensor(q).numel() for q in params]
-        self.offset = {id(q): sum(sizes[:i]) for i, q in enumerate(params)}
-        """Where each parameter's local gradient sits in ``flat``."""
-        self.numel = sum(sizes)
+        self.copies: dict[int, torch.Tensor] = {}
+        """Each parameter's local gradient as it was at its last accumulation of the step (flattened)."""
 
     def copy_in(self, param) -> None:
-        """The parameter's gradient as it is now (its last accumulation of the step) into the bucket's buffer."""
-        grad = local_tensor(param.grad).reshape(-1)
-        if self.flat is None:
-            self.flat = grad.new_empty(self.numel)
-        start = self.offset[id(param)]
-        self.flat[start:start + grad.numel()].copy_(grad)
+        """Keep the parameter's gradient as it is now (its last accumulation): the schedule may scale it before
+        the bucket's other parameters are done."""
+        self.copies[id(param)] = local_tensor(param.grad).reshape(-1).clone()
 
 
 class OverlappedReducer:
@@ -135,6 +131,7 @@ class OverlappedReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.grads = [local_tensor(q.grad) for q in bucket.params]
+        bucket.flat = torch.cat([bucket.copies.pop(id(q)) for q in bucket.params])
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self.launches.append({"params": len(bucket.params), "calls": self._calls,
                               "in_backward": torch._C._current_graph_task_id() != -1})
