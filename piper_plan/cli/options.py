@@ -58,6 +58,7 @@ training_options = _bundle(
                       "Megatron's default)."),
 )
 
+
 def cost_knobs(fn):
     """--dropout and --recompute-modules: what plan and estimate price beyond the plan's degrees."""
     from piper_plan.cost.options import RECOMPUTE_MODULES
