@@ -141,6 +141,7 @@ class OverlappedReducer:
         self.armed = False
         for bucket in self._buckets:
             if bucket.work is None:
+                bucket.copies.clear()                      # a bucket some of whose hooks did not fire this step
                 allreduce_mean(bucket.params, bucket.group, bucket.divisor)
                 continue
             bucket.work.wait()
