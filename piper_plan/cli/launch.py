@@ -112,7 +112,7 @@ def _job_facts(prepared) -> dict:
     job = prepared.job
     return {"nodes": job.nodes, "ranks_per_node": job.ranks_per_node, "world": job.world, "steps": job.steps,
             "time": job.time, "partition": job.partition, "account": job.account, "job_name": job.job_name,
-            "platform": job.platform, "run_dir": job.run_dir}
+            "platform": job.platform, "run_dir": job.run_dir, "segment": job.segment}
 
 
 def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) -> None:

@@ -110,6 +110,8 @@ def readme_text(job: JobSpec, plan_file: PlanFile) -> str:
         f"Platform `{job.platform}`: {job.nodes} nodes x {job.ranks_per_node} ranks = {job.world} ranks, "
         f"{job.steps} steps, wall time {job.time}.", "",
         f"Plan: {job.plan_summary}", "",
+        *([f"Placement: `--segment={job.segment}` (Slurm topology/block): each {job.segment}-node segment of the job "
+           "lies inside one NVLink domain, as the plan was priced.", ""] if job.segment else []),
         "Predicted (from plan.json):", *_prediction_lines(plan_file), "",
         "Submit and follow:", "```",
         f"sbatch {job.out_dir}/job.sbatch", "piper status JOB_ID", f"piper compare {job.run_dir}", "```", "",

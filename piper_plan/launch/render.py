@@ -73,6 +73,9 @@ class JobSpec:
     srun_extra: tuple[str, ...] = ()
     sbatch_extra: tuple[str, ...] = ()
     command: tuple[str, ...] = field(default=())
+    segment: int | None = None
+    """Nodes per ``--segment`` (Slurm topology/block): set where the platform places jobs in rack-aligned segments
+    (network.segment_nodes), as the planner's layout assumes."""
 
 
 def expert_groups_span_nodes(plan, devices_per_node: int) -> bool:
@@ -90,6 +93,14 @@ def expert_groups_span_nodes(plan, devices_per_node: int) -> bool:
 def switches_needed(nodes: int, nodes_per_switch: int) -> int:
     """Fewest leaf switches that can hold ``nodes`` nodes."""
     return math.ceil(nodes / nodes_per_switch)
+
+
+def segment_size(nodes: int, segment_nodes: int) -> int:
+    """``--segment`` for a job of ``nodes`` on a platform placing jobs in segments of ``segment_nodes``: the whole job
+    when it fits one segment, else the largest segment that divides the job (slurm.schedmd.com/topology.html, User
+    Options: a node count larger than the segment must be evenly divisible by it). Below ``segment_nodes`` for a job
+    that is not a multiple of it: its segments are smaller than the planner's layout assumed."""
+    return nodes if nodes <= segment_nodes else math.gcd(nodes, segment_nodes)
 
 
 def default_time(steps: int, step_time_s: float | None) -> str:
@@ -140,6 +151,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
     run_dir = f"{out_dir}/run"
     python = v.abs_path(python, "python")
     span = nodes > 1 and platform.network.nodes_per_switch > 1 and expert_groups_span_nodes(plan, dpn)
+    segment_nodes = platform.network.segment_nodes
     return JobSpec(
         platform=platform.name, template=launch.template,
         job_name=v.job_name(_given(options.job_name, f"piper-{plan_file.model.name}-{nodes}n")),
@@ -149,7 +161,8 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
         else default_time(steps, plan_file.prediction.step_time_s if plan_file.prediction else None),
         partition=_optional_name(_given(options.partition, launch.partition), "partition"),
         account=_optional_name(options.account, "account"),
-        switches=switches_needed(nodes, platform.network.nodes_per_switch) if span else None,
+        switches=switches_needed(nodes, platform.network.nodes_per_switch) if span and not segment_nodes else None,
+        segment=segment_size(nodes, segment_nodes) if segment_nodes and nodes > 1 else None,
         out_dir=out_dir, run_dir=run_dir, plan_file=plan_path, python=python,
         plan_summary=plan_summary(plan_file),
         modules=tuple(v.module_name(m) for m in launch.modules),
@@ -169,6 +182,8 @@ def _optional_sbatch(job: JobSpec) -> str:
         lines.append(f"--account={job.account}")
     if job.switches:
         lines.append(f"--switches={job.switches}@{SWITCH_WAIT}")
+    if job.segment:
+        lines.append(f"--segment={job.segment}")
     lines.extend(job.sbatch_extra)
     return "\n".join(f"#SBATCH {line}" for line in lines)
 

@@ -114,3 +114,19 @@ def test_unknown_placeholder_is_an_error():
 def test_read_plan_keeps_the_degrees(tmp_path):
     plan = read_plan_file(write_plan(tmp_path / "p.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 4}))
     assert (plan.nodes, plan.parallel.pp, plan.parallel.dp, plan.parallel.ep, plan.parallel.edp) == (2, 2, 8, 4, 2)
+
+
+@pytest.mark.parametrize("nodes, segment", [(2, 2), (16, 16), (32, 16), (24, 8)])
+def test_gb200_jobs_ask_for_rack_aligned_segments(tmp_path, nodes, segment):
+    # gb200-nvl72 places jobs in 16-tray segments (network.segment_nodes): a job that fits one segment asks for
+    # one; a larger one for the largest segment dividing it (Slurm: a node count above the segment must be a
+    # multiple of it); --switches (topology/tree) is not emitted on a block topology
+    world = 4 * nodes
+    prepared = render_for(tmp_path, "gb200-nvl72", nodes, {"dp": world, "ep": 8})
+    opts = sbatch_options(prepared.script)
+    assert opts["segment"] == str(segment) and "switches" not in opts
+    assert f"--segment={segment}" in prepared.readme
+
+
+def test_segment_size():
+    assert [render.segment_size(n, 16) for n in (1, 12, 16, 17, 32, 48, 40)] == [1, 12, 16, 1, 16, 16, 8]
