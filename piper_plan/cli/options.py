@@ -156,11 +156,15 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
     runtime does not do is one error line."""
     from dataclasses import replace
 
-    from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS
+    from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS, RECOMPUTE_MODULES
 
     options = PIPER_RUNTIME_OPTIONS if piper_runtime else DEFAULT_OPTIONS
     modules = options.recompute_modules if recompute_modules is None else \
         tuple(dict.fromkeys(m.strip() for m in recompute_modules.split(",")))
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise PiperError(f"{recompute_modules!r} names {', '.join(map(repr, unknown))}; allowed: a comma-separated "
+                         f"list of {', '.join(RECOMPUTE_MODULES)}", field="--recompute-modules")
     if piper_runtime and (dropout or modules != PIPER_RUNTIME_OPTIONS.recompute_modules):
         what, field = ("trains without dropout", "--dropout") if dropout else \
             (f"recomputes {', '.join(PIPER_RUNTIME_OPTIONS.recompute_modules)} only", "--recompute-modules")
