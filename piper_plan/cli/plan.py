@@ -351,6 +351,9 @@ def _emit_nothing_fits(model, platform, training, result, options, kwargs, as_js
     out.print(f"nothing fits: {model.name} on {result.nodes} {platform.name} nodes "
               f"({result.candidates_total:,} candidates)", markup=False)
     out.print(_reasons_table(result.reasons))
+    if not info["closest"]:
+        out.print("no candidate is a valid plan: each is rejected for a reason counted above", markup=False)
+        return
     from rich.table import Table
 
     table = Table(title="closest candidates")

@@ -50,6 +50,14 @@ class Evaluation:
     """MFU in the megatron convention (causal attention, MTP counted: NVIDIA's published TFLOPS)."""
     hfu_megatron: np.ndarray | None = None
 
+    @classmethod
+    def empty(cls) -> Evaluation:
+        """The evaluation of no plans (a search whose space holds no valid candidate)."""
+        none = np.zeros(0)
+        return cls(step_time_s=none, tokens_per_s=none, tflops_per_device=none, mfu=none, hfu=none,
+                   peak_memory_bytes=none, a2a_share=none, fits=np.zeros(0, bool), breakdown={},
+                   layers_split=np.zeros(0, np.int64), mfu_megatron=none, hfu_megatron=none)
+
 
 def evaluate(model, platform, training, nodes: int, plans: PlanBatch, calibration=None, placement="compact",
              options: CostOptions = DEFAULT_OPTIONS, memory_detail: bool = False) -> Evaluation:

@@ -77,13 +77,13 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
            calibration=None, placement: str = "compact", runnable: bool = False, cost_options=None) -> SearchResult:
     """Search every candidate of ``nodes`` nodes; ``runnable`` keeps those piper's runtime executes
     (capability.py)."""
-    from piper_plan.cost.evaluate import evaluate
+    from piper_plan.cost.evaluate import Evaluation, evaluate
 
     start = time.perf_counter()
     space = enumerate_space(model, platform, training, nodes, options)
     extra = {} if cost_options is None else {"options": cost_options}
     ev = evaluate(model, platform, training, nodes, space.batch(), calibration=calibration, placement=placement,
-                  **extra)
+                  **extra) if len(space) else Evaluation.empty()
     limit = rank.memory_limit_bytes(platform, options.memory_headroom)
     fits = rank.fits_mask(ev, platform, options.memory_headroom)
     reasons = [space.reasons, {rank.OUT_OF_MEMORY: int(np.count_nonzero(~fits))}]

@@ -124,6 +124,7 @@ def enumerate_space(model, platform, training, nodes: int, options: SearchOption
     """Every candidate of ``nodes`` nodes of ``platform``; the ones kept returned as arrays."""
     check_setting(model, platform, training, nodes)
     world = world_size(platform, nodes)
+    _check_cp_divides_world(options, world)
     grid = structural_grid(model, platform, training, world, options)
     masks = problem_masks(model, platform, training, nodes, grid, STRUCTURAL_RULES)
     _check_batch_admits_some_dp(training, grid, masks, world)
@@ -174,6 +175,14 @@ def _ep_values(model, world: int) -> list[int]:
     if model.moe is None:
         return [1]
     return sorted(set(divisors(world)) | set(divisors(model.moe.num_experts)))
+
+
+def _check_cp_divides_world(options: SearchOptions, world: int) -> None:
+    """Context-parallel degrees asked for (--cp) of which none divides the world are a user error, not an empty
+    result."""
+    if options.cp and not any(world % cp == 0 for cp in options.cp):
+        raise PiperError(f"{','.join(map(str, options.cp))}: no context-parallel degree divides the world of {world} "
+                         f"devices (nodes x devices_per_node); cp can be a divisor of {world}", field="--cp")
 
 
 def _check_batch_admits_some_dp(training, grid: PlanBatch, masks: np.ndarray, world: int) -> None:

@@ -53,6 +53,21 @@ def test_nothing_fits_exit_3_with_closest_and_nodes_needed():
     assert check.exit_code == 0
 
 
+def test_a_space_with_no_valid_candidate_is_nothing_fits_not_a_crash():
+    """Every candidate rejected (cp=2 cuts a 6-token sequence into 4 chunks): exit 3, the reasons, no closest;
+    a --cp that divides no world is one error line."""
+    args = ("--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--seq", "6")
+    res = _run(*args, "--cp", "2", "--json")
+    assert res.exit_code == 3, res.output
+    obj = json.loads(res.stdout)
+    assert obj["feasible"] == 0 and obj["closest"] == [] and set(obj["infeasible_reasons"]) == {"cp_not_divisor_seq"}
+    table = _run(*args, "--cp", "2")
+    assert table.exit_code == 3 and "no candidate is a valid plan" in table.stdout
+    bad = _run(*args, "--cp", "3")
+    assert bad.exit_code == 2 and "--cp: 3: no context-parallel degree divides the world of 2" in bad.stderr
+    assert bad.stderr.count("\n") == 1
+
+
 def test_sweep_json_has_efficiency_per_node_count():
     res = _run("--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "4..16", "--json")
     assert res.exit_code == 0, res.output
