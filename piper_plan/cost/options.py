@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm")
 """The selective-recompute modules CostOptions.recompute_modules may name."""
+CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe_router")
+"""The parts of a layer CostOptions.cuda_graph_scope may name (Megatron-Core's ``--cuda-graph-scope`` values whose
+host work piper prices; a dropless MoE layer's routed experts have dynamic shapes and are never captured)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class CostOptions:
     """Fraction of data-parallel gradient sync hidden behind the backward pass of the last micro-batch."""
     migration_fraction: float = 0.0
     """Amortised expert-migration time as a fraction of step time (the Piper paper bounds it below 5%)."""
+    cuda_graph_scope: tuple[str, ...] = ()
+    """Layer parts replayed from CUDA graphs, whose host work is therefore not priced by the host floor
+    (cost/overhead.py, host_floor_terms): ``attn`` the attention linears, ``mlp`` a dense layer's MLP, ``moe_router``
+    the router and the shared experts (Megatron-Core's scopes of the same names; the DeepSeek-V3 GB200 guide in
+    NVIDIA/Megatron-LM docs/discussions captures ``attn moe_router moe_preprocess``)."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
@@ -67,6 +75,13 @@ class CostOptions:
             raise PiperError(f"recompute_modules names {', '.join(map(repr, unknown))}; allowed: "
                              f"{', '.join(RECOMPUTE_MODULES)}", field="options.recompute_modules")
         object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
+        bad = [m for m in self.cuda_graph_scope if m not in CUDA_GRAPH_SCOPES]
+        if bad:
+            from piper_plan.errors import PiperError
+
+            raise PiperError(f"cuda_graph_scope names {', '.join(map(repr, bad))}; allowed: "
+                             f"{', '.join(CUDA_GRAPH_SCOPES)}", field="options.cuda_graph_scope")
+        object.__setattr__(self, "cuda_graph_scope", tuple(self.cuda_graph_scope))
 
 
 DEFAULT_OPTIONS = CostOptions()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from piper_plan.cost import stage as stg
+from piper_plan.cost.overhead import host_floor_terms
 from piper_plan.placement.layout import span_arrays, stage_pair_scope
 from piper_plan.plans import PlanBatch
 from piper_plan.specs.vocab import A2A, Recompute
@@ -85,6 +86,7 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
                 per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
         if o.shared_expert_overlap and ctx.model.moe.num_shared_experts:
             _hide_dispatch_behind_shared_experts(per_layer, comp["shared_experts"], c, full)
+    per_layer.update(host_floor_terms(ctx, c, per_layer))       # after every device term of the layer
     head_f, head_b = stg._gemm(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms
