@@ -195,6 +195,17 @@ class DatasetResult:
             out.append(f"{self.spec.name}: {which} |error| {mean:.2f}% > {self.spec.tolerance_pct.mean:g}%")
         return out
 
+    def ungated_summary(self) -> str | None:
+        """One line on the held-out rows reported but not gated (mean and max |error|, how many within their row
+        tolerance), None when there are none: where a dataset not yet gated stands."""
+        rows = [r for r in self.rows if not r.gated and r.split == "held_out" and r.abs_pct_error is not None]
+        if not rows:
+            return None
+        errors = [r.abs_pct_error for r in rows]
+        within = sum(r.abs_pct_error <= r.tolerance_pct for r in rows)
+        return (f"not gated: {len(rows)} held-out rows, mean |error| {_mean(errors):.2f}%, max {max(errors):.2f}%, "
+                f"{within} within their row tolerance")
+
     @property
     def gate_mean_abs_pct_error(self) -> tuple[float | None, str]:
         """(mean, its name) the dataset's mean tolerance holds: over the gated held-out rows where there are any (a

@@ -139,3 +139,12 @@ def test_markdown_report_holds_every_row(tmp_path):
     text = out.read_text()
     assert text.count("| deepseek-v3 |") == 1 and text.count("| deepseek-v3-time |") == 1
     assert text.rstrip().endswith("none")
+
+
+def test_a_dataset_not_yet_gated_reports_where_its_held_out_rows_stand():
+    data = load_dataset("piper-migration-table4").model_dump()
+    data["rows"] = [dict(data["rows"][0], gated=False), dict(data["rows"][1], gated=False, split="fit")]
+    data["rows"][0]["published"] *= 2                # predicted half of it: |error| 50%
+    result = validate_dataset(DatasetSpec.model_validate(data))
+    summary = result.ungated_summary()
+    assert summary.startswith("not gated: 1 held-out rows, mean |error| 50.") and "0 within" in summary, summary
