@@ -217,7 +217,8 @@ def host_floor_terms(ctx, c, per_layer: dict) -> dict:
     dropless MoE the host cannot bank that time ahead: every MoE layer synchronises it on the tokens-per-expert
     counts (the GB200 guide's future work: "eliminate the device-host sync in the MoE model (its purpose is to get
     the tokens per expert information)"), so the floor holds layer by layer:
-    ``max(device, host) = device + max(host - device, 0)``. Empty when the platform prices no host time."""
+    ``max(device, host) = device + max(host - device, 0)``. Full recompute adds its forward calls; selective
+    recompute's few re-run linears are not counted. Empty when the platform prices no host time."""
     per_call = ctx.platform.efficiency.host_s_per_gemm_call
     if per_call <= 0:
         return {}
