@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 
 from piper_plan.cost.overhead import GEMMS_PER_LINEAR, linears_per_layer
-from piper_plan.validation import _Inputs, load_dataset, predict_row, row_plan
+from piper_plan.validation import _Inputs, load_dataset, row_plan
 
 DATASET = "megatron-bridge-moe"
 UPPER_S = 1e-3            # bisection bracket: 0 .. 1 ms per GEMM call
@@ -32,14 +32,19 @@ def with_host_constant(platform, seconds: float):
     return type(platform).model_validate(data)
 
 
-def predicted_at(inputs: _Inputs, row, seconds: float) -> float:
-    """The row's predicted tokens/s per GPU with its platform's host constant set to ``seconds``."""
+def _estimate(inputs: _Inputs, row, seconds: float):
+    """The row's estimate with its platform's host constant set to ``seconds``."""
+    from piper_plan.cost.evaluate import estimate
+
+    model, training = inputs.model(row), inputs.training(row)
     platform, calibration = inputs.platform_of(row)
-    inputs._platforms[platform.name] = (with_host_constant(platform, seconds), calibration)
-    try:
-        return predict_row(inputs, row).predicted
-    finally:
-        inputs._platforms[platform.name] = (platform, calibration)
+    return estimate(model, with_host_constant(platform, seconds), training, row.nodes, row_plan(row, training),
+                    calibration=calibration, options=inputs.options(row))
+
+
+def predicted_at(inputs: _Inputs, row, seconds: float) -> float:
+    """The row's predicted tokens/s per GPU at ``seconds`` per GEMM call."""
+    return _estimate(inputs, row, seconds).tokens_per_s / row_plan(row, inputs.training(row)).world
 
 
 def fit_row(inputs: _Inputs, row) -> float | None:
@@ -55,14 +60,8 @@ def fit_row(inputs: _Inputs, row) -> float | None:
 
 def host_calls_per_device_ms(inputs: _Inputs, row) -> float:
     """The fit-row rule's quantity for ``row``, priced without any host time."""
-    from piper_plan.cost.evaluate import estimate
-
-    model, training = inputs.model(row), inputs.training(row)
-    plan, options = row_plan(row, training), inputs.options(row)
-    platform, calibration = inputs.platform_of(row)
-    est = estimate(model, with_host_constant(platform, 0.0), training, row.nodes, plan, calibration=calibration,
-                   options=options)
-    busiest = max(est.memory.per_stage, key=lambda s: s.time_per_microbatch_s)
+    model, plan, options = inputs.model(row), row_plan(row, inputs.training(row)), inputs.options(row)
+    busiest = max(_estimate(inputs, row, 0.0).memory.per_stage, key=lambda s: s.time_per_microbatch_s)
     device_ms = 1e3 * busiest.time_per_microbatch_s / busiest.layers
     _, moe_linears = linears_per_layer(model, model.moe.num_experts / plan.ep, options.cuda_graph_scope)
     return GEMMS_PER_LINEAR * float(moe_linears) / device_ms
@@ -75,7 +74,8 @@ def main(row_ids: list[str]) -> None:
     if row_ids == ["--rule"]:
         for row in spec.rows:
             platform, _ = inputs.platform_of(row)
-            print(f"{row.id:28s} {platform.name:12s} host calls per device-ms {host_calls_per_device_ms(inputs, row):6.2f}")
+            rate = host_calls_per_device_ms(inputs, row)
+            print(f"{row.id:28s} {platform.name:12s} host calls per device-ms {rate:6.2f}")
         return
     for row_id in row_ids:
         row = rows[row_id]
