@@ -73,6 +73,8 @@ def render_dataset(r) -> None:
     goal = f", goal {s.goal_mean_pct:g}%" if s.goal_mean_pct is not None else ""
     out.print(f"{s.name}: mean |error| {_pct(r.mean_abs_pct_error)} (tolerance {s.tolerance_pct.mean:g}%{goal}), "
               f"max {_pct(r.max_abs_pct_error)}, held-out mean {_pct(r.held_out_mean_abs_pct_error)}", markup=False)
+    if r.ungated_summary():
+        out.print(f"  {r.ungated_summary()}", markup=False)
     out.print(f"  source: {s.citation}", markup=False)
     if s.fitted:
         out.print(f"  fitted: {s.fitted}", markup=False)
@@ -96,13 +98,16 @@ def report_markdown(results, violations: list[str]) -> str:
     for r in results:
         s = r.spec
         lines += [f"## {s.name} ({'used for fitting' if s.used_for_fitting else 'held out'})", "", s.citation, "",
-                  "| row | quantity | published | predicted | error | tolerance | ok |", "|---|---|---|---|---|---|---|"]
+                  "| row | quantity | published | predicted | error | tolerance | split | ok |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in r.rows:
             err = "-" if row.rel_error is None else f"{100 * row.rel_error:+.2f}%"
             ok = ("yes" if row.ok else "**no**") if row.gated else "not gated"
             lines.append(f"| {row.id} | {row.quantity} | {_num(row.published)} | {_num(row.predicted)} | {err} | "
-                         f"{row.tolerance_pct:g}% | {ok} |")
+                         f"{row.tolerance_pct:g}% | {row.split} | {ok} |")
         lines += ["", f"Mean |error| {_pct(r.mean_abs_pct_error)} (tolerance {s.tolerance_pct.mean:g}%), "
                       f"max {_pct(r.max_abs_pct_error)}, held-out mean {_pct(r.held_out_mean_abs_pct_error)}.", ""]
+        lines += [f"Rows {r.ungated_summary()}.", ""] if r.ungated_summary() else []
+        lines += [f"Fitted: {s.fitted}", ""] if s.fitted else []
     lines += ["## Violations", ""] + ([f"- {v}" for v in violations] or ["none"])
     return "\n".join(lines) + "\n"

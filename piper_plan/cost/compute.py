@@ -33,13 +33,14 @@ class Rates:
         self.attention_peak = platform.peak_flops(self.attention_dtype)
         self.bandwidth_Bps = platform.device.memory_bandwidth_GBps * 1e9
         self.elem_bytes = 4 if dtype == "fp32" else 1 if dtype in LOW_PRECISION_GEMM_DTYPES else 2
+        self.gemm_efficiency = platform.efficiency.gemm_fraction(dtype)
         self.extrapolated = False
 
     @property
     def source(self) -> str:
         if self.calibration is not None:
             return "calibration"
-        return f"roofline fallback (efficiency.gemm={self.platform.efficiency.gemm}, " \
+        return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.dtype}, " \
                f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source})"
 
     def gemm_flops_per_s(self, m, n, k, groups=1):
@@ -50,7 +51,7 @@ class Rates:
             return np.asarray(rate, float)
         m, n, k = (np.maximum(np.asarray(x, float), 1.0) for x in (m, n, k))
         intensity = 2 * m * n * k / ((m * k + k * n + m * n) * self.elem_bytes)
-        return self.platform.efficiency.gemm * np.minimum(self.peak, intensity * self.bandwidth_Bps)
+        return self.gemm_efficiency * np.minimum(self.peak, intensity * self.bandwidth_Bps)
 
     def gemm_seconds(self, m, n, k, groups=1, backward=False):
         """Seconds of the forward GEMM, or of its two backward GEMMs (input grad [m,n]x[n,k], weight grad [k,m]x[m,n])."""

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm")
 """The selective-recompute modules CostOptions.recompute_modules may name."""
+EP_DISPATCH = ("per_expert", "per_node")
+"""The values CostOptions.ep_dispatch may take."""
+CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe_router")
+"""The parts of a layer CostOptions.cuda_graph_scope may name (Megatron-Core's ``--cuda-graph-scope`` values whose
+host work piper prices; a dropless MoE layer's routed experts have dynamic shapes and are never captured)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,17 @@ class CostOptions:
     """Fraction of data-parallel gradient sync hidden behind the backward pass of the last micro-batch."""
     migration_fraction: float = 0.0
     """Amortised expert-migration time as a fraction of step time (the Piper paper bounds it below 5%)."""
+    ep_dispatch: str = "per_expert"
+    """How the expert all-to-all sends a token to other nodes: ``per_expert``, one copy per chosen expert
+    (Megatron-Core's alltoall dispatcher, piper's runtime); ``per_node``, one copy per destination node, fanned out
+    over NVLink there (DeepEP's and HybridEP's normal kernels: Megatron-Core's flex dispatcher), so the network
+    carries the expected distinct remote nodes of a token instead of its remote experts (cost/terms.py,
+    node_copy_fraction). For NIC-joined nodes; an NVLink domain wider than a node is not deduplicated."""
+    cuda_graph_scope: tuple[str, ...] = ()
+    """Layer parts replayed from CUDA graphs, whose host work is therefore not priced by the host floor
+    (cost/overhead.py, host_floor_terms): ``attn`` the attention linears, ``mlp`` a dense layer's MLP, ``moe_router``
+    the router and the shared experts (Megatron-Core's scopes of the same names; the DeepSeek-V3 GB200 guide in
+    NVIDIA/Megatron-LM docs/discussions captures ``attn moe_router moe_preprocess``)."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
@@ -67,6 +83,18 @@ class CostOptions:
             raise PiperError(f"recompute_modules names {', '.join(map(repr, unknown))}; allowed: "
                              f"{', '.join(RECOMPUTE_MODULES)}", field="options.recompute_modules")
         object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
+        if self.ep_dispatch not in EP_DISPATCH:
+            from piper_plan.errors import PiperError
+
+            raise PiperError(f"ep_dispatch is {self.ep_dispatch!r}; allowed: {', '.join(EP_DISPATCH)}",
+                             field="options.ep_dispatch")
+        bad = [m for m in self.cuda_graph_scope if m not in CUDA_GRAPH_SCOPES]
+        if bad:
+            from piper_plan.errors import PiperError
+
+            raise PiperError(f"cuda_graph_scope names {', '.join(map(repr, bad))}; allowed: "
+                             f"{', '.join(CUDA_GRAPH_SCOPES)}", field="options.cuda_graph_scope")
+        object.__setattr__(self, "cuda_graph_scope", tuple(self.cuda_graph_scope))
 
 
 DEFAULT_OPTIONS = CostOptions()

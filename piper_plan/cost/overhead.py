@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from piper_plan.specs.vocab import A2A
+from piper_plan.specs.vocab import A2A, Recompute
 
 
 @dataclass(frozen=True)
@@ -177,3 +177,56 @@ def overhead_terms(ctx, c, spans, ov: FrameworkOverhead):
         calls = np.where(c.ep > 1, exchanges + 4, 0.0)
         terms["moe/sync_wait"] = (0.0 * one, calls * ov.wait_seconds(ranks_per_host(ctx.platform, c.world)))
     return terms, ov.head_loss_s * share, compute_scale
+
+
+# ---- the host floor of a GPU layer ----------------------------------------------------------------------------
+GEMMS_PER_LINEAR = 3
+"""A linear's forward, input-gradient and weight-gradient GEMMs, each its own host call."""
+
+
+def attention_linears(model) -> int:
+    """Linear modules of one attention block as Megatron-Core builds them: GQA / MHA a fused qkv and the output
+    projection; MLA the q down / up (one q projection without q_lora_rank), kv down / up and the output."""
+    a = model.attention
+    if a.kind == "mla":
+        return (2 if a.q_lora_rank else 1) + 2 + 1
+    return 2
+
+
+def linears_per_layer(model, local_experts, graphed: tuple[str, ...]):
+    """(dense layer, MoE layer) linear modules whose host work runs every micro-batch, outside CUDA graphs.
+    A gated FFN is two linears (fused gate / up, down); the routed experts are one pair per local expert
+    (grouped GEMM as multi-stream cuBLAS calls, one per expert: the GB200 guide, baseline item 3) and never
+    graphed: their token counts change every step in dropless routing."""
+    attn = 0 if "attn" in graphed else attention_linears(model)
+    mlp = 0 if ("mlp" in graphed or model.dense_ffn is None) else 2
+    dense = attn + mlp + 0.0 * np.asarray(local_experts, float)
+    moe = model.moe
+    if moe is None:
+        return dense, 0.0 * dense
+    router = 0 if "moe_router" in graphed else 1 + (2 if moe.num_shared_experts else 0)
+    return dense, attn + router + 2.0 * np.asarray(local_experts, float)
+
+
+def host_floor_terms(ctx, c, per_layer: dict) -> dict:
+    """{"host/launch": (per dense layer, per MoE layer)}: the host time of a layer's GEMM calls beyond what the
+    device spends on that layer (its compute and communication terms in ``per_layer``), per micro-batch.
+
+    A layer takes at least its host work: each GEMM call of a training step costs the host a fixed time (Python,
+    framework and kernel launch, with its casts: ``efficiency.host_s_per_gemm_call``), whatever its size. In a
+    dropless MoE the host cannot bank that time ahead: every MoE layer synchronises it on the tokens-per-expert
+    counts (the GB200 guide's future work: "eliminate the device-host sync in the MoE model (its purpose is to get
+    the tokens per expert information)"), so the floor holds layer by layer:
+    ``max(device, host) = device + max(host - device, 0)``. Full recompute adds its forward calls; selective
+    recompute's few re-run linears are not counted. Empty when the platform prices no host time."""
+    per_call = ctx.platform.efficiency.host_s_per_gemm_call
+    if per_call <= 0:
+        return {}
+    model = ctx.model
+    local = (model.moe.num_experts / c.ep) if model.moe is not None else 0.0 * c.ep
+    dense_n, moe_n = linears_per_layer(model, local, ctx.opts.cuda_graph_scope)
+    gemms = GEMMS_PER_LINEAR + np.where(c.recompute == Recompute.FULL.code, 1, 0)     # + the recomputed forward
+    device_d = sum(d for d, _ in per_layer.values())
+    device_m = sum(m for _, m in per_layer.values())
+    host_d, host_m = per_call * gemms * dense_n, per_call * gemms * moe_n
+    return {"host/launch": (np.maximum(host_d - device_d, 0.0), np.maximum(host_m - device_m, 0.0))}

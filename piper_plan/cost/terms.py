@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from piper_plan.cost import stage as stg
+from piper_plan.cost.overhead import host_floor_terms
 from piper_plan.placement.layout import span_arrays, stage_pair_scope
 from piper_plan.plans import PlanBatch
 from piper_plan.specs.vocab import A2A, Recompute
@@ -42,6 +43,33 @@ def _hide_dispatch_behind_shared_experts(per_layer: dict, shared_fb, c: PlanBatc
     keep = np.where((c.a2a == A2A.FLAT.code) & (dispatch > 0), exposed / np.maximum(dispatch, 1e-300), 1.0)
     for n in names:
         per_layer[n] = (per_layer[n][0], per_layer[n][1] * keep)
+
+
+def _no_hit_probability(pool, held, picks: int):
+    """Probability that ``picks`` distinct draws from ``pool`` items miss all ``held`` of them (hypergeometric)."""
+    p = np.ones_like(np.asarray(held, float))
+    for i in range(picks):
+        p = p * np.maximum(pool - held - i, 0.0) / (pool - i)
+    return p
+
+
+def node_copy_fraction(moe, nodes) -> np.ndarray:
+    """Inter-node copies of a per-node dispatch (CostOptions.ep_dispatch) over those of a per-expert one, for an
+    expert group spanning ``nodes`` nodes (experts placed contiguously, E / nodes per node): the expected distinct
+    nodes a token's k experts live on over k (both counts' remote share (nodes - 1) / nodes cancels), for uniform
+    routing (the forced load balance of benchmark runs). With group-limited routing whose groups sit whole on
+    nodes (routing_groups a multiple of nodes), a token reaches at most its routing_group_top_k groups' nodes,
+    each chosen group assumed to receive one of its experts (groups are ranked by their best experts); otherwise
+    the plain draw of k of E. 1 on one node."""
+    nodes = np.maximum(np.asarray(nodes, float), 1.0)
+    experts, k = float(moe.num_experts), moe.top_k
+    distinct = nodes * (1 - _no_hit_probability(experts, experts / nodes, k))
+    groups = moe.routing_groups
+    if groups is not None:
+        whole = np.mod(groups, nodes) == 0
+        grouped = nodes * (1 - _no_hit_probability(float(groups), groups / nodes, moe.routing_group_top_k))
+        distinct = np.where(whole, np.minimum(grouped, distinct), distinct)
+    return np.where(nodes > 1, np.minimum(distinct / k, 1.0), 1.0)
 
 
 def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
@@ -79,12 +107,15 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
         "comm/tp": (tp, tp), "comm/cp": (cp, cp),
     }
     if "a2a_intra" in comm:
+        if o.ep_dispatch == "per_node":
+            comm["a2a_inter"] = comm["a2a_inter"] * node_copy_fraction(ctx.model.moe, group_spans["ep"][1])
         per_layer["comm/etp"] = (zero, comm["etp"] * passes * (1 - o.tp_overlap))
         for part in ("dispatch", "combine"):
             for where, key in (("intra_node", "a2a_intra"), ("inter_node", "a2a_inter")):
                 per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
         if o.shared_expert_overlap and ctx.model.moe.num_shared_experts:
             _hide_dispatch_behind_shared_experts(per_layer, comp["shared_experts"], c, full)
+    per_layer.update(host_floor_terms(ctx, c, per_layer))       # after every device term of the layer
     head_f, head_b = stg._gemm(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms

@@ -501,7 +501,8 @@ def shrink_spec(spec, hidden_size: int = 64, num_layers: int | None = 4, num_exp
 
 def _shrunk_moe(m, ffn_size: int, num_experts: int | None, num_layers: int):
     upd = {"expert": m.expert.model_copy(update={"intermediate_size": ffn_size // 2}),
-           "num_experts": num_experts or min(m.num_experts, 8)}
+           "num_experts": num_experts or min(m.num_experts, 8),
+           "routing_groups": None, "routing_group_top_k": None}     # the runtime routes without group limits
     upd["top_k"] = min(m.top_k, upd["num_experts"])
     if m.shared_expert is not None:
         upd["shared_expert"] = m.shared_expert.model_copy(update={"intermediate_size": ffn_size})

@@ -153,11 +153,23 @@ class MoESpec(Spec):
     """A dense MLP beside the experts in every MoE layer (Arctic's residual MLP)."""
     capacity_factor: float | None = Field(default=None, gt=0, le=1000)
     """Tokens per expert are capped at capacity_factor x (tokens x k / E); None = dropless."""
+    routing_groups: int | None = Field(default=None, ge=2, le=MAX_EXPERTS)
+    """Group-limited routing (DeepSeek-V2 / V3 config n_group): the experts form this many equal groups and a
+    token's top_k experts come from its ``routing_group_top_k`` best groups; None = no limit."""
+    routing_group_top_k: int | None = Field(default=None, ge=1, le=MAX_EXPERTS)
+    """Groups a token's experts may come from (config topk_group)."""
 
     @model_validator(mode="after")
     def _check(self) -> "MoESpec":
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        groups, chosen = self.routing_groups, self.routing_group_top_k
+        if (groups is None) != (chosen is None):
+            raise ValueError("routing_groups and routing_group_top_k go together")
+        if groups is not None and (self.num_experts % groups or chosen > groups
+                                   or self.top_k > chosen * self.num_experts // groups):
+            raise ValueError(f"routing_groups={groups} must divide num_experts={self.num_experts} and "
+                             f"routing_group_top_k={chosen} groups must hold top_k={self.top_k} experts")
         return self
 
     @property

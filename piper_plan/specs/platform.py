@@ -213,8 +213,19 @@ class EfficiencySpec(Spec):
     """Fraction of dense peak reached by large GEMMs."""
     attention: float = Field(gt=0, le=1)
     """Fraction of dense peak reached by attention kernels."""
+    gemm_by_dtype: dict[Dtype, Annotated[float, Field(gt=0, le=1)]] = {}
+    """Measured GEMM fraction of that dtype's peak where it differs from ``gemm`` (e.g. fp8 matmuls reach a lower
+    fraction than bf16 ones); a dtype not named here uses ``gemm``."""
+    host_s_per_gemm_call: float = Field(default=0.0, ge=0, le=1e-2)
+    """Host seconds per GEMM call of a training step (the Python, framework and launch work of one linear's
+    forward, dgrad or wgrad with its casts): a layer cannot run faster than its host work (cost/overhead.py,
+    host_floor_terms). 0 = host work always hidden (not priced)."""
     source: str
     """Citation."""
+
+    def gemm_fraction(self, dtype: str) -> float:
+        """The GEMM efficiency in force for ``dtype``."""
+        return self.gemm_by_dtype.get(dtype, self.gemm)
 
 
 class MemoryOverheadSpec(Spec):
