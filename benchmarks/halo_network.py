@@ -42,7 +42,9 @@ SHARE_RATE_GBps = 0.1
 SHAPES = ((2, 2), (2, 4), (4, 2))
 SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB per rank
 BIG = 256 * 1024  # the sizes that matter for the 15% target
-REPEATS = 5
+REPEATS = 10  # timed calls per point, after one warm-up
+STATISTIC = "min"  # per rank the fastest call: the uncontended time on this shared host (calibration.timing)
+TURN_SIZES = (2**20, 4 * 2**20, 16 * 2**20)  # flat all-to-all at SHARE_RATE_GBps: the turn-taking calibration
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
@@ -83,6 +85,24 @@ def nic_shares(tmp: Path) -> dict:
     return shares
 
 
+def flat_at_other_rate(out: Path, measure: bool = True) -> dict[str, dict]:
+    """Flat all-to-all at SHARE_RATE_GBps (not a test rate) on every shape, TURN_SIZES: how far a flat exchange
+    stays above its busiest uplink's time (kept in OUT/flat-<rate>-<shape>.json)."""
+    from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
+    from piper_plan.fileio import atomic_write_json
+
+    spec, found = NetworkSpec(SHARE_RATE_GBps, UPLINKS), {}
+    for nodes, g in SHAPES:
+        path = out / f"flat-{SHARE_RATE_GBps:g}-{nodes}x{g}.json"
+        if not path.is_file() and not measure:
+            continue
+        if not path.is_file():
+            config = BenchConfig(("flat",), TURN_SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
+            atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
+        found[f"{nodes}x{g}"] = json.loads(path.read_text())
+    return found
+
+
 def calibrate(spec: NetworkSpec, directory: Path) -> None:
     """bench_collectives on 2 x 4 ranks of the network; keep no all_to_all row that spans nodes."""
     from piper_plan.calibration.io import read_table, render_csv
@@ -95,7 +115,7 @@ def calibrate(spec: NetworkSpec, directory: Path) -> None:
     source = f"measured: benchmarks/halo_network.py on the emulated network {spec.text} {time.strftime('%Y-%m-%d')}"
     run_on_network(spec, 2, 4, module("piper_plan.calibration.bench_collectives", "--platform", str(PLATFORM_FILE),
                                       "--out", str(directory), "--quick", "--ops", "p2p,all_reduce,all_to_all",
-                                      "--source", source), 600)
+                                      "--statistic", STATISTIC, "--repeats", str(REPEATS), "--source", source), 600)
     path = directory / "collectives.csv"
     frame = read_table(path, COLLECTIVES)
     frame = frame[(frame["op"] != "all_to_all") | (frame["scope"] == "node")]
@@ -128,7 +148,7 @@ def relay_copies(out: Path, reuse: bool = False) -> dict:
         return json.loads(path.read_text())
     command = [sys.executable, str(ROOT / "benchmarks" / "halo_phases.py"), "--copies", "--rate", f"{SHARE_RATE_GBps:g}",
                "--nodes", str(COPY_NODES), "--ranks-per-node", str(COPY_RANKS), "--sizes", str(COPY_BYTES),
-               "--out", str(probe)]
+               "--statistic", STATISTIC, "--repeats", str(REPEATS), "--out", str(probe)]
     if not probe.is_file() and reuse:
         sys.exit(f"halo_network.py --reuse: {path} missing (HALO's copy rate); measure it as root with "
                  f"{' '.join(command[1:])}, or run without --reuse")
@@ -189,7 +209,8 @@ def measure(spec: NetworkSpec, nodes: int, g: int, out: Path):
     path = out / f"measured-{spec.uplink_GBps:g}-{nodes}x{g}.json"
     if path.is_file():
         return result_from_dict(json.loads(path.read_text()))
-    result = network_bench(BenchConfig(("flat", "halo"), SIZES, nodes, g, repeats=REPEATS), spec, timeout_s=600)
+    config = BenchConfig(("flat", "halo"), SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
+    result = network_bench(config, spec, timeout_s=600)
     atomic_write_json(path, asdict(result))
     return result
 
@@ -210,7 +231,7 @@ def sweep(out: Path, shares: dict, copies: dict) -> tuple[list[dict], dict]:
             result = measure(spec, nodes, g, out)
             for size in result.sizes:
                 rows.append({"rate_GBps": rate, "nodes": nodes, "ranks_per_node": g, "bytes": size.bytes_per_rank,
-                             "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"]})
+                             "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"], "load_avg": size.load_avg})
                 r = predict_row(rows[-1], checks[rate], shares, copies, calibration)
                 print(f"{rate:g} GB/s {nodes}x{g} {size.bytes_per_rank:>9} B: flat {r['flat_s'] * 1e3:8.2f} ms "
                       f"(pred {r['flat_pred_s'] * 1e3:8.2f})  halo {r['halo_s'] * 1e3:8.2f} ms "
@@ -389,6 +410,23 @@ def report(rows, checks, shares, loop_rows, copies) -> str:
     return "\n".join(lines) + "\n"
 
 
+KEPT_FROM_FIRST = ("shares.json", "copies.json", "copies-probe.json", "shaping-{rate:g}.json", "calibration-{rate:g}",
+                   "flat-{share:g}-{nodes}x{g}.json")
+
+
+def reuse_calibration(first: Path, out: Path) -> None:
+    """A repeat sweep into OUT measures flat and HALO again on the calibration, shaping check and NIC shares of
+    the sweep in FIRST (copied), so the two sweeps differ only in the measurement being repeated."""
+    for pattern in KEPT_FROM_FIRST:
+        for rate in RATES_GBps:
+            for nodes, g in SHAPES:
+                name = pattern.format(rate=rate, share=SHARE_RATE_GBps, nodes=nodes, g=g)
+                source, target = first / name, out / name
+                if target.exists() or not source.exists():
+                    continue
+                (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/piper-halo-net")
@@ -396,11 +434,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--reuse", action="store_true", help="re-predict and re-render from OUT/results.json")
     ap.add_argument("--no-closed-loop", action="store_true")
+    ap.add_argument("--from", dest="first", default=None,
+                    help="a repeat sweep: take calibration, shaping and NIC shares from this earlier OUT")
+    ap.add_argument("--repeat", default=None, help="an OUT measured again with --from OUT: report the spread per point")
     args = ap.parse_args()
     from piper_plan.fileio import atomic_write_json, atomic_write_text
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.first:
+        reuse_calibration(Path(args.first), out)
     copies = relay_copies(out, reuse=args.reuse)
     print(f"relay copies: {copies}", flush=True)
     if args.reuse:
@@ -413,6 +456,8 @@ def main() -> int:
         shares = json.loads(shares_path.read_text()) if shares_path.is_file() else nic_shares(out)
         atomic_write_json(shares_path, shares)
         print(f"busiest-uplink shares: {shares}", flush=True)
+        turns = flat_at_other_rate(out)
+        print(f"flat at {SHARE_RATE_GBps:g} GB/s: {turns}", flush=True)
         rows, checks = sweep(out, shares, copies)
         loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, args.steps)
     atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
