@@ -44,7 +44,8 @@ SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB per rank
 BIG = 256 * 1024  # the sizes that matter for the 15% target
 REPEATS = 10  # timed calls per point, after one warm-up
 STATISTIC = "min"  # per rank the fastest call: the uncontended time on this shared host (calibration.timing)
-TURN_SIZES = (2**20, 4 * 2**20, 16 * 2**20)  # flat all-to-all at SHARE_RATE_GBps: the turn-taking calibration
+OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat at SHARE_RATE_GBps: host step, wire time
+HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
@@ -86,8 +87,9 @@ def nic_shares(tmp: Path) -> dict:
 
 
 def flat_at_other_rate(out: Path, measure: bool = True) -> dict[str, dict]:
-    """Flat all-to-all at SHARE_RATE_GBps (not a test rate) on every shape, TURN_SIZES: how far a flat exchange
-    stays above its busiest uplink's time (kept in OUT/flat-<rate>-<shape>.json)."""
+    """Flat all-to-all at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: what a tiny exchange
+    costs the host (host_step_us) and how far a large one stays above its busiest uplink's time (kept in
+    OUT/flat-<rate>-<shape>.json)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
 
@@ -97,7 +99,7 @@ def flat_at_other_rate(out: Path, measure: bool = True) -> dict[str, dict]:
         if not path.is_file() and not measure:
             continue
         if not path.is_file():
-            config = BenchConfig(("flat",), TURN_SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
+            config = BenchConfig(("flat",), OTHER_RATE_SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
             atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
         found[f"{nodes}x{g}"] = json.loads(path.read_text())
     return found
@@ -194,6 +196,23 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     return PlatformSpec.model_validate(data)
 
 
+def tiny_flat_seconds(other_rate: dict[str, dict]) -> dict[str, float]:
+    """Per shape ("2x4"), the seconds of the HOST_STEP_BYTES flat exchange measured at SHARE_RATE_GBps."""
+    return {shape: size["seconds"]["flat"] for shape, result in other_rate.items() for size in result["sizes"]
+            if size["bytes_per_rank"] == HOST_STEP_BYTES}
+
+
+def with_host_step(platform, calibration, nodes: int, g: int, tiny_flat_s: float | None):
+    """``platform`` with node.host_step_us: what the tiny flat exchange measured at another rate on this shape took
+    beyond the model's time for it without a host step (its latency terms); unchanged where not measured."""
+    if tiny_flat_s is None:
+        return platform
+    modelled_s = predict(platform, calibration, nodes, g, HOST_STEP_BYTES)["flat"]
+    data = platform.model_dump()
+    data["node"]["host_step_us"] = max(tiny_flat_s - modelled_s, 0.0) * 1e6
+    return type(platform).model_validate(data)
+
+
 def predict(platform, calibration, nodes: int, g: int, nbytes: int) -> dict[str, float]:
     from piper_plan.cost.comm import Network
 
@@ -215,7 +234,7 @@ def measure(spec: NetworkSpec, nodes: int, g: int, out: Path):
     return result
 
 
-def sweep(out: Path, shares: dict, copies: dict) -> tuple[list[dict], dict]:
+def sweep(out: Path, shares: dict, copies: dict, tiny: dict) -> tuple[list[dict], dict]:
     from piper_plan.calibration import load_calibration
 
     rows, checks = [], {}
@@ -232,17 +251,19 @@ def sweep(out: Path, shares: dict, copies: dict) -> tuple[list[dict], dict]:
             for size in result.sizes:
                 rows.append({"rate_GBps": rate, "nodes": nodes, "ranks_per_node": g, "bytes": size.bytes_per_rank,
                              "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"], "load_avg": size.load_avg})
-                r = predict_row(rows[-1], checks[rate], shares, copies, calibration)
+                r = predict_row(rows[-1], checks[rate], shares, copies, calibration, tiny)
                 print(f"{rate:g} GB/s {nodes}x{g} {size.bytes_per_rank:>9} B: flat {r['flat_s'] * 1e3:8.2f} ms "
                       f"(pred {r['flat_pred_s'] * 1e3:8.2f})  halo {r['halo_s'] * 1e3:8.2f} ms "
                       f"(pred {r['halo_pred_s'] * 1e3:8.2f})", flush=True)
     return rows, checks
 
 
-def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration) -> dict:
+def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration, tiny: dict) -> dict:
     """``row`` (one measured point) with the model's flat and HALO seconds for it."""
     g, nodes = row["ranks_per_node"], row["nodes"]
     platform = platform_for(row["rate_GBps"], nodes, g, check["figures"], shares[f"flat {g}"], check, copies)
+    platform = with_host_step(platform, calibration, nodes, g, tiny.get(f"{nodes}x{g}"))
+    row["host_step_us"] = platform.node.host_step_us
     pred = predict(platform, calibration, nodes, g, row["bytes"])
     row["flat_pred_s"], row["halo_pred_s"] = pred["flat"], pred["halo"]
     return row
@@ -251,7 +272,8 @@ def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration)
 # ------------------------------------------------------------------------------ closed loop
 
 
-def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, steps: int, run: bool = True) -> list[dict]:
+def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict, steps: int,
+                run: bool = True) -> list[dict]:
     """dp4 ep4 (tiny-moe) with flat and with HALO on 2 nodes x 2 ranks of the slowest network; ``run=False``
     predicts again and compares with the steps measured before (OUT/closed-loop-*/metrics.jsonl)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -271,6 +293,7 @@ def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, steps: int,
     shutil.copy(out / f"calibration-{rate:g}" / "collectives.csv", cal_dir / "collectives.csv")
     calibration = load_calibration(cal_dir)
     platform = platform_for(rate, 2, 2, link_figures(cal_dir), shares["flat 2"], checks[rate], copies)
+    platform = with_host_step(platform, calibration, 2, 2, tiny.get("2x2"))
     model = load_model(MODEL)
     training = TrainingSpec(seq_len=SEQ, global_batch=BATCH, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
     rows = []
@@ -348,7 +371,35 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(rows, checks, shares, loop_rows, copies) -> str:
+def repeatability(rows: list[dict], again: list[dict]) -> list[str]:
+    """The same points measured in two sweeps: the second's time against the first's, per point (>= BIG), and the
+    model's counts against each."""
+    pairs = [(a, b) for a, b in zip(rows, again) if a["bytes"] >= BIG]
+    assert all((a["rate_GBps"], a["nodes"], a["ranks_per_node"], a["bytes"]) ==
+               (b["rate_GBps"], b["nodes"], b["ranks_per_node"], b["bytes"]) for a, b in pairs), "sweeps differ"
+    spread = {algo: [rel(b[f"{algo}_s"], a[f"{algo}_s"]) for a, b in pairs] for algo in ("flat", "halo")}
+    first, second = summary(rows), summary(again)
+    lines = ["## Repeatability (the same points measured in a second sweep)", "",
+             "| | flat | HALO |", "|---|---|---|"]
+    lines.append("| second sweep within 15% of the first (>= 256 KiB) | "
+                 + " | ".join(f"{sum(abs(x) <= 0.15 for x in v)}/{len(v)}" for v in spread.values()) + " |")
+    lines.append("| second against first, range | "
+                 + " | ".join(f"{100 * min(v):+.0f}% .. {100 * max(v):+.0f}%" for v in spread.values()) + " |")
+    lines.append("| median abs difference | "
+                 + " | ".join(f"{100 * statistics.median(abs(x) for x in v):.0f}%" for v in spread.values()) + " |")
+    for name, s in (("first", first), ("second", second)):
+        lines.append(f"| model within 15%, {name} sweep | {s['within15']['flat']}/{s['big_points']} | "
+                     f"{s['within15']['halo']}/{s['big_points']} |")
+    lines += ["", f"Sign of HALO's speedup right: first sweep {first['sign_right']}/{first['points']}, second "
+              f"{second['sign_right']}/{second['points']}; wins predicted and measured: {len(first['wins'])} / "
+              f"{len(second['wins'])}.", "", "| GB/s | shape | bytes/rank | flat ms first / second | HALO ms first / second |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {a['rate_GBps']:g} | {a['nodes']} x {a['ranks_per_node']} | {a['bytes']:,} | {a['flat_s'] * 1e3:.1f} / "
+              f"{b['flat_s'] * 1e3:.1f} | {a['halo_s'] * 1e3:.1f} / {b['halo_s'] * 1e3:.1f} |" for a, b in pairs]
+    return lines + [""]
+
+
+def report(rows, checks, shares, loop_rows, copies, again=None) -> str:
     s = summary(rows)
     lines = ["# HALO vs flat all-to-all on an emulated multi-node network (measured)", "",
              "Generated by `benchmarks/halo_network.py` (run as root; scripts/netemu.sh builds the network); do not edit "
@@ -398,6 +449,7 @@ def report(rows, checks, shares, loop_rows, copies) -> str:
         + ("(" + "; ".join(f"{w['rate_GBps']:g} GB/s {w['nodes']}x{w['ranks_per_node']} {w['bytes'] // 1024} KiB: "
                            f"{w['flat_s'] / w['halo_s']:.2f}x measured, {w['flat_pred_s'] / w['halo_pred_s']:.2f}x predicted"
                            for w in s["wins"]) + ")" if s["wins"] else "") + ".", ""]
+    lines += repeatability(rows, again) if again else []
     if loop_rows:
         lines += ["## Closed loop on the emulated network", "",
                   f"tiny-moe, seq 128, global batch 8, 2 nodes x 2 ranks, {UPLINKS} x {min(RATES_GBps):g} GB/s uplinks; "
@@ -449,8 +501,9 @@ def main() -> int:
     if args.reuse:
         saved = json.loads((out / "results.json").read_text())
         rows, checks, shares = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"]
-        rows = repredict(out, rows, checks, shares, copies)
-        loop_rows = closed_loop(out, shares, checks, copies, args.steps, run=False) if saved["closed_loop"] else []
+        tiny = tiny_flat_seconds(flat_at_other_rate(out, measure=False))
+        rows = repredict(out, rows, checks, shares, copies, tiny)
+        loop_rows = closed_loop(out, shares, checks, copies, tiny, args.steps, run=False) if saved["closed_loop"] else []
     else:
         shares_path = out / "shares.json"
         shares = json.loads(shares_path.read_text()) if shares_path.is_file() else nic_shares(out)
@@ -458,24 +511,30 @@ def main() -> int:
         print(f"busiest-uplink shares: {shares}", flush=True)
         turns = flat_at_other_rate(out)
         print(f"flat at {SHARE_RATE_GBps:g} GB/s: {turns}", flush=True)
-        rows, checks = sweep(out, shares, copies)
-        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, args.steps)
+        tiny = tiny_flat_seconds(turns)
+        rows, checks = sweep(out, shares, copies, tiny)
+        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps)
     atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
                                              "copies": copies})
     doc = Path(args.doc)
     plot(rows, doc.with_suffix(".png"))
-    text = report(rows, checks, shares, loop_rows, copies)
+    again = None
+    if args.repeat:
+        other = Path(args.repeat)
+        saved_again = json.loads((other / "results.json").read_text())
+        again = repredict(other, saved_again["rows"], checks, shares, copies, tiny)
+    text = report(rows, checks, shares, loop_rows, copies, again)
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0
 
 
-def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict) -> list[dict]:
+def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict, tiny: dict) -> list[dict]:
     """The saved measurements with the model's predictions computed again (after a model change)."""
     from piper_plan.calibration import load_calibration
 
     cals = {rate: load_calibration(out / f"calibration-{rate:g}") for rate in checks}
-    return [predict_row(r, checks[r["rate_GBps"]], shares, copies, cals[r["rate_GBps"]]) for r in rows]
+    return [predict_row(r, checks[r["rate_GBps"]], shares, copies, cals[r["rate_GBps"]], tiny) for r in rows]
 
 
 def analysis_text() -> str:
