@@ -9,12 +9,17 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    all-to-all measured across nodes; flat's NIC use (the share of a node's inter-node bytes on its busiest uplink)
    comes from the tc counters of a flat all-to-all at another rate (SHARE_RATE_GBps, not a test rate);
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
-4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set.
+4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, and the
+   host's cost per dependent step (node.host_step_us) from a 4 KiB flat all-to-all at SHARE_RATE_GBps.
+
+Every point, calibration row and copy time is per rank the fastest of REPEATS calls (the uncontended time on this
+shared host), the slowest rank's; the host's load average is kept per point. ``--from FIRST`` measures flat and
+HALO again on FIRST's calibration; ``--repeat OTHER`` (with ``--reuse``) reports the spread between two sweeps.
 
 Then the closed loop with two plans (dp4 ep4 flat / halo, tiny-moe, 2 nodes x 2 ranks) on the slowest network:
 predicted vs measured step time. Writes docs/halo-measured.md and docs/halo-measured.png.
 
-Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse]
+Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse] [--from DIR] [--repeat DIR]
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ def main() -> int:
     print(f"tbf [bytes sent, dropped] over the whole run: {table.pop('tbf')}")
     for nbytes, row in table.items():
         print(f"{args.rate:g} GB/s {args.nodes}x{args.ranks_per_node} {int(nbytes):>9} B: "
-              + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in row.items()) + "  (ms)")
+              + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in row.items() if k != "bytes") + "  (ms)")
     return 0
 
 
