@@ -9,12 +9,17 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    all-to-all measured across nodes; flat's NIC use (the share of a node's inter-node bytes on its busiest uplink)
    comes from the tc counters of a flat all-to-all at another rate (SHARE_RATE_GBps, not a test rate);
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
-4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set.
+4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, and the
+   host's cost per dependent step (node.host_step_us) from a 4 KiB flat all-to-all at SHARE_RATE_GBps.
+
+Every point, calibration row and copy time is per rank the fastest of REPEATS calls (the uncontended time on this
+shared host), the slowest rank's; the host's load average is kept per point. ``--from FIRST`` measures flat and
+HALO again on FIRST's calibration; ``--repeat OTHER`` (with ``--reuse``) reports the spread between two sweeps.
 
 Then the closed loop with two plans (dp4 ep4 flat / halo, tiny-moe, 2 nodes x 2 ranks) on the slowest network:
 predicted vs measured step time. Writes docs/halo-measured.md and docs/halo-measured.png.
 
-Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse]
+Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse] [--from DIR] [--repeat DIR]
 """
 
 from __future__ import annotations
@@ -42,7 +47,10 @@ SHARE_RATE_GBps = 0.1
 SHAPES = ((2, 2), (2, 4), (4, 2))
 SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB per rank
 BIG = 256 * 1024  # the sizes that matter for the 15% target
-REPEATS = 5
+REPEATS = 10  # timed calls per point, after one warm-up
+STATISTIC = "min"  # per rank the fastest call: the uncontended time on this shared host (calibration.timing)
+OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat at SHARE_RATE_GBps: host step, wire time
+HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
@@ -83,6 +91,25 @@ def nic_shares(tmp: Path) -> dict:
     return shares
 
 
+def flat_at_other_rate(out: Path, measure: bool = True) -> dict[str, dict]:
+    """Flat all-to-all at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: what a tiny exchange
+    costs the host (host_step_us) and how far a large one stays above its busiest uplink's time (kept in
+    OUT/flat-<rate>-<shape>.json)."""
+    from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
+    from piper_plan.fileio import atomic_write_json
+
+    spec, found = NetworkSpec(SHARE_RATE_GBps, UPLINKS), {}
+    for nodes, g in SHAPES:
+        path = out / f"flat-{SHARE_RATE_GBps:g}-{nodes}x{g}.json"
+        if not path.is_file() and not measure:
+            continue
+        if not path.is_file():
+            config = BenchConfig(("flat",), OTHER_RATE_SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
+            atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
+        found[f"{nodes}x{g}"] = json.loads(path.read_text())
+    return found
+
+
 def calibrate(spec: NetworkSpec, directory: Path) -> None:
     """bench_collectives on 2 x 4 ranks of the network; keep no all_to_all row that spans nodes."""
     from piper_plan.calibration.io import read_table, render_csv
@@ -95,7 +122,7 @@ def calibrate(spec: NetworkSpec, directory: Path) -> None:
     source = f"measured: benchmarks/halo_network.py on the emulated network {spec.text} {time.strftime('%Y-%m-%d')}"
     run_on_network(spec, 2, 4, module("piper_plan.calibration.bench_collectives", "--platform", str(PLATFORM_FILE),
                                       "--out", str(directory), "--quick", "--ops", "p2p,all_reduce,all_to_all",
-                                      "--source", source), 600)
+                                      "--statistic", STATISTIC, "--repeats", str(REPEATS), "--source", source), 600)
     path = directory / "collectives.csv"
     frame = read_table(path, COLLECTIVES)
     frame = frame[(frame["op"] != "all_to_all") | (frame["scope"] == "node")]
@@ -128,7 +155,7 @@ def relay_copies(out: Path, reuse: bool = False) -> dict:
         return json.loads(path.read_text())
     command = [sys.executable, str(ROOT / "benchmarks" / "halo_phases.py"), "--copies", "--rate", f"{SHARE_RATE_GBps:g}",
                "--nodes", str(COPY_NODES), "--ranks-per-node", str(COPY_RANKS), "--sizes", str(COPY_BYTES),
-               "--out", str(probe)]
+               "--statistic", STATISTIC, "--repeats", str(REPEATS), "--out", str(probe)]
     if not probe.is_file() and reuse:
         sys.exit(f"halo_network.py --reuse: {path} missing (HALO's copy rate); measure it as root with "
                  f"{' '.join(command[1:])}, or run without --reuse")
@@ -174,6 +201,23 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     return PlatformSpec.model_validate(data)
 
 
+def tiny_flat_seconds(other_rate: dict[str, dict]) -> dict[str, float]:
+    """Per shape ("2x4"), the seconds of the HOST_STEP_BYTES flat exchange measured at SHARE_RATE_GBps."""
+    return {shape: size["seconds"]["flat"] for shape, result in other_rate.items() for size in result["sizes"]
+            if size["bytes_per_rank"] == HOST_STEP_BYTES}
+
+
+def with_host_step(platform, calibration, nodes: int, g: int, tiny_flat_s: float | None):
+    """``platform`` with node.host_step_us: what the tiny flat exchange measured at another rate on this shape took
+    beyond the model's time for it without a host step (its latency terms); unchanged where not measured."""
+    if tiny_flat_s is None:
+        return platform
+    modelled_s = predict(platform, calibration, nodes, g, HOST_STEP_BYTES)["flat"]
+    data = platform.model_dump()
+    data["node"]["host_step_us"] = max(tiny_flat_s - modelled_s, 0.0) * 1e6
+    return type(platform).model_validate(data)
+
+
 def predict(platform, calibration, nodes: int, g: int, nbytes: int) -> dict[str, float]:
     from piper_plan.cost.comm import Network
 
@@ -189,12 +233,13 @@ def measure(spec: NetworkSpec, nodes: int, g: int, out: Path):
     path = out / f"measured-{spec.uplink_GBps:g}-{nodes}x{g}.json"
     if path.is_file():
         return result_from_dict(json.loads(path.read_text()))
-    result = network_bench(BenchConfig(("flat", "halo"), SIZES, nodes, g, repeats=REPEATS), spec, timeout_s=600)
+    config = BenchConfig(("flat", "halo"), SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
+    result = network_bench(config, spec, timeout_s=600)
     atomic_write_json(path, asdict(result))
     return result
 
 
-def sweep(out: Path, shares: dict, copies: dict) -> tuple[list[dict], dict]:
+def sweep(out: Path, shares: dict, copies: dict, tiny: dict) -> tuple[list[dict], dict]:
     from piper_plan.calibration import load_calibration
 
     rows, checks = [], {}
@@ -210,18 +255,20 @@ def sweep(out: Path, shares: dict, copies: dict) -> tuple[list[dict], dict]:
             result = measure(spec, nodes, g, out)
             for size in result.sizes:
                 rows.append({"rate_GBps": rate, "nodes": nodes, "ranks_per_node": g, "bytes": size.bytes_per_rank,
-                             "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"]})
-                r = predict_row(rows[-1], checks[rate], shares, copies, calibration)
+                             "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"], "load_avg": size.load_avg})
+                r = predict_row(rows[-1], checks[rate], shares, copies, calibration, tiny)
                 print(f"{rate:g} GB/s {nodes}x{g} {size.bytes_per_rank:>9} B: flat {r['flat_s'] * 1e3:8.2f} ms "
                       f"(pred {r['flat_pred_s'] * 1e3:8.2f})  halo {r['halo_s'] * 1e3:8.2f} ms "
                       f"(pred {r['halo_pred_s'] * 1e3:8.2f})", flush=True)
     return rows, checks
 
 
-def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration) -> dict:
+def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration, tiny: dict) -> dict:
     """``row`` (one measured point) with the model's flat and HALO seconds for it."""
     g, nodes = row["ranks_per_node"], row["nodes"]
     platform = platform_for(row["rate_GBps"], nodes, g, check["figures"], shares[f"flat {g}"], check, copies)
+    platform = with_host_step(platform, calibration, nodes, g, tiny.get(f"{nodes}x{g}"))
+    row["host_step_us"] = platform.node.host_step_us
     pred = predict(platform, calibration, nodes, g, row["bytes"])
     row["flat_pred_s"], row["halo_pred_s"] = pred["flat"], pred["halo"]
     return row
@@ -230,7 +277,8 @@ def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration)
 # ------------------------------------------------------------------------------ closed loop
 
 
-def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, steps: int, run: bool = True) -> list[dict]:
+def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict, steps: int,
+                run: bool = True) -> list[dict]:
     """dp4 ep4 (tiny-moe) with flat and with HALO on 2 nodes x 2 ranks of the slowest network; ``run=False``
     predicts again and compares with the steps measured before (OUT/closed-loop-*/metrics.jsonl)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -250,6 +298,7 @@ def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, steps: int,
     shutil.copy(out / f"calibration-{rate:g}" / "collectives.csv", cal_dir / "collectives.csv")
     calibration = load_calibration(cal_dir)
     platform = platform_for(rate, 2, 2, link_figures(cal_dir), shares["flat 2"], checks[rate], copies)
+    platform = with_host_step(platform, calibration, 2, 2, tiny.get("2x2"))
     model = load_model(MODEL)
     training = TrainingSpec(seq_len=SEQ, global_batch=BATCH, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
     rows = []
@@ -293,12 +342,13 @@ def summary(rows: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| GB/s per uplink | nodes x ranks | bytes/rank | flat ms | flat pred | err | HALO ms | HALO pred | err | "
-             "speedup meas | speedup pred |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "speedup meas | speedup pred | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['rate_GBps']:g} | {r['nodes']} x {r['ranks_per_node']} | {r['bytes']:,} | "
                      f"{r['flat_s'] * 1e3:.2f} | {r['flat_pred_s'] * 1e3:.2f} | {100 * rel(r['flat_pred_s'], r['flat_s']):+.0f}% | "
                      f"{r['halo_s'] * 1e3:.2f} | {r['halo_pred_s'] * 1e3:.2f} | {100 * rel(r['halo_pred_s'], r['halo_s']):+.0f}% | "
-                     f"{r['flat_s'] / r['halo_s']:.2f} | {r['flat_pred_s'] / r['halo_pred_s']:.2f} |")
+                     f"{r['flat_s'] / r['halo_s']:.2f} | {r['flat_pred_s'] / r['halo_pred_s']:.2f} | "
+                     f"{r.get('load_avg') or '-'} |")
     return lines
 
 
@@ -327,13 +377,59 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(rows, checks, shares, loop_rows, copies) -> str:
+def repeatability(rows: list[dict], again: list[dict]) -> list[str]:
+    """The same points measured in two sweeps: the second's time against the first's, per point (>= BIG), and the
+    model's counts against each."""
+    pairs = [(a, b) for a, b in zip(rows, again) if a["bytes"] >= BIG]
+    assert all((a["rate_GBps"], a["nodes"], a["ranks_per_node"], a["bytes"]) ==
+               (b["rate_GBps"], b["nodes"], b["ranks_per_node"], b["bytes"]) for a, b in pairs), "sweeps differ"
+    spread = {algo: [rel(b[f"{algo}_s"], a[f"{algo}_s"]) for a, b in pairs] for algo in ("flat", "halo")}
+    first, second = summary(rows), summary(again)
+    lines = ["## Repeatability (the same points measured in a second sweep)", "",
+             "| | flat | HALO |", "|---|---|---|"]
+    lines.append("| second sweep within 15% of the first (>= 256 KiB) | "
+                 + " | ".join(f"{sum(abs(x) <= 0.15 for x in v)}/{len(v)}" for v in spread.values()) + " |")
+    lines.append("| second against first, range | "
+                 + " | ".join(f"{100 * min(v):+.0f}% .. {100 * max(v):+.0f}%" for v in spread.values()) + " |")
+    lines.append("| median abs difference | "
+                 + " | ".join(f"{100 * statistics.median(abs(x) for x in v):.0f}%" for v in spread.values()) + " |")
+    for name, s in (("first", first), ("second", second)):
+        lines.append(f"| model within 15%, {name} sweep | {s['within15']['flat']}/{s['big_points']} | "
+                     f"{s['within15']['halo']}/{s['big_points']} |")
+    lines += ["", f"Sign of HALO's speedup right: first sweep {first['sign_right']}/{first['points']}, second "
+              f"{second['sign_right']}/{second['points']}; wins predicted and measured: {len(first['wins'])} / "
+              f"{len(second['wins'])}.", "", "| GB/s | shape | bytes/rank | flat ms first / second | HALO ms first / second |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {a['rate_GBps']:g} | {a['nodes']} x {a['ranks_per_node']} | {a['bytes']:,} | {a['flat_s'] * 1e3:.1f} / "
+              f"{b['flat_s'] * 1e3:.1f} | {a['halo_s'] * 1e3:.1f} / {b['halo_s'] * 1e3:.1f} |" for a, b in pairs]
+    return lines + [""]
+
+
+def host_step_lines(rows: list[dict], other_rate: dict[str, dict]) -> list[str]:
+    """The flat all-to-all measured at SHARE_RATE_GBps and the host step each shape's prediction uses."""
+    steps = {(r["rate_GBps"], f"{r['nodes']}x{r['ranks_per_node']}"): r.get("host_step_us", 0.0) for r in rows}
+    lines = ["", f"Flat all-to-all at {SHARE_RATE_GBps:g} GB/s per uplink (a rate no predicted point uses; fastest of "
+             f"{REPEATS}, ms) and the host step per dependent exchange step it gives each shape (node.host_step_us: "
+             f"the {HOST_STEP_BYTES // 1024} KiB exchange's time beyond the model's latency terms with each test rate's "
+             "calibration):", "",
+             "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES) + " | host step us at "
+             + " / ".join(f"{r:g}" for r in RATES_GBps) + " GB/s |", "|---" * (len(OTHER_RATE_SIZES) + 2) + "|"]
+    for shape, result in other_rate.items():
+        ms = {s["bytes_per_rank"]: s["seconds"]["flat"] * 1e3 for s in result["sizes"]}
+        lines.append(f"| {shape} | " + " | ".join(f"{ms[b]:.2f}" if b in ms else "-" for b in OTHER_RATE_SIZES) + " | "
+                     + " / ".join(f"{steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps) + " |")
+    return lines
+
+
+def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None) -> str:
     s = summary(rows)
     lines = ["# HALO vs flat all-to-all on an emulated multi-node network (measured)", "",
              "Generated by `benchmarks/halo_network.py` (run as root; scripts/netemu.sh builds the network); do not edit "
              f"by hand. {UPLINKS} uplinks per node (veth into one bridge per uplink index, tc tbf each way), ranks of a "
              f"node in one network namespace (loopback inside), gloo over the uplink addresses, CPU ranks on this "
-             f"2-core machine shared with other work: medians of {REPEATS} calls, slowest rank.",
+             f"2-core machine shared with other work: per rank the fastest of {REPEATS} calls after one warm-up (noise on a "
+             "shared host only adds time), slowest rank; the host's 1-minute load average after each size in the "
+             "table.",
              "", "## Shaping check", "", "| set GB/s per uplink | measured between nodes | within 10% | inside a node "
              "| both ways, one communicator | both ways, two communicators |", "|---|---|---|---|---|---|"]
     for rate, c in checks.items():
@@ -367,6 +463,7 @@ def report(rows, checks, shares, loop_rows, copies) -> str:
               f"{copies['seconds'] * 1e3:.1f} ms for {copies['copy_bytes_per_rank'] / 1e6:.1f} MB per rank, the host "
               f"copies {copies['host_GBps']:.2f} GB/s over all ranks; a job of n ranks gets 1/n of it per rank "
               "(node.relay_copy_GBps)."]
+    lines += host_step_lines(rows, other_rate)
     lines += ["", "## Flat vs HALO: measured and predicted", ""] + table(rows) + [
         "", "![measured (solid) and modelled (dashed) all-to-all time; dotted: measured flat / HALO](halo-measured.png)", "",
         "## Against the targets", "",
@@ -377,6 +474,7 @@ def report(rows, checks, shares, loop_rows, copies) -> str:
         + ("(" + "; ".join(f"{w['rate_GBps']:g} GB/s {w['nodes']}x{w['ranks_per_node']} {w['bytes'] // 1024} KiB: "
                            f"{w['flat_s'] / w['halo_s']:.2f}x measured, {w['flat_pred_s'] / w['halo_pred_s']:.2f}x predicted"
                            for w in s["wins"]) + ")" if s["wins"] else "") + ".", ""]
+    lines += repeatability(rows, again) if again else []
     if loop_rows:
         lines += ["## Closed loop on the emulated network", "",
                   f"tiny-moe, seq 128, global batch 8, 2 nodes x 2 ranks, {UPLINKS} x {min(RATES_GBps):g} GB/s uplinks; "
@@ -389,6 +487,23 @@ def report(rows, checks, shares, loop_rows, copies) -> str:
     return "\n".join(lines) + "\n"
 
 
+KEPT_FROM_FIRST = ("shares.json", "copies.json", "copies-probe.json", "shaping-{rate:g}.json", "calibration-{rate:g}",
+                   "flat-{share:g}-{nodes}x{g}.json")
+
+
+def reuse_calibration(first: Path, out: Path) -> None:
+    """A repeat sweep into OUT measures flat and HALO again on the calibration, shaping check and NIC shares of
+    the sweep in FIRST (copied), so the two sweeps differ only in the measurement being repeated."""
+    for pattern in KEPT_FROM_FIRST:
+        for rate in RATES_GBps:
+            for nodes, g in SHAPES:
+                name = pattern.format(rate=rate, share=SHARE_RATE_GBps, nodes=nodes, g=g)
+                source, target = first / name, out / name
+                if target.exists() or not source.exists():
+                    continue
+                (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/piper-halo-net")
@@ -396,41 +511,55 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--reuse", action="store_true", help="re-predict and re-render from OUT/results.json")
     ap.add_argument("--no-closed-loop", action="store_true")
+    ap.add_argument("--from", dest="first", default=None,
+                    help="a repeat sweep: take calibration, shaping and NIC shares from this earlier OUT")
+    ap.add_argument("--repeat", default=None, help="an OUT measured again with --from OUT: report the spread per point")
     args = ap.parse_args()
     from piper_plan.fileio import atomic_write_json, atomic_write_text
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.first:
+        reuse_calibration(Path(args.first), out)
     copies = relay_copies(out, reuse=args.reuse)
     print(f"relay copies: {copies}", flush=True)
     if args.reuse:
         saved = json.loads((out / "results.json").read_text())
         rows, checks, shares = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"]
-        rows = repredict(out, rows, checks, shares, copies)
-        loop_rows = closed_loop(out, shares, checks, copies, args.steps, run=False) if saved["closed_loop"] else []
+        tiny = tiny_flat_seconds(flat_at_other_rate(out, measure=False))
+        rows = repredict(out, rows, checks, shares, copies, tiny)
+        loop_rows = closed_loop(out, shares, checks, copies, tiny, args.steps, run=False) if saved["closed_loop"] else []
     else:
         shares_path = out / "shares.json"
         shares = json.loads(shares_path.read_text()) if shares_path.is_file() else nic_shares(out)
         atomic_write_json(shares_path, shares)
         print(f"busiest-uplink shares: {shares}", flush=True)
-        rows, checks = sweep(out, shares, copies)
-        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, args.steps)
+        turns = flat_at_other_rate(out)
+        print(f"flat at {SHARE_RATE_GBps:g} GB/s: {turns}", flush=True)
+        tiny = tiny_flat_seconds(turns)
+        rows, checks = sweep(out, shares, copies, tiny)
+        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps)
     atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
                                              "copies": copies})
     doc = Path(args.doc)
     plot(rows, doc.with_suffix(".png"))
-    text = report(rows, checks, shares, loop_rows, copies)
+    again = None
+    if args.repeat:
+        other = Path(args.repeat)
+        saved_again = json.loads((other / "results.json").read_text())
+        again = repredict(other, saved_again["rows"], checks, shares, copies, tiny)
+    text = report(rows, checks, shares, loop_rows, copies, again, flat_at_other_rate(out, measure=False))
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0
 
 
-def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict) -> list[dict]:
+def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict, tiny: dict) -> list[dict]:
     """The saved measurements with the model's predictions computed again (after a model change)."""
     from piper_plan.calibration import load_calibration
 
     cals = {rate: load_calibration(out / f"calibration-{rate:g}") for rate in checks}
-    return [predict_row(r, checks[r["rate_GBps"]], shares, copies, cals[r["rate_GBps"]]) for r in rows]
+    return [predict_row(r, checks[r["rate_GBps"]], shares, copies, cals[r["rate_GBps"]], tiny) for r in rows]
 
 
 def analysis_text() -> str:

@@ -14,7 +14,7 @@ sample (so each figure is one operation from a common start, not a pipelined str
   and to the end of phase III (``halo_to_III``);
 - ``phase_I`` / ``phase_II`` / ``phase_III``: each phase alone.
 
-Prints and writes the slowest rank's median of each, in seconds, per size, and the tbf counters of every
+Prints and writes the slowest rank's median (``--statistic min``: fastest call) of each, in seconds, per size, and the tbf counters of every
 uplink over the whole run (bytes sent, packets dropped).
 """
 
@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from piper_plan.calibration.timing import STATISTICS  # noqa: E402
 
 SIZES = (4096, 1024 * 1024, 16 * 1024 * 1024)
 REPEATS = 5
@@ -47,7 +48,7 @@ def timed(fn, repeats: int) -> list[float]:
     return samples
 
 
-def probe_size(halo, nbytes: int, repeats: int) -> dict[str, float]:
+def probe_size(halo, nbytes: int, repeats: int, statistic: str) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
@@ -111,11 +112,11 @@ def probe_size(halo, nbytes: int, repeats: int) -> dict[str, float]:
         samples = timed(fn, repeats)
         for key in samples[0]:
             label = name if key == "t" else f"{name}_{key}"
-            result[label] = statistics.median(s[key] for s in samples)
+            result[label] = STATISTICS[statistic]([s[key] for s in samples])
     return result
 
 
-def copy_seconds(halo, nbytes: int, repeats: int) -> dict[str, float]:
+def copy_seconds(halo, nbytes: int, repeats: int, statistic: str) -> dict[str, float]:
     """HALO's row copies alone (no communication): the gathers before phases I and II and III and the final
     cat + reorder, on buffers of the sizes one exchange of ``nbytes`` per rank uses; every rank at once."""
     import torch
@@ -140,7 +141,7 @@ def copy_seconds(halo, nbytes: int, repeats: int) -> dict[str, float]:
         torch.cat([intra_out, relay_out])[_index(plan.output_index, x.device)]
         return {"t": time.perf_counter() - t0}
 
-    return {"copies": statistics.median(s["t"] for s in timed(copies, repeats)), "bytes": x.numel() * 4}
+    return {"copies": STATISTICS[statistic]([s["t"] for s in timed(copies, repeats)]), "bytes": x.numel() * 4}
 
 
 def tbf_counters() -> dict[str, list[int]]:
@@ -159,7 +160,7 @@ def tbf_counters() -> dict[str, list[int]]:
     return counters
 
 
-def rank_main(out: str, sizes: list[int], repeats: int) -> int:
+def rank_main(out: str, sizes: list[int], repeats: int, statistic: str) -> int:
     from datetime import timedelta
 
     import torch
@@ -178,7 +179,8 @@ def rank_main(out: str, sizes: list[int], repeats: int) -> int:
         halo = build_halo_dispatchers([list(range(world))], topology)
         table = {}
         for nbytes in sizes:
-            mine = copy_seconds(halo, nbytes, repeats) if COPIES_ONLY else probe_size(halo, nbytes, repeats)
+            probe = copy_seconds if COPIES_ONLY else probe_size
+            mine = probe(halo, nbytes, repeats, statistic)
             gathered: list = [None] * world
             dist.all_gather_object(gathered, mine)
             table[nbytes] = {k: max(g[k] for g in gathered) for k in mine}
@@ -197,22 +199,24 @@ def main() -> int:
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--statistic", choices=sorted(STATISTICS), default="median", help="per rank: median or fastest call")
     ap.add_argument("--copies", action="store_true", help="time HALO's row copies only (no network: local ranks)")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.rank:
-        return rank_main(args.out, sizes, args.repeats)
+        return rank_main(args.out, sizes, args.repeats, args.statistic)
     from piper_plan.calibration.netemu import NetworkSpec, run_on_network
 
     command = [sys.executable, str(Path(__file__).resolve()), "--rank", "--rate", str(args.rate), "--sizes",
-               args.sizes, "--repeats", str(args.repeats), "--out", args.out] + (["--copies"] if args.copies else [])
+               args.sizes, "--repeats", str(args.repeats), "--statistic", args.statistic, "--out", args.out]
+    command += ["--copies"] if args.copies else []
     run_on_network(NetworkSpec(args.rate, 2), args.nodes, args.ranks_per_node, command, 600)
     table = json.loads(Path(args.out).read_text())
     print(f"tbf [bytes sent, dropped] over the whole run: {table.pop('tbf')}")
     for nbytes, row in table.items():
         print(f"{args.rate:g} GB/s {args.nodes}x{args.ranks_per_node} {int(nbytes):>9} B: "
-              + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in row.items()) + "  (ms)")
+              + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in row.items() if k != "bytes") + "  (ms)")
     return 0
 
 

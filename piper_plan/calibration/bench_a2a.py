@@ -11,7 +11,7 @@ sends in total (its share to itself included), split evenly over the ranks; ``al
 ``busbw = algbw x (n - 1) / n`` (nccl-tests doc/PERFORMANCE.md; calibration.schema.busbw_factor). A size is
 rounded to whole rows of at most ``ROW_FLOATS`` float32 per peer, and the actual byte count is reported.
 Time = the slowest rank's median over ``repeats`` calls after ``warmup`` untimed calls (calibration.timing, as
-for every collective row).
+for every collective row), or its fastest call (``statistic="min"``: the uncontended time on a shared host).
 
 HALO itself is the runtime's (runtime/halo.py); this module imports it inside the functions that run on a rank
 (the one seam between calibration/ and runtime/, docs/design-notes.md).
@@ -99,6 +99,8 @@ class BenchConfig:
     seed: int = 0
     network: str | None = None
     """The emulated network the ranks ran on (``uplink_GBps=...,uplinks=...``; None = loopback or the job's)."""
+    statistic: str = "median"
+    """Per rank, the median or the minimum of the ``repeats`` calls (calibration.timing.STATISTICS)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,8 @@ class SizeResult:
     seconds: dict[str, float]
     checks: int = 0
     errors: tuple[str, ...] = field(default_factory=tuple)
+    load_avg: float | None = None
+    """The host's 1-minute load average (/proc/loadavg) on rank 0 after this size was timed; None = not read."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
     import torch
     import torch.distributed as dist
 
-    from piper_plan.calibration.timing import median_seconds, slowest_rank_seconds
+    from piper_plan.calibration.timing import call_seconds, slowest_rank_seconds
 
     num_ranks = dist.get_world_size()
     rows, width = message_shape(bytes_per_rank, num_ranks)
@@ -222,8 +226,8 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
     layout = halo.layout(torch.tensor(splits))
     ops = {"flat": lambda: dist.all_to_all_single(flat_out, x_RD, splits, splits, group=halo.group),
            "halo": lambda: halo.exchange(x_RD, layout.dispatch_plan)}
-    seconds = {a: slowest_rank_seconds(median_seconds(ops[a], device, config.warmup, config.repeats, min_sample_s=0.0),
-                                       device) for a in config.algos}
+    seconds = {a: slowest_rank_seconds(call_seconds(ops[a], device, config.warmup, config.repeats, 0.0,
+                                                    config.statistic), device) for a in config.algos}
     errors: list[str] = []
     checks = 0
     if config.verify:
@@ -234,7 +238,15 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
         rng = np.random.default_rng(config.seed * 1000 + size_index)
         errors += verify_exchange(halo, random_counts(num_ranks, rng), dim=3, seed=config.seed + size_index)
         checks += 4
-    return SizeResult(rows * width * 4 * num_ranks, seconds, checks, tuple(errors))
+    return SizeResult(rows * width * 4 * num_ranks, seconds, checks, tuple(errors), host_load_average())
+
+
+def host_load_average() -> float | None:
+    """The 1-minute load average of this host (/proc/loadavg), None where there is none."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def run_bench(config: BenchConfig) -> BenchResult:
@@ -252,8 +264,8 @@ def run_bench(config: BenchConfig) -> BenchResult:
     sizes = [bench_one_size(halo, config, b, device, i) for i, b in enumerate(config.sizes_bytes)]
     gathered: list = [None] * world
     dist.all_gather_object(gathered, [s.errors for s in sizes])
-    sizes = [SizeResult(s.bytes_per_rank, s.seconds, s.checks * world, tuple(e for g in gathered for e in g[i]))
-             for i, s in enumerate(sizes)]
+    sizes = [SizeResult(s.bytes_per_rank, s.seconds, s.checks * world, tuple(e for g in gathered for e in g[i]),
+                        s.load_avg) for i, s in enumerate(sizes)]
     emulated = bool(config.emulate or os.environ.get(EMULATE_ENV))
     return BenchResult(topology.num_nodes, world // topology.num_nodes, dist.get_backend(), emulated, tuple(sizes),
                        config.network)
@@ -313,7 +325,8 @@ def spawn_bench(config: BenchConfig) -> BenchResult:
 
 
 def result_from_dict(data: dict) -> BenchResult:
-    sizes = tuple(SizeResult(s["bytes_per_rank"], s["seconds"], s["checks"], tuple(s["errors"])) for s in data["sizes"])
+    sizes = tuple(SizeResult(s["bytes_per_rank"], s["seconds"], s["checks"], tuple(s["errors"]), s.get("load_avg"))
+                  for s in data["sizes"])
     return BenchResult(data["num_nodes"], data["ranks_per_node"], data["backend"], data["emulated"], sizes,
                        data.get("network"))
 

@@ -7,7 +7,8 @@ SLURM_LOCALID / SLURM_NTASKS_PER_NODE (srun), MASTER_ADDR / MASTER_PORT; PIPER_E
 consecutive ranks emulated nodes. Backend and device come from the platform's launch block (nccl = rccl on
 ROCm; gloo on CPU). Groups span each scope the allocation has (compact order assumed: Slurm's node order,
 ``nodes_per_switch`` nodes to a switch). Rows follow nccl-tests: ``bytes_per_rank`` is its ``size`` for the op;
-``seconds`` the median over repeats of the slowest rank; algbw = size / time, busbw = algbw x factor.
+``seconds`` the median over repeats of the slowest rank (``--statistic min``: the fastest call, the uncontended
+time on a shared host); algbw = size / time, busbw = algbw x factor.
 Rank 0 merges the rows of each (op, group) block into collectives.csv atomically as soon as it is measured.
 """
 
@@ -162,7 +163,8 @@ def _progress(done: int, total: int, label: str) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
 
 
-def run(env: LaunchEnv, platform, out_dir: str, quick: bool, resume: bool, ops: tuple[str, ...], source: str) -> dict:
+def run(env: LaunchEnv, platform, out_dir: str, quick: bool, resume: bool, ops: tuple[str, ...], source: str,
+        timing: tuple[str, int | None] = ("median", None)) -> dict:
     """Every rank calls this; rank 0 writes the rows. Returns metadata (hosts, backend, timings) on rank 0."""
     import socket
 
@@ -180,7 +182,7 @@ def run(env: LaunchEnv, platform, out_dir: str, quick: bool, resume: bool, ops: 
         skip = _broadcast_skip(env, out_dir, resume)
         hosts = [None] * env.world_size
         dist.all_gather_object(hosts, socket.gethostname())
-        _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source)
+        _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source, timing)
         dist.barrier()
         return {"hosts": sorted(set(hosts)), "backend": platform.launch.backend, "world_size": env.world_size,
                 "ranks_per_node": env.ranks_per_node, "torch": torch.__version__}
@@ -209,12 +211,14 @@ def _broadcast_skip(env: LaunchEnv, out_dir: str, resume: bool) -> set:
     return box[0]
 
 
-def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source) -> None:
+def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source, timing) -> None:
+    """Every block's rows; ``timing`` = (statistic, repeats or None for the default of --quick or not)."""
     from piper_plan.calibration.io import merge_rows
     from piper_plan.calibration.schema import COLLECTIVES
-    from piper_plan.calibration.timing import median_seconds, slowest_rank_seconds
+    from piper_plan.calibration.timing import call_seconds, slowest_rank_seconds
 
     warmup, repeats = (2, 5) if quick else (5, 10)
+    statistic, repeats = timing[0], timing[1] or repeats
     total = sum(len(b.sizes) for b in blocks)
     done = 0
     for block in blocks:
@@ -228,7 +232,7 @@ def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source) -> N
             if member:
                 x, y = _ops_buffers(block.op, size, len(g.ranks), device)
                 fn = _op_call(block.op, x, y, handles[g.ranks], g.ranks, env.rank)
-                seconds = median_seconds(fn, device, warmup, repeats, min_sample_s=0.0)
+                seconds = call_seconds(fn, device, warmup, repeats, 0.0, statistic)
             slowest = slowest_rank_seconds(seconds, device)
             if env.rank == 0:
                 rows.append(_row(block.op, g, size, slowest, source))
@@ -245,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--ops", default=",".join(OPS_MEASURED))
     parser.add_argument("--source", default=None, help="text of the source column")
+    parser.add_argument("--statistic", choices=("median", "min"), default="median",
+                        help="per rank, the median of the timed calls or the fastest (shared host)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (default 5 quick, else 10)")
     args = parser.parse_args(argv)
     env = dist_env()
     if env is None:
@@ -256,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     platform = load_platform(args.platform)
     source = args.source or f"measured: {' '.join(['bench_collectives'] + (argv or sys.argv[1:]))} on {os.uname().nodename}"
     t0 = time.perf_counter()
-    meta = run(env, platform, args.out, args.quick, args.resume, tuple(args.ops.split(",")), source)
+    meta = run(env, platform, args.out, args.quick, args.resume, tuple(args.ops.split(",")), source,
+               (args.statistic, args.repeats))
     if env.rank == 0:
         from piper_plan.calibration.io import write_metadata
 

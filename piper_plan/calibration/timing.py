@@ -2,6 +2,9 @@
 
 GPUs (CUDA or ROCm/HIP, both ``torch.cuda``): CUDA events around the kernel. CPU: ``time.perf_counter``.
 A sample repeats the call until it lasts ``min_sample_s``, so microsecond kernels are not timer noise.
+The figure is the median of the samples, or (``statistic="min"``) the fastest: on a host shared with other work
+the noise only adds time, so the fastest sample is the uncontended time (used on the emulated network,
+benchmarks/halo_network.py).
 """
 
 from __future__ import annotations
@@ -11,14 +14,24 @@ import time
 from typing import Callable
 
 
+STATISTICS = {"median": statistics.median, "min": min}
+"""How the samples of one measurement become its figure."""
+
+
 def median_seconds(fn: Callable[[], object], device, warmup: int, repeats: int, min_sample_s: float = 1e-3) -> float:
     """Median seconds of one ``fn()`` call over ``repeats`` samples, after ``warmup`` calls."""
+    return call_seconds(fn, device, warmup, repeats, min_sample_s, "median")
+
+
+def call_seconds(fn: Callable[[], object], device, warmup: int, repeats: int, min_sample_s: float = 1e-3,
+                 statistic: str = "median") -> float:
+    """Seconds of one ``fn()`` call over ``repeats`` samples after ``warmup`` calls: their median or minimum."""
     for _ in range(warmup):
         fn()
     _sync(device)
     inner = _inner_calls(fn, device, min_sample_s)
     samples = [_sample(fn, device, inner) / inner for _ in range(repeats)]
-    return statistics.median(samples)
+    return STATISTICS[statistic](samples)
 
 
 def slowest_rank_seconds(seconds: float, device, group=None) -> float:

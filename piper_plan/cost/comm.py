@@ -34,7 +34,9 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
   costs the row of b / 2 per relay, while flat's pairs pay the whole row); ``node.relay_copy_GBps`` (HALO's row
   gathers and final reorder on the rank, ``relay_copy_bytes``, in series with the phases:
   ``max(I, II + III) + copies``); ``node.serial_phases`` (CPU ranks on fewer cores than ranks: phase I does not
-  overlap II + III, ``I + II + III + copies``). Measured on the emulated network: docs/halo-measured.md.
+  overlap II + III, ``I + II + III + copies``); ``node.host_step_us`` (each dependent step, a flat exchange or
+  one HALO phase, waits that long for the host: flat pays it once, HALO three times). Measured on the emulated
+  network: docs/halo-measured.md.
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ class Network:
             if self._calibrated("all_to_all", name):
                 at = np.broadcast_to(scope == i, np.shape(t_halo_remote))
                 t_halo_remote = self._curve("all_to_all", name, n, nbytes, t_halo_remote, "HALO phase II", at)
-        return t_local, t_flat_remote, t_halo_remote, t_redistribute
+        step_s = self.platform.node.host_step_us * 1e-6  # every phase is one dependent step on the host
+        return t_local + step_s, t_flat_remote + step_s, t_halo_remote + step_s, t_redistribute + step_s
 
     def _latencies_paid(self, local_peers, remote_peers, relays):
         """Latencies an exchange pays (local peers, remote peers, relays): one per peer, or one per exchange

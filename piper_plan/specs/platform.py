@@ -82,6 +82,10 @@ class NodeSpec(Spec):
     serial_phases: bool = False
     """HALO's phase I does not run beside phases II + III: CPU ranks on fewer cores than ranks, where concurrent
     phases share the same cores (measured: docs/halo-measured.md, phase probe). False: ``max(I, II + III)``."""
+    host_step_us: float = Field(default=0.0, ge=0, le=1e7)
+    """Microseconds the host adds to every dependent step of an expert all-to-all (a flat exchange is one step,
+    each HALO phase one), beyond the network's latency: CPU ranks that outnumber the host's cores wait to be
+    scheduled (calibrated on the emulated network: docs/halo-measured.md). 0 = not priced (cost/comm.py)."""
     source: str
     """Citation."""
 

@@ -20,6 +20,7 @@ def netemu(**changes) -> PlatformSpec:
     data["network"]["a2a_posts_all"] = changes.get("a2a_posts_all", False)
     data["network"]["half_duplex_connections"] = changes.get("half_duplex", False)
     data["node"]["serial_phases"] = changes.get("serial_phases", False)
+    data["node"]["host_step_us"] = changes.get("host_step_us", 0.0)
     return PlatformSpec.model_validate(data)
 
 
@@ -79,6 +80,17 @@ def test_serial_phases_add_phase_one():
     assert sum(serial.a2a_seconds(0, 8, 4, 16 * MiB, 1)) == sum(overlapped.a2a_seconds(0, 8, 4, 16 * MiB, 1))
 
 
+def test_host_step_is_paid_once_by_flat_and_per_phase_by_halo():
+    """1 ms per dependent step: flat (one exchange) takes 1 ms longer, HALO with its phases in series 3 ms (I, II,
+    III), with them overlapped 2 ms (max(I, II + III), II + III the longer here); one-node HALO is flat."""
+    for serial, halo_steps in ((True, 3), (False, 2)):
+        base = Network(netemu(serial_phases=serial))
+        stepped = Network(netemu(serial_phases=serial, host_step_us=1000.0))
+        for algo, n, nodes, scope, steps in ((0, 8, 4, 1, 1), (1, 8, 4, 1, halo_steps), (1, 2, 1, 0, 1)):
+            times = [sum(net.a2a_seconds(algo, n, nodes, 64 * 1024, scope)) for net in (base, stepped)]
+            assert times[1] - times[0] == pytest.approx(steps * 1e-3)
+
+
 @pytest.mark.parametrize("name", [p for p in catalog_names(platforms_dir()) if p != "netemu"])
 def test_other_platforms_keep_the_terms_off(name):
     """No shipped platform but the emulated network sets a gloo term: their predictions are as before."""
@@ -86,3 +98,4 @@ def test_other_platforms_keep_the_terms_off(name):
     assert platform.node.relay_copy_GBps == 0
     assert not platform.network.a2a_posts_all and not platform.network.half_duplex_connections
     assert not platform.node.serial_phases
+    assert platform.node.host_step_us == 0
