@@ -136,7 +136,8 @@ def _deepseek(c: _Config, mla: bool) -> dict:
                       "every": c.int_("moe_layer_freq", 1)}}
     groups = c.int_("n_group", 1, minimum=1)
     if groups > 1:                                    # group-limited routing (V2 group_limited_greedy, V3 noaux_tc)
-        moe.update(routing_groups=groups, routing_group_top_k=c.int_("topk_group", groups, minimum=1))
+        moe.update(routing_groups=groups, routing_group_top_k=c.int_("topk_group", groups, minimum=1),
+                   routing_group_score_top=2 if c.get("topk_method", "greedy") == "noaux_tc" else 1)
     if shared and mlp_bias:
         # The reference code builds the shared experts as ONE MLP of width n_shared x moe_intermediate_size;
         # that is the same weights as n_shared experts, but one set of biases.

@@ -499,11 +499,19 @@ def shrink_spec(spec, hidden_size: int = 64, num_layers: int | None = 4, num_exp
     return type(spec).model_validate(data)
 
 
+def _groups_hold(m, num_experts: int, top_k: int) -> bool:
+    """Whether ``m``'s routing groups still split ``num_experts`` experts with room for ``top_k`` of them."""
+    per_group = num_experts // m.routing_groups
+    return (num_experts % m.routing_groups == 0 and top_k <= m.routing_group_top_k * per_group
+            and m.routing_group_score_top <= per_group)
+
+
 def _shrunk_moe(m, ffn_size: int, num_experts: int | None, num_layers: int):
     upd = {"expert": m.expert.model_copy(update={"intermediate_size": ffn_size // 2}),
-           "num_experts": num_experts or min(m.num_experts, 8),
-           "routing_groups": None, "routing_group_top_k": None}     # the runtime routes without group limits
+           "num_experts": num_experts or min(m.num_experts, 8)}
     upd["top_k"] = min(m.top_k, upd["num_experts"])
+    if m.routing_groups and not _groups_hold(m, upd["num_experts"], upd["top_k"]):
+        upd.update(routing_groups=None, routing_group_top_k=None, routing_group_score_top=1)   # too few experts left
     if m.shared_expert is not None:
         upd["shared_expert"] = m.shared_expert.model_copy(update={"intermediate_size": ffn_size})
     if m.parallel_dense_ffn is not None:

@@ -144,6 +144,19 @@ class LocalExperts(nn.Module):
                 for p in (self.w_in, self.w_gate, self.w_out, self.b_in, self.b_gate, self.b_out)]
 
 
+def group_limited_scores(probs_TE: torch.Tensor, moe) -> torch.Tensor:
+    """The scores a group-limited router picks its top_k from: those of each token's ``routing_group_top_k`` best
+    expert groups, -inf elsewhere. A group ranks by the sum of its ``routing_group_score_top`` best scores (1: its
+    best, DeepSeek-V2's group_limited_greedy; 2: DeepSeek-V3's noaux_tc; transformers models/deepseek_v2 and
+    deepseek_v3 routers). The picked experts' weights are their own scores (gathered by the caller)."""
+    T, E = probs_TE.shape
+    grouped_TGe = probs_TE.view(T, moe.routing_groups, E // moe.routing_groups)
+    group_score_TG = grouped_TGe.topk(moe.routing_group_score_top, dim=-1).values.sum(-1)
+    best_Tg = group_score_TG.topk(moe.routing_group_top_k, dim=-1).indices
+    keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, best_Tg, True)
+    return grouped_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
+
+
 class AuxLossScaler(torch.autograd.Function):
     """Identity on the activations that injects d(aux)/d(aux) = 1 in backward (Megatron's MoEAuxLossAutoScaler),
     so a balance loss computed inside a pipeline stage reaches the router without travelling to the loss."""
@@ -203,7 +216,11 @@ class MoE(nn.Module):
         normalize_top_k (Mixtral, DeepSeek-V3), else the raw scores (Switch, Qwen2-MoE, Llama 4)."""
         logits_TE = self.router(x_TD).float()
         probs_TE = logits_TE.softmax(-1) if self.spec.scoring == "softmax" else logits_TE.sigmoid()
-        top, idx = probs_TE.topk(self.spec.top_k, dim=-1)
+        if self.spec.routing_groups:
+            idx = group_limited_scores(probs_TE, self.spec).topk(self.spec.top_k, dim=-1).indices
+            top = probs_TE.gather(-1, idx)
+        else:
+            top, idx = probs_TE.topk(self.spec.top_k, dim=-1)
         if self.spec.normalize_top_k:
             top = top / top.sum(-1, keepdim=True)
         return top.to(x_TD.dtype), idx, probs_TE

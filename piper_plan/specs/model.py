@@ -158,6 +158,10 @@ class MoESpec(Spec):
     token's top_k experts come from its ``routing_group_top_k`` best groups; None = no limit."""
     routing_group_top_k: int | None = Field(default=None, ge=1, le=MAX_EXPERTS)
     """Groups a token's experts may come from (config topk_group)."""
+    routing_group_score_top: int = Field(default=1, ge=1, le=MAX_EXPERTS)
+    """A group is ranked by the sum of its this-many best expert scores: 1 = its best (DeepSeek-V2's
+    ``group_limited_greedy``), 2 = DeepSeek-V3's ``noaux_tc`` (transformers models/deepseek_v2 and deepseek_v3,
+    the routers' ``topk_method`` branches)."""
 
     @model_validator(mode="after")
     def _check(self) -> "MoESpec":
@@ -170,6 +174,9 @@ class MoESpec(Spec):
                                    or self.top_k > chosen * self.num_experts // groups):
             raise ValueError(f"routing_groups={groups} must divide num_experts={self.num_experts} and "
                              f"routing_group_top_k={chosen} groups must hold top_k={self.top_k} experts")
+        if groups is not None and self.routing_group_score_top > self.num_experts // groups:
+            raise ValueError(f"routing_group_score_top={self.routing_group_score_top} exceeds the "
+                             f"{self.num_experts // groups} experts of a routing group")
         return self
 
     @property

@@ -49,7 +49,9 @@ def test_per_node_dispatch_shrinks_only_the_inter_node_exchange():
 
 def test_hf_import_reads_group_limited_routing():
     moe = import_hf_file(FIXTURES / "deepseek-v3.json").moe
-    assert (moe.routing_groups, moe.routing_group_top_k) == (8, 4)
+    assert (moe.routing_groups, moe.routing_group_top_k, moe.routing_group_score_top) == (8, 4, 2)   # noaux_tc
+    v2 = import_hf_file(FIXTURES / "deepseek-v2.json").moe
+    assert (v2.routing_groups, v2.routing_group_top_k, v2.routing_group_score_top) == (8, 3, 1)   # the max
     assert import_hf_file(FIXTURES / "kimi-k2.json").moe.routing_groups is None         # n_group 1: no limit
 
 

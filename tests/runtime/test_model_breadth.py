@@ -117,6 +117,8 @@ VARIANTS = {
     "sinks_and_biases": ("tiny-moe", {"attention__sinks": True, "attention__qkv_bias": True,
                                       "attention__o_bias": True}),
     "router_bias_sigmoid": ("tiny-moe", {"moe__router_bias": True, "moe__scoring": "sigmoid"}),
+    "group_limited_routing": ("tiny-moe", {"moe__routing_groups": 4, "moe__routing_group_top_k": 2,
+                                           "moe__routing_group_score_top": 2}),
     "shared_expert_gate": ("tiny-moe", {"moe__num_shared_experts": 1, "moe__shared_expert_gate": True}),
     "explicit_layers": ("tiny-moe", {"moe__layers__explicit": [1, 2], "dense_ffn": {"intermediate_size": 96}}),
     "layernorm_no_bias": ("tiny-moe", {"norm": {"kind": "layernorm", "bias": False}}),

@@ -143,7 +143,8 @@ def _compare(plan: dict, per_rank: list[dict], steps: int = STEPS) -> None:
     assert len(reporting) == plan["parallel"]["dp"] * plan["parallel"]["tp"]
     for r in reporting:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
-        assert r["mtp_losses"] == pytest.approx(ref["mtp_losses"], rel=1e-5)
+        if ref["mtp_losses"]:                                   # a model without MTP reports None per step
+            assert r["mtp_losses"] == pytest.approx(ref["mtp_losses"], rel=1e-5)
     names = set()
     for r in per_rank:
         assert_initial_weights_equal(ref, r)
