@@ -262,8 +262,7 @@ class Calibration:
 
     # collectives -----------------------------------------------------------------------------------
     def has_collective(self, op: str, scope: str) -> bool:
-        c = self.collectives
-        return bool(((c["op"] == op) & (c["scope"] == scope)).any())
+        return (op, scope) in self._distinct(self.collectives, ("op", "scope"), COLLECTIVES.filename)
 
     def collective_seconds(self, op: str, scope: str, num_ranks, bytes_per_rank) -> tuple[np.ndarray, np.ndarray]:
         """Seconds of one ``op`` over ``num_ranks`` ranks spanning ``scope`` with nccl-tests ``size`` = bytes_per_rank."""
@@ -277,11 +276,15 @@ class Calibration:
         return self._cache[cache_key].seconds(num_ranks, bytes_per_rank)
 
     # helpers ---------------------------------------------------------------------------------------
-    def _key(self, frame: pd.DataFrame, columns: tuple, wanted: tuple, filename: str) -> tuple[tuple, bool]:
+    def _distinct(self, frame: pd.DataFrame, columns: tuple, filename: str) -> list[tuple]:
+        """The distinct values of ``columns`` in a table, read once (the tables never change)."""
         cache_key = ("keys", filename, columns)
-        if cache_key not in self._cache:     # the table never changes: read its distinct keys once
+        if cache_key not in self._cache:
             self._cache[cache_key] = sorted(set(frame[list(columns)].itertuples(index=False, name=None)), key=str)
-        available = self._cache[cache_key]
+        return self._cache[cache_key]
+
+    def _key(self, frame: pd.DataFrame, columns: tuple, wanted: tuple, filename: str) -> tuple[tuple, bool]:
+        available = self._distinct(frame, columns, filename)
         if wanted in available:
             return wanted, False
         chosen = _closest_key(wanted, available)

@@ -42,6 +42,8 @@ KEY_P2P = ("pp", "tp", "cp", "dp", "mbs", "virtual_stages")
 SPLITS = (0, 1)
 """Split slots of the per-split arrays: 0 the even (or the explicit) split, 1 the FLOP-balanced one."""
 _NONE = -np.inf
+_DENSE_RADIX = 1 << 24
+"""Largest composite-key range Keys.factorize indexes directly (a presence table of that many entries)."""
 
 
 class Keys:
@@ -54,25 +56,28 @@ class Keys:
     def codes(self, name: str) -> tuple[np.ndarray, int]:
         """(code per plan, number of distinct values) of one field, by a presence table (O(N))."""
         if name not in self._codes:
-            col = getattr(self.c, name)
-            present = np.zeros(int(col.max()) + 1, bool)
-            present[col] = True
-            distinct = np.flatnonzero(present)
-            remap = np.zeros(present.size, np.int64)
-            remap[distinct] = np.arange(distinct.size)
-            self._codes[name] = (remap[col], distinct.size)
+            self._codes[name] = dense_codes(getattr(self.c, name))
         return self._codes[name]
 
     def factorize(self, names) -> tuple[np.ndarray, np.ndarray]:
-        """(first row of each distinct combination of ``names``, inverse [N] into those rows)."""
+        """(first row of each distinct combination of ``names``, inverse [N] into those rows), the combinations
+        in lexicographic order of the fields' codes. The mixed-radix key is renumbered densely (order kept)
+        whenever it would outgrow a presence table of a few entries per plan: O(N) per field, no sort."""
         key, radix = None, 1
+        limit = min(max(4 * len(self.c), 1 << 16), _DENSE_RADIX)
         for name in names:
             code, size = self.codes(name)
-            key = code.copy() if key is None else key * size + code
+            if key is None:
+                key, radix = code.astype(np.int64), size
+                continue
+            if radix * size > limit:
+                key, radix = dense_codes(key, radix)
+            key *= size
+            key += code
             radix *= size
-        if radix > 1 << 24:
-            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-            return first, inverse
+            if radix > _DENSE_RADIX:             # more distinct combinations than a table holds: sort
+                _, key = np.unique(key, return_inverse=True)
+                radix = int(key.max()) + 1
         first = np.full(radix, -1, np.int64)
         first[key[::-1]] = np.arange(key.size - 1, -1, -1)
         used = np.flatnonzero(first >= 0)
@@ -81,19 +86,39 @@ class Keys:
         return first[used], dense[key]
 
 
+def dense_codes(values: np.ndarray, top: int | None = None) -> tuple[np.ndarray, int]:
+    """(rank of each value among the distinct ones, number of distinct values) of small non-negative integers
+    (all below ``top``), by a presence table: order-preserving, O(N + top)."""
+    present = np.zeros(int(values.max()) + 1 if top is None else top, bool)
+    present[values] = True
+    rank = np.cumsum(present, dtype=np.int64) - 1
+    return rank[values], int(rank[-1]) + 1
+
+
+def stage_groups(ctx, sub) -> tuple[list[np.ndarray], np.ndarray]:
+    """(the distinct stage tables among the rows of ``sub``: pipeline.stage_rows [R, 6] of each (pp, virtual
+    stages), or the explicit split of a batch of one; which table each row uses [U])."""
+    if sub.explicit_layers is not None:             # a batch of one plan with its own layers_per_stage
+        return [explicit_stage_rows(ctx.model, list(sub.explicit_layers[0]))], np.zeros(len(sub), int)
+    pairs = sub.pp * 4 + np.minimum(sub.virtual_stages, 2)
+    distinct, inverse = np.unique(pairs, return_inverse=True)
+    cache = ctx.stage_rows
+    for p in distinct:
+        if int(p) not in cache:
+            cache[int(p)] = stage_rows(ctx.model, ctx.training.seq_len, int(p // 4), min(int(p % 4), 2))
+    return [cache[int(p)] for p in distinct], inverse
+
+
+def slot_rows(table: np.ndarray, slot: int) -> slice | None:
+    """The rows of a stage table in split slot ``slot`` (stage_rows lists them slot by slot), None if none."""
+    at = np.flatnonzero(table[:, 0] == slot)
+    return slice(int(at[0]), int(at[-1]) + 1) if at.size else None
+
+
 def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray]:
     """(split slot [S, U], StageShape [S, U], stage index [S, U]) of the distinct stages of each row of ``sub``;
     rows with fewer stages than S repeat their first (a duplicate never changes a maximum)."""
-    if sub.explicit_layers is not None:             # a batch of one plan with its own layers_per_stage
-        tables, inverse = [explicit_stage_rows(ctx.model, list(sub.explicit_layers[0]))], np.zeros(len(sub), int)
-    else:
-        pairs = sub.pp * 4 + np.minimum(sub.virtual_stages, 2)
-        distinct, inverse = np.unique(pairs, return_inverse=True)
-        cache = ctx.stage_rows
-        for p in distinct:
-            if int(p) not in cache:
-                cache[int(p)] = stage_rows(ctx.model, ctx.training.seq_len, int(p // 4), min(int(p % 4), 2))
-        tables = [cache[int(p)] for p in distinct]
+    tables, inverse = stage_groups(ctx, sub)
     size = max(len(t) for t in tables)
     stacked = np.stack([np.concatenate([t, np.repeat(t[:1], size - len(t), 0)]) for t in tables])   # [P, S, 6]
     rows = stacked[inverse].transpose(2, 1, 0)                                                        # [6, S, U]
@@ -142,28 +167,43 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     One formula, stage.stage_memory, which is affine in the micro-batches in flight and in those whose loss the
     last stage holds: it is evaluated at 0 and 1 in flight (no loss) once per KEY_STATE row (everything but the
     schedule and the micro-batch count), and each KEY_MEMORY row takes ``m0 + flight x (m1 - m0) + loss x
-    per_loss`` for its own flights (memory.in_flight, memory.loss_in_flight; stage.loss_memory_per_micro_batch)."""
+    per_loss`` for its own flights (memory.in_flight, memory.loss_in_flight; stage.loss_memory_per_micro_batch),
+    over the stages of its own stage table (the rows of one table share their stages: each split's peak is the
+    maximum over a block of rows)."""
     rows_s, inv_s = keys.factorize(KEY_STATE)
     sub_s = c.take(rows_s)
-    split, st, index = stage_table(ctx, sub_s)
+    split, st, _ = stage_table(ctx, sub_s)
+    tables, table_of = stage_groups(ctx, sub_s)
     acts = stg.layer_activations(ctx, sub_s)
     m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts, 0.0) for flight in (0.0, 1.0))
     per_loss = stg.loss_memory_per_micro_batch(ctx, sub_s, st)
-    sub_m, a = c.take(rows_m), inv_s[rows_m]
-    flight = in_flight(sub_m.schedule, index[:, a], sub_m.pp, sub_m.num_microbatches, sub_m.virtual_stages)
-    loss = loss_in_flight(sub_m.schedule, sub_m.num_microbatches)
-    shape = flight.shape
-    at = lambda name: (np.broadcast_to(m0[name], split.shape)[:, a]                                  # noqa: E731
-                       + flight * np.broadcast_to(m1[name] - m0[name], split.shape)[:, a]
-                       + loss * np.broadcast_to(per_loss.get(name, 0.0), split.shape)[:, a])
-    total = at("total")
-    split_m = split[:, a]
-    peak = per_split_max(total, split_m)
-    if not detail:
-        return peak, {"total": peak}
-    big = per_split_argmax(total, split_m)
-    cols = np.arange(shape[1])
-    return peak, {k: np.stack([np.broadcast_to(at(k), shape)[big[v], cols] for v in SPLITS]) for k in m0}
+    terms = {k: tuple(np.broadcast_to(x, split.shape) for x in (m0[k], m1[k] - m0[k], per_loss.get(k, 0.0)))
+             for k in (m0 if detail else ("total",))}
+    a = inv_s[rows_m]
+    schedule, pp, count, virtual = (getattr(c, name)[rows_m] for name in ("schedule", "pp", "num_microbatches",
+                                                                        "virtual_stages"))
+    peak = np.full((2, len(a)), _NONE)
+    parts = {k: np.empty((2, len(a))) for k in terms} if detail else {"total": peak}
+    group = table_of[a]
+    for g, table in enumerate(tables):
+        cols = np.flatnonzero(group == g)
+        if not cols.size:
+            continue
+        ag, size = a[cols], len(table)
+        flight = in_flight(schedule[cols], table[:, 1:2], pp[cols], count[cols], virtual[cols])
+        loss = loss_in_flight(schedule[cols], count[cols])
+        at = lambda k: (terms[k][0][:size, ag] + flight * terms[k][1][:size, ag]                  # noqa: E731
+                        + loss * terms[k][2][:size, ag])
+        total = at("total")
+        for v in SPLITS:
+            rows = slot_rows(table, v)
+            if rows is not None:
+                peak[v, cols] = total[rows].max(0)
+            if detail:     # the peak stage's components (a missing split: the first stage's, as a stand-in)
+                big = np.zeros(len(cols), int) if rows is None else rows.start + total[rows].argmax(0)
+                for k in terms:
+                    parts[k][v, cols] = np.broadcast_to(at(k), total.shape)[big, np.arange(len(cols))]
+    return peak, parts
 
 
 def sync_by_key(ctx, sub, group_spans) -> dict[str, np.ndarray]:
