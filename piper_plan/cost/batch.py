@@ -11,6 +11,7 @@ What depends on what (the keys below; every one a few hundred to a few thousand 
   of which memory without the micro-batches in flight: KEY_MEMORY less schedule, num_microbatches  KEY_STATE
 - gradient sync and the optimizer step: (pp, tp, cp, dp, ep, etp, virtual_stages, zero, num_microbatches,
   dp_replicate)                                                                                     KEY_SYNC
+  of which the stages' parameters and the groups' spans: KEY_SYNC less num_microbatches             KEY_PARAMS
 - pipeline p2p: (pp, tp, cp, dp, mbs, virtual_stages)                                              KEY_P2P
 
 Stages come from ``pipeline.stage_rows``: the distinct stage shapes of each layer split the plan may use
@@ -38,6 +39,9 @@ KEY_MEMORY = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages
 KEY_STATE = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero",
              "dp_replicate")
 KEY_SYNC = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches", "dp_replicate")
+KEY_PARAMS = tuple(name for name in KEY_SYNC if name != "num_microbatches")
+SYNC_GROUPS = ("dp", "edp", "dp_shard", "dp_replicate")
+"""The groups (terms.spans) whose scopes price the gradient sync, in dp_sync_seconds' order."""
 KEY_P2P = ("pp", "tp", "cp", "dp", "mbs", "virtual_stages")
 SPLITS = (0, 1)
 """Split slots of the per-split arrays: 0 the even (or the explicit) split, 1 the FLOP-balanced one."""
@@ -206,19 +210,27 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     return peak, parts
 
 
-def sync_by_key(ctx, sub, group_spans) -> dict[str, np.ndarray]:
-    """Per KEY_SYNC row and split: dense / expert gradient sync and the optimizer step, seconds [2, U]."""
-    split, st, _ = stage_table(ctx, sub)
-    dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, sub.tp, sub.ep, sub.etp)
+def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
+    """Per KEY_SYNC row and split: dense / expert gradient sync and the optimizer step, seconds [2, U]. What
+    does not depend on the micro-batch count (the stages' parameters, the optimizer's overhead, the groups'
+    spans) is computed once per KEY_PARAMS row."""
+    rows_q, inv_q = keys.factorize(KEY_PARAMS)
+    sub_q = c.take(rows_q)
+    split, st, _ = stage_table(ctx, sub_q)
+    dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, sub_q.tp, sub_q.ep,
+                                      sub_q.etp)
     dense, expert = per_split_max(dense + 0.0 * split, split), per_split_max(expert + 0.0 * split, split)
     dense, expert = np.maximum(dense, 0.0), np.maximum(expert, 0.0)     # a missing split: any finite stand-in
-    overhead = per_split_max(optimizer_step_overhead(ctx, st, sub.world) + 0.0 * split, split)
+    overhead = per_split_max(optimizer_step_overhead(ctx, st, sub_q.world) + 0.0 * split, split)
+    q = inv_q[rows_y]
+    dense, expert, overhead = dense[:, q], expert[:, q], overhead[:, q]
+    group_spans = {k: spans_q[0][q] for k, spans_q in spans(alloc, sub_q).items() if k in SYNC_GROUPS}
+    sub = c.take(rows_y)
     o = ctx.opts
     out = {"dp/sync/dense": [], "dp/sync/expert": [], "optimizer/step": []}
     for v in SPLITS:
-        sync_d, sync_e = dp_sync_seconds(ctx.net, ctx.training, dense[v], expert[v], sub, group_spans["dp"][0],
-                                         group_spans["edp"][0], group_spans["dp_shard"][0],
-                                         group_spans["dp_replicate"][0])
+        sync_d, sync_e = dp_sync_seconds(ctx.net, ctx.training, dense[v], expert[v], sub,
+                                         *(group_spans[k] for k in SYNC_GROUPS))
         out["dp/sync/dense"].append(sync_d * (1 - o.dp_overlap))
         out["dp/sync/expert"].append(sync_e * (1 - o.dp_overlap))
         out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub)
@@ -247,8 +259,7 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     peak_m, memory_m = memory_by_key(ctx, c, keys, rows_m, memory_detail)
     split = choose_split(peak_m[:, inv_m], seconds_t[:, inv_t], ctx.platform.device.memory_bytes, c.layers_split)
     rows_s, inv_s = keys.factorize(KEY_SYNC)
-    sub_s = c.take(rows_s)
-    sync = sync_by_key(ctx, sub_s, spans(alloc, sub_s))
+    sync = sync_by_key(ctx, alloc, c, keys, rows_s)
     rows_p, inv_p = keys.factorize(KEY_P2P)
     sub_p = c.take(rows_p)
     p2p = p2p_seconds(ctx, sub_p, spans(alloc, sub_p))[inv_p]
