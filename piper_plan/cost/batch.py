@@ -34,12 +34,11 @@ from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
 
 KEY_TIME = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
-KEY_MEMORY = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
-              "num_microbatches", "schedule", "zero", "dp_replicate")
 KEY_STATE = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero",
              "dp_replicate")
-KEY_SYNC = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches", "dp_replicate")
-KEY_PARAMS = tuple(name for name in KEY_SYNC if name != "num_microbatches")
+KEY_MEMORY = KEY_STATE + ("num_microbatches", "schedule")
+KEY_PARAMS = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "dp_replicate")
+KEY_SYNC = KEY_PARAMS + ("num_microbatches",)
 SYNC_GROUPS = ("dp", "edp", "dp_shard", "dp_replicate")
 """The groups (terms.spans) whose scopes price the gradient sync, in dp_sync_seconds' order."""
 KEY_P2P = ("pp", "tp", "cp", "dp", "mbs", "virtual_stages")
@@ -56,6 +55,7 @@ class Keys:
     def __init__(self, c):
         self.c = c
         self._codes: dict[str, tuple[np.ndarray, int]] = {}
+        self._keys: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def codes(self, name: str) -> tuple[np.ndarray, int]:
         """(code per plan, number of distinct values) of one field, by a presence table (O(N))."""
@@ -63,13 +63,23 @@ class Keys:
             self._codes[name] = dense_codes(getattr(self.c, name))
         return self._codes[name]
 
-    def factorize(self, names) -> tuple[np.ndarray, np.ndarray]:
+    def factorize(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
         """(first row of each distinct combination of ``names``, inverse [N] into those rows), the combinations
         in lexicographic order of the fields' codes. The mixed-radix key is renumbered densely (order kept)
-        whenever it would outgrow a presence table of a few entries per plan: O(N) per field, no sort."""
+        whenever it would outgrow a presence table of a few entries per plan: O(N) per field, no sort. A key
+        whose leading fields were factorized already starts from that inverse (the same order)."""
+        if names not in self._keys:
+            self._keys[names] = self._factorize(names)
+        return self._keys[names]
+
+    def _factorize(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        done = max((k for k in self._keys if names[:len(k)] == k), key=len, default=())
         key, radix = None, 1
+        if done:
+            first, inverse = self._keys[done]
+            key, radix = inverse.copy(), len(first)
         limit = min(max(4 * len(self.c), 1 << 16), _DENSE_RADIX)
-        for name in names:
+        for name in names[len(done):]:
             code, size = self.codes(name)
             if key is None:
                 key, radix = code.astype(np.int64), size
@@ -255,9 +265,11 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     keys = Keys(c)
     rows_t, inv_t = keys.factorize(KEY_TIME)
     seconds_t, parts_t = time_by_key(ctx, alloc, c.take(rows_t))
+    keys.factorize(KEY_STATE)               # the leading fields of KEY_MEMORY (and memory_by_key's own key)
     rows_m, inv_m = keys.factorize(KEY_MEMORY)
     peak_m, memory_m = memory_by_key(ctx, c, keys, rows_m, memory_detail)
     split = choose_split(peak_m[:, inv_m], seconds_t[:, inv_t], ctx.platform.device.memory_bytes, c.layers_split)
+    keys.factorize(KEY_PARAMS)              # the leading fields of KEY_SYNC (and sync_by_key's own key)
     rows_s, inv_s = keys.factorize(KEY_SYNC)
     sync = sync_by_key(ctx, alloc, c, keys, rows_s)
     rows_p, inv_p = keys.factorize(KEY_P2P)
