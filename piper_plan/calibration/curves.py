@@ -35,7 +35,8 @@ _OFF_TOL = 1e-6
 
 
 _SMALL_QUERY = 256
-"""Query rows up to which distinct rows are found by numpy (faster there), above by pandas."""
+"""Query rows up to which distinct rows are found by np.unique over rows (in value order), above by a sort of each
+row's bytes as one value (in order of first appearance)."""
 
 
 class LogInterpolator:
@@ -66,14 +67,12 @@ class LogInterpolator:
 
     def __call__(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """query [N, D] > 0 -> (values [N], extrapolated [N] bool). Repeated query rows are computed once."""
-        query = np.asarray(query, float)
-        if len(query) <= _SMALL_QUERY:      # a few rows (an estimate): numpy's sort beats a pandas groupby
+        query = np.ascontiguousarray(query, float)
+        if len(query) <= _SMALL_QUERY:      # a few rows (an estimate)
             distinct, codes = np.unique(query, axis=0, return_inverse=True)
             codes = codes.ravel()
         else:
-            codes = pd.DataFrame(query).groupby(list(range(query.shape[1])), sort=False).ngroup().to_numpy()
-            _, first = np.unique(codes, return_index=True)  # first row of each distinct query, in code order
-            distinct = query[first]
+            distinct, codes = _distinct_rows(query)
         values, extrapolated = self._evaluate(distinct)
         return values[codes], extrapolated[codes]
 
@@ -119,6 +118,18 @@ class LogInterpolator:
             return cKDTree(self.z).query(zq)[1]
         d2 = (((xq[:, None, :] - self.x[None, :, :]) * self.nearest_weights) ** 2).sum(axis=2)
         return np.argmin(d2, axis=1)
+
+
+def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct rows in order of first appearance, index of each row's among them), by one sort of each row's
+    bytes as a single value (a C-contiguous float array; the queries are positive, so equal values have equal
+    bytes)."""
+    row_bytes = rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel()
+    _, first, codes = np.unique(row_bytes, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return rows[first[order]], rank[codes.ravel()]
 
 
 def _mean_duplicates(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
