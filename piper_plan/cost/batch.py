@@ -57,10 +57,12 @@ class Keys:
         self._codes: dict[str, tuple[np.ndarray, int]] = {}
         self._keys: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
-    def codes(self, name: str) -> tuple[np.ndarray, int]:
-        """(code per plan, number of distinct values) of one field, by a presence table (O(N))."""
+    def codes(self, name: str) -> tuple[np.ndarray | None, int]:
+        """(code per plan, number of distinct values) of one field, by a presence table (O(N)); (None, 1) for a
+        field with one value (it adds nothing to a key)."""
         if name not in self._codes:
-            self._codes[name] = dense_codes(getattr(self.c, name))
+            col = getattr(self.c, name)
+            self._codes[name] = (None, 1) if col.min() == col.max() else dense_codes(col)
         return self._codes[name]
 
     def factorize(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -81,17 +83,21 @@ class Keys:
         limit = min(max(4 * len(self.c), 1 << 16), _DENSE_RADIX)
         for name in names[len(done):]:
             code, size = self.codes(name)
+            if code is None:
+                continue
             if key is None:
                 key, radix = code.astype(np.int64), size
                 continue
             if radix * size > limit:
-                key, radix = dense_codes(key, radix)
+                key, radix = dense_codes(key, radix, np.int64)
             key *= size
             key += code
             radix *= size
             if radix > _DENSE_RADIX:             # more distinct combinations than a table holds: sort
                 _, key = np.unique(key, return_inverse=True)
                 radix = int(key.max()) + 1
+        if key is None:                          # every field has one value
+            key = np.zeros(len(self.c), np.int64)
         first = np.full(radix, -1, np.int64)
         first[key[::-1]] = np.arange(key.size - 1, -1, -1)
         used = np.flatnonzero(first >= 0)
@@ -100,13 +106,13 @@ class Keys:
         return first[used], dense[key]
 
 
-def dense_codes(values: np.ndarray, top: int | None = None) -> tuple[np.ndarray, int]:
+def dense_codes(values: np.ndarray, top: int | None = None, dtype=np.int32) -> tuple[np.ndarray, int]:
     """(rank of each value among the distinct ones, number of distinct values) of small non-negative integers
     (all below ``top``), by a presence table: order-preserving, O(N + top)."""
     present = np.zeros(int(values.max()) + 1 if top is None else top, bool)
     present[values] = True
     rank = np.cumsum(present, dtype=np.int64) - 1
-    return rank[values], int(rank[-1]) + 1
+    return rank.astype(dtype)[values], int(rank[-1]) + 1
 
 
 def stage_groups(ctx, sub) -> tuple[list[np.ndarray], np.ndarray]:

@@ -34,10 +34,12 @@ def plain_factorize(c, names):
 
 @pytest.mark.parametrize("n,high", [(1000, 5), (20_000, 300), (300_000, 5000)])
 def test_factorize_equals_a_sort(n, high):
-    """Small ranges (one table), ranges that need renumbering on the way, and one that needs the sort."""
+    """Small ranges (one table), ranges that need renumbering on the way, and one that needs the sort; a field
+    with one value among them."""
     rng = np.random.default_rng(n)
     names = tuple(f"f{i}" for i in range(6))
-    c = Columns(**{name: rng.integers(0, high, n) * (i + 1) for i, name in enumerate(names)})
+    c = Columns(**{name: rng.integers(0, high, n) * (i + 1) for i, name in enumerate(names)}, f6=np.full(n, 3))
+    names = names[:2] + ("f6",) + names[2:]
     want_first, want_inverse = plain_factorize(c, names)
     got_first, got_inverse = batch.Keys(c).factorize(names)
     assert np.array_equal(got_first, want_first) and np.array_equal(got_inverse, want_inverse)
