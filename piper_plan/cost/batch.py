@@ -197,8 +197,8 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     acts = stg.layer_activations(ctx, sub_s)
     m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts, 0.0) for flight in (0.0, 1.0))
     per_loss = stg.loss_memory_per_micro_batch(ctx, sub_s, st)
-    terms = {k: tuple(np.broadcast_to(x, split.shape) for x in (m0[k], m1[k] - m0[k], per_loss.get(k, 0.0)))
-             for k in (m0 if detail else ("total",))}
+    full = lambda x: None if x is None else np.broadcast_to(x, split.shape)   # noqa: E731
+    terms = {k: (full(m0[k]), full(m1[k] - m0[k]), full(per_loss.get(k))) for k in (m0 if detail else ("total",))}
     a = inv_s[rows_m]
     schedule, pp, count, virtual = (getattr(c, name)[rows_m] for name in ("schedule", "pp", "num_microbatches",
                                                                         "virtual_stages"))
@@ -209,11 +209,10 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
         cols = np.flatnonzero(group == g)
         if not cols.size:
             continue
-        ag, size = a[cols], len(table)
+        ag, last = a[cols], np.flatnonzero(table[:, 5])
         flight = in_flight(schedule[cols], table[:, 1:2], pp[cols], count[cols], virtual[cols])
         loss = loss_in_flight(schedule[cols], count[cols])
-        at = lambda k: (terms[k][0][:size, ag] + flight * terms[k][1][:size, ag]                  # noqa: E731
-                        + loss * terms[k][2][:size, ag])
+        at = lambda k: memory_at(terms[k], ag, flight, loss, last)   # noqa: E731
         total = at("total")
         for v in SPLITS:
             rows = slot_rows(table, v)
@@ -224,6 +223,18 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
                 for k in terms:
                     parts[k][v, cols] = np.broadcast_to(at(k), total.shape)[big, np.arange(len(cols))]
     return peak, parts
+
+
+def memory_at(term, cols, flight, loss, last_rows) -> np.ndarray:
+    """One memory component (m0, slope, per_loss: [S, U] each; per_loss None where no logits count) at the stage
+    rows of one table ([R, n], ``flight`` [R, n]) and KEY_STATE columns ``cols``: m0 + flight x slope, and on the
+    last stages (the only ones holding logits, per_loss 0 elsewhere) + loss x per_loss."""
+    base, slope, per = term
+    rows = len(flight)
+    out = base[:rows, cols] + flight * slope[:rows, cols]
+    if per is not None:
+        out[last_rows] += loss * per[last_rows][:, cols]
+    return out
 
 
 def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
