@@ -12,7 +12,7 @@ What depends on what (the keys below; every one a few hundred to a few thousand 
 - gradient sync and the optimizer step: (pp, tp, cp, dp, ep, etp, virtual_stages, zero, num_microbatches,
   dp_replicate)                                                                                     KEY_SYNC
   of which the stages' parameters and the groups' spans: KEY_SYNC less num_microbatches             KEY_PARAMS
-- pipeline p2p: (pp, tp, cp, dp, mbs, virtual_stages)                                              KEY_P2P
+- pipeline p2p: (pp, tp, cp, dp, mbs, virtual_stages), priced per KEY_STATE row (which holds them)
 
 Stages come from ``pipeline.stage_rows``: the distinct stage shapes of each layer split the plan may use
 (even, FLOP-balanced; or the plan's explicit list), so per-stage arrays are [S, U] with S small. A plan whose
@@ -41,7 +41,6 @@ KEY_PARAMS = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "dp
 KEY_SYNC = KEY_PARAMS + ("num_microbatches",)
 SYNC_GROUPS = ("dp", "edp", "dp_shard", "dp_replicate")
 """The groups (terms.spans) whose scopes price the gradient sync, in dp_sync_seconds' order."""
-KEY_P2P = ("pp", "tp", "cp", "dp", "mbs", "virtual_stages")
 SPLITS = (0, 1)
 """Split slots of the per-split arrays: 0 the even (or the explicit) split, 1 the FLOP-balanced one."""
 _NONE = -np.inf
@@ -86,10 +85,12 @@ class Keys:
             if code is None:
                 continue
             if key is None:
-                key, radix = code.astype(np.int64), size
+                key, radix = code.copy(), size
                 continue
             if radix * size > limit:
-                key, radix = dense_codes(key, radix, np.int64)
+                key, radix = dense_codes(key, radix)
+            if radix * size >= 1 << 31:
+                key = key.astype(np.int64)
             key *= size
             key += code
             radix *= size
@@ -97,22 +98,22 @@ class Keys:
                 _, key = np.unique(key, return_inverse=True)
                 radix = int(key.max()) + 1
         if key is None:                          # every field has one value
-            key = np.zeros(len(self.c), np.int64)
+            key = np.zeros(len(self.c), np.int32)
         first = np.full(radix, -1, np.int64)
         first[key[::-1]] = np.arange(key.size - 1, -1, -1)
         used = np.flatnonzero(first >= 0)
-        dense = np.zeros(radix, np.int64)
+        dense = np.zeros(radix, np.int32)
         dense[used] = np.arange(used.size)
         return first[used], dense[key]
 
 
-def dense_codes(values: np.ndarray, top: int | None = None, dtype=np.int32) -> tuple[np.ndarray, int]:
-    """(rank of each value among the distinct ones, number of distinct values) of small non-negative integers
-    (all below ``top``), by a presence table: order-preserving, O(N + top)."""
+def dense_codes(values: np.ndarray, top: int | None = None) -> tuple[np.ndarray, int]:
+    """(rank of each value among the distinct ones as int32, number of distinct values) of small non-negative
+    integers (all below ``top``), by a presence table: order-preserving, O(N + top)."""
     present = np.zeros(int(values.max()) + 1 if top is None else top, bool)
     present[values] = True
-    rank = np.cumsum(present, dtype=np.int64) - 1
-    return rank.astype(dtype)[values], int(rank[-1]) + 1
+    rank = np.cumsum(present, dtype=np.int32) - 1
+    return rank[values], int(rank[-1]) + 1
 
 
 def stage_groups(ctx, sub) -> tuple[list[np.ndarray], np.ndarray]:
@@ -289,7 +290,7 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     keys.factorize(KEY_PARAMS)              # the leading fields of KEY_SYNC (and sync_by_key's own key)
     rows_s, inv_s = keys.factorize(KEY_SYNC)
     sync = sync_by_key(ctx, alloc, c, keys, rows_s)
-    rows_p, inv_p = keys.factorize(KEY_P2P)
+    rows_p, inv_p = keys.factorize(KEY_STATE)                 # it holds every field p2p depends on
     sub_p = c.take(rows_p)
     p2p = p2p_seconds(ctx, sub_p, spans(alloc, sub_p))[inv_p]
     m = c.num_microbatches
