@@ -5,7 +5,8 @@
    ``piper_plan.cost.evaluate.evaluate`` over ``--candidates`` candidates: the structurally valid candidates of
    DeepSeek-V3 on 2,048 Frontier nodes tiled to that size, once as plain copies ("tiled") and once with every copy
    made distinct ("distinct": copy j has num_microbatches x (j + 1), so that no per-key reuse can exploit the
-   tiling). Median of ``--repeat`` runs, wall time and CPU time.
+   tiling). Median of ``--repeat`` runs, wall time and CPU time (the rate per core is per CPU second: on a shared
+   machine the pinned core also runs other processes, which wall time would count).
 2. The whole search (enumerate + evaluate + rank) of that case in-process, calibrated, median of ``--repeat``.
 3. Median of ``--runs`` whole-process runs (start-up and output included) of
    ``piper plan --model deepseek-v3 --platform frontier --nodes 2048`` and of whole Frontier
@@ -133,8 +134,9 @@ def print_rates(label: str, n: int, calibration, repeat: int) -> None:
         wall, cpu = evaluation_rates(batch, calibration, repeat)
         kind = "all distinct" if distinct else f"the {n_valid:,} valid DSV3 x 2048-node candidates tiled"
         goal = ""
-        if calibration is not None and distinct:
-            goal = f"; goal >= {GOAL_CALIBRATED_PER_S:,}/s: {'met' if wall >= GOAL_CALIBRATED_PER_S else 'NOT met'}"
+        if calibration is not None and distinct:     # per core: evaluations per CPU second of the pinned core
+            goal = f"; goal >= {GOAL_CALIBRATED_PER_S:,} per CPU second: " \
+                   f"{'met' if cpu >= GOAL_CALIBRATED_PER_S else 'NOT met'}"
         print(f"cost-model evaluations, {label}, {n:,} candidates ({kind}): {wall:,.0f} /s wall, "
               f"{cpu:,.0f} /s CPU, one core (median of {repeat}){goal}")
 
