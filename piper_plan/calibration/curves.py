@@ -20,11 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
+from typing import TYPE_CHECKING
 
-from piper_plan.calibration.io import read_if_present
-from piper_plan.calibration.schema import ATTENTION, COLLECTIVES, GEMM, busbw_factor, source_kind
+import numpy as np
+
+from piper_plan.calibration.io import columns_if_present
+from piper_plan.calibration.schema import ATTENTION, COLLECTIVES, GEMM, Table, busbw_factor, source_kind
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _RANK_TOL = 1e-9
 GEMM_NEAREST_WEIGHTS = (1.0, 1.0, 1.0, 1e-3)
@@ -35,7 +39,8 @@ _OFF_TOL = 1e-6
 
 
 _SMALL_QUERY = 256
-"""Query rows up to which distinct rows are found by numpy (faster there), above by pandas."""
+"""Query rows up to which distinct rows are found by np.unique over rows (in value order), above by a sort of each
+row's bytes as one value (in order of first appearance)."""
 
 
 class LogInterpolator:
@@ -66,14 +71,12 @@ class LogInterpolator:
 
     def __call__(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """query [N, D] > 0 -> (values [N], extrapolated [N] bool). Repeated query rows are computed once."""
-        query = np.asarray(query, float)
-        if len(query) <= _SMALL_QUERY:      # a few rows (an estimate): numpy's sort beats a pandas groupby
+        query = np.ascontiguousarray(query, float)
+        if len(query) <= _SMALL_QUERY:      # a few rows (an estimate)
             distinct, codes = np.unique(query, axis=0, return_inverse=True)
             codes = codes.ravel()
         else:
-            codes = pd.DataFrame(query).groupby(list(range(query.shape[1])), sort=False).ngroup().to_numpy()
-            _, first = np.unique(codes, return_index=True)  # first row of each distinct query, in code order
-            distinct = query[first]
+            distinct, codes = _distinct_rows(query)
         values, extrapolated = self._evaluate(distinct)
         return values[codes], extrapolated[codes]
 
@@ -121,6 +124,18 @@ class LogInterpolator:
         return np.argmin(d2, axis=1)
 
 
+def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct rows in order of first appearance, index of each row's among them), by one sort of each row's
+    bytes as a single value (a C-contiguous float array; the queries are positive, so equal values have equal
+    bytes)."""
+    row_bytes = rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel()
+    _, first, codes = np.unique(row_bytes, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return rows[first[order]], rank[codes.ravel()]
+
+
 def _mean_duplicates(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Average y over identical rows of x (repeated measurements of one point)."""
     uniq, inverse = np.unique(np.round(x, 12), axis=0, return_inverse=True)
@@ -151,13 +166,13 @@ class CollectiveCurve:
     log_seconds: list[np.ndarray] = field(repr=False)
 
     @classmethod
-    def from_frame(cls, op: str, frame: pd.DataFrame) -> "CollectiveCurve":
-        ranks_all = (frame["num_nodes"] * frame["ranks_per_node"]).to_numpy()
+    def from_rows(cls, op: str, rows: "Rows") -> "CollectiveCurve":
+        ranks_all = rows["num_nodes"] * rows["ranks_per_node"]
         ranks = np.unique(ranks_all)
         xs, ys = [], []
         for r in ranks:
-            sub = frame[ranks_all == r]
-            x, y = _mean_duplicates(np.log(sub[["bytes_per_rank"]].to_numpy(float)), np.log(sub["seconds"].to_numpy(float)))
+            sub = rows.where(ranks_all == r)
+            x, y = _mean_duplicates(np.log(sub.floats(["bytes_per_rank"])), np.log(sub.floats(["seconds"])[:, 0]))
             xs.append(x[:, 0])
             ys.append(y)
         return cls(op, ranks, xs, ys)
@@ -205,16 +220,59 @@ def _closest_key(wanted: tuple, available: list[tuple]) -> tuple:
     return max(available, key=score)
 
 
-class Calibration:
-    """A platform's measured curves (calibration/<platform>/*.csv). Queries broadcast over numpy arrays."""
+class Rows:
+    """One calibration table as numpy columns (io.read_columns): what the lookups read, without pandas."""
 
-    def __init__(self, directory: Path, gemm: pd.DataFrame | None, attention: pd.DataFrame | None,
-                 collectives: pd.DataFrame | None):
+    def __init__(self, table: Table, columns: dict | None = None):
+        kinds = {"int": np.int64, "float": float, "str": str, "bool": bool}
+        self.table = table
+        self.columns = {c.name: np.asarray([] if columns is None else columns[c.name], kinds[c.kind])
+                        for c in table.columns}
+
+    @classmethod
+    def of(cls, table: Table, rows) -> "Rows":
+        """From read_columns' dict, a pandas DataFrame (anything indexable by column name) or None."""
+        return cls(table, None if rows is None else {c: np.asarray(rows[c]) for c in table.column_names})
+
+    def __len__(self) -> int:
+        return len(self.columns[self.table.columns[0].name])
+
+    @property
+    def empty(self) -> bool:
+        return len(self) == 0
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def where(self, mask: np.ndarray) -> "Rows":
+        return Rows(self.table, {k: v[mask] for k, v in self.columns.items()})
+
+    def floats(self, names: list[str]) -> np.ndarray:
+        """[rows, len(names)] float64."""
+        return np.stack([self.columns[n].astype(float) for n in names], axis=1)
+
+    def distinct(self, names: tuple) -> list[tuple]:
+        """The distinct value tuples of ``names`` as Python values, sorted by their text."""
+        return sorted(set(zip(*(self.columns[n].tolist() for n in names))), key=str)
+
+    def frame(self) -> "pd.DataFrame":
+        import pandas as pd
+
+        return pd.DataFrame({k: v.tolist() for k, v in self.columns.items()}, columns=self.table.column_names)
+
+
+class Calibration:
+    """A platform's measured curves (calibration/<platform>/*.csv). Queries broadcast over numpy arrays.
+
+    The tables are held as numpy columns (``Rows``); ``gemm`` / ``attention`` / ``collectives`` give them as
+    pandas DataFrames (for reports), so that pricing plans never imports pandas."""
+
+    def __init__(self, directory: Path, gemm=None, attention=None, collectives=None):
+        """Each table: read_columns' dict of columns, a DataFrame, or None (no rows)."""
         self.directory = Path(directory)
-        self.gemm = gemm if gemm is not None else pd.DataFrame(columns=GEMM.column_names)
-        self.attention = attention if attention is not None else pd.DataFrame(columns=ATTENTION.column_names)
-        self.collectives = collectives if collectives is not None else pd.DataFrame(columns=COLLECTIVES.column_names)
-        self.sources: list[str] = _sources(self.directory, (self.gemm, self.attention, self.collectives))
+        self.rows = {t.name: Rows.of(t, rows) for t, rows in ((GEMM, gemm), (ATTENTION, attention),
+                                                              (COLLECTIVES, collectives))}
+        self.sources: list[str] = _sources(self.directory, self.rows.values())
         """One line per table: how many rows, and how many are seed / measured / imported."""
         self.notes: list[str] = []
         """Fallbacks taken while answering queries (a dtype or pass that had no rows), for the output."""
@@ -222,13 +280,26 @@ class Calibration:
         """cost.overhead.FrameworkOverhead from overhead.csv (load_calibration sets it), or None."""
         self._cache: dict = {}
 
+    @property
+    def gemm(self) -> "pd.DataFrame":
+        return self.rows[GEMM.name].frame()
+
+    @property
+    def attention(self) -> "pd.DataFrame":
+        return self.rows[ATTENTION.name].frame()
+
+    @property
+    def collectives(self) -> "pd.DataFrame":
+        return self.rows[COLLECTIVES.name].frame()
+
     # GEMM ------------------------------------------------------------------------------------------
     def gemm_flops_per_s(self, m, n, k, dtype: str, groups=1) -> tuple[np.ndarray, np.ndarray]:
         """Achieved FLOP/s (2 m n k groups / seconds) of forward GEMMs [m x k] @ [k x n], and the extrapolated mask."""
         m, n, k, g = np.broadcast_arrays(*(np.asarray(v, float) for v in (m, n, k, groups)))
-        if self.gemm.empty:
+        gemm = self.rows[GEMM.name]
+        if gemm.empty:
             raise _no_rows(self.directory, GEMM.filename)
-        key, fell_back = self._key(self.gemm, ("dtype",), (dtype,), GEMM.filename)
+        key, fell_back = self._key(gemm, ("dtype",), (dtype,))
         interp = self._gemm_interp(key)
         query = np.stack([np.maximum(v.ravel(), 1.0) for v in (m, n, k, g)], axis=1)
         tflops, ext = interp(query)
@@ -237,9 +308,10 @@ class Calibration:
     def _gemm_interp(self, key: tuple) -> LogInterpolator:
         cache_key = ("gemm", key)
         if cache_key not in self._cache:
-            rows = self.gemm[self.gemm["dtype"] == key[0]]
-            self._cache[cache_key] = LogInterpolator(rows[["m", "n", "k", "groups"]].to_numpy(float),
-                                                     rows["tflops"].to_numpy(float), GEMM_NEAREST_WEIGHTS)
+            gemm = self.rows[GEMM.name]
+            rows = gemm.where(gemm["dtype"] == key[0])
+            self._cache[cache_key] = LogInterpolator(rows.floats(["m", "n", "k", "groups"]),
+                                                     rows.floats(["tflops"])[:, 0], GEMM_NEAREST_WEIGHTS)
         return self._cache[cache_key]
 
     # attention -------------------------------------------------------------------------------------
@@ -247,41 +319,46 @@ class Calibration:
                               dtype: str) -> tuple[np.ndarray, np.ndarray]:
         """Achieved FLOP/s of the attention core (schema.attention_flops convention), and the extrapolated mask."""
         s, h, d = np.broadcast_arrays(*(np.asarray(v, float) for v in (seq_len, num_heads, head_dim)))
-        if self.attention.empty:
+        attention = self.rows[ATTENTION.name]
+        if attention.empty:
             raise _no_rows(self.directory, ATTENTION.filename)
-        key, fell_back = self._key(self.attention, ("dtype", "pass", "causal"), (dtype, pass_, bool(causal)), ATTENTION.filename)
+        key, fell_back = self._key(attention, ("dtype", "pass", "causal"), (dtype, pass_, bool(causal)))
         cache_key = ("attention", key)
         if cache_key not in self._cache:
-            rows = self.attention[(self.attention["dtype"] == key[0]) & (self.attention["pass"] == key[1])
-                                  & (self.attention["causal"] == key[2])]
-            self._cache[cache_key] = LogInterpolator(rows[["seq_len", "num_heads", "head_dim"]].to_numpy(float),
-                                                     rows["tflops"].to_numpy(float))
+            rows = attention.where((attention["dtype"] == key[0]) & (attention["pass"] == key[1])
+                                   & (attention["causal"] == key[2]))
+            self._cache[cache_key] = LogInterpolator(rows.floats(["seq_len", "num_heads", "head_dim"]),
+                                                     rows.floats(["tflops"])[:, 0])
         query = np.stack([np.maximum(v.ravel(), 1.0) for v in (s, h, d)], axis=1)
         tflops, ext = self._cache[cache_key](query)
         return (tflops * 1e12).reshape(s.shape), (ext | fell_back).reshape(s.shape)
 
     # collectives -----------------------------------------------------------------------------------
     def has_collective(self, op: str, scope: str) -> bool:
-        c = self.collectives
-        return bool(((c["op"] == op) & (c["scope"] == scope)).any())
+        return (op, scope) in self._distinct(self.rows[COLLECTIVES.name], ("op", "scope"))
 
     def collective_seconds(self, op: str, scope: str, num_ranks, bytes_per_rank) -> tuple[np.ndarray, np.ndarray]:
         """Seconds of one ``op`` over ``num_ranks`` ranks spanning ``scope`` with nccl-tests ``size`` = bytes_per_rank."""
         if not self.has_collective(op, scope):
-            have = sorted({f"{o}/{s}" for o, s in zip(self.collectives["op"], self.collectives["scope"])})
+            have = sorted(f"{o}/{s}" for o, s in self._distinct(self.rows[COLLECTIVES.name], ("op", "scope")))
             raise _no_rows(self.directory, COLLECTIVES.filename, f" for op={op} scope={scope}; has {have} (check has_collective first)")
         cache_key = ("coll", op, scope)
         if cache_key not in self._cache:
-            c = self.collectives
-            self._cache[cache_key] = CollectiveCurve.from_frame(op, c[(c["op"] == op) & (c["scope"] == scope)])
+            c = self.rows[COLLECTIVES.name]
+            self._cache[cache_key] = CollectiveCurve.from_rows(op, c.where((c["op"] == op) & (c["scope"] == scope)))
         return self._cache[cache_key].seconds(num_ranks, bytes_per_rank)
 
     # helpers ---------------------------------------------------------------------------------------
-    def _key(self, frame: pd.DataFrame, columns: tuple, wanted: tuple, filename: str) -> tuple[tuple, bool]:
-        cache_key = ("keys", filename, columns)
-        if cache_key not in self._cache:     # the table never changes: read its distinct keys once
-            self._cache[cache_key] = sorted(set(frame[list(columns)].itertuples(index=False, name=None)), key=str)
-        available = self._cache[cache_key]
+    def _distinct(self, rows: Rows, columns: tuple) -> list[tuple]:
+        """The distinct values of ``columns`` in a table, read once (the tables never change)."""
+        cache_key = ("keys", rows.table.name, columns)
+        if cache_key not in self._cache:
+            self._cache[cache_key] = rows.distinct(columns)
+        return self._cache[cache_key]
+
+    def _key(self, rows: Rows, columns: tuple, wanted: tuple) -> tuple[tuple, bool]:
+        filename = rows.table.filename
+        available = self._distinct(rows, columns)
         if wanted in available:
             return wanted, False
         chosen = _closest_key(wanted, available)
@@ -297,14 +374,16 @@ def _no_rows(directory: Path, filename: str, what: str = ""):
     return PiperError(f"no calibration rows{what}", path=str(directory / filename))
 
 
-def _sources(directory: Path, frames: tuple) -> list[str]:
+def _sources(directory: Path, tables) -> list[str]:
+    from collections import Counter
+
     lines = []
-    for table, frame in zip((GEMM, ATTENTION, COLLECTIVES), frames):
-        if frame.empty:
+    for rows in tables:
+        if rows.empty:
             continue
-        kinds = frame["source"].map(source_kind).value_counts().to_dict()
+        kinds = Counter(source_kind(s) for s in rows["source"].tolist())
         parts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-        lines.append(f"{_shown(directory / table.filename)}: {len(frame)} rows ({parts})")
+        lines.append(f"{_shown(directory / rows.table.filename)}: {len(rows)} rows ({parts})")
     return lines
 
 
@@ -328,8 +407,8 @@ def load_calibration(platform: str | Path) -> Calibration | None:
     from piper_plan.calibration.io import read_metadata
 
     read_metadata(directory)                          # a malformed metadata.json is reported, not skipped
-    frames = [read_if_present(directory, t) for t in (GEMM, ATTENTION, COLLECTIVES)]
-    if all(f is None or f.empty for f in frames):
+    frames = [columns_if_present(directory, t) for t in (GEMM, ATTENTION, COLLECTIVES)]
+    if all(f is None or not f[t.columns[0].name] for f, t in zip(frames, (GEMM, ATTENTION, COLLECTIVES))):
         return None
     calibration = Calibration(directory, *frames)
     from piper_plan.calibration.overhead import load_overhead

@@ -10,13 +10,14 @@ from __future__ import annotations
 import csv
 import io
 from pathlib import Path
-from typing import Iterable
-
-import pandas as pd
+from typing import TYPE_CHECKING, Iterable
 
 from piper_plan.calibration.schema import Column, Table
 from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json, atomic_write_text
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
@@ -27,24 +28,32 @@ def read_table(path: str | Path, table: Table, drop_keys: set[tuple] = frozenset
 
     Rows whose key is in ``drop_keys`` are left out before they are checked (a merge that replaces them: a
     re-import repairs a row an older piper wrote badly)."""
+    import pandas as pd
+
+    return pd.DataFrame(read_columns(path, table, drop_keys), columns=table.column_names)
+
+
+def read_columns(path: str | Path, table: Table, drop_keys: set[tuple] = frozenset()) -> dict[str, list]:
+    """``read_table`` without pandas: the validated values of each column (what the cost model reads)."""
     path = Path(path)
-    raw = _read_raw(path)
-    missing = [c for c in table.column_names if c not in raw.columns]
+    header, raw = _read_raw(path)
+    missing = [c for c in table.column_names if c not in header]
     if missing:
         raise PiperError(f"line 1: missing columns {missing}; a {table.filename} has {table.column_names}", path=str(path))
+    at = {name: header.index(name) for name in table.column_names}
+    lines = [i + 2 for i in range(len(raw))]
     if drop_keys:
-        keep = [tuple(_key_text(r[k]) for k in table.key) not in drop_keys for _, r in raw.iterrows()]
-        raw = raw[keep]
-    lines = [int(i) + 2 for i in raw.index]
-    out = {c.name: [_convert(path, line, c, v) for line, v in zip(lines, raw[c.name])] for c in table.columns}
-    frame = pd.DataFrame(out, columns=table.column_names)
+        kept = [(line, r) for line, r in zip(lines, raw)
+                if tuple(_key_text(r[at[k]]) for k in table.key) not in drop_keys]
+        lines, raw = [line for line, _ in kept], [r for _, r in kept]
+    out = {c.name: [_convert(path, line, c, r[at[c.name]]) for line, r in zip(lines, raw)] for c in table.columns}
     if table.row_check is not None:
-        for line, row in zip(lines, frame.itertuples(index=False)):
-            problem = table.row_check(row._asdict())
+        for i, line in enumerate(lines):
+            problem = table.row_check({name: values[i] for name, values in out.items()})
             if problem:
                 raise PiperError(f"line {line}: {problem}", path=str(path))
-    _check_unique(path, frame, table, lines)
-    return frame
+    _check_unique(path, out, table, lines)
+    return out
 
 
 def _key_text(value) -> str:
@@ -57,7 +66,8 @@ def _key_text(value) -> str:
         return text.lower() if text.lower() in _TRUE | _FALSE else text
 
 
-def _read_raw(path: Path) -> pd.DataFrame:
+def _read_raw(path: Path) -> tuple[list[str], list[list[str]]]:
+    """(header, data rows) of a CSV, fields stripped; blank lines skipped."""
     from piper_plan.fileio import read_text
 
     text = read_text(path)
@@ -69,7 +79,7 @@ def _read_raw(path: Path) -> pd.DataFrame:
     for line, row in enumerate(rows[1:], start=2):
         if len(row) != len(header):
             raise PiperError(f"line {line}: {len(row)} fields, the header has {len(header)}", path=str(path))
-    return pd.DataFrame([[v.strip() for v in r] for r in rows[1:]], columns=header, dtype=object)
+    return header, [[v.strip() for v in r] for r in rows[1:]]
 
 
 def _convert(path: Path, line: int, col: Column, value: str):
@@ -115,11 +125,12 @@ def _check_range(path: Path, where: str, col: Column, number: float) -> None:
         raise PiperError(f"{where}: {number!r} out of range, allowed {bound} {col.min_value:g}", path=str(path))
 
 
-def _check_unique(path: Path, frame: pd.DataFrame, table: Table, lines: list[int]) -> None:
-    dup = frame.duplicated(list(table.key), keep="first")
-    if dup.any():
-        line = lines[int(dup.to_numpy().nonzero()[0][0])]
-        raise PiperError(f"line {line}: repeats the point {list(table.key)} of an earlier row", path=str(path))
+def _check_unique(path: Path, columns: dict[str, list], table: Table, lines: list[int]) -> None:
+    seen = set()
+    for line, key in zip(lines, zip(*(columns[k] for k in table.key))):
+        if key in seen:
+            raise PiperError(f"line {line}: repeats the point {list(table.key)} of an earlier row", path=str(path))
+        seen.add(key)
 
 
 def table_path(directory: str | Path, table: Table) -> Path:
@@ -131,6 +142,12 @@ def read_if_present(directory: str | Path, table: Table) -> pd.DataFrame | None:
     error, not an absent file)."""
     path = table_path(directory, table)
     return read_table(path, table) if path.exists() else None
+
+
+def columns_if_present(directory: str | Path, table: Table) -> dict[str, list] | None:
+    """``read_if_present`` without pandas (read_columns)."""
+    path = table_path(directory, table)
+    return read_columns(path, table) if path.exists() else None
 
 
 def render_csv(frame: pd.DataFrame, table: Table) -> str:
@@ -153,6 +170,8 @@ def _fmt(value) -> str:
 
 def merge_rows(directory: str | Path, table: Table, rows: Iterable[dict]) -> Path:
     """Add ``rows`` to ``directory/<table>.csv`` (a new row replaces an old one at the same key), atomically."""
+    import pandas as pd
+
     path = table_path(directory, table)
     new = pd.DataFrame(list(rows), columns=table.column_names)
     replaced = {tuple(_key_text(v) for v in key) for key in new[list(table.key)].itertuples(index=False, name=None)}

@@ -11,7 +11,8 @@ What depends on what (the keys below; every one a few hundred to a few thousand 
   of which memory without the micro-batches in flight: KEY_MEMORY less schedule, num_microbatches  KEY_STATE
 - gradient sync and the optimizer step: (pp, tp, cp, dp, ep, etp, virtual_stages, zero, num_microbatches,
   dp_replicate)                                                                                     KEY_SYNC
-- pipeline p2p: (pp, tp, cp, dp, mbs, virtual_stages)                                              KEY_P2P
+  of which the stages' parameters and the groups' spans: KEY_SYNC less num_microbatches             KEY_PARAMS
+- pipeline p2p: (pp, tp, cp, dp, mbs, virtual_stages), priced per KEY_STATE row (which holds them)
 
 Stages come from ``pipeline.stage_rows``: the distinct stage shapes of each layer split the plan may use
 (even, FLOP-balanced; or the plan's explicit list), so per-stage arrays are [S, U] with S small. A plan whose
@@ -33,15 +34,18 @@ from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
 
 KEY_TIME = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
-KEY_MEMORY = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp",
-              "num_microbatches", "schedule", "zero", "dp_replicate")
 KEY_STATE = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "virtual_stages", "sequence_parallel", "dp", "zero",
              "dp_replicate")
-KEY_SYNC = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "num_microbatches", "dp_replicate")
-KEY_P2P = ("pp", "tp", "cp", "dp", "mbs", "virtual_stages")
+KEY_MEMORY = KEY_STATE + ("num_microbatches", "schedule")
+KEY_PARAMS = ("pp", "tp", "cp", "dp", "ep", "etp", "virtual_stages", "zero", "dp_replicate")
+KEY_SYNC = KEY_PARAMS + ("num_microbatches",)
+SYNC_GROUPS = ("dp", "edp", "dp_shard", "dp_replicate")
+"""The groups (terms.spans) whose scopes price the gradient sync, in dp_sync_seconds' order."""
 SPLITS = (0, 1)
 """Split slots of the per-split arrays: 0 the even (or the explicit) split, 1 the FLOP-balanced one."""
 _NONE = -np.inf
+_DENSE_RADIX = 1 << 24
+"""Largest composite-key range Keys.factorize indexes directly (a presence table of that many entries)."""
 
 
 class Keys:
@@ -50,50 +54,92 @@ class Keys:
     def __init__(self, c):
         self.c = c
         self._codes: dict[str, tuple[np.ndarray, int]] = {}
+        self._keys: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
-    def codes(self, name: str) -> tuple[np.ndarray, int]:
-        """(code per plan, number of distinct values) of one field, by a presence table (O(N))."""
+    def codes(self, name: str) -> tuple[np.ndarray | None, int]:
+        """(code per plan, number of distinct values) of one field, by a presence table (O(N)); (None, 1) for a
+        field with one value (it adds nothing to a key)."""
         if name not in self._codes:
             col = getattr(self.c, name)
-            present = np.zeros(int(col.max()) + 1, bool)
-            present[col] = True
-            distinct = np.flatnonzero(present)
-            remap = np.zeros(present.size, np.int64)
-            remap[distinct] = np.arange(distinct.size)
-            self._codes[name] = (remap[col], distinct.size)
+            self._codes[name] = (None, 1) if col.min() == col.max() else dense_codes(col)
         return self._codes[name]
 
-    def factorize(self, names) -> tuple[np.ndarray, np.ndarray]:
-        """(first row of each distinct combination of ``names``, inverse [N] into those rows)."""
+    def factorize(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(first row of each distinct combination of ``names``, inverse [N] into those rows), the combinations
+        in lexicographic order of the fields' codes. The mixed-radix key is renumbered densely (order kept)
+        whenever it would outgrow a presence table of a few entries per plan: O(N) per field, no sort. A key
+        whose leading fields were factorized already starts from that inverse (the same order)."""
+        if names not in self._keys:
+            self._keys[names] = self._factorize(names)
+        return self._keys[names]
+
+    def _factorize(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        done = max((k for k in self._keys if names[:len(k)] == k), key=len, default=())
         key, radix = None, 1
-        for name in names:
+        if done:
+            first, inverse = self._keys[done]
+            key, radix = inverse.copy(), len(first)
+        limit = min(max(4 * len(self.c), 1 << 16), _DENSE_RADIX)
+        for name in names[len(done):]:
             code, size = self.codes(name)
-            key = code.copy() if key is None else key * size + code
+            if code is None:
+                continue
+            if key is None:
+                key, radix = code.copy(), size
+                continue
+            if radix * size > limit:
+                key, radix = dense_codes(key, radix)
+            if radix * size >= 1 << 31:
+                key = key.astype(np.int64)
+            key *= size
+            key += code
             radix *= size
-        if radix > 1 << 24:
-            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-            return first, inverse
+            if radix > _DENSE_RADIX:             # more distinct combinations than a table holds: sort
+                _, key = np.unique(key, return_inverse=True)
+                radix = int(key.max()) + 1
+        if key is None:                          # every field has one value
+            key = np.zeros(len(self.c), np.int32)
         first = np.full(radix, -1, np.int64)
         first[key[::-1]] = np.arange(key.size - 1, -1, -1)
         used = np.flatnonzero(first >= 0)
-        dense = np.zeros(radix, np.int64)
+        dense = np.zeros(radix, np.int32)
         dense[used] = np.arange(used.size)
         return first[used], dense[key]
+
+
+def dense_codes(values: np.ndarray, top: int | None = None) -> tuple[np.ndarray, int]:
+    """(rank of each value among the distinct ones as int32, number of distinct values) of small non-negative
+    integers (all below ``top``), by a presence table: order-preserving, O(N + top)."""
+    present = np.zeros(int(values.max()) + 1 if top is None else top, bool)
+    present[values] = True
+    rank = np.cumsum(present, dtype=np.int32) - 1
+    return rank[values], int(rank[-1]) + 1
+
+
+def stage_groups(ctx, sub) -> tuple[list[np.ndarray], np.ndarray]:
+    """(the distinct stage tables among the rows of ``sub``: pipeline.stage_rows [R, 6] of each (pp, virtual
+    stages), or the explicit split of a batch of one; which table each row uses [U])."""
+    if sub.explicit_layers is not None:             # a batch of one plan with its own layers_per_stage
+        return [explicit_stage_rows(ctx.model, list(sub.explicit_layers[0]))], np.zeros(len(sub), int)
+    pairs = sub.pp * 4 + np.minimum(sub.virtual_stages, 2)
+    distinct, inverse = np.unique(pairs, return_inverse=True)
+    cache = ctx.stage_rows
+    for p in distinct:
+        if int(p) not in cache:
+            cache[int(p)] = stage_rows(ctx.model, ctx.training.seq_len, int(p // 4), min(int(p % 4), 2))
+    return [cache[int(p)] for p in distinct], inverse
+
+
+def slot_rows(table: np.ndarray, slot: int) -> slice | None:
+    """The rows of a stage table in split slot ``slot`` (stage_rows lists them slot by slot), None if none."""
+    at = np.flatnonzero(table[:, 0] == slot)
+    return slice(int(at[0]), int(at[-1]) + 1) if at.size else None
 
 
 def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray]:
     """(split slot [S, U], StageShape [S, U], stage index [S, U]) of the distinct stages of each row of ``sub``;
     rows with fewer stages than S repeat their first (a duplicate never changes a maximum)."""
-    if sub.explicit_layers is not None:             # a batch of one plan with its own layers_per_stage
-        tables, inverse = [explicit_stage_rows(ctx.model, list(sub.explicit_layers[0]))], np.zeros(len(sub), int)
-    else:
-        pairs = sub.pp * 4 + np.minimum(sub.virtual_stages, 2)
-        distinct, inverse = np.unique(pairs, return_inverse=True)
-        cache = ctx.stage_rows
-        for p in distinct:
-            if int(p) not in cache:
-                cache[int(p)] = stage_rows(ctx.model, ctx.training.seq_len, int(p // 4), min(int(p % 4), 2))
-        tables = [cache[int(p)] for p in distinct]
+    tables, inverse = stage_groups(ctx, sub)
     size = max(len(t) for t in tables)
     stacked = np.stack([np.concatenate([t, np.repeat(t[:1], size - len(t), 0)]) for t in tables])   # [P, S, 6]
     rows = stacked[inverse].transpose(2, 1, 0)                                                        # [6, S, U]
@@ -142,43 +188,77 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     One formula, stage.stage_memory, which is affine in the micro-batches in flight and in those whose loss the
     last stage holds: it is evaluated at 0 and 1 in flight (no loss) once per KEY_STATE row (everything but the
     schedule and the micro-batch count), and each KEY_MEMORY row takes ``m0 + flight x (m1 - m0) + loss x
-    per_loss`` for its own flights (memory.in_flight, memory.loss_in_flight; stage.loss_memory_per_micro_batch)."""
+    per_loss`` for its own flights (memory.in_flight, memory.loss_in_flight; stage.loss_memory_per_micro_batch),
+    over the stages of its own stage table (the rows of one table share their stages: each split's peak is the
+    maximum over a block of rows)."""
     rows_s, inv_s = keys.factorize(KEY_STATE)
     sub_s = c.take(rows_s)
-    split, st, index = stage_table(ctx, sub_s)
+    split, st, _ = stage_table(ctx, sub_s)
+    tables, table_of = stage_groups(ctx, sub_s)
     acts = stg.layer_activations(ctx, sub_s)
     m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts, 0.0) for flight in (0.0, 1.0))
     per_loss = stg.loss_memory_per_micro_batch(ctx, sub_s, st)
-    sub_m, a = c.take(rows_m), inv_s[rows_m]
-    flight = in_flight(sub_m.schedule, index[:, a], sub_m.pp, sub_m.num_microbatches, sub_m.virtual_stages)
-    loss = loss_in_flight(sub_m.schedule, sub_m.num_microbatches)
-    shape = flight.shape
-    at = lambda name: (np.broadcast_to(m0[name], split.shape)[:, a]                                  # noqa: E731
-                       + flight * np.broadcast_to(m1[name] - m0[name], split.shape)[:, a]
-                       + loss * np.broadcast_to(per_loss.get(name, 0.0), split.shape)[:, a])
-    total = at("total")
-    split_m = split[:, a]
-    peak = per_split_max(total, split_m)
-    if not detail:
-        return peak, {"total": peak}
-    big = per_split_argmax(total, split_m)
-    cols = np.arange(shape[1])
-    return peak, {k: np.stack([np.broadcast_to(at(k), shape)[big[v], cols] for v in SPLITS]) for k in m0}
+    full = lambda x: None if x is None else np.broadcast_to(x, split.shape)   # noqa: E731
+    terms = {k: (full(m0[k]), full(m1[k] - m0[k]), full(per_loss.get(k))) for k in (m0 if detail else ("total",))}
+    a = inv_s[rows_m]
+    schedule, pp, count, virtual = (getattr(c, name)[rows_m] for name in ("schedule", "pp", "num_microbatches",
+                                                                        "virtual_stages"))
+    peak = np.full((2, len(a)), _NONE)
+    parts = {k: np.empty((2, len(a))) for k in terms} if detail else {"total": peak}
+    group = table_of[a]
+    for g, table in enumerate(tables):
+        cols = np.flatnonzero(group == g)
+        if not cols.size:
+            continue
+        ag, last = a[cols], np.flatnonzero(table[:, 5])
+        flight = in_flight(schedule[cols], table[:, 1:2], pp[cols], count[cols], virtual[cols])
+        loss = loss_in_flight(schedule[cols], count[cols])
+        at = lambda k: memory_at(terms[k], ag, flight, loss, last)   # noqa: E731
+        total = at("total")
+        for v in SPLITS:
+            rows = slot_rows(table, v)
+            if rows is not None:
+                peak[v, cols] = total[rows].max(0)
+            if detail:     # the peak stage's components (a missing split: the first stage's, as a stand-in)
+                big = np.zeros(len(cols), int) if rows is None else rows.start + total[rows].argmax(0)
+                for k in terms:
+                    parts[k][v, cols] = np.broadcast_to(at(k), total.shape)[big, np.arange(len(cols))]
+    return peak, parts
 
 
-def sync_by_key(ctx, sub, group_spans) -> dict[str, np.ndarray]:
-    """Per KEY_SYNC row and split: dense / expert gradient sync and the optimizer step, seconds [2, U]."""
-    split, st, _ = stage_table(ctx, sub)
-    dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, sub.tp, sub.ep, sub.etp)
+def memory_at(term, cols, flight, loss, last_rows) -> np.ndarray:
+    """One memory component (m0, slope, per_loss: [S, U] each; per_loss None where no logits count) at the stage
+    rows of one table ([R, n], ``flight`` [R, n]) and KEY_STATE columns ``cols``: m0 + flight x slope, and on the
+    last stages (the only ones holding logits, per_loss 0 elsewhere) + loss x per_loss."""
+    base, slope, per = term
+    rows = len(flight)
+    out = base[:rows, cols] + flight * slope[:rows, cols]
+    if per is not None:
+        out[last_rows] += loss * per[last_rows][:, cols]
+    return out
+
+
+def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
+    """Per KEY_SYNC row and split: dense / expert gradient sync and the optimizer step, seconds [2, U]. What
+    does not depend on the micro-batch count (the stages' parameters, the optimizer's overhead, the groups'
+    spans) is computed once per KEY_PARAMS row."""
+    rows_q, inv_q = keys.factorize(KEY_PARAMS)
+    sub_q = c.take(rows_q)
+    split, st, _ = stage_table(ctx, sub_q)
+    dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, sub_q.tp, sub_q.ep,
+                                      sub_q.etp)
     dense, expert = per_split_max(dense + 0.0 * split, split), per_split_max(expert + 0.0 * split, split)
     dense, expert = np.maximum(dense, 0.0), np.maximum(expert, 0.0)     # a missing split: any finite stand-in
-    overhead = per_split_max(optimizer_step_overhead(ctx, st, sub.world) + 0.0 * split, split)
+    overhead = per_split_max(optimizer_step_overhead(ctx, st, sub_q.world) + 0.0 * split, split)
+    q = inv_q[rows_y]
+    dense, expert, overhead = dense[:, q], expert[:, q], overhead[:, q]
+    group_spans = {k: spans_q[0][q] for k, spans_q in spans(alloc, sub_q).items() if k in SYNC_GROUPS}
+    sub = c.take(rows_y)
     o = ctx.opts
     out = {"dp/sync/dense": [], "dp/sync/expert": [], "optimizer/step": []}
     for v in SPLITS:
-        sync_d, sync_e = dp_sync_seconds(ctx.net, ctx.training, dense[v], expert[v], sub, group_spans["dp"][0],
-                                         group_spans["edp"][0], group_spans["dp_shard"][0],
-                                         group_spans["dp_replicate"][0])
+        sync_d, sync_e = dp_sync_seconds(ctx.net, ctx.training, dense[v], expert[v], sub,
+                                         *(group_spans[k] for k in SYNC_GROUPS))
         out["dp/sync/dense"].append(sync_d * (1 - o.dp_overlap))
         out["dp/sync/expert"].append(sync_e * (1 - o.dp_overlap))
         out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub)
@@ -203,13 +283,14 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     keys = Keys(c)
     rows_t, inv_t = keys.factorize(KEY_TIME)
     seconds_t, parts_t = time_by_key(ctx, alloc, c.take(rows_t))
+    keys.factorize(KEY_STATE)               # the leading fields of KEY_MEMORY (and memory_by_key's own key)
     rows_m, inv_m = keys.factorize(KEY_MEMORY)
     peak_m, memory_m = memory_by_key(ctx, c, keys, rows_m, memory_detail)
     split = choose_split(peak_m[:, inv_m], seconds_t[:, inv_t], ctx.platform.device.memory_bytes, c.layers_split)
+    keys.factorize(KEY_PARAMS)              # the leading fields of KEY_SYNC (and sync_by_key's own key)
     rows_s, inv_s = keys.factorize(KEY_SYNC)
-    sub_s = c.take(rows_s)
-    sync = sync_by_key(ctx, sub_s, spans(alloc, sub_s))
-    rows_p, inv_p = keys.factorize(KEY_P2P)
+    sync = sync_by_key(ctx, alloc, c, keys, rows_s)
+    rows_p, inv_p = keys.factorize(KEY_STATE)                 # it holds every field p2p depends on
     sub_p = c.take(rows_p)
     p2p = p2p_seconds(ctx, sub_p, spans(alloc, sub_p))[inv_p]
     m = c.num_microbatches
