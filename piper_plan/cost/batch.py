@@ -26,7 +26,9 @@ import numpy as np
 from piper_plan.cost import stage as stg
 from piper_plan.cost.memory import in_flight, loss_in_flight
 from piper_plan.cost.overhead import optimizer_step_overhead
-from piper_plan.cost.pipeline import bubble_microbatches, explicit_stage_rows, stage_layers, stage_rows
+from piper_plan.cost.pipeline import (CHUNK_SLOT, bubble_microbatches, chunk_in_flight, chunk_stage_rows,
+                                      explicit_stage_rows, rank_chunk_table, stage_layers, stage_rows,
+                                      uneven_bubble_seconds, uneven_chunks)
 from piper_plan.cost.params import moe_prefix, rank_stage_params
 from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds
 from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
@@ -81,24 +83,42 @@ class Keys:
         return first[used], dense[key]
 
 
-def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray]:
-    """(split slot [S, U], StageShape [S, U], stage index [S, U]) of the distinct stages of each row of ``sub``;
-    rows with fewer stages than S repeat their first (a duplicate never changes a maximum)."""
-    if sub.explicit_layers is not None:             # a batch of one plan with its own layers_per_stage
+def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray, np.ndarray]:
+    """(split slot [S, U], StageShape [S, U], stage index [S, U], layers in flight of unequal interleaved chunks
+    [S, U]: 0 elsewhere) of the distinct stages of each row of ``sub``; rows with fewer stages than S repeat
+    their first (a duplicate never changes a maximum)."""
+    chunks = _one_plan_chunks(ctx, sub)
+    if chunks is not None:                          # a batch of one interleaved plan with unequal chunks
+        tables, inverse = [chunk_stage_rows(ctx.model, chunks, int(sub.pp[0]))], np.zeros(len(sub), int)
+    elif sub.explicit_layers is not None:           # a batch of one plan with its own layers_per_stage
         tables, inverse = [explicit_stage_rows(ctx.model, list(sub.explicit_layers[0]))], np.zeros(len(sub), int)
     else:
-        pairs = sub.pp * 4 + np.minimum(sub.virtual_stages, 2)
+        n = sub.pp * sub.virtual_stages
+        uneven = (sub.virtual_stages > 1) & (ctx.model.num_layers % n != 0)
+        pairs = sub.pp * _V_KEY + np.where(uneven, sub.virtual_stages, np.minimum(sub.virtual_stages, 2))
         distinct, inverse = np.unique(pairs, return_inverse=True)
         cache = ctx.stage_rows
         for p in distinct:
             if int(p) not in cache:
-                cache[int(p)] = stage_rows(ctx.model, ctx.training.seq_len, int(p // 4), min(int(p % 4), 2))
+                cache[int(p)] = stage_rows(ctx.model, ctx.training.seq_len, int(p // _V_KEY), int(p % _V_KEY))
         tables = [cache[int(p)] for p in distinct]
     size = max(len(t) for t in tables)
-    stacked = np.stack([np.concatenate([t, np.repeat(t[:1], size - len(t), 0)]) for t in tables])   # [P, S, 6]
-    rows = stacked[inverse].transpose(2, 1, 0)                                                        # [6, S, U]
+    stacked = np.stack([np.concatenate([t, np.repeat(t[:1], size - len(t), 0)]) for t in tables])   # [P, S, 7]
+    rows = stacked[inverse].transpose(2, 1, 0)                                                        # [7, S, U]
     shape = stg.StageShape(rows[2], rows[3], rows[4].astype(bool), rows[5].astype(bool))
-    return rows[0], shape, rows[1]
+    return rows[0], shape, rows[1], rows[6]
+
+
+_V_KEY = 1 << 16
+"""Radix of the (pp, virtual stages) cache key of ``stage_table``: even interleaving shares v = 2's rows."""
+
+
+def _one_plan_chunks(ctx, sub) -> list[int] | None:
+    """The unequal model chunks of a batch of one interleaved plan (explicit or by rule), else None."""
+    if len(sub) != 1 or int(sub.virtual_stages[0]) == 1:
+        return None
+    explicit = sub.explicit_chunks[0] if sub.explicit_chunks is not None else None
+    return uneven_chunks(ctx.model.num_layers, int(sub.pp[0]), int(sub.virtual_stages[0]), explicit)
 
 
 def per_split_max(values, split) -> np.ndarray:
@@ -122,17 +142,18 @@ def stage_time_parts(model, per_layer: dict, head, st: stg.StageShape) -> dict[s
 
 
 def time_by_key(ctx, alloc, sub):
-    """Per KEY_TIME row and split: seconds per micro-batch of the slowest stage (without p2p) [2, U] and the
-    breakdown of that stage {name: [2, U]}."""
+    """Per KEY_TIME row and split: seconds per micro-batch of the slowest stage (without p2p) [2, U], the
+    breakdown of that stage {name: [2, U]}, and the slowest unequal interleaved chunk [U] (-inf: none)."""
     per_layer, head = layer_terms(ctx, alloc, sub, stg.layer_activations(ctx, sub))
-    split, st, _ = stage_table(ctx, sub)
+    split, st, _, _ = stage_table(ctx, sub)
     parts = stage_time_parts(ctx.model, per_layer, head, st)
     total = sum(parts.values())
+    chunk = np.where(split == CHUNK_SLOT, total, _NONE).max(0)
     slow = per_split_argmax(total, split)
     cols = np.arange(total.shape[1])
     seconds = np.stack([np.where(split[slow[v], cols] == v, total[slow[v], cols], _NONE) for v in SPLITS])
     at_slow = lambda p: np.stack([np.broadcast_to(p, total.shape)[slow[v], cols] for v in SPLITS])   # noqa: E731
-    return seconds, {k: at_slow(p) for k, p in parts.items()}
+    return seconds, {k: at_slow(p) for k, p in parts.items()}, chunk
 
 
 def memory_by_key(ctx, c, keys, rows_m, detail: bool):
@@ -145,12 +166,14 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     per_loss`` for its own flights (memory.in_flight, memory.loss_in_flight; stage.loss_memory_per_micro_batch)."""
     rows_s, inv_s = keys.factorize(KEY_STATE)
     sub_s = c.take(rows_s)
-    split, st, index = stage_table(ctx, sub_s)
+    split, st, index, chunk_flight = stage_table(ctx, sub_s)
     acts = stg.layer_activations(ctx, sub_s)
     m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts, 0.0) for flight in (0.0, 1.0))
     per_loss = stg.loss_memory_per_micro_batch(ctx, sub_s, st)
     sub_m, a = c.take(rows_m), inv_s[rows_m]
     flight = in_flight(sub_m.schedule, index[:, a], sub_m.pp, sub_m.num_microbatches, sub_m.virtual_stages)
+    flight = chunk_in_flight(flight, chunk_flight[:, a], st.layers[:, a], index[:, a], sub_m.pp,
+                             sub_m.num_microbatches, sub_m.virtual_stages)
     loss = loss_in_flight(sub_m.schedule, sub_m.num_microbatches)
     shape = flight.shape
     at = lambda name: (np.broadcast_to(m0[name], split.shape)[:, a]                                  # noqa: E731
@@ -168,7 +191,7 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
 
 def sync_by_key(ctx, sub, group_spans) -> dict[str, np.ndarray]:
     """Per KEY_SYNC row and split: dense / expert gradient sync and the optimizer step, seconds [2, U]."""
-    split, st, _ = stage_table(ctx, sub)
+    split, st, _, _ = stage_table(ctx, sub)
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, sub.tp, sub.ep, sub.etp)
     dense, expert = per_split_max(dense + 0.0 * split, split), per_split_max(expert + 0.0 * split, split)
     dense, expert = np.maximum(dense, 0.0), np.maximum(expert, 0.0)     # a missing split: any finite stand-in
@@ -202,7 +225,7 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     """(breakdown {name: [N]}, step seconds [N], peak-stage memory {"total": [N], ...}, split slot [N])."""
     keys = Keys(c)
     rows_t, inv_t = keys.factorize(KEY_TIME)
-    seconds_t, parts_t = time_by_key(ctx, alloc, c.take(rows_t))
+    seconds_t, parts_t, chunk_t = time_by_key(ctx, alloc, c.take(rows_t))
     rows_m, inv_m = keys.factorize(KEY_MEMORY)
     peak_m, memory_m = memory_by_key(ctx, c, keys, rows_m, memory_detail)
     split = choose_split(peak_m[:, inv_m], seconds_t[:, inv_t], ctx.platform.device.memory_bytes, c.layers_split)
@@ -217,6 +240,10 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     breakdown["pipeline/p2p"] = p2p * m
     t_mb = seconds_t.ravel()[split * seconds_t.shape[1] + inv_t] + p2p
     breakdown["pipeline/bubble"] = t_mb * bubble_microbatches(c.schedule, c.pp, c.virtual_stages)
+    chunk = chunk_t[inv_t]
+    if np.isfinite(chunk).any():                    # interleaved plans with unequal chunks
+        uneven = uneven_bubble_seconds(chunk, p2p, c.pp, c.virtual_stages)
+        breakdown["pipeline/bubble"] = np.where(np.isfinite(chunk), uneven, breakdown["pipeline/bubble"])
     breakdown.update(_gather_split(sync, split, inv_s))
     step = t_mb * m + breakdown["pipeline/bubble"] + breakdown["dp/sync/dense"] + breakdown["dp/sync/expert"] \
         + breakdown["optimizer/step"]
@@ -240,10 +267,17 @@ def stage_detail(ctx, alloc, c, layers_per_stage: list[int]):
     {name: [pp, 1]}, seconds per micro-batch by breakdown name {name: [pp, 1]}, p2p included)."""
     pp = int(c.pp[0])
     stages = np.arange(pp)[:, None]
-    layers, moe = stage_layers(moe_prefix(ctx.model), ctx.model.num_layers, c.pp, stages, layers_per_stage)
+    flight = in_flight(c.schedule, stages, c.pp, c.num_microbatches, c.virtual_stages)
+    chunks = _one_plan_chunks(ctx, c)
+    if chunks is None:
+        layers, moe = stage_layers(moe_prefix(ctx.model), ctx.model.num_layers, c.pp, stages, layers_per_stage)
+    else:                                           # interleaved, unequal chunks: each rank over its chunks
+        table = {k: v[:, None] for k, v in rank_chunk_table(ctx.model, chunks, pp).items()}
+        layers, moe = table["layers"], table["moe_layers"]
+        flight = chunk_in_flight(flight, table["flight_layers"], layers, stages, c.pp, c.num_microbatches,
+                                 c.virtual_stages)
     st = stg.StageShape(layers, moe, stages == 0, stages == pp - 1)
     acts = stg.layer_activations(ctx, c)
-    flight = in_flight(c.schedule, stages, c.pp, c.num_microbatches, c.virtual_stages)
     loss = loss_in_flight(c.schedule, c.num_microbatches)
     memory = {k: np.broadcast_to(v, stages.shape) for k, v in stg.stage_memory(ctx, c, st, flight, acts, loss).items()}
     per_layer, head = layer_terms(ctx, alloc, c, acts)

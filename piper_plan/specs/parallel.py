@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import PositiveInt, model_validator
+from pydantic import NonNegativeInt, PositiveInt, model_validator
 
 from piper_plan.specs.base import Spec
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
@@ -59,6 +59,10 @@ class ParallelPlan(Spec):
     then the faster) or explicit (``layers_per_stage``). Saved plans carry the resolved explicit list."""
     layers_per_stage: list[PositiveInt] | None = None
     """Layers of each pipeline stage (given: the split is explicit)."""
+    virtual_stage_layers: list[NonNegativeInt] | None = None
+    """Interleaved only: decoder layers of each of the pp x virtual_stages model chunks, in Megatron-Core's
+    virtual-stage order (chunk ``k`` runs on rank ``k % pp`` as its virtual stage ``k // pp``; the decoder counts
+    of a ``pipeline_model_parallel_layout``). None: ``interleaved_chunk_split``'s rule."""
 
     @model_validator(mode="before")
     @classmethod
@@ -86,10 +90,23 @@ class ParallelPlan(Spec):
         return self.pp * self.dp * self.cp * self.tp
 
     def stage_layers(self, num_layers: int) -> list[int]:
-        """Layers per stage: the explicit list, else the even split (cost/pipeline.py resolves the others)."""
+        """Layers per stage: the explicit list, else the even split (cost/pipeline.py resolves the others);
+        interleaved with uneven chunks: each rank's total over its chunks."""
         if self.layers_per_stage is not None:
             return list(self.layers_per_stage)
+        chunks = self.chunk_layers(num_layers)
+        if chunks is not None and len(set(chunks)) > 1:
+            return rank_layers(chunks, self.pp)
         return even_split(num_layers, self.pp)
+
+    def chunk_layers(self, num_layers: int) -> list[int] | None:
+        """Interleaved: layers of each model chunk in virtual-stage order (the explicit list, else the rule);
+        None for other schedules, or where the rule has no split."""
+        if self.schedule != Schedule.INTERLEAVED:
+            return None
+        if self.virtual_stage_layers is not None:
+            return list(self.virtual_stage_layers)
+        return interleaved_chunk_split(num_layers, self.pp, self.virtual_stages)
 
     def degrees(self) -> dict[str, int]:
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp,
@@ -101,3 +118,33 @@ def even_split(num_layers: int, pp: int) -> list[int]:
     (stage 0 holds the embedding and the most micro-batches in flight under 1F1B)."""
     base, extra = divmod(num_layers, pp)
     return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+
+
+def interleaved_chunk_split(num_layers: int, pp: int, virtual_stages: int) -> list[int] | None:
+    """Layers of each of the pp x v model chunks (virtual-stage order) as Megatron-Core splits them without an
+    explicit layout, or None where it cannot.
+
+    Megatron-Core (NVIDIA/Megatron-LM commit 00caa53, megatron/core/transformer/transformer_block.py
+    ``get_num_layers_to_build`` and transformer_layer.py ``get_transformer_layer_offset``) counts the embedding
+    and / or the loss as one layer each when ``account_for_embedding_in_pipeline_split`` /
+    ``account_for_loss_in_pipeline_split`` are set, needs that count divisible by pp and each rank's share by v,
+    gives every chunk the same count, and builds one decoder layer fewer in the first chunk (virtual stage 0 of
+    rank 0; embedding) and in the last (virtual stage v - 1 of rank pp - 1; loss). The rule here takes the first
+    of: neither (num_layers divisible by pp x v: the even split), both (num_layers + 2 divisible: Megatron-Bridge's
+    Qwen3 MoE recipes set both, src/megatron/bridge/recipes/qwen/qwen3_moe.py), the loss alone (num_layers + 1
+    divisible: the last chunk also holds the LM head); piper keeps every chunk at >= 1 layer (Megatron allows an empty
+    one). Other splits (``num_layers_in_first/last_pipeline_stage``,
+    a ``pipeline_model_parallel_layout``) are stated as an explicit ``virtual_stage_layers`` list."""
+    n = pp * virtual_stages
+    for embedding, loss in ((0, 0), (1, 1), (0, 1)):
+        if (num_layers + embedding + loss) % n == 0 and (num_layers + embedding + loss) // n > max(embedding, loss):
+            chunks = [(num_layers + embedding + loss) // n] * n
+            chunks[0] -= embedding
+            chunks[-1] -= loss
+            return chunks
+    return None
+
+
+def rank_layers(chunks: list[int], pp: int) -> list[int]:
+    """Each rank's layers over its model chunks (chunk k on rank k % pp)."""
+    return [sum(chunks[r::pp]) for r in range(pp)]
