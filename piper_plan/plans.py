@@ -102,8 +102,12 @@ class PlanBatch:
         values = {name: getattr(plan, name) for name in array_fields()}
         for name, vocab in ENUM_FIELDS.items():
             values[name] = vocab(values[name]).code
-        explicit = (tuple(plan.layers_per_stage),) if plan.layers_per_stage is not None else None
         chunks = (tuple(plan.virtual_stage_layers),) if plan.virtual_stage_layers is not None else None
+        layers = plan.layers_per_stage
+        if layers is None and chunks is not None and len(chunks[0]) == plan.pp * plan.virtual_stages:
+            layers = rank_layers(list(chunks[0]), plan.pp)             # the ranks' layers: the chunks' sums
+            values["layers_split"] = LayerSplit.EXPLICIT.code
+        explicit = (tuple(layers),) if layers is not None else None
         return cls(**values, explicit_layers=explicit, explicit_chunks=chunks)
 
     @classmethod

@@ -95,7 +95,7 @@ def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray, np.nd
     else:
         n = sub.pp * sub.virtual_stages
         uneven = (sub.virtual_stages > 1) & (ctx.model.num_layers % n != 0)
-        pairs = sub.pp * _V_KEY + np.where(uneven, sub.virtual_stages, np.minimum(sub.virtual_stages, 2))
+        pairs = sub.pp * _V_KEY + np.where(uneven, sub.virtual_stages, np.where(sub.virtual_stages > 1, 0, 1))
         distinct, inverse = np.unique(pairs, return_inverse=True)
         cache = ctx.stage_rows
         for p in distinct:
@@ -110,7 +110,7 @@ def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray, np.nd
 
 
 _V_KEY = 1 << 16
-"""Radix of the (pp, virtual stages) cache key of ``stage_table``: even interleaving shares v = 2's rows."""
+"""Radix of the (pp, virtual stages) cache key of ``stage_table``; interleaving with equal chunks is key 0."""
 
 
 def _one_plan_chunks(ctx, sub) -> list[int] | None:

@@ -208,7 +208,7 @@ def layers_per_stage_of(model, seq_len: int, pp: int, split_slot: int, virtual_s
 def stage_rows(model, seq_len: int, pp: int, virtual_stages: int = 1) -> np.ndarray:
     """Distinct stages of every split variant: int64 [R, 7] rows (split slot, stage index, layers, MoE layers,
     first, last, 0), each (slot, shape) once at its lowest stage index; interleaved with unequal chunks,
-    ``chunk_stage_rows``.
+    ``chunk_stage_rows``; ``virtual_stages`` 0 stands for any v whose chunks are equal (the even split).
 
     Memory and time of a stage depend only on its shape, except the micro-batches in flight, which never
     grow with the stage index (memory.in_flight); so the lowest index of each shape holds its maximum."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveInt, model_validator
@@ -62,7 +63,8 @@ class ParallelPlan(Spec):
     virtual_stage_layers: list[NonNegativeInt] | None = None
     """Interleaved only: decoder layers of each of the pp x virtual_stages model chunks, in Megatron-Core's
     virtual-stage order (chunk ``k`` runs on rank ``k % pp`` as its virtual stage ``k // pp``; the decoder counts
-    of a ``pipeline_model_parallel_layout``). None: ``interleaved_chunk_split``'s rule."""
+    of a ``pipeline_model_parallel_layout``; such a layout string is read as its decoder counts,
+    ``layout_decoder_counts``). None: ``interleaved_chunk_split``'s rule."""
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +73,14 @@ class ParallelPlan(Spec):
         if isinstance(data, dict) and data.get("layers_per_stage") is not None \
                 and data.get("layers_split", LayerSplit.AUTO) == LayerSplit.AUTO:
             data = {**data, "layers_split": LayerSplit.EXPLICIT}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_string(cls, data):
+        """A Megatron-Core layout string for virtual_stage_layers stands for its decoder counts."""
+        if isinstance(data, dict) and isinstance(data.get("virtual_stage_layers"), str):
+            data = {**data, "virtual_stage_layers": layout_decoder_counts(data["virtual_stage_layers"])}
         return data
 
     @model_validator(mode="after")
@@ -148,3 +158,21 @@ def interleaved_chunk_split(num_layers: int, pp: int, virtual_stages: int) -> li
 def rank_layers(chunks: list[int], pp: int) -> list[int]:
     """Each rank's layers over its model chunks (chunk k on rank k % pp)."""
     return [sum(chunks[r::pp]) for r in range(pp)]
+
+
+_LAYOUT_REPEAT = (re.compile(r"\(([^()]*)\)\*(\d+)"), re.compile(r"([Etm|L])\*(\d+)"))
+
+
+def layout_decoder_counts(layout: str) -> list[int]:
+    """Decoder layers per model chunk of a Megatron-Core ``pipeline_model_parallel_layout`` string, e.g.
+    "Et|(tt|)*30mL" -> [1, 2 x 30, 0]. Grammar of megatron/core/transformer/pipeline_parallel_layer_layout.py
+    (NVIDIA/Megatron-LM commit 00caa53, ``parse_str_to_list``): ``|`` ends a chunk, E embedding, t a decoder
+    layer, m an MTP layer, L the loss, ``(...)*n`` and ``x*n`` repeat, commas are cosmetic. piper prices the MTP
+    modules and the loss on the last rank wherever the layout puts them."""
+    text = layout.replace(",", "").replace(" ", "")
+    for pattern in _LAYOUT_REPEAT:
+        text = pattern.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    bad = set(text) - set("Etm|L")
+    if bad:
+        raise ValueError(f"layout {layout!r}: unknown characters {sorted(bad)}; allowed E, t, m, L, |, (...)*n, x*n")
+    return [chunk.count("t") for chunk in text.split("|")]
