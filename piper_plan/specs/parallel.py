@@ -176,3 +176,13 @@ def layout_decoder_counts(layout: str) -> list[int]:
     if bad:
         raise ValueError(f"layout {layout!r}: unknown characters {sorted(bad)}; allowed E, t, m, L, |, (...)*n, x*n")
     return [chunk.count("t") for chunk in text.split("|")]
+
+
+def layout_string(chunks: list[int], mtp_layers: int = 0) -> str:
+    """A Megatron-Core ``pipeline_model_parallel_layout`` of decoder counts per chunk (virtual-stage order): the
+    embedding in the first chunk, the MTP modules and the loss in the last (where piper prices them);
+    ``layout_decoder_counts`` reads it back."""
+    body = ["t" * n if n < 3 else f"t*{n}" for n in chunks]
+    body[0] = "E" + body[0]
+    body[-1] += "m" * mtp_layers + "L"
+    return "|".join(body)

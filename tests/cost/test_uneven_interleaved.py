@@ -155,3 +155,19 @@ def test_search_enumerates_unequal_chunks():
     space = enumerate_space(model, H100, training, 32)
     f = space.fields
     assert np.any((f["schedule"] == 2) & (f["pp"] == 8))
+
+
+def test_megatron_export_states_the_layout(tmp_path):
+    """An exported plan with unequal chunks carries them as Megatron-Core's --pipeline-model-parallel-layout
+    (which reads back to the same chunks), not first / last stage counts Megatron would refuse with vp."""
+    path = tmp_path / "plan.json"
+    saved = _run(["estimate", "--model", "qwen3-235b-a22b", "--platform", "dgx-h100", "--nodes", "32", "--tp", "2",
+                  "--pp", "8", "--dp", "16", "--ep", "32", "--global-batch", "2048", "--schedule", "interleaved",
+                  "--virtual-stages", "4", "-o", str(path)])
+    assert saved.exit_code == 0, saved.output
+    result = _run(["export", str(path), "--engine", "megatron"])
+    assert result.exit_code == 0, result.output
+    line = next(part for part in result.stdout.split("\n") if "--pipeline-model-parallel-layout" in part)
+    layout = line.split("--pipeline-model-parallel-layout")[1].split()[0].strip("'\"")
+    assert layout_decoder_counts(layout) == interleaved_chunk_split(94, 8, 4)
+    assert "--decoder-first-pipeline-num-layers" not in result.stdout
