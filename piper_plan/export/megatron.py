@@ -102,12 +102,14 @@ def parallel_arguments(pf) -> tuple[list[list[str]], list[str]]:
         lines += [["--expert-model-parallel-size", str(p.ep)], ["--expert-tensor-parallel-size", str(p.etp)]]
     if p.tp > 1 and p.sequence_parallel:
         lines.append(["--sequence-parallel"])
-    if p.schedule == "interleaved":
-        lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
     chunks = p.chunk_layers(pf.model.num_layers)
-    if chunks is not None and len(set(chunks)) > 1:         # unequal interleaved chunks: Megatron-Core's layout
+    if chunks is not None and len(set(chunks)) > 1:
+        # unequal interleaved chunks: Megatron-Core's layout, which sets vp itself (arguments.py takes at most one
+        # of it and --num-virtual-stages-per-pipeline-rank)
         lines.append(["--pipeline-model-parallel-layout", layout_string(chunks, pf.model.mtp_layers)])
     else:
+        if p.schedule == "interleaved":
+            lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
         lines += split_arguments(p.stage_layers(pf.model.num_layers), notes)
     lines += RECOMPUTE[p.recompute] + ZERO[p.zero]
     lines += [[flag] for flag in PRECISION_FLAGS[t.dtype]]

@@ -171,3 +171,4 @@ def test_megatron_export_states_the_layout(tmp_path):
     layout = line.split("--pipeline-model-parallel-layout")[1].split()[0].strip("'\"")
     assert layout_decoder_counts(layout) == interleaved_chunk_split(94, 8, 4)
     assert "--decoder-first-pipeline-num-layers" not in result.stdout
+    assert "--num-virtual-stages-per-pipeline-rank" not in result.stdout     # Megatron takes one of the two
