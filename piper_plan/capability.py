@@ -69,8 +69,8 @@ def _split_problems(model, plan) -> list[str]:
     out = []
     sizes = plan.chunk_layers(model.num_layers)
     if sizes is not None and len(set(sizes)) > 1:
-        out.append(f"interleaved model chunks of unequal layers {sorted(set(sizes))} (virtual_stage_layers / "
-                   f"Megatron-Core's split of num_layers={model.num_layers}; runtime builds equal chunks only)")
+        out.append(f"interleaved model chunks of unequal layers (virtual_stage_layers, or Megatron-Core's split of "
+                   f"num_layers={model.num_layers} over pp x virtual_stages; the runtime builds equal chunks only)")
     if model.tie_embeddings and chunks > 1:
         out.append(f"tie_embeddings=true with pp x virtual_stages = {chunks} "
                    "(runtime ties only within one model chunk)")

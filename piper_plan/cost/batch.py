@@ -241,9 +241,10 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     t_mb = seconds_t.ravel()[split * seconds_t.shape[1] + inv_t] + p2p
     breakdown["pipeline/bubble"] = t_mb * bubble_microbatches(c.schedule, c.pp, c.virtual_stages)
     chunk = chunk_t[inv_t]
-    if np.isfinite(chunk).any():                    # interleaved plans with unequal chunks
-        uneven = uneven_bubble_seconds(chunk, p2p, c.pp, c.virtual_stages)
-        breakdown["pipeline/bubble"] = np.where(np.isfinite(chunk), uneven, breakdown["pipeline/bubble"])
+    uneven = np.isfinite(chunk)                     # interleaved plans with unequal chunks
+    if uneven.any():
+        bubble = uneven_bubble_seconds(np.where(uneven, chunk, 0.0), p2p, c.pp, c.virtual_stages)
+        breakdown["pipeline/bubble"] = np.where(uneven, bubble, breakdown["pipeline/bubble"])
     breakdown.update(_gather_split(sync, split, inv_s))
     step = t_mb * m + breakdown["pipeline/bubble"] + breakdown["dp/sync/dense"] + breakdown["dp/sync/expert"] \
         + breakdown["optimizer/step"]
