@@ -89,7 +89,7 @@ def chunk_stage_rows(model, chunks: list[int], pp: int) -> np.ndarray:
     chunks) once at its lowest index, which holds the most in flight); slot CHUNK_SLOT: the distinct chunks
     (first: chunk 0 with the embedding; last: the final chunk with the LM head and MTP modules)."""
     v, n = len(chunks) // pp, len(chunks)
-    table, prefix = rank_chunk_table(model, chunks, pp), moe_prefix(model)
+    table = rank_chunk_table(model, chunks, pp)
     rows, seen = [], set()
     for r in range(pp):
         shape = (int(table["layers"][r]), int(table["moe_layers"][r]), int(r == 0), int(r == pp - 1))
@@ -97,15 +97,10 @@ def chunk_stage_rows(model, chunks: list[int], pp: int) -> np.ndarray:
         if key not in seen:
             seen.add(key)
             rows.append((0, r, *shape, int(table["flight_layers"][r])))
-    edges = np.concatenate([[0], np.cumsum(chunks)])
-    seen = set()
-    for k in range(n):
-        shape = (int(chunks[k]), int(prefix[edges[k + 1]] - prefix[edges[k]]), int(k == 0), int(k == n - 1))
-        if shape not in seen:
-            seen.add(shape)
-            rows.append((CHUNK_SLOT, k % pp, *shape, 0))
     assert v * pp == n
-    return np.array(rows, np.int64)
+    chunk_rows = _rows(model, [chunks])            # the chunks as a contiguous split of n stages
+    chunk_rows[:, 0], chunk_rows[:, 1] = CHUNK_SLOT, chunk_rows[:, 1] % pp
+    return np.concatenate([np.array(rows, np.int64), chunk_rows])
 
 
 def chunk_in_flight(flight, flight_layers, layers, stage, pp, num_microbatches, virtual_stages):
