@@ -172,3 +172,65 @@ def test_megatron_export_states_the_layout(tmp_path):
     assert layout_decoder_counts(layout) == interleaved_chunk_split(94, 8, 4)
     assert "--decoder-first-pipeline-num-layers" not in result.stdout
     assert "--num-virtual-stages-per-pipeline-rank" not in result.stdout     # Megatron takes one of the two
+
+
+def _megatron_order(pp, v, m, r):
+    """Rank r's (kind, micro-batch, virtual stage) order in Megatron-Core's interleaved 1F1B
+    (schedules.py forward_backward_pipelining_with_interleaving: (pp - r - 1) x 2 + (v - 1) x pp warm-up forwards,
+    then one forward and one backward, then the remaining backwards; virtual micro-batch k runs model chunk
+    (k // pp) % v, backward chunks in reverse)."""
+    total = m * v
+    warm = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+    ids = [("f", k) for k in range(warm)]
+    for i in range(total - warm):
+        ids += [("f", warm + i), ("b", i)]
+    ids += [("b", k) for k in range(total - warm, total)]
+    out = []
+    for kind, k in ids:
+        chunk = (k // pp) % v
+        out.append((kind, (k // (pp * v)) * pp + k % pp, v - 1 - chunk if kind == "b" else chunk))
+    return out
+
+
+def _simulated_step(forward, pp, v, m):
+    """Makespan of that order with forward[r][vs] seconds per chunk forward and twice that backward, each op
+    starting when its rank is free and its input (the previous chunk's forward, the next one's backward) is done."""
+    orders = [_megatron_order(pp, v, m, r) for r in range(pp)]
+    done, free, pos = {}, [0.0] * pp, [0] * pp
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        moved = False
+        for r in range(pp):
+            if pos[r] == len(orders[r]):
+                continue
+            kind, mb, vs = orders[r][pos[r]]
+            if kind == "f":
+                prev = (r - 1, vs) if r > 0 else (pp - 1, vs - 1)
+                need = ("f", mb, *prev) if (r, vs) != (0, 0) else None
+            else:
+                nxt = (r + 1, vs) if r < pp - 1 else (0, vs + 1)
+                need = ("b", mb, *nxt) if (r, vs) != (pp - 1, v - 1) else ("f", mb, r, vs)
+            if need is not None and need not in done:
+                continue
+            free[r] = max(free[r], done.get(need, 0.0)) + forward[r][vs] * (1 if kind == "f" else 2)
+            done[(kind, mb, r, vs)] = free[r]
+            pos[r] += 1
+            moved = True
+        assert moved
+    return max(free)
+
+
+@pytest.mark.parametrize("pp, v, m, chunks", [
+    (4, 2, 8, [1.0] * 8), (4, 2, 8, [1, 2, 2, 2, 2, 2, 2, 1]), (4, 2, 8, [2, 2, 2, 2, 2, 2, 2, 0.5]),
+    (8, 4, 16, [1] + [2] * 30 + [2.5]), (8, 4, 16, [2] + [3] * 30 + [2.4]), (8, 3, 16, [3] + [4] * 22 + [5])])
+def test_bubble_against_megatrons_schedule(pp, v, m, chunks):
+    """Priced step (M x the busiest rank + the bubble of pp - 1 slowest-chunk slots) against a simulation of
+    Megatron-Core's interleaved order: equal for equal chunks, an upper bound within one bubble otherwise."""
+    forward = [[chunks[vs * pp + r] for vs in range(v)] for r in range(pp)]
+    busiest = max(3 * sum(row) for row in forward)
+    priced = m * busiest + uneven_bubble_seconds(3 * max(chunks), 0.0, pp, v)
+    simulated = _simulated_step(forward, pp, v, m)
+    if len(set(chunks)) == 1:
+        assert simulated == pytest.approx(priced, rel=1e-12)
+    else:
+        assert m * busiest <= simulated <= priced
+    print(f"pp {pp} v {v} M {m}: simulated {simulated:g}, priced {priced:g} ({priced / simulated - 1:+.1%})")
