@@ -22,7 +22,8 @@ RUNTIME_CAPABILITY: dict[str, tuple] = {
 """Allowed values per feature. Everything else a ModelSpec can say is built (runtime/model.py): q/k/v/o
 biases, attention sinks, LayerNorm with bias, parallel attention + MLP, shared experts and their gate,
 router bias, sigmoid routing, dense layers by first_k_dense / every / phase / explicit, the parallel dense
-FFN, learned positions; any valid virtual_stages (valid chunks split num_layers evenly); any tp the plan rules
+FFN, learned positions; any virtual_stages whose chunks split num_layers evenly (unequal chunks, which the
+planner prices, are not run); any tp the plan rules
 allow (runtime/tensor_parallel.py, always with sequence parallelism; MLA splits q or q_b, kv_b and o, and keeps
 q_a, kv_a and their norms whole), with zero 0-3 (zero 1: runtime/optim.py). Not run: expert tensor parallelism
 (etp > 1: out of the default search, benchmarks/etp_value.py), a capacity factor (the runtime is dropless), tied
@@ -66,6 +67,10 @@ def _norm_problems(model) -> list[str]:
 def _split_problems(model, plan) -> list[str]:
     chunks = plan.pp * plan.virtual_stages
     out = []
+    sizes = plan.chunk_layers(model.num_layers)
+    if sizes is not None and len(set(sizes)) > 1:
+        out.append(f"interleaved model chunks of unequal layers (virtual_stage_layers, or Megatron-Core's split of "
+                   f"num_layers={model.num_layers} over pp x virtual_stages; the runtime builds equal chunks only)")
     if model.tie_embeddings and chunks > 1:
         out.append(f"tie_embeddings=true with pp x virtual_stages = {chunks} "
                    "(runtime ties only within one model chunk)")

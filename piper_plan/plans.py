@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from piper_plan.errors import PiperError
-from piper_plan.specs.parallel import ParallelPlan, even_split
+from piper_plan.specs.parallel import ParallelPlan, even_split, interleaved_chunk_split, rank_layers
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
 ENUM_FIELDS = {"schedule": Schedule, "recompute": Recompute, "a2a": A2A, "layers_split": LayerSplit}
@@ -56,6 +56,8 @@ class PlanBatch:
     dp_replicate: np.ndarray = 1
     """HSDP replicas of the dense FSDP2 shard group (1 where a caller does not say; the search keeps 1)."""
     explicit_layers: tuple | None = None
+    explicit_chunks: tuple | None = None
+    """The ``virtual_stage_layers`` lists (None where a plan has none) of a batch of one from ``PlanBatch.of``."""
 
     def __post_init__(self):
         names = array_fields()
@@ -100,8 +102,13 @@ class PlanBatch:
         values = {name: getattr(plan, name) for name in array_fields()}
         for name, vocab in ENUM_FIELDS.items():
             values[name] = vocab(values[name]).code
-        explicit = (tuple(plan.layers_per_stage),) if plan.layers_per_stage is not None else None
-        return cls(**values, explicit_layers=explicit)
+        chunks = (tuple(plan.virtual_stage_layers),) if plan.virtual_stage_layers is not None else None
+        layers = plan.layers_per_stage
+        if layers is None and chunks is not None and len(chunks[0]) == plan.pp * plan.virtual_stages:
+            layers = rank_layers(list(chunks[0]), plan.pp)             # the ranks' layers: the chunks' sums
+            values["layers_split"] = LayerSplit.EXPLICIT.code
+        explicit = (tuple(layers),) if layers is not None else None
+        return cls(**values, explicit_layers=explicit, explicit_chunks=chunks)
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "PlanBatch":
@@ -114,17 +121,21 @@ class PlanBatch:
             values[name] = vocab.of_code(values[name])
         if layers_per_stage is None and self.explicit_layers is not None:
             layers_per_stage = list(self.explicit_layers[i])
+        chunks = None if self.explicit_chunks is None or self.explicit_chunks[i] is None \
+            else list(self.explicit_chunks[i])
+        if chunks is not None and len(chunks) == values["pp"] * values["virtual_stages"]:
+            layers_per_stage = rank_layers(chunks, values["pp"])     # the ranks' layers are the chunks' sums
         if layers_per_stage is not None:
             values["layers_split"] = LayerSplit.EXPLICIT
-        return ParallelPlan(**values, layers_per_stage=layers_per_stage)
+        return ParallelPlan(**values, layers_per_stage=layers_per_stage, virtual_stage_layers=chunks)
 
     def take(self, index) -> "PlanBatch":
         """A subset (boolean mask or indices)."""
-        explicit = None
-        if self.explicit_layers is not None:
-            picked = np.arange(len(self))[index]
-            explicit = tuple(self.explicit_layers[int(i)] for i in np.atleast_1d(picked))
-        return PlanBatch(**{name: getattr(self, name)[index] for name in array_fields()}, explicit_layers=explicit)
+        picked = np.atleast_1d(np.arange(len(self))[index])
+        explicit, chunks = (None if lists is None else tuple(lists[int(i)] for i in picked)
+                            for lists in (self.explicit_layers, self.explicit_chunks))
+        return PlanBatch(**{name: getattr(self, name)[index] for name in array_fields()}, explicit_layers=explicit,
+                         explicit_chunks=chunks)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in array_fields()}
@@ -140,7 +151,7 @@ class PlanBatch:
 
 def array_fields() -> tuple[str, ...]:
     """PlanBatch's array fields, in declaration order."""
-    return tuple(f.name for f in fields(PlanBatch) if f.name != "explicit_layers")
+    return tuple(f.name for f in fields(PlanBatch) if f.name not in ("explicit_layers", "explicit_chunks"))
 
 
 # ---- validity -------------------------------------------------------------------------------------------
@@ -193,8 +204,54 @@ def _explicit_split_broken(s: Setting, c) -> np.ndarray:
     for i, layers in enumerate(c.explicit_layers):
         pp = int(c.pp[i])
         wrong = len(layers) != pp or sum(layers) != s.model.num_layers or min(layers, default=0) < 1
-        even = list(layers) == even_split(s.model.num_layers, pp)
-        out[i] = wrong or (bool(_interleaved(c)[i]) and not even)
+        out[i] = wrong or (bool(_interleaved(c)[i]) and list(layers) != _interleaved_ranks(s, c, i))
+    return out
+
+
+def plan_chunks(num_layers: int, c, i: int) -> list[int] | None:
+    """Plan i's model chunks (interleaved): its explicit ``virtual_stage_layers``, else the Megatron-Core rule
+    (specs.parallel.interleaved_chunk_split; None where that has no split)."""
+    if c.explicit_chunks is not None and c.explicit_chunks[i] is not None:
+        return list(c.explicit_chunks[i])
+    return interleaved_chunk_split(num_layers, int(c.pp[i]), int(c.virtual_stages[i]))
+
+
+def _interleaved_ranks(s: Setting, c, i: int) -> list[int]:
+    """Each rank's layers under plan i's chunks (the even split where it has none)."""
+    chunks = plan_chunks(s.model.num_layers, c, i)
+    pp = int(c.pp[i])
+    return rank_layers(chunks, pp) if chunks is not None else even_split(s.model.num_layers, pp)
+
+
+def _rank_split(plan: ParallelPlan, num_layers: int) -> list[int]:
+    """Each rank's layers under ``plan``'s interleaved chunks (the even split where it has none)."""
+    chunks = plan.chunk_layers(num_layers)
+    return rank_layers(chunks, plan.pp) if chunks is not None else even_split(num_layers, plan.pp)
+
+
+def _no_chunk_split(s: Setting, c) -> np.ndarray:
+    """Interleaved plans whose layers Megatron-Core's rule cannot split into pp x v chunks, and no explicit list."""
+    n = c.pp * c.virtual_stages
+    L = s.model.num_layers
+    ruled = ((L % n == 0) | ((L + 2) % n == 0) & ((L + 2) // n > 1) | ((L + 1) % n == 0) & ((L + 1) // n > 1))
+    out = _interleaved(c) & ~ruled
+    if c.explicit_chunks is not None:
+        out &= np.array([chunks is None for chunks in c.explicit_chunks])
+    return out
+
+
+def _chunks_broken(s: Setting, c) -> np.ndarray:
+    """An explicit ``virtual_stage_layers`` list: interleaved only, pp x v entries summing to num_layers, every
+    rank >= 1 layer."""
+    out = _none(c)
+    if c.explicit_chunks is None:
+        return out
+    for i, chunks in enumerate(c.explicit_chunks):
+        if chunks is None:
+            continue
+        pp, n = int(c.pp[i]), int(c.pp[i] * c.virtual_stages[i])
+        out[i] = (not _interleaved(c)[i] or len(chunks) != n or sum(chunks) != s.model.num_layers
+                  or min(rank_layers(list(chunks), pp)) < 1)
     return out
 
 
@@ -248,18 +305,22 @@ RULES: tuple[Rule, ...] = (
          level="schedule"),
     Rule("interleaved_needs_pp", lambda s, c: _interleaved(c) & (c.pp < 2),
          lambda s, p: f"schedule=interleaved needs pp >= 2 (got pp={p.pp})", level="schedule"),
-    Rule("interleaved_layers_not_divisible",
-         lambda s, c: _interleaved(c) & (s.model.num_layers % (c.pp * c.virtual_stages) != 0),
-         lambda s, p: f"schedule=interleaved needs num_layers={s.model.num_layers} divisible by pp x "
-                      f"virtual_stages = {p.pp} x {p.virtual_stages} (Megatron-LM's equal model chunks)",
+    Rule("interleaved_layers_not_divisible", _no_chunk_split,
+         lambda s, p: f"schedule=interleaved needs num_layers={s.model.num_layers} (or + 1, + 2: Megatron-Core's "
+                      f"account_for_loss / _embedding_in_pipeline_split) divisible by pp x virtual_stages = {p.pp} x "
+                      f"{p.virtual_stages}, or an explicit virtual_stage_layers list",
          level="schedule"),
+    Rule("virtual_stage_layers_invalid", _chunks_broken,
+         lambda s, p: f"virtual_stage_layers={p.virtual_stage_layers} must be given with schedule=interleaved and have "
+                      f"pp x virtual_stages = {p.pp} x {p.virtual_stages} entries summing to num_layers="
+                      f"{s.model.num_layers}, every rank holding >= 1 layer", level="schedule"),
     Rule("interleaved_microbatches_not_divisible", lambda s, c: _interleaved(c) & (c.num_microbatches % c.pp != 0),
          lambda s, p: f"schedule=interleaved needs num_microbatches={p.num_microbatches} divisible by pp={p.pp}",
          level="schedule"),
     Rule("layers_per_stage_invalid", _explicit_split_broken,
          lambda s, p: f"layers_per_stage={p.layers_per_stage} must have pp={p.pp} entries of >= 1 layer summing to "
-                      f"num_layers={s.model.num_layers}" + (" and, interleaved, be the even split "
-                                                          f"{even_split(s.model.num_layers, p.pp)}"
+                      f"num_layers={s.model.num_layers}" + (" and, interleaved, be each rank's layers over its "
+                                                          f"chunks {_rank_split(p, s.model.num_layers)}"
                                                           if p.schedule == Schedule.INTERLEAVED else ""),
          level="schedule"),
 )

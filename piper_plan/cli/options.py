@@ -104,6 +104,10 @@ parallel_options = _bundle(
                  help="Layers per stage: even, FLOP-balanced, or auto (what `piper plan` picks: the one that fits, "
                       "then the faster)."),
     click.option("--layers-per-stage", default=None, help="Explicit layers per stage, e.g. 16,16,15,14."),
+    click.option("--virtual-stage-layers", default=None,
+                 help="Interleaved: layers of each of the pp x v model chunks, comma-separated in virtual-stage "
+                      "order, or a Megatron-Core layout string, e.g. 'Et|(tt|)*30mL'. Default: equal chunks, else "
+                      "Megatron-Core's account_for_embedding / loss split."),
 )
 
 
@@ -172,7 +176,7 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
     return replace(options, dropout=dropout or options.dropout, recompute_modules=modules)
 
 
-def parse_layers(text: str | None) -> list[int] | None:
+def parse_layers(text: str | None, field: str = "--layers-per-stage") -> list[int] | None:
     """'16,16,15' -> [16, 16, 15]."""
     if text is None:
         return None
@@ -180,7 +184,7 @@ def parse_layers(text: str | None) -> list[int] | None:
         layers = [int(part) for part in text.split(",")]
     except ValueError:
         raise PiperError(f"{text!r}; allowed: comma-separated layer counts, e.g. 16,16,15",
-                         field="--layers-per-stage") from None
+                         field=field) from None
     return layers
 
 
@@ -199,10 +203,14 @@ def build_plan(model, platform, training, nodes: int, **options):
         options["layers_split"] = LayerSplit.EXPLICIT
     if options["virtual_stages"] is None:
         options["virtual_stages"] = 2 if options["schedule"] == "interleaved" else 1
+    chunks = options.pop("virtual_stage_layers")
+    if chunks is not None and "|" not in chunks:
+        chunks = parse_layers(chunks, "--virtual-stage-layers")
     dp, mbs = options["dp"], options["mbs"]
     options["num_microbatches"] = max(training.global_batch // max(dp * mbs, 1), 1)
     try:
-        plan = ParallelPlan(**{**options, "zero": int(options["zero"])}, layers_per_stage=layers)
+        plan = ParallelPlan(**{**options, "zero": int(options["zero"])}, layers_per_stage=layers,
+                            virtual_stage_layers=chunks)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="parallel") from None
     check_plan(model, platform, training, nodes, plan)

@@ -27,7 +27,9 @@ import numpy as np
 from piper_plan.cost import stage as stg
 from piper_plan.cost.memory import in_flight, loss_in_flight
 from piper_plan.cost.overhead import optimizer_step_overhead
-from piper_plan.cost.pipeline import bubble_microbatches, explicit_stage_rows, stage_layers, stage_rows
+from piper_plan.cost.pipeline import (CHUNK_SLOT, bubble_microbatches, chunk_in_flight, chunk_stage_rows,
+                                      explicit_stage_rows, rank_chunk_table, stage_layers, stage_rows,
+                                      uneven_bubble_seconds, uneven_chunks)
 from piper_plan.cost.params import moe_prefix, rank_stage_params
 from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds
 from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
@@ -117,16 +119,20 @@ def dense_codes(values: np.ndarray, top: int | None = None) -> tuple[np.ndarray,
 
 
 def stage_groups(ctx, sub) -> tuple[list[np.ndarray], np.ndarray]:
-    """(the distinct stage tables among the rows of ``sub``: pipeline.stage_rows [R, 6] of each (pp, virtual
-    stages), or the explicit split of a batch of one; which table each row uses [U])."""
+    """(the distinct stage tables among the rows of ``sub``: pipeline.stage_rows [R, 7] of each (pp, virtual
+    stages), or the explicit split or unequal chunks of a batch of one; which table each row uses [U])."""
+    chunks = _one_plan_chunks(ctx, sub)
+    if chunks is not None:                          # a batch of one interleaved plan with unequal chunks
+        return [chunk_stage_rows(ctx.model, chunks, int(sub.pp[0]))], np.zeros(len(sub), int)
     if sub.explicit_layers is not None:             # a batch of one plan with its own layers_per_stage
         return [explicit_stage_rows(ctx.model, list(sub.explicit_layers[0]))], np.zeros(len(sub), int)
-    pairs = sub.pp * 4 + np.minimum(sub.virtual_stages, 2)
+    uneven = (sub.virtual_stages > 1) & (ctx.model.num_layers % (sub.pp * sub.virtual_stages) != 0)
+    pairs = sub.pp * _V_KEY + np.where(uneven, sub.virtual_stages, np.where(sub.virtual_stages > 1, 0, 1))
     distinct, inverse = np.unique(pairs, return_inverse=True)
     cache = ctx.stage_rows
     for p in distinct:
         if int(p) not in cache:
-            cache[int(p)] = stage_rows(ctx.model, ctx.training.seq_len, int(p // 4), min(int(p % 4), 2))
+            cache[int(p)] = stage_rows(ctx.model, ctx.training.seq_len, int(p // _V_KEY), int(p % _V_KEY))
     return [cache[int(p)] for p in distinct], inverse
 
 
@@ -136,15 +142,28 @@ def slot_rows(table: np.ndarray, slot: int) -> slice | None:
     return slice(int(at[0]), int(at[-1]) + 1) if at.size else None
 
 
-def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray]:
-    """(split slot [S, U], StageShape [S, U], stage index [S, U]) of the distinct stages of each row of ``sub``;
-    rows with fewer stages than S repeat their first (a duplicate never changes a maximum)."""
+def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray, np.ndarray]:
+    """(split slot [S, U], StageShape [S, U], stage index [S, U], layers in flight of unequal interleaved chunks
+    [S, U]: 0 elsewhere) of the distinct stages of each row of ``sub``; rows with fewer stages than S repeat
+    their first (a duplicate never changes a maximum)."""
     tables, inverse = stage_groups(ctx, sub)
     size = max(len(t) for t in tables)
-    stacked = np.stack([np.concatenate([t, np.repeat(t[:1], size - len(t), 0)]) for t in tables])   # [P, S, 6]
-    rows = stacked[inverse].transpose(2, 1, 0)                                                        # [6, S, U]
+    stacked = np.stack([np.concatenate([t, np.repeat(t[:1], size - len(t), 0)]) for t in tables])   # [P, S, 7]
+    rows = stacked[inverse].transpose(2, 1, 0)                                                        # [7, S, U]
     shape = stg.StageShape(rows[2], rows[3], rows[4].astype(bool), rows[5].astype(bool))
-    return rows[0], shape, rows[1]
+    return rows[0], shape, rows[1], rows[6]
+
+
+_V_KEY = 1 << 16
+"""Radix of the (pp, virtual stages) cache key of ``stage_table``; interleaving with equal chunks is key 0."""
+
+
+def _one_plan_chunks(ctx, sub) -> list[int] | None:
+    """The unequal model chunks of a batch of one interleaved plan (explicit or by rule), else None."""
+    if len(sub) != 1 or int(sub.virtual_stages[0]) == 1:
+        return None
+    explicit = sub.explicit_chunks[0] if sub.explicit_chunks is not None else None
+    return uneven_chunks(ctx.model.num_layers, int(sub.pp[0]), int(sub.virtual_stages[0]), explicit)
 
 
 def per_split_max(values, split) -> np.ndarray:
@@ -168,17 +187,18 @@ def stage_time_parts(model, per_layer: dict, head, st: stg.StageShape) -> dict[s
 
 
 def time_by_key(ctx, alloc, sub):
-    """Per KEY_TIME row and split: seconds per micro-batch of the slowest stage (without p2p) [2, U] and the
-    breakdown of that stage {name: [2, U]}."""
+    """Per KEY_TIME row and split: seconds per micro-batch of the slowest stage (without p2p) [2, U], the
+    breakdown of that stage {name: [2, U]}, and the slowest unequal interleaved chunk [U] (-inf: none)."""
     per_layer, head = layer_terms(ctx, alloc, sub, stg.layer_activations(ctx, sub))
-    split, st, _ = stage_table(ctx, sub)
+    split, st, _, _ = stage_table(ctx, sub)
     parts = stage_time_parts(ctx.model, per_layer, head, st)
     total = sum(parts.values())
+    chunk = np.where(split == CHUNK_SLOT, total, _NONE).max(0)
     slow = per_split_argmax(total, split)
     cols = np.arange(total.shape[1])
     seconds = np.stack([np.where(split[slow[v], cols] == v, total[slow[v], cols], _NONE) for v in SPLITS])
     at_slow = lambda p: np.stack([np.broadcast_to(p, total.shape)[slow[v], cols] for v in SPLITS])   # noqa: E731
-    return seconds, {k: at_slow(p) for k, p in parts.items()}
+    return seconds, {k: at_slow(p) for k, p in parts.items()}, chunk
 
 
 def memory_by_key(ctx, c, keys, rows_m, detail: bool):
@@ -193,7 +213,7 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     maximum over a block of rows)."""
     rows_s, inv_s = keys.factorize(KEY_STATE)
     sub_s = c.take(rows_s)
-    split, st, _ = stage_table(ctx, sub_s)
+    split, st, _, _ = stage_table(ctx, sub_s)
     tables, table_of = stage_groups(ctx, sub_s)
     acts = stg.layer_activations(ctx, sub_s)
     m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts, 0.0) for flight in (0.0, 1.0))
@@ -211,7 +231,9 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
         if not cols.size:
             continue
         ag, last = a[cols], np.flatnonzero(table[:, 5])
-        flight = in_flight(schedule[cols], table[:, 1:2], pp[cols], count[cols], virtual[cols])
+        index = table[:, 1:2]
+        flight = in_flight(schedule[cols], index, pp[cols], count[cols], virtual[cols])
+        flight = chunk_in_flight(flight, table[:, 6:7], table[:, 2:3], index, pp[cols], count[cols], virtual[cols])
         loss = loss_in_flight(schedule[cols], count[cols])
         at = lambda k: memory_at(terms[k], ag, flight, loss, last)   # noqa: E731
         total = at("total")
@@ -244,7 +266,7 @@ def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
     spans) is computed once per KEY_PARAMS row."""
     rows_q, inv_q = keys.factorize(KEY_PARAMS)
     sub_q = c.take(rows_q)
-    split, st, _ = stage_table(ctx, sub_q)
+    split, st, _, _ = stage_table(ctx, sub_q)
     dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, sub_q.tp, sub_q.ep,
                                       sub_q.etp)
     dense, expert = per_split_max(dense + 0.0 * split, split), per_split_max(expert + 0.0 * split, split)
@@ -282,7 +304,7 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     """(breakdown {name: [N]}, step seconds [N], peak-stage memory {"total": [N], ...}, split slot [N])."""
     keys = Keys(c)
     rows_t, inv_t = keys.factorize(KEY_TIME)
-    seconds_t, parts_t = time_by_key(ctx, alloc, c.take(rows_t))
+    seconds_t, parts_t, chunk_t = time_by_key(ctx, alloc, c.take(rows_t))
     keys.factorize(KEY_STATE)               # the leading fields of KEY_MEMORY (and memory_by_key's own key)
     rows_m, inv_m = keys.factorize(KEY_MEMORY)
     peak_m, memory_m = memory_by_key(ctx, c, keys, rows_m, memory_detail)
@@ -298,6 +320,11 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     breakdown["pipeline/p2p"] = p2p * m
     t_mb = seconds_t.ravel()[split * seconds_t.shape[1] + inv_t] + p2p
     breakdown["pipeline/bubble"] = t_mb * bubble_microbatches(c.schedule, c.pp, c.virtual_stages)
+    chunk = chunk_t[inv_t]
+    uneven = np.isfinite(chunk)                     # interleaved plans with unequal chunks
+    if uneven.any():
+        bubble = uneven_bubble_seconds(np.where(uneven, chunk, 0.0), p2p, c.pp, c.virtual_stages)
+        breakdown["pipeline/bubble"] = np.where(uneven, bubble, breakdown["pipeline/bubble"])
     breakdown.update(_gather_split(sync, split, inv_s))
     step = t_mb * m + breakdown["pipeline/bubble"] + breakdown["dp/sync/dense"] + breakdown["dp/sync/expert"] \
         + breakdown["optimizer/step"]
@@ -321,10 +348,17 @@ def stage_detail(ctx, alloc, c, layers_per_stage: list[int]):
     {name: [pp, 1]}, seconds per micro-batch by breakdown name {name: [pp, 1]}, p2p included)."""
     pp = int(c.pp[0])
     stages = np.arange(pp)[:, None]
-    layers, moe = stage_layers(moe_prefix(ctx.model), ctx.model.num_layers, c.pp, stages, layers_per_stage)
+    flight = in_flight(c.schedule, stages, c.pp, c.num_microbatches, c.virtual_stages)
+    chunks = _one_plan_chunks(ctx, c)
+    if chunks is None:
+        layers, moe = stage_layers(moe_prefix(ctx.model), ctx.model.num_layers, c.pp, stages, layers_per_stage)
+    else:                                           # interleaved, unequal chunks: each rank over its chunks
+        table = {k: v[:, None] for k, v in rank_chunk_table(ctx.model, chunks, pp).items()}
+        layers, moe = table["layers"], table["moe_layers"]
+        flight = chunk_in_flight(flight, table["flight_layers"], layers, stages, c.pp, c.num_microbatches,
+                                 c.virtual_stages)
     st = stg.StageShape(layers, moe, stages == 0, stages == pp - 1)
     acts = stg.layer_activations(ctx, c)
-    flight = in_flight(c.schedule, stages, c.pp, c.num_microbatches, c.virtual_stages)
     loss = loss_in_flight(c.schedule, c.num_microbatches)
     memory = {k: np.broadcast_to(v, stages.shape) for k, v in stg.stage_memory(ctx, c, st, flight, acts, loss).items()}
     per_layer, head = layer_terms(ctx, alloc, c, acts)

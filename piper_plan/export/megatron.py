@@ -6,6 +6,7 @@ lists the ones piper may write, with the commit they were read from, and a test 
 from __future__ import annotations
 
 from piper_plan.export.script import job_script, piper_only, torchrun_launcher
+from piper_plan.specs.parallel import layout_string
 
 INSTEAD = {
     "halo": "Megatron's alltoall token dispatcher (--moe-token-dispatcher-type alltoall; flex for DeepEP) sends one "
@@ -101,9 +102,15 @@ def parallel_arguments(pf) -> tuple[list[list[str]], list[str]]:
         lines += [["--expert-model-parallel-size", str(p.ep)], ["--expert-tensor-parallel-size", str(p.etp)]]
     if p.tp > 1 and p.sequence_parallel:
         lines.append(["--sequence-parallel"])
-    if p.schedule == "interleaved":
-        lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
-    lines += split_arguments(p.stage_layers(pf.model.num_layers), notes)
+    chunks = p.chunk_layers(pf.model.num_layers)
+    if chunks is not None and len(set(chunks)) > 1:
+        # unequal interleaved chunks: Megatron-Core's layout, which sets vp itself (arguments.py takes at most one
+        # of it and --num-virtual-stages-per-pipeline-rank)
+        lines.append(["--pipeline-model-parallel-layout", layout_string(chunks, pf.model.mtp_layers)])
+    else:
+        if p.schedule == "interleaved":
+            lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
+        lines += split_arguments(p.stage_layers(pf.model.num_layers), notes)
     lines += RECOMPUTE[p.recompute] + ZERO[p.zero]
     lines += [[flag] for flag in PRECISION_FLAGS[t.dtype]]
     if p.schedule == "gpipe" and p.pp > 1:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import PositiveInt, model_validator
+from pydantic import NonNegativeInt, PositiveInt, model_validator
 
 from piper_plan.specs.base import Spec
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
@@ -59,6 +60,11 @@ class ParallelPlan(Spec):
     then the faster) or explicit (``layers_per_stage``). Saved plans carry the resolved explicit list."""
     layers_per_stage: list[PositiveInt] | None = None
     """Layers of each pipeline stage (given: the split is explicit)."""
+    virtual_stage_layers: list[NonNegativeInt] | None = None
+    """Interleaved only: decoder layers of each of the pp x virtual_stages model chunks, in Megatron-Core's
+    virtual-stage order (chunk ``k`` runs on rank ``k % pp`` as its virtual stage ``k // pp``; the decoder counts
+    of a ``pipeline_model_parallel_layout``; such a layout string is read as its decoder counts,
+    ``layout_decoder_counts``). None: ``interleaved_chunk_split``'s rule."""
 
     @model_validator(mode="before")
     @classmethod
@@ -67,6 +73,14 @@ class ParallelPlan(Spec):
         if isinstance(data, dict) and data.get("layers_per_stage") is not None \
                 and data.get("layers_split", LayerSplit.AUTO) == LayerSplit.AUTO:
             data = {**data, "layers_split": LayerSplit.EXPLICIT}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_string(cls, data):
+        """A Megatron-Core layout string for virtual_stage_layers stands for its decoder counts."""
+        if isinstance(data, dict) and isinstance(data.get("virtual_stage_layers"), str):
+            data = {**data, "virtual_stage_layers": layout_decoder_counts(data["virtual_stage_layers"])}
         return data
 
     @model_validator(mode="after")
@@ -86,10 +100,23 @@ class ParallelPlan(Spec):
         return self.pp * self.dp * self.cp * self.tp
 
     def stage_layers(self, num_layers: int) -> list[int]:
-        """Layers per stage: the explicit list, else the even split (cost/pipeline.py resolves the others)."""
+        """Layers per stage: the explicit list, else the even split (cost/pipeline.py resolves the others);
+        interleaved with uneven chunks: each rank's total over its chunks."""
         if self.layers_per_stage is not None:
             return list(self.layers_per_stage)
+        chunks = self.chunk_layers(num_layers)
+        if chunks is not None and len(set(chunks)) > 1:
+            return rank_layers(chunks, self.pp)
         return even_split(num_layers, self.pp)
+
+    def chunk_layers(self, num_layers: int) -> list[int] | None:
+        """Interleaved: layers of each model chunk in virtual-stage order (the explicit list, else the rule);
+        None for other schedules, or where the rule has no split."""
+        if self.schedule != Schedule.INTERLEAVED:
+            return None
+        if self.virtual_stage_layers is not None:
+            return list(self.virtual_stage_layers)
+        return interleaved_chunk_split(num_layers, self.pp, self.virtual_stages)
 
     def degrees(self) -> dict[str, int]:
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp,
@@ -101,3 +128,61 @@ def even_split(num_layers: int, pp: int) -> list[int]:
     (stage 0 holds the embedding and the most micro-batches in flight under 1F1B)."""
     base, extra = divmod(num_layers, pp)
     return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+
+
+def interleaved_chunk_split(num_layers: int, pp: int, virtual_stages: int) -> list[int] | None:
+    """Layers of each of the pp x v model chunks (virtual-stage order) as Megatron-Core splits them without an
+    explicit layout, or None where it cannot.
+
+    Megatron-Core (NVIDIA/Megatron-LM commit 00caa53, megatron/core/transformer/transformer_block.py
+    ``get_num_layers_to_build`` and transformer_layer.py ``get_transformer_layer_offset``) counts the embedding
+    and / or the loss as one layer each when ``account_for_embedding_in_pipeline_split`` /
+    ``account_for_loss_in_pipeline_split`` are set, needs that count divisible by pp and each rank's share by v,
+    gives every chunk the same count, and builds one decoder layer fewer in the first chunk (virtual stage 0 of
+    rank 0; embedding) and in the last (virtual stage v - 1 of rank pp - 1; loss). The rule here takes the first
+    of: neither (num_layers divisible by pp x v: the even split), both (num_layers + 2 divisible: Megatron-Bridge's
+    Qwen3 MoE recipes set both, src/megatron/bridge/recipes/qwen/qwen3_moe.py), the loss alone (num_layers + 1
+    divisible: the last chunk also holds the LM head); piper keeps every chunk at >= 1 layer (Megatron allows an empty
+    one). Other splits (``num_layers_in_first/last_pipeline_stage``,
+    a ``pipeline_model_parallel_layout``) are stated as an explicit ``virtual_stage_layers`` list."""
+    n = pp * virtual_stages
+    for embedding, loss in ((0, 0), (1, 1), (0, 1)):
+        if (num_layers + embedding + loss) % n == 0 and (num_layers + embedding + loss) // n > max(embedding, loss):
+            chunks = [(num_layers + embedding + loss) // n] * n
+            chunks[0] -= embedding
+            chunks[-1] -= loss
+            return chunks
+    return None
+
+
+def rank_layers(chunks: list[int], pp: int) -> list[int]:
+    """Each rank's layers over its model chunks (chunk k on rank k % pp)."""
+    return [sum(chunks[r::pp]) for r in range(pp)]
+
+
+_LAYOUT_REPEAT = (re.compile(r"\(([^()]*)\)\*(\d+)"), re.compile(r"([Etm|L])\*(\d+)"))
+
+
+def layout_decoder_counts(layout: str) -> list[int]:
+    """Decoder layers per model chunk of a Megatron-Core ``pipeline_model_parallel_layout`` string, e.g.
+    "Et|(tt|)*30mL" -> [1, 2 x 30, 0]. Grammar of megatron/core/transformer/pipeline_parallel_layer_layout.py
+    (NVIDIA/Megatron-LM commit 00caa53, ``parse_str_to_list``): ``|`` ends a chunk, E embedding, t a decoder
+    layer, m an MTP layer, L the loss, ``(...)*n`` and ``x*n`` repeat, commas are cosmetic. piper prices the MTP
+    modules and the loss on the last rank wherever the layout puts them."""
+    text = layout.replace(",", "").replace(" ", "")
+    for pattern in _LAYOUT_REPEAT:
+        text = pattern.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    bad = set(text) - set("Etm|L")
+    if bad:
+        raise ValueError(f"layout {layout!r}: unknown characters {sorted(bad)}; allowed E, t, m, L, |, (...)*n, x*n")
+    return [chunk.count("t") for chunk in text.split("|")]
+
+
+def layout_string(chunks: list[int], mtp_layers: int = 0) -> str:
+    """A Megatron-Core ``pipeline_model_parallel_layout`` of decoder counts per chunk (virtual-stage order): the
+    embedding in the first chunk, the MTP modules and the loss in the last (where piper prices them);
+    ``layout_decoder_counts`` reads it back."""
+    body = ["t" * n if n < 3 else f"t*{n}" for n in chunks]
+    body[0] = "E" + body[0]
+    body[-1] += "m" * mtp_layers + "L"
+    return "|".join(body)

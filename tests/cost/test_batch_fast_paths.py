@@ -9,6 +9,7 @@ from piper_plan.cost import batch
 from piper_plan.cost import stage as stg
 from piper_plan.cost.memory import in_flight, loss_in_flight
 from piper_plan.cost.options import DEFAULT_OPTIONS
+from piper_plan.cost.pipeline import chunk_in_flight
 from piper_plan.cost.step import dp_sync_seconds
 from piper_plan.cost.terms import spans
 from piper_plan.placement.layout import allocation
@@ -55,8 +56,8 @@ def test_factorize_from_leading_fields_equals_a_fresh_key():
     assert all(np.array_equal(x, y) for x, y in zip(extended, fresh))
 
 
-def setting(name="mixtral-8x7b", nodes=8):
-    model, platform, training = load_model(name), load_platform("frontier"), TrainingSpec()
+def setting(name="mixtral-8x7b", nodes=8, platform="frontier"):
+    model, platform, training = load_model(name), load_platform(platform), TrainingSpec()
     c = enumerate_space(model, platform, training, nodes).batch()
     return stg.make_context(model, platform, training, DEFAULT_OPTIONS), allocation(platform, nodes, "compact"), c
 
@@ -66,12 +67,14 @@ def plain_memory(ctx, c, rows_m, detail):
     keys = batch.Keys(c)
     rows_s, inv_s = keys.factorize(batch.KEY_STATE)
     sub_s = c.take(rows_s)
-    split, st, index = batch.stage_table(ctx, sub_s)
+    split, st, index, chunk_flight = batch.stage_table(ctx, sub_s)
     acts = stg.layer_activations(ctx, sub_s)
     m0, m1 = (stg.stage_memory(ctx, sub_s, st, f, acts, 0.0) for f in (0.0, 1.0))
     per_loss = stg.loss_memory_per_micro_batch(ctx, sub_s, st)
     sub_m, a = c.take(rows_m), inv_s[rows_m]
     flight = in_flight(sub_m.schedule, index[:, a], sub_m.pp, sub_m.num_microbatches, sub_m.virtual_stages)
+    flight = chunk_in_flight(flight, chunk_flight[:, a], st.layers[:, a], index[:, a], sub_m.pp,
+                             sub_m.num_microbatches, sub_m.virtual_stages)
     loss = loss_in_flight(sub_m.schedule, sub_m.num_microbatches)
     full = lambda x: np.broadcast_to(x, split.shape)[:, a]   # noqa: E731
     at = lambda k: full(m0[k]) + flight * full(m1[k] - m0[k]) + loss * full(per_loss.get(k, 0.0))   # noqa: E731
@@ -85,12 +88,16 @@ def plain_memory(ctx, c, rows_m, detail):
 
 
 @pytest.mark.parametrize("detail", [False, True])
-@pytest.mark.parametrize("name,nodes", [("mixtral-8x7b", 8), ("deepseek-v3", 128)])
-def test_memory_per_stage_table_equals_the_padded_form(name, nodes, detail):
-    """Mixtral: several tables, interleaved ones among them; DeepSeek-V3: FLOP-balanced splits (slot 1)."""
-    ctx, _, c = setting(name, nodes)
-    split, _, _ = batch.stage_table(ctx, c)
+@pytest.mark.parametrize("name,nodes,platform", [("mixtral-8x7b", 8, "frontier"), ("deepseek-v3", 128, "frontier"),
+                                                 ("qwen3-235b-a22b", 32, "dgx-h100")])
+def test_memory_per_stage_table_equals_the_padded_form(name, nodes, platform, detail):
+    """Mixtral: several tables, interleaved ones among them; DeepSeek-V3: FLOP-balanced splits (slot 1); Qwen3-235B
+    (94 layers): interleaved plans with unequal chunks (their tables hold chunk rows besides the ranks)."""
+    ctx, _, c = setting(name, nodes, platform)
+    split, _, _, _ = batch.stage_table(ctx, c)
     assert len(np.unique(c.pp)) > 2 and ((c.virtual_stages > 1).any() or (split == 1).any())
+    if name.startswith("qwen3"):
+        assert (split == batch.CHUNK_SLOT).any()
     keys = batch.Keys(c)
     keys.factorize(batch.KEY_STATE)
     rows_m, _ = keys.factorize(batch.KEY_MEMORY)
@@ -109,7 +116,7 @@ def test_sync_once_per_params_row_equals_per_sync_row():
     rows_y, _ = keys.factorize(batch.KEY_SYNC)
     got = batch.sync_by_key(ctx, alloc, c, keys, rows_y)
     sub = c.take(rows_y)
-    split, st, _ = batch.stage_table(ctx, sub)
+    split, st, _, _ = batch.stage_table(ctx, sub)
     dense, expert = batch.rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, sub.tp, sub.ep,
                                             sub.etp)
     dense = np.maximum(batch.per_split_max(dense + 0.0 * split, split), 0.0)

@@ -72,7 +72,9 @@ def test_every_rule_can_fire_and_names_its_values():
              ParallelPlan(dp=8, num_microbatches=1, zero=3, dp_replicate=3),
              ParallelPlan(dp=8, num_microbatches=1, zero=1, dp_replicate=2),
              ParallelPlan(tp=16, num_microbatches=8),
-             ParallelPlan(dp=4, pp=2, num_microbatches=3, schedule="interleaved", virtual_stages=2)]
+             ParallelPlan(dp=4, pp=2, num_microbatches=3, schedule="interleaved", virtual_stages=2),
+             ParallelPlan(dp=4, pp=2, num_microbatches=2, schedule="interleaved", virtual_stages=2,
+                          virtual_stage_layers=[1, 1, 1, 0])]
     for plan in cases:
         for line in plan_problems(model, FRONTIER, training, 1, plan):
             fired.add(line.split(":")[0])
