@@ -14,6 +14,10 @@ measured by the same processes in alternating rounds: measured one after the oth
 between them moved the excess from wait to slowdown or back (docs/closed-loop.md). Rows go to overhead.csv
 (calibration/overhead.py).
 
+``--launched-ranks``: run as each of the ranks a launcher started (torchrun, scripts/netemu.sh run), only the
+lockstep rows of that rank count, plus the workload and a small all_to_all after it timed apart (lockstep_outside,
+lockstep_wait: where the runtime's timers put the wait).
+
 Run: ``piper calibrate overhead --platform local-cpu`` or ``python -m piper_plan.calibration.bench_overhead --out DIR``.
 """
 
