@@ -17,9 +17,11 @@ shared host), the slowest rank's; the host's load average is kept per point. ``-
 HALO again on FIRST's calibration; ``--repeat OTHER`` (with ``--reuse``) reports the spread between two sweeps.
 
 Then the closed loop with two plans (dp4 ep4 flat / halo, tiny-moe, 2 nodes x 2 ranks) on the slowest network:
-predicted vs measured step time. Writes docs/halo-measured.md and docs/halo-measured.png.
+the framework overhead measured right before (its 4-rank lockstep rows by 2 x 2 ranks on that network), then
+predicted vs measured step time and its parts (the runtime's a2a and dp_sync timers, the rest). Writes docs/halo-measured.md and docs/halo-measured.png.
 
-Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse] [--from DIR] [--repeat DIR]
+Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse [--rerun-closed-loop]]
+     [--from DIR] [--repeat DIR]
 """
 
 from __future__ import annotations
@@ -277,6 +279,27 @@ def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration,
 # ------------------------------------------------------------------------------ closed loop
 
 
+def closed_loop_calibration(out: Path, rate: float, measure: bool = True) -> Path:
+    """OUT/closed-loop-calibration: calibration/local-cpu's GEMM and attention rows (the same CPU ranks), this
+    network's collective rows, and the framework overhead measured right before the runs, as benchmarks/
+    closed_loop.py does on loopback: the blocks and the 1- and 2-rank lockstep rows on this host, then the 4-rank
+    lockstep rows by 2 x 2 ranks on the emulated network (bench_overhead --launched-ranks), the job shape of the
+    closed loop. ``measure=False`` keeps the directory as an earlier run left it."""
+    from piper_plan.catalog import calibration_dir
+
+    cal_dir = out / "closed-loop-calibration"
+    if not measure and (cal_dir / "overhead.csv").is_file():
+        return cal_dir
+    shutil.rmtree(cal_dir, ignore_errors=True)
+    shutil.copytree(calibration_dir("local-cpu"), cal_dir)
+    shutil.copy(out / f"calibration-{rate:g}" / "collectives.csv", cal_dir / "collectives.csv")
+    if measure:
+        subprocess.run(module("piper_plan.calibration.bench_overhead", "--out", str(cal_dir)), check=True, cwd=ROOT)
+        run_on_network(NetworkSpec(rate, UPLINKS), 2, 2, module(
+            "piper_plan.calibration.bench_overhead", "--launched-ranks", "--out", str(cal_dir)), 600)
+    return cal_dir
+
+
 def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict, steps: int,
                 run: bool = True) -> list[dict]:
     """dp4 ep4 (tiny-moe) with flat and with HALO on 2 nodes x 2 ranks of the slowest network; ``run=False``
@@ -285,17 +308,13 @@ def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict,
     from closed_loop import BATCH, MODEL, SEQ, runtime_options
 
     from piper_plan.calibration import load_calibration
-    from piper_plan.catalog import calibration_dir, load_model
-    from piper_plan.compare import compare
+    from piper_plan.catalog import load_model
     from piper_plan.cost.evaluate import estimate
     from piper_plan.planfile import write_plan_file
     from piper_plan.specs import ParallelPlan, TrainingSpec
 
     rate = min(RATES_GBps)
-    cal_dir = out / "closed-loop-calibration"
-    shutil.rmtree(cal_dir, ignore_errors=True)
-    shutil.copytree(calibration_dir("local-cpu"), cal_dir)  # GEMM, attention, overhead: the same CPU ranks
-    shutil.copy(out / f"calibration-{rate:g}" / "collectives.csv", cal_dir / "collectives.csv")
+    cal_dir = closed_loop_calibration(out, rate, measure=run)
     calibration = load_calibration(cal_dir)
     platform = platform_for(rate, 2, 2, link_figures(cal_dir), shares["flat 2"], checks[rate], copies)
     platform = with_host_step(platform, calibration, 2, 2, tiny.get("2x2"))
@@ -314,13 +333,31 @@ def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict,
                 "piper_plan.runtime.train", "--plan", str(run_dir / "plan.json"), "--out", str(run_dir), "--steps",
                 str(steps), "--aux-loss-coeff", "0"), 600)
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        step = compare(prediction.to_json(), records)["step_time_s"]
-        a2a_pred = prediction.time.breakdown.get("moe/dispatch/inter_node", 0.0)
-        rows.append({"plan": f"dp4 ep4 {a2a}", "predicted_s": step["predicted"], "measured_s": step["measured"],
-                     "rel_error": step["rel_error"], "a2a_inter_node_pred_s": a2a_pred,
-                     "a2a_pred_s": a2a_pred + prediction.time.breakdown.get("moe/dispatch/intra_node", 0.0)})
+        rows.append({"plan": f"dp4 ep4 {a2a}", **loop_row(prediction.to_json(), records)})
         print(f"closed loop {rows[-1]}", flush=True)
     return rows
+
+
+A2A_TERMS = ("moe/dispatch/", "moe/combine/", "moe/layout", "moe/sync_wait")
+"""The predicted terms that the runtime's a2a timer covers: the exchanges, the count exchange, the wait at them."""
+
+
+def loop_row(prediction: dict, records: list[dict]) -> dict:
+    """Predicted against measured step, and its parts: the runtime's a2a and dp_sync timers (steady-state
+    median) against the terms they cover, and the rest of the step."""
+    from piper_plan.compare import compare, steady_steps
+
+    step = compare(prediction, records)["step_time_s"]
+    breakdown = prediction["time"]["breakdown"]
+    steady = steady_steps(records)
+    measured = {k: statistics.median(r["time_s"].get(k, 0.0) for r in steady) for k in ("a2a", "dp_sync")}
+    a2a = sum(v for k, v in breakdown.items() if k.startswith(A2A_TERMS))
+    dp = sum(v for k, v in breakdown.items() if k.startswith("dp/"))
+    inter = sum(v for k, v in breakdown.items() if k.startswith("moe/") and k.endswith("/inter_node"))
+    return {"predicted_s": step["predicted"], "measured_s": step["measured"], "rel_error": step["rel_error"],
+            "a2a_pred_s": a2a, "a2a_meas_s": measured["a2a"], "a2a_inter_node_pred_s": inter,
+            "sync_wait_pred_s": breakdown.get("moe/sync_wait", 0.0), "dp_pred_s": dp, "dp_meas_s": measured["dp_sync"],
+            "rest_pred_s": step["predicted"] - a2a - dp, "rest_meas_s": step["measured"] - measured["a2a"] - measured["dp_sync"]}
 
 
 # ------------------------------------------------------------------------------ report
@@ -478,11 +515,18 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None)
     if loop_rows:
         lines += ["## Closed loop on the emulated network", "",
                   f"tiny-moe, seq 128, global batch 8, 2 nodes x 2 ranks, {UPLINKS} x {min(RATES_GBps):g} GB/s uplinks; "
-                  "prediction with this network's platform and collective calibration plus calibration/local-cpu's "
-                  "GEMM / attention / overhead rows (runtime under scripts/netemu.sh run).", "",
-                  "| plan | predicted step s | measured step s | error | predicted a2a s (inter-node part) |", "|---|---|---|---|---|"]
+                  "prediction with this network's platform and collective calibration, calibration/local-cpu's GEMM / "
+                  "attention rows, and the framework overhead measured right before the runs (blocks and 1- / 2-rank "
+                  "lockstep rows on this host, the 4-rank lockstep rows by 2 x 2 ranks on this network: "
+                  "`bench_overhead --launched-ranks`); runtime under scripts/netemu.sh run. Measured: steady-state "
+                  "median; a2a and dp sync are the runtime's timers (waits included), predicted a2a = dispatch + "
+                  "combine + layout + moe/sync_wait.", "",
+                  "| plan | predicted step s | measured step s | error | a2a pred / meas s | of it sync_wait pred s "
+                  "| dp sync pred / meas s | rest pred / meas s |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['plan']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {100 * r['rel_error']:+.1f}% | "
-                  f"{r.get('a2a_pred_s', float('nan')):.4f} ({r['a2a_inter_node_pred_s']:.4f}) |" for r in loop_rows]
+                  f"{r['a2a_pred_s']:.4f} / {r['a2a_meas_s']:.4f} | {r['sync_wait_pred_s']:.4f} | "
+                  f"{r['dp_pred_s']:.4f} / {r['dp_meas_s']:.4f} | {r['rest_pred_s']:.4f} / {r['rest_meas_s']:.4f} |"
+                  for r in loop_rows]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -511,6 +555,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--reuse", action="store_true", help="re-predict and re-render from OUT/results.json")
     ap.add_argument("--no-closed-loop", action="store_true")
+    ap.add_argument("--rerun-closed-loop", action="store_true",
+                    help="with --reuse: calibrate the overhead and run the closed loop again (the sweep is kept)")
     ap.add_argument("--from", dest="first", default=None,
                     help="a repeat sweep: take calibration, shaping and NIC shares from this earlier OUT")
     ap.add_argument("--repeat", default=None, help="an OUT measured again with --from OUT: report the spread per point")
@@ -528,7 +574,9 @@ def main() -> int:
         rows, checks, shares = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"]
         tiny = tiny_flat_seconds(flat_at_other_rate(out, measure=False))
         rows = repredict(out, rows, checks, shares, copies, tiny)
-        loop_rows = closed_loop(out, shares, checks, copies, tiny, args.steps, run=False) if saved["closed_loop"] else []
+        again_loop = args.rerun_closed_loop
+        loop_rows = (closed_loop(out, shares, checks, copies, tiny, args.steps, run=again_loop)
+                     if saved["closed_loop"] or again_loop else [])
     else:
         shares_path = out / "shares.json"
         shares = json.loads(shares_path.read_text()) if shares_path.is_file() else nic_shares(out)

@@ -14,12 +14,17 @@ measured by the same processes in alternating rounds: measured one after the oth
 between them moved the excess from wait to slowdown or back (docs/closed-loop.md). Rows go to overhead.csv
 (calibration/overhead.py).
 
+``--launched-ranks``: run as each of the ranks a launcher started (torchrun, scripts/netemu.sh run), only the
+lockstep rows of that rank count, plus the workload and a small all_to_all after it timed apart (lockstep_outside,
+lockstep_wait: where the runtime's timers put the wait).
+
 Run: ``piper calibrate overhead --platform local-cpu`` or ``python -m piper_plan.calibration.bench_overhead --out DIR``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import time
@@ -155,6 +160,16 @@ def _concurrency_worker(rank: int, world: int, port: int, queue, iterations: int
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    queue.put(_lockstep_seconds(iterations, rounds))
+    dist.destroy_process_group()
+
+
+def _lockstep_seconds(iterations: int, rounds: int = 10) -> dict[int, float]:
+    """In an initialised gloo group: {g: mean seconds per iteration of g moe_block workloads then a 4-byte
+    all_reduce, less the all_reduce alone}, g = 1 and COARSE_CALLS in alternating rounds."""
+    import torch
+    import torch.distributed as dist
+
     call, flag = block_calls()[("moe_block", CONCURRENCY_WORKLOAD_EXPERTS)], torch.zeros(1)
     sync_alone = _mean_seconds(lambda: dist.all_reduce(flag), 200)
     for _ in range(3):
@@ -166,8 +181,72 @@ def _concurrency_worker(rank: int, world: int, port: int, queue, iterations: int
             n = max(1, iterations // (rounds * g))
             acc[0] += n * _mean_seconds(lambda g=g: ([call() for _ in range(g)], dist.all_reduce(flag)), n)
             acc[1] += n
-    queue.put({g: max(total / n - sync_alone, 1e-9) for g, (total, n) in spent.items()})
-    dist.destroy_process_group()
+    return {g: max(total / n - sync_alone, 1e-9) for g, (total, n) in spent.items()}
+
+
+WAIT_EXCHANGE_BYTES = 1024           # per rank: the exchange whose wait the split lockstep rows time (not its bytes)
+
+
+def _split_lockstep_seconds(iterations: int, repeats: int = 10) -> tuple[float, float]:
+    """In an initialised gloo group, one moe_block workload then a small all_to_all_single (the runtime's MoE
+    exchange), timed apart as the runtime's timers time them: (mean seconds outside the exchange per workload,
+    mean seconds inside it less the fastest of ``repeats`` exchanges alone: the wait for the peers)."""
+    import torch
+    import torch.distributed as dist
+
+    call = block_calls()[("moe_block", CONCURRENCY_WORKLOAD_EXPERTS)]
+    send = torch.zeros(WAIT_EXCHANGE_BYTES // 4)
+    recv = torch.empty_like(send)
+
+    def exchange():
+        dist.all_to_all_single(recv, send)
+    alone = min(_mean_seconds(exchange, 1) for _ in range(repeats))
+    for _ in range(3):
+        call()
+        exchange()
+    dist.barrier()
+    outside = inside = 0.0
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        call()
+        t1 = time.perf_counter()
+        exchange()
+        outside, inside = outside + t1 - t0, inside + time.perf_counter() - t1
+    return outside / iterations, max(inside / iterations - alone, 0.0)
+
+
+def lockstep_on_launched_ranks(out: str, iterations: int = 1000) -> None:
+    """The lockstep rows for the ranks a launcher started (RANK, WORLD_SIZE, MASTER_ADDR / PORT in the
+    environment: e.g. scripts/netemu.sh run, ranks in the emulated nodes' namespaces, so the collectives cross
+    the emulated network): every rank measures, rank 0 merges the mean over ranks as the rows of size WORLD_SIZE
+    into ``out``/overhead.csv: concurrency and concurrency_coarse, and lockstep_outside / lockstep_wait (the
+    workload and the exchange timed apart: calibration/overhead.py prefers them)."""
+    import torch
+    import torch.distributed as dist
+
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.calibration.overhead import OVERHEAD
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        values = [None] * dist.get_world_size()
+        mine = _lockstep_seconds(iterations)
+        mine["outside"], mine["wait"] = _split_lockstep_seconds(iterations // 2)
+        dist.all_gather_object(values, mine)
+        if dist.get_rank() == 0:
+            when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
+            source = (f"measured: python -m piper_plan.calibration.bench_overhead --launched-ranks, {len(values)} "
+                      f"launched ranks ({os.environ.get('PIPER_EMULATE_TOPOLOGY', '?')}) on {socket.gethostname()} "
+                      f"{when}")
+            rows = [{"op": op, "size": len(values), "seconds": statistics.mean(v[g] for v in values),
+                     "source": source} for op, g in (("concurrency", 1), ("concurrency_coarse", COARSE_CALLS),
+                                                     ("lockstep_outside", "outside"), ("lockstep_wait", "wait"))]
+            print(merge_rows(out, OVERHEAD, rows))
+            for r in rows:
+                print(f"{r['op']:18s} {r['size']:3d} {r['seconds'] * 1e6:10.1f} us")
+    finally:
+        dist.destroy_process_group()
 
 
 def _mean_seconds(fn, iterations: int) -> float:
@@ -225,7 +304,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="calibration directory (overhead.csv is merged into it)")
     ap.add_argument("--no-concurrency", action="store_true", help="skip the multi-process rows")
+    ap.add_argument("--launched-ranks", action="store_true",
+                    help="only the lockstep rows, as one of the ranks a launcher started (RANK, WORLD_SIZE, ...)")
+    ap.add_argument("--iterations", type=int, default=1000, help="lockstep iterations per rank count")
     args = ap.parse_args(argv)
+    if args.launched_ranks:
+        lockstep_on_launched_ranks(args.out, args.iterations)
+        return 0
     rows = overhead_rows("python -m piper_plan.calibration.bench_overhead", not args.no_concurrency)
     print(merge_rows(args.out, OVERHEAD, rows))
     for r in rows:

@@ -8,7 +8,10 @@ micro-batch; one optimizer step; concurrency: per-rank seconds of the reference 
 Block rows are the fastest sample (the piece's own cost); concurrency rows are the mean seconds per iteration of
 the moe_block workload with 4 local experts while ``size`` gloo ranks run it in lockstep (a tiny all_reduce after
 each call): their ratio to that block's row is the slowdown a rank sees from the host's load, from ranks sharing
-its cores and from waiting at each collective for a peer that was preempted.
+its cores and from waiting at each collective for a peer that was preempted. lockstep_outside / lockstep_wait
+(``bench_overhead --launched-ranks``, e.g. ranks on the emulated network) time one moe_block workload and a small
+all_to_all after it apart, per rank: the seconds outside the exchange per workload, and the seconds inside it
+beyond the fastest exchange alone; where present for a rank count they give that count's slowdown and wait.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from piper_plan.calibration.schema import SOURCE, Column, Table, _pos_float, _po
 
 CONCURRENCY_WORKLOAD_EXPERTS = 4      # bench_overhead.measure_concurrency runs moe_block with 4 local experts
 OVERHEAD_OPS = ("autograd_op", "attention_layer", "dense_mlp", "moe_block", "head_loss", "optimizer_tensor",
-                "concurrency", "concurrency_coarse")
+                "concurrency", "concurrency_coarse", "lockstep_outside", "lockstep_wait")
 COARSE_CALLS = 3       # bench_overhead.COARSE_CALLS: workloads per collective in the concurrency_coarse rows
 OVERHEAD = Table(
     "overhead",
@@ -61,6 +64,8 @@ def overhead_from_rows(frame):
     wait = (0.0,)
     if len(conc) and len(alone):
         ranks, factor, wait = _slowdown_and_wait(conc, rows("concurrency_coarse"), float(alone.iloc[0]))
+        factor, wait = _timed_apart(ranks, factor, wait, rows("lockstep_outside"), rows("lockstep_wait"),
+                                    float(alone.iloc[0]))
     sources = sorted(set(frame["source"]))
     return FrameworkOverhead(single("attention_layer"), single("dense_mlp"), moe_a, moe_b, single("head_loss"),
                              opt_a, opt_b, ranks, factor, "; ".join(sources), wait)
@@ -83,6 +88,19 @@ def _slowdown_and_wait(fine, coarse, workload_s: float):
             factor.append(max(t1[n] / workload_s, 1.0))
             wait.append(0.0)
     return ranks, tuple(factor), tuple(wait)
+
+
+def _timed_apart(ranks, factor, wait, outside, waited, workload_s: float):
+    """(slowdown, wait) per entry of ``ranks``, replaced where the lockstep_outside / lockstep_wait rows timed the
+    workload and the exchange apart (bench_overhead --launched-ranks): slowdown = the workload's time outside
+    the exchange over its time alone, wait = the time inside the exchange beyond the exchange alone. As the
+    runtime's timers split a step, so the wait lands on the exchanges, not on the compute."""
+    out_s = dict(zip(outside["size"], outside["seconds"].astype(float)))
+    wait_s = dict(zip(waited["size"], waited["seconds"].astype(float)))
+    both = [n in out_s and n in wait_s for n in ranks]
+    factor = tuple(max(out_s[n] / workload_s, 1.0) if ok else f for n, f, ok in zip(ranks, factor, both))
+    wait = tuple(wait_s[n] if ok else w for n, w, ok in zip(ranks, wait, both))
+    return factor, wait
 
 
 def load_overhead(directory: str | Path):

@@ -3,6 +3,8 @@ modules, and the parameter-tensor count the optimizer overhead uses equals the r
 
 from __future__ import annotations
 
+import os
+
 import pandas as pd
 import pytest
 
@@ -88,16 +90,20 @@ def test_bench_pieces_run_on_the_runtime_modules():
         call()
 
 
+def _with_lockstep(extra):
+    """_rows() with fine / coarse lockstep rows at 1 and 2 ranks (300 us workload alone) and ``extra`` rows."""
+    lockstep = [("concurrency", 1, 300e-6), ("concurrency", 2, 460e-6), ("concurrency_coarse", 1, 900e-6),
+                ("concurrency_coarse", 2, 1180e-6), *extra]
+    rows = _rows()
+    return pd.concat([rows[~rows["op"].str.startswith("concurrency")],
+                      pd.DataFrame([{"op": o, "size": n, "seconds": s, "source": "measured: test"}
+                                    for o, n, s in lockstep])], ignore_index=True)
+
+
 def test_lockstep_rows_separate_slowdown_from_wait_per_collective():
     """fine: 1 workload (300 us alone) per collective; coarse: 3. With 2 ranks each workload takes 1.2 x and each
     collective waits 100 us: fine 460 us, coarse 1180 us per iteration -> slowdown 1.2, wait 100 us."""
-    rows = _rows()
-    rows = rows[~rows["op"].str.startswith("concurrency")]
-    extra = [("concurrency", 1, 300e-6), ("concurrency", 2, 460e-6),
-             ("concurrency_coarse", 1, 900e-6), ("concurrency_coarse", 2, 1180e-6)]
-    rows = pd.concat([rows, pd.DataFrame([{"op": o, "size": n, "seconds": s, "source": "measured: test"}
-                                          for o, n, s in extra])], ignore_index=True)
-    ov = overhead_from_rows(rows)
+    ov = overhead_from_rows(_with_lockstep([]))
     assert ov.concurrency_factor == pytest.approx((1.0, 1.2))
     assert ov.sync_wait_s == pytest.approx((0.0, 100e-6), abs=1e-12)
     assert float(ov.wait_seconds(2)) == pytest.approx(100e-6)
@@ -115,3 +121,41 @@ def test_lockstep_probe_measures_fine_and_coarse_in_the_same_ranks():
     for by_calls in out.values():
         assert set(by_calls) == {1, COARSE_CALLS}
         assert by_calls[COARSE_CALLS] > by_calls[1] > 0
+
+
+def test_rows_timed_apart_give_that_rank_count_its_slowdown_and_wait():
+    """lockstep_outside / lockstep_wait at 2 ranks (the workload, 300 us alone, took 390 us outside the exchange;
+    1.5 ms inside it beyond the exchange alone) replace the fine / coarse split there; 1 rank keeps it."""
+    ov = overhead_from_rows(_with_lockstep([("lockstep_outside", 2, 390e-6), ("lockstep_wait", 2, 1.5e-3)]))
+    assert ov.concurrency_factor == pytest.approx((1.0, 1.3))
+    assert ov.sync_wait_s == pytest.approx((0.0, 1.5e-3), abs=1e-12)
+    assert float(ov.wait_seconds(2)) == pytest.approx(1.5e-3)
+
+
+@pytest.mark.distributed
+def test_launched_ranks_write_the_rows_timed_apart(tmp_path):
+    """Two ranks started as a launcher starts them (RANK, WORLD_SIZE, MASTER_* in the environment) measure the
+    lockstep rows of size 2, the workload and the exchange timed apart; they load into a slowdown and a wait."""
+    pytest.importorskip("torch")
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "piper_plan.calibration.bench_overhead", "--launched-ranks", "--out", str(tmp_path),
+           "--iterations", "40"]
+    base = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-2000:]
+    frame = pd.read_csv(tmp_path / "overhead.csv")
+    assert set(frame["op"]) == {"concurrency", "concurrency_coarse", "lockstep_outside", "lockstep_wait"}
+    assert set(frame["size"]) == {2}
+    rows = pd.concat([_rows()[lambda f: ~f["op"].str.startswith("concurrency")], frame], ignore_index=True)
+    ov = overhead_from_rows(rows)
+    assert ov.concurrency_ranks == (2,) and ov.concurrency_factor[0] >= 1.0 and ov.sync_wait_s[0] >= 0.0
