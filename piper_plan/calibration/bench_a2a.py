@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from piper_plan.calibration.schema import busbw_factor
+from piper_plan.calibration.timing import end_process_group
 from piper_plan.errors import PiperError
 from piper_plan.launchenv import MAX_LOCAL_RANKS, device_index, read_launch_env
 
@@ -312,7 +313,7 @@ def _spawned_bench(rank: int, num_ranks: int, init_method: str, timeout_s: float
         if rank == 0:
             Path(result_path).write_text(json.dumps(asdict(result)), encoding="utf-8")
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def spawn_bench(config: BenchConfig) -> BenchResult:
@@ -347,7 +348,7 @@ def run_launched(config: BenchConfig, backend: str, timeout_s: float = 600.0) ->
     try:
         return env.rank, run_bench(config)
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def network_bench(config: BenchConfig, network, timeout_s: float = 300.0) -> BenchResult:

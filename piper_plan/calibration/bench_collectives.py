@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from piper_plan.calibration.timing import end_process_group
 from piper_plan.launchenv import LaunchEnv, device_index, read_launch_env
 
 PROGRESS_PREFIX = "PIPER_PROGRESS "
@@ -187,7 +188,7 @@ def run(env: LaunchEnv, platform, out_dir: str, quick: bool, resume: bool, ops: 
         return {"hosts": sorted(set(hosts)), "backend": platform.launch.backend, "world_size": env.world_size,
                 "ranks_per_node": env.ranks_per_node, "torch": torch.__version__}
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def _device(platform, env: LaunchEnv):

@@ -30,6 +30,8 @@ import statistics
 import time
 from datetime import datetime, timezone
 
+from piper_plan.calibration.timing import end_process_group
+
 HIDDEN, TOKENS, VOCAB, FFN = 16, 32, 32, 16
 MOE_LOCAL_EXPERTS = (1, 2, 4, 8, 16)
 OPTIMIZER_TENSORS = (8, 32)
@@ -161,7 +163,7 @@ def _concurrency_worker(rank: int, world: int, port: int, queue, iterations: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     queue.put(_lockstep_seconds(iterations, rounds))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def _lockstep_seconds(iterations: int, rounds: int = 10) -> dict[int, float]:
@@ -246,7 +248,7 @@ def lockstep_on_launched_ranks(out: str, iterations: int = 1000) -> None:
             for r in rows:
                 print(f"{r['op']:18s} {r['size']:3d} {r['seconds'] * 1e6:10.1f} us")
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def _mean_seconds(fn, iterations: int) -> float:

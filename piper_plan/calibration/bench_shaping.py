@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 
+from piper_plan.calibration.timing import end_process_group
 from piper_plan.launchenv import read_launch_env
 
 
@@ -96,7 +97,7 @@ def main(argv: list[str]) -> int:
             atomic_write_json(out, {"inter_node_GBps": inter, "intra_node_GBps": intra, "bytes": nbytes,
                                     "two_way_one_connection_GBps": one, "two_way_two_connections_GBps": two})
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     return 0
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import sys
 
+from piper_plan.calibration.timing import end_process_group
+
 STEPS = 20
 REPEATS = 10
 
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             atomic_write_json(argv[0], result)
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     return 0
 
 
