@@ -218,23 +218,25 @@ def plan_chunks(num_layers: int, c, i: int) -> list[int] | None:
 
 def _interleaved_ranks(s: Setting, c, i: int) -> list[int]:
     """Each rank's layers under plan i's chunks (the even split where it has none)."""
-    chunks = plan_chunks(s.model.num_layers, c, i)
-    pp = int(c.pp[i])
-    return rank_layers(chunks, pp) if chunks is not None else even_split(s.model.num_layers, pp)
+    return _ranks_over(plan_chunks(s.model.num_layers, c, i), s.model.num_layers, int(c.pp[i]))
 
 
 def _rank_split(plan: ParallelPlan, num_layers: int) -> list[int]:
     """Each rank's layers under ``plan``'s interleaved chunks (the even split where it has none)."""
-    chunks = plan.chunk_layers(num_layers)
-    return rank_layers(chunks, plan.pp) if chunks is not None else even_split(num_layers, plan.pp)
+    return _ranks_over(plan.chunk_layers(num_layers), num_layers, plan.pp)
+
+
+def _ranks_over(chunks: list[int] | None, num_layers: int, pp: int) -> list[int]:
+    return rank_layers(chunks, pp) if chunks is not None else even_split(num_layers, pp)
 
 
 def _no_chunk_split(s: Setting, c) -> np.ndarray:
-    """Interleaved plans whose layers Megatron-Core's rule cannot split into pp x v chunks, and no explicit list."""
+    """Interleaved plans whose layers Megatron-Core's rule (specs.parallel.interleaved_chunk_split, which depends
+    on pp x v only) cannot split into pp x v chunks, and no explicit list."""
     n = c.pp * c.virtual_stages
-    L = s.model.num_layers
-    ruled = ((L % n == 0) | ((L + 2) % n == 0) & ((L + 2) // n > 1) | ((L + 1) % n == 0) & ((L + 1) // n > 1))
-    out = _interleaved(c) & ~ruled
+    distinct, inverse = np.unique(n, return_inverse=True)
+    ruled = np.array([interleaved_chunk_split(s.model.num_layers, 1, int(k)) is not None for k in distinct], bool)
+    out = _interleaved(c) & ~ruled[inverse.ravel()]
     if c.explicit_chunks is not None:
         out &= np.array([chunks is None for chunks in c.explicit_chunks])
     return out

@@ -174,7 +174,8 @@ def layout_decoder_counts(layout: str) -> list[int]:
         text = pattern.sub(lambda m: m.group(1) * int(m.group(2)), text)
     bad = set(text) - set("Etm|L")
     if bad:
-        raise ValueError(f"layout {layout!r}: unknown characters {sorted(bad)}; allowed E, t, m, L, |, (...)*n, x*n")
+        raise ValueError(f"layout {layout!r}: unknown characters {sorted(bad)}; allowed E, t, m, L, |, (...)*n, x*n, "
+                         "or a list of layer counts")
     return [chunk.count("t") for chunk in text.split("|")]
 
 
