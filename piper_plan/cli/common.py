@@ -44,8 +44,9 @@ def diagnostics():
 
 
 def note(text: str) -> None:
-    """One plain diagnostic line on stderr (no markup: paths and node lists are printed as they are)."""
-    diagnostics().print(text, markup=False)
+    """One plain diagnostic line on stderr (no markup: paths and node lists are printed as they are), never wrapped
+    at the terminal's width: a long path stays one line to copy or to parse ("wrote PATH")."""
+    diagnostics().print(text, markup=False, soft_wrap=True)
 
 
 def stdout_closed() -> None:

@@ -54,3 +54,19 @@ def test_a_node_range_past_the_platform_says_where_it_ends():
     assert [row["nodes"] for row in json.loads(done.stdout)["sweep"]] == [1, 2, 4]
     inside = run("plan", *TINY, "--nodes", "1..4", "--json")
     assert inside.exit_code == 0 and inside.stderr == ""
+
+
+def test_a_long_path_in_a_diagnostic_stays_one_line_whatever_the_width(tmp_path, monkeypatch):
+    """A narrow COLUMNS (a terminal's, or pytest-xdist's workers') must not wrap "wrote PATH" in the middle of the
+    path: scripts read it, people copy it."""
+    from piper_plan.cli import common
+
+    monkeypatch.setenv("COLUMNS", "40")
+    common._console.cache_clear()
+    try:
+        out = tmp_path.joinpath(*["a-rather-long-directory-name"] * 4, "plan.json")
+        done = run("plan", *TINY, "--nodes", "1", "--top", "1", "-o", out)
+    finally:
+        common._console.cache_clear()
+    assert done.exit_code == 0, done.output
+    assert f"saved {out} " in done.stderr and done.stderr.count("\n") == 1, done.stderr
