@@ -93,20 +93,21 @@ def nic_shares(tmp: Path) -> dict:
     return shares
 
 
-def flat_at_other_rate(out: Path, measure: bool = True) -> dict[str, dict]:
+def flat_at_other_rate(out: Path, measure: bool = True, algo: str = "flat") -> dict[str, dict]:
     """Flat all-to-all at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: what a tiny exchange
     costs the host (host_step_us) and how far a large one stays above its busiest uplink's time (kept in
-    OUT/flat-<rate>-<shape>.json)."""
+    OUT/flat-<rate>-<shape>.json). ``algo="halo"``: HALO's tiny exchange alone (halo_step_us), OUT/halo-...json."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
 
     spec, found = NetworkSpec(SHARE_RATE_GBps, UPLINKS), {}
+    sizes = OTHER_RATE_SIZES if algo == "flat" else (HOST_STEP_BYTES,)
     for nodes, g in SHAPES:
-        path = out / f"flat-{SHARE_RATE_GBps:g}-{nodes}x{g}.json"
+        path = out / f"{algo}-{SHARE_RATE_GBps:g}-{nodes}x{g}.json"
         if not path.is_file() and not measure:
             continue
         if not path.is_file():
-            config = BenchConfig(("flat",), OTHER_RATE_SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
+            config = BenchConfig((algo,), sizes, nodes, g, repeats=REPEATS, statistic=STATISTIC)
             atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
         found[f"{nodes}x{g}"] = json.loads(path.read_text())
     return found
@@ -196,27 +197,43 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=nic_GBps,
                         device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=copies["host_GBps"] / (nodes * g),
                         serial_phases=nodes * g > copies["host_cores"])
-    data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check))
+    data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check),
+                           link_burst_bytes=NetworkSpec(rate_GBps, UPLINKS).burst_bytes)
     data["network"]["scopes"]["node"].update(bandwidth_GBps=figures["node_GBps"], latency_us=figures["node_latency_us"])
     data["network"]["scopes"]["switch"].update(bandwidth_GBps=nic_GBps / (g * flat_share),
                                                latency_us=figures["switch_latency_us"])
     return PlatformSpec.model_validate(data)
 
 
-def tiny_flat_seconds(other_rate: dict[str, dict]) -> dict[str, float]:
-    """Per shape ("2x4"), the seconds of the HOST_STEP_BYTES flat exchange measured at SHARE_RATE_GBps."""
-    return {shape: size["seconds"]["flat"] for shape, result in other_rate.items() for size in result["sizes"]
-            if size["bytes_per_rank"] == HOST_STEP_BYTES}
+def tiny_seconds(out: Path, measure: bool = False) -> dict[str, dict[str, float]]:
+    """Per shape ("2x4") and algorithm, the seconds of the HOST_STEP_BYTES exchange measured at SHARE_RATE_GBps
+    (HALO's where measured: an earlier OUT may hold flat's only)."""
+    found: dict[str, dict[str, float]] = {}
+    for algo in ("flat", "halo"):
+        for shape, result in flat_at_other_rate(out, measure, algo).items():
+            for size in result["sizes"]:
+                if size["bytes_per_rank"] == HOST_STEP_BYTES:
+                    found.setdefault(shape, {})[algo] = size["seconds"][algo]
+    return found
 
 
-def with_host_step(platform, calibration, nodes: int, g: int, tiny_flat_s: float | None):
+def with_host_step(platform, calibration, nodes: int, g: int, tiny_s: dict[str, float] | None):
     """``platform`` with node.host_step_us: what the tiny flat exchange measured at another rate on this shape took
-    beyond the model's time for it without a host step (its latency terms); unchanged where not measured."""
-    if tiny_flat_s is None:
+    beyond the model's time for it without a host step (its latency terms); and node.halo_step_us likewise from
+    the tiny HALO exchange (its three phases' latency and copy terms; the model's HALO time grows linearly with
+    the step, so one more evaluation gives the step that matches). Unchanged where not measured."""
+    if not tiny_s:
         return platform
-    modelled_s = predict(platform, calibration, nodes, g, HOST_STEP_BYTES)["flat"]
     data = platform.model_dump()
-    data["node"]["host_step_us"] = max(tiny_flat_s - modelled_s, 0.0) * 1e6
+    data["node"]["host_step_us"] = max(tiny_s["flat"] - predict(platform, calibration, nodes, g, HOST_STEP_BYTES)["flat"],
+                                       0.0) * 1e6
+    if "halo" in tiny_s:
+        halo_at = {}
+        for step_us in (0.0, 1000.0):
+            data["node"]["halo_step_us"] = step_us
+            halo_at[step_us] = predict(type(platform).model_validate(data), calibration, nodes, g, HOST_STEP_BYTES)["halo"]
+        per_us = (halo_at[1000.0] - halo_at[0.0]) / 1000.0
+        data["node"]["halo_step_us"] = max(tiny_s["halo"] - halo_at[0.0], 0.0) / per_us
     return type(platform).model_validate(data)
 
 
@@ -271,6 +288,7 @@ def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration,
     platform = platform_for(row["rate_GBps"], nodes, g, check["figures"], shares[f"flat {g}"], check, copies)
     platform = with_host_step(platform, calibration, nodes, g, tiny.get(f"{nodes}x{g}"))
     row["host_step_us"] = platform.node.host_step_us
+    row["halo_step_us"] = platform.node.halo_step_us
     pred = predict(platform, calibration, nodes, g, row["bytes"])
     row["flat_pred_s"], row["halo_pred_s"] = pred["flat"], pred["halo"]
     return row
@@ -442,23 +460,32 @@ def repeatability(rows: list[dict], again: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def host_step_lines(rows: list[dict], other_rate: dict[str, dict]) -> list[str]:
-    """The flat all-to-all measured at SHARE_RATE_GBps and the host step each shape's prediction uses."""
-    steps = {(r["rate_GBps"], f"{r['nodes']}x{r['ranks_per_node']}"): r.get("host_step_us", 0.0) for r in rows}
+def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -> list[str]:
+    """The flat all-to-all and HALO's tiny exchange measured at SHARE_RATE_GBps, and the host steps each shape's
+    prediction uses."""
+    def steps(key: str) -> dict:
+        return {(r["rate_GBps"], f"{r['nodes']}x{r['ranks_per_node']}"): r.get(key) or 0.0 for r in rows}
+
+    flat_steps, halo_steps = steps("host_step_us"), steps("halo_step_us")
+    rates = " / ".join(f"{r:g}" for r in RATES_GBps)
     lines = ["", f"Flat all-to-all at {SHARE_RATE_GBps:g} GB/s per uplink (a rate no predicted point uses; fastest of "
-             f"{REPEATS}, ms) and the host step per dependent exchange step it gives each shape (node.host_step_us: "
-             f"the {HOST_STEP_BYTES // 1024} KiB exchange's time beyond the model's latency terms with each test rate's "
-             "calibration):", "",
-             "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES) + " | host step us at "
-             + " / ".join(f"{r:g}" for r in RATES_GBps) + " GB/s |", "|---" * (len(OTHER_RATE_SIZES) + 2) + "|"]
+             f"{REPEATS}, ms), HALO's {HOST_STEP_BYTES // 1024} KiB exchange at that rate, and the host step per "
+             f"dependent step they give each shape (node.host_step_us: the {HOST_STEP_BYTES // 1024} KiB flat "
+             "exchange's time beyond the model's latency terms with each test rate's calibration; node.halo_step_us: "
+             f"per HALO phase, the {HOST_STEP_BYTES // 1024} KiB HALO exchange's time beyond the model's terms for it):",
+             "", "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES)
+             + f" | HALO {HOST_STEP_BYTES // 1024} KiB | host step us at {rates} GB/s | HALO step us at {rates} GB/s |",
+             "|---" * (len(OTHER_RATE_SIZES) + 4) + "|"]
     for shape, result in other_rate.items():
         ms = {s["bytes_per_rank"]: s["seconds"]["flat"] * 1e3 for s in result["sizes"]}
-        lines.append(f"| {shape} | " + " | ".join(f"{ms[b]:.2f}" if b in ms else "-" for b in OTHER_RATE_SIZES) + " | "
-                     + " / ".join(f"{steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps) + " |")
+        halo_ms = 1e3 * tiny.get(shape, {}).get("halo", float("nan"))
+        lines.append(f"| {shape} | " + " | ".join(f"{ms[b]:.2f}" if b in ms else "-" for b in OTHER_RATE_SIZES)
+                     + f" | {halo_ms:.2f} | " + " / ".join(f"{flat_steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps)
+                     + " | " + " / ".join(f"{halo_steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps) + " |")
     return lines
 
 
-def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None) -> str:
+def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None, tiny=None) -> str:
     s = summary(rows)
     lines = ["# HALO vs flat all-to-all on an emulated multi-node network (measured)", "",
              "Generated by `benchmarks/halo_network.py` (run as root; scripts/netemu.sh builds the network); do not edit "
@@ -500,7 +527,7 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None)
               f"{copies['seconds'] * 1e3:.1f} ms for {copies['copy_bytes_per_rank'] / 1e6:.1f} MB per rank, the host "
               f"copies {copies['host_GBps']:.2f} GB/s over all ranks; a job of n ranks gets 1/n of it per rank "
               "(node.relay_copy_GBps)."]
-    lines += host_step_lines(rows, other_rate)
+    lines += host_step_lines(rows, other_rate, tiny or {})
     lines += ["", "## Flat vs HALO: measured and predicted", ""] + table(rows) + [
         "", "![measured (solid) and modelled (dashed) all-to-all time; dotted: measured flat / HALO](halo-measured.png)", "",
         "## Against the targets", "",
@@ -572,7 +599,7 @@ def main() -> int:
     if args.reuse:
         saved = json.loads((out / "results.json").read_text())
         rows, checks, shares = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"]
-        tiny = tiny_flat_seconds(flat_at_other_rate(out, measure=False))
+        tiny = tiny_seconds(out)
         rows = repredict(out, rows, checks, shares, copies, tiny)
         again_loop = args.rerun_closed_loop
         loop_rows = (closed_loop(out, shares, checks, copies, tiny, args.steps, run=again_loop)
@@ -582,9 +609,8 @@ def main() -> int:
         shares = json.loads(shares_path.read_text()) if shares_path.is_file() else nic_shares(out)
         atomic_write_json(shares_path, shares)
         print(f"busiest-uplink shares: {shares}", flush=True)
-        turns = flat_at_other_rate(out)
-        print(f"flat at {SHARE_RATE_GBps:g} GB/s: {turns}", flush=True)
-        tiny = tiny_flat_seconds(turns)
+        tiny = tiny_seconds(out, measure=True)
+        print(f"tiny exchanges at {SHARE_RATE_GBps:g} GB/s: {tiny}", flush=True)
         rows, checks = sweep(out, shares, copies, tiny)
         loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps)
     atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
@@ -596,7 +622,7 @@ def main() -> int:
         other = Path(args.repeat)
         saved_again = json.loads((other / "results.json").read_text())
         again = repredict(other, saved_again["rows"], checks, shares, copies, tiny)
-    text = report(rows, checks, shares, loop_rows, copies, again, flat_at_other_rate(out, measure=False))
+    text = report(rows, checks, shares, loop_rows, copies, again, flat_at_other_rate(out, measure=False), tiny)
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0

@@ -32,6 +32,12 @@ class NetworkSpec:
     latency_us: int = 0
 
     @property
+    def burst_bytes(self) -> float:
+        """The tbf bucket scripts/netemu.sh gives every uplink direction (``shape``: max(64 KiB, 50 us of
+        traffic)): what a link passes at line speed after it was idle (platform network.link_burst_bytes)."""
+        return max(65536.0, round(self.uplink_GBps * 1e9 * 50e-6))
+
+    @property
     def text(self) -> str:
         """The ``--emulate-network`` spelling."""
         extra = f",latency_us={self.latency_us}" if self.latency_us else ""

@@ -35,8 +35,11 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
   gathers and final reorder on the rank, ``relay_copy_bytes``, in series with the phases:
   ``max(I, II + III) + copies``); ``node.serial_phases`` (CPU ranks on fewer cores than ranks: phase I does not
   overlap II + III, ``I + II + III + copies``); ``node.host_step_us`` (each dependent step, a flat exchange or
-  one HALO phase, waits that long for the host: flat pays it once, HALO three times). Measured on the emulated
-  network: docs/halo-measured.md.
+  one HALO phase, waits that long for the host: flat pays it once, HALO three times, at ``node.halo_step_us``
+  where that is set); ``network.link_burst_bytes``
+  (a shaped link's token bucket passes that much at once: the busiest NIC's wire time is
+  ``max(bytes - burst, 0) / rate``, i.e. the remote bandwidth terms less burst / NIC rate). Measured on the
+  emulated network: docs/halo-measured.md.
 """
 
 from __future__ import annotations
@@ -143,11 +146,12 @@ class Network:
         bw_s, lat_s, bw_n, lat_n = self.bw[scope], self.lat[scope], self.bw[0], self.lat[0]
         peers_local, peers_remote, relays = self._latencies_paid(g - 1, n - g, nodes - 1)
         t_local = local / bw_n + peers_local * lat_n
+        burst_s = self._burst_seconds()
         # flat: each pair's two directions share one connection, as a p2p (sendrecv) row measures them
-        t_flat_remote = np.maximum(remote / bw_s + peers_remote * lat_s,
+        t_flat_remote = np.maximum(np.maximum(remote / bw_s - burst_s, 0.0) + peers_remote * lat_s,
                                    self._connection_seconds(nbytes / np.maximum(n, 1), scope))
         bw_halo = np.where(np.asarray(scope) == SCOPES.index("switch"), np.maximum(bw_s, self._nic_affine_Bps()), bw_s)
-        t_halo_remote = np.maximum(remote / bw_halo + relays * lat_s,
+        t_halo_remote = np.maximum(np.maximum(remote / bw_halo - burst_s, 0.0) + relays * lat_s,
                                    self._one_way_seconds(remote / np.maximum(nodes - 1, 1), scope))
         t_redistribute = remote * (g - 1) / g / bw_n + peers_local * lat_n
         if self._calibrated("all_to_all", "node"):
@@ -157,8 +161,14 @@ class Network:
             if self._calibrated("all_to_all", name):
                 at = np.broadcast_to(scope == i, np.shape(t_halo_remote))
                 t_halo_remote = self._curve("all_to_all", name, n, nbytes, t_halo_remote, "HALO phase II", at)
-        step_s = self.platform.node.host_step_us * 1e-6  # every phase is one dependent step on the host
-        return t_local + step_s, t_flat_remote + step_s, t_halo_remote + step_s, t_redistribute + step_s
+        return t_local, t_flat_remote, t_halo_remote, t_redistribute
+
+    def host_steps_seconds(self) -> tuple[float, float]:
+        """(flat, HALO) seconds each dependent step waits for the host: a flat exchange is one step, each HALO
+        phase one (node.host_step_us; node.halo_step_us for HALO's where set)."""
+        node = self.platform.node
+        halo_us = node.host_step_us if node.halo_step_us is None else node.halo_step_us
+        return node.host_step_us * 1e-6, halo_us * 1e-6
 
     def _latencies_paid(self, local_peers, remote_peers, relays):
         """Latencies an exchange pays (local peers, remote peers, relays): one per peer, or one per exchange
@@ -179,6 +189,13 @@ class Network:
         network (network.half_duplex_connections) that moves 2 x its bytes in turn, so one way = the row of b / 2."""
         nbytes = np.asarray(nbytes, float)
         return self._connection_seconds(nbytes / 2 if self.platform.network.half_duplex_connections else nbytes, scope)
+
+    def _burst_seconds(self) -> float:
+        """Wire time the busiest NIC saves on an exchange that starts with its link idle: the link's burst
+        (network.link_burst_bytes) at the NIC's rate, where the bandwidth terms are the NIC's rate shared out
+        (remote / bw = the busiest NIC's bytes / its rate). 0 without a burst or a NIC figure."""
+        burst, nic = self.platform.network.link_burst_bytes, self.platform.node.nic_bandwidth_GBps
+        return burst / (nic * 1e9) if burst > 0 and nic > 0 else 0.0
 
     def _nic_affine_Bps(self) -> float:
         """Per-rank bandwidth when every rank sends over its own NIC: NIC bandwidth / ranks on the busiest NIC."""
@@ -222,10 +239,13 @@ class Network:
                                                             np.asarray(nbytes, float), np.asarray(scope),
                                                             np.asarray(algo))
         t_local, t_flat_r, t_halo_r, t_redis = self.a2a_phases(n, nodes, nbytes, scope)
+        flat_step, halo_step = self.host_steps_seconds()
         multi = (nodes > 1) & (n > 1)
-        flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local)
+        flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local) + flat_step
+        t_flat_r = t_flat_r + flat_step
         serial = self.platform.node.serial_phases
-        phases = t_local + t_halo_r + t_redis if serial else np.maximum(t_local, t_halo_r + t_redis)
+        t_local_h, t_halo_r, t_redis = t_local + halo_step, t_halo_r + halo_step, t_redis + halo_step
+        phases = t_local_h + t_halo_r + t_redis if serial else np.maximum(t_local_h, t_halo_r + t_redis)
         halo_total = phases + np.where(multi, self.relay_copy_seconds(n, nodes, nbytes), 0)
         halo = algo == A2A.HALO.code
         total = np.where(multi & halo, halo_total, flat_total)

@@ -86,6 +86,10 @@ class NodeSpec(Spec):
     """Microseconds the host adds to every dependent step of an expert all-to-all (a flat exchange is one step,
     each HALO phase one), beyond the network's latency: CPU ranks that outnumber the host's cores wait to be
     scheduled (calibrated on the emulated network: docs/halo-measured.md). 0 = not priced (cost/comm.py)."""
+    halo_step_us: float | None = Field(default=None, ge=0, le=1e7)
+    """The same for each of HALO's three phases, where it differs from a flat exchange's step (each phase gathers
+    rows and posts its sends on per-direction communicators: more host work per step than one all_to_all_single);
+    calibrated from a tiny HALO exchange at a rate no predicted point uses. None = host_step_us."""
     source: str
     """Citation."""
 
@@ -149,6 +153,10 @@ class NetworkSpec(Spec):
     a2a_posts_all: bool = False
     """An all-to-all posts every peer's message before it waits for any (gloo's alltoallv): one latency per
     exchange, not one per peer (cost/comm.py). False: one latency per peer (pairwise exchange)."""
+    link_burst_bytes: float = Field(default=0.0, ge=0, le=1e12)
+    """Bytes an inter-node link passes at once after it was idle, before its rate holds: a shaped link's token
+    bucket (tc tbf ``burst``: scripts/netemu.sh sets max(64 KiB, 50 us of traffic)). An exchange's wire time on
+    its busiest NIC is then ``max(bytes - burst, 0) / rate`` (cost/comm.py). 0 = no bucket (real NICs)."""
     half_duplex_connections: bool = False
     """One connection carries one direction at a time (gloo over TCP, measured: docs/halo-measured.md), so a
     ``p2p`` calibration row (sendrecv: both ways on one connection) moves its bytes twice over; a one-way

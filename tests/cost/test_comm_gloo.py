@@ -1,5 +1,5 @@
 """The all-to-all model's gloo / emulated-network terms (cost/comm.py): relay copies, one latency per exchange,
-half-duplex connections. Each term is off by default, so every other platform's prediction stays as it was."""
+half-duplex connections, host steps, a shaped link's burst. Each term is off by default, so every other platform's prediction stays as it was."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ def netemu(**changes) -> PlatformSpec:
     data["network"]["half_duplex_connections"] = changes.get("half_duplex", False)
     data["node"]["serial_phases"] = changes.get("serial_phases", False)
     data["node"]["host_step_us"] = changes.get("host_step_us", 0.0)
+    data["node"]["halo_step_us"] = changes.get("halo_step_us")
+    data["network"]["link_burst_bytes"] = changes.get("burst", 0.0)
     return PlatformSpec.model_validate(data)
 
 
@@ -91,6 +93,34 @@ def test_host_step_is_paid_once_by_flat_and_per_phase_by_halo():
             assert times[1] - times[0] == pytest.approx(steps * 1e-3)
 
 
+def test_a_links_burst_takes_its_bytes_off_the_busiest_nic():
+    """tbf passes its bucket (64 KiB) at once: on 4 nodes x 2 ranks at 0.1 GB/s per NIC the remote bandwidth term
+    of flat and of HALO's phase II (there the NIC's, not one connection's, time) loses 64 KiB / 0.1 GB/s =
+    0.655 ms, never below nothing: an exchange smaller than the burst keeps only its latency (and its one
+    connection's p2p time)."""
+    plain, bursty = Network(netemu()), Network(netemu(burst=65536.0))
+    nic_Bps = plain.platform.node.nic_bandwidth_GBps * 1e9
+    big = [net.a2a_phases(8, 4, 16 * MiB, 1) for net in (plain, bursty)]
+    assert big[0][1] - big[1][1] == pytest.approx(65536 / nic_Bps)     # flat's remote part
+    assert big[0][2] - big[1][2] == pytest.approx(65536 / nic_Bps)     # HALO's phase II
+    assert big[0][0] == big[1][0] and big[0][3] == big[1][3]            # phases I and III stay inside the node
+    _, flat_small, halo_small, _ = bursty.a2a_phases(4, 2, 16 * 1024, 1)
+    lat = bursty.lat[1]
+    assert flat_small == pytest.approx(max(2 * lat, bursty._connection_seconds(16 * 1024 / 4, 1)))  # 2 remote peers
+    assert halo_small == pytest.approx(max(lat, bursty._one_way_seconds(8 * 1024, 1)))
+
+
+def test_halo_phases_pay_their_own_step_where_one_is_set():
+    """host step 1 ms, HALO step 3 ms: flat +1 ms; HALO across nodes +9 ms in series (3 phases), +6 ms overlapped
+    (max(I, II + III): two steps on the longer path); one-node HALO is flat: +1 ms."""
+    for serial, halo_ms in ((True, 9), (False, 6)):
+        base = Network(netemu(serial_phases=serial))
+        stepped = Network(netemu(serial_phases=serial, host_step_us=1000.0, halo_step_us=3000.0))
+        for algo, n, nodes, scope, ms in ((0, 8, 4, 1, 1), (1, 8, 4, 1, halo_ms), (1, 2, 1, 0, 1)):
+            times = [sum(net.a2a_seconds(algo, n, nodes, 64 * 1024, scope)) for net in (base, stepped)]
+            assert times[1] - times[0] == pytest.approx(ms * 1e-3)
+
+
 @pytest.mark.parametrize("name", [p for p in catalog_names(platforms_dir()) if p != "netemu"])
 def test_other_platforms_keep_the_terms_off(name):
     """No shipped platform but the emulated network sets a gloo term: their predictions are as before."""
@@ -98,4 +128,5 @@ def test_other_platforms_keep_the_terms_off(name):
     assert platform.node.relay_copy_GBps == 0
     assert not platform.network.a2a_posts_all and not platform.network.half_duplex_connections
     assert not platform.node.serial_phases
-    assert platform.node.host_step_us == 0
+    assert platform.node.host_step_us == 0 and platform.node.halo_step_us is None
+    assert platform.network.link_burst_bytes == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,8 @@ def test_network_comes_up_shaped_and_goes_away_leaving_nothing(netemu_host):
     assert "10.231.0.3/24" in addrs and "10.231.1.3/24" in addrs
     qdiscs = subprocess.run(["tc", "-n", f"{NAME}-br", "qdisc", "show"], capture_output=True, text=True).stdout
     assert qdiscs.count("tbf") == 6 and "rate 800Mbit" in qdiscs  # 0.1 GB/s into each of 3 x 2 uplinks
+    bursts = {float(b) for b in re.findall(r"burst (\d+)b", qdiscs)}  # the bucket the model prices, as tc keeps it
+    assert bursts and all(b == pytest.approx(NetworkSpec(0.1, 2).burst_bytes, rel=0.01) for b in bursts), qdiscs
     routes = subprocess.run(["ip", "-n", f"{NAME}-n0", "route"], capture_output=True, text=True).stdout
     assert "default" not in routes  # nothing routed outside the emulated subnets
     assert root_links() == before  # the host's own namespace is untouched
