@@ -93,7 +93,7 @@ def nic_shares(tmp: Path) -> dict:
     return shares
 
 
-def flat_at_other_rate(out: Path, measure: bool = True, algo: str = "flat") -> dict[str, dict]:
+def at_other_rate(out: Path, measure: bool = True, algo: str = "flat") -> dict[str, dict]:
     """Flat all-to-all at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: what a tiny exchange
     costs the host (host_step_us) and how far a large one stays above its busiest uplink's time (kept in
     OUT/flat-<rate>-<shape>.json). ``algo="halo"``: HALO's tiny exchange alone (halo_step_us), OUT/halo-...json."""
@@ -210,7 +210,7 @@ def tiny_seconds(out: Path, measure: bool = False) -> dict[str, dict[str, float]
     (HALO's where measured: an earlier OUT may hold flat's only)."""
     found: dict[str, dict[str, float]] = {}
     for algo in ("flat", "halo"):
-        for shape, result in flat_at_other_rate(out, measure, algo).items():
+        for shape, result in at_other_rate(out, measure, algo).items():
             for size in result["sizes"]:
                 if size["bytes_per_rank"] == HOST_STEP_BYTES:
                     found.setdefault(shape, {})[algo] = size["seconds"][algo]
@@ -233,7 +233,7 @@ def with_host_step(platform, calibration, nodes: int, g: int, tiny_s: dict[str, 
             data["node"]["halo_step_us"] = step_us
             halo_at[step_us] = predict(type(platform).model_validate(data), calibration, nodes, g, HOST_STEP_BYTES)["halo"]
         per_us = (halo_at[1000.0] - halo_at[0.0]) / 1000.0
-        data["node"]["halo_step_us"] = max(tiny_s["halo"] - halo_at[0.0], 0.0) / per_us
+        data["node"]["halo_step_us"] = max(tiny_s["halo"] - halo_at[0.0], 0.0) / per_us if per_us > 0 else None
     return type(platform).model_validate(data)
 
 
@@ -622,7 +622,7 @@ def main() -> int:
         other = Path(args.repeat)
         saved_again = json.loads((other / "results.json").read_text())
         again = repredict(other, saved_again["rows"], checks, shares, copies, tiny)
-    text = report(rows, checks, shares, loop_rows, copies, again, flat_at_other_rate(out, measure=False), tiny)
+    text = report(rows, checks, shares, loop_rows, copies, again, at_other_rate(out, measure=False), tiny)
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0
