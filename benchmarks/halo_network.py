@@ -9,8 +9,10 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    all-to-all measured across nodes; flat's NIC use (the share of a node's inter-node bytes on its busiest uplink)
    comes from the tc counters of a flat all-to-all at another rate (SHARE_RATE_GBps, not a test rate);
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
-4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, and the
-   host's cost per dependent step (node.host_step_us) from a 4 KiB flat all-to-all at SHARE_RATE_GBps.
+4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, the
+   host's cost per dependent step (node.host_step_us, node.halo_step_us) from 4 KiB flat and HALO all-to-alls at
+   SHARE_RATE_GBps, and HALO's copy rate inside an exchange from HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no
+   predicted point's shape) less its modelled phases.
 
 Every point, calibration row and copy time is per rank the fastest of REPEATS calls (the uncontended time on this
 shared host), the slowest rank's; the host's load average is kept per point. ``--from FIRST`` measures flat and
@@ -56,6 +58,7 @@ HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency t
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
+IN_EXCHANGE_SHAPE = (3, 2)  # nodes x ranks of the copy rate inside an exchange: no predicted point's shape
 HALF_DUPLEX_BELOW = 0.75  # two ways on one connection below this share of one way: half duplex
 
 
@@ -173,6 +176,39 @@ def relay_copies(out: Path, reuse: bool = False) -> dict:
     return result
 
 
+def copies_in_exchange(out: Path, spec: NetworkSpec, check: dict, shares: dict, calibration) -> dict:
+    """HALO's copy rate inside an exchange at ``spec``'s rate: HALO at COPY_BYTES per rank on IN_EXCHANGE_SHAPE
+    (no predicted point's shape), less the model's time for it without copies (its phases; no host step: none is
+    calibrated for that shape), is the copies' time there; the host's rate = ranks x copy bytes per rank / it
+    (kept in OUT/halo-copies-<rate>-<shape>.json)."""
+    from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
+    from piper_plan.cost.comm import relay_copy_bytes
+    from piper_plan.fileio import atomic_write_json
+
+    nodes, g = IN_EXCHANGE_SHAPE
+    path = out / f"halo-copies-{spec.uplink_GBps:g}-{nodes}x{g}.json"
+    if not path.is_file():
+        config = BenchConfig(("halo",), (COPY_BYTES,), nodes, g, repeats=REPEATS, statistic=STATISTIC)
+        atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
+    measured_s = json.loads(path.read_text())["sizes"][0]["seconds"]["halo"]
+    no_copies = {"host_GBps": 1.0, "host_cores": os.cpu_count() or 1}  # relay_copy_GBps set to 0 below
+    platform = platform_for(spec.uplink_GBps, nodes, g, check["figures"], shares[f"flat {g}"], check, no_copies)
+    data = platform.model_dump()
+    data["node"]["relay_copy_GBps"] = 0.0
+    phases_s = predict(type(platform).model_validate(data), calibration, nodes, g, COPY_BYTES)["halo"]
+    copied = float(relay_copy_bytes(nodes * g, nodes, COPY_BYTES))
+    copies_s = measured_s - phases_s
+    return {"shape": f"{nodes}x{g}", "measured_s": measured_s, "phases_s": phases_s, "copy_bytes_per_rank": copied,
+            "host_GBps": nodes * g * copied / copies_s / 1e9 if copies_s > 0 else None}
+
+
+def copy_host_GBps(copies: dict, check: dict) -> float:
+    """The host's copy rate the model prices HALO's copies at: measured inside an exchange at this rate
+    (copies_in_exchange) where that is known, else the copies alone (relay_copies)."""
+    inside = check.get("copies_in_exchange") or {}
+    return inside.get("host_GBps") or copies["host_GBps"]
+
+
 def half_duplex(check: dict) -> bool:
     """Whether one connection carries one direction at a time: both ways on one communicator get clearly less
     per direction than one way (shaping check)."""
@@ -195,7 +231,7 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     g = ranks_per_node
     nic_GBps = min(rate_GBps, check.get("two_way_two_connections_GBps") or rate_GBps)  # an all-to-all loads both ways
     data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=nic_GBps,
-                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=copies["host_GBps"] / (nodes * g),
+                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=copy_host_GBps(copies, check) / (nodes * g),
                         serial_phases=nodes * g > copies["host_cores"])
     data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check),
                            link_burst_bytes=NetworkSpec(rate_GBps, UPLINKS).burst_bytes)
@@ -270,6 +306,8 @@ def sweep(out: Path, shares: dict, copies: dict, tiny: dict) -> tuple[list[dict]
         calibrate(spec, cal_dir)
         checks[rate]["figures"] = link_figures(cal_dir)
         calibration = load_calibration(cal_dir)
+        checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration)
+        print(f"copies inside an exchange: {checks[rate]['copies_in_exchange']}", flush=True)
         for nodes, g in SHAPES:
             result = measure(spec, nodes, g, out)
             for size in result.sizes:
@@ -460,6 +498,20 @@ def repeatability(rows: list[dict], again: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def copies_inside_lines(checks: dict) -> list[str]:
+    """The copy rate inside an exchange per test rate, which the model prices the copies at where measured."""
+    inside = {rate: c["copies_in_exchange"] for rate, c in checks.items() if c.get("copies_in_exchange")}
+    if not inside:
+        return []
+    nodes, g = IN_EXCHANGE_SHAPE
+    parts = [f"{rate:g} GB/s: HALO {c['measured_s'] * 1e3:.1f} ms measured, its phases modelled "
+             f"{c['phases_s'] * 1e3:.1f} ms, so {c['host_GBps']:.2f} GB/s" for rate, c in sorted(inside.items())]
+    return ["", f"Inside an exchange the copies run slower than alone: HALO at {COPY_BYTES // 2**20} MiB per rank on "
+            f"{nodes} x {g} ranks (a shape no predicted point has), less the model's time for its phases without copies "
+            f"(no host step: none is calibrated for that shape), is its copies' time ({'; '.join(parts)} over the "
+            "host). The model prices the copies at that rate, per test rate; a job of n ranks gets 1/n of it per rank."]
+
+
 def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -> list[str]:
     """The flat all-to-all and HALO's tiny exchange measured at SHARE_RATE_GBps, and the host steps each shape's
     prediction uses."""
@@ -526,7 +578,7 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
               f"{copies['bytes_per_rank'] // 2**20} MiB per rank (benchmarks/halo_phases.py --copies): "
               f"{copies['seconds'] * 1e3:.1f} ms for {copies['copy_bytes_per_rank'] / 1e6:.1f} MB per rank, the host "
               f"copies {copies['host_GBps']:.2f} GB/s over all ranks; a job of n ranks gets 1/n of it per rank "
-              "(node.relay_copy_GBps)."]
+              "(node.relay_copy_GBps)."] + copies_inside_lines(checks)
     lines += host_step_lines(rows, other_rate, tiny or {})
     lines += ["", "## Flat vs HALO: measured and predicted", ""] + table(rows) + [
         "", "![measured (solid) and modelled (dashed) all-to-all time; dotted: measured flat / HALO](halo-measured.png)", "",
@@ -600,6 +652,7 @@ def main() -> int:
         saved = json.loads((out / "results.json").read_text())
         rows, checks, shares = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"]
         tiny = tiny_seconds(out)
+        copies_inside_saved(out, checks, shares)
         rows = repredict(out, rows, checks, shares, copies, tiny)
         again_loop = args.rerun_closed_loop
         loop_rows = (closed_loop(out, shares, checks, copies, tiny, args.steps, run=again_loop)
@@ -626,6 +679,19 @@ def main() -> int:
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0
+
+
+def copies_inside_saved(out: Path, checks: dict, shares: dict) -> None:
+    """With --reuse: the copy rate inside an exchange (re)computed from OUT's measurement of it where OUT has one
+    (an OUT measured before it was taken keeps the copies-alone rate)."""
+    from piper_plan.calibration import load_calibration
+
+    nodes, g = IN_EXCHANGE_SHAPE
+    for rate, check in checks.items():
+        check.pop("copies_in_exchange", None)
+        if (out / f"halo-copies-{rate:g}-{nodes}x{g}.json").is_file():
+            check["copies_in_exchange"] = copies_in_exchange(out, NetworkSpec(rate, UPLINKS), check, shares,
+                                                             load_calibration(out / f"calibration-{rate:g}"))
 
 
 def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict, tiny: dict) -> list[dict]:
