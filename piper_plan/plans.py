@@ -201,10 +201,11 @@ def _explicit_split_broken(s: Setting, c) -> np.ndarray:
     out = _none(c)
     if c.explicit_layers is None:
         return out | (c.layers_split == LayerSplit.EXPLICIT.code)
+    interleaved = _interleaved(c)
     for i, layers in enumerate(c.explicit_layers):
         pp = int(c.pp[i])
         wrong = len(layers) != pp or sum(layers) != s.model.num_layers or min(layers, default=0) < 1
-        out[i] = wrong or (bool(_interleaved(c)[i]) and list(layers) != _interleaved_ranks(s, c, i))
+        out[i] = wrong or (bool(interleaved[i]) and list(layers) != _interleaved_ranks(s, c, i))
     return out
 
 
@@ -248,11 +249,12 @@ def _chunks_broken(s: Setting, c) -> np.ndarray:
     out = _none(c)
     if c.explicit_chunks is None:
         return out
+    interleaved = _interleaved(c)
     for i, chunks in enumerate(c.explicit_chunks):
         if chunks is None:
             continue
         pp, n = int(c.pp[i]), int(c.pp[i] * c.virtual_stages[i])
-        out[i] = (not _interleaved(c)[i] or len(chunks) != n or sum(chunks) != s.model.num_layers
+        out[i] = (not interleaved[i] or len(chunks) != n or sum(chunks) != s.model.num_layers
                   or min(rank_layers(list(chunks), pp)) < 1)
     return out
 

@@ -118,6 +118,10 @@ def dense_codes(values: np.ndarray, top: int | None = None) -> tuple[np.ndarray,
     return rank[values], int(rank[-1]) + 1
 
 
+_V_KEY = 1 << 16
+"""Radix of the (pp, virtual stages) cache key of ``stage_groups``; interleaving with equal chunks is key 0."""
+
+
 def stage_groups(ctx, sub) -> tuple[list[np.ndarray], np.ndarray]:
     """(the distinct stage tables among the rows of ``sub``: pipeline.stage_rows [R, 7] of each (pp, virtual
     stages), or the explicit split or unequal chunks of a batch of one; which table each row uses [U])."""
@@ -126,6 +130,7 @@ def stage_groups(ctx, sub) -> tuple[list[np.ndarray], np.ndarray]:
         return [chunk_stage_rows(ctx.model, chunks, int(sub.pp[0]))], np.zeros(len(sub), int)
     if sub.explicit_layers is not None:             # a batch of one plan with its own layers_per_stage
         return [explicit_stage_rows(ctx.model, list(sub.explicit_layers[0]))], np.zeros(len(sub), int)
+    # unequal chunks: specs.parallel.interleaved_chunk_split's first case (the even split) fails, over the batch
     uneven = (sub.virtual_stages > 1) & (ctx.model.num_layers % (sub.pp * sub.virtual_stages) != 0)
     pairs = sub.pp * _V_KEY + np.where(uneven, sub.virtual_stages, np.where(sub.virtual_stages > 1, 0, 1))
     distinct, inverse = np.unique(pairs, return_inverse=True)
@@ -153,9 +158,6 @@ def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray, np.nd
     shape = stg.StageShape(rows[2], rows[3], rows[4].astype(bool), rows[5].astype(bool))
     return rows[0], shape, rows[1], rows[6]
 
-
-_V_KEY = 1 << 16
-"""Radix of the (pp, virtual stages) cache key of ``stage_table``; interleaving with equal chunks is key 0."""
 
 
 def _one_plan_chunks(ctx, sub) -> list[int] | None:

@@ -35,8 +35,8 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
   gathers and final reorder on the rank, ``relay_copy_bytes``, in series with the phases:
   ``max(I, II + III) + copies``); ``node.serial_phases`` (CPU ranks on fewer cores than ranks: phase I does not
   overlap II + III, ``I + II + III + copies``); ``node.host_step_us`` (each dependent step, a flat exchange or
-  one HALO phase, waits that long for the host: flat pays it once, HALO three times, at ``node.halo_step_us``
-  where that is set); ``network.link_burst_bytes``
+  one HALO phase, waits that long for the host: flat pays it once, HALO three times in series and twice on its
+  critical path when phase I overlaps (``max(I, II + III)``), at ``node.halo_step_us`` where that is set); ``network.link_burst_bytes``
   (a shaped link's token bucket passes that much at once: the busiest NIC's wire time is
   ``max(bytes - burst, 0) / rate``, i.e. the remote bandwidth terms less burst / NIC rate). Measured on the
   emulated network: docs/halo-measured.md.
@@ -239,7 +239,7 @@ class Network:
                                                             np.asarray(nbytes, float), np.asarray(scope),
                                                             np.asarray(algo))
         t_local, t_flat_r, t_halo_r, t_redis = self.a2a_phases(n, nodes, nbytes, scope)
-        flat_step, halo_step = self.host_steps_seconds()
+        flat_step, halo_step = (step * (n > 1) for step in self.host_steps_seconds())   # no exchange, no step
         multi = (nodes > 1) & (n > 1)
         flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local) + flat_step
         t_flat_r = t_flat_r + flat_step

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from piper_plan.errors import PiperError
+
 
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm")
 """The selective-recompute modules CostOptions.recompute_modules may name."""
@@ -76,25 +78,21 @@ class CostOptions:
     NVIDIA/Megatron-LM docs/discussions captures ``attn moe_router moe_preprocess``)."""
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
-        if unknown:
-            from piper_plan.errors import PiperError
+        for name in ("recompute_modules", "cuda_graph_scope"):
+            object.__setattr__(self, name, tuple(_names_in(name, getattr(self, name), _ALLOWED[name])))
+        _names_in("ep_dispatch", [self.ep_dispatch], EP_DISPATCH)
 
-            raise PiperError(f"recompute_modules names {', '.join(map(repr, unknown))}; allowed: "
-                             f"{', '.join(RECOMPUTE_MODULES)}", field="options.recompute_modules")
-        object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
-        if self.ep_dispatch not in EP_DISPATCH:
-            from piper_plan.errors import PiperError
 
-            raise PiperError(f"ep_dispatch is {self.ep_dispatch!r}; allowed: {', '.join(EP_DISPATCH)}",
-                             field="options.ep_dispatch")
-        bad = [m for m in self.cuda_graph_scope if m not in CUDA_GRAPH_SCOPES]
-        if bad:
-            from piper_plan.errors import PiperError
+_ALLOWED = {"recompute_modules": RECOMPUTE_MODULES, "cuda_graph_scope": CUDA_GRAPH_SCOPES}
 
-            raise PiperError(f"cuda_graph_scope names {', '.join(map(repr, bad))}; allowed: "
-                             f"{', '.join(CUDA_GRAPH_SCOPES)}", field="options.cuda_graph_scope")
-        object.__setattr__(self, "cuda_graph_scope", tuple(self.cuda_graph_scope))
+
+def _names_in(field: str, values, allowed: tuple[str, ...]):
+    """``values`` when each is one of ``allowed``, else one error line naming the field, the values and the choices."""
+    unknown = [v for v in values if v not in allowed]
+    if unknown:
+        raise PiperError(f"{field} names {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}",
+                         field=f"options.{field}")
+    return values
 
 
 DEFAULT_OPTIONS = CostOptions()

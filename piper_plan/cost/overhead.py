@@ -76,6 +76,11 @@ def linear_fit(counts, seconds) -> tuple[float, float]:
     return float(max(intercept, 0.0)), float(max(slope, 0.0))
 
 
+def local_experts(model, ep):
+    """Routed experts per rank [N] (num_experts / ep); 0 for a dense model."""
+    return (model.moe.num_experts / ep) if model.moe is not None else 0.0 * ep
+
+
 def layer_overhead_seconds(ov: FrameworkOverhead, local_experts, has_moe: bool, has_dense: bool):
     """(per dense layer, per MoE layer) overhead seconds of one micro-batch's forward + backward."""
     dense = ov.attention_layer_s + (ov.dense_mlp_s if has_dense else 0.0) + 0.0 * np.asarray(local_experts, float)
@@ -165,7 +170,7 @@ def overhead_terms(ctx, c, spans, ov: FrameworkOverhead):
     model = ctx.model
     share = ov.slowdown(ranks_per_host(ctx.platform, c.world))
     compute_scale = share / ov.slowdown(1)
-    local = (model.moe.num_experts / c.ep) if model.moe is not None else 0.0 * c.ep
+    local = local_experts(model, c.ep)
     dense, moe = layer_overhead_seconds(ov, local, model.moe is not None, model.dense_ffn is not None)
     terms = {"framework/layer": (dense * share, moe * share)}
     if model.moe is not None:
@@ -205,7 +210,8 @@ def linears_per_layer(model, local_experts, graphed: tuple[str, ...]):
     if moe is None:
         return dense, 0.0 * dense
     router = 0 if "moe_router" in graphed else 1 + (2 if moe.num_shared_experts else 0)
-    return dense, attn + router + 2.0 * np.asarray(local_experts, float)
+    parallel = 2 if moe.parallel_dense_ffn is not None and "mlp" not in graphed else 0   # Arctic's residual MLP
+    return dense, attn + router + parallel + 2.0 * np.asarray(local_experts, float)
 
 
 def host_floor_terms(ctx, c, per_layer: dict) -> dict:
@@ -223,7 +229,7 @@ def host_floor_terms(ctx, c, per_layer: dict) -> dict:
     if per_call <= 0:
         return {}
     model = ctx.model
-    local = (model.moe.num_experts / c.ep) if model.moe is not None else 0.0 * c.ep
+    local = local_experts(model, c.ep)
     dense_n, moe_n = linears_per_layer(model, local, ctx.opts.cuda_graph_scope)
     gemms = GEMMS_PER_LINEAR + np.where(c.recompute == Recompute.FULL.code, 1, 0)     # + the recomputed forward
     device_d = sum(d for d, _ in per_layer.values())

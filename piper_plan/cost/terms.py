@@ -115,7 +115,6 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
                 per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
         if o.shared_expert_overlap and ctx.model.moe.num_shared_experts:
             _hide_dispatch_behind_shared_experts(per_layer, comp["shared_experts"], c, full)
-    per_layer.update(host_floor_terms(ctx, c, per_layer))       # after every device term of the layer
     head_f, head_b = stg._gemm(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms
@@ -128,6 +127,9 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
                      for k, (d, m) in per_layer.items()}
         per_layer.update(extra)
         per_layer["compute/lm_head"] = (per_layer["compute/lm_head"][0] + head_s, zero)
+    # the host floor last, against every device term of the layer as priced (scaled compute, framework overhead);
+    # the LM head is per stage, not per layer
+    per_layer.update(host_floor_terms(ctx, c, {k: v for k, v in per_layer.items() if k != "compute/lm_head"}))
     return per_layer
 
 

@@ -110,6 +110,13 @@ def test_a_links_burst_takes_its_bytes_off_the_busiest_nic():
     assert halo_small == pytest.approx(max(lat, bursty._one_way_seconds(8 * 1024, 1)))
 
 
+def test_no_exchange_pays_no_host_step():
+    """ep = 1 (one rank) exchanges nothing: no host step, whatever the platform's."""
+    stepped = Network(netemu(host_step_us=1000.0, halo_step_us=3000.0))
+    for algo in (0, 1):
+        assert sum(stepped.a2a_seconds(algo, 1, 1, 16 * MiB, 0)) == 0.0
+
+
 def test_halo_phases_pay_their_own_step_where_one_is_set():
     """host step 1 ms, HALO step 3 ms: flat +1 ms; HALO across nodes +9 ms in series (3 phases), +6 ms overlapped
     (max(I, II + III): two steps on the longer path); one-node HALO is flat: +1 ms."""

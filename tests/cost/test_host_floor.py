@@ -62,3 +62,12 @@ def test_more_local_experts_cost_more_host_time_and_graphed_parts_none():
 def test_an_unknown_graph_scope_is_one_clear_error():
     with pytest.raises(PiperError, match="cuda_graph_scope"):
         CostOptions(cuda_graph_scope=("everything",))
+
+
+def test_a_parallel_dense_mlp_is_two_more_linears_unless_graphed():
+    """Arctic's MoE layers run a dense residual MLP beside the experts: its two linears (2 x 3 host GEMM calls)."""
+    arctic = load_model("arctic")
+    assert arctic.moe.parallel_dense_ffn is not None
+    routed = 2 * 1
+    assert linears_per_layer(arctic, 1, ())[1] == 2 + 1 + 2 + routed      # attention, router, parallel MLP, experts
+    assert linears_per_layer(arctic, 1, ("attn", "moe_router", "mlp"))[1] == routed
