@@ -134,10 +134,13 @@ def _deepseek(c: _Config, mla: bool) -> dict:
            "normalize_top_k": c.flag("norm_topk_prob", False),
            "layers": {"first_k_dense": c.int_("first_k_dense_replace", 0, minimum=0),
                       "every": c.int_("moe_layer_freq", 1)}}
-    groups = c.int_("n_group", 1, minimum=1)
-    if groups > 1:                                    # group-limited routing (V2 group_limited_greedy, V3 noaux_tc)
-        moe.update(routing_groups=groups, routing_group_top_k=c.int_("topk_group", groups, minimum=1),
-                   routing_group_score_top=2 if c.get("topk_method", "greedy") == "noaux_tc" else 1)
+    # group-limited routing: V2's group_limited_greedy and V3's noaux_tc; "greedy" (V2-Lite, the reference code's
+    # default) ignores the groups, and transformers writes n_group / topk_group as null when they are unset
+    method = c.get("topk_method", "greedy")
+    groups = c.int_("n_group", 1, minimum=1) if c.get("n_group", None) is not None else 1
+    if groups > 1 and method in ("group_limited_greedy", "noaux_tc"):
+        top = c.int_("topk_group", groups, minimum=1) if c.get("topk_group", None) is not None else groups
+        moe.update(routing_groups=groups, routing_group_top_k=top, routing_group_score_top=2 if method == "noaux_tc" else 1)
     if shared and mlp_bias:
         # The reference code builds the shared experts as ONE MLP of width n_shared x moe_intermediate_size;
         # that is the same weights as n_shared experts, but one set of biases.

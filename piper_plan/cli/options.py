@@ -204,7 +204,7 @@ def build_plan(model, platform, training, nodes: int, **options):
     if options["virtual_stages"] is None:
         options["virtual_stages"] = 2 if options["schedule"] == "interleaved" else 1
     chunks = options.pop("virtual_stage_layers")
-    if chunks is not None and set(chunks) <= set("0123456789, "):      # counts; anything else: a layout string
+    if chunks is not None and set(chunks) <= set("0123456789, -+"):    # counts; anything else: a layout string
         chunks = parse_layers(chunks, "--virtual-stage-layers")
     dp, mbs = options["dp"], options["mbs"]
     options["num_microbatches"] = max(training.global_batch // max(dp * mbs, 1), 1)

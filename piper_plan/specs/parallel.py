@@ -161,6 +161,8 @@ def rank_layers(chunks: list[int], pp: int) -> list[int]:
 
 
 _LAYOUT_REPEAT = (re.compile(r"\(([^()]*)\)\*(\d+)"), re.compile(r"([Etm|L])\*(\d+)"))
+_LAYOUT_MAX_CHARS = 1_000_000
+"""A layout expands to at most this many characters (100 per layer of the largest model a spec may hold)."""
 
 
 def layout_decoder_counts(layout: str) -> list[int]:
@@ -170,8 +172,16 @@ def layout_decoder_counts(layout: str) -> list[int]:
     layer, m an MTP layer, L the loss, ``(...)*n`` and ``x*n`` repeat, commas are cosmetic. piper prices the MTP
     modules and the loss on the last rank wherever the layout puts them."""
     text = layout.replace(",", "").replace(" ", "")
+
+    expanded = [len(text)]   # characters the repeats have made so far: bounded before each one is built
+
+    def repeat(m: re.Match) -> str:
+        expanded[0] += len(m.group(1)) * int(m.group(2))
+        if expanded[0] > _LAYOUT_MAX_CHARS:
+            raise ValueError(f"layout {layout!r}: its repeats expand past {_LAYOUT_MAX_CHARS:,} characters")
+        return m.group(1) * int(m.group(2))
     for pattern in _LAYOUT_REPEAT:
-        text = pattern.sub(lambda m: m.group(1) * int(m.group(2)), text)
+        text = pattern.sub(repeat, text)
     bad = set(text) - set("Etm|L")
     if bad:
         raise ValueError(f"layout {layout!r}: unknown characters {sorted(bad)}; allowed E, t, m, L, |, (...)*n, x*n, "

@@ -234,3 +234,13 @@ def test_bubble_against_megatrons_schedule(pp, v, m, chunks):
     else:
         assert m * busiest <= simulated <= priced
     print(f"pp {pp} v {v} M {m}: simulated {simulated:g}, priced {priced:g} ({priced / simulated - 1:+.1%})")
+
+
+def test_a_layout_that_repeats_without_bound_is_refused_before_it_is_built():
+    """'t*100000000000' would build a 100 GB string: refused in one line, as is a negative count."""
+    base = ["estimate", "--model", "deepseek-v3", "--platform", "frontier", "--nodes", "8", "--pp", "4", "--dp", "16",
+            "--ep", "8", "--schedule", "interleaved", "--virtual-stages", "2", "--virtual-stage-layers"]
+    for value, needle in (("t*100000000000", "expand past"), ("(t*99|)*99999", "expand past"),
+                          ("1,1,-1,3", "greater than or equal to 0")):
+        done = CliRunner().invoke(cli, base + [value])
+        assert done.exit_code == 2 and needle in done.output and "Traceback" not in done.output, done.output

@@ -142,3 +142,14 @@ def test_sliding_window_layers_from_layer_types():
     odd = {**config, "layer_types": ["full_attention"] + ["sliding_attention"] * 23}
     with pytest.raises(PiperError, match="layer_types"):
         spec_from_hf_config(odd, str(path))
+
+
+def test_group_limited_routing_only_where_the_config_routes_by_groups():
+    """DeepSeek-V2's group_limited_greedy and V3's noaux_tc limit routing to topk_group of n_group groups; "greedy"
+    (V2-Lite) ignores the groups (the reference modeling code's topk_method switch), and transformers' null
+    n_group / topk_group mean no groups."""
+    base = json.loads((FIXTURES / "deepseek-v2.json").read_text())
+    limited = spec_from_hf_config(base, "v2.json").moe
+    assert (limited.routing_groups, limited.routing_group_top_k, limited.routing_group_score_top) == (8, 3, 1)
+    for change in ({"topk_method": "greedy"}, {"n_group": None, "topk_group": None}):
+        assert spec_from_hf_config({**base, **change}, "v2.json").moe.routing_groups is None, change
