@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 
+from piper_plan.calibration.fit import apply
 from piper_plan.cost.overhead import GEMMS_PER_LINEAR, linears_per_layer
 from piper_plan.validation import _Inputs, load_dataset, row_plan
 
@@ -26,20 +27,15 @@ UPPER_S = 1e-3            # bisection bracket: 0 .. 1 ms per GEMM call
 STEPS = 60
 
 
-def with_host_constant(platform, seconds: float):
-    data = platform.model_dump(mode="json")
-    data["efficiency"]["host_s_per_gemm_call"] = seconds
-    return type(platform).model_validate(data)
-
-
 def _estimate(inputs: _Inputs, row, seconds: float):
-    """The row's estimate with its platform's host constant set to ``seconds``."""
+    """The row's estimate with its platform's host constant set to ``seconds`` (calibration.fit.apply)."""
     from piper_plan.cost.evaluate import estimate
 
     model, training = inputs.model(row), inputs.training(row)
     platform, calibration = inputs.platform_of(row)
-    return estimate(model, with_host_constant(platform, seconds), training, row.nodes, row_plan(row, training),
-                    calibration=calibration, options=inputs.options(row))
+    options, platform = apply(platform, inputs.options(row), {"efficiency.host_s_per_gemm_call": seconds})
+    return estimate(model, platform, training, row.nodes, row_plan(row, training), calibration=calibration,
+                    options=options)
 
 
 def predicted_at(inputs: _Inputs, row, seconds: float) -> float:
@@ -77,6 +73,11 @@ def main(row_ids: list[str]) -> None:
             rate = host_calls_per_device_ms(inputs, row)
             print(f"{row.id:28s} {platform.name:12s} host calls per device-ms {rate:6.2f}")
         return
+    unknown = [r for r in row_ids if r not in rows]
+    if unknown:
+        print(f"error: fit_host_floor.py: row {unknown[0]!r} is not in validation/{DATASET}.yaml; rows: "
+              + ", ".join(rows), file=sys.stderr)
+        sys.exit(2)
     for row_id in row_ids:
         row = rows[row_id]
         platform, _ = inputs.platform_of(row)

@@ -350,7 +350,8 @@ def closed_loop_calibration(out: Path, rate: float, measure: bool = True) -> Pat
     shutil.copytree(calibration_dir("local-cpu"), cal_dir)
     shutil.copy(out / f"calibration-{rate:g}" / "collectives.csv", cal_dir / "collectives.csv")
     if measure:
-        subprocess.run(module("piper_plan.calibration.bench_overhead", "--out", str(cal_dir)), check=True, cwd=ROOT)
+        subprocess.run(module("piper_plan.calibration.bench_overhead", "--out", str(cal_dir)), check=True, cwd=ROOT,
+                       timeout=1800)
         run_on_network(NetworkSpec(rate, UPLINKS), 2, 2, module(
             "piper_plan.calibration.bench_overhead", "--launched-ranks", "--out", str(cal_dir)), 600)
     return cal_dir
@@ -500,7 +501,8 @@ def repeatability(rows: list[dict], again: list[dict]) -> list[str]:
 
 def copies_inside_lines(checks: dict) -> list[str]:
     """The copy rate inside an exchange per test rate, which the model prices the copies at where measured."""
-    inside = {rate: c["copies_in_exchange"] for rate, c in checks.items() if c.get("copies_in_exchange")}
+    inside = {rate: c["copies_in_exchange"] for rate, c in checks.items()
+              if (c.get("copies_in_exchange") or {}).get("host_GBps")}
     if not inside:
         return []
     nodes, g = IN_EXCHANGE_SHAPE

@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from piper_plan.calibration.timing import end_process_group
+from piper_plan.calibration.timing import STATISTICS, end_process_group
 from piper_plan.launchenv import LaunchEnv, device_index, read_launch_env
 
 PROGRESS_PREFIX = "PIPER_PROGRESS "
@@ -250,10 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--ops", default=",".join(OPS_MEASURED))
     parser.add_argument("--source", default=None, help="text of the source column")
-    parser.add_argument("--statistic", choices=("median", "min"), default="median",
+    parser.add_argument("--statistic", choices=sorted(STATISTICS), default="median",
                         help="per rank, the median of the timed calls or the fastest (shared host)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (default 5 quick, else 10)")
     args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
     env = dist_env()
     if env is None:
         print("bench_collectives: no distributed environment (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS); "

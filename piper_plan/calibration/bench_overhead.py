@@ -28,7 +28,7 @@ import os
 import socket
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from piper_plan.calibration.timing import end_process_group
 
@@ -186,7 +186,7 @@ def _lockstep_seconds(iterations: int, rounds: int = 10) -> dict[int, float]:
     return {g: max(total / n - sync_alone, 1e-9) for g, (total, n) in spent.items()}
 
 
-WAIT_EXCHANGE_BYTES = 1024           # per rank: the exchange whose wait the split lockstep rows time (not its bytes)
+WAIT_EXCHANGE_FLOATS_PER_PEER = 64   # the small exchange whose wait the split lockstep rows time (not its bytes)
 
 
 def _split_lockstep_seconds(iterations: int, repeats: int = 10) -> tuple[float, float]:
@@ -197,7 +197,7 @@ def _split_lockstep_seconds(iterations: int, repeats: int = 10) -> tuple[float, 
     import torch.distributed as dist
 
     call = block_calls()[("moe_block", CONCURRENCY_WORKLOAD_EXPERTS)]
-    send = torch.zeros(WAIT_EXCHANGE_BYTES // 4)
+    send = torch.zeros(WAIT_EXCHANGE_FLOATS_PER_PEER * dist.get_world_size())   # divides evenly for any world
     recv = torch.empty_like(send)
 
     def exchange():
@@ -214,7 +214,7 @@ def _split_lockstep_seconds(iterations: int, repeats: int = 10) -> tuple[float, 
         t1 = time.perf_counter()
         exchange()
         outside, inside = outside + t1 - t0, inside + time.perf_counter() - t1
-    return outside / iterations, max(inside / iterations - alone, 0.0)
+    return outside / iterations, max(inside / iterations - alone, 1e-9)   # overhead.csv rows are > 0
 
 
 def lockstep_on_launched_ranks(out: str, iterations: int = 1000) -> None:
@@ -230,11 +230,11 @@ def lockstep_on_launched_ranks(out: str, iterations: int = 1000) -> None:
     from piper_plan.calibration.overhead import OVERHEAD
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))   # a missing peer ends it, not gloo's 30 min
     try:
         values = [None] * dist.get_world_size()
         mine = _lockstep_seconds(iterations)
-        mine["outside"], mine["wait"] = _split_lockstep_seconds(iterations // 2)
+        mine["outside"], mine["wait"] = _split_lockstep_seconds(max(iterations // 2, 1))
         dist.all_gather_object(values, mine)
         if dist.get_rank() == 0:
             when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
@@ -310,6 +310,8 @@ def main(argv=None) -> int:
                     help="only the lockstep rows, as one of the ranks a launcher started (RANK, WORLD_SIZE, ...)")
     ap.add_argument("--iterations", type=int, default=1000, help="lockstep iterations per rank count")
     args = ap.parse_args(argv)
+    if args.iterations < 1:
+        ap.error(f"--iterations {args.iterations}: at least 1")
     if args.launched_ranks:
         lockstep_on_launched_ranks(args.out, args.iterations)
         return 0

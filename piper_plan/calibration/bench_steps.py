@@ -11,8 +11,9 @@ each are one. Timed as a chain of ``STEPS`` steps, per step, the fastest of ``RE
   uplinks) and receives from the rank G places back: the same step with every rank of the job at once.
 
 On ranks that outnumber the host's cores the second is slower: each rank has to be scheduled again when its
-message arrives. The difference is the host's cost per dependent step (platform node.host_step_us,
-cost/comm.py), measured on a job shape at a rate the predicted points do not use (benchmarks/halo_network.py).
+message arrives. A probe, not a calibration: its difference (0.07-0.50 ms per step) came out far below what an
+exchange costs the host, so benchmarks/halo_network.py calibrates node.host_step_us / halo_step_us from tiny
+flat and HALO exchanges instead (benchmarks/halo_network_analysis.md). Needs at least 2 emulated nodes.
 Rank 0 writes ``{"pair_step_s", "ring_step_s", "ranks", "steps"}``.
 """
 
@@ -50,17 +51,34 @@ def chain_seconds(peer_to: int | None, peer_from: int | None, group=None) -> flo
     return seconds
 
 
+def read_launch_env_checked():
+    """The launcher's environment when it has >= 2 nodes of ranks (the pair step needs rank g), else None with
+    one line on stderr."""
+    from piper_plan.launchenv import read_launch_env
+
+    env = read_launch_env()
+    if env.world_size < 2 * env.ranks_per_node:
+        print(f"bench_steps: {env.world_size} ranks with {env.ranks_per_node} per node: needs at least 2 nodes",
+              file=sys.stderr)
+        return None
+    return env
+
+
 def main(argv: list[str]) -> int:
     from datetime import timedelta
 
+    if len(argv) != 1:
+        print("usage: python -m piper_plan.calibration.bench_steps OUT.json (under scripts/netemu.sh run)", file=sys.stderr)
+        return 2
+    env = read_launch_env_checked()
+    if env is None:
+        return 2
     import torch
     import torch.distributed as dist
 
     from piper_plan.calibration.timing import slowest_rank_seconds
     from piper_plan.fileio import atomic_write_json
-    from piper_plan.launchenv import read_launch_env
 
-    env = read_launch_env()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
