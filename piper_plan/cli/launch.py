@@ -122,6 +122,8 @@ def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) ->
                     **_job_facts(prepared)})
         return
     note(f"wrote {prepared.script_path}, {prepared.out_dir / 'plan.json'}, {prepared.out_dir / 'README.md'}")
+    if prepared.job.segment_warning:
+        note(f"warning: {prepared.job.segment_warning}")
     facts = (f"{prepared.job.nodes} nodes x {prepared.job.ranks_per_node} ranks = {prepared.job.world}, "
              f"{prepared.job.steps} steps, time {prepared.job.time}")
     if job_id:                  # stdout is the job id alone, for JOB=$(piper launch --submit ...)

@@ -111,7 +111,9 @@ def readme_text(job: JobSpec, plan_file: PlanFile) -> str:
         f"{job.steps} steps, wall time {job.time}.", "",
         f"Plan: {job.plan_summary}", "",
         *([f"Placement: `--segment={job.segment}` (Slurm topology/block): each {job.segment}-node segment of the job "
-           "lies inside one NVLink domain, as the plan was priced.", ""] if job.segment else []),
+           "lies inside one NVLink domain"
+           + (f". Warning: {job.segment_warning}." if job.segment_warning else ", as the plan was priced."), ""]
+          if job.segment else []),
         "Predicted (from plan.json):", *_prediction_lines(plan_file), "",
         "Submit and follow:", "```",
         f"sbatch {job.out_dir}/job.sbatch", "piper status JOB_ID", f"piper compare {job.run_dir}", "```", "",

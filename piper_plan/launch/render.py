@@ -76,6 +76,9 @@ class JobSpec:
     segment: int | None = None
     """Nodes per ``--segment`` (Slurm topology/block): set where the platform places jobs in rack-aligned segments
     (network.segment_nodes), as the planner's layout assumes."""
+    segment_warning: str | None = None
+    """Set where ``segment`` is smaller than the platform's segments (a job that is not a multiple of them): the
+    placement Slurm gives differs from the one the plan was priced on (segment_size)."""
 
 
 def expert_groups_span_nodes(plan, devices_per_node: int) -> bool:
@@ -101,6 +104,18 @@ def segment_size(nodes: int, segment_nodes: int) -> int:
     Options: a node count larger than the segment must be evenly divisible by it). Below ``segment_nodes`` for a job
     that is not a multiple of it: its segments are smaller than the planner's layout assumed."""
     return nodes if nodes <= segment_nodes else math.gcd(nodes, segment_nodes)
+
+
+def segment_warning(nodes: int, segment_nodes: int | None) -> str | None:
+    """What a job loses when its ``--segment`` is below the platform's: the planner priced ``segment_nodes`` nodes
+    per NVLink domain (placement/layout.py), Slurm then only keeps ``segment_size`` nodes together."""
+    if not segment_nodes or nodes <= segment_nodes or nodes % segment_nodes == 0:
+        return None
+    size = segment_size(nodes, segment_nodes)
+    below, above = nodes // segment_nodes * segment_nodes, -(-nodes // segment_nodes) * segment_nodes
+    return (f"{nodes} nodes is not a multiple of the platform's {segment_nodes}-node segment: Slurm keeps only "
+            f"{size} nodes together (--segment={size}), fewer than the plan was priced with; {below} or {above} "
+            "nodes keep whole segments")
 
 
 def default_time(steps: int, step_time_s: float | None) -> str:
@@ -163,6 +178,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
         account=_optional_name(options.account, "account"),
         switches=switches_needed(nodes, platform.network.nodes_per_switch) if span and not segment_nodes else None,
         segment=segment_size(nodes, segment_nodes) if segment_nodes and nodes > 1 else None,
+        segment_warning=segment_warning(nodes, segment_nodes),
         out_dir=out_dir, run_dir=run_dir, plan_file=plan_path, python=python,
         plan_summary=plan_summary(plan_file),
         modules=tuple(v.module_name(m) for m in launch.modules),

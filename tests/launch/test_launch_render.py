@@ -126,6 +126,12 @@ def test_gb200_jobs_ask_for_rack_aligned_segments(tmp_path, nodes, segment):
     opts = sbatch_options(prepared.script)
     assert opts["segment"] == str(segment) and "switches" not in opts
     assert f"--segment={segment}" in prepared.readme
+    # 24 nodes are not a multiple of 16: Slurm keeps 8 together, not the 16 + 8 the plan was priced on: said
+    short = nodes % 16 != 0 and nodes > 16
+    assert (prepared.job.segment_warning is not None) == short
+    assert ("as the plan was priced" in prepared.readme) != short
+    if short:
+        assert "16 or 32 nodes keep whole segments" in prepared.job.segment_warning
 
 
 def test_segment_size():
