@@ -204,7 +204,18 @@ class DatasetResult:
         errors = [r.abs_pct_error for r in rows]
         within = sum(r.abs_pct_error <= r.tolerance_pct for r in rows)
         return (f"not gated: {len(rows)} held-out rows, mean |error| {_mean(errors):.2f}%, max {max(errors):.2f}%, "
-                f"{within} within their row tolerance")
+                f"{within} within their row tolerance{self._fit_summary()}")
+
+    def _fit_summary(self) -> str:
+        """Where the dataset requires its published runs to fit: how many of its rows are predicted to (and which
+        not, with their peak memory)."""
+        if not self.spec.require_fit:
+            return ""
+        misfits = [r for r in self.rows if r.detail.get("fits") is False]
+        if not misfits:
+            return f"; all {len(self.rows)} rows predicted to fit"
+        named = ", ".join(f"{r.id} ({r.detail.get('peak_memory_GiB', 0):.1f} GiB)" for r in misfits)
+        return f"; predicted not to fit: {named}"
 
     @property
     def gate_mean_abs_pct_error(self) -> tuple[float | None, str]:

@@ -148,3 +148,14 @@ def test_a_dataset_not_yet_gated_reports_where_its_held_out_rows_stand():
     result = validate_dataset(DatasetSpec.model_validate(data))
     summary = result.ungated_summary()
     assert summary.startswith("not gated: 1 held-out rows, mean |error| 50.") and "0 within" in summary, summary
+
+
+def test_a_dataset_that_requires_fit_says_which_rows_are_predicted_not_to():
+    data = load_dataset("megatron-bridge-moe").model_dump()
+    rows = [r for r in data["rows"] if r["id"] in ("25.11-dsv3-gb200-mxfp8", "25.11-qwen3-30b-gb200")]
+    result = validate_dataset(DatasetSpec.model_validate(dict(data, rows=rows)))
+    assert result.ungated_summary().endswith("; all 2 rows predicted to fit"), result.ungated_summary()
+    options = {k: v for k, v in rows[0]["options"].items() if k != "recompute_modules"}
+    unrecomputed = dict(rows[0], parallel=dict(rows[0]["parallel"], recompute="none"), options=options)  # 175.5 GiB
+    result = validate_dataset(DatasetSpec.model_validate(dict(data, rows=[unrecomputed, rows[1]])))
+    assert "; predicted not to fit: 25.11-dsv3-gb200-mxfp8 (17" in result.ungated_summary(), result.ungated_summary()
