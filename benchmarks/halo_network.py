@@ -395,21 +395,16 @@ def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict,
     return rows
 
 
-A2A_TERMS = ("moe/dispatch/", "moe/combine/", "moe/layout", "moe/sync_wait")
-"""The predicted terms that the runtime's a2a timer covers: the exchanges, the count exchange, the wait at them."""
-
-
 def loop_row(prediction: dict, records: list[dict]) -> dict:
     """Predicted against measured step, and its parts: the runtime's a2a and dp_sync timers (steady-state
     median) against the terms they cover, and the rest of the step."""
-    from piper_plan.compare import compare, steady_steps
+    from piper_plan.compare import compare
 
-    step = compare(prediction, records)["step_time_s"]
+    result = compare(prediction, records)
+    step, terms = result["step_time_s"], result["time_s"]
     breakdown = prediction["time"]["breakdown"]
-    steady = steady_steps(records)
-    measured = {k: statistics.median(r["time_s"].get(k, 0.0) for r in steady) for k in ("a2a", "dp_sync")}
-    a2a = sum(v for k, v in breakdown.items() if k.startswith(A2A_TERMS))
-    dp = sum(v for k, v in breakdown.items() if k.startswith("dp/"))
+    a2a, dp = (terms[k]["predicted"] or 0.0 for k in ("a2a", "dp_sync"))
+    measured = {k: terms[k]["measured"] or 0.0 for k in ("a2a", "dp_sync")}
     inter = sum(v for k, v in breakdown.items() if k.startswith("moe/") and k.endswith("/inter_node"))
     return {"predicted_s": step["predicted"], "measured_s": step["measured"], "rel_error": step["rel_error"],
             "a2a_pred_s": a2a, "a2a_meas_s": measured["a2a"], "a2a_inter_node_pred_s": inter,

@@ -12,8 +12,11 @@ from __future__ import annotations
 import math
 from statistics import median
 
-A2A_KEY_PARTS = ("dispatch", "combine", "a2a", "all_to_all")
-"""Prediction breakdown entries counted as expert all-to-all time when the prediction has no ``a2a_share``."""
+from piper_plan.specs.vocab import A2A_TIME_PREFIX
+
+A2A_KEY_PARTS = (A2A_TIME_PREFIX, "dispatch", "combine", "a2a", "all_to_all")
+"""Prediction breakdown entries counted as expert all-to-all time (the runtime's a2a timer: exchanges, count
+exchange, the waits at them; specs.vocab.A2A_TIME_PREFIX), and the names of other predictions' exchanges."""
 
 
 def quantity(predicted: float | None, measured: float | None) -> dict:

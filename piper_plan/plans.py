@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from piper_plan.errors import PiperError
-from piper_plan.specs.parallel import ParallelPlan, even_split, interleaved_chunk_split, rank_layers
+from piper_plan.specs.parallel import ParallelPlan, even_split, interleaved_chunk_split, model_chunks, rank_layers
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
 ENUM_FIELDS = {"schedule": Schedule, "recompute": Recompute, "a2a": A2A, "layers_split": LayerSplit}
@@ -211,10 +211,9 @@ def _explicit_split_broken(s: Setting, c) -> np.ndarray:
 
 def plan_chunks(num_layers: int, c, i: int) -> list[int] | None:
     """Plan i's model chunks (interleaved): its explicit ``virtual_stage_layers``, else the Megatron-Core rule
-    (specs.parallel.interleaved_chunk_split; None where that has no split)."""
-    if c.explicit_chunks is not None and c.explicit_chunks[i] is not None:
-        return list(c.explicit_chunks[i])
-    return interleaved_chunk_split(num_layers, int(c.pp[i]), int(c.virtual_stages[i]))
+    (specs.parallel.model_chunks; None where that has no split)."""
+    explicit = c.explicit_chunks[i] if c.explicit_chunks is not None else None
+    return model_chunks(num_layers, int(c.pp[i]), int(c.virtual_stages[i]), explicit)
 
 
 def _interleaved_ranks(s: Setting, c, i: int) -> list[int]:

@@ -147,11 +147,12 @@ def slot_rows(table: np.ndarray, slot: int) -> slice | None:
     return slice(int(at[0]), int(at[-1]) + 1) if at.size else None
 
 
-def stage_table(ctx, sub) -> tuple[np.ndarray, stg.StageShape, np.ndarray, np.ndarray]:
+def stage_table(ctx, sub, groups=None) -> tuple[np.ndarray, stg.StageShape, np.ndarray, np.ndarray]:
     """(split slot [S, U], StageShape [S, U], stage index [S, U], layers in flight of unequal interleaved chunks
     [S, U]: 0 elsewhere) of the distinct stages of each row of ``sub``; rows with fewer stages than S repeat
-    their first (a duplicate never changes a maximum)."""
-    tables, inverse = stage_groups(ctx, sub)
+    their first (a duplicate never changes a maximum). ``groups``: ``stage_groups(ctx, sub)`` where the caller
+    has it already."""
+    tables, inverse = stage_groups(ctx, sub) if groups is None else groups
     size = max(len(t) for t in tables)
     stacked = np.stack([np.concatenate([t, np.repeat(t[:1], size - len(t), 0)]) for t in tables])   # [P, S, 7]
     rows = stacked[inverse].transpose(2, 1, 0)                                                        # [7, S, U]
@@ -215,8 +216,8 @@ def memory_by_key(ctx, c, keys, rows_m, detail: bool):
     maximum over a block of rows)."""
     rows_s, inv_s = keys.factorize(KEY_STATE)
     sub_s = c.take(rows_s)
-    split, st, _, _ = stage_table(ctx, sub_s)
-    tables, table_of = stage_groups(ctx, sub_s)
+    tables, table_of = groups = stage_groups(ctx, sub_s)
+    split, st, _, _ = stage_table(ctx, sub_s, groups)
     acts = stg.layer_activations(ctx, sub_s)
     m0, m1 = (stg.stage_memory(ctx, sub_s, st, flight, acts, 0.0) for flight in (0.0, 1.0))
     per_loss = stg.loss_memory_per_micro_batch(ctx, sub_s, st)

@@ -26,6 +26,7 @@ from piper_plan.plans import PlanBatch
 from piper_plan.specs.estimate import Estimate
 from piper_plan.specs.parallel import ParallelPlan
 from piper_plan.specs.platform import SCOPES
+from piper_plan.specs.vocab import A2A_TIME_PREFIX
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def _summary(ctx, c: PlanBatch, breakdown, step, peak_mem, split) -> Evaluation:
         redone = recompute_flops_per_token(ctx.model, t.seq_len, ctx.lf, c.recompute, t.flash_attention,
                                            convention) * tokens_per_step
         util[convention] = (model_flops * rate, (model_flops + redone) * rate)
-    a2a = sum((v for k, v in breakdown.items() if k.startswith("moe/")), np.zeros(len(c)))
+    a2a = sum((v for k, v in breakdown.items() if k.startswith(A2A_TIME_PREFIX)), np.zeros(len(c)))
     return Evaluation(
         step_time_s=step,
         tokens_per_s=tokens_per_step / step,

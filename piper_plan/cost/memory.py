@@ -18,6 +18,7 @@ import numpy as np
 
 from piper_plan.cost.options import CostOptions
 from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, layer_params, moe_prefix, rank_stage_params
+from piper_plan.cost.pipeline import warmup_chunks
 from piper_plan.specs.vocab import Schedule
 from piper_plan.specs.model import ModelSpec
 from piper_plan.specs.parallel import ParallelPlan
@@ -256,8 +257,8 @@ def layer_input_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOption
 def in_flight(schedule, stage, pp, num_microbatches, virtual_stages):
     """Micro-batches whose activations stage ``stage`` holds at its peak, in units of the stage's layers.
 
-    GPipe: all M. 1F1B: min(pp - i, M) (Narayanan et al. 2021). Interleaved 1F1B (Megatron-LM):
-    (pp - i - 1) x 2 + (v - 1) x pp + 1 chunks in flight, each 1/v of the stage's layers, capped at M x v;
+    GPipe: all M. 1F1B: min(pp - i, M) (Narayanan et al. 2021). Interleaved 1F1B (Megatron-LM): the warm-up's
+    chunks in flight (cost/pipeline.py warmup_chunks), each 1/v of the stage's layers, capped at M x v;
     on stage 0 that is Korthikanti's L (1 + (p - 1)/(p v)) layers' worth."""
     m = num_microbatches
     out = np.minimum(pp - stage, m).astype(float)
@@ -265,7 +266,7 @@ def in_flight(schedule, stage, pp, num_microbatches, virtual_stages):
     if np.any(gpipe):
         out = np.where(gpipe, m, out)
     if np.any(interleaved):
-        chunks = np.minimum((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, m * virtual_stages)
+        chunks = np.minimum(warmup_chunks(pp, virtual_stages, stage), m * virtual_stages)
         out = np.where(interleaved, chunks / virtual_stages, out)
     return out
 

@@ -24,7 +24,7 @@ import numpy as np
 from piper_plan.cost.flops import mtp_forward_flops
 from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, moe_prefix
 from piper_plan.specs import even_split
-from piper_plan.specs.parallel import interleaved_chunk_split, rank_layers
+from piper_plan.specs.parallel import model_chunks, rank_layers
 from piper_plan.specs.params import attention_params, ffn_params, router_params, shared_expert_params
 from piper_plan.specs.vocab import Schedule
 
@@ -57,7 +57,7 @@ CHUNK_SLOT = 2
 def uneven_chunks(num_layers: int, pp: int, virtual_stages: int, explicit=None) -> list[int] | None:
     """The model chunks of an interleaved plan when they are unequal (explicit list, else Megatron-Core's rule),
     else None (equal chunks are priced by the even rule)."""
-    chunks = list(explicit) if explicit is not None else interleaved_chunk_split(num_layers, pp, virtual_stages)
+    chunks = model_chunks(num_layers, pp, virtual_stages, explicit)
     return chunks if chunks is not None and len(set(chunks)) > 1 else None
 
 

@@ -114,9 +114,7 @@ class ParallelPlan(Spec):
         None for other schedules, or where the rule has no split."""
         if self.schedule != Schedule.INTERLEAVED:
             return None
-        if self.virtual_stage_layers is not None:
-            return list(self.virtual_stage_layers)
-        return interleaved_chunk_split(num_layers, self.pp, self.virtual_stages)
+        return model_chunks(num_layers, self.pp, self.virtual_stages, self.virtual_stage_layers)
 
     def degrees(self) -> dict[str, int]:
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp,
@@ -153,6 +151,15 @@ def interleaved_chunk_split(num_layers: int, pp: int, virtual_stages: int) -> li
             chunks[-1] -= loss
             return chunks
     return None
+
+
+def model_chunks(num_layers: int, pp: int, virtual_stages: int, explicit=None) -> list[int] | None:
+    """Layers of each model chunk of an interleaved plan, in virtual-stage order: the ``explicit`` list
+    (``virtual_stage_layers``) where given, else Megatron-Core's rule (``interleaved_chunk_split``; None where it has
+    no split). The one place that choice is made, for a plan object, a batch row and the cost model alike."""
+    if explicit is not None:
+        return list(explicit)
+    return interleaved_chunk_split(num_layers, pp, virtual_stages)
 
 
 def rank_layers(chunks: list[int], pp: int) -> list[int]:

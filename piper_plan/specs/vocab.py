@@ -109,3 +109,10 @@ class Placement(Vocab):
 
     COMPACT = "compact"
     SPREAD = "spread"
+
+
+A2A_TIME_PREFIX = "moe/"
+"""Prefix of the time breakdown entries of the expert all-to-all: the dispatch and combine exchanges, the count
+exchange (``moe/layout``) and the waits at them (``moe/sync_wait``): what the runtime's a2a timer covers
+(runtime/dispatch.py). The all-to-all share of a step (cost/evaluate.py) and ``piper compare``'s a2a term both
+count these."""

@@ -31,6 +31,19 @@ def test_tensor_accounting_is_compared_without_framework_bytes():
     assert gpu["memory_bytes_per_stage"][0]["predicted"] == 1000
 
 
+def test_the_a2a_term_holds_what_the_runtime_a2a_timer_covers():
+    """The runtime's a2a timer runs around the exchanges, the count exchange and the waits at them: the predicted
+    a2a term and share count all four, as the estimate's a2a share does."""
+    breakdown = {"moe/dispatch/inter_node": 0.1, "moe/combine/inter_node": 0.1, "moe/layout": 0.02,
+                 "moe/sync_wait": 0.03, "compute/experts": 0.5, "dp/sync/dense": 0.25}
+    prediction = dict(PREDICTION, time={"breakdown": breakdown})
+    records = [dict(r, time_s={"a2a": 0.25, "dp_sync": 0.25}) for r in _records("torch.cuda.max_memory_allocated")]
+    result = compare(prediction, records)
+    assert abs(result["time_s"]["a2a"]["predicted"] - 0.25) < 1e-12 and result["time_s"]["a2a"]["rel_error"] == 0
+    assert abs(result["a2a_share"]["predicted"] - 0.25) < 1e-12
+    assert result["time_s"]["dp_sync"]["predicted"] == 0.25
+
+
 def test_cpu_platforms_train_in_fp32():
     t = TrainingSpec.for_device("cpu", seq_len=64)
     assert (t.dtype, t.weight_bytes, t.grad_bytes, t.master_bytes, t.optimizer_bytes) == ("fp32", 4, 4, 0, 8)
