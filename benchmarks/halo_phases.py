@@ -16,6 +16,12 @@ sample (so each figure is one operation from a common start, not a pipelined str
 
 Prints and writes the slowest rank's median (``--statistic min``: fastest call) of each, in seconds, per size, and the tbf counters of every
 uplink over the whole run (bytes sent, packets dropped).
+
+``--uplink-use``: instead, how busy each node keeps its uplinks during a flat and a HALO exchange. One rank per
+node samples its node's uplink byte counters (``/sys/class/net/up*/statistics/tx_bytes``, every 5 ms) through
+``--repeats`` calls of each, a barrier before every call; per call, over the slowest rank's time: the busiest
+uplink's bytes against what its rate allows in that time (utilization; the model takes it as 1), and the share of
+the call during which it ran below half its rate. Prints the fastest call's figures and the median over calls.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from piper_plan.calibration.timing import STATISTICS  # noqa: E402
 SIZES = (4096, 1024 * 1024, 16 * 1024 * 1024)
 REPEATS = 5
 COPIES_ONLY = "--copies" in sys.argv
+UPLINK_USE = "--uplink-use" in sys.argv
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -160,7 +167,91 @@ def tbf_counters() -> dict[str, list[int]]:
     return counters
 
 
-def rank_main(out: str, sizes: list[int], repeats: int, statistic: str) -> int:
+SAMPLE_S = 0.005
+"""Uplink counter sampling period of --uplink-use."""
+
+
+def sample_uplinks(stop, rows: list) -> None:
+    """Thread body: (time, tx bytes of each up* interface of this node namespace) every SAMPLE_S until ``stop``."""
+    import os
+
+    devices = sorted(d for d in os.listdir("/sys/class/net") if d.startswith("up"))
+    files = [open(f"/sys/class/net/{d}/statistics/tx_bytes") for d in devices]
+    try:
+        while not stop.is_set():
+            row = [time.perf_counter()]
+            for f in files:
+                f.seek(0)
+                row.append(int(f.read()))
+            rows.append(row)
+            time.sleep(SAMPLE_S)
+    finally:
+        for f in files:
+            f.close()
+
+
+def call_link_use(rows, start: float, seconds: float, rate_Bps: float) -> dict[str, float]:
+    """One call's use of this node's busiest uplink from the sampled counters ``rows`` (time, bytes per uplink):
+    its bytes / (rate x the call's seconds), its share of the node's inter-node bytes, and the share of the call
+    during which it ran below half its rate."""
+    import numpy as np
+
+    table = np.asarray(rows, float)
+    t, count = table[:, 0], table[:, 1:]
+    inside = (t >= start) & (t <= start + seconds)
+    if inside.sum() < 2:
+        return {}
+    at = np.flatnonzero(inside)
+    sent = count[at[-1]] - count[at[0]]
+    busiest = int(np.argmax(sent))
+    steps_s = np.diff(t[at])
+    rates = np.diff(count[at, busiest]) / steps_s
+    return {"utilization": float(sent[busiest] / (rate_Bps * (t[at[-1]] - t[at[0]]))),
+            "busiest_share": float(sent[busiest] / max(sent.sum(), 1.0)),
+            "below_half": float(steps_s[rates < 0.5 * rate_Bps].sum() / steps_s.sum())}
+
+
+def uplink_use(halo, nbytes: int, repeats: int, rate_GBps: float, leader: bool) -> dict[str, list]:
+    """Per algorithm: the slowest rank's seconds of each call, and (on a node's first rank) the node's busiest
+    uplink's use in each call (call_link_use)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from piper_plan.calibration.bench_a2a import message_shape
+
+    world = dist.get_world_size()
+    rows, width = message_shape(nbytes, world)
+    splits = [rows] * world
+    x = torch.randn(rows * world, width)
+    out = torch.empty_like(x)
+    layout = halo.layout(torch.tensor(splits))
+    ops = {"flat": lambda: dist.all_to_all_single(out, x, splits, splits, group=halo.group),
+           "halo": lambda: halo.exchange(x, layout.dispatch_plan)}
+    samples, stop = [], threading.Event()
+    sampler = threading.Thread(target=sample_uplinks, args=(stop, samples), daemon=True) if leader else None
+    if sampler is not None:
+        sampler.start()
+    calls: dict[str, list] = {}
+    for name, op in ops.items():
+        op()  # warm-up
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            calls.setdefault(name, []).append((start, float(seconds)))
+    if sampler is not None:
+        stop.set()
+        sampler.join()
+    rate_Bps = rate_GBps * 1e9
+    return {name: [{"seconds": s, **(call_link_use(samples, t0, s, rate_Bps) if leader else {})} for t0, s in got]
+            for name, got in calls.items()}
+
+
+def rank_main(out: str, sizes: list[int], repeats: int, statistic: str, rate_GBps: float = 0.0) -> int:
     from datetime import timedelta
 
     import torch
@@ -178,10 +269,15 @@ def rank_main(out: str, sizes: list[int], repeats: int, statistic: str) -> int:
         topology = topology_from_env(world, read_launch_env().ranks_per_node, None)  # as bench_a2a builds it
         halo = build_halo_dispatchers([list(range(world))], topology)
         table = {}
+        leader = dist.get_rank() % read_launch_env().ranks_per_node == 0
         for nbytes in sizes:
+            gathered: list = [None] * world
+            if UPLINK_USE:
+                dist.all_gather_object(gathered, uplink_use(halo, nbytes, repeats, rate_GBps, leader))
+                table[nbytes] = [g for r, g in enumerate(gathered) if r % read_launch_env().ranks_per_node == 0]
+                continue
             probe = copy_seconds if COPIES_ONLY else probe_size
             mine = probe(halo, nbytes, repeats, statistic)
-            gathered: list = [None] * world
             dist.all_gather_object(gathered, mine)
             table[nbytes] = {k: max(g[k] for g in gathered) for k in mine}
         if dist.get_rank() == 0:
@@ -189,6 +285,39 @@ def rank_main(out: str, sizes: list[int], repeats: int, statistic: str) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+USE_KEYS = ("seconds", "utilization", "busiest_share", "below_half")
+
+
+def use_figures(nodes: list[dict], algo: str) -> tuple[dict, dict, int] | None:
+    """(the fastest call's figures, the median over calls, calls) of one algorithm in an --uplink-use result for
+    one size (``nodes``: each node's calls); a call's figures are the means over nodes (USE_KEYS). None: no call
+    was sampled on every node."""
+    import statistics
+
+    calls = [c for c in zip(*(node[algo] for node in nodes)) if all("utilization" in n for n in c)]
+    if not calls:
+        return None
+    rows = [{k: statistics.mean(n[k] for n in call) for k in USE_KEYS} for call in calls]
+    fastest = min(rows, key=lambda r: r["seconds"])
+    return fastest, {k: statistics.median(r[k] for r in rows) for k in USE_KEYS}, len(rows)
+
+
+def uplink_use_lines(args, nbytes: int, nodes: list[dict]) -> list[str]:
+    """Per algorithm: the fastest call and the median over calls of the nodes' busiest-uplink figures."""
+    lines = []
+    for algo in nodes[0]:
+        found = use_figures(nodes, algo)
+        if found is None:
+            continue
+        fast, med, calls = found
+        lines.append(f"{args.rate:g} GB/s {args.nodes}x{args.ranks_per_node} {nbytes:>9} B {algo}: fastest call "
+                     f"{fast['seconds'] * 1e3:.1f} ms, busiest uplink {fast['utilization']:.2f} of its rate over the "
+                     f"call (share of the node's bytes {fast['busiest_share']:.2f}), below half rate "
+                     f"{fast['below_half']:.0%} of it; median of {calls} calls {med['seconds'] * 1e3:.1f} ms, "
+                     f"{med['utilization']:.2f}, {med['below_half']:.0%} (mean over nodes)")
+    return lines
 
 
 def main() -> int:
@@ -201,19 +330,26 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--statistic", choices=sorted(STATISTICS), default="median", help="per rank: median or fastest call")
     ap.add_argument("--copies", action="store_true", help="time HALO's row copies only (no network: local ranks)")
+    ap.add_argument("--uplink-use", action="store_true", help="how busy the nodes keep their uplinks (see above)")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.rank:
-        return rank_main(args.out, sizes, args.repeats, args.statistic)
+        return rank_main(args.out, sizes, args.repeats, args.statistic, args.rate)
     from piper_plan.calibration.netemu import NetworkSpec, run_on_network
 
     command = [sys.executable, str(Path(__file__).resolve()), "--rank", "--rate", str(args.rate), "--sizes",
                args.sizes, "--repeats", str(args.repeats), "--statistic", args.statistic, "--out", args.out]
     command += ["--copies"] if args.copies else []
+    command += ["--uplink-use"] if args.uplink_use else []
     run_on_network(NetworkSpec(args.rate, 2), args.nodes, args.ranks_per_node, command, 600)
     table = json.loads(Path(args.out).read_text())
     print(f"tbf [bytes sent, dropped] over the whole run: {table.pop('tbf')}")
+    if args.uplink_use:
+        for nbytes, nodes in table.items():
+            for line in uplink_use_lines(args, int(nbytes), nodes):
+                print(line)
+        return 0
     for nbytes, row in table.items():
         print(f"{args.rate:g} GB/s {args.nodes}x{args.ranks_per_node} {int(nbytes):>9} B: "
               + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in row.items() if k != "bytes") + "  (ms)")
