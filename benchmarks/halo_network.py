@@ -8,7 +8,7 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    all_reduce, all_to_all); the all_to_all rows that span nodes are dropped, so no prediction reads back an
    all-to-all measured across nodes; flat's NIC use (the share of a node's inter-node bytes on its busiest uplink)
    comes from the tc counters of a flat all-to-all at another rate (SHARE_RATE_GBps, not a test rate); how busy
-   flat and HALO keep each node's busiest uplink (its bytes against what its rate allows in the exchange's time) is
+   flat and HALO keep each node's busiest uplink (its bytes against what its rate allows, sampled in the exchange) is
    measured at that rate on every shape (benchmarks/halo_phases.py --uplink-use) and reported, not priced;
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
 4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, the
@@ -57,7 +57,7 @@ REPEATS = 10  # timed calls per point, after one warm-up
 STATISTIC = "min"  # per rank the fastest call: the uncontended time on this shared host (calibration.timing)
 OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat at SHARE_RATE_GBps: host step, wire time
 HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
-USE_BYTES = 16 * 2**20  # flat's uplink use is measured at SHARE_RATE_GBps with this much per rank (wire-bound)
+USE_BYTES = 16 * 2**20  # flat's and HALO's uplink use is measured at SHARE_RATE_GBps with this much per rank
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
@@ -99,10 +99,11 @@ def nic_shares(tmp: Path) -> dict:
     return shares
 
 
-def uplink_use(out: Path, measure: bool = True) -> dict[str, dict]:
-    """Per shape ("2x4"): flat's and HALO's fastest call of USE_BYTES at SHARE_RATE_GBps and how busy it kept each
-    node's busiest uplink (benchmarks/halo_phases.py --uplink-use, REPEATS calls; kept in OUT). {} for a shape not
-    measured (``measure=False``, or an OUT from before this was taken)."""
+def measured_uplink_use(out: Path, measure: bool = True) -> dict[str, dict]:
+    """Per shape ("2x4") and algorithm: the fastest call of USE_BYTES at SHARE_RATE_GBps and how busy it kept each
+    node's busiest uplink (benchmarks/halo_phases.py --uplink-use, REPEATS calls; kept in OUT), None where no call
+    was sampled on every node. A shape is left out where OUT has no such file (``measure=False``, or an OUT from
+    before this was taken) or the file holds no USE_BYTES row."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from halo_phases import use_figures
 
@@ -113,10 +114,11 @@ def uplink_use(out: Path, measure: bool = True) -> dict[str, dict]:
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / "halo_phases.py"), "--uplink-use", "--rate",
                             f"{SHARE_RATE_GBps:g}", "--nodes", str(nodes), "--ranks-per-node", str(g), "--sizes",
                             str(USE_BYTES), "--repeats", str(REPEATS), "--out", str(path)], check=True, cwd=ROOT,
-                           timeout=900, capture_output=True)
-        if path.is_file():
-            per_size = json.loads(path.read_text())[str(USE_BYTES)]
-            found[f"{nodes}x{g}"] = {algo: use_figures(per_size, algo)[0] for algo in ("flat", "halo")}
+                           timeout=900)
+        per_size = json.loads(path.read_text()).get(str(USE_BYTES)) if path.is_file() else None
+        if per_size:
+            figures = {algo: use_figures(per_size, algo) for algo in ("flat", "halo")}
+            found[f"{nodes}x{g}"] = {algo: f[0] if f else None for algo, f in figures.items()}
     return found
 
 
@@ -518,23 +520,25 @@ def repeatability(rows: list[dict], again: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def uplink_use_lines(uses: dict) -> list[str]:
-    """The report's table of how busy flat and HALO keep each node's busiest uplink (uplink_use)."""
+def uplink_use_table(uses: dict) -> list[str]:
+    """The report's table of how busy flat and HALO keep each node's busiest uplink (measured_uplink_use)."""
     if not uses:
         return []
-    lines = ["", f"## Uplink use (flat and HALO at {SHARE_RATE_GBps:g} GB/s, {USE_BYTES // 2**20} MiB per rank, a rate no "
-             "predicted point uses)", "", "One rank per node sampled its uplinks' byte counters every 5 ms through "
-             f"{REPEATS} calls of each (benchmarks/halo_phases.py --uplink-use). Utilization: the busiest uplink's "
-             "bytes in a call against what its rate allows in the call's time (slowest rank), mean over nodes, of the "
-             "fastest call. The model takes both as 1 (flat: the switch bandwidth of the platform is the uplink rate / "
+    lines = ["", f"## Uplink use (flat and HALO at {SHARE_RATE_GBps:g} GB/s, {USE_BYTES // 2**20} MiB per rank, "
+             "a rate no predicted point uses)", "", "One rank per node sampled its uplinks' byte counters every 5 ms "
+             f"through {REPEATS} calls of each (benchmarks/halo_phases.py --uplink-use). Utilization: the busiest "
+             "uplink's bytes between the first and the last sample inside a call (the slowest rank's time) against "
+             "what its rate allows in that span, mean over nodes, of the fastest call. The model takes both as 1 "
+             "(flat: the switch bandwidth of the platform is the uplink rate / "
              "(ranks per node x busiest share); HALO's phase II per NIC, cost/comm.py): this is reported, not priced "
              "(benchmarks/halo_network_analysis.md says why).", "",
              "| shape | flat: fastest call ms | busiest uplink utilization | below half rate | HALO: fastest call ms | "
              "utilization | below half rate |", "|---|---|---|---|---|---|---|"]
-    for shape, u in uses.items():
-        f, h = u["flat"], u["halo"]
-        lines.append(f"| {shape.replace('x', ' x ')} | {f['seconds'] * 1e3:.1f} | {f['utilization']:.2f} | "
-                     f"{f['below_half']:.0%} | {h['seconds'] * 1e3:.1f} | {h['utilization']:.2f} | {h['below_half']:.0%} |")
+    def cells(figures: dict | None) -> str:
+        if figures is None:
+            return "- | - | -"
+        return f"{figures['seconds'] * 1e3:.1f} | {figures['utilization']:.2f} | {figures['below_half']:.0%}"
+    lines += [f"| {shape.replace('x', ' x ')} | {cells(u['flat'])} | {cells(u['halo'])} |" for shape, u in uses.items()]
     return lines
 
 
@@ -604,7 +608,7 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
               f"{SHARE_RATE_GBps:g} GB/s)", "", "| algorithm | ranks per node | busiest uplink's share of a node's inter-node bytes |",
               "|---|---|---|"]
     lines += [f"| {k.split()[0]} | {k.split()[1]} | {v:.3f} (even: {1 / UPLINKS:.2f}) |" for k, v in shares.items()]
-    lines += uplink_use_lines(uses or {})
+    lines += uplink_use_table(uses or {})
     lines += ["", "## Calibration used by the model (per rate; 2 nodes x 4 ranks, all-to-all across nodes dropped)", "",
               "| GB/s per uplink | node all_to_all busbw GB/s | node latency us | switch latency us | best inter-node p2p (sendrecv) GB/s | half duplex |",
               "|---|---|---|---|---|---|"]
@@ -694,7 +698,7 @@ def main() -> int:
         saved = json.loads((out / "results.json").read_text())
         rows, checks, shares = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"]
         tiny = tiny_seconds(out)
-        uses = uplink_use(out, measure=True)
+        uses = measured_uplink_use(out, measure=False)   # --reuse re-renders: it measures nothing
         copies_inside_saved(out, checks, shares)
         rows = repredict(out, rows, checks, shares, copies, tiny)
         again_loop = args.rerun_closed_loop
@@ -707,7 +711,7 @@ def main() -> int:
         print(f"busiest-uplink shares: {shares}", flush=True)
         tiny = tiny_seconds(out, measure=True)
         print(f"tiny exchanges at {SHARE_RATE_GBps:g} GB/s: {tiny}", flush=True)
-        uses = uplink_use(out, measure=True)
+        uses = measured_uplink_use(out)
         print(f"uplink use at {SHARE_RATE_GBps:g} GB/s: {uses}", flush=True)
         rows, checks = sweep(out, shares, copies, tiny)
         loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps)

@@ -19,9 +19,10 @@ uplink over the whole run (bytes sent, packets dropped).
 
 ``--uplink-use``: instead, how busy each node keeps its uplinks during a flat and a HALO exchange. One rank per
 node samples its node's uplink byte counters (``/sys/class/net/up*/statistics/tx_bytes``, every 5 ms) through
-``--repeats`` calls of each, a barrier before every call; per call, over the slowest rank's time: the busiest
-uplink's bytes against what its rate allows in that time (utilization; the model takes it as 1), and the share of
-the call during which it ran below half its rate. Prints the fastest call's figures and the median over calls.
+``--repeats`` calls of each, a barrier before every call; per call, between the first and the last sample inside
+the slowest rank's time (up to one sampling period short at each end): the busiest uplink's bytes against what its
+rate allows in that span (utilization; the model takes it as 1), and the share of the span during which it ran
+below half its rate. Prints the fastest call's figures and the median over calls. Not with ``--copies``.
 """
 
 from __future__ import annotations
@@ -191,9 +192,10 @@ def sample_uplinks(stop, rows: list) -> None:
 
 
 def call_link_use(rows, start: float, seconds: float, rate_Bps: float) -> dict[str, float]:
-    """One call's use of this node's busiest uplink from the sampled counters ``rows`` (time, bytes per uplink):
-    its bytes / (rate x the call's seconds), its share of the node's inter-node bytes, and the share of the call
-    during which it ran below half its rate."""
+    """One call's use of this node's busiest uplink from the sampled counters ``rows`` (time, bytes per uplink),
+    between the first and the last sample inside [start, start + seconds]: its bytes / (rate x that span), its share
+    of the node's inter-node bytes, and the share of the span during which it ran below half its rate. {} with
+    fewer than two samples inside."""
     import numpy as np
 
     table = np.asarray(rows, float)
@@ -266,15 +268,16 @@ def rank_main(out: str, sizes: list[int], repeats: int, statistic: str, rate_GBp
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
         world = dist.get_world_size()
-        topology = topology_from_env(world, read_launch_env().ranks_per_node, None)  # as bench_a2a builds it
+        per_node = read_launch_env().ranks_per_node          # scripts/netemu.sh: rank r on node r // per_node
+        topology = topology_from_env(world, per_node, None)  # as bench_a2a builds it
         halo = build_halo_dispatchers([list(range(world))], topology)
         table = {}
-        leader = dist.get_rank() % read_launch_env().ranks_per_node == 0
         for nbytes in sizes:
             gathered: list = [None] * world
             if UPLINK_USE:
-                dist.all_gather_object(gathered, uplink_use(halo, nbytes, repeats, rate_GBps, leader))
-                table[nbytes] = [g for r, g in enumerate(gathered) if r % read_launch_env().ranks_per_node == 0]
+                mine = uplink_use(halo, nbytes, repeats, rate_GBps, leader=dist.get_rank() % per_node == 0)
+                dist.all_gather_object(gathered, mine)
+                table[nbytes] = gathered[::per_node]                 # each node's first rank sampled its uplinks
                 continue
             probe = copy_seconds if COPIES_ONLY else probe_size
             mine = probe(halo, nbytes, repeats, statistic)
@@ -333,6 +336,8 @@ def main() -> int:
     ap.add_argument("--uplink-use", action="store_true", help="how busy the nodes keep their uplinks (see above)")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.copies and args.uplink_use:
+        ap.error("--copies and --uplink-use measure different things: give one")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.rank:
         return rank_main(args.out, sizes, args.repeats, args.statistic, args.rate)

@@ -60,9 +60,11 @@ TIME_TERMS: dict[str, tuple[str, ...]] = {"a2a": A2A_KEY_PARTS, "p2p": ("p2p",),
 
 
 def predicted_term_s(prediction: dict, parts: tuple[str, ...]) -> float | None:
-    """Seconds per step of the prediction breakdown entries whose name contains one of ``parts``."""
+    """Seconds per step of the prediction breakdown entries named by one of ``parts``: a part ending in "/" is a
+    name prefix (``specs.vocab.A2A_TIME_PREFIX``, as the estimate counts it), any other part a substring."""
     breakdown = (prediction.get("time") or {}).get("breakdown") or {}
-    matched = [s for name, s in breakdown.items() if any(p in name for p in parts)]
+    named = lambda name, p: name.startswith(p) if p.endswith("/") else p in name   # noqa: E731
+    matched = [s for name, s in breakdown.items() if any(named(name, p) for p in parts)]
     return sum(matched) if matched else None
 
 

@@ -114,6 +114,11 @@ class PlanBatch:
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "PlanBatch":
         return cls(**{name: arrays[name] for name in array_fields()})
 
+    def chunks_of(self, i: int) -> list[int] | None:
+        """Plan i's explicit ``virtual_stage_layers`` list, None where it states none."""
+        chunks = None if self.explicit_chunks is None else self.explicit_chunks[i]
+        return None if chunks is None else list(chunks)
+
     def plan(self, i: int, layers_per_stage=None) -> ParallelPlan:
         """Plan i as a ParallelPlan (with ``layers_per_stage`` its split is explicit)."""
         values = {name: int(getattr(self, name)[i]) for name in array_fields()}
@@ -121,8 +126,7 @@ class PlanBatch:
             values[name] = vocab.of_code(values[name])
         if layers_per_stage is None and self.explicit_layers is not None:
             layers_per_stage = list(self.explicit_layers[i])
-        chunks = None if self.explicit_chunks is None or self.explicit_chunks[i] is None \
-            else list(self.explicit_chunks[i])
+        chunks = self.chunks_of(i)
         if chunks is not None and len(chunks) == values["pp"] * values["virtual_stages"]:
             layers_per_stage = rank_layers(chunks, values["pp"])     # the ranks' layers are the chunks' sums
         if layers_per_stage is not None:
@@ -212,8 +216,7 @@ def _explicit_split_broken(s: Setting, c) -> np.ndarray:
 def plan_chunks(num_layers: int, c, i: int) -> list[int] | None:
     """Plan i's model chunks (interleaved): its explicit ``virtual_stage_layers``, else the Megatron-Core rule
     (specs.parallel.model_chunks; None where that has no split)."""
-    explicit = c.explicit_chunks[i] if c.explicit_chunks is not None else None
-    return model_chunks(num_layers, int(c.pp[i]), int(c.virtual_stages[i]), explicit)
+    return model_chunks(num_layers, int(c.pp[i]), int(c.virtual_stages[i]), c.chunks_of(i))
 
 
 def _interleaved_ranks(s: Setting, c, i: int) -> list[int]:

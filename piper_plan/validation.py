@@ -211,11 +211,12 @@ class DatasetResult:
         not, with their peak memory)."""
         if not self.spec.require_fit:
             return ""
-        misfits = [r for r in self.rows if r.detail.get("fits") is False]
-        if not misfits:
+        fitting = sum(r.detail.get("fits") is True for r in self.rows)
+        if fitting == len(self.rows):
             return f"; all {len(self.rows)} rows predicted to fit"
-        named = ", ".join(f"{r.id} ({r.detail.get('peak_memory_GiB', 0):.1f} GiB)" for r in misfits)
-        return f"; predicted not to fit: {named}"
+        named = [f"{r.id} ({r.detail['peak_memory_GiB']:.1f} GiB)" for r in self.rows if r.detail.get("fits") is False]
+        named += [f"{r.id} (not priced)" for r in self.rows if "fits" not in r.detail]
+        return f"; {fitting} of {len(self.rows)} rows predicted to fit, not: {', '.join(named)}"
 
     @property
     def gate_mean_abs_pct_error(self) -> tuple[float | None, str]:

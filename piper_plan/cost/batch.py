@@ -165,8 +165,7 @@ def _one_plan_chunks(ctx, sub) -> list[int] | None:
     """The unequal model chunks of a batch of one interleaved plan (explicit or by rule), else None."""
     if len(sub) != 1 or int(sub.virtual_stages[0]) == 1:
         return None
-    explicit = sub.explicit_chunks[0] if sub.explicit_chunks is not None else None
-    return uneven_chunks(ctx.model.num_layers, int(sub.pp[0]), int(sub.virtual_stages[0]), explicit)
+    return uneven_chunks(ctx.model.num_layers, int(sub.pp[0]), int(sub.virtual_stages[0]), sub.chunks_of(0))
 
 
 def per_split_max(values, split) -> np.ndarray:

@@ -1,9 +1,11 @@
 """benchmarks/halo_phases.py --uplink-use: how busy a node keeps its busiest uplink in one exchange, from sampled
-byte counters (the figure benchmarks/halo_network.py prices flat's wire time at). Pure arithmetic: no network."""
+byte counters (benchmarks/halo_network.py reports it beside the model), and the report's reading of incomplete
+measurement files. Pure arithmetic: no network."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,20 @@ def test_the_fastest_call_is_reported_with_the_mean_over_nodes(phases):
     assert median["utilization"] == pytest.approx(0.775)
     nodes[1]["flat"][0] = {"seconds": 0.5}                                  # a node sampled nothing in call 1
     assert phases.use_figures(nodes, "flat")[2] == 1
+
+
+def test_the_report_reads_incomplete_measurement_files(tmp_path):
+    spec = importlib.util.spec_from_file_location("halo_network", ROOT / "benchmarks" / "halo_network.py")
+    network = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(network)
+    call = {"seconds": 0.2, "utilization": 0.9, "busiest_share": 0.75, "below_half": 0.05}
+    rate = f"{network.SHARE_RATE_GBps:g}"
+    unsampled = [{"flat": [call], "halo": [{"seconds": 0.3}]}, {"flat": [call], "halo": []}]  # HALO unsampled
+    files = {"2x2": {str(network.USE_BYTES): unsampled},
+             "2x4": {"4096": [{"flat": [call], "halo": [call]}]}}          # another size only: left out
+    for shape, text in files.items():
+        (tmp_path / f"uplink-use-{rate}-{shape}.json").write_text(json.dumps(text))
+    uses = network.measured_uplink_use(tmp_path, measure=False)
+    assert list(uses) == ["2x2"] and uses["2x2"]["halo"] is None and uses["2x2"]["flat"]["utilization"] == 0.9
+    table = network.uplink_use_table(uses)
+    assert table[-1] == "| 2 x 2 | 200.0 | 0.90 | 5% | - | - | - |"
