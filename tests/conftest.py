@@ -1,4 +1,14 @@
-"""Suite-wide setting: bytecode caching stays on even where the environment sets PYTHONDONTWRITEBYTECODE.
+"""Suite-wide settings.
+
+MKL's strict conditional numerical reproducibility (MKL_CBWR=AUTO,STRICT, set before torch loads MKL, and
+inherited by every rank process): on AVX-512 machines MKL picks GEMM kernels by the buffers' memory alignment, so
+the same product of tensors held at other addresses can differ in the last bit. The runtime's bit-for-bit tests
+compare runs whose tensors live in other buffers (live migration moves expert weights and optimizer state). Seen
+on an AMD EPYC (AVX-512) host: tests/runtime/test_fsdp_runtime.py::test_migrating_zero3_run_equals_static_run_
+bit_for_bit failed (step-2 loss 1.3850560188 against 1.3850558996) at commits 5e64f2a and 4d6298a alike, and
+passed with MKL_CBWR=AUTO,STRICT; with MKL_CBWR=COMPATIBLE (not strict) it still failed.
+
+Bytecode caching stays on even where the environment sets PYTHONDONTWRITEBYTECODE.
 
 The suite starts hundreds of `piper` and rank processes; without cached bytecode each recompiles every module it
 imports, and pytest re-rewrites every test module's asserts on every run. Measured on the fast tier
@@ -8,5 +18,6 @@ CPU time 0.94x of the same suite without this file (median; range 0.84-0.96) on 
 import os
 import sys
 
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
