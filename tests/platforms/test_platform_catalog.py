@@ -84,8 +84,10 @@ def test_gb200_nvl72_maps_its_72_gpu_nvlink_domain_to_the_switch_scope():
     assert spec.devices_per_node == 4
     assert spec.network.nodes_per_switch * spec.devices_per_node == 72
     scopes = spec.network.scopes
-    assert scopes["switch"].bandwidth_GBps == scopes["node"].bandwidth_GBps
-    assert scopes["group"].bandwidth_GBps < scopes["switch"].bandwidth_GBps
+    # one NVLink path for every pair of the rack; the all-to-all rate measured over more peers (36 ranks) is lower
+    # than over 8 (HybridEP on GB200), and both are NVLink rates, ten times the InfiniBand group scope's
+    assert scopes["switch"].bandwidth_GBps <= scopes["node"].bandwidth_GBps
+    assert scopes["switch"].bandwidth_GBps > 10 * scopes["group"].bandwidth_GBps
 
 
 def test_piper_platforms_lists_every_catalog_file():
