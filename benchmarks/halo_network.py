@@ -53,6 +53,7 @@ SHARE_RATE_GBps = 0.1
 SHAPES = ((2, 2), (2, 4), (4, 2))
 SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB per rank
 BIG = 256 * 1024  # the sizes that matter for the 15% target
+RATIO_NO_COMMON_15 = 1.15 / 0.85  # two times further apart than this have no value within 15% of both
 REPEATS = 10  # timed calls per point, after one warm-up
 STATISTIC = "min"  # per rank the fastest call: the uncontended time on this shared host (calibration.timing)
 OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat at SHARE_RATE_GBps: host step, wire time
@@ -513,11 +514,33 @@ def repeatability(rows: list[dict], again: list[dict]) -> list[str]:
                      f"{s['within15']['halo']}/{s['big_points']} |")
     lines += ["", f"Sign of HALO's speedup right: first sweep {first['sign_right']}/{first['points']}, second "
               f"{second['sign_right']}/{second['points']}; wins predicted and measured: {len(first['wins'])} / "
-              f"{len(second['wins'])}.", "", "| GB/s | shape | bytes/rank | flat ms first / second | HALO ms first / second |",
-              "|---|---|---|---|---|"]
+              f"{len(second['wins'])}.", ""] + repeatability_bound(rows, again) + [
+              "", "| GB/s | shape | bytes/rank | flat ms first / second | HALO ms first / second |", "|---|---|---|---|---|"]
     lines += [f"| {a['rate_GBps']:g} | {a['nodes']} x {a['ranks_per_node']} | {a['bytes']:,} | {a['flat_s'] * 1e3:.1f} / "
               f"{b['flat_s'] * 1e3:.1f} | {a['halo_s'] * 1e3:.1f} / {b['halo_s'] * 1e3:.1f} |" for a, b in pairs]
     return lines + [""]
+
+
+def point_name(r: dict) -> str:
+    return f"{r['rate_GBps']:g} GB/s {r['nodes']}x{r['ranks_per_node']} {r['bytes'] // 1024} KiB"
+
+
+def repeatability_bound(rows: list[dict], again: list[dict]) -> list[str]:
+    """What no model can reach in both sweeps: a point whose two times are more than 1.15 / 0.85 apart has no value
+    within 15% of both (the intervals [0.85 t, 1.15 t] do not meet), and a point whose measured speedup changes
+    sign between the sweeps is predicted right in one of them at most."""
+    apart = RATIO_NO_COMMON_15
+    far = {algo: [point_name(a) for a, b in zip(rows, again) if a["bytes"] >= BIG
+                  and max(a[f"{algo}_s"], b[f"{algo}_s"]) > apart * min(a[f"{algo}_s"], b[f"{algo}_s"])]
+           for algo in ("flat", "halo")}
+    flips = [point_name(a) for a, b in zip(rows, again) if (a["flat_s"] > a["halo_s"]) != (b["flat_s"] > b["halo_s"])]
+    big = sum(r["bytes"] >= BIG for r in rows)
+    return [f"What no model can reach in both sweeps: at {len(far['flat'])} flat and {len(far['halo'])} HALO points "
+            f"(>= 256 KiB) the two times are more than {apart:.3f}x apart, so no value is within 15% of both "
+            f"(flat: {', '.join(far['flat']) or 'none'}; HALO: {', '.join(far['halo']) or 'none'}): at most "
+            f"{big - len(far['flat'])}/{big} flat and {big - len(far['halo'])}/{big} HALO points within 15% of both. "
+            f"The measured sign of HALO's speedup differs between the sweeps at {len(flips)} of {len(rows)} points "
+            f"({', '.join(flips) or 'none'}): the sign is right in both at {len(rows) - len(flips)} at most."]
 
 
 def uplink_use_table(uses: dict) -> list[str]:

@@ -23,6 +23,15 @@ node samples its node's uplink byte counters (``/sys/class/net/up*/statistics/tx
 the slowest rank's time (up to one sampling period short at each end): the busiest uplink's bytes against what its
 rate allows in that span (utilization; the model takes it as 1), and the share of the span during which it ran
 below half its rate. Prints the fastest call's figures and the median over calls. Not with ``--copies``.
+
+``--flows``: instead, why a flat exchange leaves its busiest uplink idle. One rank per node reads the kernel's
+per-connection TCP counters (``ss -tin``: bytes sent; ``busy`` = time with data unacknowledged, ``rwnd_limited``
+= held back by the receiver's window, ``sndbuf_limited`` = by the send buffer) before and after each of
+``--repeats`` flat calls; per call, the connections that crossed the node's busiest uplink: how long each was busy
+against the call, and how much of it the receiver or the send buffer held it back. Connections of one link that
+carry the same bytes yet stay busy for very different spans, held back by neither, were given the link unevenly
+(by TCP's congestion control, or by senders that started late: these counters do not tell which); where even the
+longest is shorter than the call, the link sat idle for part of it.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ SIZES = (4096, 1024 * 1024, 16 * 1024 * 1024)
 REPEATS = 5
 COPIES_ONLY = "--copies" in sys.argv
 UPLINK_USE = "--uplink-use" in sys.argv
+FLOWS = "--flows" in sys.argv
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -253,6 +263,110 @@ def uplink_use(halo, nbytes: int, repeats: int, rate_GBps: float, leader: bool) 
             for name, got in calls.items()}
 
 
+TCP_FIELDS = {"busy_ms": r"busy:(\d+)ms", "rwnd_ms": r"rwnd_limited:(\d+)ms", "sndbuf_ms": r"sndbuf_limited:(\d+)ms",
+              "sent": r"bytes_sent:(\d+)"}
+"""Cumulative per-connection counters read from ``ss -tin`` (0 where a counter is absent)."""
+
+
+def parse_tcp_flows(text: str) -> dict[str, dict[str, int]]:
+    """``ss -tin`` output -> {"local>peer": counters} for the established IPv4 connections between two emulated
+    nodes (10.231.*; a node's own ranks talk over one address and are left out)."""
+    import re
+
+    flows, lines = {}, text.splitlines()
+    for head, info in zip(lines, lines[1:] + [""]):
+        fields = head.split()
+        if len(fields) < 5 or fields[0] != "ESTAB" or not fields[3].startswith("10.231."):
+            continue
+        local, peer = fields[3], fields[4]
+        if local.rsplit(":", 1)[0] == peer.rsplit(":", 1)[0]:
+            continue
+        flows[f"{local}>{peer}"] = {k: int(m.group(1)) if (m := re.search(rx, info)) else 0
+                                    for k, rx in TCP_FIELDS.items()}
+    return flows
+
+
+def tcp_flows() -> dict[str, dict[str, int]]:
+    import subprocess
+
+    return parse_tcp_flows(subprocess.run(["ss", "-tin"], capture_output=True, text=True).stdout)
+
+
+def call_flows(before: dict, after: dict, seconds: float) -> dict:
+    """One call's connections on the node's busiest uplink (the uplink is the peer address's third field,
+    10.231.<uplink>.<node + 1>: routes go by destination) that carried the exchange (at least half the bytes of the
+    link's largest: other process groups' barriers and reductions share the uplink with a few bytes): per
+    connection MB sent and ms busy, and their totals of ms held back by the receiver's window and by the send
+    buffer."""
+    moved = {}
+    for key, now in after.items():
+        was = before.get(key, dict.fromkeys(TCP_FIELDS, 0))
+        delta = {k: now[k] - was[k] for k in TCP_FIELDS}
+        if delta["sent"] > 0:
+            moved[key] = {**delta, "uplink": int(key.split(">")[1].split(".")[2])}
+    if not moved:
+        return {}
+    per_link: dict[int, int] = {}
+    for flow in moved.values():
+        per_link[flow["uplink"]] = per_link.get(flow["uplink"], 0) + flow["sent"]
+    busiest = max(per_link, key=per_link.get)
+    on_link = [f for f in moved.values() if f["uplink"] == busiest]
+    largest = max(f["sent"] for f in on_link)
+    mine = [f for f in on_link if f["sent"] >= largest / 2]   # the exchange's, not another group's small messages
+    return {"seconds": seconds, "uplink": busiest, "MB": [f["sent"] / 1e6 for f in mine],
+            "busy_ms": [f["busy_ms"] for f in mine], "rwnd_ms": sum(f["rwnd_ms"] for f in mine),
+            "sndbuf_ms": sum(f["sndbuf_ms"] for f in mine)}
+
+
+def flow_use(halo, nbytes: int, repeats: int, leader: bool) -> list[dict]:
+    """``repeats`` flat calls (after a warm-up), a barrier around each; on a node's first rank, each call's
+    call_flows (the slowest rank's seconds)."""
+    import torch
+    import torch.distributed as dist
+
+    from piper_plan.calibration.bench_a2a import message_shape
+
+    world = dist.get_world_size()
+    rows, width = message_shape(nbytes, world)
+    splits = [rows] * world
+    x = torch.randn(rows * world, width)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, splits, splits, group=halo.group)   # warm-up
+    calls = []
+    for _ in range(repeats):
+        dist.barrier()
+        before = tcp_flows() if leader else {}
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_to_all_single(out, x, splits, splits, group=halo.group)
+        seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        if leader:
+            calls.append(call_flows(before, tcp_flows(), float(seconds)))
+    return calls
+
+
+def flow_lines(args, nbytes: int, nodes: list[list[dict]]) -> list[str]:
+    """Per node, the fastest call: its busiest uplink's connections, busy time against the call, and what held
+    them back."""
+    import statistics
+
+    lines = []
+    for i, calls in enumerate(nodes):
+        calls = [c for c in calls if c]
+        if not calls:
+            continue
+        c = min(calls, key=lambda call: call["seconds"])
+        busy = sorted(c["busy_ms"])
+        lines.append(f"{args.rate:g} GB/s {args.nodes}x{args.ranks_per_node} {nbytes:>9} B flat, node {i}, fastest of "
+                     f"{len(calls)} calls {c['seconds'] * 1e3:.1f} ms: uplink {c['uplink']} carried {len(busy)} "
+                     f"connections of {statistics.median(c['MB']):.2f} MB each (median), busy {busy[0]} / "
+                     f"{statistics.median(busy):.0f} / {busy[-1]} ms (min / median / max); held back by the "
+                     f"receiver's window {c['rwnd_ms']} ms, by the send buffer {c['sndbuf_ms']} ms (all its "
+                     "connections together)")
+    return lines
+
+
 def rank_main(out: str, sizes: list[int], repeats: int, statistic: str, rate_GBps: float = 0.0) -> int:
     from datetime import timedelta
 
@@ -274,10 +388,12 @@ def rank_main(out: str, sizes: list[int], repeats: int, statistic: str, rate_GBp
         table = {}
         for nbytes in sizes:
             gathered: list = [None] * world
-            if UPLINK_USE:
-                mine = uplink_use(halo, nbytes, repeats, rate_GBps, leader=dist.get_rank() % per_node == 0)
+            if UPLINK_USE or FLOWS:
+                leader = dist.get_rank() % per_node == 0
+                mine = (uplink_use(halo, nbytes, repeats, rate_GBps, leader) if UPLINK_USE
+                        else flow_use(halo, nbytes, repeats, leader))
                 dist.all_gather_object(gathered, mine)
-                table[nbytes] = gathered[::per_node]                 # each node's first rank sampled its uplinks
+                table[nbytes] = gathered[::per_node]                 # each node's first rank read its counters
                 continue
             probe = copy_seconds if COPIES_ONLY else probe_size
             mine = probe(halo, nbytes, repeats, statistic)
@@ -334,10 +450,11 @@ def main() -> int:
     ap.add_argument("--statistic", choices=sorted(STATISTICS), default="median", help="per rank: median or fastest call")
     ap.add_argument("--copies", action="store_true", help="time HALO's row copies only (no network: local ranks)")
     ap.add_argument("--uplink-use", action="store_true", help="how busy the nodes keep their uplinks (see above)")
+    ap.add_argument("--flows", action="store_true", help="flat's connections on the busiest uplink (see above)")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.copies and args.uplink_use:
-        ap.error("--copies and --uplink-use measure different things: give one")
+    if args.copies + args.uplink_use + args.flows > 1:
+        ap.error("--copies, --uplink-use and --flows measure different things: give one")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.rank:
         return rank_main(args.out, sizes, args.repeats, args.statistic, args.rate)
@@ -347,12 +464,13 @@ def main() -> int:
                args.sizes, "--repeats", str(args.repeats), "--statistic", args.statistic, "--out", args.out]
     command += ["--copies"] if args.copies else []
     command += ["--uplink-use"] if args.uplink_use else []
+    command += ["--flows"] if args.flows else []
     run_on_network(NetworkSpec(args.rate, 2), args.nodes, args.ranks_per_node, command, 600)
     table = json.loads(Path(args.out).read_text())
     print(f"tbf [bytes sent, dropped] over the whole run: {table.pop('tbf')}")
-    if args.uplink_use:
+    if args.uplink_use or args.flows:
         for nbytes, nodes in table.items():
-            for line in uplink_use_lines(args, int(nbytes), nodes):
+            for line in (uplink_use_lines if args.uplink_use else flow_lines)(args, int(nbytes), nodes):
                 print(line)
         return 0
     for nbytes, row in table.items():

@@ -11,7 +11,9 @@ sends in total (its share to itself included), split evenly over the ranks; ``al
 ``busbw = algbw x (n - 1) / n`` (nccl-tests doc/PERFORMANCE.md; calibration.schema.busbw_factor). A size is
 rounded to whole rows of at most ``ROW_FLOATS`` float32 per peer, and the actual byte count is reported.
 Time = the slowest rank's median over ``repeats`` calls after ``warmup`` untimed calls (calibration.timing, as
-for every collective row), or its fastest call (``statistic="min"``: the uncontended time on a shared host).
+for every collective row), or its fastest call (``statistic="min"``: the uncontended time on a shared host). The
+algorithms are timed in alternation, a call of each per round (``interleaved_call_seconds``), so the host's slow
+spells fall on both and their ratio, HALO's speedup, holds on a shared machine.
 
 HALO itself is the runtime's (runtime/halo.py); this module imports it inside the functions that run on a rank
 (the one seam between calibration/ and runtime/, docs/design-notes.md).
@@ -217,7 +219,7 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
     import torch
     import torch.distributed as dist
 
-    from piper_plan.calibration.timing import call_seconds, slowest_rank_seconds
+    from piper_plan.calibration.timing import interleaved_call_seconds, slowest_rank_seconds
 
     num_ranks = dist.get_world_size()
     rows, width = message_shape(bytes_per_rank, num_ranks)
@@ -227,8 +229,9 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
     layout = halo.layout(torch.tensor(splits))
     ops = {"flat": lambda: dist.all_to_all_single(flat_out, x_RD, splits, splits, group=halo.group),
            "halo": lambda: halo.exchange(x_RD, layout.dispatch_plan)}
-    seconds = {a: slowest_rank_seconds(call_seconds(ops[a], device, config.warmup, config.repeats, 0.0,
-                                                    config.statistic), device) for a in config.algos}
+    own = interleaved_call_seconds({a: ops[a] for a in config.algos}, device, config.warmup, config.repeats,
+                                   config.statistic)
+    seconds = {a: slowest_rank_seconds(own[a], device) for a in config.algos}
     errors: list[str] = []
     checks = 0
     if config.verify:

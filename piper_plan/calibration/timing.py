@@ -1,7 +1,8 @@
 """Timing for the bench drivers (torch imported by the caller): warm-up, repeats, median.
 
 GPUs (CUDA or ROCm/HIP, both ``torch.cuda``): CUDA events around the kernel. CPU: ``time.perf_counter``.
-A sample repeats the call until it lasts ``min_sample_s``, so microsecond kernels are not timer noise.
+A sample repeats the call until it lasts ``min_sample_s``, so microsecond kernels are not timer noise. Two or more
+operations compared with each other are timed in alternation (``interleaved_call_seconds``).
 The figure is the median of the samples, or (``statistic="min"``) the fastest: on a host shared with other work
 the noise only adds time, so the fastest sample is the uncontended time (used on the emulated network,
 benchmarks/halo_network.py).
@@ -32,6 +33,24 @@ def call_seconds(fn: Callable[[], object], device, warmup: int, repeats: int, mi
     inner = _inner_calls(fn, device, min_sample_s)
     samples = [_sample(fn, device, inner) / inner for _ in range(repeats)]
     return STATISTICS[statistic](samples)
+
+
+def interleaved_call_seconds(fns: dict[str, Callable[[], object]], device, warmup: int, repeats: int,
+                             statistic: str = "median") -> dict[str, float]:
+    """Seconds of one call of each of ``fns`` over ``repeats`` rounds, after ``warmup`` calls of each: a round times
+    one call of every fn, starting one further along each round (A B, B A, ...), so a slow spell of the host falls on
+    all of them alike and their ratio holds on a noisy machine; then each fn's median or minimum."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    _sync(device)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            samples[name].append(_sample(fns[name], device, 1))
+    return {name: STATISTICS[statistic](values) for name, values in samples.items()}
 
 
 def slowest_rank_seconds(seconds: float, device, group=None) -> float:

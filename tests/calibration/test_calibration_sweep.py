@@ -138,3 +138,26 @@ def test_call_seconds_fastest_call_ignores_the_slow_ones():
     fastest = call_seconds(fn_from(durations), cpu, 0, 5, 0.0, "min")
     typical = call_seconds(fn_from(durations), cpu, 0, 5, 0.0, "median")
     assert 0.002 <= fastest < 0.01 <= 0.02 <= typical
+
+
+def test_interleaved_call_seconds_alternates_and_keeps_each_operations_samples():
+    """Two operations compared with each other are timed in turn, the lead swapping every round (warm-up A B, then
+    A B, B A, A B), so a slow spell of the host lands on both; each figure comes from its own calls only."""
+    import time
+    from types import SimpleNamespace
+
+    from piper_plan.calibration.timing import interleaved_call_seconds
+
+    order: list[str] = []
+    sleeps = {"a": iter([0.0, 0.002, 0.02, 0.002]), "b": iter([0.0, 0.03, 0.03, 0.004])}
+
+    def op(name):
+        def call():
+            order.append(name)
+            time.sleep(next(sleeps[name]))
+        return call
+
+    cpu = SimpleNamespace(type="cpu")
+    fastest = interleaved_call_seconds({"a": op("a"), "b": op("b")}, cpu, 1, 3, "min")
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert 0.002 <= fastest["a"] < 0.004 <= fastest["b"] < 0.01

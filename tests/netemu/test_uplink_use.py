@@ -67,3 +67,49 @@ def test_the_report_reads_incomplete_measurement_files(tmp_path):
     assert list(uses) == ["2x2"] and uses["2x2"]["halo"] is None and uses["2x2"]["flat"]["utilization"] == 0.9
     table = network.uplink_use_table(uses)
     assert table[-1] == "| 2 x 2 | 200.0 | 0.90 | 5% | - | - | - |"
+
+
+def test_the_repeatability_bound_names_points_no_model_can_meet_in_both_sweeps():
+    """Two sweeps of the same points: times more than 1.15 / 0.85 apart leave no value within 15% of both
+    (7.4 and 11.1 ms, 1.50x apart, have none; 6.8 and 5.7 ms, 1.19x, share 5.8 - 6.6 ms), and a
+    speedup whose sign changes between the sweeps can be predicted right in one of them at most."""
+    spec = importlib.util.spec_from_file_location("halo_network", ROOT / "benchmarks" / "halo_network.py")
+    network = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(network)
+    point = {"rate_GBps": 0.05, "nodes": 2, "ranks_per_node": 4, "bytes": 262144}
+    big = {"rate_GBps": 0.2, "nodes": 2, "ranks_per_node": 4, "bytes": 16 * 2**20}
+    first = [{**point, "flat_s": 6.8e-3, "halo_s": 7.4e-3}, {**big, "flat_s": 0.1346, "halo_s": 0.2169}]
+    second = [{**point, "flat_s": 5.7e-3, "halo_s": 11.1e-3}, {**big, "flat_s": 0.1805, "halo_s": 0.1688}]
+    (text,) = network.repeatability_bound(first, second)
+    assert "at 0 flat and 1 HALO points" in text and "HALO: 0.05 GB/s 2x4 256 KiB)" in text
+    assert "at most 2/2 flat and 1/2 HALO points within 15% of both" in text
+    assert "differs between the sweeps at 1 of 2 points (0.2 GB/s 2x4 16384 KiB)" in text
+
+
+SS_TIN = """State Recv-Q Send-Q Local Address:Port Peer Address:Port
+ESTAB 0 0 10.231.0.1:38857 10.231.0.2:43266
+\t cubic wscale:7,7 rtt:31.5/2 bytes_sent:4200000 busy:300ms rwnd_limited:20ms(6.7%) cwnd:68
+ESTAB 0 0 10.231.0.1:38857 10.231.0.3:58484
+\t bbr bytes_sent:4200000 busy:100ms cwnd:38
+ESTAB 0 0 10.231.1.1:36683 10.231.1.2:45728
+\t bbr bytes_sent:1000000 busy:50ms sndbuf_limited:5ms(10%)
+ESTAB 0 0 10.231.0.1:37082 10.231.0.1:38857
+\t bbr bytes_sent:9999999 busy:48ms
+ESTAB 0 0 10.231.0.1:41000 10.231.0.4:39608
+\t bbr bytes_sent:1000 busy:1ms
+"""
+
+
+def test_flat_connections_on_the_busiest_uplink_from_ss_counters(phases):
+    """``ss -tin`` -> the connections between emulated nodes (a node's own loopback pair is left out), and one
+    call's figures for its busiest uplink: only the connections that carried the exchange (not another group's
+    few bytes), each one's busy time, and the link's time held back by window and buffer."""
+    after = phases.parse_tcp_flows(SS_TIN)
+    assert set(after) == {"10.231.0.1:38857>10.231.0.2:43266", "10.231.0.1:38857>10.231.0.3:58484",
+                          "10.231.1.1:36683>10.231.1.2:45728", "10.231.0.1:41000>10.231.0.4:39608"}
+    assert after["10.231.0.1:38857>10.231.0.2:43266"] == {"busy_ms": 300, "rwnd_ms": 20, "sndbuf_ms": 0,
+                                                          "sent": 4200000}
+    before = {"10.231.0.1:38857>10.231.0.2:43266": {"busy_ms": 100, "rwnd_ms": 10, "sndbuf_ms": 0, "sent": 2100000}}
+    call = phases.call_flows(before, after, 0.4)
+    assert call["uplink"] == 0 and call["MB"] == [2.1, 4.2] and call["busy_ms"] == [200, 100]
+    assert call["rwnd_ms"] == 10 and call["sndbuf_ms"] == 0
