@@ -10,10 +10,13 @@ Sizes follow nccl-tests (``alltoall_perf``): ``bytes_per_rank`` is its ``size`` 
 sends in total (its share to itself included), split evenly over the ranks; ``algbw = size / time`` and
 ``busbw = algbw x (n - 1) / n`` (nccl-tests doc/PERFORMANCE.md; calibration.schema.busbw_factor). A size is
 rounded to whole rows of at most ``ROW_FLOATS`` float32 per peer, and the actual byte count is reported.
-Time = the slowest rank's median over ``repeats`` calls after ``warmup`` untimed calls (calibration.timing, as
-for every collective row), or its fastest call (``statistic="min"``: the uncontended time on a shared host). The
-algorithms are timed in alternation, a call of each per round (``interleaved_call_seconds``), so the host's slow
-spells fall on both and their ratio, HALO's speedup, holds on a shared machine.
+Time = the median over ``repeats`` calls after ``warmup`` untimed calls, or the fastest call (``statistic="min"``:
+the uncontended time on a shared host), of one call's time over all ranks: from the first rank's start to the last
+rank's end where the ranks share a host's clock (CPU ranks on one machine, the emulated network), else the slowest
+rank's own time (calibration.timing.exchange_spans). The algorithms are timed in alternation, a call of each per
+round (``interleaved_call_times``), so the host's slow spells fall on both and their ratio, HALO's speedup, holds
+on a shared machine; a barrier (untimed) before every call makes each one exchange from quiet links, as an expert
+all-to-all between two layers' compute is.
 
 HALO itself is the runtime's (runtime/halo.py); this module imports it inside the functions that run on a rank
 (the one seam between calibration/ and runtime/, docs/design-notes.md).
@@ -103,7 +106,7 @@ class BenchConfig:
     network: str | None = None
     """The emulated network the ranks ran on (``uplink_GBps=...,uplinks=...``; None = loopback or the job's)."""
     statistic: str = "median"
-    """Per rank, the median or the minimum of the ``repeats`` calls (calibration.timing.STATISTICS)."""
+    """The median or the minimum of the ``repeats`` calls' times over all ranks (calibration.timing.STATISTICS)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
     import torch
     import torch.distributed as dist
 
-    from piper_plan.calibration.timing import interleaved_call_seconds, slowest_rank_seconds
+    from piper_plan.calibration.timing import STATISTICS, exchange_spans, interleaved_call_times
 
     num_ranks = dist.get_world_size()
     rows, width = message_shape(bytes_per_rank, num_ranks)
@@ -229,9 +232,13 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
     layout = halo.layout(torch.tensor(splits))
     ops = {"flat": lambda: dist.all_to_all_single(flat_out, x_RD, splits, splits, group=halo.group),
            "halo": lambda: halo.exchange(x_RD, layout.dispatch_plan)}
-    own = interleaved_call_seconds({a: ops[a] for a in config.algos}, device, config.warmup, config.repeats,
-                                   config.statistic)
-    seconds = {a: slowest_rank_seconds(own[a], device) for a in config.algos}
+    own = interleaved_call_times({a: ops[a] for a in config.algos}, device, config.warmup, config.repeats,
+                                 before=lambda: dist.barrier(group=halo.group))
+    everyone: list = [None] * num_ranks
+    dist.all_gather_object(everyone, (socket.gethostname(), own))
+    shared_clock = device.type == "cpu" and len({host for host, _ in everyone}) == 1
+    seconds = {a: STATISTICS[config.statistic](exchange_spans([times[a] for _, times in everyone], shared_clock))
+               for a in config.algos}
     errors: list[str] = []
     checks = 0
     if config.verify:

@@ -2,7 +2,8 @@
 
 GPUs (CUDA or ROCm/HIP, both ``torch.cuda``): CUDA events around the kernel. CPU: ``time.perf_counter``.
 A sample repeats the call until it lasts ``min_sample_s``, so microsecond kernels are not timer noise. Two or more
-operations compared with each other are timed in alternation (``interleaved_call_seconds``).
+operations compared with each other are timed in alternation (``interleaved_call_times``), a call's time taken over
+all ranks (``exchange_spans``).
 The figure is the median of the samples, or (``statistic="min"``) the fastest: on a host shared with other work
 the noise only adds time, so the fastest sample is the uncontended time (used on the emulated network,
 benchmarks/halo_network.py).
@@ -35,22 +36,38 @@ def call_seconds(fn: Callable[[], object], device, warmup: int, repeats: int, mi
     return STATISTICS[statistic](samples)
 
 
-def interleaved_call_seconds(fns: dict[str, Callable[[], object]], device, warmup: int, repeats: int,
-                             statistic: str = "median") -> dict[str, float]:
-    """Seconds of one call of each of ``fns`` over ``repeats`` rounds, after ``warmup`` calls of each: a round times
-    one call of every fn, starting one further along each round (A B, B A, ...), so a slow spell of the host falls on
-    all of them alike and their ratio holds on a noisy machine; then each fn's median or minimum."""
+def interleaved_call_times(fns: dict[str, Callable[[], object]], device, warmup: int, repeats: int,
+                           before: Callable[[], object] | None = None) -> dict[str, list[tuple[float, float]]]:
+    """(start on this host's monotonic clock, seconds) of every timed call of each of ``fns``: ``repeats`` rounds
+    after ``warmup`` calls of each, a round one call of every fn, starting one further along each round (A B, B A,
+    ...), so a slow spell of the host falls on all of them alike and their ratio holds on a noisy machine.
+    ``before`` runs untimed ahead of every call (a barrier: each call then starts from quiet links, as one exchange
+    between two layers' compute does, instead of overlapping the previous call's stragglers)."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     _sync(device)
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(repeats):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            samples[name].append(_sample(fns[name], device, 1))
-    return {name: STATISTICS[statistic](values) for name, values in samples.items()}
+            if before is not None:
+                before()
+                _sync(device)
+            start = time.perf_counter()
+            times[name].append((start, _sample(fns[name], device, 1)))
+    return times
+
+
+def exchange_spans(per_rank: list[list[tuple[float, float]]], shared_clock: bool) -> list[float]:
+    """Seconds of each call of a collective from every rank's (start, seconds) of it: from the first rank's start to
+    the last rank's end where the ranks read one clock (one host: a late starter delays the others, and a rank's own
+    span alone would miss what it waited for before it began), else the slowest rank's own span."""
+    calls = zip(*per_rank)
+    if shared_clock:
+        return [max(t + d for t, d in call) - min(t for t, _ in call) for call in calls]
+    return [max(d for _, d in call) for call in calls]
 
 
 def slowest_rank_seconds(seconds: float, device, group=None) -> float:

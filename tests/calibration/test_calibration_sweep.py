@@ -140,13 +140,14 @@ def test_call_seconds_fastest_call_ignores_the_slow_ones():
     assert 0.002 <= fastest < 0.01 <= 0.02 <= typical
 
 
-def test_interleaved_call_seconds_alternates_and_keeps_each_operations_samples():
+def test_interleaved_call_times_alternates_and_keeps_each_operations_calls():
     """Two operations compared with each other are timed in turn, the lead swapping every round (warm-up A B, then
-    A B, B A, A B), so a slow spell of the host lands on both; each figure comes from its own calls only."""
+    A B, B A, A B), so a slow spell of the host lands on both; each keeps its own calls' (start, seconds); the
+    untimed ``before`` (a barrier in the all-to-all bench) runs ahead of every timed call."""
     import time
     from types import SimpleNamespace
 
-    from piper_plan.calibration.timing import interleaved_call_seconds
+    from piper_plan.calibration.timing import interleaved_call_times
 
     order: list[str] = []
     sleeps = {"a": iter([0.0, 0.002, 0.02, 0.002]), "b": iter([0.0, 0.03, 0.03, 0.004])}
@@ -158,6 +159,19 @@ def test_interleaved_call_seconds_alternates_and_keeps_each_operations_samples()
         return call
 
     cpu = SimpleNamespace(type="cpu")
-    fastest = interleaved_call_seconds({"a": op("a"), "b": op("b")}, cpu, 1, 3, "min")
-    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
-    assert 0.002 <= fastest["a"] < 0.004 <= fastest["b"] < 0.01
+    times = interleaved_call_times({"a": op("a"), "b": op("b")}, cpu, 1, 3, before=lambda: order.append("|"))
+    assert order == ["a", "b", "|", "a", "|", "b", "|", "b", "|", "a", "|", "a", "|", "b"]
+    assert [len(times[k]) for k in "ab"] == [3, 3]
+    assert 0.002 <= min(d for _, d in times["a"]) < 0.004 <= min(d for _, d in times["b"]) < 0.01
+    starts = [t for t, _ in times["a"]]
+    assert starts == sorted(starts)
+
+
+def test_an_exchange_lasts_from_the_first_start_to_the_last_end_on_one_clock():
+    """Rank 0 starts at 0 and is done at 5 ms; rank 1 starts 3 ms late (descheduled) and needs 4 ms: the call took
+    7 ms, though neither rank's own span is over 5 ms. Across hosts (no shared clock) the slowest own span."""
+    from piper_plan.calibration.timing import exchange_spans
+
+    per_rank = [[(10.000, 0.005), (20.000, 0.004)], [(10.003, 0.004), (20.000, 0.006)]]
+    assert exchange_spans(per_rank, shared_clock=True) == pytest.approx([0.007, 0.006])
+    assert exchange_spans(per_rank, shared_clock=False) == pytest.approx([0.005, 0.006])
