@@ -13,11 +13,14 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
 4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, the
    host's cost per dependent step (node.host_step_us, node.halo_step_us) from 4 KiB flat and HALO all-to-alls at
-   SHARE_RATE_GBps, and HALO's copy rate inside an exchange from HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no
-   predicted point's shape) less its modelled phases.
+   SHARE_RATE_GBps (timed together, the median of TINY_ROUNDS rounds), and HALO's copy rate inside an exchange from HALO at 16 MiB
+   on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape) less its modelled phases.
 
-Every point, calibration row and copy time is per rank the fastest of REPEATS calls (the uncontended time on this
-shared host), the slowest rank's; the host's load average is kept per point. ``--from FIRST`` measures flat and
+Every all-to-all figure (test point, tiny exchange, copies inside an exchange) is the fastest of its calls (the
+uncontended time on this shared host) of one call's time over all ranks, from the first rank's start to the last
+rank's end (one host, one clock), flat and HALO timed in alternation with a barrier before each call
+(calibration/bench_a2a.py); calibration rows are per rank the fastest of REPEATS calls, the slowest rank's. The
+host's load average is kept per point. ``--from FIRST`` measures flat and
 HALO again on FIRST's calibration; ``--repeat OTHER`` (with ``--reuse``) reports the spread between two sweeps.
 
 Then the closed loop with two plans (dp4 ep4 flat / halo, tiny-moe, 2 nodes x 2 ranks) on the slowest network:
@@ -58,6 +61,10 @@ REPEATS = 10  # timed calls per point, after one warm-up
 STATISTIC = "min"  # per rank the fastest call: the uncontended time on this shared host (calibration.timing)
 OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat at SHARE_RATE_GBps: host step, wire time
 HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
+TINY_ROUNDS = 3  # that tiny exchange is timed this many times (REPEATS calls each, as a test point) and the median
+#                 of the rounds' figures kept: one slow wake-up moves a single figure (the same flat 4 KiB exchange
+#                 took 1.3 - 2.6 ms across runs), and more calls in one figure would lower its fastest call below
+#                 what a test point's REPEATS calls find
 USE_BYTES = 16 * 2**20  # flat's and HALO's uplink use is measured at SHARE_RATE_GBps with this much per rank
 PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
@@ -124,9 +131,10 @@ def measured_uplink_use(out: Path, measure: bool = True) -> dict[str, dict]:
 
 
 def at_other_rate(out: Path, measure: bool = True, algo: str = "flat") -> dict[str, dict]:
-    """Flat all-to-all at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: what a tiny exchange
-    costs the host (host_step_us) and how far a large one stays above its busiest uplink's time (kept in
-    OUT/flat-<rate>-<shape>.json). ``algo="halo"``: HALO's tiny exchange alone (halo_step_us), OUT/halo-...json."""
+    """Flat all-to-all alone at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: how far a large
+    exchange stays above its busiest uplink's time (reported; kept in OUT/flat-<rate>-<shape>.json). The host steps
+    come from tiny_exchange; an OUT from before it took them from this run's tiny exchange and, ``algo="halo"``,
+    HALO's tiny exchange alone (OUT/halo-...json)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
 
@@ -205,7 +213,8 @@ def relay_copies(out: Path, reuse: bool = False) -> dict:
 
 def copies_in_exchange(out: Path, spec: NetworkSpec, check: dict, shares: dict, calibration) -> dict:
     """HALO's copy rate inside an exchange at ``spec``'s rate: HALO at COPY_BYTES per rank on IN_EXCHANGE_SHAPE
-    (no predicted point's shape), less the model's time for it without copies (its phases; no host step: none is
+    (no predicted point's shape; timed in alternation with flat, as the test points are), less the model's time for
+    it without copies (its phases; no host step: none is
     calibrated for that shape), is the copies' time there; the host's rate = ranks x copy bytes per rank / it
     (kept in OUT/halo-copies-<rate>-<shape>.json)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
@@ -214,8 +223,8 @@ def copies_in_exchange(out: Path, spec: NetworkSpec, check: dict, shares: dict, 
 
     nodes, g = IN_EXCHANGE_SHAPE
     path = out / f"halo-copies-{spec.uplink_GBps:g}-{nodes}x{g}.json"
-    if not path.is_file():
-        config = BenchConfig(("halo",), (COPY_BYTES,), nodes, g, repeats=REPEATS, statistic=STATISTIC)
+    if not path.is_file():   # timed beside flat, as the test points are
+        config = BenchConfig(("flat", "halo"), (COPY_BYTES,), nodes, g, repeats=REPEATS, statistic=STATISTIC)
         atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
     measured_s = json.loads(path.read_text())["sizes"][0]["seconds"]["halo"]
     no_copies = {"host_GBps": 1.0, "host_cores": os.cpu_count() or 1}  # relay_copy_GBps set to 0 below
@@ -268,9 +277,33 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     return PlatformSpec.model_validate(data)
 
 
+def tiny_exchange(out: Path, measure: bool = True) -> dict[str, dict]:
+    """Flat's and HALO's HOST_STEP_BYTES exchange at SHARE_RATE_GBps on every shape, timed together as the test
+    points are (in alternation, a barrier before each call, REPEATS calls), TINY_ROUNDS times (kept in
+    OUT/tiny-<rate>-<shape>.json; a shape is left out where OUT has none and ``measure`` is off)."""
+    from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
+    from piper_plan.fileio import atomic_write_json
+
+    spec, found = NetworkSpec(SHARE_RATE_GBps, UPLINKS), {}
+    for nodes, g in SHAPES:
+        path = out / f"tiny-{SHARE_RATE_GBps:g}-{nodes}x{g}.json"
+        if not path.is_file() and measure:
+            config = BenchConfig(("flat", "halo"), (HOST_STEP_BYTES,) * TINY_ROUNDS, nodes, g, repeats=REPEATS,
+                                 statistic=STATISTIC)
+            atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
+        if path.is_file():
+            found[f"{nodes}x{g}"] = json.loads(path.read_text())
+    return found
+
+
 def tiny_seconds(out: Path, measure: bool = False) -> dict[str, dict[str, float]]:
-    """Per shape ("2x4") and algorithm, the seconds of the HOST_STEP_BYTES exchange measured at SHARE_RATE_GBps
-    (HALO's where measured: an earlier OUT may hold flat's only)."""
+    """Per shape ("2x4") and algorithm, the seconds of the HOST_STEP_BYTES exchange measured at SHARE_RATE_GBps:
+    the median of tiny_exchange's rounds where OUT has it; an OUT from before it holds flat's from at_other_rate and
+    HALO's alone."""
+    together = {shape: {algo: statistics.median(size["seconds"][algo] for size in result["sizes"])
+                        for algo in ("flat", "halo")} for shape, result in tiny_exchange(out, measure).items()}
+    if together:
+        return together
     found: dict[str, dict[str, float]] = {}
     for algo in ("flat", "halo"):
         for shape, result in at_other_rate(out, measure, algo).items():
@@ -588,19 +621,21 @@ def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -
 
     flat_steps, halo_steps = steps("host_step_us"), steps("halo_step_us")
     rates = " / ".join(f"{r:g}" for r in RATES_GBps)
-    lines = ["", f"Flat all-to-all at {SHARE_RATE_GBps:g} GB/s per uplink (a rate no predicted point uses; fastest of "
-             f"{REPEATS}, ms), HALO's {HOST_STEP_BYTES // 1024} KiB exchange at that rate, and the host step per "
-             f"dependent step they give each shape (node.host_step_us: the {HOST_STEP_BYTES // 1024} KiB flat "
-             "exchange's time beyond the model's latency terms with each test rate's calibration; node.halo_step_us: "
-             f"per HALO phase, the {HOST_STEP_BYTES // 1024} KiB HALO exchange's time beyond the model's terms for it):",
-             "", "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES)
-             + f" | HALO {HOST_STEP_BYTES // 1024} KiB | host step us at {rates} GB/s | HALO step us at {rates} GB/s |",
+    kib = HOST_STEP_BYTES // 1024
+    lines = ["", f"Flat all-to-all alone at {SHARE_RATE_GBps:g} GB/s per uplink (a rate no predicted point uses; "
+             f"fastest of {REPEATS}, ms; '-': not measured in this OUT); the {kib} KiB flat and HALO exchanges at that rate timed together as the "
+             f"test points are (the median of {TINY_ROUNDS} rounds' fastest of {REPEATS} each), and the host step per dependent step they give each "
+             f"shape (node.host_step_us: the {kib} KiB flat exchange's time beyond the model's latency terms with each "
+             f"test rate's calibration; node.halo_step_us: per HALO phase, the {kib} KiB HALO exchange's time beyond "
+             "the model's terms for it):", "", "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES)
+             + f" | flat / HALO {kib} KiB together | host step us at {rates} GB/s | HALO step us at {rates} GB/s |",
              "|---" * (len(OTHER_RATE_SIZES) + 4) + "|"]
-    for shape, result in other_rate.items():
-        ms = {s["bytes_per_rank"]: s["seconds"]["flat"] * 1e3 for s in result["sizes"]}
-        halo_ms = 1e3 * tiny.get(shape, {}).get("halo", float("nan"))
+    for shape in (f"{nodes}x{g}" for nodes, g in SHAPES):
+        ms = {s["bytes_per_rank"]: s["seconds"]["flat"] * 1e3 for s in other_rate.get(shape, {}).get("sizes", [])}
+        pair = tiny.get(shape, {})
+        together = " / ".join(f"{1e3 * pair[a]:.2f}" if a in pair else "-" for a in ("flat", "halo"))
         lines.append(f"| {shape} | " + " | ".join(f"{ms[b]:.2f}" if b in ms else "-" for b in OTHER_RATE_SIZES)
-                     + f" | {halo_ms:.2f} | " + " / ".join(f"{flat_steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps)
+                     + f" | {together} | " + " / ".join(f"{flat_steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps)
                      + " | " + " / ".join(f"{halo_steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps) + " |")
     return lines
 
@@ -680,7 +715,7 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
 
 
 KEPT_FROM_FIRST = ("shares.json", "copies.json", "copies-probe.json", "shaping-{rate:g}.json", "calibration-{rate:g}",
-                   "flat-{share:g}-{nodes}x{g}.json", "uplink-use-{share:g}-{nodes}x{g}.json")
+                   "flat-{share:g}-{nodes}x{g}.json", "tiny-{share:g}-{nodes}x{g}.json", "uplink-use-{share:g}-{nodes}x{g}.json")
 
 
 def reuse_calibration(first: Path, out: Path) -> None:
@@ -734,6 +769,7 @@ def main() -> int:
         print(f"busiest-uplink shares: {shares}", flush=True)
         tiny = tiny_seconds(out, measure=True)
         print(f"tiny exchanges at {SHARE_RATE_GBps:g} GB/s: {tiny}", flush=True)
+        at_other_rate(out)   # flat alone at that rate, every OTHER_RATE_SIZES: reported beside the host steps
         uses = measured_uplink_use(out)
         print(f"uplink use at {SHARE_RATE_GBps:g} GB/s: {uses}", flush=True)
         rows, checks = sweep(out, shares, copies, tiny)
