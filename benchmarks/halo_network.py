@@ -13,7 +13,7 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
 4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, the
    host's cost per dependent step (node.host_step_us, node.halo_step_us) from 4 KiB flat and HALO all-to-alls at
-   SHARE_RATE_GBps (timed together, the median of TINY_ROUNDS rounds), and HALO's copy rate inside an exchange from HALO at 16 MiB
+   SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), and HALO's copy rate inside an exchange from HALO at 16 MiB
    on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape) less its modelled phases.
 
 Every all-to-all figure (test point, tiny exchange, copies inside an exchange) is the fastest of its calls (the
@@ -133,7 +133,7 @@ def measured_uplink_use(out: Path, measure: bool = True) -> dict[str, dict]:
 def at_other_rate(out: Path, measure: bool = True, algo: str = "flat") -> dict[str, dict]:
     """Flat all-to-all alone at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: how far a large
     exchange stays above its busiest uplink's time (reported; kept in OUT/flat-<rate>-<shape>.json). The host steps
-    come from tiny_exchange; an OUT from before it took them from this run's tiny exchange and, ``algo="halo"``,
+    come from tiny_round; an OUT from before it took them from this run's tiny exchange and, ``algo="halo"``,
     HALO's tiny exchange alone (OUT/halo-...json)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
@@ -277,31 +277,36 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     return PlatformSpec.model_validate(data)
 
 
-def tiny_exchange(out: Path, measure: bool = True) -> dict[str, dict]:
-    """Flat's and HALO's HOST_STEP_BYTES exchange at SHARE_RATE_GBps on every shape, timed together as the test
-    points are (in alternation, a barrier before each call, REPEATS calls), TINY_ROUNDS times (kept in
-    OUT/tiny-<rate>-<shape>.json; a shape is left out where OUT has none and ``measure`` is off)."""
+def tiny_round(out: Path, nodes: int, g: int, tag: str) -> Path:
+    """Flat's and HALO's HOST_STEP_BYTES exchange at SHARE_RATE_GBps on one shape, timed together as the test points
+    are (in alternation, a barrier before each call, REPEATS calls), TINY_ROUNDS times in a row: one round of the
+    host-step calibration (kept in OUT/tiny-<rate>-<shape>-<tag>.json; measured once per OUT and tag)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
 
-    spec, found = NetworkSpec(SHARE_RATE_GBps, UPLINKS), {}
-    for nodes, g in SHAPES:
-        path = out / f"tiny-{SHARE_RATE_GBps:g}-{nodes}x{g}.json"
-        if not path.is_file() and measure:
-            config = BenchConfig(("flat", "halo"), (HOST_STEP_BYTES,) * TINY_ROUNDS, nodes, g, repeats=REPEATS,
-                                 statistic=STATISTIC)
-            atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
-        if path.is_file():
-            found[f"{nodes}x{g}"] = json.loads(path.read_text())
-    return found
+    path = out / f"tiny-{SHARE_RATE_GBps:g}-{nodes}x{g}-{tag}.json"
+    if not path.is_file():
+        config = BenchConfig(("flat", "halo"), (HOST_STEP_BYTES,) * TINY_ROUNDS, nodes, g, repeats=REPEATS,
+                             statistic=STATISTIC)
+        atomic_write_json(path, asdict(network_bench(config, NetworkSpec(SHARE_RATE_GBps, UPLINKS), timeout_s=600)))
+    return path
 
 
 def tiny_seconds(out: Path, measure: bool = False) -> dict[str, dict[str, float]]:
-    """Per shape ("2x4") and algorithm, the seconds of the HOST_STEP_BYTES exchange measured at SHARE_RATE_GBps:
-    the median of tiny_exchange's rounds where OUT has it; an OUT from before it holds flat's from at_other_rate and
-    HALO's alone."""
-    together = {shape: {algo: statistics.median(size["seconds"][algo] for size in result["sizes"])
-                        for algo in ("flat", "halo")} for shape, result in tiny_exchange(out, measure).items()}
+    """Per shape ("2x4") and algorithm, the seconds of the HOST_STEP_BYTES exchange measured at SHARE_RATE_GBps: the
+    median over every tiny_round in OUT (``measure``: the "start" rounds are taken first; sweep takes one more before
+    each rate's points, so the figure spans the run and a slow spell of the host moves one round, not the step); an
+    OUT from before them holds flat's from at_other_rate and HALO's alone."""
+    if measure:
+        for nodes, g in SHAPES:
+            tiny_round(out, nodes, g, "start")
+    together = {}
+    for nodes, g in SHAPES:
+        sizes = [size for path in sorted(out.glob(f"tiny-{SHARE_RATE_GBps:g}-{nodes}x{g}-*.json"))
+                 for size in json.loads(path.read_text())["sizes"]]
+        if sizes:
+            together[f"{nodes}x{g}"] = {algo: statistics.median(size["seconds"][algo] for size in sizes)
+                                        for algo in ("flat", "halo")}
     if together:
         return together
     found: dict[str, dict[str, float]] = {}
@@ -369,6 +374,7 @@ def sweep(out: Path, shares: dict, copies: dict, tiny: dict) -> tuple[list[dict]
         checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration)
         print(f"copies inside an exchange: {checks[rate]['copies_in_exchange']}", flush=True)
         for nodes, g in SHAPES:
+            tiny_round(out, nodes, g, f"before-{rate:g}")    # the host-step calibration, spread over the run
             result = measure(spec, nodes, g, out)
             for size in result.sizes:
                 rows.append({"rate_GBps": rate, "nodes": nodes, "ranks_per_node": g, "bytes": size.bytes_per_rank,
@@ -624,7 +630,7 @@ def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -
     kib = HOST_STEP_BYTES // 1024
     lines = ["", f"Flat all-to-all alone at {SHARE_RATE_GBps:g} GB/s per uplink (a rate no predicted point uses; "
              f"fastest of {REPEATS}, ms; '-': not measured in this OUT); the {kib} KiB flat and HALO exchanges at that rate timed together as the "
-             f"test points are (the median of {TINY_ROUNDS} rounds' fastest of {REPEATS} each), and the host step per dependent step they give each "
+             f"test points are (the median of every round's fastest of {REPEATS}: {TINY_ROUNDS} in a row at the start and before each test rate's points), and the host step per dependent step they give each "
              f"shape (node.host_step_us: the {kib} KiB flat exchange's time beyond the model's latency terms with each "
              f"test rate's calibration; node.halo_step_us: per HALO phase, the {kib} KiB HALO exchange's time beyond "
              "the model's terms for it):", "", "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES)
@@ -646,9 +652,11 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
              "Generated by `benchmarks/halo_network.py` (run as root; scripts/netemu.sh builds the network); do not edit "
              f"by hand. {UPLINKS} uplinks per node (veth into one bridge per uplink index, tc tbf each way), ranks of a "
              f"node in one network namespace (loopback inside), gloo over the uplink addresses, CPU ranks on this "
-             f"2-core machine shared with other work: per rank the fastest of {REPEATS} calls after one warm-up (noise on a "
-             "shared host only adds time), slowest rank; the host's 1-minute load average after each size in the "
-             "table.",
+             f"2-core machine shared with other work. An all-to-all figure is the fastest of {REPEATS} calls after one "
+             "warm-up (noise on a shared host only adds time) of one call's time over all ranks, from the first "
+             "rank's start to the last rank's end (one host, one clock), flat and HALO timed in alternation with a "
+             "barrier before each call (calibration/bench_a2a.py); calibration rows per rank the fastest call, the "
+             "slowest rank's; the host's 1-minute load average after each size in the table.",
              "", "## Shaping check", "", "| set GB/s per uplink | measured between nodes | within 10% | inside a node "
              "| both ways, one communicator | both ways, two communicators |", "|---|---|---|---|---|---|"]
     for rate, c in checks.items():
@@ -715,7 +723,7 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
 
 
 KEPT_FROM_FIRST = ("shares.json", "copies.json", "copies-probe.json", "shaping-{rate:g}.json", "calibration-{rate:g}",
-                   "flat-{share:g}-{nodes}x{g}.json", "tiny-{share:g}-{nodes}x{g}.json", "uplink-use-{share:g}-{nodes}x{g}.json")
+                   "flat-{share:g}-{nodes}x{g}.json", "uplink-use-{share:g}-{nodes}x{g}.json")
 
 
 def reuse_calibration(first: Path, out: Path) -> None:
@@ -729,6 +737,9 @@ def reuse_calibration(first: Path, out: Path) -> None:
                 if target.exists() or not source.exists():
                     continue
                 (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+    for source in first.glob("tiny-*.json"):   # every host-step round: the repeat is priced on the first's
+        if not (out / source.name).exists():
+            shutil.copy(source, out / source.name)
 
 
 def main() -> int:
@@ -773,6 +784,8 @@ def main() -> int:
         uses = measured_uplink_use(out)
         print(f"uplink use at {SHARE_RATE_GBps:g} GB/s: {uses}", flush=True)
         rows, checks = sweep(out, shares, copies, tiny)
+        tiny = tiny_seconds(out)                          # with the rounds the sweep took
+        rows = repredict(out, rows, checks, shares, copies, tiny)
         loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps)
     atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
                                              "copies": copies})

@@ -113,3 +113,22 @@ def test_flat_connections_on_the_busiest_uplink_from_ss_counters(phases):
     call = phases.call_flows(before, after, 0.4)
     assert call["uplink"] == 0 and call["MB"] == [2.1, 4.2] and call["busy_ms"] == [200, 100]
     assert call["rwnd_ms"] == 10 and call["sndbuf_ms"] == 0
+
+
+def test_the_host_step_exchange_is_the_median_of_every_round_in_the_run(tmp_path):
+    """The tiny exchange behind the host steps is timed in rounds spread over a run (at the start, before each test
+    rate's points); a slow spell moves one round, and the figure is the median over all of them."""
+    spec = importlib.util.spec_from_file_location("halo_network", ROOT / "benchmarks" / "halo_network.py")
+    network = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(network)
+
+    def sizes(*flat_halo):
+        return {"sizes": [{"seconds": {"flat": f, "halo": h}} for f, h in flat_halo]}
+
+    (tmp_path / "tiny-0.1-2x2-start.json").write_text(json.dumps(sizes((4.2e-3, 13e-3), (6.1e-3, 10e-3), (2.7e-3, 5e-3))))
+    (tmp_path / "tiny-0.1-2x2-before-0.05.json").write_text(json.dumps(sizes((1.1e-3, 2.8e-3), (1.0e-3, 2.0e-3),
+                                                                             (1.1e-3, 3.0e-3))))
+    (tmp_path / "tiny-0.1-2x2-before-0.2.json").write_text(json.dumps(sizes((1.2e-3, 3.1e-3), (1.3e-3, 4.0e-3),
+                                                                            (1.0e-3, 2.9e-3))))
+    tiny = network.tiny_seconds(tmp_path)
+    assert tiny == {"2x2": {"flat": pytest.approx(1.2e-3), "halo": pytest.approx(3.1e-3)}}
