@@ -13,8 +13,9 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
 4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, the
    host's cost per dependent step (node.host_step_us, node.halo_step_us) from 4 KiB flat and HALO all-to-alls at
-   SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), and HALO's copy rate inside an exchange from HALO at 16 MiB
-   on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape) less its modelled phases.
+   SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), and
+   HALO's copy rate inside an exchange from HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape)
+   less its modelled phases.
 
 Every all-to-all figure (test point, tiny exchange, copies inside an exchange) is the fastest of its calls (the
 uncontended time on this shared host) of one call's time over all ranks, from the first rank's start to the last
@@ -58,7 +59,7 @@ SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB per rank
 BIG = 256 * 1024  # the sizes that matter for the 15% target
 RATIO_NO_COMMON_15 = 1.15 / 0.85  # two times further apart than this have no value within 15% of both
 REPEATS = 10  # timed calls per point, after one warm-up
-STATISTIC = "min"  # per rank the fastest call: the uncontended time on this shared host (calibration.timing)
+STATISTIC = "min"  # the fastest call: the uncontended time on this shared host (calibration.timing)
 OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat at SHARE_RATE_GBps: host step, wire time
 HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
 TINY_ROUNDS = 3  # that tiny exchange is timed this many times (REPEATS calls each, as a test point) and the median
@@ -629,9 +630,11 @@ def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -
     rates = " / ".join(f"{r:g}" for r in RATES_GBps)
     kib = HOST_STEP_BYTES // 1024
     lines = ["", f"Flat all-to-all alone at {SHARE_RATE_GBps:g} GB/s per uplink (a rate no predicted point uses; "
-             f"fastest of {REPEATS}, ms; '-': not measured in this OUT); the {kib} KiB flat and HALO exchanges at that rate timed together as the "
-             f"test points are (the median of every round's fastest of {REPEATS}: {TINY_ROUNDS} in a row at the start and before each test rate's points), and the host step per dependent step they give each "
-             f"shape (node.host_step_us: the {kib} KiB flat exchange's time beyond the model's latency terms with each "
+             f"fastest of {REPEATS}, ms; '-': not measured in this OUT); the {kib} KiB flat and HALO exchanges at "
+             f"that rate timed together as the test points are (the median of every round's fastest of {REPEATS}: "
+             f"{TINY_ROUNDS} in a row at the start and before each test rate's points), and the host step per "
+             f"dependent step they give each shape (node.host_step_us: the {kib} KiB flat exchange's time beyond the "
+             "model's latency terms with each "
              f"test rate's calibration; node.halo_step_us: per HALO phase, the {kib} KiB HALO exchange's time beyond "
              "the model's terms for it):", "", "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES)
              + f" | flat / HALO {kib} KiB together | host step us at {rates} GB/s | HALO step us at {rates} GB/s |",
