@@ -60,7 +60,7 @@ BIG = 256 * 1024  # the sizes that matter for the 15% target
 RATIO_NO_COMMON_15 = 1.15 / 0.85  # two times further apart than this have no value within 15% of both
 REPEATS = 10  # timed calls per point, after one warm-up
 STATISTIC = "min"  # the fastest call: the uncontended time on this shared host (calibration.timing)
-OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat at SHARE_RATE_GBps: host step, wire time
+OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat alone at SHARE_RATE_GBps, reported
 HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
 TINY_ROUNDS = 3  # that tiny exchange is timed this many times (REPEATS calls each, as a test point) and the median
 #                 of the rounds' figures kept: one slow wake-up moves a single figure (the same flat 4 KiB exchange
@@ -131,22 +131,20 @@ def measured_uplink_use(out: Path, measure: bool = True) -> dict[str, dict]:
     return found
 
 
-def at_other_rate(out: Path, measure: bool = True, algo: str = "flat") -> dict[str, dict]:
+def at_other_rate(out: Path, measure: bool = True) -> dict[str, dict]:
     """Flat all-to-all alone at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: how far a large
-    exchange stays above its busiest uplink's time (reported; kept in OUT/flat-<rate>-<shape>.json). The host steps
-    come from tiny_round; an OUT from before it took them from this run's tiny exchange and, ``algo="halo"``,
-    HALO's tiny exchange alone (OUT/halo-...json)."""
+    exchange stays above its busiest uplink's time (reported beside the host steps, which come from tiny_round;
+    kept in OUT/flat-<rate>-<shape>.json)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
 
     spec, found = NetworkSpec(SHARE_RATE_GBps, UPLINKS), {}
-    sizes = OTHER_RATE_SIZES if algo == "flat" else (HOST_STEP_BYTES,)
     for nodes, g in SHAPES:
-        path = out / f"{algo}-{SHARE_RATE_GBps:g}-{nodes}x{g}.json"
+        path = out / f"flat-{SHARE_RATE_GBps:g}-{nodes}x{g}.json"
         if not path.is_file() and not measure:
             continue
         if not path.is_file():
-            config = BenchConfig((algo,), sizes, nodes, g, repeats=REPEATS, statistic=STATISTIC)
+            config = BenchConfig(("flat",), OTHER_RATE_SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
             atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
         found[f"{nodes}x{g}"] = json.loads(path.read_text())
     return found
@@ -296,8 +294,8 @@ def tiny_round(out: Path, nodes: int, g: int, tag: str) -> Path:
 def tiny_seconds(out: Path, measure: bool = False) -> dict[str, dict[str, float]]:
     """Per shape ("2x4") and algorithm, the seconds of the HOST_STEP_BYTES exchange measured at SHARE_RATE_GBps: the
     median over every tiny_round in OUT (``measure``: the "start" rounds are taken first; sweep takes one more before
-    each rate's points, so the figure spans the run and a slow spell of the host moves one round, not the step); an
-    OUT from before them holds flat's from at_other_rate and HALO's alone."""
+    each rate's points, so the figure spans the run and a slow spell of the host moves one round, not the step). A
+    shape without rounds is left out, and its predictions take no host step."""
     if measure:
         for nodes, g in SHAPES:
             tiny_round(out, nodes, g, "start")
@@ -308,15 +306,7 @@ def tiny_seconds(out: Path, measure: bool = False) -> dict[str, dict[str, float]
         if sizes:
             together[f"{nodes}x{g}"] = {algo: statistics.median(size["seconds"][algo] for size in sizes)
                                         for algo in ("flat", "halo")}
-    if together:
-        return together
-    found: dict[str, dict[str, float]] = {}
-    for algo in ("flat", "halo"):
-        for shape, result in at_other_rate(out, measure, algo).items():
-            for size in result["sizes"]:
-                if size["bytes_per_rank"] == HOST_STEP_BYTES:
-                    found.setdefault(shape, {})[algo] = size["seconds"][algo]
-    return found
+    return together
 
 
 def with_host_step(platform, calibration, nodes: int, g: int, tiny_s: dict[str, float] | None):
@@ -360,7 +350,9 @@ def measure(spec: NetworkSpec, nodes: int, g: int, out: Path):
     return result
 
 
-def sweep(out: Path, shares: dict, copies: dict, tiny: dict) -> tuple[list[dict], dict]:
+def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
+    """Per test rate: the shaping check, the calibration, the copies inside an exchange, then flat and HALO at every
+    shape and size (measured rows; priced afterwards by repredict, once the host-step rounds taken here are in)."""
     from piper_plan.calibration import load_calibration
 
     rows, checks = [], {}
@@ -380,10 +372,8 @@ def sweep(out: Path, shares: dict, copies: dict, tiny: dict) -> tuple[list[dict]
             for size in result.sizes:
                 rows.append({"rate_GBps": rate, "nodes": nodes, "ranks_per_node": g, "bytes": size.bytes_per_rank,
                              "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"], "load_avg": size.load_avg})
-                r = predict_row(rows[-1], checks[rate], shares, copies, calibration, tiny)
-                print(f"{rate:g} GB/s {nodes}x{g} {size.bytes_per_rank:>9} B: flat {r['flat_s'] * 1e3:8.2f} ms "
-                      f"(pred {r['flat_pred_s'] * 1e3:8.2f})  halo {r['halo_s'] * 1e3:8.2f} ms "
-                      f"(pred {r['halo_pred_s'] * 1e3:8.2f})", flush=True)
+                print(f"{rate:g} GB/s {nodes}x{g} {size.bytes_per_rank:>9} B: flat {size.seconds['flat'] * 1e3:8.2f} "
+                      f"ms  halo {size.seconds['halo'] * 1e3:8.2f} ms", flush=True)
     return rows, checks
 
 
@@ -786,7 +776,7 @@ def main() -> int:
         at_other_rate(out)   # flat alone at that rate, every OTHER_RATE_SIZES: reported beside the host steps
         uses = measured_uplink_use(out)
         print(f"uplink use at {SHARE_RATE_GBps:g} GB/s: {uses}", flush=True)
-        rows, checks = sweep(out, shares, copies, tiny)
+        rows, checks = sweep(out, shares)
         tiny = tiny_seconds(out)                          # with the rounds the sweep took
         rows = repredict(out, rows, checks, shares, copies, tiny)
         loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps)

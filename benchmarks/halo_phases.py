@@ -223,11 +223,9 @@ def call_link_use(rows, start: float, seconds: float, rate_Bps: float) -> dict[s
             "below_half": float(steps_s[rates < 0.5 * rate_Bps].sum() / steps_s.sum())}
 
 
-def uplink_use(halo, nbytes: int, repeats: int, rate_GBps: float, leader: bool) -> dict[str, list]:
-    """Per algorithm: the slowest rank's seconds of each call, and (on a node's first rank) the node's busiest
-    uplink's use in each call (call_link_use)."""
-    import threading
-
+def even_exchange(halo, nbytes: int):
+    """The bench's even exchange of ``nbytes`` per rank (bench_a2a.message_shape): (input rows, splits, a call of
+    the flat ``all_to_all_single`` of them)."""
     import torch
     import torch.distributed as dist
 
@@ -238,9 +236,20 @@ def uplink_use(halo, nbytes: int, repeats: int, rate_GBps: float, leader: bool) 
     splits = [rows] * world
     x = torch.randn(rows * world, width)
     out = torch.empty_like(x)
+    return x, splits, lambda: dist.all_to_all_single(out, x, splits, splits, group=halo.group)
+
+
+def uplink_use(halo, nbytes: int, repeats: int, rate_GBps: float, leader: bool) -> dict[str, list]:
+    """Per algorithm: the slowest rank's seconds of each call, and (on a node's first rank) the node's busiest
+    uplink's use in each call (call_link_use)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    x, splits, flat = even_exchange(halo, nbytes)
     layout = halo.layout(torch.tensor(splits))
-    ops = {"flat": lambda: dist.all_to_all_single(out, x, splits, splits, group=halo.group),
-           "halo": lambda: halo.exchange(x, layout.dispatch_plan)}
+    ops = {"flat": flat, "halo": lambda: halo.exchange(x, layout.dispatch_plan)}
     samples, stop = [], threading.Event()
     sampler = threading.Thread(target=sample_uplinks, args=(stop, samples), daemon=True) if leader else None
     if sampler is not None:
@@ -324,21 +333,15 @@ def flow_use(halo, nbytes: int, repeats: int, leader: bool) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from piper_plan.calibration.bench_a2a import message_shape
-
-    world = dist.get_world_size()
-    rows, width = message_shape(nbytes, world)
-    splits = [rows] * world
-    x = torch.randn(rows * world, width)
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, splits, splits, group=halo.group)   # warm-up
+    _, _, flat = even_exchange(halo, nbytes)
+    flat()   # warm-up
     calls = []
     for _ in range(repeats):
         dist.barrier()
         before = tcp_flows() if leader else {}
         dist.barrier()
         start = time.perf_counter()
-        dist.all_to_all_single(out, x, splits, splits, group=halo.group)
+        flat()
         seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         if leader:

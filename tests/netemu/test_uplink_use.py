@@ -13,12 +13,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def phases():
-    spec = importlib.util.spec_from_file_location("halo_phases", ROOT / "benchmarks" / "halo_phases.py")
+def benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def phases():
+    return benchmark("halo_phases")
+
+
+@pytest.fixture(scope="module")
+def network():
+    return benchmark("halo_network")
 
 
 def counters(rates_Bps: list[tuple[float, float]], dt: float = 0.01, start: float = 100.0) -> list[list[float]]:
@@ -52,10 +61,7 @@ def test_the_fastest_call_is_reported_with_the_mean_over_nodes(phases):
     assert phases.use_figures(nodes, "flat")[2] == 1
 
 
-def test_the_report_reads_incomplete_measurement_files(tmp_path):
-    spec = importlib.util.spec_from_file_location("halo_network", ROOT / "benchmarks" / "halo_network.py")
-    network = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(network)
+def test_the_report_reads_incomplete_measurement_files(tmp_path, network):
     call = {"seconds": 0.2, "utilization": 0.9, "busiest_share": 0.75, "below_half": 0.05}
     rate = f"{network.SHARE_RATE_GBps:g}"
     unsampled = [{"flat": [call], "halo": [{"seconds": 0.3}]}, {"flat": [call], "halo": []}]  # HALO unsampled
@@ -69,13 +75,10 @@ def test_the_report_reads_incomplete_measurement_files(tmp_path):
     assert table[-1] == "| 2 x 2 | 200.0 | 0.90 | 5% | - | - | - |"
 
 
-def test_the_repeatability_bound_names_points_no_model_can_meet_in_both_sweeps():
+def test_the_repeatability_bound_names_points_no_model_can_meet_in_both_sweeps(network):
     """Two sweeps of the same points: times more than 1.15 / 0.85 apart leave no value within 15% of both
     (7.4 and 11.1 ms, 1.50x apart, have none; 6.8 and 5.7 ms, 1.19x, share 5.8 - 6.6 ms), and a
     speedup whose sign changes between the sweeps can be predicted right in one of them at most."""
-    spec = importlib.util.spec_from_file_location("halo_network", ROOT / "benchmarks" / "halo_network.py")
-    network = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(network)
     point = {"rate_GBps": 0.05, "nodes": 2, "ranks_per_node": 4, "bytes": 262144}
     big = {"rate_GBps": 0.2, "nodes": 2, "ranks_per_node": 4, "bytes": 16 * 2**20}
     first = [{**point, "flat_s": 6.8e-3, "halo_s": 7.4e-3}, {**big, "flat_s": 0.1346, "halo_s": 0.2169}]
@@ -115,12 +118,9 @@ def test_flat_connections_on_the_busiest_uplink_from_ss_counters(phases):
     assert call["rwnd_ms"] == 10 and call["sndbuf_ms"] == 0
 
 
-def test_the_host_step_exchange_is_the_median_of_every_round_in_the_run(tmp_path):
+def test_the_host_step_exchange_is_the_median_of_every_round_in_the_run(tmp_path, network):
     """The tiny exchange behind the host steps is timed in rounds spread over a run (at the start, before each test
     rate's points); a slow spell moves one round, and the figure is the median over all of them."""
-    spec = importlib.util.spec_from_file_location("halo_network", ROOT / "benchmarks" / "halo_network.py")
-    network = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(network)
 
     def sizes(*flat_halo):
         return {"sizes": [{"seconds": {"flat": f, "halo": h}} for f, h in flat_halo]}
