@@ -20,17 +20,17 @@ RUNTIME_CAPABILITY: dict[str, tuple] = {
     "dtype": ("fp32", "bf16"),
 }
 """Allowed values per feature. Everything else a ModelSpec can say is built (runtime/model.py): q/k/v/o
-biases, attention sinks, LayerNorm with bias, parallel attention + MLP, shared experts and their gate,
-router bias, sigmoid routing, dense layers by first_k_dense / every / phase / explicit, the parallel dense
-FFN, learned positions; any virtual_stages whose chunks split num_layers evenly (unequal chunks, which the
-planner prices, are not run); any tp the plan rules
-allow (runtime/tensor_parallel.py, always with sequence parallelism; MLA splits q or q_b, kv_b and o, and keeps
-q_a, kv_a and their norms whole), with zero 0-3 (zero 1: runtime/optim.py). Not run: expert tensor parallelism
-(etp > 1: out of the default search, benchmarks/etp_value.py), a capacity factor (the runtime is dropless), tied
-embeddings over more than one model chunk, 0 or 1 norms per layer, 3 norms per layer without Arctic's residual
-MLP in every layer, sliding-window attention, fp16 / fp8 / mxfp8, context parallelism (cp > 1), and the
-``_tp_problems`` below. Multi-token-prediction modules (mtp_layers > 0) are built on the last stage
-(runtime/model.py MTPModule, the loss runtime/pipeline.py MTPLoss) with every pp, tp, ep and zero above."""
+biases, attention sinks, sliding-window attention, LayerNorm with bias, parallel attention + MLP, shared experts
+and their gate, router bias, sigmoid routing, dense layers by first_k_dense / every / phase / explicit, the
+parallel dense FFN, learned positions; any virtual_stages whose chunks split num_layers evenly (unequal chunks,
+which the planner prices, are not run); any tp the plan rules allow (runtime/tensor_parallel.py, always with
+sequence parallelism; MLA splits q or q_b, kv_b and o, and keeps q_a, kv_a and their norms whole), with zero 0-3
+(zero 1: runtime/optim.py). Not run: expert tensor parallelism (etp > 1: out of the default search,
+benchmarks/etp_value.py), a capacity factor (the runtime is dropless), tied embeddings over more than one model
+chunk, 0 or 1 norms per layer, 3 norms per layer without Arctic's residual MLP in every layer, fp16 / fp8 /
+mxfp8, context parallelism (cp > 1), and the ``_tp_problems`` below. Multi-token-prediction modules
+(mtp_layers > 0) are built on the last stage (runtime/model.py MTPModule, the loss runtime/pipeline.py MTPLoss)
+with every pp, tp, ep and zero above."""
 
 
 def _plan_problems(plan) -> list[str]:
@@ -48,8 +48,6 @@ def _attention_problems(model) -> list[str]:
     cap, a, out = RUNTIME_CAPABILITY, model.attention, []
     if a.kind not in cap["attention"]:
         out.append(f"attention.kind={a.kind!r} (runtime supports {', '.join(cap['attention'])})")
-    if a.sliding_window is not None:
-        out.append(f"attention.sliding_window={a.sliding_window} (runtime attends to every earlier key)")
     if a.qk_norm not in cap["qk_norm"]:
         out.append(f"attention.qk_norm={a.qk_norm!r} (runtime supports {', '.join(cap['qk_norm'])})")
     return out

@@ -16,6 +16,9 @@ What each spec feature builds (reference module in brackets):
 - qk_norm per_head [Qwen3: RMSNorm(hd) on q and k before RoPE]; full [OLMoE: RMSNorm(H hd) / RMSNorm(G hd)
   before RoPE]; weightless [Llama 4's L2Norm: RMS normalisation without weight, after RoPE].
 - sinks [gpt-oss: one learned logit per head joins the softmax denominator and is dropped from the output].
+- sliding_window [gpt-oss layer_types "sliding_attention": a causal mask over the window's keys, itself and the
+  window - 1 before it (transformers' sliding_window_causal_mask_function), in the layers AttentionSpec.window_of
+  picks, from the global layer index, so every pp / virtual-stage split windows the same layers].
 - norm.per_layer 2: pre-norm x + A(n1 x), then x + M(n2 x). 3 [Arctic, modeling_arctic.py with
   parallel_attn_mlp_res]: h = x + A(n1 x); out = h + R(n3 h) + MoE(n2 x) (the MoE reads the pre-attention
   input; n2 h when parallel_attn_mlp is false). 4 [Grok-1 model.py DecoderLayer]: h = x + n3(A(n1 x));
@@ -71,40 +74,52 @@ def rotary(x_BHSd: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     return x_BHSd * cos + torch.cat((-x2, x1), -1) * sin
 
 
-def attention_core(q_BHSd, k_BGSd, v_BGSe, sinks_H=None):
+def causal_window_mask(S: int, window: int, device) -> torch.Tensor:
+    """[S, S] bool, True where query i may attend key j: j <= i and j > i - window (itself and the window - 1 keys
+    before it; transformers' sliding_window_causal_mask_function, masking_utils.py)."""
+    offset_SS = torch.arange(S, device=device)[:, None] - torch.arange(S, device=device)[None, :]
+    return (offset_SS >= 0) & (offset_SS < window)
+
+
+def attention_core(q_BHSd, k_BGSd, v_BGSe, sinks_H=None, window: int | None = None):
     """Causal softmax(q k^T / sqrt(d)) v; G key/value heads serve H / G query heads each (GQA: SDPA's
     ``enable_gqa``, no expanded copy of K and V). With sinks (gpt-oss) each head's softmax also normalises
-    over one learned logit that carries no value. Returns [B, H, S, e]."""
-    H, G = q_BHSd.shape[1], k_BGSd.shape[1]
+    over one learned logit that carries no value. ``window``: each query attends to itself and the window - 1
+    keys before it (sliding-window layers); None or >= S = every earlier key. Returns [B, H, S, e]."""
+    H, G, S = q_BHSd.shape[1], k_BGSd.shape[1], q_BHSd.shape[-2]
+    allowed_SS = causal_window_mask(S, window, q_BHSd.device) if window is not None and window < S else None
     if sinks_H is None:
-        return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSe, is_causal=True, enable_gqa=G != H)
+        if allowed_SS is None:
+            return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSe, is_causal=True, enable_gqa=G != H)
+        return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSe, attn_mask=allowed_SS, enable_gqa=G != H)
     k_BHSd, v_BHSe = (t.repeat_interleave(H // G, dim=1) if G != H else t for t in (k_BGSd, v_BGSe))
-    S = q_BHSd.shape[-2]
     scores = (q_BHSd @ k_BHSd.transpose(-1, -2)) / math.sqrt(q_BHSd.shape[-1])
-    mask = torch.ones(S, S, dtype=torch.bool, device=scores.device).triu(1)
-    scores = scores.masked_fill(mask, float("-inf"))
+    if allowed_SS is None:
+        allowed_SS = torch.ones(S, S, dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~allowed_SS, float("-inf"))
     sink = sinks_H.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, S, 1)
     probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
     return probs @ v_BHSe
 
 
 class _Core(nn.Module):
-    """The attention core, checkpointed under selective recompute."""
+    """The attention core, checkpointed under selective recompute; ``window`` as attention_core's."""
 
-    def __init__(self, recompute: bool) -> None:
+    def __init__(self, recompute: bool, window: int | None = None) -> None:
         super().__init__()
-        self.recompute = recompute
+        self.recompute, self.window = recompute, window
 
     def forward(self, q, k, v, sinks=None):
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(attention_core, q, k, v, sinks, use_reentrant=False)
-        return attention_core(q, k, v, sinks)
+            return checkpoint(attention_core, q, k, v, sinks, self.window, use_reentrant=False)
+        return attention_core(q, k, v, sinks, self.window)
 
 
 class Attention(nn.Module):
-    """MHA / GQA with RoPE and a causal mask; optional q/k/v/o biases, qk-norm and sinks."""
+    """MHA / GQA with RoPE and a causal mask (sliding over ``window`` keys where set); optional q/k/v/o biases,
+    qk-norm and sinks."""
 
-    def __init__(self, spec, selective: bool = False) -> None:
+    def __init__(self, spec, selective: bool = False, window: int | None = None) -> None:
         super().__init__()
         a, d, hd = spec.attention, spec.hidden_size, spec.head_dim
         self.h, self.g, self.hd, self.qk_norm = a.num_heads, a.kv_heads, hd, a.qk_norm
@@ -114,7 +129,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.h * hd, d, bias=a.o_bias)
         self.q_norm, self.k_norm = self._qk_norms(spec)
         self.sinks = nn.Parameter(torch.zeros(self.h)) if a.sinks else None
-        self.core = _Core(selective)
+        self.core = _Core(selective, window)
 
     def _qk_norms(self, spec):
         kind = spec.attention.qk_norm
@@ -153,7 +168,7 @@ class Attention(nn.Module):
 class MLAttention(nn.Module):
     """DeepSeek-V2/V3 multi-head latent attention (training form: K and V decompressed per head)."""
 
-    def __init__(self, spec, selective: bool = False) -> None:
+    def __init__(self, spec, selective: bool = False, window: int | None = None) -> None:
         super().__init__()
         a, d = spec.attention, spec.hidden_size
         self.h, self.n, self.r, self.dv, self.c = (a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim,
@@ -169,7 +184,7 @@ class MLAttention(nn.Module):
         self.kv_a_norm = nn.RMSNorm(self.c, eps=NORM_EPS)
         self.kv_b = nn.Linear(self.c, self.h * (self.n + self.dv), bias=False)
         self.o = nn.Linear(self.h * self.dv, d, bias=a.o_bias)
-        self.core = _Core(selective)
+        self.core = _Core(selective, window)
 
     def _query(self, x_BSD):
         if hasattr(self, "q"):
@@ -191,8 +206,9 @@ class MLAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, S, -1))
 
 
-def build_attention(spec, selective: bool = False) -> nn.Module:
-    return MLAttention(spec, selective) if spec.attention.kind == "mla" else Attention(spec, selective)
+def build_attention(spec, selective: bool = False, window: int | None = None) -> nn.Module:
+    kind = MLAttention if spec.attention.kind == "mla" else Attention
+    return kind(spec, selective, window)
 
 
 class Block(nn.Module):
@@ -206,7 +222,9 @@ class Block(nn.Module):
         self.norm1, self.norm2 = make_norm(spec.norm, d), make_norm(spec.norm, d)
         self.norm3 = make_norm(spec.norm, d) if per >= 3 else None
         self.norm4 = make_norm(spec.norm, d) if per >= 4 else None
-        self.attn = build_attention(spec, selective=recompute == "selective")
+        # an MTP block (layer >= num_layers) is shaped like the model's last layer, its window too
+        window = spec.attention.window_of(min(layer, spec.num_layers - 1))
+        self.attn = build_attention(spec, selective=recompute == "selective", window=window)
         self.is_moe = spec.is_moe_layer(layer) if is_moe is None else is_moe
         self.mlp, self.residual_mlp = self._mlp(spec, moe_kwargs)
         self.full_recompute = recompute == "full"
@@ -470,12 +488,19 @@ def _init_experts(moe: MoE, seed: int, layer: int, std_out: float) -> None:
 
 
 # ---- reduced-size copies of catalog models -----------------------------------------------------
+SHRUNK_WINDOW = 4
+"""Keys of a sliding window in a reduced spec."""
+
+
 def _shrunk_heads(a, hidden_size: int) -> dict:
-    """Heads kept if they divide hidden_size with >= 8 per head, else 4; kv heads kept if they divide."""
+    """Heads kept if they divide hidden_size with >= 8 per head, else 4; kv heads kept if they divide; a sliding
+    window cut to SHRUNK_WINDOW keys."""
     heads = a.num_heads if hidden_size % a.num_heads == 0 and hidden_size // a.num_heads >= 8 else 4
     kv = max(1, min(a.kv_heads, heads))
     kv = kv if heads % kv == 0 else heads
     upd = {"num_heads": heads, "num_kv_heads": heads if a.kind in ("mha", "mla") else kv, "head_dim": None}
+    if a.sliding_window is not None:      # a window the test sequences (12-128 tokens) outgrow, so it masks
+        upd["sliding_window"] = min(a.sliding_window, SHRUNK_WINDOW)
     if a.kind == "mla":  # DeepSeek's proportions (nope 128 : rope 64 : v 128) at 1/8, ranks at 32 / 16
         upd.update(q_lora_rank=None if a.q_lora_rank is None else 32, kv_lora_rank=16, qk_nope_head_dim=16,
                    qk_rope_head_dim=8, v_head_dim=16)
@@ -484,9 +509,9 @@ def _shrunk_heads(a, hidden_size: int) -> dict:
 
 def shrink_spec(spec, hidden_size: int = 64, num_layers: int | None = 4, num_experts: int | None = None,
                 vocab_size: int = 512, ffn_size: int = 128, mtp_layers: int | None = 0):
-    """A reduced-width/-depth copy of a catalog spec (same structure: attention kind and options, norms,
-    gating, biases, shared experts and their gate, dense/MoE pattern, ties, positions) for CPU tests; MTP modules
-    dropped unless ``mtp_layers`` says how many to keep (None: the spec's)."""
+    """A reduced-width/-depth copy of a catalog spec (same structure: attention kind and options, a sliding window
+    of SHRUNK_WINDOW keys, norms, gating, biases, shared experts and their gate, dense/MoE pattern, ties,
+    positions) for CPU tests; MTP modules dropped unless ``mtp_layers`` says how many to keep (None: the spec's)."""
     attn = spec.attention.model_copy(update=_shrunk_heads(spec.attention, hidden_size))
     upd = {"hidden_size": hidden_size, "num_layers": num_layers or spec.num_layers, "vocab_size": vocab_size,
            "attention": attn, "max_seq_len": min(spec.max_seq_len or 1024, 1024),

@@ -88,6 +88,13 @@ class AttentionSpec(Spec):
             return 0
         return -(-num_layers // self.sliding_window_every)
 
+    def window_of(self, layer: int) -> int | None:
+        """The key window of global layer ``layer`` (0-based): sliding_window in every ``sliding_window_every``-th
+        layer from layer 0, None (full causal attention) elsewhere."""
+        if self.sliding_window is None or layer % self.sliding_window_every:
+            return None
+        return self.sliding_window
+
     @property
     def kv_heads(self) -> int:
         """Key/value heads (num_heads for MHA and MLA)."""

@@ -116,6 +116,8 @@ VARIANTS = {
     "qk_norm_weightless": ("tiny-moe", {"attention__qk_norm": "weightless"}),
     "sinks_and_biases": ("tiny-moe", {"attention__sinks": True, "attention__qkv_bias": True,
                                       "attention__o_bias": True}),
+    "sliding_window_with_sinks": ("tiny-moe", {"attention__sliding_window": 3, "attention__sliding_window_every": 2,
+                                               "attention__sinks": True}),
     "router_bias_sigmoid": ("tiny-moe", {"moe__router_bias": True, "moe__scoring": "sigmoid"}),
     "group_limited_routing": ("tiny-moe", {"moe__routing_groups": 4, "moe__routing_group_top_k": 2,
                                            "moe__routing_group_score_top": 2}),
@@ -164,6 +166,57 @@ def test_sinks_rescale_attention_by_the_sink_share():
     plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(attention_core(q, k, v, sinks), plain * share)
     torch.testing.assert_close(attention_core(q, k, v, torch.full((2,), -1e4)), plain)
+
+
+def _windowed_attention_by_hand(q, k, v, sinks, window):
+    """Query by query in float64: softmax over the scores of keys max(0, i - window + 1) .. i (and the head's sink
+    logit, which carries no value), times their values; GQA by repeating K and V."""
+    H, G, S = q.shape[1], k.shape[1], q.shape[2]
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
+    out = torch.zeros_like(q[..., :1].expand(*q.shape[:-1], v.shape[-1])).clone()
+    for i in range(S):
+        keys = slice(max(0, i - window + 1), i + 1)
+        scores = (q[:, :, i:i + 1] @ k[:, :, keys].transpose(-1, -2)) / q.shape[-1] ** 0.5     # [B, H, 1, w]
+        extra = (sinks.double().view(1, H, 1, 1).exp() if sinks is not None else 0.0)
+        weights = scores.exp() / (scores.exp().sum(-1, keepdim=True) + extra)
+        out[:, :, i] = (weights @ v[:, :, keys])[:, :, 0]
+    return out
+
+
+@pytest.mark.parametrize("sinks", [None, torch.tensor([0.3, -0.5, 1.0, 0.0])], ids=["plain", "sinks"])
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_sliding_window_attends_to_the_window_only(sinks, window):
+    """A windowed layer's attention equals, query by query, the softmax over itself and the window - 1 keys
+    before it (transformers' sliding_window_causal_mask_function); a window as long as the sequence is plain
+    causal attention. GQA (4 query heads on 2 kv heads), through SDPA (no sinks) and the explicit path (sinks)."""
+    g = torch.Generator().manual_seed(2)
+    q, (k, v) = torch.randn(2, 4, 7, 8, generator=g), (torch.randn(2, 2, 7, 8, generator=g) for _ in range(2))
+    got = attention_core(q, k, v, sinks, window)
+    torch.testing.assert_close(got, _windowed_attention_by_hand(q, k, v, sinks, window).float())
+    if window >= 7:
+        torch.testing.assert_close(got, attention_core(q, k, v, sinks))
+    else:
+        assert not torch.allclose(got, attention_core(q, k, v, sinks))
+
+
+def test_windowed_layers_follow_the_global_layer_index():
+    """gpt-oss's pattern (window on layers 0, 2, ...) comes from the global layer index, so a stage or model chunk
+    starting at an odd layer windows the same layers as the whole model; a query beyond the window does not see
+    the first token in a windowed layer and does in a full one; the reduced spec keeps a window that masks."""
+    spec = shrink_spec(load_model("gpt-oss-120b"))
+    assert spec.attention.sliding_window == 4
+    whole = build(spec)
+    assert [whole.layers[str(i)].attn.core.window for i in range(4)] == [4, None, 4, None]
+    tail = StageModel(spec, 1, 3, {})
+    assert [tail.layers[str(i)].attn.core.window for i in (1, 2, 3)] == [None, 4, None]
+    x = torch.randn(1, 9, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    moved = x.clone()
+    moved[:, 0] += 1.0
+    with torch.no_grad():
+        for layer, sees_token_0 in ((whole.layers["0"].attn, False), (whole.layers["1"].attn, True)):
+            changed = ~torch.isclose(layer(moved), layer(x), rtol=0, atol=1e-6).all(-1)[0]
+            assert changed[:4].all() and bool(changed[4:].any()) == sees_token_0
 
 
 def _block_io(spec):
