@@ -13,8 +13,9 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
 4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, the
    host's cost per dependent step (node.host_step_us, node.halo_step_us) from 4 KiB flat and HALO all-to-alls at
-   SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), and
-   HALO's copy rate inside an exchange from HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape)
+   SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), the
+   share of that step which runs under an inter-node transfer (node.host_step_hidden) from the flat 1 MiB exchange
+   at SHARE_RATE_GBps, and HALO's copy rate inside an exchange from HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape)
    less its modelled phases.
 
 Every all-to-all figure (test point, tiny exchange, copies inside an exchange) is the fastest of its calls (the
@@ -62,6 +63,7 @@ REPEATS = 10  # timed calls per point, after one warm-up
 STATISTIC = "min"  # the fastest call: the uncontended time on this shared host (calibration.timing)
 OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat alone at SHARE_RATE_GBps, reported
 HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
+HIDDEN_FIT_BYTES = 2**20  # the flat exchange at SHARE_RATE_GBps that node.host_step_hidden is fitted on
 TINY_ROUNDS = 3  # that tiny exchange is timed this many times (REPEATS calls each, as a test point) and the median
 #                 of the rounds' figures kept: one slow wake-up moves a single figure (the same flat 4 KiB exchange
 #                 took 1.3 - 2.6 ms across runs), and more calls in one figure would lower its fastest call below
@@ -133,8 +135,8 @@ def measured_uplink_use(out: Path, measure: bool = True) -> dict[str, dict]:
 
 def at_other_rate(out: Path, measure: bool = True) -> dict[str, dict]:
     """Flat all-to-all alone at SHARE_RATE_GBps (not a test rate) on every shape, OTHER_RATE_SIZES: how far a large
-    exchange stays above its busiest uplink's time (reported beside the host steps, which come from tiny_round;
-    kept in OUT/flat-<rate>-<shape>.json)."""
+    exchange stays above its busiest uplink's time (reported beside the host steps, which come from tiny_round; its
+    HIDDEN_FIT_BYTES row sets node.host_step_hidden, with_hidden_step; kept in OUT/flat-<rate>-<shape>.json)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
 
@@ -329,6 +331,37 @@ def with_host_step(platform, calibration, nodes: int, g: int, tiny_s: dict[str, 
     return type(platform).model_validate(data)
 
 
+def at_rate(platform, rate_GBps: float, to_GBps: float):
+    """``platform`` (built for ``rate_GBps`` uplinks) with its uplinks at ``to_GBps``: the NIC and switch figures
+    scaled by to / rate (the shaping efficiency of the test rate kept), the burst of a link at that rate."""
+    data = platform.model_dump()
+    scale = to_GBps / rate_GBps
+    data["node"]["nic_bandwidth_GBps"] *= scale
+    data["network"]["scopes"]["switch"]["bandwidth_GBps"] *= scale
+    data["network"]["link_burst_bytes"] = NetworkSpec(to_GBps, UPLINKS).burst_bytes
+    return type(platform).model_validate(data)
+
+
+def with_hidden_step(platform, calibration, nodes: int, g: int, rate_GBps: float, other_rate: dict | None):
+    """``platform`` with node.host_step_hidden fitted on the flat exchange of HIDDEN_FIT_BYTES measured at
+    SHARE_RATE_GBps on this shape (at_other_rate: a rate no predicted point uses), priced at that rate with this
+    test rate's calibration: the share of min(host step, wire time) the measurement did not take (the model's
+    time falls linearly with it), in [0, 1]. Unchanged where that row was not measured or there is no host step."""
+    sizes = (other_rate or {}).get("sizes", [])
+    measured = [size["seconds"]["flat"] for size in sizes if size["bytes_per_rank"] == HIDDEN_FIT_BYTES]
+    if not measured or platform.node.host_step_us <= 0:
+        return platform
+    data = platform.model_dump()
+    at = {}
+    for hidden in (0.0, 1.0):
+        data["node"]["host_step_hidden"] = hidden
+        there = at_rate(type(platform).model_validate(data), rate_GBps, SHARE_RATE_GBps)
+        at[hidden] = predict(there, calibration, nodes, g, HIDDEN_FIT_BYTES)["flat"]
+    span = at[0.0] - at[1.0]
+    data["node"]["host_step_hidden"] = min(max((at[0.0] - measured[0]) / span, 0.0), 1.0) if span > 0 else 0.0
+    return type(platform).model_validate(data)
+
+
 def predict(platform, calibration, nodes: int, g: int, nbytes: int) -> dict[str, float]:
     from piper_plan.cost.comm import Network
 
@@ -377,13 +410,16 @@ def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
     return rows, checks
 
 
-def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration, tiny: dict) -> dict:
-    """``row`` (one measured point) with the model's flat and HALO seconds for it."""
+def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration, tiny: dict, other: dict) -> dict:
+    """``row`` (one measured point) with the model's flat and HALO seconds for it; ``other``: at_other_rate's
+    figures of the calibrating OUT."""
     g, nodes = row["ranks_per_node"], row["nodes"]
     platform = platform_for(row["rate_GBps"], nodes, g, check["figures"], shares[f"flat {g}"], check, copies)
     platform = with_host_step(platform, calibration, nodes, g, tiny.get(f"{nodes}x{g}"))
+    platform = with_hidden_step(platform, calibration, nodes, g, row["rate_GBps"], other.get(f"{nodes}x{g}"))
     row["host_step_us"] = platform.node.host_step_us
     row["halo_step_us"] = platform.node.halo_step_us
+    row["host_step_hidden"] = platform.node.host_step_hidden
     pred = predict(platform, calibration, nodes, g, row["bytes"])
     row["flat_pred_s"], row["halo_pred_s"] = pred["flat"], pred["halo"]
     return row
@@ -432,6 +468,7 @@ def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict,
     calibration = load_calibration(cal_dir)
     platform = platform_for(rate, 2, 2, link_figures(cal_dir), shares["flat 2"], checks[rate], copies)
     platform = with_host_step(platform, calibration, 2, 2, tiny.get("2x2"))
+    platform = with_hidden_step(platform, calibration, 2, 2, rate, at_other_rate(out, measure=False).get("2x2"))
     model = load_model(MODEL)
     training = TrainingSpec(seq_len=SEQ, global_batch=BATCH, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
     rows = []
@@ -616,7 +653,7 @@ def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -
     def steps(key: str) -> dict:
         return {(r["rate_GBps"], f"{r['nodes']}x{r['ranks_per_node']}"): r.get(key) or 0.0 for r in rows}
 
-    flat_steps, halo_steps = steps("host_step_us"), steps("halo_step_us")
+    flat_steps, halo_steps, hidden = steps("host_step_us"), steps("halo_step_us"), steps("host_step_hidden")
     rates = " / ".join(f"{r:g}" for r in RATES_GBps)
     kib = HOST_STEP_BYTES // 1024
     lines = ["", f"Flat all-to-all alone at {SHARE_RATE_GBps:g} GB/s per uplink (a rate no predicted point uses; "
@@ -626,16 +663,20 @@ def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -
              f"dependent step they give each shape (node.host_step_us: the {kib} KiB flat exchange's time beyond the "
              "model's latency terms with each "
              f"test rate's calibration; node.halo_step_us: per HALO phase, the {kib} KiB HALO exchange's time beyond "
-             "the model's terms for it):", "", "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES)
-             + f" | flat / HALO {kib} KiB together | host step us at {rates} GB/s | HALO step us at {rates} GB/s |",
-             "|---" * (len(OTHER_RATE_SIZES) + 4) + "|"]
+             f"the model's terms for it; node.host_step_hidden: the share of min(step, wire time) that runs under a "
+             f"step's inter-node transfer, fitted so that the flat {HIDDEN_FIT_BYTES // 1024:,} KiB exchange at "
+             f"{SHARE_RATE_GBps:g} GB/s is priced as measured, with each test rate's platform, clipped to 0..1):", "",
+             "| shape | " + " | ".join(f"{b // 1024:,} KiB" for b in OTHER_RATE_SIZES)
+             + f" | flat / HALO {kib} KiB together | host step us at {rates} GB/s | HALO step us at {rates} GB/s "
+             f"| hidden share at {rates} GB/s |", "|---" * (len(OTHER_RATE_SIZES) + 5) + "|"]
     for shape in (f"{nodes}x{g}" for nodes, g in SHAPES):
         ms = {s["bytes_per_rank"]: s["seconds"]["flat"] * 1e3 for s in other_rate.get(shape, {}).get("sizes", [])}
         pair = tiny.get(shape, {})
         together = " / ".join(f"{1e3 * pair[a]:.2f}" if a in pair else "-" for a in ("flat", "halo"))
         lines.append(f"| {shape} | " + " | ".join(f"{ms[b]:.2f}" if b in ms else "-" for b in OTHER_RATE_SIZES)
                      + f" | {together} | " + " / ".join(f"{flat_steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps)
-                     + " | " + " / ".join(f"{halo_steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps) + " |")
+                     + " | " + " / ".join(f"{halo_steps.get((r, shape), 0.0):.0f}" for r in RATES_GBps)
+                     + " | " + " / ".join(f"{hidden.get((r, shape), 0.0):.2f}" for r in RATES_GBps) + " |")
     return lines
 
 
@@ -762,7 +803,7 @@ def main() -> int:
         tiny = tiny_seconds(out)
         uses = measured_uplink_use(out, measure=False)   # --reuse re-renders: it measures nothing
         copies_inside_saved(out, checks, shares)
-        rows = repredict(out, rows, checks, shares, copies, tiny)
+        rows = repredict(out, rows, checks, shares, copies, tiny, at_other_rate(out, measure=False))
         again_loop = args.rerun_closed_loop
         loop_rows = (closed_loop(out, shares, checks, copies, tiny, args.steps, run=again_loop)
                      if saved["closed_loop"] or again_loop else [])
@@ -778,7 +819,7 @@ def main() -> int:
         print(f"uplink use at {SHARE_RATE_GBps:g} GB/s: {uses}", flush=True)
         rows, checks = sweep(out, shares)
         tiny = tiny_seconds(out)                          # with the rounds the sweep took
-        rows = repredict(out, rows, checks, shares, copies, tiny)
+        rows = repredict(out, rows, checks, shares, copies, tiny, at_other_rate(out, measure=False))
         loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps)
     atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
                                              "copies": copies})
@@ -788,7 +829,7 @@ def main() -> int:
     if args.repeat:
         other = Path(args.repeat)
         saved_again = json.loads((other / "results.json").read_text())
-        again = repredict(other, saved_again["rows"], checks, shares, copies, tiny)
+        again = repredict(other, saved_again["rows"], checks, shares, copies, tiny, at_other_rate(out, measure=False))
     text = report(rows, checks, shares, loop_rows, copies, again, at_other_rate(out, measure=False), tiny, uses)
     atomic_write_text(doc, text + analysis_text())
     print(text)
@@ -808,12 +849,13 @@ def copies_inside_saved(out: Path, checks: dict, shares: dict) -> None:
                                                              load_calibration(out / f"calibration-{rate:g}"))
 
 
-def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict, tiny: dict) -> list[dict]:
+def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict, tiny: dict,
+              other: dict) -> list[dict]:
     """The saved measurements with the model's predictions computed again (after a model change)."""
     from piper_plan.calibration import load_calibration
 
     cals = {rate: load_calibration(out / f"calibration-{rate:g}") for rate in checks}
-    return [predict_row(r, checks[r["rate_GBps"]], shares, copies, cals[r["rate_GBps"]], tiny) for r in rows]
+    return [predict_row(r, checks[r["rate_GBps"]], shares, copies, cals[r["rate_GBps"]], tiny, other) for r in rows]
 
 
 def analysis_text() -> str:

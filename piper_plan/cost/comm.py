@@ -36,7 +36,9 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
   ``max(I, II + III) + copies``); ``node.serial_phases`` (CPU ranks on fewer cores than ranks: phase I does not
   overlap II + III, ``I + II + III + copies``); ``node.host_step_us`` (each dependent step, a flat exchange or
   one HALO phase, waits that long for the host: flat pays it once, HALO three times in series and twice on its
-  critical path when phase I overlaps (``max(I, II + III)``), at ``node.halo_step_us`` where that is set); ``network.link_burst_bytes``
+  critical path when phase I overlaps (``max(I, II + III)``), at ``node.halo_step_us`` where that is set; of a
+  step with an inter-node transfer, flat's exchange or HALO's phase II, ``node.host_step_hidden`` x the shorter of
+  step and transfer runs under the transfer); ``network.link_burst_bytes``
   (a shaped link's token bucket passes that much at once: the busiest NIC's wire time is
   ``max(bytes - burst, 0) / rate``, i.e. the remote bandwidth terms less burst / NIC rate). Measured on the
   emulated network: docs/halo-measured.md.
@@ -242,9 +244,11 @@ class Network:
         flat_step, halo_step = (step * (n > 1) for step in self.host_steps_seconds())   # no exchange, no step
         multi = (nodes > 1) & (n > 1)
         flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local) + flat_step
-        t_flat_r = t_flat_r + flat_step
+        flat_total = flat_total - np.where(multi, self._hidden_step(flat_step, t_flat_r), 0.0)
+        t_flat_r = t_flat_r + flat_step - self._hidden_step(flat_step, t_flat_r)
         serial = self.platform.node.serial_phases
-        t_local_h, t_halo_r, t_redis = t_local + halo_step, t_halo_r + halo_step, t_redis + halo_step
+        t_local_h, t_redis = t_local + halo_step, t_redis + halo_step
+        t_halo_r = t_halo_r + halo_step - self._hidden_step(halo_step, t_halo_r)
         phases = t_local_h + t_halo_r + t_redis if serial else np.maximum(t_local_h, t_halo_r + t_redis)
         halo_total = phases + np.where(multi, self.relay_copy_seconds(n, nodes, nbytes), 0)
         halo = algo == A2A.HALO.code
@@ -252,6 +256,10 @@ class Network:
         total = self._calibrated_a2a(total, algo, n, nbytes, scope, multi)
         inter = np.where(multi, np.minimum(total, np.where(halo, t_halo_r, t_flat_r)), 0.0)
         return total - inter, inter
+
+    def _hidden_step(self, step_s, wire_s):
+        """Host-step seconds that run under a step's inter-node transfer (node.host_step_hidden of the shorter)."""
+        return self.platform.node.host_step_hidden * np.minimum(step_s, wire_s)
 
     def _calibrated_a2a(self, total, algo, n, nbytes, scope, multi):
         halo = algo == A2A.HALO.code

@@ -90,6 +90,11 @@ class NodeSpec(Spec):
     """The same for each of HALO's three phases, where it differs from a flat exchange's step (each phase gathers
     rows and posts its sends on per-direction communicators: more host work per step than one all_to_all_single);
     calibrated from a tiny HALO exchange at a rate no predicted point uses. None = host_step_us."""
+    host_step_hidden: float = Field(default=0.0, ge=0, le=1)
+    """Fraction of a step's host time that runs while the step's inter-node transfer is on the wire (other ranks'
+    host work while one rank's bytes cross a shaped link): a step costs its wire time and host step less
+    ``host_step_hidden x min(host step, wire time)``. Calibrated from a flat exchange at a rate no predicted point
+    uses (docs/halo-measured.md); 0 = the host step adds to the wire time in full (cost/comm.py)."""
     source: str
     """Citation."""
 

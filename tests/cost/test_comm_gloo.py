@@ -22,6 +22,7 @@ def netemu(**changes) -> PlatformSpec:
     data["node"]["serial_phases"] = changes.get("serial_phases", False)
     data["node"]["host_step_us"] = changes.get("host_step_us", 0.0)
     data["node"]["halo_step_us"] = changes.get("halo_step_us")
+    data["node"]["host_step_hidden"] = changes.get("hidden", 0.0)
     data["network"]["link_burst_bytes"] = changes.get("burst", 0.0)
     return PlatformSpec.model_validate(data)
 
@@ -128,6 +129,20 @@ def test_halo_phases_pay_their_own_step_where_one_is_set():
             assert times[1] - times[0] == pytest.approx(ms * 1e-3)
 
 
+@pytest.mark.parametrize("nbytes", [4096, 16 * MiB])
+def test_a_hidden_share_of_the_host_step_runs_under_the_wire(nbytes):
+    """host_step_hidden 0.4 with a 1 ms step: flat across nodes is 0.4 x min(1 ms, its remote time) shorter, HALO
+    (phases in series) 0.4 x min(1 ms, phase II) shorter, the step of phases I and III (no wire) kept; a one-node
+    exchange has no wire to hide under and keeps its whole step."""
+    stepped = Network(netemu(serial_phases=True, host_step_us=1000.0))
+    hidden = Network(netemu(serial_phases=True, host_step_us=1000.0, hidden=0.4))
+    _, flat_remote, halo_remote, _ = stepped.a2a_phases(8, 4, nbytes, 1)
+    for algo, n, nodes, scope, wire in ((0, 8, 4, 1, flat_remote), (1, 8, 4, 1, halo_remote), (0, 2, 1, 0, 0.0)):
+        times = [sum(net.a2a_seconds(algo, n, nodes, nbytes, scope)) for net in (stepped, hidden)]
+        assert times[0] - times[1] == pytest.approx(0.4 * min(1e-3, wire), abs=1e-12)
+    assert (halo_remote < 1e-3) == (nbytes < MiB)        # both sides of the min: HALO's 4 KiB phase II is shorter
+
+
 @pytest.mark.parametrize("name", [p for p in catalog_names(platforms_dir()) if p != "netemu"])
 def test_other_platforms_keep_the_terms_off(name):
     """No shipped platform but the emulated network sets a gloo term: their predictions are as before."""
@@ -136,4 +151,5 @@ def test_other_platforms_keep_the_terms_off(name):
     assert not platform.network.a2a_posts_all and not platform.network.half_duplex_connections
     assert not platform.node.serial_phases
     assert platform.node.host_step_us == 0 and platform.node.halo_step_us is None
+    assert platform.node.host_step_hidden == 0
     assert platform.network.link_burst_bytes == 0

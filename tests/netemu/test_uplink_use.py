@@ -132,3 +132,34 @@ def test_the_host_step_exchange_is_the_median_of_every_round_in_the_run(tmp_path
                                                                             (1.0e-3, 2.9e-3))))
     tiny = network.tiny_seconds(tmp_path)
     assert tiny == {"2x2": {"flat": pytest.approx(1.2e-3), "halo": pytest.approx(3.1e-3)}}
+
+
+def test_the_hidden_share_of_the_host_step_is_fitted_at_the_other_rate(network):
+    """node.host_step_hidden comes from the flat 1 MiB exchange measured at 0.1 GB/s on the shape (a rate no test
+    point uses), priced there with the test rate's platform: a measurement made by the model at 0.4 gives back 0.4;
+    one slower than the whole step gives 0, one faster than no step at all 1; no row, or no host step, leaves it."""
+    from piper_plan.catalog import load_platform
+
+    data = load_platform("netemu").model_dump()
+    data["node"]["host_step_us"] = 2000.0
+    platform = type(load_platform("netemu")).model_validate(data)
+
+    def measured_at(hidden: float) -> dict:
+        data["node"]["host_step_hidden"] = hidden
+        there = network.at_rate(type(platform).model_validate(data), 0.05, network.SHARE_RATE_GBps)
+        flat = network.predict(there, None, 2, 2, network.HIDDEN_FIT_BYTES)["flat"]
+        return {"sizes": [{"bytes_per_rank": 4096, "seconds": {"flat": 1.0}},
+                          {"bytes_per_rank": network.HIDDEN_FIT_BYTES, "seconds": {"flat": flat}}]}
+
+    def fitted(row):
+        return network.with_hidden_step(platform, None, 2, 2, 0.05, row).node.host_step_hidden
+
+    assert fitted(measured_at(0.4)) == pytest.approx(0.4)
+    slow, fast = measured_at(0.0), measured_at(1.0)
+    slow["sizes"][1]["seconds"]["flat"] += 1e-3
+    fast["sizes"][1]["seconds"]["flat"] -= 1e-3
+    assert (fitted(slow), fitted(fast)) == (0.0, 1.0)
+    assert fitted(None) == 0.0 and fitted({"sizes": []}) == 0.0
+    data["node"]["host_step_us"], data["node"]["host_step_hidden"] = 0.0, 0.0
+    unstepped = type(platform).model_validate(data)
+    assert network.with_hidden_step(unstepped, None, 2, 2, 0.05, measured_at(0.4)) is unstepped
