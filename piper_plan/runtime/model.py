@@ -83,16 +83,18 @@ def causal_window_mask(S: int, window: int, device) -> torch.Tensor:
 
 def attention_core(q_BHSd, k_BGSd, v_BGSe, sinks_H=None, window: int | None = None):
     """Causal softmax(q k^T / sqrt(d)) v; G key/value heads serve H / G query heads each (GQA: SDPA's
-    ``enable_gqa``, no expanded copy of K and V). With sinks (gpt-oss) each head's softmax also normalises
+    ``enable_gqa``, no expanded copy of K and V, where no mask is needed). With sinks (gpt-oss) each head's softmax also normalises
     over one learned logit that carries no value. ``window``: each query attends to itself and the window - 1
     keys before it (sliding-window layers); None or >= S = every earlier key. Returns [B, H, S, e]."""
     H, G, S = q_BHSd.shape[1], k_BGSd.shape[1], q_BHSd.shape[-2]
     allowed_SS = causal_window_mask(S, window, q_BHSd.device) if window is not None and window < S else None
-    if sinks_H is None:
-        if allowed_SS is None:
-            return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSe, is_causal=True, enable_gqa=G != H)
-        return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSe, attn_mask=allowed_SS, enable_gqa=G != H)
+    if sinks_H is None and allowed_SS is None:
+        return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSe, is_causal=True, enable_gqa=G != H)
+    # K and V repeated per query head: SDPA's enable_gqa with a mask runs only in its math backend, which holds
+    # every S x S score (its memory-efficient kernel takes the mask but not the grouped heads)
     k_BHSd, v_BHSe = (t.repeat_interleave(H // G, dim=1) if G != H else t for t in (k_BGSd, v_BGSe))
+    if sinks_H is None:
+        return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSe, attn_mask=allowed_SS)
     scores = (q_BHSd @ k_BHSd.transpose(-1, -2)) / math.sqrt(q_BHSd.shape[-1])
     if allowed_SS is None:
         allowed_SS = torch.ones(S, S, dtype=torch.bool, device=scores.device).tril()
