@@ -15,8 +15,8 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    host's cost per dependent step (node.host_step_us, node.halo_step_us) from 4 KiB flat and HALO all-to-alls at
    SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), the
    share of that step which runs under an inter-node transfer (node.host_step_hidden) from the flat 1 MiB exchange
-   at SHARE_RATE_GBps, and HALO's copy rate inside an exchange from HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape)
-   less its modelled phases.
+   at SHARE_RATE_GBps, and HALO's copy rate inside an exchange from HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no
+   predicted point's shape) less its modelled phases.
 
 Every all-to-all figure (test point, tiny exchange, copies inside an exchange) is the fastest of its calls (the
 uncontended time on this shared host) of one call's time over all ranks, from the first rank's start to the last

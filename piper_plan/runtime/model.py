@@ -83,9 +83,10 @@ def causal_window_mask(S: int, window: int, device) -> torch.Tensor:
 
 def attention_core(q_BHSd, k_BGSd, v_BGSe, sinks_H=None, window: int | None = None):
     """Causal softmax(q k^T / sqrt(d)) v; G key/value heads serve H / G query heads each (GQA: SDPA's
-    ``enable_gqa``, no expanded copy of K and V, where no mask is needed). With sinks (gpt-oss) each head's softmax also normalises
-    over one learned logit that carries no value. ``window``: each query attends to itself and the window - 1
-    keys before it (sliding-window layers); None or >= S = every earlier key. Returns [B, H, S, e]."""
+    ``enable_gqa``, no expanded copy of K and V, where no mask is needed). With sinks (gpt-oss) each head's
+    softmax also normalises over one learned logit that carries no value. ``window``: each query attends to itself
+    and the window - 1 keys before it (sliding-window layers); None or >= S = every earlier key. Returns
+    [B, H, S, e]."""
     H, G, S = q_BHSd.shape[1], k_BGSd.shape[1], q_BHSd.shape[-2]
     allowed_SS = causal_window_mask(S, window, q_BHSd.device) if window is not None and window < S else None
     if sinks_H is None and allowed_SS is None:
