@@ -259,7 +259,8 @@ class Network:
 
     def _hidden_step(self, step_s, wire_s):
         """Host-step seconds that run under a step's inter-node transfer (node.host_step_hidden of the shorter)."""
-        return self.platform.node.host_step_hidden * np.minimum(step_s, wire_s)
+        hidden = self.platform.node.host_step_hidden
+        return hidden * np.minimum(step_s, wire_s) if hidden > 0 else 0.0
 
     def _calibrated_a2a(self, total, algo, n, nbytes, scope, multi):
         halo = algo == A2A.HALO.code
