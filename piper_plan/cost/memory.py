@@ -115,8 +115,7 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
         kept = kept + tokens * heads_local * (2 * qk + a.v_head_dim) * ab
         v_dim = a.v_head_dim
     else:
-        expanded = opts.unfused_kernels and a.sinks      # the runtime's sink path expands K / V (no enable_gqa)
-        kv_heads = heads_local if expanded else a.kv_heads / tp
+        kv_heads = a.kv_heads / tp
         kept = kept + tokens * (heads_local + 2 * kv_heads) * model.head_dim * ab
         v_dim = model.head_dim
         if opts.unfused_kernels:
@@ -125,10 +124,33 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     if opts.dropout:
         kept = kept + tokens * d / sp                        # 1-byte dropout mask after the projection
     if training.flash_attention:
-        return kept + tokens * heads_local * LSE_BYTES, 0.0 * kept
+        if not opts.unfused_kernels:
+            return kept + tokens * heads_local * LSE_BYTES, 0.0 * kept
+        # piper's runtime: its core (checkpointed under selective recompute) keeps SDPA's log-sum-exp, or on the
+        # sink path the softmax output instead (runtime_masked_core_bytes)
+        lse = 0.0 if a.sinks else tokens * heads_local * LSE_BYTES
+        return kept, lse + runtime_masked_core_bytes(model, training, opts, tp, mbs) + 0.0 * kept
     per_score = 5 if opts.dropout else 4                     # softmax out 2 + mask 1 + dropout out 2 | scores 2 + probs 2
     core = mbs * heads_local * s * s * per_score
     return kept, core
+
+
+def runtime_masked_core_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs):
+    """Bytes per layer (averaged over the layers) that piper's runtime saves inside its attention core beyond
+    SDPA's log-sum-exp, where it masks explicitly (runtime/model.py ``attention_core``; ``unfused_kernels`` only;
+    0 otherwise). K and V repeated to every query head; with sinks, in every layer, the softmax output over the keys
+    and the sink [s, s + 1] per head and the boolean causal / window mask [s, s]; without sinks, in the windowed
+    layers whose window is shorter than the sequence, SDPA's additive mask [s, s] in the activation dtype. All of
+    it inside the core, which selective recompute re-runs (dropped with it); MLA has neither sinks nor a window."""
+    a, s, ab = model.attention, training.seq_len, training.activation_bytes
+    if not opts.unfused_kernels or a.kind == "mla":
+        return 0.0
+    windowed = a.sliding_layers(model.num_layers) / model.num_layers if (a.sliding_window or s) < s else 0.0
+    share = 1.0 if a.sinks else windowed                 # layers on a masked path
+    heads_local, kv_local = a.num_heads / tp, a.kv_heads / tp
+    expanded = mbs * s * 2 * (heads_local - kv_local) * model.head_dim * ab
+    scores = mbs * heads_local * s * (s + 1) * ab + s * s if a.sinks else s * s * ab
+    return share * (expanded + scores)
 
 
 def ffn_activation_bytes(ffn, rows, ab, tp, unfused: bool = False, gb=None):

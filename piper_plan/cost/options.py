@@ -26,7 +26,9 @@ class CostOptions:
     unfused_kernels: bool = False
     """Activations as piper's own runtime saves them (unfused PyTorch kernels, runtime/model.py and moe.py): each
     RMSNorm keeps its input, normalised input and fp32 rstd; GQA keys / values stay unexpanded (SDPA's
-    enable_gqa) except on the sink path, which expands them to every head; RoPE keeps its cos / sin tables;
+    enable_gqa) except where the core masks explicitly (sinks; a sliding window shorter than the sequence), which
+    repeats them to every head and keeps the mask, and on the sink path the [s, s + 1] softmax
+    (memory.runtime_masked_core_bytes); RoPE keeps its cos / sin tables;
     SwiGLU keeps silu(gate) beside gate, up and product (4 x d_ffn);
     the MoE block keeps one combine buffer, not dispatch + combine. False = Megatron-style fused kernels
     (Korthikanti et al. 2022 as written). Tier-4 test: tests/validation/test_activation_terms.py."""

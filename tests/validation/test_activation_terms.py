@@ -1,8 +1,9 @@
 """Analytic equals real (DESIGN.md tier 4): with ``CostOptions(unfused_kernels=True)`` the resource model's
 activation bytes per pipeline stage equal what piper's runtime saves for backward (autograd saved-tensor hooks,
 runtime/accounting.py), term by term: unfused RMSNorm (input, normalised, rstd),
-GQA k/v unexpanded (SDPA enable_gqa; expanded on the sink path),
-RoPE cos/sin tables, SwiGLU's silu(gate), one combine buffer, router ids, the loss's fp32 log-softmax."""
+GQA k/v unexpanded (SDPA enable_gqa; expanded where the core masks explicitly: sinks, sliding windows),
+RoPE cos/sin tables, SwiGLU's silu(gate), one combine buffer, router ids, the loss's fp32 log-softmax; the sink
+path's [s, s + 1] softmax and the masks; selective recompute dropping the core."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ from piper_plan.cost.options import CostOptions  # noqa: E402
 from piper_plan.specs import ParallelPlan, TrainingSpec  # noqa: E402
 
 
-def _saved_bytes(model, seq: int, mbs: int, first: int, layers: int) -> int:
+def _saved_bytes(model, seq: int, mbs: int, first: int, layers: int, recompute: str = "none") -> int:
     from piper_plan.runtime.accounting import SavedTensorTracker
     from piper_plan.runtime.model import StageModel, init_stage
     from piper_plan.runtime.pipeline import lm_loss
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    module = StageModel(model, first, layers)
+    module = StageModel(model, first, layers, {}, recompute)
     init_stage(module, 0)
     tracker = SavedTensorTracker(module)
     tokens = torch.randint(0, model.vocab_size, (mbs, seq + 1))
@@ -50,6 +51,35 @@ def test_stage_activations_equal_runtime_saved_bytes(name, seq, mbs, pp):
         measured = _saved_bytes(model, seq, mbs, sum(layers[:stage]), layers[stage])
         # exact but for a few scalars (the loss, rstd of a [1]-shaped reduction): < 0.1%
         assert predicted == pytest.approx(measured, rel=1e-3), (name, stage, predicted, measured)
+
+
+def _attention_variant(**attention):
+    model = load_model("tiny-moe")
+    data = model.model_dump()
+    data["attention"].update(attention)
+    return type(model).model_validate(data)
+
+
+@pytest.mark.parametrize("attention", [{"sinks": True}, {"sliding_window": 16, "sliding_window_every": 2},
+                                       {"sliding_window": 16, "sliding_window_every": 2, "sinks": True}],
+                         ids=["sinks", "window", "window_sinks"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_masked_attention_cores_equal_runtime_saved_bytes(attention, recompute):
+    """Where the runtime masks explicitly it keeps more than SDPA's log-sum-exp: K and V repeated per head and the
+    mask, and on the sink path the [s, s + 1] softmax (s^2: 4x the bytes at twice the sequence); selective
+    recompute drops all of it with the core. A window as long as the sequence masks nothing extra."""
+    model = _attention_variant(**attention)
+    for seq in (64, 128):
+        training = TrainingSpec(seq_len=seq, global_batch=1, dtype="fp32", weight_bytes=4, grad_bytes=4,
+                                master_bytes=0)
+        plan = ParallelPlan(mbs=1, num_microbatches=1, recompute=recompute)
+        est = estimate(model, load_platform("local-cpu"), training, 1, plan, options=CostOptions(unfused_kernels=True))
+        predicted = sum(v for k, v in est.memory.per_stage[0].components.items() if k.startswith("activations/"))
+        assert predicted == pytest.approx(_saved_bytes(model, seq, 1, 0, model.num_layers, recompute), rel=1e-3)
+    long_window = _attention_variant(sliding_window=128)
+    plain = [estimate(m, load_platform("local-cpu"), training, 1, plan, options=CostOptions(unfused_kernels=True))
+             .memory.per_stage[0].components["activations/attention"] for m in (long_window, load_model("tiny-moe"))]
+    assert plain[0] == plain[1]
 
 
 def test_fused_default_is_unchanged_and_smaller():
