@@ -30,6 +30,7 @@ the framework overhead measured right before (its 4-rank lockstep rows by 2 x 2 
 predicted vs measured step time and its parts (the runtime's a2a and dp_sync timers, the rest). Writes docs/halo-measured.md and docs/halo-measured.png.
 
 Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse [--rerun-closed-loop]]
+     [--no-hidden-step]
      [--from DIR] [--repeat DIR]
 """
 
@@ -450,7 +451,7 @@ def closed_loop_calibration(out: Path, rate: float, measure: bool = True) -> Pat
     return cal_dir
 
 
-def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict, steps: int,
+def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict, steps: int, fit: dict,
                 run: bool = True) -> list[dict]:
     """dp4 ep4 (tiny-moe) with flat and with HALO on 2 nodes x 2 ranks of the slowest network; ``run=False``
     predicts again and compares with the steps measured before (OUT/closed-loop-*/metrics.jsonl)."""
@@ -468,7 +469,7 @@ def closed_loop(out: Path, shares: dict, checks: dict, copies: dict, tiny: dict,
     calibration = load_calibration(cal_dir)
     platform = platform_for(rate, 2, 2, link_figures(cal_dir), shares["flat 2"], checks[rate], copies)
     platform = with_host_step(platform, calibration, 2, 2, tiny.get("2x2"))
-    platform = with_hidden_step(platform, calibration, 2, 2, rate, at_other_rate(out, measure=False).get("2x2"))
+    platform = with_hidden_step(platform, calibration, 2, 2, rate, fit.get("2x2"))
     model = load_model(MODEL)
     training = TrainingSpec(seq_len=SEQ, global_batch=BATCH, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
     rows = []
@@ -788,6 +789,8 @@ def main() -> int:
     ap.add_argument("--from", dest="first", default=None,
                     help="a repeat sweep: take calibration, shaping and NIC shares from this earlier OUT")
     ap.add_argument("--repeat", default=None, help="an OUT measured again with --from OUT: report the spread per point")
+    ap.add_argument("--no-hidden-step", action="store_true",
+                    help="price without node.host_step_hidden (the with / without comparison of the analysis)")
     args = ap.parse_args()
     from piper_plan.fileio import atomic_write_json, atomic_write_text
 
@@ -803,9 +806,10 @@ def main() -> int:
         tiny = tiny_seconds(out)
         uses = measured_uplink_use(out, measure=False)   # --reuse re-renders: it measures nothing
         copies_inside_saved(out, checks, shares)
-        rows = repredict(out, rows, checks, shares, copies, tiny, at_other_rate(out, measure=False))
+        rows = repredict(out, rows, checks, shares, copies, tiny, hidden_fit(out, args))
         again_loop = args.rerun_closed_loop
-        loop_rows = (closed_loop(out, shares, checks, copies, tiny, args.steps, run=again_loop)
+        loop_rows = (closed_loop(out, shares, checks, copies, tiny, args.steps, hidden_fit(out, args),
+                                 run=again_loop)
                      if saved["closed_loop"] or again_loop else [])
     else:
         shares_path = out / "shares.json"
@@ -819,8 +823,9 @@ def main() -> int:
         print(f"uplink use at {SHARE_RATE_GBps:g} GB/s: {uses}", flush=True)
         rows, checks = sweep(out, shares)
         tiny = tiny_seconds(out)                          # with the rounds the sweep took
-        rows = repredict(out, rows, checks, shares, copies, tiny, at_other_rate(out, measure=False))
-        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps)
+        rows = repredict(out, rows, checks, shares, copies, tiny, hidden_fit(out, args))
+        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps,
+                                                               hidden_fit(out, args))
     atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
                                              "copies": copies})
     doc = Path(args.doc)
@@ -829,11 +834,17 @@ def main() -> int:
     if args.repeat:
         other = Path(args.repeat)
         saved_again = json.loads((other / "results.json").read_text())
-        again = repredict(other, saved_again["rows"], checks, shares, copies, tiny, at_other_rate(out, measure=False))
+        again = repredict(other, saved_again["rows"], checks, shares, copies, tiny, hidden_fit(out, args))
     text = report(rows, checks, shares, loop_rows, copies, again, at_other_rate(out, measure=False), tiny, uses)
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0
+
+
+def hidden_fit(out: Path, args) -> dict:
+    """The flat exchanges at SHARE_RATE_GBps that node.host_step_hidden is fitted on (with_hidden_step), per shape;
+    none with --no-hidden-step."""
+    return {} if args.no_hidden_step else at_other_rate(out, measure=False)
 
 
 def copies_inside_saved(out: Path, checks: dict, shares: dict) -> None:
