@@ -23,9 +23,10 @@ def test_interleaved_recompute_and_mla_now_run():
 
 def test_every_catalog_feature_model_is_runnable_at_pp1():
     """Every catalog model's features run, DeepSeek-V3 with its MTP module (runtime/model.py MTPModule) too, at
-    pp 1 and with the module on the last of 8 stages under tp 2."""
+    pp 1 and with the module on the last of 8 stages under tp 2; gpt-oss with its sinks and sliding windows."""
     plan = ParallelPlan(pp=1, dp=8, ep=8)
-    for name in ("arctic", "grok-1", "llama4-scout", "gpt-175b", "glam", "switch-base", "deepseek-v3"):
+    for name in ("arctic", "grok-1", "llama4-scout", "gpt-175b", "glam", "switch-base", "deepseek-v3",
+                 "gpt-oss-120b"):
         assert unsupported_features(plan, load_model(name)) == [], name
     assert load_model("deepseek-v3").mtp_layers == 1
     assert unsupported_features(ParallelPlan(pp=8, dp=4, tp=2, ep=8), load_model("deepseek-v3")) == []

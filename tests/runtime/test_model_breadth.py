@@ -15,8 +15,8 @@ import torch
 from piper_plan.catalog import load_model, project_root
 from piper_plan.errors import PiperError
 from piper_plan.runtime.accounting import SavedTensorTracker
-from piper_plan.runtime.model import (StageModel, VirtualStages, attention_core, build_rank_module, chunk_layers,
-                                      init_stage, shrink_spec)
+from piper_plan.runtime.model import (MTPModule, StageModel, VirtualStages, attention_core, build_rank_module,
+                                      chunk_layers, init_stage, shrink_spec)
 from piper_plan.runtime.pipeline import lm_loss
 from piper_plan.specs import ParallelPlan
 from piper_plan.specs.params import count_params
@@ -210,6 +210,9 @@ def test_windowed_layers_follow_the_global_layer_index():
     assert [whole.layers[str(i)].attn.core.window for i in range(4)] == [4, None, 4, None]
     tail = StageModel(spec, 1, 3, {})
     assert [tail.layers[str(i)].attn.core.window for i in (1, 2, 3)] == [None, 4, None]
+    odd = _variant("tiny-moe", num_layers=3, mtp_layers=1, attention__sliding_window=4,
+                   attention__sliding_window_every=2)      # an MTP block is shaped like the last layer (2: windowed)
+    assert MTPModule(odd, odd.num_layers, {}).block.attn.core.window == 4
     x = torch.randn(1, 9, spec.hidden_size, generator=torch.Generator().manual_seed(3))
     moved = x.clone()
     moved[:, 0] += 1.0
