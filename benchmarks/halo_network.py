@@ -806,10 +806,11 @@ def main() -> int:
         tiny = tiny_seconds(out)
         uses = measured_uplink_use(out, measure=False)   # --reuse re-renders: it measures nothing
         copies_inside_saved(out, checks, shares)
-        rows = repredict(out, rows, checks, shares, copies, tiny, hidden_fit(out, args))
+        other_rate = at_other_rate(out, measure=False)
+        fit = {} if args.no_hidden_step else other_rate   # what node.host_step_hidden is fitted on (with_hidden_step)
+        rows = repredict(out, rows, checks, shares, copies, tiny, fit)
         again_loop = args.rerun_closed_loop
-        loop_rows = (closed_loop(out, shares, checks, copies, tiny, args.steps, hidden_fit(out, args),
-                                 run=again_loop)
+        loop_rows = (closed_loop(out, shares, checks, copies, tiny, args.steps, fit, run=again_loop)
                      if saved["closed_loop"] or again_loop else [])
     else:
         shares_path = out / "shares.json"
@@ -818,14 +819,14 @@ def main() -> int:
         print(f"busiest-uplink shares: {shares}", flush=True)
         tiny = tiny_seconds(out, measure=True)
         print(f"tiny exchanges at {SHARE_RATE_GBps:g} GB/s: {tiny}", flush=True)
-        at_other_rate(out)   # flat alone at that rate, every OTHER_RATE_SIZES: reported beside the host steps
+        other_rate = at_other_rate(out)   # flat alone at that rate: reported beside the host steps, fits the share
+        fit = {} if args.no_hidden_step else other_rate
         uses = measured_uplink_use(out)
         print(f"uplink use at {SHARE_RATE_GBps:g} GB/s: {uses}", flush=True)
         rows, checks = sweep(out, shares)
         tiny = tiny_seconds(out)                          # with the rounds the sweep took
-        rows = repredict(out, rows, checks, shares, copies, tiny, hidden_fit(out, args))
-        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps,
-                                                               hidden_fit(out, args))
+        rows = repredict(out, rows, checks, shares, copies, tiny, fit)
+        loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps, fit)
     atomic_write_json(out / "results.json", {"rows": rows, "checks": checks, "shares": shares, "closed_loop": loop_rows,
                                              "copies": copies})
     doc = Path(args.doc)
@@ -834,17 +835,11 @@ def main() -> int:
     if args.repeat:
         other = Path(args.repeat)
         saved_again = json.loads((other / "results.json").read_text())
-        again = repredict(other, saved_again["rows"], checks, shares, copies, tiny, hidden_fit(out, args))
-    text = report(rows, checks, shares, loop_rows, copies, again, at_other_rate(out, measure=False), tiny, uses)
+        again = repredict(other, saved_again["rows"], checks, shares, copies, tiny, fit)
+    text = report(rows, checks, shares, loop_rows, copies, again, other_rate, tiny, uses)
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0
-
-
-def hidden_fit(out: Path, args) -> dict:
-    """The flat exchanges at SHARE_RATE_GBps that node.host_step_hidden is fitted on (with_hidden_step), per shape;
-    none with --no-hidden-step."""
-    return {} if args.no_hidden_step else at_other_rate(out, measure=False)
 
 
 def copies_inside_saved(out: Path, checks: dict, shares: dict) -> None:

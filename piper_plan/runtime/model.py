@@ -98,7 +98,7 @@ def attention_core(q_BHSd, k_BGSd, v_BGSe, sinks_H=None, window: int | None = No
         return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSe, attn_mask=allowed_SS)
     scores = (q_BHSd @ k_BHSd.transpose(-1, -2)) / math.sqrt(q_BHSd.shape[-1])
     if allowed_SS is None:
-        allowed_SS = torch.ones(S, S, dtype=torch.bool, device=scores.device).tril()
+        allowed_SS = causal_window_mask(S, S, scores.device)
     scores = scores.masked_fill(~allowed_SS, float("-inf"))
     sink = sinks_H.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, S, 1)
     probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
