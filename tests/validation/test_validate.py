@@ -28,6 +28,13 @@ def _validate_json(*args: str) -> tuple[int, dict]:
     return result.exit_code, json.loads(result.stdout)
 
 
+def _row_json(dataset: str, row_id: str) -> dict:
+    _, out = _validate_json("--dataset", dataset)
+    (ds,) = out["datasets"]
+    (row,) = [r for r in ds["rows"] if r["id"] == row_id]
+    return row
+
+
 @pytest.mark.parametrize("name", dataset_names())
 def test_dataset_within_tolerance(name):
     """Every gated row within its tolerance (the known misses below excepted) and the dataset's mean within its own."""
@@ -45,12 +52,33 @@ def test_dataset_within_tolerance(name):
     assert code == (1 if known else 0)
 
 
+# Rows reported and not gated, each with the cause its dataset's notes give: strict, so the day one gets within its
+# tolerance the xfail fails and says "gate me".
+UNGATED = {("megatron-bridge-moe", "25.09-qwen3-30b-h100-drop"):
+           "token-drop H100 row 2x its dropless twin: 25.09's figure disagrees with 25.11 and 26.02 (dataset notes)",
+           ("megatron-bridge-moe", "25.11-gpt-oss-120b-gb200"):
+           "GPT-OSS: about 28 us per token per GPU missing on GB200 and B200, EP 8 and 64 alike; cause not found"}
+
+
+@pytest.mark.parametrize("dataset,row_id", sorted(UNGATED))
+def test_ungated_row(dataset, row_id, request):
+    request.applymarker(pytest.mark.xfail(strict=True, reason=UNGATED[(dataset, row_id)]))
+    row = _row_json(dataset, row_id)
+    assert not row["gated"], "gated now: remove it from UNGATED"
+    assert row["abs_pct_error"] <= row["tolerance_pct"]
+
+
+def test_every_ungated_row_is_listed():
+    """A row leaves the gate only with a stated cause (UNGATED above)."""
+    for name in dataset_names():
+        for row in load_dataset(name).rows:
+            assert row.gated or (name, row.id) in UNGATED, f"{name}/{row.id} is not gated and not in UNGATED"
+
+
 @pytest.mark.parametrize("dataset,row_id", sorted(KNOWN_OUT_OF_TOLERANCE))
 def test_known_out_of_tolerance_row(dataset, row_id, request):
     request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_OUT_OF_TOLERANCE[(dataset, row_id)]))
-    _, out = _validate_json("--dataset", dataset)
-    (ds,) = out["datasets"]
-    (row,) = [r for r in ds["rows"] if r["id"] == row_id]
+    row = _row_json(dataset, row_id)
     assert row["abs_pct_error"] <= row["tolerance_pct"]
 
 
@@ -152,7 +180,7 @@ def test_a_dataset_not_yet_gated_reports_where_its_held_out_rows_stand():
 
 def test_a_dataset_that_requires_fit_says_which_rows_are_predicted_not_to():
     data = load_dataset("megatron-bridge-moe").model_dump()
-    rows = [r for r in data["rows"] if r["id"] in ("25.11-dsv3-gb200-mxfp8", "25.11-qwen3-30b-gb200")]
+    rows = [dict(r, gated=False) for r in data["rows"] if r["id"] in ("25.11-dsv3-gb200-mxfp8", "25.11-qwen3-30b-gb200")]
     result = validate_dataset(DatasetSpec.model_validate(dict(data, rows=rows)))
     assert result.ungated_summary().endswith("; all 2 rows predicted to fit"), result.ungated_summary()
     options = {k: v for k, v in rows[0]["options"].items() if k != "recompute_modules"}
@@ -160,6 +188,9 @@ def test_a_dataset_that_requires_fit_says_which_rows_are_predicted_not_to():
     result = validate_dataset(DatasetSpec.model_validate(dict(data, rows=[unrecomputed, rows[1]])))
     summary = result.ungated_summary()
     assert "; 1 of 2 rows predicted to fit, not: 25.11-dsv3-gb200-mxfp8 (17" in summary, summary
+    # every row must fit, gated or not: the run did
+    assert result.violations() == ["megatron-bridge-moe/25.11-dsv3-gb200-mxfp8: predicted not to fit (175.5 GiB), "
+                                   "but the published run ran"], result.violations()
     result.rows[1].detail.pop("fits")                                    # a row the model could not price
     assert result.ungated_summary().endswith(
         "not: 25.11-dsv3-gb200-mxfp8 (175.5 GiB), 25.11-qwen3-30b-gb200 (not priced)"), result.ungated_summary()
