@@ -11,6 +11,8 @@ RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm")
 """The selective-recompute modules CostOptions.recompute_modules may name."""
 EP_DISPATCH = ("per_expert", "per_node")
 """The values CostOptions.ep_dispatch may take."""
+CROSS_ENTROPY_IMPLS = ("native", "te")
+"""The values CostOptions.cross_entropy_fusion_impl may take (Megatron-Core's names)."""
 CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe_router")
 """The parts of a layer CostOptions.cuda_graph_scope may name (Megatron-Core's ``--cuda-graph-scope`` values whose
 host work piper prices; a dropless MoE layer's routed experts have dynamic shapes and are never captured)."""
@@ -46,6 +48,13 @@ class CostOptions:
     pipeline.py ChunkedLoss): a micro-batch of more than this many tokens keeps no fp32 log-softmax of the whole
     vocabulary (its chunks are checkpointed); None = the whole micro-batch's (Megatron's loss, and the runtime's
     at or under the limit)."""
+    cross_entropy_fusion_impl: str = "native"
+    """What the LM loss keeps per logit until its backward (Megatron's kernels; ``unfused_kernels`` keeps the
+    runtime's own): ``native``, Megatron-Core's vocab-parallel cross entropy, an fp32 softmax (it casts the logits
+    to fp32 and saves the exponentials: megatron/core/tensor_parallel/cross_entropy.py and fusions/
+    fused_cross_entropy.py); ``te``, Transformer Engine's parallel_cross_entropy, whose forward writes the
+    gradient into the logits in place, in their dtype, and keeps nothing else of vocabulary size
+    (transformer_engine/pytorch/cross_entropy.py), Megatron-Core's ``cross_entropy_fusion_impl="te"``."""
     recompute_modules: tuple[str, ...] = ("core_attn",)
     """What a plan's ``recompute: selective`` re-runs in backward, as Megatron-Core names its modules
     (TransformerConfig.recompute_modules with recompute_granularity "selective"; its default is core_attn):
@@ -83,6 +92,7 @@ class CostOptions:
         for name in ("recompute_modules", "cuda_graph_scope"):
             object.__setattr__(self, name, tuple(_names_in(name, getattr(self, name), _ALLOWED[name])))
         _names_in("ep_dispatch", [self.ep_dispatch], EP_DISPATCH)
+        _names_in("cross_entropy_fusion_impl", [self.cross_entropy_fusion_impl], CROSS_ENTROPY_IMPLS)
 
 
 _ALLOWED = {"recompute_modules": RECOMPUTE_MODULES, "cuda_graph_scope": CUDA_GRAPH_SCOPES}

@@ -22,7 +22,7 @@ from piper_plan.specs.training import TrainingSpec
 from piper_plan.specs.vocab import Recompute
 
 FULL, SELECTIVE = Recompute.FULL.code, Recompute.SELECTIVE.code
-LOSS_SOFTMAX_BYTES = 4   # the fp32 softmax Megatron's vocab-parallel cross entropy saves per logit (end_bytes)
+LOSS_SOFTMAX_BYTES = 4   # the fp32 softmax Megatron's native cross entropy saves per logit (end_bytes)
 
 
 @dataclass
@@ -156,7 +156,8 @@ def end_bytes(ctx: Context, c):
     output; the loss's fp32 softmax of the logits (Megatron-Core's vocab-parallel cross entropy upcasts the logits
     and saves exp(logits - max) in fp32, in place; the head's own bf16 output is saved by nobody:
     megatron/core/fusions/fused_cross_entropy.py ``_VocabParallelCrossEntropy.forward``, and the unfused
-    tensor_parallel/cross_entropy.py on ``logits.float()``), once more
+    tensor_parallel/cross_entropy.py on ``logits.float()``), or under ``cross_entropy_fusion_impl="te"`` the
+    logits themselves, which Transformer Engine's loss overwrites with their gradient (CostOptions), once more
     per MTP module with its embedding output, hidden state and eh_proj input (4 d per token) around its block.
     ``unfused_kernels`` (piper's runtime): the embedding keeps its int64 token ids (its output is layer 0's norm
     input); the loss keeps the fp32 log-softmax and the int64 targets, the head its input, the final norm its
@@ -174,7 +175,8 @@ def end_bytes(ctx: Context, c):
             + mem.gathered_input_bytes(tokens, m.hidden_size, t.activation_bytes, sp, ctx.opts)   # the head's input
         logits = logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
         return tokens * mem.INDEX_BYTES + 0.0 * d_bytes, logits
-    logits = tokens * (m.vocab_size or 0) / c.tp * LOSS_SOFTMAX_BYTES
+    per_logit = LOSS_SOFTMAX_BYTES if ctx.opts.cross_entropy_fusion_impl == "native" else t.activation_bytes
+    logits = tokens * (m.vocab_size or 0) / c.tp * per_logit
     return d_bytes, logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
 
 

@@ -184,13 +184,14 @@ def test_a_dataset_that_requires_fit_says_which_rows_are_predicted_not_to():
     result = validate_dataset(DatasetSpec.model_validate(dict(data, rows=rows)))
     assert result.ungated_summary().endswith("; all 2 rows predicted to fit"), result.ungated_summary()
     options = {k: v for k, v in rows[0]["options"].items() if k != "recompute_modules"}
-    unrecomputed = dict(rows[0], parallel=dict(rows[0]["parallel"], recompute="none"), options=options)  # 175.5 GiB
-    result = validate_dataset(DatasetSpec.model_validate(dict(data, rows=[unrecomputed, rows[1]])))
+    # without its recompute and at micro-batch 2: 269.1 GiB of 173.2
+    oversized = dict(rows[0], parallel=dict(rows[0]["parallel"], recompute="none", mbs=2), options=options)
+    result = validate_dataset(DatasetSpec.model_validate(dict(data, rows=[oversized, rows[1]])))
     summary = result.ungated_summary()
-    assert "; 1 of 2 rows predicted to fit, not: 25.11-dsv3-gb200-mxfp8 (17" in summary, summary
+    assert "; 1 of 2 rows predicted to fit, not: 25.11-dsv3-gb200-mxfp8 (269.1 GiB)" in summary, summary
     # every row must fit, gated or not: the run did
-    assert result.violations() == ["megatron-bridge-moe/25.11-dsv3-gb200-mxfp8: predicted not to fit (175.5 GiB), "
+    assert result.violations() == ["megatron-bridge-moe/25.11-dsv3-gb200-mxfp8: predicted not to fit (269.1 GiB), "
                                    "but the published run ran"], result.violations()
     result.rows[1].detail.pop("fits")                                    # a row the model could not price
     assert result.ungated_summary().endswith(
-        "not: 25.11-dsv3-gb200-mxfp8 (175.5 GiB), 25.11-qwen3-30b-gb200 (not priced)"), result.ungated_summary()
+        "not: 25.11-dsv3-gb200-mxfp8 (269.1 GiB), 25.11-qwen3-30b-gb200 (not priced)"), result.ungated_summary()
