@@ -18,6 +18,8 @@ class PiperError(Exception):
     def __init__(self, message: str, *, path: str | None = None, field: str | None = None):
         self.path = path
         self.field = field
+        self.message = message
+        """The message without its path and field (to raise it again with the file named)."""
         parts = [p for p in (path, field) if p]
         prefix = ": ".join(parts)
         super().__init__(f"{prefix}: {message}" if prefix else message)

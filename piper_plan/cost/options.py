@@ -107,6 +107,42 @@ def _names_in(field: str, values, allowed: tuple[str, ...]):
     return values
 
 
+def cost_options(values: dict) -> CostOptions:
+    """CostOptions from a file's ``options`` mapping: an unknown name, a value of the wrong type, a fraction
+    outside 0..1 or a name outside a field's choices is one PiperError line."""
+    fields = CostOptions.__dataclass_fields__
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise PiperError(f"unknown option {', '.join(map(repr, unknown))}; allowed: {', '.join(fields)}",
+                         field="options")
+    for name, value in values.items():
+        problem = _type_problem(fields[name].type, value)
+        if problem:
+            raise PiperError(f"{value!r} {problem}", field=f"options.{name}")
+    return CostOptions(**values)
+
+
+def _type_problem(annotation: str, value) -> str | None:
+    """What is wrong with ``value`` for a CostOptions field annotated ``annotation`` (a string: postponed
+    annotations), None if nothing."""
+    if value is None:
+        return None if "None" in annotation else "is not allowed (a value is required)"
+    if annotation == "bool":
+        return None if isinstance(value, bool) else "is not true or false"
+    if annotation.startswith("int"):
+        return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else \
+            "is not a whole number >= 0"
+    if annotation == "float":
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if number and 0.0 <= value <= 1.0 else "is not a fraction from 0 to 1"
+    if annotation == "str":
+        return None if isinstance(value, str) else "is not a name"
+    if annotation.startswith("tuple"):
+        return None if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value) else \
+            "is not a list of names"
+    return None
+
+
 DEFAULT_OPTIONS = CostOptions()
 
 PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True, loss_chunk_rows=1024, shared_expert_overlap=True)   # planfile.RuntimeBlock's default
