@@ -268,20 +268,12 @@ def load_dataset(name_or_path: str | Path) -> DatasetSpec:
         raise PiperError(f"duplicate row ids in {sorted(i for i in set(ids) if ids.count(i) > 1)}", path=str(path))
     from piper_plan.cost.options import cost_options
 
-    for where, check in [("", lambda: cost_options(spec.options))] + \
-            [(f"rows[{row.id}].", lambda row=row: row_options(spec, row)) for row in spec.rows]:
+    for where, values in [("", spec.options)] + [(f"rows[{row.id}].", row.options or {}) for row in spec.rows]:
         try:                                      # every option checked here, before any row is priced
-            check()
+            cost_options(values)
         except PiperError as exc:
             raise PiperError(exc.message, path=str(path), field=f"{where}{exc.field}") from None
     return spec
-
-
-def row_options(spec: DatasetSpec, row: RowSpec):
-    """The CostOptions a row is priced with: the dataset's options, then the row's own."""
-    from piper_plan.cost.options import cost_options
-
-    return cost_options({**spec.options, **(row.options or {})})
 
 
 # ---- prediction --------------------------------------------------------------------------------------
@@ -326,7 +318,9 @@ class _Inputs:
         return TrainingSpec(**values)
 
     def options(self, row: RowSpec):
-        return row_options(self.spec, row)
+        from piper_plan.cost.options import cost_options
+
+        return cost_options({**self.spec.options, **(row.options or {})})
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

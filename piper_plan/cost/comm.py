@@ -243,9 +243,9 @@ class Network:
         t_local, t_flat_r, t_halo_r, t_redis = self.a2a_phases(n, nodes, nbytes, scope)
         flat_step, halo_step = (step * (n > 1) for step in self.host_steps_seconds())   # no exchange, no step
         multi = (nodes > 1) & (n > 1)
-        flat_total = np.where(multi, np.maximum(t_local, t_flat_r), t_local) + flat_step
-        flat_total = flat_total - np.where(multi, self._hidden_step(flat_step, t_flat_r), 0.0)
-        t_flat_r = t_flat_r + flat_step - self._hidden_step(flat_step, t_flat_r)
+        flat_hidden = self._hidden_step(flat_step, t_flat_r)
+        flat_total = np.where(multi, np.maximum(t_local, t_flat_r) - flat_hidden, t_local) + flat_step
+        t_flat_r = t_flat_r + flat_step - flat_hidden
         serial = self.platform.node.serial_phases
         t_local_h, t_redis = t_local + halo_step, t_redis + halo_step
         t_halo_r = t_halo_r + halo_step - self._hidden_step(halo_step, t_halo_r)

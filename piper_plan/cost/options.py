@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field
 
 from piper_plan.errors import PiperError
+
+Fraction = Annotated[float, Field(ge=0, le=1)]
+Count = Annotated[int, Field(ge=0)]
 
 
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm")
@@ -20,7 +26,10 @@ host work piper prices; a dropless MoE layer's routed experts have dynamic shape
 
 @dataclass(frozen=True)
 class CostOptions:
-    """Explicit assumptions of the resource model (defaults = the pessimistic, nothing-overlapped case)."""
+    """Explicit assumptions of the resource model (defaults = the pessimistic, nothing-overlapped case). A file's
+    ``options`` mapping is read by ``cost_options`` (pydantic checks the annotations; no name outside them)."""
+
+    __pydantic_config__ = {"extra": "forbid"}
 
     dropout: bool = False
     """Dropout layers (and their 1-byte masks) are present (Megatron GPT in Korthikanti's Table 2); modern
@@ -34,7 +43,7 @@ class CostOptions:
     SwiGLU keeps silu(gate) beside gate, up and product (4 x d_ffn);
     the MoE block keeps one combine buffer, not dispatch + combine. False = Megatron-style fused kernels
     (Korthikanti et al. 2022 as written). Tier-4 test: tests/validation/test_activation_terms.py."""
-    moe_saved_rows: int | None = None
+    moe_saved_rows: Count | None = None
     """Token-row buffers [rows sent x hidden] a MoE layer saves for backward besides its input and the experts'
     own activations. None = by kernels: 1 with ``unfused_kernels`` (piper's runtime: the combine's multiply by the
     routing weights keeps the combined rows, runtime/moe.py ``_routed``; measured by tests/runtime/
@@ -43,7 +52,7 @@ class CostOptions:
     permutation (its MoE README, 2025/07: the probs multiplication moved into the experts' activation function;
     permute is an ``index_select`` and unpermute a ``scatter_add``, which save only indices:
     megatron/core/transformer/moe/moe_utils.py at commit 00611e6e); datasets of such runs set it."""
-    loss_chunk_rows: int | None = None
+    loss_chunk_rows: Count | None = None
     """With ``unfused_kernels``: the runtime's chunked LM loss (planfile.RuntimeBlock.loss_chunk_rows, runtime/
     pipeline.py ChunkedLoss): a micro-batch of more than this many tokens keeps no fp32 log-softmax of the whole
     vocabulary (its chunks are checkpointed); None = the whole micro-batch's (Megatron's loss, and the runtime's
@@ -62,19 +71,19 @@ class CostOptions:
     up-projections (q, k, v of every head rebuilt from the compressed latents), ``mlp`` the dense MLP, ``moe_act``
     the experts' activation function (its output, the second GEMM's input), ``layernorm`` the norms before
     attention and MLP (their outputs). A module's input stays saved; its forward runs again in backward."""
-    tp_overlap: float = 0.0
+    tp_overlap: Fraction = 0.0
     """Fraction of tensor-parallel collective time hidden behind compute."""
-    a2a_overlap: float = 0.0
+    a2a_overlap: Fraction = 0.0
     """Fraction of expert all-to-all time hidden behind compute (e.g. shared experts or the other micro-batch)."""
     shared_expert_overlap: bool = False
     """The dispatch exchange runs while the shared experts compute, forward and backward (flat all-to-all):
     piper's runtime (runtime.shared_expert_overlap); Megatron-Core's ``moe_shared_expert_overlap``, off by
     default there."""
-    p2p_overlap: float = 0.0
+    p2p_overlap: Fraction = 0.0
     """Fraction of pipeline p2p time hidden behind compute."""
-    dp_overlap: float = 0.0
+    dp_overlap: Fraction = 0.0
     """Fraction of data-parallel gradient sync hidden behind the backward pass of the last micro-batch."""
-    migration_fraction: float = 0.0
+    migration_fraction: Fraction = 0.0
     """Amortised expert-migration time as a fraction of step time (the Piper paper bounds it below 5%)."""
     ep_dispatch: str = "per_expert"
     """How the expert all-to-all sends a token to other nodes: ``per_expert``, one copy per chosen expert
@@ -108,39 +117,19 @@ def _names_in(field: str, values, allowed: tuple[str, ...]):
 
 
 def cost_options(values: dict) -> CostOptions:
-    """CostOptions from a file's ``options`` mapping: an unknown name, a value of the wrong type, a fraction
-    outside 0..1 or a name outside a field's choices is one PiperError line."""
-    fields = CostOptions.__dataclass_fields__
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise PiperError(f"unknown option {', '.join(map(repr, unknown))}; allowed: {', '.join(fields)}",
-                         field="options")
-    for name, value in values.items():
-        problem = _type_problem(fields[name].type, value)
-        if problem:
-            raise PiperError(f"{value!r} {problem}", field=f"options.{name}")
-    return CostOptions(**values)
+    """CostOptions from a file's ``options`` mapping (plain JSON data), validated as the spec files are (pydantic,
+    strict JSON mode): an unknown name, a value of the wrong type or out of range, or a name outside a field's
+    choices is one PiperError line."""
+    import json
 
+    from pydantic import TypeAdapter, ValidationError
 
-def _type_problem(annotation: str, value) -> str | None:
-    """What is wrong with ``value`` for a CostOptions field annotated ``annotation`` (a string: postponed
-    annotations), None if nothing."""
-    if value is None:
-        return None if "None" in annotation else "is not allowed (a value is required)"
-    if annotation == "bool":
-        return None if isinstance(value, bool) else "is not true or false"
-    if annotation.startswith("int"):
-        return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else \
-            "is not a whole number >= 0"
-    if annotation == "float":
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return None if number and 0.0 <= value <= 1.0 else "is not a fraction from 0 to 1"
-    if annotation == "str":
-        return None if isinstance(value, str) else "is not a name"
-    if annotation.startswith("tuple"):
-        return None if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value) else \
-            "is not a list of names"
-    return None
+    from piper_plan.catalog import validation_message
+
+    try:
+        return TypeAdapter(CostOptions).validate_json(json.dumps(values), strict=True)
+    except ValidationError as exc:
+        raise PiperError(validation_message(exc), field="options") from None
 
 
 DEFAULT_OPTIONS = CostOptions()
