@@ -700,7 +700,9 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
                    for k in ("two_way_one_connection_GBps", "two_way_two_connections_GBps")]
         lines.append(f"| {rate:g} | {c['inter_node_GBps']:.4f} | {'yes' if ok else 'NO'} | {c['intra_node_GBps']:.3f} "
                      f"(unshaped) | {two_way[0]} | {two_way[1]} |")
-    lines += ["", "One-way 16 MiB `send`/`recv`, one message at a time (piper_plan/calibration/bench_shaping.py). GB/s = "
+    statistic = next(iter(checks.values())).get("statistic", "median of 3")   # OUTs before 2026-12-02 15:00: median
+    lines += ["", f"One-way 16 MiB `send`/`recv`, one message at a time, the {statistic} after a warm-up "
+              "(piper_plan/calibration/bench_shaping.py). GB/s = "
               "1e9 payload bytes/s; tbf counts frame bytes (MTU 9000: ~0.6% headers). Both ways: 16 MiB each way "
               "between the same two ranks at once, GB/s per direction; on one communicator both directions share one "
               "gloo connection, which carries one direction at a time, so HALO's phase II sends each direction on its "
