@@ -81,12 +81,27 @@ def module(name: str, *args: str) -> list[str]:
     return [sys.executable, "-m", name, *args]
 
 
-def shaping(spec: NetworkSpec, tmp: Path) -> dict:
-    out = tmp / f"shaping-{spec.uplink_GBps:g}.json"
+def shaping(spec: NetworkSpec, tmp: Path, when: str = "") -> dict:
+    """The shaping check at ``spec``'s rate (``when``: "" before the rate's points, "after" once they are taken)."""
+    out = tmp / f"shaping-{spec.uplink_GBps:g}{'-' + when if when else ''}.json"
     if out.is_file():  # measured by an earlier, interrupted run of this script into the same OUT
         return json.loads(out.read_text())
     run_on_network(spec, 2, 2, module("piper_plan.calibration.bench_shaping", str(out), str(16 * 2**20)), 300)
     return json.loads(out.read_text())
+
+
+SHAPING_GBPS = ("inter_node_GBps", "intra_node_GBps", "two_way_one_connection_GBps", "two_way_two_connections_GBps")
+
+
+def fastest_check(before: dict, after: dict) -> dict:
+    """The two shaping checks of a rate as one: each rate the faster of the two. A slow spell of this shared host
+    only lowers a measured rate, and one spell can span a whole check (five transfers in two seconds): checking
+    again once the rate's points are taken, minutes later, keeps it from passing for a slower link."""
+    merged = {**before, **{k: max(before[k] or 0.0, after[k] or 0.0) or None for k in SHAPING_GBPS}}
+    merged["statistic"] = (f"{before.get('statistic', 'median of 3')} after a warm-up in each of two checks (before "
+                           "and after the rate's points), the faster")
+    merged["checks"] = {"before": {k: before[k] for k in SHAPING_GBPS}, "after": {k: after[k] for k in SHAPING_GBPS}}
+    return merged
 
 
 def busiest_uplink_share(stderr: str, nodes: int) -> float:
@@ -408,6 +423,9 @@ def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
                              "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"], "load_avg": size.load_avg})
                 print(f"{rate:g} GB/s {nodes}x{g} {size.bytes_per_rank:>9} B: flat {size.seconds['flat'] * 1e3:8.2f} "
                       f"ms  halo {size.seconds['halo'] * 1e3:8.2f} ms", flush=True)
+        checks[rate] = {**fastest_check(checks[rate], shaping(spec, out, "after")), "figures": checks[rate]["figures"]}
+        print(f"shaping {spec.text}, after its points: {checks[rate]['checks']['after']}", flush=True)
+        checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration)
     return rows, checks
 
 
@@ -698,10 +716,12 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
         ok = abs(c["inter_node_GBps"] / rate - 1) <= 0.10
         two_way = [f"{c[k]:.4f}" if c.get(k) else "not measured"
                    for k in ("two_way_one_connection_GBps", "two_way_two_connections_GBps")]
-        lines.append(f"| {rate:g} | {c['inter_node_GBps']:.4f} | {'yes' if ok else 'NO'} | {c['intra_node_GBps']:.3f} "
+        both = c.get("checks")
+        seen = f" (before {both['before']['inter_node_GBps']:.4f}, after {both['after']['inter_node_GBps']:.4f})" if both else ""
+        lines.append(f"| {rate:g} | {c['inter_node_GBps']:.4f}{seen} | {'yes' if ok else 'NO'} | {c['intra_node_GBps']:.3f} "
                      f"(unshaped) | {two_way[0]} | {two_way[1]} |")
     statistic = next(iter(checks.values())).get("statistic", "median of 3")   # OUTs before 2026-12-02 15:00: median
-    lines += ["", f"One-way 16 MiB `send`/`recv`, one message at a time, the {statistic} after a warm-up "
+    lines += ["", f"One-way 16 MiB `send`/`recv`, one message at a time, the {statistic} "
               "(piper_plan/calibration/bench_shaping.py). GB/s = "
               "1e9 payload bytes/s; tbf counts frame bytes (MTU 9000: ~0.6% headers). Both ways: 16 MiB each way "
               "between the same two ranks at once, GB/s per direction; on one communicator both directions share one "
@@ -759,7 +779,8 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
     return "\n".join(lines) + "\n"
 
 
-KEPT_FROM_FIRST = ("shares.json", "copies.json", "copies-probe.json", "shaping-{rate:g}.json", "calibration-{rate:g}",
+KEPT_FROM_FIRST = ("shares.json", "copies.json", "copies-probe.json", "shaping-{rate:g}.json",
+                   "shaping-{rate:g}-after.json", "calibration-{rate:g}",
                    "flat-{share:g}-{nodes}x{g}.json", "uplink-use-{share:g}-{nodes}x{g}.json")
 
 

@@ -163,3 +163,15 @@ def test_the_hidden_share_of_the_host_step_is_fitted_at_the_other_rate(network):
     data["node"]["host_step_us"], data["node"]["host_step_hidden"] = 0.0, 0.0
     unstepped = type(platform).model_validate(data)
     assert network.with_hidden_step(unstepped, None, 2, 2, 0.05, measured_at(0.4)) is unstepped
+
+
+def test_two_shaping_checks_give_each_rate_the_faster_reading(network):
+    # a slow spell of the host lowered every transfer of the first check; the second, minutes later, did not
+    keys = network.SHAPING_GBPS
+    before = dict(zip(keys, (0.159, 1.44, 0.079, 0.109)), bytes=16 * 2**20, statistic="fastest of 5")
+    after = dict(zip(keys, (0.190, 3.20, 0.095, None)), bytes=16 * 2**20, statistic="fastest of 5")
+    merged = network.fastest_check(before, after)
+    assert [merged[k] for k in keys] == [0.190, 3.20, 0.095, 0.109]
+    assert merged["checks"] == {"before": {k: before[k] for k in keys}, "after": {k: after[k] for k in keys}}
+    assert "two checks" in merged["statistic"] and merged["bytes"] == 16 * 2**20
+    assert network.half_duplex(merged) and network.half_duplex(before)   # one connection: 0.095 / 0.190, 0.079 / 0.159
