@@ -3,7 +3,7 @@
 Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node, tc tbf):
 
 1. shaping: one-way p2p between two nodes (one uplink) and inside a node (loopback), 16 MiB
-   (piper_plan.calibration.bench_shaping);
+   (piper_plan.calibration.bench_shaping), checked again after the rate's points (fastest_check);
 2. calibration on that network, 2 nodes x 4 ranks (piper_plan.calibration.bench_collectives --quick: p2p,
    all_reduce, all_to_all); the all_to_all rows that span nodes are dropped, so no prediction reads back an
    all-to-all measured across nodes; flat's NIC use (the share of a node's inter-node bytes on its busiest uplink)
@@ -94,13 +94,18 @@ SHAPING_GBPS = ("inter_node_GBps", "intra_node_GBps", "two_way_one_connection_GB
 
 
 def fastest_check(before: dict, after: dict) -> dict:
-    """The two shaping checks of a rate as one: each rate the faster of the two. A slow spell of this shared host
+    """The two shaping checks of a rate as one: each column (GB/s figure) the larger of its two readings, so one
+    merged row may take its one-way and its two-way figures from different checks. A slow spell of this shared host
     only lowers a measured rate, and one spell can span a whole check (five transfers in two seconds): checking
-    again once the rate's points are taken, minutes later, keeps it from passing for a slower link."""
-    merged = {**before, **{k: max(before[k] or 0.0, after[k] or 0.0) or None for k in SHAPING_GBPS}}
-    merged["statistic"] = (f"{before.get('statistic', 'median of 3')} after a warm-up in each of two checks (before "
-                           "and after the rate's points), the faster")
-    merged["checks"] = {"before": {k: before[k] for k in SHAPING_GBPS}, "after": {k: after[k] for k in SHAPING_GBPS}}
+    again once the rate's points are taken, minutes later, keeps it from passing for a slower link. ``after`` with
+    the same figures as ``before`` (a repeat sweep of an OUT that had one check): ``before`` as it is."""
+    seen = {"before": {k: before.get(k) for k in SHAPING_GBPS}, "after": {k: after.get(k) for k in SHAPING_GBPS}}
+    if seen["before"] == seen["after"]:
+        return before
+    merged = {**before, **{k: max(seen["before"][k] or 0.0, seen["after"][k] or 0.0) or None for k in SHAPING_GBPS}}
+    merged["statistic"] = (f"faster of two checks (before and after the rate's points), each the "
+                           f"{before.get('statistic', 'median of 3')} after a warm-up; each column its larger reading")
+    merged["checks"] = seen
     return merged
 
 
@@ -400,8 +405,9 @@ def measure(spec: NetworkSpec, nodes: int, g: int, out: Path):
 
 
 def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
-    """Per test rate: the shaping check, the calibration, the copies inside an exchange, then flat and HALO at every
-    shape and size (measured rows; priced afterwards by repredict, once the host-step rounds taken here are in)."""
+    """Per test rate: the shaping check, the calibration, the copies inside an exchange, flat and HALO at every
+    shape and size (measured rows; priced afterwards by repredict, once the host-step rounds taken here are in),
+    then the shaping check again (fastest_check) and the copies inside an exchange priced with the merged check."""
     from piper_plan.calibration import load_calibration
 
     rows, checks = [], {}
@@ -414,7 +420,6 @@ def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
         checks[rate]["figures"] = link_figures(cal_dir)
         calibration = load_calibration(cal_dir)
         checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration)
-        print(f"copies inside an exchange: {checks[rate]['copies_in_exchange']}", flush=True)
         for nodes, g in SHAPES:
             tiny_round(out, nodes, g, f"before-{rate:g}")    # the host-step calibration, spread over the run
             result = measure(spec, nodes, g, out)
@@ -426,6 +431,7 @@ def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
         checks[rate] = {**fastest_check(checks[rate], shaping(spec, out, "after")), "figures": checks[rate]["figures"]}
         print(f"shaping {spec.text}, after its points: {checks[rate]['checks']['after']}", flush=True)
         checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration)
+        print(f"copies inside an exchange: {checks[rate]['copies_in_exchange']}", flush=True)
     return rows, checks
 
 
@@ -720,7 +726,8 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
         seen = f" (before {both['before']['inter_node_GBps']:.4f}, after {both['after']['inter_node_GBps']:.4f})" if both else ""
         lines.append(f"| {rate:g} | {c['inter_node_GBps']:.4f}{seen} | {'yes' if ok else 'NO'} | {c['intra_node_GBps']:.3f} "
                      f"(unshaped) | {two_way[0]} | {two_way[1]} |")
-    statistic = next(iter(checks.values())).get("statistic", "median of 3")   # OUTs before 2026-12-02 15:00: median
+    statistic = next(iter(checks.values())).get("statistic", "median of 3")   # OUTs without it (before 8677749)
+    statistic += "" if "warm-up" in statistic else " after a warm-up"
     lines += ["", f"One-way 16 MiB `send`/`recv`, one message at a time, the {statistic} "
               "(piper_plan/calibration/bench_shaping.py). GB/s = "
               "1e9 payload bytes/s; tbf counts frame bytes (MTU 9000: ~0.6% headers). Both ways: 16 MiB each way "
@@ -785,8 +792,9 @@ KEPT_FROM_FIRST = ("shares.json", "copies.json", "copies-probe.json", "shaping-{
 
 
 def reuse_calibration(first: Path, out: Path) -> None:
-    """A repeat sweep into OUT measures flat and HALO again on the calibration, shaping check and NIC shares of
-    the sweep in FIRST (copied), so the two sweeps differ only in the measurement being repeated."""
+    """A repeat sweep into OUT measures flat and HALO again on the calibration, both shaping checks and NIC shares
+    of the sweep in FIRST (copied; a FIRST with one check gives its one check as both), so the two sweeps differ
+    only in the measurement being repeated."""
     for pattern in KEPT_FROM_FIRST:
         for rate in RATES_GBps:
             for nodes, g in SHAPES:
@@ -795,6 +803,10 @@ def reuse_calibration(first: Path, out: Path) -> None:
                 if target.exists() or not source.exists():
                     continue
                 (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+    for rate in RATES_GBps:   # FIRST took one shaping check (before 12bd5ae): no second one in the repeat
+        once, again = out / f"shaping-{rate:g}.json", out / f"shaping-{rate:g}-after.json"
+        if once.exists() and not again.exists():
+            shutil.copy(once, again)
     for source in first.glob("tiny-*.json"):   # every host-step round: the repeat is priced on the first's
         if not (out / source.name).exists():
             shutil.copy(source, out / source.name)
@@ -828,6 +840,7 @@ def main() -> int:
         rows, checks, shares = saved["rows"], {float(k): v for k, v in saved["checks"].items()}, saved["shares"]
         tiny = tiny_seconds(out)
         uses = measured_uplink_use(out, measure=False)   # --reuse re-renders: it measures nothing
+        checks_from_files(out, checks)
         copies_inside_saved(out, checks, shares)
         other_rate = at_other_rate(out, measure=False)
         fit = {} if args.no_hidden_step else other_rate   # what node.host_step_hidden is fitted on (with_hidden_step)
@@ -863,6 +876,16 @@ def main() -> int:
     atomic_write_text(doc, text + analysis_text())
     print(text)
     return 0
+
+
+def checks_from_files(out: Path, checks: dict) -> None:
+    """With --reuse: each rate's shaping check merged again from OUT's two check files (fastest_check), where OUT
+    has both; an OUT with one check keeps it as saved."""
+    for rate, check in checks.items():
+        before, after = out / f"shaping-{rate:g}.json", out / f"shaping-{rate:g}-after.json"
+        if before.is_file() and after.is_file():
+            merged = fastest_check(json.loads(before.read_text()), json.loads(after.read_text()))
+            checks[rate] = {**merged, "figures": check["figures"]}
 
 
 def copies_inside_saved(out: Path, checks: dict, shares: dict) -> None:

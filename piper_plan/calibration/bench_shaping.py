@@ -7,10 +7,10 @@ ranks, to rank 1 (inside node 0: loopback, unshaped); one message at a time, so 
 contended share. Each send waits for a one-float ack from the receiver, so its time ends when the last byte has
 arrived, not when the sender's socket buffers took it. Seconds = the fastest of ``repeats`` after one warm-up
 (calibration.timing): what the link carries, since a busy host only adds time (the all-to-all sweeps take their
-fastest call for the same reason; a median let one slow spell of this shared host pass for a slower link). Then
-the same
-transfer both ways at once between rank 0 and rank ``g``: on one communicator (one gloo connection) and with each
-direction on its own communicator (HALO's phase II, runtime/halo.py ``_p2p_group``). Rank 0 writes
+fastest call for the same reason; a median let one slow spell of this shared host pass for a slower link).
+Then the same transfer both ways at once between rank 0 and rank ``g``: on one communicator (one gloo
+connection) and with each direction on its own communicator (HALO's phase II, runtime/halo.py ``_p2p_group``).
+Rank 0 writes
 ``{"inter_node_GBps", "intra_node_GBps", "two_way_one_connection_GBps", "two_way_two_connections_GBps",
 "bytes", "statistic"}`` (GB/s = 1e9 payload bytes per second in each direction).
 """

@@ -175,3 +175,15 @@ def test_two_shaping_checks_give_each_rate_the_faster_reading(network):
     assert merged["checks"] == {"before": {k: before[k] for k in keys}, "after": {k: after[k] for k in keys}}
     assert "two checks" in merged["statistic"] and merged["bytes"] == 16 * 2**20
     assert network.half_duplex(merged) and network.half_duplex(before)   # one connection: 0.095 / 0.190, 0.079 / 0.159
+
+
+def test_a_repeat_of_a_one_check_sweep_keeps_its_check_and_old_checks_merge(network):
+    # the repeat of an OUT with one check copies it as the second: the check as it was, its statistic kept
+    keys = network.SHAPING_GBPS
+    once = dict(zip(keys, (0.19, 3.0, 0.095, 0.19)), bytes=16 * 2**20, statistic="median of 3")
+    assert network.fastest_check({**once, "figures": {"node_GBps": 1.0}}, dict(once)) == {**once, "figures": {"node_GBps": 1.0}}
+    # a check from before the two-way transfers has no two-way figures: merged without them
+    old = {"inter_node_GBps": 0.18, "intra_node_GBps": 2.0, "bytes": 16 * 2**20}
+    merged = network.fastest_check(old, once)
+    assert merged["inter_node_GBps"] == 0.19 and merged["two_way_one_connection_GBps"] == 0.095
+    assert merged["checks"]["before"]["two_way_two_connections_GBps"] is None
