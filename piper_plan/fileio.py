@@ -277,6 +277,9 @@ def check_writable(path: str | Path) -> None:
         raise PiperError(f"cannot write: {blocker} is a file, not a folder", path=str(path))
     if path.is_dir():
         raise PiperError("cannot write: is a directory; give a file name", path=str(path))
+    if path.exists() and not path.is_file():   # a device, FIFO or socket: the atomic rename would replace it
+        raise PiperError("cannot write: not a regular file (a device, pipe or socket); give a file name",
+                         path=str(path))
     existing = next(p for p in (path, *path.parents) if p.exists())
     folder = existing if existing.is_dir() else existing.parent
     if not os.access(folder, os.W_OK | os.X_OK) or (existing == path and not os.access(path, os.W_OK)):

@@ -52,8 +52,8 @@ class RowSpec(Spec):
     """Unique within the dataset."""
     quantity: Quantity
     """What was published (see the module docstring)."""
-    published: float
-    """The published value, in the quantity's unit."""
+    published: float = Field(gt=0)
+    """The published value, in the quantity's unit (every quantity here is positive)."""
     model: str | None = None
     """Catalog name or path of the model."""
     platform: str | None = None
@@ -62,23 +62,23 @@ class RowSpec(Spec):
     """TrainingSpec fields for this row (e.g. dtype), over the dataset's."""
     facts: dict | None = None
     """ModelSpec fields over the catalog entry (nested dicts merge), or for migration rows num_experts / hidden_size / d_ffn."""
-    nodes: int | None = None
+    nodes: int | None = Field(default=None, ge=1, le=2**20)
     """Nodes of the run."""
-    seq_len: int | None = None
+    seq_len: int | None = Field(default=None, ge=1)
     """Overrides the dataset's training.seq_len."""
-    global_batch: int | None = None
+    global_batch: int | None = Field(default=None, ge=1)
     """Overrides the dataset's training.global_batch."""
     parallel: dict | None = None
     """ParallelPlan fields of the published run (num_microbatches derived when absent)."""
     search: dict | None = None
     """SearchOptions fields: predict the best plan the search finds (configs not published)."""
-    stage: int | None = None
+    stage: int | None = Field(default=None, ge=0)
     """Pipeline stage a memory quantity is read from (default: the peak-memory stage)."""
     migration: dict | None = None
     """expert_migration arguments for this row, over the dataset's."""
     options: dict | None = None
     """CostOptions fields for this row (e.g. dropout), over the dataset's."""
-    tolerance_pct: float | None = None
+    tolerance_pct: float | None = Field(default=None, gt=0)
     """Overrides the dataset's row tolerance."""
     gated: bool = True
     """False: reported, never fails the suite (a known inconsistency of the source, explained in ``note``)."""
@@ -109,7 +109,7 @@ class DatasetSpec(Spec):
     """Tolerances the suite enforces."""
     require_fit: bool = False
     """Every row's plan, gated or not, must be predicted to fit in device memory (the runs did)."""
-    goal_mean_pct: float | None = None
+    goal_mean_pct: float | None = Field(default=None, gt=0)
     """A stricter mean the project aims for (reported, not enforced)."""
     training: dict = {}
     """TrainingSpec fields shared by the rows."""
@@ -119,8 +119,21 @@ class DatasetSpec(Spec):
     """expert_migration arguments shared by migration rows (bytes_per_param, matrices, gpus, bandwidth_Bps)."""
     notes: str | None = None
     """Free text shown under the dataset."""
-    rows: list[RowSpec]
+    rows: list[RowSpec] = Field(min_length=1)
     """The datapoints."""
+
+
+class MigrationInputs(Spec):
+    """What a migration row prices (cost.step.expert_migration): the layer's facts and the dataset's and row's
+    migration arguments, merged."""
+
+    num_experts: int = Field(ge=1, le=2**20)
+    hidden_size: int = Field(ge=1, le=2**20)
+    d_ffn: int = Field(ge=1, le=2**22)
+    bytes_per_param: int = Field(default=16, ge=1, le=64)
+    matrices: int = Field(default=3, ge=1, le=8)
+    gpus: int = Field(default=8, ge=1, le=2**20)
+    bandwidth_Bps: float = Field(default=50e9, gt=0, le=1e15)
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -273,7 +286,54 @@ def load_dataset(name_or_path: str | Path) -> DatasetSpec:
             cost_options(values)
         except PiperError as exc:
             raise PiperError(exc.message, path=str(path), field=f"{where}{exc.field}") from None
+    for row in spec.rows:                         # and every row's inputs, so that no row fails half-way
+        try:
+            check_row(spec, row)
+        except PiperError as exc:
+            raise PiperError(exc.message, path=str(path), field=f"rows[{row.id}].{exc.field}") from None
     return spec
+
+
+def _parsed(cls, data, field: str):
+    """``data`` (plain JSON data) as ``cls``, a spec or a dataclass, by catalog.parse_spec's strict rules; a
+    failure is a PiperError on ``field``."""
+    import json
+
+    from pydantic import TypeAdapter, ValidationError
+
+    from piper_plan.catalog import parse_spec, validation_message
+
+    try:
+        if hasattr(cls, "model_validate_json"):
+            return parse_spec(cls, data, "")
+        return TypeAdapter(cls).validate_json(json.dumps(data), strict=True)
+    except PiperError as exc:
+        raise PiperError(exc.message, field=field) from None
+    except (ValidationError, TypeError, ValueError) as exc:
+        message = validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise PiperError(message, field=field) from None
+
+
+def check_row(spec: DatasetSpec, row: RowSpec) -> None:
+    """Every input of ``row`` validated as the spec it becomes (training, plan, search options, model facts,
+    migration arguments): a bad one is a PiperError naming the row's field, raised before any row is priced."""
+    if row.quantity in MIGRATION_QUANTITIES:
+        facts = {k: v for k, v in (row.facts or {}).items()}
+        if row.model is None or {"num_experts", "hidden_size", "d_ffn"} <= facts.keys():
+            _parsed(MigrationInputs, {**facts, **spec.migration, **(row.migration or {})}, "facts / migration")
+        return
+    if row.nodes is None:
+        raise PiperError("needs nodes", field="nodes")
+    training = row_training(spec, row)
+    if row.search is not None:
+        from piper_plan.search.space import SearchOptions
+
+        _parsed(SearchOptions, row.search, "search")
+    else:
+        row_plan(row, training)
+    if row.model is None:
+        raise PiperError("needs a model", field="model")
+    row_model(row)
 
 
 # ---- prediction --------------------------------------------------------------------------------------
@@ -300,27 +360,35 @@ class _Inputs:
         return self._platforms[name]
 
     def model(self, row: RowSpec):
-        from piper_plan.catalog import load_model
-        from piper_plan.specs import ModelSpec
-
-        if row.model is None:
-            raise PiperError("needs a model", field=f"rows[{row.id}].model")
-        model = load_model(row.model)
-        if row.facts:
-            model = ModelSpec.model_validate(_deep_merge(model.model_dump(), row.facts))
-        return model
+        return row_model(row)
 
     def training(self, row: RowSpec):
-        from piper_plan.specs import TrainingSpec
-
-        values = {**self.spec.training, **(row.training or {})}
-        values.update({k: v for k, v in (("seq_len", row.seq_len), ("global_batch", row.global_batch)) if v})
-        return TrainingSpec(**values)
+        return row_training(self.spec, row)
 
     def options(self, row: RowSpec):
         from piper_plan.cost.options import cost_options
 
         return cost_options({**self.spec.options, **(row.options or {})})
+
+
+def row_model(row: RowSpec):
+    """The row's model: the catalog entry (or file) with the row's ``facts`` merged over it."""
+    from piper_plan.catalog import load_model
+    from piper_plan.specs import ModelSpec
+
+    if row.model is None:
+        raise PiperError("needs a model", field=f"rows[{row.id}].model")
+    model = load_model(row.model)
+    return _parsed(ModelSpec, _deep_merge(model.model_dump(mode="json"), row.facts), "facts") if row.facts else model
+
+
+def row_training(spec: DatasetSpec, row: RowSpec):
+    """The row's TrainingSpec: the dataset's training, the row's over it, its seq_len and global_batch last."""
+    from piper_plan.specs import TrainingSpec
+
+    values = {**spec.training, **(row.training or {})}
+    values.update({k: v for k, v in (("seq_len", row.seq_len), ("global_batch", row.global_batch)) if v})
+    return _parsed(TrainingSpec, values, "training")
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -335,8 +403,10 @@ def row_plan(row: RowSpec, training):
     from piper_plan.specs import ParallelPlan
 
     values = dict(row.parallel or {})
-    values.setdefault("num_microbatches", max(training.global_batch // (values.get("dp", 1) * values.get("mbs", 1)), 1))
-    return ParallelPlan(**values)
+    dp, mbs = values.get("dp", 1), values.get("mbs", 1)
+    if "num_microbatches" not in values and all(type(v) is int and v >= 1 for v in (dp, mbs)):
+        values["num_microbatches"] = max(training.global_batch // (dp * mbs), 1)
+    return _parsed(ParallelPlan, values, "parallel")
 
 
 def best_plan(inputs: _Inputs, row: RowSpec, model, training):
@@ -345,7 +415,7 @@ def best_plan(inputs: _Inputs, row: RowSpec, model, training):
     from piper_plan.search.space import SearchOptions
 
     platform, calibration = inputs.platform_of(row)
-    result = search(model, platform, training, row.nodes, SearchOptions(**(row.search or {})),
+    result = search(model, platform, training, row.nodes, _parsed(SearchOptions, row.search or {}, "search"),
                     calibration=calibration)
     if not result.feasible:
         return None, {"feasible": 0, "reasons": result.reasons}
@@ -405,8 +475,9 @@ def predict_migration_row(inputs: _Inputs, row: RowSpec) -> tuple[float, dict]:
         m = inputs.model(row)
         f = {"num_experts": m.moe.num_experts, "hidden_size": m.hidden_size, "d_ffn": m.moe.expert.intermediate_size,
              **f}
-    nbytes, seconds = expert_migration(f["num_experts"], f["hidden_size"], f["d_ffn"],
-                                      **{**inputs.spec.migration, **(row.migration or {})})
+    args = _parsed(MigrationInputs, {**f, **inputs.spec.migration, **(row.migration or {})}, "facts / migration")
+    nbytes, seconds = expert_migration(args.num_experts, args.hidden_size, args.d_ffn, args.bytes_per_param,
+                                      args.matrices, args.gpus, args.bandwidth_Bps)
     detail = {"E": f["num_experts"], "d": f["hidden_size"], "d_ffn": f["d_ffn"], "bytes": nbytes, "seconds": seconds}
     value = {"migration.send_per_gpu_GB": nbytes / 1e9, "migration.send_per_gpu_GiB": nbytes / GiB,
              "migration.time_ms": seconds * 1e3}[row.quantity]

@@ -21,6 +21,7 @@ from piper_plan.cost.options import DEFAULT_OPTIONS, CostOptions
 from piper_plan.cost.pipeline import layers_per_stage_of
 from piper_plan.cost.step import checkpoint_bytes, training_totals
 from piper_plan.cost.terms import spans
+from piper_plan.errors import PiperError
 from piper_plan.placement.layout import allocation
 from piper_plan.plans import PlanBatch
 from piper_plan.specs.estimate import Estimate
@@ -141,7 +142,7 @@ def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, 
     totals = training_totals(ctx.training, float(ev.step_time_s[0]), nodes)
     sources = ctx.rates.source if ctx.rates.calibration is None else \
         "calibration: " + "; ".join(getattr(ctx.rates.calibration, "sources", []) or ["(no sources listed)"])
-    return Estimate.model_validate({
+    return _validated_estimate({
         "step_time_s": float(ev.step_time_s[0]),
         "tokens_per_s": float(ev.tokens_per_s[0]),
         "tflops_per_device": float(ev.tflops_per_device[0]),
@@ -172,3 +173,18 @@ def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, 
         "options": {**{f.name: getattr(ctx.opts, f.name) for f in fields(ctx.opts)},
                     "moe_saved_rows": moe_saved_rows(ctx.opts)},   # the count in force (None resolved)
     })
+
+
+def _validated_estimate(values: dict) -> Estimate:
+    """``values`` as an Estimate; a figure outside what an estimate can hold (inputs valid one by one whose
+    combination is no trainable job: a routing skew of 1e100, a peak of 1 MFLOP/s) is one PiperError line."""
+    from pydantic import ValidationError
+
+    try:
+        return Estimate.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise PiperError(f"the prediction's {where} is {first.get('input')!r}, outside what piper reports "
+                         f"({first['msg'].lower()}): the model, platform and training are each valid, but together "
+                         "they make no trainable job; check their sizes and rates") from None

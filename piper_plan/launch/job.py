@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from piper_plan.errors import PiperError
-from piper_plan.fileio import atomic_write_text, read_text
+from piper_plan.fileio import atomic_write_text, check_writable, read_text
 from piper_plan.launch import render, submit
 from piper_plan.launch.render import JobSpec, LaunchOptions
 from piper_plan.planfile import PlanFile, read_plan_file
@@ -66,8 +66,11 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
 
 
 def write_job(prepared: PreparedJob) -> None:
-    """Write plan.json, job.sbatch (executable) and README.md, each atomically."""
+    """Write plan.json, job.sbatch (executable) and README.md, each atomically, once all three can be written (a
+    blocked one leaves none of them behind)."""
     out = prepared.out_dir
+    for path in (out / "plan.json", prepared.script_path, out / "README.md"):
+        check_writable(path)
     atomic_write_text(out / "plan.json", prepared.plan_text)
     atomic_write_text(prepared.script_path, prepared.script).chmod(0o755)
     atomic_write_text(out / "README.md", prepared.readme)

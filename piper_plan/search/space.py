@@ -52,6 +52,8 @@ DUPLICATE_REASONS: tuple[str, ...] = (
 class SearchOptions:
     """What the search may choose. Defaults: the full (general) space."""
 
+    __pydantic_config__ = {"extra": "forbid"}   # a dataset row's `search` mapping is validated against it
+
     strategy: Literal["general", "piper"] = "general"
     """general: every valid degree; piper: the paper's PP x EP mesh (tp = 1, dp = ep, ep <= g x N_h)."""
     a2a: Literal["flat", "halo", "any"] = "any"

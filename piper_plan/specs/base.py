@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 
 class Spec(BaseModel):
@@ -10,3 +12,13 @@ class Spec(BaseModel):
     field docstrings become descriptions."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+
+def _one_line(text: str) -> str:
+    if not text or any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise ValueError("a name is one non-empty line of printable characters (no newline, tab or control character)")
+    return text
+
+
+Name = Annotated[str, AfterValidator(_one_line)]
+"""A name that launch scripts and exported scripts print into comments and job names: one printable line."""

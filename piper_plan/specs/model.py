@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from piper_plan.specs.base import Spec
+from piper_plan.specs.base import Name, Spec
 
 MAX_LAYERS = 10_000
 """Most transformer layers a model may have (the largest published MoE models have about 100); checked before
@@ -208,7 +208,7 @@ class NormSpec(Spec):
 class ModelSpec(Spec):
     """A decoder-only transformer, dense or MoE."""
 
-    name: str = Field(min_length=1)
+    name: Name
     """Catalog name, lowercase and hyphenated (mixtral-8x7b)."""
     source: str = Field(min_length=1)
     """Where the configuration comes from (paper, model card, config.json)."""

@@ -3,39 +3,44 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, model_validator
 
 from piper_plan.specs.base import Spec
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
+
+MAX_RANKS = 2**20
+"""The most ranks a plan may have (about 14x Frontier's 75,264 GCDs), and so the most any degree, micro-batch size
+or layer count in it may be: every product of them stays far inside the 64-bit integers the planner computes in."""
+Count = Annotated[int, Field(ge=1, le=MAX_RANKS)]
 
 
 class ParallelPlan(Spec):
     """Degrees and schedule. world = pp x dp x cp x tp; experts regroup a stage's dp x cp x tp ranks as
     ep x etp x edp (Megatron-Core); rank order tp, cp, dp, pp, fastest first (docs/design-notes.md)."""
 
-    dp: PositiveInt = 1
+    dp: Count = 1
     """Data-parallel degree of the dense weights (their gradients are reduced over dp x cp)."""
-    cp: PositiveInt = 1
+    cp: Count = 1
     """Context-parallel degree: each sequence split over cp ranks in 2 cp chunks, rank i holding chunks i and
     2 cp - 1 - i (the load-balanced causal split of Megatron-Core / Transformer Engine), K and V passed around a
     ring (docs/design-notes.md, "context parallelism")."""
-    tp: PositiveInt = 1
+    tp: Count = 1
     """Tensor-parallel degree (inside a node)."""
-    pp: PositiveInt = 1
+    pp: Count = 1
     """Pipeline stages."""
-    ep: PositiveInt = 1
+    ep: Count = 1
     """Expert-parallel degree: ranks that split one MoE layer's experts."""
-    etp: PositiveInt = 1
+    etp: Count = 1
     """Tensor-parallel degree inside an expert."""
-    mbs: PositiveInt = 1
+    mbs: Count = 1
     """Micro-batch size, sequences."""
-    num_microbatches: PositiveInt = 1
+    num_microbatches: Annotated[int, Field(ge=1, le=2**40)] = 1
     """Micro-batches per step per pipeline = global_batch / (dp x mbs)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
     """Pipeline schedule."""
-    virtual_stages: PositiveInt = 1
+    virtual_stages: Count = 1
     """Model chunks per rank for the interleaved schedule (1 otherwise)."""
     recompute: Recompute = Recompute.NONE
     """Activation recomputation."""
@@ -48,7 +53,7 @@ class ParallelPlan(Spec):
     (a sharded optimizer); 2 and 3 are FSDP2 (parameters, gradients and optimizer state sharded at rest;
     2 keeps the gathered parameters from forward to backward, 3 re-gathers them). What each holds and sends
     per step: docs/design-notes.md, "zero 0-3"."""
-    dp_replicate: PositiveInt = 1
+    dp_replicate: Count = 1
     """HSDP (zero 2 / 3 only): the stage's dp x cp ranks form ``dp_replicate`` replicas of an FSDP2 shard group of
     dp x cp / dp_replicate consecutive ranks; dense weights, gradients and optimizer state are sharded inside a
     shard group, and gradients all-reduced across the replicas. 1 = sharded over all dp x cp. Experts shard over
@@ -58,7 +63,7 @@ class ParallelPlan(Spec):
     layers_split: LayerSplit = LayerSplit.AUTO
     """How layers are split over stages: even, FLOP-balanced, auto (what ``piper plan`` does: the one that fits,
     then the faster) or explicit (``layers_per_stage``). Saved plans carry the resolved explicit list."""
-    layers_per_stage: list[PositiveInt] | None = None
+    layers_per_stage: list[Count] | None = None
     """Layers of each pipeline stage (given: the split is explicit)."""
     virtual_stage_layers: list[NonNegativeInt] | None = None
     """Interleaved only: decoder layers of each of the pp x virtual_stages model chunks, in Megatron-Core's
@@ -82,6 +87,12 @@ class ParallelPlan(Spec):
         if isinstance(data, dict) and isinstance(data.get("virtual_stage_layers"), str):
             data = {**data, "virtual_stage_layers": layout_decoder_counts(data["virtual_stage_layers"])}
         return data
+
+    @model_validator(mode="after")
+    def _world_in_range(self) -> "ParallelPlan":
+        if self.world > MAX_RANKS:
+            raise ValueError(f"world = pp x dp x cp x tp = {self.world:,} ranks; a plan has at most {MAX_RANKS:,}")
+        return self
 
     @model_validator(mode="after")
     def _split_has_list(self) -> "ParallelPlan":

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from piper_plan.specs.base import Spec
+from piper_plan.specs.base import Name, Spec
 from piper_plan.specs.vocab import Precision, Scope
 
 MAX_NODES = 100_000
@@ -38,7 +38,7 @@ Dtype = Precision
 class DeviceSpec(Spec):
     """One accelerator (one GCD on Frontier) or one CPU rank."""
 
-    name: str
+    name: Name
     """Device name as the vendor states it (AMD MI250X GCD)."""
     memory_bytes: int = Field(ge=1, le=MAX_MEMORY_BYTES)
     """Device memory usable by one rank, in bytes."""
@@ -53,7 +53,7 @@ class DeviceSpec(Spec):
 class LinkClassSpec(Spec):
     """A class of intra-node device-to-device links (Frontier: 200 GB/s GCD pairs, 50-100 GB/s across packages)."""
 
-    name: str
+    name: Name
     """Short label (same_package, cross_package)."""
     bandwidth_GBps: Bandwidth
     """Per direction, GB/s."""
@@ -259,7 +259,7 @@ class MemoryOverheadSpec(Spec):
 class PlatformSpec(Spec):
     """A machine."""
 
-    name: str = Field(min_length=1)
+    name: Name
     """Catalog name (frontier)."""
     description: str = ""
     """One line for people."""

@@ -204,3 +204,95 @@ def test_bench_a2a_refuses_a_local_spawn_the_machine_cannot_hold(args, needle):
     assert res.exit_code == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.output
+
+
+# ---- hostile input found by a fuzzing pass (2026-12-02) ---------------------------------------------------
+def test_a_name_with_a_newline_never_reaches_a_script(tmp_path):
+    # a platform or model name is printed into job scripts' comments: one printable line, or refused
+    platform = yaml_copy(tmp_path, "platforms/local-cpu.yaml", name="cpu\ntouch /tmp/owned #")
+    out = tmp_path / "job"
+    assert_one_line_error(run("launch", "--model", "tiny-moe", "--platform", platform, "--nodes", 1, "--out-dir", out,
+                              "--dry-run"), "name: a name is one non-empty line")
+    assert not out.exists()
+    model = yaml_copy(tmp_path, "models/tiny-moe.yaml", name="tiny\tmoe")
+    assert_one_line_error(run("model", "show", model), "name: a name is one non-empty line")
+
+
+def yaml_copy(tmp_path: Path, relative: str, **changes) -> Path:
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    data = {**yaml.safe_load((root / relative).read_text()), **changes}
+    path = tmp_path / Path(relative).name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_an_output_path_that_is_a_pipe_is_refused_not_replaced(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert_one_line_error(run(*ESTIMATE, "-o", fifo), "not a regular file")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_launch_writes_none_of_its_files_when_one_is_blocked(tmp_path):
+    out = tmp_path / "job"
+    (out / "README.md").mkdir(parents=True)
+    result = run("launch", *TINY, "--nodes", 1, "--out-dir", out, "--force")   # notes the plan it chose, then:
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.stderr.strip().splitlines()[-1].endswith("README.md: cannot write: is a directory; give a file name")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--routing-skew", "1e308"), "step_time_s is nan"),           # valid one by one, no trainable job together
+    (("--routing-skew", "1e100"), "step_time_s is"),
+    (("--dp", 2**63), "dp: Input should be less than or equal to 1048576"),   # beyond numpy's int64
+    (("--mbs", 2**62), "mbs: Input should be less than or equal to 1048576"),
+])
+def test_estimate_out_of_range_is_one_line(args, needle):
+    assert_one_line_error(run(*ESTIMATE, *args), needle)
+
+
+def test_a_plan_of_more_ranks_than_any_machine_is_refused():
+    assert_one_line_error(run(*ESTIMATE, "--pp", 2**20, "--dp", 2**20), "a plan has at most 1,048,576")
+
+
+def test_migrate_seed_and_halo_report_name(tmp_path):
+    assert_one_line_error(run("migrate", "simulate", "--ep", 8, "--experts", 64, "--seed", -1), "--seed")
+    assert_one_line_error(run("reproduce", "halo", "-o", tmp_path / "halo.png"), "give the Markdown report's name")
+    assert not (tmp_path / "halo.png").exists()
+
+
+@pytest.mark.parametrize("change, needles", [
+    (lambda d: d["rows"][0]["parallel"].update(tp="abc"), ["rows[", "parallel: tp: Input should be a valid integer"]),
+    (lambda d: d["rows"][0]["parallel"].update(tp=0), ["parallel: tp: Input should be greater than or equal to 1"]),
+    (lambda d: d["rows"][0].update(published=0), ["published: Input should be greater than 0"]),
+    (lambda d: d["rows"][0].update(nodes=-1), ["nodes: Input should be greater than or equal to 1"]),
+    (lambda d: d["rows"][0].update(global_batch=0), ["global_batch: Input should be greater than or equal to 1"]),
+    (lambda d: d["training"].update(seq_len="x"), ["training: seq_len: Input should be a valid integer"]),
+    (lambda d: d.update(rows=[]), ["rows: List should have at least 1 item"]),
+])
+def test_a_dataset_row_is_checked_before_any_row_is_priced(tmp_path, change, needles):
+    path = changed_dataset(tmp_path, "korthikanti-a100", change)
+    assert_one_line_error(run("validate", "--dataset", path), str(path), *needles)
+
+
+def changed_dataset(tmp_path: Path, name: str, change) -> Path:
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "validation" / f"{name}.yaml").read_text())
+    change(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d["migration"].update(gpus=0), "gpus: Input should be greater than or equal to 1"),
+    (lambda d: d["rows"][0].update(facts={}), "num_experts: Field required"),
+    (lambda d: d["rows"][0]["facts"].update(hidden_size="big"), "hidden_size: Input should be a valid integer"),
+])
+def test_a_migration_row_is_checked_too(tmp_path, change, needle):
+    path = changed_dataset(tmp_path, "piper-migration-table4", change)
+    assert_one_line_error(run("validate", "--dataset", path), "facts / migration", needle)
