@@ -160,7 +160,21 @@ def _heaviest(w: np.ndarray, split: list[int], model, seq: int) -> float:
     return max(loads)
 
 
+_SPLITS: dict[tuple, list[int]] = {}
+"""_min_max_split's answers by (layer loads, pp, tail): a search prices the same split for every node count."""
+
+
 def _min_max_split(w: np.ndarray, pp: int, tail: float) -> list[int]:
+    """Exact linear partition (``_partition``), remembered: the search asks the same question once per node count."""
+    key = (w.tobytes(), pp, tail)
+    if key not in _SPLITS:
+        if len(_SPLITS) >= 256:
+            _SPLITS.clear()
+        _SPLITS[key] = _partition(w, pp, tail)
+    return list(_SPLITS[key])
+
+
+def _partition(w: np.ndarray, pp: int, tail: float) -> list[int]:
     """Exact linear partition: cost[k][j] = best max-load of layers [0, j) in k stages; the last stage carries
     ``tail``. Each k is one [L+1, L+1] array step (i = start of the k-th stage, j = its end)."""
     n = len(w)
@@ -185,10 +199,17 @@ def _min_max_split(w: np.ndarray, pp: int, tail: float) -> list[int]:
     return split[::-1]
 
 
+MAX_BALANCED_LAYERS = 1024
+"""Models of more layers (none published has more than a few hundred) get the even split only: the exact
+FLOP-balanced partition costs pp x L^2 (10,000 layers: minutes per plan)."""
+
+
 def split_variants(model, seq_len: int, pp: int, virtual_stages: int = 1) -> list[list[int]]:
-    """The layer splits a plan may use, indexed by split code: [even] or [even, FLOP-balanced]; interleaved:
-    [each rank's layers over its chunks]."""
+    """The layer splits a plan may use, indexed by split code: [even] or [even, FLOP-balanced] (the even one only
+    beyond MAX_BALANCED_LAYERS layers); interleaved: [each rank's layers over its chunks]."""
     even = even_split(model.num_layers, pp)
+    if model.num_layers > MAX_BALANCED_LAYERS and virtual_stages == 1:
+        return [even]
     if pp == 1 or virtual_stages != 1:
         chunks = uneven_chunks(model.num_layers, pp, virtual_stages) if virtual_stages > 1 else None
         return [even] if chunks is None else [rank_layers(chunks, pp)]
