@@ -155,12 +155,13 @@ def import_cmd(config: Path, output: Path | None, name: str | None, force: bool,
     """Convert a Hugging Face config.json into a piper model spec."""
     from piper_plan.catalog import spec_to_yaml
     from piper_plan.errors import PiperError
-    from piper_plan.fileio import atomic_write_text
+    from piper_plan.fileio import atomic_write_text, check_writable
     from piper_plan.hf_import import import_hf_file
 
     spec = import_hf_file(config, name)
     text = spec_to_yaml(spec)
     if output is not None:
+        check_writable(output)                   # a folder or a device is named as such, not as "exists"
         if output.exists() and not force:
             raise PiperError("output file exists; pass --force to overwrite", path=str(output))
         atomic_write_text(output, text)
