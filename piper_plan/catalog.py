@@ -82,17 +82,23 @@ def validation_message(exc: ValidationError) -> str:
 
 
 def parse_spec(cls: type[SpecT], data: dict, path: str) -> SpecT:
-    """Validate ``data`` as ``cls`` in pydantic's strict JSON mode (a boolean is not a number, a string is not a
-    number, 4.0 is not an integer); a validation failure is one PiperError line naming the file.
+    """Validate ``data`` as ``cls`` (a spec, or a dataclass such as CostOptions over its annotations) in pydantic's
+    strict JSON mode (a boolean is not a number, a string is not a number, 4.0 is not an integer); a validation
+    failure is one PiperError line naming the file.
 
     ``data`` is what ``read_structured`` returns (plain JSON data); anything else (objects built in code) is
     validated as it is."""
+    from pydantic import BaseModel, TypeAdapter
+
     try:
         text = json.dumps(data, allow_nan=False)
     except (TypeError, ValueError):
         text = None
     try:
-        return cls.model_validate(data) if text is None else cls.model_validate_json(text, strict=True)
+        if isinstance(cls, type) and issubclass(cls, BaseModel):
+            return cls.model_validate(data) if text is None else cls.model_validate_json(text, strict=True)
+        adapter = TypeAdapter(cls)
+        return adapter.validate_python(data) if text is None else adapter.validate_json(text, strict=True)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), path=path) from None
 

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from piper_plan.errors import PiperError
-from piper_plan.specs.parallel import ParallelPlan, even_split, interleaved_chunk_split, model_chunks, rank_layers
+from piper_plan.specs.parallel import MAX_BALANCED_LAYERS, MAX_RANKS, ParallelPlan, even_split, interleaved_chunk_split, model_chunks, rank_layers
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
 ENUM_FIELDS = {"schedule": Schedule, "recompute": Recompute, "a2a": A2A, "layers_split": LayerSplit}
@@ -273,12 +273,19 @@ RULES: tuple[Rule, ...] = (
          lambda s, c: _none(c) | (s.model.max_seq_len is not None and s.training.seq_len > s.model.max_seq_len),
          lambda s, p: f"seq_len={s.training.seq_len} exceeds {s.model.name}'s max_seq_len={s.model.max_seq_len}",
          level="allocation"),
+    Rule("world_beyond_limit", lambda s, c: _none(c) | (s.world > MAX_RANKS),
+         lambda s, p: f"{s.nodes} nodes x {s.platform.devices_per_node} devices = {s.world:,} ranks; piper plans at "
+                      f"most {MAX_RANKS:,}", level="allocation"),
     Rule("world_mismatch", lambda s, c: c.world != s.world,
          lambda s, p: f"pp x dp x cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp} = {p.world} must equal the world size "
                       f"{s.nodes} nodes x {s.platform.devices_per_node} = {s.world}"),
     Rule("cp_not_divisor_seq", lambda s, c: (c.cp > 1) & (s.training.seq_len % (2 * c.cp) != 0),
          lambda s, p: f"cp={p.cp} needs seq_len={s.training.seq_len} divisible by 2 x cp = {2 * p.cp} (the "
                       "load-balanced causal split cuts each sequence into 2 cp equal chunks)"),
+    Rule("balanced_split_too_deep", lambda s, c: (c.layers_split == LayerSplit.BALANCED.code) & (c.pp > 1)
+         & (c.virtual_stages == 1) & (s.model.num_layers > MAX_BALANCED_LAYERS),
+         lambda s, p: f"layers_split=balanced: {s.model.name} has {s.model.num_layers} layers; the FLOP-balanced "
+                      f"split is computed up to {MAX_BALANCED_LAYERS} (pp x layers^2 work); use even or explicit"),
     Rule("pp_exceeds_layers", lambda s, c: c.pp > s.model.num_layers,
          lambda s, p: f"pp={p.pp} must be <= num_layers={s.model.num_layers}"),
     Rule("tp_exceeds_node", lambda s, c: c.tp > s.platform.devices_per_node,

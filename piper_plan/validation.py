@@ -26,7 +26,10 @@ from typing import Literal, get_args
 from pydantic import Field
 
 from piper_plan.errors import PiperError
-from piper_plan.specs.base import Spec
+from piper_plan.specs.base import Name, Spec
+from piper_plan.specs.model import MAX_EXPERTS, Width
+from piper_plan.specs.parallel import MAX_RANKS
+from piper_plan.specs.platform import MAX_NODES
 
 GiB = 2**30
 Quantity = Literal["step_time_s", "tflops_per_device", "tokens_per_s_per_device", "mfu", "memory.state_GiB",
@@ -48,8 +51,8 @@ class Tolerance(Spec):
 class RowSpec(Spec):
     """One published datapoint."""
 
-    id: str
-    """Unique within the dataset."""
+    id: Name
+    """Unique within the dataset (one line: errors and tables print it)."""
     quantity: Quantity
     """What was published (see the module docstring)."""
     published: float = Field(gt=0)
@@ -62,7 +65,7 @@ class RowSpec(Spec):
     """TrainingSpec fields for this row (e.g. dtype), over the dataset's."""
     facts: dict | None = None
     """ModelSpec fields over the catalog entry (nested dicts merge), or for migration rows num_experts / hidden_size / d_ffn."""
-    nodes: int | None = Field(default=None, ge=1, le=2**20)
+    nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
     """Nodes of the run."""
     seq_len: int | None = Field(default=None, ge=1)
     """Overrides the dataset's training.seq_len."""
@@ -123,17 +126,21 @@ class DatasetSpec(Spec):
     """The datapoints."""
 
 
-class MigrationInputs(Spec):
-    """What a migration row prices (cost.step.expert_migration): the layer's facts and the dataset's and row's
-    migration arguments, merged."""
+class MigrationFacts(Spec):
+    """The layer a migration row prices (cost.step.expert_migration): E, d and d_ffn, bounded as ModelSpec's."""
 
-    num_experts: int = Field(ge=1, le=2**20)
-    hidden_size: int = Field(ge=1, le=2**20)
-    d_ffn: int = Field(ge=1, le=2**22)
-    bytes_per_param: int = Field(default=16, ge=1, le=64)
-    matrices: int = Field(default=3, ge=1, le=8)
-    gpus: int = Field(default=8, ge=1, le=2**20)
-    bandwidth_Bps: float = Field(default=50e9, gt=0, le=1e15)
+    num_experts: int = Field(ge=1, le=MAX_EXPERTS)
+    hidden_size: Width
+    d_ffn: Width
+
+
+class MigrationArgs(Spec):
+    """expert_migration's arguments a dataset or row sets (None: expert_migration's own default)."""
+
+    bytes_per_param: int | None = Field(default=None, ge=1, le=64)
+    matrices: int | None = Field(default=None, ge=1, le=8)
+    gpus: int | None = Field(default=None, ge=1, le=MAX_RANKS)
+    bandwidth_Bps: float | None = Field(default=None, gt=0, le=1e15)
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -280,60 +287,78 @@ def load_dataset(name_or_path: str | Path) -> DatasetSpec:
     if len(set(ids)) != len(ids):
         raise PiperError(f"duplicate row ids in {sorted(i for i in set(ids) if ids.count(i) > 1)}", path=str(path))
     from piper_plan.cost.options import cost_options
+    from piper_plan.specs import TrainingSpec
 
-    for where, values in [("", spec.options)] + [(f"rows[{row.id}].", row.options or {}) for row in spec.rows]:
-        try:                                      # every option checked here, before any row is priced
-            cost_options(values)
-        except PiperError as exc:
-            raise PiperError(exc.message, path=str(path), field=f"{where}{exc.field}") from None
-    for row in spec.rows:                         # and every row's inputs, so that no row fails half-way
-        try:
-            check_row(spec, row)
-        except PiperError as exc:
-            raise PiperError(exc.message, path=str(path), field=f"rows[{row.id}].{exc.field}") from None
+    try:                                          # the dataset's shared settings, then every row's inputs:
+        cost_options(spec.options)                # a bad one is found before any row is priced
+        _parsed(TrainingSpec, spec.training, "training")
+        _parsed(MigrationArgs, spec.migration, "migration")
+    except PiperError as exc:
+        raise PiperError(exc.message, path=str(path), field=exc.field) from None
+    for row in spec.rows:
+        in_row(row, path, check_row, spec, row)
     return spec
 
 
+def in_row(row: RowSpec, path, fn, *args):
+    """``fn(*args)``, a PiperError from it named by the dataset file and ``rows[<id>].<field>`` (a file of its own,
+    such as the row's model, kept in the message)."""
+    try:
+        return fn(*args)
+    except PiperError as exc:
+        message = exc.message if not exc.path or exc.path == str(path) else f"{exc.path}: {exc.message}"
+        field = f"rows[{row.id}]" + (f".{exc.field}" if exc.field else "")
+        raise PiperError(message, path=str(path) if path else None, field=field) from None
+
+
 def _parsed(cls, data, field: str):
-    """``data`` (plain JSON data) as ``cls``, a spec or a dataclass, by catalog.parse_spec's strict rules; a
-    failure is a PiperError on ``field``."""
-    import json
-
-    from pydantic import TypeAdapter, ValidationError
-
-    from piper_plan.catalog import parse_spec, validation_message
+    """``data`` (plain JSON data) as ``cls`` by catalog.parse_spec's strict rules; a failure is a PiperError on
+    ``field`` (a dataclass's own check keeps the field it names)."""
+    from piper_plan.catalog import parse_spec
 
     try:
-        if hasattr(cls, "model_validate_json"):
-            return parse_spec(cls, data, "")
-        return TypeAdapter(cls).validate_json(json.dumps(data), strict=True)
+        return parse_spec(cls, data, "")
     except PiperError as exc:
+        if exc.field:
+            raise
         raise PiperError(exc.message, field=field) from None
-    except (ValidationError, TypeError, ValueError) as exc:
-        message = validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
-        raise PiperError(message, field=field) from None
 
 
 def check_row(spec: DatasetSpec, row: RowSpec) -> None:
-    """Every input of ``row`` validated as the spec it becomes (training, plan, search options, model facts,
-    migration arguments): a bad one is a PiperError naming the row's field, raised before any row is priced."""
+    """Every input of ``row`` validated as the spec it becomes (options, training, plan, search options, model
+    and its facts, migration arguments); a bad one is a PiperError on the row's field."""
+    from piper_plan.cost.options import cost_options
+
+    cost_options({**spec.options, **(row.options or {})})
     if row.quantity in MIGRATION_QUANTITIES:
-        facts = {k: v for k, v in (row.facts or {}).items()}
-        if row.model is None or {"num_experts", "hidden_size", "d_ffn"} <= facts.keys():
-            _parsed(MigrationInputs, {**facts, **spec.migration, **(row.migration or {})}, "facts / migration")
+        migration_inputs(spec, row)
         return
     if row.nodes is None:
         raise PiperError("needs nodes", field="nodes")
     training = row_training(spec, row)
     if row.search is not None:
-        from piper_plan.search.space import SearchOptions
-
-        _parsed(SearchOptions, row.search, "search")
+        row_search(row)
     else:
         row_plan(row, training)
-    if row.model is None:
-        raise PiperError("needs a model", field="model")
     row_model(row)
+
+
+def row_search(row: RowSpec):
+    from piper_plan.search.space import SearchOptions
+
+    return _parsed(SearchOptions, row.search or {}, "search")
+
+
+def migration_inputs(spec: DatasetSpec, row: RowSpec) -> tuple[MigrationFacts, dict]:
+    """(the layer, expert_migration's keyword arguments) of a migration row: its facts, with what they lack from
+    its model; the dataset's migration arguments, the row's over them."""
+    facts = dict(row.facts or {})
+    if row.model is not None and not {"num_experts", "hidden_size", "d_ffn"} <= facts.keys():
+        m = row_model(row)
+        facts = {"num_experts": m.moe.num_experts, "hidden_size": m.hidden_size,
+                 "d_ffn": m.moe.expert.intermediate_size, **facts} if m.moe is not None else facts
+    args = _parsed(MigrationArgs, {**spec.migration, **(row.migration or {})}, "migration")
+    return _parsed(MigrationFacts, facts, "facts"), args.model_dump(exclude_none=True)
 
 
 # ---- prediction --------------------------------------------------------------------------------------
@@ -377,8 +402,11 @@ def row_model(row: RowSpec):
     from piper_plan.specs import ModelSpec
 
     if row.model is None:
-        raise PiperError("needs a model", field=f"rows[{row.id}].model")
-    model = load_model(row.model)
+        raise PiperError("needs a model", field="model")
+    try:
+        model = load_model(row.model)
+    except PiperError as exc:                     # an unknown name, or the model file's own mistake (its path kept)
+        raise PiperError(f"{exc.path}: {exc.message}" if exc.path else exc.message, field="model") from None
     return _parsed(ModelSpec, _deep_merge(model.model_dump(mode="json"), row.facts), "facts") if row.facts else model
 
 
@@ -412,11 +440,9 @@ def row_plan(row: RowSpec, training):
 def best_plan(inputs: _Inputs, row: RowSpec, model, training):
     """(plan, search summary) of the search library's best plan for the row."""
     from piper_plan.search.engine import search
-    from piper_plan.search.space import SearchOptions
 
     platform, calibration = inputs.platform_of(row)
-    result = search(model, platform, training, row.nodes, _parsed(SearchOptions, row.search or {}, "search"),
-                    calibration=calibration)
+    result = search(model, platform, training, row.nodes, row_search(row), calibration=calibration)
     if not result.feasible:
         return None, {"feasible": 0, "reasons": result.reasons}
     i = result.best
@@ -448,8 +474,6 @@ def predict_plan_row(inputs: _Inputs, row: RowSpec) -> tuple[float | None, dict]
     from piper_plan.cost.evaluate import estimate
 
     model, training = inputs.model(row), inputs.training(row)
-    if row.nodes is None:
-        raise PiperError("needs nodes", field=f"rows[{row.id}].nodes")
     detail: dict = {}
     if row.search is not None:
         plan, detail = best_plan(inputs, row, model, training)
@@ -470,25 +494,18 @@ def predict_migration_row(inputs: _Inputs, row: RowSpec) -> tuple[float, dict]:
     """Piper Table IV: bytes per GPU and seconds to reassign one layer's experts (cost.step.expert_migration)."""
     from piper_plan.cost.step import expert_migration
 
-    f = row.facts or {}
-    if row.model is not None and not {"num_experts", "hidden_size", "d_ffn"} <= f.keys():
-        m = inputs.model(row)
-        f = {"num_experts": m.moe.num_experts, "hidden_size": m.hidden_size, "d_ffn": m.moe.expert.intermediate_size,
-             **f}
-    args = _parsed(MigrationInputs, {**f, **inputs.spec.migration, **(row.migration or {})}, "facts / migration")
-    nbytes, seconds = expert_migration(args.num_experts, args.hidden_size, args.d_ffn, args.bytes_per_param,
-                                      args.matrices, args.gpus, args.bandwidth_Bps)
-    detail = {"E": f["num_experts"], "d": f["hidden_size"], "d_ffn": f["d_ffn"], "bytes": nbytes, "seconds": seconds}
+    layer, args = migration_inputs(inputs.spec, row)
+    nbytes, seconds = expert_migration(layer.num_experts, layer.hidden_size, layer.d_ffn, **args)
+    detail = {"E": layer.num_experts, "d": layer.hidden_size, "d_ffn": layer.d_ffn, "bytes": nbytes,
+              "seconds": seconds}
     value = {"migration.send_per_gpu_GB": nbytes / 1e9, "migration.send_per_gpu_GiB": nbytes / GiB,
              "migration.time_ms": seconds * 1e3}[row.quantity]
     return value, detail
 
 
 def predict_row(inputs: _Inputs, row: RowSpec) -> RowResult:
-    if row.quantity in MIGRATION_QUANTITIES:
-        predicted, detail = predict_migration_row(inputs, row)
-    else:
-        predicted, detail = predict_plan_row(inputs, row)
+    predict = predict_migration_row if row.quantity in MIGRATION_QUANTITIES else predict_plan_row
+    predicted, detail = in_row(row, None, predict, inputs, row)
     rel = None if predicted is None else (predicted - row.published) / row.published
     split = row.split or ("fit" if inputs.spec.used_for_fitting else "held_out")
     return RowResult(id=row.id, quantity=row.quantity, published=row.published, predicted=predicted, rel_error=rel,

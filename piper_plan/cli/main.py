@@ -7,7 +7,6 @@ names to modules so that ``piper --help`` stays fast and the planner never impor
 from __future__ import annotations
 
 import importlib
-import warnings
 
 import click
 
@@ -100,9 +99,6 @@ EPILOG = ("Output: a command's result (table, report) on stdout; progress and di
 @click.version_option(__version__, prog_name="piper")
 def cli() -> None:
     """piper: plan, calibrate and launch Mixture-of-Experts training on HPC machines."""
-    # numpy's overflow / invalid-value warnings from the cost model are not shown: a candidate that overflows
-    # prices as inf or nan and is dropped, or refused in one line (cost/evaluate.py _validated_estimate)
-    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"piper_plan\.cost\.")
 
 
 def main() -> None:

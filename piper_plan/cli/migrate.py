@@ -33,7 +33,7 @@ def migrate_group() -> None:
 @click.option("--threshold", type=click.FloatRange(min=1.0), default=1.1, show_default=True,
               help="Migrate a layer only when its max/mean rank load exceeds this.")
 @click.option("--max-iters", type=click.IntRange(min=0), default=16, show_default=True, help="Hill-climbing swaps per layer (T).")
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True, help="Seed of the synthetic loads.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the synthetic loads.")
 @click.option("--model", help="Model (catalog name or file): prices bytes per expert.")
 @click.option("--platform", help="Platform (catalog name or file): prices the intra-group bandwidth.")
 @click.option("--placement", type=click.Choice(["compact", "spread"]), default="compact", show_default=True,

@@ -72,12 +72,12 @@ def halo_cmd(platform_name, out_file, use_calibration, as_json) -> None:
     from piper_plan.errors import PiperError
     from piper_plan.fileio import atomic_write_text
 
-    platform = load_platform(platform_name)
-    table = rp.halo_table(platform, _calibration(platform.name, use_calibration))
     path = Path(out_file) if out_file else project_root() / "docs" / "halo.md"
     if path.suffix.lower() == ".png":   # the Markdown and its plot would be one file
-        raise PiperError(f"{out_file}: give the Markdown report's name (report.md); its PNG goes beside it with "
-                         "the suffix .png", field="-o")
+        raise PiperError("give the Markdown report's name (report.md); its PNG goes beside it with the suffix .png",
+                         path=str(path), field="-o")
+    platform = load_platform(platform_name)
+    table = rp.halo_table(platform, _calibration(platform.name, use_calibration))
     text = rp.render_markdown(f"HALO vs flat on {platform.name}", HALO_INTRO, [table]) + "\n" + rp.halo_analysis(table.rows)
     link = PLOT_LINK.replace("halo.png", path.with_suffix(".png").name)
     atomic_write_text(path, text + (link if rp.have_matplotlib() else ""))

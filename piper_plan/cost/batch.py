@@ -302,6 +302,19 @@ def choose_split(peak, seconds, device_bytes, layers_split) -> np.ndarray:
     return (exists & wanted).astype(np.int64)
 
 
+def quiet_overflow(fn):
+    """Run ``fn`` with numpy's overflow / invalid / divide warnings off: a candidate whose figures overflow prices
+    as inf or nan, which the search drops and an estimate refuses in one line (evaluate._validated_estimate);
+    a warning per array would only bury that line."""
+    import functools
+
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return fn(*args, **kwargs)
+    return quiet
+
+
 def evaluate_batch(ctx, alloc, c, memory_detail=False):
     """(breakdown {name: [N]}, step seconds [N], peak-stage memory {"total": [N], ...}, split slot [N])."""
     keys = Keys(c)

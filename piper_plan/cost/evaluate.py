@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from piper_plan.cost import stage as stg
-from piper_plan.cost.batch import evaluate_batch, stage_detail
+from piper_plan.cost.batch import evaluate_batch, quiet_overflow, stage_detail
 from piper_plan.cost.memory import moe_saved_rows
 from piper_plan.cost.flops import CONVENTIONS, model_flops_per_token, recompute_flops_per_token
 from piper_plan.cost.options import DEFAULT_OPTIONS, CostOptions
@@ -61,6 +61,7 @@ class Evaluation:
                    layers_split=np.zeros(0, np.int64), mfu_megatron=none, hfu_megatron=none)
 
 
+@quiet_overflow
 def evaluate(model, platform, training, nodes: int, plans: PlanBatch, calibration=None, placement="compact",
              options: CostOptions = DEFAULT_OPTIONS, memory_detail: bool = False) -> Evaluation:
     """Predict step time, throughput and peak memory of every plan (arrays of length N), each with the layer
@@ -116,6 +117,7 @@ def _summary(ctx, c: PlanBatch, breakdown, step, peak_mem, split) -> Evaluation:
     )
 
 
+@quiet_overflow
 def estimate(model, platform, training, nodes, plan: ParallelPlan, calibration=None, placement="compact",
              options: CostOptions = DEFAULT_OPTIONS) -> Estimate:
     """One plan in full detail: ``evaluate`` of it as a batch of one (the same numbers ``piper plan`` ranks it
@@ -186,5 +188,5 @@ def _validated_estimate(values: dict) -> Estimate:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise PiperError(f"the prediction's {where} is {first.get('input')!r}, outside what piper reports "
-                         f"({first['msg'].lower()}): the model, platform and training are each valid, but together "
-                         "they make no trainable job; check their sizes and rates") from None
+                         f"({first['msg'].lower()}): the model, platform, training and plan are each valid, but "
+                         "together they make no trainable job; check their sizes and rates") from None

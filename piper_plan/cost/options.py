@@ -120,16 +120,14 @@ def cost_options(values: dict) -> CostOptions:
     """CostOptions from a file's ``options`` mapping (plain JSON data), validated as the spec files are (pydantic,
     strict JSON mode): an unknown name, a value of the wrong type or out of range, or a name outside a field's
     choices is one PiperError line."""
-    import json
-
-    from pydantic import TypeAdapter, ValidationError
-
-    from piper_plan.catalog import validation_message
+    from piper_plan.catalog import parse_spec
 
     try:
-        return TypeAdapter(CostOptions).validate_json(json.dumps(values), strict=True)
-    except ValidationError as exc:
-        raise PiperError(validation_message(exc), field="options") from None
+        return parse_spec(CostOptions, values, "")
+    except PiperError as exc:
+        if exc.field:                            # CostOptions' own check of a named choice names its field
+            raise
+        raise PiperError(exc.message, field="options") from None
 
 
 DEFAULT_OPTIONS = CostOptions()

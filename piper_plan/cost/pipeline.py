@@ -24,7 +24,7 @@ import numpy as np
 from piper_plan.cost.flops import mtp_forward_flops
 from piper_plan.cost.params import even_stage_bounds, explicit_stage_bounds, moe_prefix
 from piper_plan.specs import even_split
-from piper_plan.specs.parallel import model_chunks, rank_layers
+from piper_plan.specs.parallel import MAX_BALANCED_LAYERS, model_chunks, rank_layers
 from piper_plan.specs.params import attention_params, ffn_params, router_params, shared_expert_params
 from piper_plan.specs.vocab import Schedule
 
@@ -197,11 +197,6 @@ def _partition(w: np.ndarray, pp: int, tail: float) -> list[int]:
         split.append(int(j - start))
         j = start
     return split[::-1]
-
-
-MAX_BALANCED_LAYERS = 1024
-"""Models of more layers (none published has more than a few hundred) get the even split only: the exact
-FLOP-balanced partition costs pp x L^2 (10,000 layers: minutes per plan)."""
 
 
 def split_variants(model, seq_len: int, pp: int, virtual_stages: int = 1) -> list[list[int]]:

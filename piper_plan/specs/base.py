@@ -15,8 +15,10 @@ class Spec(BaseModel):
 
 
 def _one_line(text: str) -> str:
-    if not text or any(ord(c) < 32 or ord(c) == 127 for c in text):
-        raise ValueError("a name is one non-empty line of printable characters (no newline, tab or control character)")
+    import unicodedata
+
+    if not text or any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text):
+        raise ValueError("a name is one non-empty line: no newline, tab, line separator or other control character")
     return text
 
 

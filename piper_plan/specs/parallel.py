@@ -8,39 +8,45 @@ from typing import Annotated, Literal
 from pydantic import Field, NonNegativeInt, model_validator
 
 from piper_plan.specs.base import Spec
+from piper_plan.specs.training import MAX_COUNT
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
 MAX_RANKS = 2**20
 """The most ranks a plan may have (about 14x Frontier's 75,264 GCDs), and so the most any degree, micro-batch size
-or layer count in it may be: every product of them stays far inside the 64-bit integers the planner computes in."""
-Count = Annotated[int, Field(ge=1, le=MAX_RANKS)]
+(mbs) or layer count in it may be; the sequences of a step (dp x mbs x num_microbatches) are at most the global
+batch's MAX_COUNT: every product the planner forms stays inside its 64-bit integers."""
+Degree = Annotated[int, Field(ge=1, le=MAX_RANKS)]
+"""A degree, a micro-batch size or a layer count of a plan."""
+MAX_BALANCED_LAYERS = 1024
+"""Models of more layers (none published has more than a few hundred) get the even split only: the exact
+FLOP-balanced partition (cost/pipeline.py) costs pp x L^2 (10,000 layers: minutes per plan)."""
 
 
 class ParallelPlan(Spec):
     """Degrees and schedule. world = pp x dp x cp x tp; experts regroup a stage's dp x cp x tp ranks as
     ep x etp x edp (Megatron-Core); rank order tp, cp, dp, pp, fastest first (docs/design-notes.md)."""
 
-    dp: Count = 1
+    dp: Degree = 1
     """Data-parallel degree of the dense weights (their gradients are reduced over dp x cp)."""
-    cp: Count = 1
+    cp: Degree = 1
     """Context-parallel degree: each sequence split over cp ranks in 2 cp chunks, rank i holding chunks i and
     2 cp - 1 - i (the load-balanced causal split of Megatron-Core / Transformer Engine), K and V passed around a
     ring (docs/design-notes.md, "context parallelism")."""
-    tp: Count = 1
+    tp: Degree = 1
     """Tensor-parallel degree (inside a node)."""
-    pp: Count = 1
+    pp: Degree = 1
     """Pipeline stages."""
-    ep: Count = 1
+    ep: Degree = 1
     """Expert-parallel degree: ranks that split one MoE layer's experts."""
-    etp: Count = 1
+    etp: Degree = 1
     """Tensor-parallel degree inside an expert."""
-    mbs: Count = 1
+    mbs: Degree = 1
     """Micro-batch size, sequences."""
-    num_microbatches: Annotated[int, Field(ge=1, le=2**40)] = 1
+    num_microbatches: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
     """Micro-batches per step per pipeline = global_batch / (dp x mbs)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
     """Pipeline schedule."""
-    virtual_stages: Count = 1
+    virtual_stages: Degree = 1
     """Model chunks per rank for the interleaved schedule (1 otherwise)."""
     recompute: Recompute = Recompute.NONE
     """Activation recomputation."""
@@ -53,7 +59,7 @@ class ParallelPlan(Spec):
     (a sharded optimizer); 2 and 3 are FSDP2 (parameters, gradients and optimizer state sharded at rest;
     2 keeps the gathered parameters from forward to backward, 3 re-gathers them). What each holds and sends
     per step: docs/design-notes.md, "zero 0-3"."""
-    dp_replicate: Count = 1
+    dp_replicate: Degree = 1
     """HSDP (zero 2 / 3 only): the stage's dp x cp ranks form ``dp_replicate`` replicas of an FSDP2 shard group of
     dp x cp / dp_replicate consecutive ranks; dense weights, gradients and optimizer state are sharded inside a
     shard group, and gradients all-reduced across the replicas. 1 = sharded over all dp x cp. Experts shard over
@@ -63,7 +69,7 @@ class ParallelPlan(Spec):
     layers_split: LayerSplit = LayerSplit.AUTO
     """How layers are split over stages: even, FLOP-balanced, auto (what ``piper plan`` does: the one that fits,
     then the faster) or explicit (``layers_per_stage``). Saved plans carry the resolved explicit list."""
-    layers_per_stage: list[Count] | None = None
+    layers_per_stage: list[Degree] | None = None
     """Layers of each pipeline stage (given: the split is explicit)."""
     virtual_stage_layers: list[NonNegativeInt] | None = None
     """Interleaved only: decoder layers of each of the pp x virtual_stages model chunks, in Megatron-Core's
@@ -89,9 +95,12 @@ class ParallelPlan(Spec):
         return data
 
     @model_validator(mode="after")
-    def _world_in_range(self) -> "ParallelPlan":
+    def _products_in_range(self) -> "ParallelPlan":
         if self.world > MAX_RANKS:
             raise ValueError(f"world = pp x dp x cp x tp = {self.world:,} ranks; a plan has at most {MAX_RANKS:,}")
+        if self.dp * self.mbs * self.num_microbatches > MAX_COUNT:
+            raise ValueError(f"dp x mbs x num_microbatches = {self.dp * self.mbs * self.num_microbatches:,} sequences "
+                             f"a step; at most {MAX_COUNT:,} (the largest global batch)")
         return self
 
     @model_validator(mode="after")

@@ -211,9 +211,9 @@ def test_a_name_with_a_newline_never_reaches_a_script(tmp_path):
     # a platform or model name is printed into job scripts' comments: one printable line, or refused
     platform = yaml_copy(tmp_path, "platforms/local-cpu.yaml", name="cpu\ntouch /tmp/owned #")
     out = tmp_path / "job"
-    assert_one_line_error(run("launch", "--model", "tiny-moe", "--platform", platform, "--nodes", 1, "--out-dir", out,
-                              "--dry-run"), "name: a name is one non-empty line")
-    assert not out.exists()
+    assert_one_line_error(run("launch", "--model", "tiny-moe", "--platform", platform, "--nodes", 1, "--out-dir", out),
+                          "name: a name is one non-empty line")
+    assert not out.exists()                               # no job directory, no script
     model = yaml_copy(tmp_path, "models/tiny-moe.yaml", name="tiny\tmoe")
     assert_one_line_error(run("model", "show", model), "name: a name is one non-empty line")
 
@@ -251,7 +251,13 @@ def test_launch_writes_none_of_its_files_when_one_is_blocked(tmp_path):
     (("--mbs", 2**62), "mbs: Input should be less than or equal to 1048576"),
 ])
 def test_estimate_out_of_range_is_one_line(args, needle):
-    assert_one_line_error(run(*ESTIMATE, *args), needle)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:   # numpy's overflow warnings would bury the line
+        warnings.simplefilter("always")
+        result = run(*ESTIMATE, *args)
+    assert_one_line_error(result, needle)
+    assert not [w for w in seen if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in seen]
 
 
 def test_a_plan_of_more_ranks_than_any_machine_is_refused():
@@ -289,10 +295,30 @@ def changed_dataset(tmp_path: Path, name: str, change) -> Path:
 
 
 @pytest.mark.parametrize("change, needle", [
-    (lambda d: d["migration"].update(gpus=0), "gpus: Input should be greater than or equal to 1"),
-    (lambda d: d["rows"][0].update(facts={}), "num_experts: Field required"),
-    (lambda d: d["rows"][0]["facts"].update(hidden_size="big"), "hidden_size: Input should be a valid integer"),
+    (lambda d: d["migration"].update(gpus=0), ": migration: gpus: Input should be greater than or equal to 1"),
+    (lambda d: d["rows"][0].update(migration={"gpus": "8"}), "rows[switch-base].migration: gpus: Input should be a"),
+    (lambda d: d["rows"][0].update(facts={}), "rows[switch-base].facts: num_experts: Field required"),
+    (lambda d: d["rows"][0]["facts"].update(hidden_size="big"), "facts: hidden_size: Input should be a valid integer"),
+    (lambda d: d["rows"][0].update(facts={}, model="no-such-model"), "rows[switch-base].model: unknown model"),
 ])
 def test_a_migration_row_is_checked_too(tmp_path, change, needle):
     path = changed_dataset(tmp_path, "piper-migration-table4", change)
-    assert_one_line_error(run("validate", "--dataset", path), "facts / migration", needle)
+    assert_one_line_error(run("validate", "--dataset", path), needle)
+
+
+def test_more_ranks_than_a_plan_may_have_and_a_balanced_split_too_deep(tmp_path):
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    data = yaml.safe_load((root / "platforms" / "h200.yaml").read_text())
+    data["node"]["device_nic"] = None
+    data["node"]["devices_per_node"] = 1024
+    data["network"]["nodes_per_group"], data["network"]["num_groups"] = 1024, 2
+    big = tmp_path / "big.yaml"
+    big.write_text(yaml.safe_dump(data))
+    assert_one_line_error(run("plan", "--model", "tiny-moe", "--platform", big, "--nodes", 2048),
+                          "2048 nodes x 1024 devices = 2,097,152 ranks; piper plans at most 1,048,576")
+    deep = yaml_copy(tmp_path, "models/tiny-moe.yaml", num_layers=1100)
+    assert_one_line_error(run("estimate", "--model", deep, "--platform", "local-cpu", "--nodes", 1, "--pp", 2,
+                              "--seq", 128, "--global-batch", 8, "--layers-split", "balanced"),
+                          "layers_split=balanced", "computed up to 1024")

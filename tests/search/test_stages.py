@@ -43,13 +43,18 @@ def test_deepseek_v3_dense_layers_and_head_move_layers():
     assert sum(split) == 61 and split[0] > split[-1]
 
 
-def test_the_split_is_remembered_and_a_very_deep_model_gets_the_even_split_only():
-    from piper_plan.cost.pipeline import MAX_BALANCED_LAYERS, split_variants
+def test_the_split_is_remembered_and_a_very_deep_model_gets_the_even_split_only(monkeypatch):
+    from piper_plan.cost import pipeline
+    from piper_plan.cost.pipeline import MAX_BALANCED_LAYERS, split_variants  # re-exported from specs.parallel
 
+    calls = []
+    exact = pipeline._partition
+    monkeypatch.setattr(pipeline, "_partition", lambda *a: calls.append(a) or exact(*a))
+    pipeline._SPLITS.clear()
     model = load_model("deepseek-v3")
     first = balanced_stage_layers(model, 4096, 8)
     first.append(0)                                       # a caller's change does not reach the remembered split
-    assert balanced_stage_layers(model, 4096, 8) == first[:-1]
+    assert balanced_stage_layers(model, 4096, 8) == first[:-1] and len(calls) == 1
     assert len(split_variants(model, 4096, 8)) == 2      # even and FLOP-balanced
     deep = model.model_copy(update={"num_layers": MAX_BALANCED_LAYERS + 1})
     assert split_variants(deep, 4096, 8) == [even_split(MAX_BALANCED_LAYERS + 1, 8)]   # pp x L^2: not searched

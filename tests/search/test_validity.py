@@ -84,6 +84,12 @@ def test_every_rule_can_fire_and_names_its_values():
     dense = load_model("tiny-dense")
     fired |= {line.split(":")[0] for line in plan_problems(dense, FRONTIER, training, 1,
                                                            ParallelPlan(dp=8, ep=2, num_microbatches=1))}
+    big = FRONTIER.model_copy(update={"node": FRONTIER.node.model_copy(update={"devices_per_node": 1024,
+                                                                             "device_nic": None})})
+    fired |= {line.split(":")[0] for line in plan_problems(model, big, training, 2048, ParallelPlan())}
+    deep = model.model_copy(update={"num_layers": 1100})
+    fired |= {line.split(":")[0] for line in plan_problems(deep, FRONTIER, training, 1, ParallelPlan(
+        dp=4, pp=2, num_microbatches=1, layers_split="balanced"))}
     assert fired >= set(INVALID_REASONS) - {"etp_not_divisor_ffn"}
 
 
