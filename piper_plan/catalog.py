@@ -72,11 +72,12 @@ def validation_message(exc: ValidationError) -> str:
         loc = ".".join(_loc_part(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
-        if err["type"] == "extra_forbidden":
+        unknown = err["type"] in ("extra_forbidden", "unexpected_keyword_argument")   # a spec's, a dataclass's
+        if unknown:
             msg = "unknown field"
         elif isinstance(got, bool) and err["type"] in ("int_type", "float_type", "int_from_float"):
             msg = "a boolean is not a number"
-        shown = "" if isinstance(got, (dict, list)) or err["type"] in ("missing", "extra_forbidden") else f" (got {got!r})"
+        shown = "" if isinstance(got, (dict, list)) or unknown or err["type"] == "missing" else f" (got {got!r})"
         parts.append(f"{loc}: {msg}{shown}" if err["loc"] else f"{msg}{shown}")
     return "; ".join(parts)
 

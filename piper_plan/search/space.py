@@ -23,13 +23,18 @@ strategy, duplicate), so the counts add up to the rejected total, and the invali
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
+from pydantic import Field
 
 from piper_plan.errors import PiperError
 from piper_plan.plans import RULES, PlanBatch, array_fields, check_setting, problem_masks, reason_counts
+from piper_plan.specs.parallel import Degree
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
+
+ScheduleName = Literal[Schedule.values()]
+RecomputeName = Literal[Recompute.values()]
 
 CANDIDATE_FIELDS: tuple[str, ...] = array_fields()
 STRUCTURAL_RULES = tuple(r for r in RULES if r.level != "schedule")
@@ -50,31 +55,32 @@ DUPLICATE_REASONS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class SearchOptions:
-    """What the search may choose. Defaults: the full (general) space."""
+    """What the search may choose. Defaults: the full (general) space. The annotations bound what a dataset row's
+    ``search`` mapping may say (validated by pydantic, catalog.parse_spec); the CLI checks its own options."""
 
-    __pydantic_config__ = {"extra": "forbid"}   # a dataset row's `search` mapping is validated against it
+    __pydantic_config__ = {"extra": "forbid"}
 
     strategy: Literal["general", "piper"] = "general"
     """general: every valid degree; piper: the paper's PP x EP mesh (tp = 1, dp = ep, ep <= g x N_h)."""
     a2a: Literal["flat", "halo", "any"] = "any"
     """Expert all-to-all algorithms to consider."""
-    schedules: tuple[str, ...] = Schedule.values()
+    schedules: tuple[ScheduleName, ...] = Schedule.values()
     """Pipeline schedules to consider."""
-    recompute: tuple[str, ...] = Recompute.values()
+    recompute: tuple[RecomputeName, ...] = Recompute.values()
     """Activation recomputation modes to consider."""
-    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero: tuple[Literal[0, 1, 2, 3], ...] = (0, 1, 2, 3)
     """ZeRO stages to consider."""
-    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    mbs: tuple[Degree, ...] = (1, 2, 4, 8)
     """Micro-batch sizes (sequences) to consider."""
-    cp: tuple[int, ...] | None = None
+    cp: tuple[Degree, ...] | None = None
     """Context-parallel degrees to consider; None = ``default_cp(seq_len)``."""
-    virtual_stages: int = 2
+    virtual_stages: Degree = 2
     """Model chunks per rank for the interleaved schedule."""
     expert_tp: bool = False
     """Also search expert tensor parallelism (etp > 1). Off by default: piper's runtime never tensor-splits experts,
     and in piper's own cost model etp > 1 is the best plan in 1 of 9 catalog cases, by 1.4%
     (benchmarks/etp_value.py)."""
-    memory_headroom: float = 0.0
+    memory_headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     """Fraction of device memory kept free: a plan fits when peak <= (1 - headroom) x memory."""
 
     def a2a_names(self) -> tuple[str, ...]:

@@ -322,3 +322,12 @@ def test_more_ranks_than_a_plan_may_have_and_a_balanced_split_too_deep(tmp_path)
     assert_one_line_error(run("estimate", "--model", deep, "--platform", "local-cpu", "--nodes", 1, "--pp", 2,
                               "--seq", 128, "--global-batch", 8, "--layers-split", "balanced"),
                           "layers_split=balanced", "computed up to 1024")
+
+
+@pytest.mark.parametrize("search, needle", [({"mbs": [0]}, "search: mbs.0: Input should be greater than or equal to 1"),
+                                            ({"schedules": ["bogus"]}, "search: schedules.0: Input should be"),
+                                            ({"memory_headroom": 1.5}, "search: memory_headroom: Input should be less"),
+                                            ({"bogus": 1}, "search: bogus: unknown field")])
+def test_a_dataset_rows_search_is_bounded(tmp_path, search, needle):
+    path = changed_dataset(tmp_path, "piper-frontier-moe", lambda d: d["rows"][0].update(search=search))
+    assert_one_line_error(run("validate", "--dataset", path), "rows[", needle)

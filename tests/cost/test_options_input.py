@@ -14,7 +14,7 @@ from piper_plan.validation import load_dataset
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"bogus": 1}, r"^options: bogus: Unexpected keyword argument \(got 1\)$"),
+    ({"bogus": 1}, r"^options: bogus: unknown field$"),
     ({"tp_overlap": "abc"}, r"^options: tp_overlap: Input should be a valid number \(got 'abc'\)$"),
     ({"dp_overlap": 1.5}, r"^options: dp_overlap: Input should be less than or equal to 1 \(got 1.5\)$"),
     ({"dropout": "yes"}, r"^options: dropout: Input should be a valid boolean \(got 'yes'\)$"),
