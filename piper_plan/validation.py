@@ -327,9 +327,7 @@ def _parsed(cls, data, field: str):
 def check_row(spec: DatasetSpec, row: RowSpec) -> None:
     """Every input of ``row`` validated as the spec it becomes (options, training, plan, search options, model
     and its facts, migration arguments); a bad one is a PiperError on the row's field."""
-    from piper_plan.cost.options import cost_options
-
-    cost_options({**spec.options, **(row.options or {})})
+    row_options(spec, row)
     if row.quantity in MIGRATION_QUANTITIES:
         migration_inputs(spec, row)
         return
@@ -391,9 +389,7 @@ class _Inputs:
         return row_training(self.spec, row)
 
     def options(self, row: RowSpec):
-        from piper_plan.cost.options import cost_options
-
-        return cost_options({**self.spec.options, **(row.options or {})})
+        return row_options(self.spec, row)
 
 
 def row_model(row: RowSpec):
@@ -408,6 +404,13 @@ def row_model(row: RowSpec):
     except PiperError as exc:                     # an unknown name, or the model file's own mistake (its path kept)
         raise PiperError(f"{exc.path}: {exc.message}" if exc.path else exc.message, field="model") from None
     return _parsed(ModelSpec, _deep_merge(model.model_dump(mode="json"), row.facts), "facts") if row.facts else model
+
+
+def row_options(spec: DatasetSpec, row: RowSpec):
+    """The row's CostOptions: the dataset's options, the row's over them."""
+    from piper_plan.cost.options import cost_options
+
+    return cost_options({**spec.options, **(row.options or {})})
 
 
 def row_training(spec: DatasetSpec, row: RowSpec):
