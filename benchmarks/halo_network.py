@@ -15,8 +15,9 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    host's cost per dependent step (node.host_step_us, node.halo_step_us) from 4 KiB flat and HALO all-to-alls at
    SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), the
    share of that step which runs under an inter-node transfer (node.host_step_hidden) from the flat 1 MiB exchange
-   at SHARE_RATE_GBps, and HALO's copy rate inside an exchange from HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no
-   predicted point's shape) less its modelled phases.
+   at SHARE_RATE_GBps, and from flat and HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape)
+   at each test rate: flat's link use on 3 or more nodes (modelled / measured flat time there, priced on 4 x 2) and
+   HALO's copy rate inside an exchange (HALO's time less its modelled phases).
 
 Every all-to-all figure (test point, tiny exchange, copies inside an exchange) is the fastest of its calls (the
 uncontended time on this shared host) of one call's time over all ranks, from the first rank's start to the last
@@ -30,7 +31,7 @@ the framework overhead measured right before (its 4-rank lockstep rows by 2 x 2 
 predicted vs measured step time and its parts (the runtime's a2a and dp_sync timers, the rest). Writes docs/halo-measured.md and docs/halo-measured.png.
 
 Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse [--rerun-closed-loop]]
-     [--no-hidden-step]
+     [--no-hidden-step] [--no-link-use]
      [--from DIR] [--repeat DIR]
 """
 
@@ -233,12 +234,17 @@ def relay_copies(out: Path, reuse: bool = False) -> dict:
     return result
 
 
-def copies_in_exchange(out: Path, spec: NetworkSpec, check: dict, shares: dict, calibration) -> dict:
-    """HALO's copy rate inside an exchange at ``spec``'s rate: HALO at COPY_BYTES per rank on IN_EXCHANGE_SHAPE
-    (no predicted point's shape; timed in alternation with flat, as the test points are), less the model's time for
-    it without copies (its phases; no host step: none is
-    calibrated for that shape), is the copies' time there; the host's rate = ranks x copy bytes per rank / it
-    (kept in OUT/halo-copies-<rate>-<shape>.json)."""
+def copies_in_exchange(out: Path, spec: NetworkSpec, check: dict, shares: dict, calibration,
+                       price_link_use: bool = True) -> dict:
+    """Two figures of flat and HALO at COPY_BYTES per rank on IN_EXCHANGE_SHAPE (no predicted point's shape; timed in
+    alternation, as the test points are; kept in OUT/halo-copies-<rate>-<shape>.json), at ``spec``'s rate:
+
+    - flat's link use on three or more nodes (``flat_link_use``): the model's flat time there over the measured one,
+      at most 1 (an OUT measured before flat was timed beside HALO there has none); priced (with_link_use) unless
+      ``price_link_use`` is False (the with / without comparison of the analysis);
+    - HALO's copy rate inside an exchange: HALO's time less the model's time for it without copies (its phases,
+      priced with that link use; no host step: none is calibrated for that shape) is the copies' time there; the
+      host's rate = ranks x copy bytes per rank / it."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.cost.comm import relay_copy_bytes
     from piper_plan.fileio import atomic_write_json
@@ -248,16 +254,39 @@ def copies_in_exchange(out: Path, spec: NetworkSpec, check: dict, shares: dict, 
     if not path.is_file():   # timed beside flat, as the test points are
         config = BenchConfig(("flat", "halo"), (COPY_BYTES,), nodes, g, repeats=REPEATS, statistic=STATISTIC)
         atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
-    measured_s = json.loads(path.read_text())["sizes"][0]["seconds"]["halo"]
+    measured = json.loads(path.read_text())["sizes"][0]["seconds"]
     no_copies = {"host_GBps": 1.0, "host_cores": os.cpu_count() or 1}  # relay_copy_GBps set to 0 below
     platform = platform_for(spec.uplink_GBps, nodes, g, check["figures"], shares[f"flat {g}"], check, no_copies)
     data = platform.model_dump()
     data["node"]["relay_copy_GBps"] = 0.0
-    phases_s = predict(type(platform).model_validate(data), calibration, nodes, g, COPY_BYTES)["halo"]
+    platform = type(platform).model_validate(data)
+    use = link_use(predict(platform, calibration, nodes, g, COPY_BYTES)["flat"], measured.get("flat"))
+    priced = use if price_link_use else None
+    phases_s = predict(with_link_use(platform, nodes, priced), calibration, nodes, g, COPY_BYTES)["halo"]
     copied = float(relay_copy_bytes(nodes * g, nodes, COPY_BYTES))
-    copies_s = measured_s - phases_s
-    return {"shape": f"{nodes}x{g}", "measured_s": measured_s, "phases_s": phases_s, "copy_bytes_per_rank": copied,
+    copies_s = measured["halo"] - phases_s
+    return {"shape": f"{nodes}x{g}", "measured_s": measured["halo"], "phases_s": phases_s,
+            "flat_measured_s": measured.get("flat"), "flat_link_use": use, "link_use_priced": priced,
+            "copy_bytes_per_rank": copied,
             "host_GBps": nodes * g * copied / copies_s / 1e9 if copies_s > 0 else None}
+
+
+def link_use(modelled_s: float, measured_s: float | None) -> float | None:
+    """How busy flat keeps its busiest uplink, as the model sees it: its time for an exchange over the measured
+    time, at most 1 (noise and turn-taking only add time); None where not measured."""
+    return min(modelled_s / measured_s, 1.0) if measured_s else None
+
+
+def with_link_use(platform, nodes: int, use: float | None):
+    """``platform`` with flat's inter-node rate (the switch scope) times ``use`` where the exchange spans at least
+    IN_EXCHANGE_SHAPE's node count, the shape ``use`` is measured on: there each uplink's flows go to several
+    nodes, which take turns on it (benchmarks/halo_network_analysis.md, "Flat's turn-taking"); between two nodes
+    the model has no such bias. Unchanged elsewhere or where ``use`` is None."""
+    if use is None or nodes < IN_EXCHANGE_SHAPE[0]:
+        return platform
+    data = platform.model_dump()
+    data["network"]["scopes"]["switch"]["bandwidth_GBps"] *= use
+    return type(platform).model_validate(data)
 
 
 def copy_host_GBps(copies: dict, check: dict) -> float:
@@ -404,7 +433,7 @@ def measure(spec: NetworkSpec, nodes: int, g: int, out: Path):
     return result
 
 
-def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
+def sweep(out: Path, shares: dict, price_link_use: bool = True) -> tuple[list[dict], dict]:
     """Per test rate: the shaping check, the calibration, the copies inside an exchange, flat and HALO at every
     shape and size (measured rows; priced afterwards by repredict, once the host-step rounds taken here are in),
     then the shaping check again (fastest_check) and the copies inside an exchange priced with the merged check."""
@@ -419,7 +448,8 @@ def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
         calibrate(spec, cal_dir)
         checks[rate]["figures"] = link_figures(cal_dir)
         calibration = load_calibration(cal_dir)
-        checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration)
+        checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration,
+                                                                price_link_use)
         for nodes, g in SHAPES:
             tiny_round(out, nodes, g, f"before-{rate:g}")    # the host-step calibration, spread over the run
             result = measure(spec, nodes, g, out)
@@ -430,7 +460,8 @@ def sweep(out: Path, shares: dict) -> tuple[list[dict], dict]:
                       f"ms  halo {size.seconds['halo'] * 1e3:8.2f} ms", flush=True)
         checks[rate] = {**fastest_check(checks[rate], shaping(spec, out, "after")), "figures": checks[rate]["figures"]}
         print(f"shaping {spec.text}, after its points: {checks[rate]['checks']['after']}", flush=True)
-        checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration)
+        checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration,
+                                                                price_link_use)
         print(f"copies inside an exchange: {checks[rate]['copies_in_exchange']}", flush=True)
     return rows, checks
 
@@ -440,6 +471,7 @@ def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration,
     figures of the calibrating OUT."""
     g, nodes = row["ranks_per_node"], row["nodes"]
     platform = platform_for(row["rate_GBps"], nodes, g, check["figures"], shares[f"flat {g}"], check, copies)
+    platform = with_link_use(platform, nodes, (check.get("copies_in_exchange") or {}).get("link_use_priced"))
     platform = with_host_step(platform, calibration, nodes, g, tiny.get(f"{nodes}x{g}"))
     platform = with_hidden_step(platform, calibration, nodes, g, row["rate_GBps"], other.get(f"{nodes}x{g}"))
     row["host_step_us"] = platform.node.host_step_us
@@ -666,10 +698,18 @@ def copies_inside_lines(checks: dict) -> list[str]:
     nodes, g = IN_EXCHANGE_SHAPE
     parts = [f"{rate:g} GB/s: HALO {c['measured_s'] * 1e3:.1f} ms measured, its phases modelled "
              f"{c['phases_s'] * 1e3:.1f} ms, so {c['host_GBps']:.2f} GB/s" for rate, c in sorted(inside.items())]
+    uses = [f"{rate:g} GB/s: flat {c['flat_measured_s'] * 1e3:.1f} ms measured, {c['flat_link_use']:.2f} of it modelled"
+            + ("" if c.get("link_use_priced") else " (not priced: --no-link-use)")
+            for rate, c in sorted(inside.items()) if c.get("flat_link_use")]
+    use_line = ([f"The same exchange gives flat's link use on {nodes} or more nodes ({'; '.join(uses)}): where an "
+                 "uplink's flows go to several nodes they take turns on it, and flat's inter-node rate on such shapes "
+                 "(4 x 2 here) is priced at that share of the switch figure. Between two nodes it is not."]
+                if uses else [])
     return ["", f"Inside an exchange the copies run slower than alone: HALO at {COPY_BYTES // 2**20} MiB per rank on "
             f"{nodes} x {g} ranks (a shape no predicted point has), less the model's time for its phases without copies "
             f"(no host step: none is calibrated for that shape), is its copies' time ({'; '.join(parts)} over the "
-            "host). The model prices the copies at that rate, per test rate; a job of n ranks gets 1/n of it per rank."]
+            "host). The model prices the copies at that rate, per test rate; a job of n ranks gets 1/n of it per rank.",
+            *use_line]
 
 
 def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -> list[str]:
@@ -824,6 +864,9 @@ def main() -> int:
     ap.add_argument("--from", dest="first", default=None,
                     help="a repeat sweep: take calibration, shaping and NIC shares from this earlier OUT")
     ap.add_argument("--repeat", default=None, help="an OUT measured again with --from OUT: report the spread per point")
+    ap.add_argument("--no-link-use", action="store_true",
+                    help="price flat on 3+ nodes without the link use measured on IN_EXCHANGE_SHAPE (the with / "
+                         "without comparison of the analysis)")
     ap.add_argument("--no-hidden-step", action="store_true",
                     help="price without node.host_step_hidden (the with / without comparison of the analysis)")
     args = ap.parse_args()
@@ -841,7 +884,7 @@ def main() -> int:
         tiny = tiny_seconds(out)
         uses = measured_uplink_use(out, measure=False)   # --reuse re-renders: it measures nothing
         checks_from_files(out, checks)
-        copies_inside_saved(out, checks, shares)
+        copies_inside_saved(out, checks, shares, not args.no_link_use)
         other_rate = at_other_rate(out, measure=False)
         fit = {} if args.no_hidden_step else other_rate   # what node.host_step_hidden is fitted on (with_hidden_step)
         rows = repredict(out, rows, checks, shares, copies, tiny, fit)
@@ -859,7 +902,7 @@ def main() -> int:
         fit = {} if args.no_hidden_step else other_rate
         uses = measured_uplink_use(out)
         print(f"uplink use at {SHARE_RATE_GBps:g} GB/s: {uses}", flush=True)
-        rows, checks = sweep(out, shares)
+        rows, checks = sweep(out, shares, not args.no_link_use)
         tiny = tiny_seconds(out)                          # with the rounds the sweep took
         rows = repredict(out, rows, checks, shares, copies, tiny, fit)
         loop_rows = [] if args.no_closed_loop else closed_loop(out, shares, checks, copies, tiny, args.steps, fit)
@@ -888,7 +931,7 @@ def checks_from_files(out: Path, checks: dict) -> None:
             checks[rate] = {**merged, "figures": check["figures"]}
 
 
-def copies_inside_saved(out: Path, checks: dict, shares: dict) -> None:
+def copies_inside_saved(out: Path, checks: dict, shares: dict, price_link_use: bool = True) -> None:
     """With --reuse: the copy rate inside an exchange (re)computed from OUT's measurement of it where OUT has one
     (an OUT measured before it was taken keeps the copies-alone rate)."""
     from piper_plan.calibration import load_calibration
@@ -898,7 +941,8 @@ def copies_inside_saved(out: Path, checks: dict, shares: dict) -> None:
         check.pop("copies_in_exchange", None)
         if (out / f"halo-copies-{rate:g}-{nodes}x{g}.json").is_file():
             check["copies_in_exchange"] = copies_in_exchange(out, NetworkSpec(rate, UPLINKS), check, shares,
-                                                             load_calibration(out / f"calibration-{rate:g}"))
+                                                             load_calibration(out / f"calibration-{rate:g}"),
+                                                             price_link_use)
 
 
 def repredict(out: Path, rows: list[dict], checks: dict, shares: dict, copies: dict, tiny: dict,

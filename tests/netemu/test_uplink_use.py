@@ -187,3 +187,21 @@ def test_a_repeat_of_a_one_check_sweep_keeps_its_check_and_old_checks_merge(netw
     merged = network.fastest_check(old, once)
     assert merged["inter_node_GBps"] == 0.19 and merged["two_way_one_connection_GBps"] == 0.095
     assert merged["checks"]["before"]["two_way_two_connections_GBps"] is None
+
+
+def test_flats_link_use_on_three_nodes_prices_flat_on_three_or_more_only(network):
+    """Flat's link use is the model's time for flat on 3 x 2 over the measured time, at most 1 (no faster than the
+    model's link); it slows flat's inter-node rate on shapes of 3 or more nodes by that share and leaves two-node
+    shapes, and a sweep without the measurement, as they were."""
+    from piper_plan.catalog import load_platform
+
+    assert network.link_use(0.08, 0.1) == pytest.approx(0.8)
+    assert network.link_use(0.12, 0.1) == 1.0 and network.link_use(0.1, None) is None
+    platform = load_platform("netemu")
+    nbytes = 16 * 2**20
+    base = {nodes: network.predict(platform, None, nodes, 2, nbytes) for nodes in (2, 3, 4)}
+    for nodes in (3, 4):
+        used = network.predict(network.with_link_use(platform, nodes, 0.8), None, nodes, 2, nbytes)
+        assert used["flat"] == pytest.approx(base[nodes]["flat"] / 0.8, rel=0.02)   # the wire term is most of it
+    assert network.with_link_use(platform, 2, 0.8) is platform
+    assert network.with_link_use(platform, 4, None) is platform
