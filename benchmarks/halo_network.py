@@ -701,9 +701,10 @@ def copies_inside_lines(checks: dict) -> list[str]:
     uses = [f"{rate:g} GB/s: flat {c['flat_measured_s'] * 1e3:.1f} ms measured, {c['flat_link_use']:.2f} of it modelled"
             + ("" if c.get("link_use_priced") else " (not priced: --no-link-use)")
             for rate, c in sorted(inside.items()) if c.get("flat_link_use")]
+    wide = ", ".join(f"{n} x {r}" for n, r in SHAPES if n >= nodes)
     use_line = ([f"The same exchange gives flat's link use on {nodes} or more nodes ({'; '.join(uses)}): where an "
                  "uplink's flows go to several nodes they take turns on it, and flat's inter-node rate on such shapes "
-                 "(4 x 2 here) is priced at that share of the switch figure. Between two nodes it is not."]
+                 f"({wide} here) is priced at that share of the switch figure. Between two nodes it is not."]
                 if uses else [])
     return ["", f"Inside an exchange the copies run slower than alone: HALO at {COPY_BYTES // 2**20} MiB per rank on "
             f"{nodes} x {g} ranks (a shape no predicted point has), less the model's time for its phases without copies "
