@@ -23,7 +23,10 @@ from typing import Any, Iterator
 from piper_plan.errors import PiperError
 
 MAX_DOCUMENT_BYTES = 8 * 2**20
-"""Largest YAML / JSON document (a spec, plan.json, a Hugging Face config.json): 8 MiB."""
+"""Largest JSON document (plan.json, a Hugging Face config.json): 8 MiB."""
+MAX_YAML_BYTES = 256 * 2**10
+"""Largest YAML document (a model or platform spec, a validation dataset; the largest piper ships is 30 KB): 256 KiB.
+PyYAML's pure-Python parser (the strict loader needs it) reads a short-item list at about 15 s per MiB."""
 MAX_FILE_BYTES = 128 * 2**20
 """Largest line-oriented file (metrics.jsonl, an nccl-tests log, a calibration CSV): 128 MiB."""
 MAX_DEPTH = 32
@@ -68,8 +71,9 @@ def decode_utf8(data: bytes, where: str) -> str:
 def read_document(path: str | Path) -> dict:
     """A YAML or JSON file (by suffix: .json is JSON) parsed into a mapping of plain JSON data."""
     path = Path(path)
-    text = read_text(path, MAX_DOCUMENT_BYTES)
-    data = parse_json(text, str(path)) if path.suffix == ".json" else parse_yaml(text, str(path))
+    is_json = path.suffix == ".json"
+    text = read_text(path, MAX_DOCUMENT_BYTES if is_json else MAX_YAML_BYTES)
+    data = parse_json(text, str(path)) if is_json else parse_yaml(text, str(path))
     if not isinstance(data, dict):
         raise PiperError(f"expected a mapping at the top level, got {_kind(data)}", path=str(path))
     return data

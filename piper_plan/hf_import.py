@@ -31,13 +31,31 @@ class _Config:
             raise PiperError("missing field in the Hugging Face config", path=self.path, field=self.prefix + key)
         return value
 
-    def int_(self, key: str, default: Any = _MISSING, minimum: int = 1) -> int | None:
-        """A whole number >= minimum (None passes through when it is the default)."""
+    def int_(self, key: str, default: Any = _MISSING, minimum: int = 1, maximum: int | None = None) -> int | None:
+        """A whole number >= minimum (and <= maximum where given; None passes through when it is the default)."""
         value = self.get(key, default)
         if value is None and default is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise PiperError(f"must be an integer >= {minimum}, got {value!r}", path=self.path,
+        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+                or (maximum is not None and value > maximum)):
+            allowed = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum:,}"
+            raise PiperError(f"must be an integer {allowed}, got {value!r}", path=self.path, field=self.prefix + key)
+        return value
+
+    def num_layers(self, key: str = "num_hidden_layers") -> int:
+        """The layer count, bounded as a spec's (specs.model.MAX_LAYERS) before any per-layer list is built."""
+        from piper_plan.specs.model import MAX_LAYERS
+
+        return self.int_(key, maximum=MAX_LAYERS)
+
+    def layer_list(self, key: str, num_layers: int) -> list[int] | None:
+        """A list of layer indices 0..num_layers-1 (absent or null: None)."""
+        value = self.get(key, None)
+        if value is None:
+            return None
+        if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers
+                                              for i in value):
+            raise PiperError(f"must be a list of layer indices 0..{num_layers - 1}, got {value!r}", path=self.path,
                              field=self.prefix + key)
         return value
 
@@ -61,7 +79,7 @@ class _Config:
 
 def _base(c: _Config, hidden: str = "hidden_size", layers: str = "num_hidden_layers",
           max_pos: str = "max_position_embeddings") -> dict:
-    return {"vocab_size": c.int_("vocab_size"), "hidden_size": c.int_(hidden), "num_layers": c.int_(layers),
+    return {"vocab_size": c.int_("vocab_size"), "hidden_size": c.int_(hidden), "num_layers": c.num_layers(layers),
             "max_seq_len": c.int_(max_pos, None), "tie_embeddings": c.flag("tie_word_embeddings", False)}
 
 
@@ -90,7 +108,7 @@ def _ffn(width: int, gated: bool = True, bias: bool = False) -> dict:
 def _sparse_step_layers(c: _Config, num_layers: int) -> dict:
     """Qwen2/3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
     step = c.int_("decoder_sparse_step", 1)
-    dense_only = c.get("mlp_only_layers", None) or []
+    dense_only = c.layer_list("mlp_only_layers", num_layers) or []
     if not dense_only:
         return {"every": step, "phase": step - 1}
     return {"explicit": [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]}
@@ -198,9 +216,9 @@ def _llama4(c: _Config) -> dict:
     """Llama 4 text model: MoE layers = moe_layers, else those with (i + 1) % interleave_moe_layer_step == 0."""
     bias = c.flag("attention_bias", False)
     qk_norm = "weightless" if c.flag("use_qk_norm", True) else "none"
-    explicit = c.get("moe_layers", None)
+    explicit = c.layer_list("moe_layers", c.num_layers())
     step = c.int_("interleave_moe_layer_step", 1)
-    layers = {"explicit": list(explicit)} if explicit is not None else {"every": step, "phase": step - 1}
+    layers = {"explicit": explicit} if explicit is not None else {"every": step, "phase": step - 1}
     attn = _gqa(c, head_dim=c.int_("head_dim", 128), qkv_bias=bias, o_bias=bias, qk_norm=qk_norm)
     return {**_base(c), "attention": attn,
             "dense_ffn": _ffn(c.int_("intermediate_size_mlp")),

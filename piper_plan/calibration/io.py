@@ -19,6 +19,9 @@ from piper_plan.fileio import atomic_write_json, atomic_write_text
 if TYPE_CHECKING:
     import pandas as pd
 
+MAX_ROWS = 10_000
+"""Most data rows in one calibration CSV (a full sweep writes a few thousand; the GEMM curve triangulates its
+points in 4-D, which takes seconds at this size and minutes at 100,000 scattered rows)."""
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
 
@@ -71,10 +74,17 @@ def _read_raw(path: Path) -> tuple[list[str], list[list[str]]]:
     from piper_plan.fileio import read_text
 
     text = read_text(path)
-    rows = list(csv.reader(io.StringIO(text)))
+    reader = csv.reader(io.StringIO(text))
+    try:
+        rows = list(reader)
+    except csv.Error as exc:   # a lone carriage return in a field, a field over csv's size limit
+        raise PiperError(f"line {reader.line_num}: not a CSV row ({exc})", path=str(path)) from None
     rows = [r for r in rows if r]  # blank lines
     if not rows:
         raise PiperError("line 1: empty file, expected a header row", path=str(path))
+    if len(rows) - 1 > MAX_ROWS:
+        raise PiperError(f"{len(rows) - 1:,} rows; a calibration table holds at most {MAX_ROWS:,} (interpolating "
+                         "among more is too slow to plan with)", path=str(path))
     header = [h.strip() for h in rows[0]]
     for line, row in enumerate(rows[1:], start=2):
         if len(row) != len(header):

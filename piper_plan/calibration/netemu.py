@@ -21,6 +21,10 @@ from piper_plan.errors import PiperError
 REFUSED_EXIT = 3
 """scripts/netemu.sh's exit status when it cannot or will not run (not root, no iproute2, bad argument)."""
 FIELDS = ("uplink_GBps", "uplinks", "latency_us")
+MAX_LATENCY_US = 1_000_000
+"""Largest added one-way latency (a second: beyond any network piper plans for)."""
+_PLAIN_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+", re.ASCII)
+"""What a value may be: ASCII digits with an optional decimal point (no sign, exponent, underscore or other digits)."""
 
 
 @dataclass(frozen=True)
@@ -52,15 +56,20 @@ def parse_network(text: str) -> NetworkSpec:
         key, _, value = item.partition("=")
         if key not in FIELDS or not value:
             raise PiperError(f"{item!r} unknown; {allowed}", field="--emulate-network")
+        if key in values:
+            raise PiperError(f"{key} given twice in {text!r}; {allowed}", field="--emulate-network")
+        if not _PLAIN_NUMBER.fullmatch(value):
+            raise PiperError(f"{item!r}: {value!r} is not a number (ASCII digits and a point); {allowed}", field="--emulate-network")
         values[key] = value
     if "uplink_GBps" not in values:
         raise PiperError(f"{text!r} has no uplink_GBps; {allowed}", field="--emulate-network")
     try:
         spec = NetworkSpec(float(values["uplink_GBps"]), int(values.get("uplinks", 1)), int(values.get("latency_us", 0)))
     except ValueError:
-        raise PiperError(f"{text!r}: a value is not a number; {allowed}", field="--emulate-network") from None
-    if not (0.001 <= spec.uplink_GBps <= 10 and 1 <= spec.uplinks <= 8 and spec.latency_us >= 0):
-        raise PiperError(f"{text!r}: uplink_GBps 0.001..10, uplinks 1..8, latency_us >= 0", field="--emulate-network")
+        raise PiperError(f"{text!r}: uplinks and latency_us are whole numbers; {allowed}", field="--emulate-network") from None
+    if not (0.001 <= spec.uplink_GBps <= 10 and 1 <= spec.uplinks <= 8 and 0 <= spec.latency_us <= MAX_LATENCY_US):
+        raise PiperError(f"{text!r}: uplink_GBps 0.001..10, uplinks 1..8, latency_us 0..{MAX_LATENCY_US:,}",
+                         field="--emulate-network")
     return spec
 
 

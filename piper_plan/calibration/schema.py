@@ -43,8 +43,13 @@ MAX_MEASURED = 1e6
 million TFLOPS or moves a million GB/s): beyond it a row is a corrupt measurement."""
 
 
+MIN_MEASURED = 1e-9
+"""Smallest seconds, TFLOPS or GB/s a calibration row may hold (a nanosecond; a thousand FLOP/s; one byte per
+second): below it a row is a corrupt measurement, and a denormal such as 5e-324 overflows what is derived from it."""
+
+
 def _pos_float(name: str, doc: str) -> Column:
-    return Column(name, "float", doc, min_value=0.0, min_inclusive=False, max_value=MAX_MEASURED)
+    return Column(name, "float", doc, min_value=MIN_MEASURED, max_value=MAX_MEASURED)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
     if platform_name is None and not no_save:
         raise PiperError("give --platform P (calibration/P/collectives.csv receives the rows), or --no-save",
                          field="--platform")
-    network = parse_network(network_text) if network_text else None
+    network = parse_network(network_text) if network_text is not None else None
     platform = load_platform(platform_name) if platform_name else None
     config = bench.BenchConfig(
         algos=bench.parse_algos(algo), sizes_bytes=bench.parse_sizes(sizes), nodes=nodes,

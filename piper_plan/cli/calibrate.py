@@ -13,6 +13,7 @@ from piper_plan.cli.common import (console, diagnostics, exit_codes, json_option
                                    plot_option, print_json)
 from piper_plan.errors import PiperError
 from piper_plan.plots import check_plot_path
+from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 
 
 @click.group("calibrate", invoke_without_command=True, epilog=exit_codes())
@@ -99,8 +100,9 @@ class _RichReporter:
 @calibrate_group.command("import-nccl-tests", epilog=exit_codes())
 @click.argument("file", type=click.Path())
 @click.option("--op", required=True, help="all_to_all, all_reduce, all_gather, reduce_scatter, p2p, halo_all_to_all.")
-@click.option("--nodes", "num_nodes", type=click.IntRange(min=1), required=True, help="Nodes the test ran on.")
-@click.option("--ranks-per-node", type=click.IntRange(min=1), required=True, help="Ranks (GPUs) per node.")
+@click.option("--nodes", "num_nodes", type=click.IntRange(1, MAX_NODES), required=True, help="Nodes the test ran on.")
+@click.option("--ranks-per-node", type=click.IntRange(1, MAX_DEVICES_PER_NODE), required=True,
+              help="Ranks (GPUs) per node.")
 @click.option("--scope", required=True, help="Widest scope the ranks spanned: node, switch, group, system.")
 @click.option("--platform", "platform_name", required=True, help="Platform whose calibration to extend.")
 @out_dir_option("out_dir", "Directory (default calibration/<platform>/).", old=("--out",))
@@ -146,7 +148,7 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
 
 @calibrate_group.command("slurm", epilog=exit_codes())
 @click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
-@click.option("--nodes", "num_nodes", type=click.IntRange(min=1), required=True, help="Nodes to sweep over.")
+@click.option("--nodes", "num_nodes", type=click.IntRange(1, MAX_NODES), required=True, help="Nodes to sweep over.")
 @click.option("--quick", is_flag=True, help="The small sweep.")
 @click.option("--account", default=None, help="#SBATCH -A (project account).")
 @click.option("--time", "time_limit", default="00:30:00", show_default=True, help="#SBATCH -t.")

@@ -10,6 +10,8 @@ from pathlib import Path
 from piper_plan.errors import PiperError
 
 TIMEOUT_S = 60.0
+UNKNOWN_JOB = "Invalid job id specified"
+"""What squeue and scontrol say (slurm_load_jobs error) about a job id Slurm does not know."""
 
 
 def _slurm(tool: str, args: list[str], cwd: str | Path | None = None) -> subprocess.CompletedProcess:
@@ -17,7 +19,10 @@ def _slurm(tool: str, args: list[str], cwd: str | Path | None = None) -> subproc
     if exe is None:
         raise PiperError(f"{tool} not found on PATH: this machine has no Slurm client; copy the job directory "
                          f"to a login node of the cluster and run `sbatch job.sbatch` there")
-    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    try:
+        return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PiperError(f"{tool} did not answer in {TIMEOUT_S:g} s: is the Slurm controller up?") from None
 
 
 def _reason(proc: subprocess.CompletedProcess) -> str:
@@ -59,8 +64,16 @@ def job_info(job_id: str) -> dict[str, str] | None:
         raise PiperError(f"job id {job_id!r} is not allowed; allowed: a number")
     proc = _slurm("scontrol", ["show", "job", "-o", str(job_id)])
     if proc.returncode != 0:
-        return None
+        return _unknown_job(proc, "scontrol")
     return parse_scontrol(proc.stdout)
+
+
+def _unknown_job(proc: subprocess.CompletedProcess, command: str) -> None:
+    """None where Slurm answered that it does not know the job; any other failure (no controller to ask) is a
+    PiperError with Slurm's reason, not "unknown job"."""
+    if UNKNOWN_JOB in proc.stderr + proc.stdout:
+        return None
+    raise PiperError(f"{command} failed, so the job's state is unknown: {_reason(proc)}")
 
 
 def parse_scontrol(text: str) -> dict[str, str]:
@@ -76,5 +89,7 @@ def parse_scontrol(text: str) -> dict[str, str]:
 def squeue_state(job_id: str) -> str | None:
     """The job's state as squeue prints it (PENDING, RUNNING, ...); None when it left the queue."""
     proc = _slurm("squeue", ["-h", "-j", str(job_id), "-o", "%T"])
+    if proc.returncode != 0:
+        return _unknown_job(proc, "squeue")
     state = proc.stdout.strip()
     return state or None

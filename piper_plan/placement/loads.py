@@ -43,6 +43,8 @@ def parse_skew(text: str) -> Skew:
         return Skew(kind, number)
     if text == "uniform":
         return Skew("uniform")
+    if not text.strip():
+        raise PiperError(f"--skew is empty; allowed {SKEW_HELP}")
     path = Path(text)
     if path.suffix in (".jsonl", ".json") or path.exists():
         return Skew("file", path=path)
@@ -63,7 +65,8 @@ def zipf_loads(num_experts: int, exponent: float, num_layers: int, rng: np.rando
                tokens: float = DEFAULT_TOKENS_PER_LAYER) -> np.ndarray:
     """Expected loads ``[L, E]``: the i-th most popular expert gets a share proportional to 1 / i^exponent
     (Zipf's law); which expert is the i-th is a fresh random permutation per layer."""
-    shares = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** exponent
+    with np.errstate(over="ignore"):      # i^S beyond a float: its share is 0 (S = 1e308 is allowed, if extreme)
+        shares = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** exponent
     shares /= shares.sum()
     return np.stack([tokens * shares[rng.permutation(num_experts)] for _ in range(num_layers)])
 

@@ -288,13 +288,15 @@ def _search(w, per_rank, group, g, peak, best) -> None:
 def _relabel(group_E: np.ndarray, placement_E: np.ndarray, ep: int) -> np.ndarray:
     """Name the new groups after old ranks so that few experts move: greedily match the (group, rank) pairs
     sharing the most experts (not an optimal assignment; pure numpy). Returns a placement ``[E]``."""
-    overlap = np.zeros((ep, ep), dtype=np.int64)
-    np.add.at(overlap, (group_E, placement_E), 1)
-    rank_of_group = np.full(ep, -1, dtype=np.int64)
-    for flat in np.argsort(-overlap, axis=None, kind="stable"):
+    pairs, shared = np.unique(np.asarray(group_E, np.int64) * ep + placement_E, return_counts=True)
+    rank_of_group, taken = np.full(ep, -1, dtype=np.int64), np.zeros(ep, dtype=bool)
+    for flat in pairs[np.argsort(-shared, kind="stable")]:      # most shared first; ties: lower (group, rank)
         g, r = divmod(int(flat), ep)
-        if rank_of_group[g] < 0 and r not in rank_of_group:
-            rank_of_group[g] = r
+        if rank_of_group[g] < 0 and not taken[r]:
+            rank_of_group[g], taken[r] = r, True
+    free = iter(np.flatnonzero(~taken))      # groups sharing no expert with a free rank: lowest free rank first
+    for g in np.flatnonzero(rank_of_group < 0):
+        rank_of_group[g] = next(free)
     return rank_of_group[group_E]
 
 

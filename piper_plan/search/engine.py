@@ -86,6 +86,7 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
                   **extra) if len(space) else Evaluation.empty()
     limit = rank.memory_limit_bytes(platform, options.memory_headroom)
     fits = rank.fits_mask(ev, platform, options.memory_headroom)
+    _check_figures(ev, fits)
     reasons = [space.reasons, {rank.OUT_OF_MEMORY: int(np.count_nonzero(~fits))}]
     features: dict[str, int] = {}
     if runnable and fits.any():
@@ -98,6 +99,24 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     return SearchResult(nodes=nodes, world=world_size(platform, nodes), fields=space.fields, evaluation=ev,
                         candidates_total=space.total, reasons=merged, order=order, pareto=pareto,
                         memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features)
+
+
+MAX_STEP_S = 1e9
+"""The longest step a prediction may report (specs.estimate.Estimate.step_time_s: no step runs for 30 years)."""
+
+
+def _check_figures(ev, fits: np.ndarray) -> None:
+    """One PiperError line when a plan that fits is priced outside what an estimate can hold (NaN, infinity, a step
+    beyond MAX_STEP_S): inputs valid one by one (a calibration row, an efficiency) whose rates together make no
+    trainable job; ``piper estimate`` refuses the same plan in the same words (cost.evaluate)."""
+    with np.errstate(invalid="ignore"):
+        bad = fits & ~(np.isfinite(ev.step_time_s) & (ev.step_time_s > 0) & (ev.step_time_s <= MAX_STEP_S)
+                       & np.isfinite(ev.tokens_per_s))
+    if bad.any():
+        value = float(ev.step_time_s[np.flatnonzero(bad)[0]])
+        raise PiperError(f"the prediction's step_time_s is {value!r} for {int(bad.sum()):,} plans, outside what piper "
+                         f"reports (a finite number of seconds <= {MAX_STEP_S:g}): the model, platform, calibration and "
+                         "training are each valid, but together they make no trainable job; check their rates")
 
 
 def rank_subset(fields: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:

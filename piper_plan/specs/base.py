@@ -14,13 +14,16 @@ class Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
-def _one_line(text: str) -> str:
+def _plain_name(text: str) -> str:
     import unicodedata
 
     if not text or any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text):
         raise ValueError("a name is one non-empty line: no newline, tab, line separator or other control character")
+    if "/" in text or "\\" in text or text.strip() in (".", ".."):
+        raise ValueError("a name names a folder (calibration/<platform>/): no '/' or '\\', and not '.' or '..'")
     return text
 
 
-Name = Annotated[str, AfterValidator(_one_line)]
-"""A name that launch scripts and exported scripts print into comments and job names: one printable line."""
+Name = Annotated[str, AfterValidator(_plain_name)]
+"""A name that launch scripts and exported scripts print into comments and job names, and that calibration folders
+are named after: one printable line, no path separator, not '.' or '..'."""

@@ -158,8 +158,8 @@ class MoESpec(Spec):
     """Which layers are MoE."""
     parallel_dense_ffn: FFNSpec | None = None
     """A dense MLP beside the experts in every MoE layer (Arctic's residual MLP)."""
-    capacity_factor: float | None = Field(default=None, gt=0, le=1000)
-    """Tokens per expert are capped at capacity_factor x (tokens x k / E); None = dropless."""
+    capacity_factor: float | None = Field(default=None, ge=0.01, le=1000)
+    """Tokens per expert are capped at capacity_factor x (tokens x k / E), 0.01..1000; None = dropless."""
     routing_groups: int | None = Field(default=None, ge=2, le=MAX_EXPERTS)
     """Group-limited routing (DeepSeek-V2 / V3 config n_group): the experts form this many equal groups and a
     token's top_k experts come from its ``routing_group_top_k`` best groups; None = no limit."""

@@ -25,6 +25,9 @@ Flops = Annotated[float, Field(ge=1e6, le=1e18)]
 the cost model's times over- or underflow."""
 Bandwidth = Annotated[float, Field(ge=1e-3, le=1e6)]
 """A bandwidth in GB/s: between 1 MB/s and 1 PB/s."""
+Efficiency = Annotated[float, Field(ge=1e-3, le=1)]
+"""A fraction of peak a kernel class reaches: at least 0.1% (below it, a corrupt figure: 5e-324 overflows the time
+derived from it), at most 1."""
 TEMPLATE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.sbatch")
 """A launch template is a file name (no folders) ending in .sbatch: platforms/templates/<name>."""
 
@@ -226,11 +229,11 @@ class LaunchSpec(Spec):
 class EfficiencySpec(Spec):
     """Roofline fallback used when a platform has no calibration CSVs (the output says so)."""
 
-    gemm: float = Field(gt=0, le=1)
+    gemm: Efficiency
     """Fraction of dense peak reached by large GEMMs."""
-    attention: float = Field(gt=0, le=1)
+    attention: Efficiency
     """Fraction of dense peak reached by attention kernels."""
-    gemm_by_dtype: dict[Dtype, Annotated[float, Field(gt=0, le=1)]] = {}
+    gemm_by_dtype: dict[Dtype, Efficiency] = {}
     """Measured GEMM fraction of that dtype's peak where it differs from ``gemm`` (e.g. fp8 matmuls reach a lower
     fraction than bf16 ones); a dtype not named here uses ``gemm``."""
     host_s_per_gemm_call: float = Field(default=0.0, ge=0, le=1e-2)

@@ -84,5 +84,5 @@ def test_collectives_busbw_may_be_zero_but_seconds_not(tmp_path):
     path = tmp_path / "collectives.csv"
     path.write_text(",".join(COLLECTIVES.column_names) + "\nall_reduce,node,1,1,1024,1e-5,0.1,0,measured: x\n"
                     "all_reduce,node,1,2,1024,0,0.1,0,measured: x\n")
-    with pytest.raises(PiperError, match="line 3: column seconds: 0.0 out of range, allowed > 0"):
+    with pytest.raises(PiperError, match="line 3: column seconds: 0.0 out of range, allowed >= 1e-09"):
         read_table(path, COLLECTIVES)

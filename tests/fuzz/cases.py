@@ -118,7 +118,8 @@ def piper_home(tmp: Path) -> Path:
 
 def poisoned_home(file: str, text: str | None, mode: str):
     """Setup: {tmp}/home with the catalog's models/ and platforms/ and a copy of calibration/local-cpu with one
-    file poisoned ('row': a row appended; 'file': replaced; 'directory'; 'not-utf8'; 'duplicate'; 'overhead-nan')."""
+    file poisoned ('row': a row appended; 'file': replaced; 'directory'; 'not-utf8'; 'duplicate'; 'overhead-nan';
+    'huge-field'; 'many-rows')."""
     def setup(tmp: Path) -> None:
         target = piper_home(tmp) / file
         if mode == "row":
@@ -133,6 +134,11 @@ def poisoned_home(file: str, text: str | None, mode: str):
         elif mode == "duplicate":
             lines = target.read_text().splitlines()
             target.write_text("\n".join(lines + [lines[1]]) + "\n")
+        elif mode == "huge-field":     # one field beyond csv's 131,072-character limit
+            target.write_text(target.read_text() + "cpu,fp32,64,64,71,1,0.1,1.0," + "x" * 200_000 + "\n")
+        elif mode == "many-rows":      # more points than a calibration table may hold (calibration.io.MAX_ROWS)
+            rows = "".join(f"cpu,fp32,{m},64,64,1,0.1,1.0,measured: fuzz\n" for m in range(1, 10_002))
+            target.write_text(target.read_text().splitlines()[0] + "\n" + rows)
         elif mode == "overhead-nan":
             lines = target.read_text().splitlines()
             fields = lines[1].split(",")

@@ -165,6 +165,9 @@ PLATFORM_MUTATIONS = {
     "efficiency-zero": ("efficiency.gemm", 0),
     "efficiency-two": ("efficiency.gemm", 2.0),
     "efficiency-nan": ("efficiency.attention", NAN),
+    "efficiency-denormal": ("efficiency.gemm", 5e-324),
+    "name-path": ("name", "../../escaped"),
+    "name-dotdot": ("name", ".."),
     "fragmentation-one": ("memory.fragmentation", 1.0),
     "fragmentation-negative": ("memory.fragmentation", -0.5),
     "framework-negative": ("memory.framework_bytes", -1),
@@ -438,6 +441,11 @@ CAL_POISON = {
     "fit-nan": ("fit.csv", "parameter,value,before,mape_before_pct,mape_after_pct,source\na2a_overlap,nan,0,1,1,x\n", "file"),
     "fit-bogus-parameter": ("fit.csv", "parameter,value,before,mape_before_pct,mape_after_pct,source\nwarp,0.5,0,1,1,x\n", "file"),
     "fit-malformed": ("fit.csv", "parameter\n\xff\n", "file"),
+    "gemm-denormal-tflops": ("gemm.csv", "cpu,fp32,64,64,69,1,0.1,5e-324,measured: fuzz", "row"),
+    "overhead-denormal": ("overhead.csv", "moe_block,7,5e-324,measured: fuzz", "row"),
+    "gemm-stray-cr": ("gemm.csv", "cpu,fp32,64,64,70,1,0.1,1.0,measured: x\ry", "row"),
+    "gemm-huge-field": ("gemm.csv", None, "huge-field"),
+    "gemm-too-many-rows": ("gemm.csv", None, "many-rows"),
 }
 
 VALIDATION_FILES = {

@@ -56,7 +56,10 @@ def test_network_spec_parses_and_refuses_in_one_line():
     assert parse_network(" uplink_GBps=0.05 ").uplinks == 1
     assert NetworkSpec(0.2, 2).text == "uplink_GBps=0.2,uplinks=2"
     for bad, needle in (("uplinks=2", "no uplink_GBps"), ("uplink_GBps=fast", "not a number"),
-                        ("uplink_GBps=0.2,nics=2", "'nics=2' unknown"), ("uplink_GBps=0.2,uplinks=0", "uplinks 1..8")):
+                        ("uplink_GBps=0.2,nics=2", "'nics=2' unknown"), ("uplink_GBps=0.2,uplinks=0", "uplinks 1..8"),
+                        ("uplink_GBps=1,uplink_GBps=2", "given twice"), ("uplink_GBps=1_0", "not a number"),
+                        ("uplink_GBps=\uff12", "not a number"), ("", "no uplink_GBps"),
+                        ("uplink_GBps=0.2,latency_us=99999999999999999", "latency_us 0..1,000,000")):
         with pytest.raises(PiperError, match=needle) as err:
             parse_network(bad)
         assert "\n" not in str(err.value) and "--emulate-network" in str(err.value)
@@ -66,6 +69,8 @@ def test_network_spec_parses_and_refuses_in_one_line():
 
     result = CliRunner().invoke(cli, ["bench", "a2a", "--emulate-network", "uplinks=2", "--no-save"])
     assert result.exit_code == 2 and "no uplink_GBps" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(cli, ["bench", "a2a", "--emulate-network", "", "--no-save"])   # not "no network"
+    assert result.exit_code == 2 and "no uplink_GBps" in result.output
 
 
 @pytest.mark.netemu

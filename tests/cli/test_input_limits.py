@@ -1,0 +1,177 @@
+"""Hostile input found by fuzzing the CLI (2026-12-02, third round): each case is one ``error:`` line and exit 2
+(or, where the input is valid, a quiet correct answer), never a traceback, a hang or a file outside its folder."""
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from piper_plan import fileio
+from piper_plan.calibration import io as calibration_io
+from piper_plan.calibration.schema import GEMM
+from test_bad_input import ESTIMATE, assert_one_line_error, run
+
+FIXTURES = Path(__file__).resolve().parents[1] / "specs" / "fixtures"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- Hugging Face configs: per-layer lists -------------------------------------------------------------
+@pytest.mark.parametrize("fixture, field, value, needle", [
+    ("qwen3-30b-a3b.json", "mlp_only_layers", 5, "list of layer indices 0..47"),
+    ("qwen3-30b-a3b.json", "mlp_only_layers", "abc", "list of layer indices"),
+    ("qwen3-30b-a3b.json", "mlp_only_layers", [999], "got [999]"),
+    ("qwen3-30b-a3b.json", "mlp_only_layers", [-1], "got [-1]"),
+    ("llama4-scout.json", "moe_layers", 5, "moe_layers"),
+    ("qwen3-30b-a3b.json", "num_hidden_layers", 10**9, "in 1..10,000"),
+])
+def test_hf_layer_lists_are_checked(tmp_path, fixture, field, value, needle):
+    config = json.loads((FIXTURES / fixture).read_text())
+    *parents, key = field.split(".")
+    target = config
+    for name in parents:
+        target = target[name]
+    target[key] = value
+    if field == "num_hidden_layers":
+        config["mlp_only_layers"] = [0]     # once built a list over every layer before the count was bounded
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert_one_line_error(run("model", "import", path), str(path), needle)
+
+
+def test_hf_dense_layer_list_still_imports(tmp_path):
+    config = json.loads((FIXTURES / "qwen3-30b-a3b.json").read_text())
+    config["mlp_only_layers"] = [0, 47]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    result = run("model", "import", path, "--json")
+    assert result.exit_code == 0, result.output
+    layers = json.loads(result.stdout)["spec"]["moe"]["layers"]["explicit"]
+    assert 0 not in layers and 47 not in layers and len(layers) == 46
+
+
+# ---- names are folder names --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/elsewhere", "a\\b", ".."])
+def test_a_platform_name_cannot_leave_the_calibration_folder(tmp_path, name):
+    data = yaml.safe_load((ROOT / "platforms" / "local-cpu.yaml").read_text())
+    data["name"] = name
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "job.sbatch"
+    assert_one_line_error(run("calibrate", "slurm", "--platform", path, "--nodes", 2, "--output", out),
+                          "name", "no '/'")
+    assert not out.exists() and not (tmp_path.parent / "escaped").exists()
+
+
+# ---- calibration CSVs ---------------------------------------------------------------------------------
+def _gemm(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gemm.csv"
+    path.write_text(",".join(GEMM.column_names) + "\n" + text)
+    return path
+
+
+@pytest.mark.parametrize("row, needle", [
+    ("cpu,fp32,64,64,64,1,0.1,1.0,measured: x\ry\n", "line 2: not a CSV row"),
+    ("cpu,fp32,64,64,64,1,0.1,1.0," + "x" * 200_000 + "\n", "not a CSV row (field larger than field limit"),
+    ("cpu,fp32,64,64,64,1,0.1,5e-324,measured: x\n", "allowed >= 1e-09"),
+])
+def test_calibration_rows_csv_cannot_read_are_one_line(tmp_path, row, needle):
+    with pytest.raises(Exception) as err:
+        calibration_io.read_columns(_gemm(tmp_path, row), GEMM)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_calibration_table_has_a_row_limit_checked_before_it_is_parsed(tmp_path):
+    rows = "".join(f"cpu,fp32,{m},64,64,1,0.1,1.0,measured: x\n" for m in range(1, calibration_io.MAX_ROWS + 2))
+    with pytest.raises(Exception, match="10,001 rows; a calibration table holds at most 10,000"):
+        calibration_io.read_columns(_gemm(tmp_path, rows), GEMM)
+
+
+def test_a_denormal_efficiency_is_refused(tmp_path):
+    data = yaml.safe_load((ROOT / "platforms" / "local-cpu.yaml").read_text())
+    data["efficiency"]["gemm"] = 5e-324
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert_one_line_error(run("platform", "show", path), "efficiency.gemm", "greater than or equal to 0.001")
+
+
+def test_plan_refuses_rates_that_price_no_trainable_job(tmp_path, monkeypatch):
+    """Calibration rows valid one by one (the slowest GEMM rate a row may hold) whose plans price beyond what an
+    estimate can hold: `plan` refuses in one line as `estimate` does, instead of ranking inf / NaN."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("models", "platforms"):
+        (home / name).symlink_to(ROOT / name)
+    cal = home / "calibration" / "local-cpu"
+    cal.mkdir(parents=True)
+    for src in (ROOT / "calibration" / "local-cpu").iterdir():
+        if src.name != "gemm.csv":
+            (cal / src.name).write_bytes(src.read_bytes())
+    lines = (ROOT / "calibration" / "local-cpu" / "gemm.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    slow = []
+    for line in lines[1:]:
+        fields = line.split(",")
+        fields[header.index("seconds")], fields[header.index("tflops")] = "1000000", "1e-09"
+        slow.append(",".join(fields))
+    (cal / "gemm.csv").write_text("\n".join([lines[0], *slow]) + "\n")
+    monkeypatch.setenv("PIPER_HOME", str(home))
+    plan = ("plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", 1, "--seq", 128, "--global-batch",
+            16384)   # about 2e9 s a step at these rates (global batch 8: 1.1e6 s, ranked as it should be)
+    assert_one_line_error(run(*plan), "step_time_s", "no trainable job")
+    assert_one_line_error(run(*plan, "--json"), "step_time_s")
+
+
+# ---- documents ---------------------------------------------------------------------------------------
+def test_a_yaml_spec_over_its_size_limit_is_refused_before_parsing(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("x: [" + "1," * (fileio.MAX_YAML_BYTES // 2) + "1]\n")
+    start = time.perf_counter()
+    assert_one_line_error(run("platform", "show", path), str(path), "the limit is 262,144")
+    assert time.perf_counter() - start < 5      # refused by size; parsing it would take about 4 s
+
+
+# ---- options ------------------------------------------------------------------------------------------
+def test_import_nccl_tests_bounds_its_counts(tmp_path):
+    log = tmp_path / "nccl.log"
+    log.write_text("#  size count type redop root time algbw busbw #wrong time algbw busbw #wrong\n"
+                   "   1024   256 float none -1 10.1 0.10 0.19 0 10.0 0.10 0.19 0\n")
+    for option, value in (("--ranks-per-node", 10**20), ("--nodes", 10**9)):
+        args = {"--nodes": 1, "--ranks-per-node": 2, option: value}
+        assert_one_line_error(run("calibrate", "import-nccl-tests", log, "--op", "all_to_all", "--scope", "node",
+                                  "--platform", "local-cpu", "--out-dir", tmp_path / "cal",
+                                  *[str(x) for kv in args.items() for x in kv]), option)
+    assert not (tmp_path / "cal").exists()
+
+
+def test_migrate_skew_extremes_print_no_warnings():
+    result = run("migrate", "simulate", "--experts", 64, "--ep", 8, "--skew", "zipf:1e308", "--json")
+    assert result.exit_code == 0 and result.stderr == "", result.stderr
+    assert_one_line_error(run("migrate", "simulate", "--experts", 64, "--ep", 8, "--skew", ""), "--skew is empty")
+
+
+# ---- Slurm that does not answer ----------------------------------------------------------------------
+def _fake_slurm(tmp_path: Path, message: str) -> str:
+    """A PATH whose squeue and scontrol fail with ``message`` (as a Slurm client whose controller is down)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("squeue", "scontrol"):
+        script = bin_dir / tool
+        script.write_text(f"#!/bin/sh\necho 'slurm_load_jobs error: {message}' >&2\nexit 1\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_status_says_slurm_did_not_answer_not_that_the_job_is_unknown(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", _fake_slurm(tmp_path, "Unable to contact slurm controller (connect failure)"))
+    line = assert_one_line_error(run("status", "12345"), "Unable to contact slurm controller")
+    assert "does not know" not in line
+    assert_one_line_error(run("status", "12345", "--dir", tmp_path), "Unable to contact slurm controller")
+
+
+def test_status_of_a_job_slurm_forgot_still_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", _fake_slurm(tmp_path, "Invalid job id specified"))
+    assert_one_line_error(run("status", "12345"), "Slurm does not know it")
