@@ -16,8 +16,9 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), the
    share of that step which runs under an inter-node transfer (node.host_step_hidden) from the flat 1 MiB exchange
    at SHARE_RATE_GBps, and from flat and HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape)
-   at each test rate: flat's link use on 3 or more nodes (modelled / measured flat time there, priced on 4 x 2) and
-   HALO's copy rate inside an exchange (HALO's time less its modelled phases).
+   at each test rate, timed before and after the rate's points (the faster kept): flat's link use on 3 or more
+   nodes (modelled / measured flat time there, priced on 4 x 2) and HALO's copy rate inside an exchange (HALO's time
+   less its modelled phases).
 
 Every all-to-all figure (test point, tiny exchange, copies inside an exchange) is the fastest of its calls (the
 uncontended time on this shared host) of one call's time over all ranks, from the first rank's start to the last
@@ -75,6 +76,7 @@ PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
 IN_EXCHANGE_SHAPE = (3, 2)  # nodes x ranks of the copy rate inside an exchange: no predicted point's shape
+IN_EXCHANGE_WHEN = ("", "-after")  # that exchange is timed before a rate's points and after them (in_exchange_seconds)
 HALF_DUPLEX_BELOW = 0.75  # two ways on one connection below this share of one way: half duplex
 
 
@@ -234,10 +236,28 @@ def relay_copies(out: Path, reuse: bool = False) -> dict:
     return result
 
 
+def in_exchange_seconds(out: Path, spec: NetworkSpec, when: str | None) -> dict[str, float]:
+    """Flat's and HALO's seconds at COPY_BYTES per rank on IN_EXCHANGE_SHAPE at ``spec``'s rate (timed in alternation,
+    as the test points are): measured into OUT/halo-copies-<rate>-<shape><when>.json where ``when`` is given ("" before
+    the rate's points, "-after" after them) and that file is missing; per algorithm the faster of the files OUT holds
+    (noise on a shared host only adds time; one slow spell once made HALO there 47% slower than in its repeat)."""
+    from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
+    from piper_plan.fileio import atomic_write_json
+
+    nodes, g = IN_EXCHANGE_SHAPE
+    stem = f"halo-copies-{spec.uplink_GBps:g}-{nodes}x{g}"
+    if when is not None and not (out / f"{stem}{when}.json").is_file():
+        config = BenchConfig(("flat", "halo"), (COPY_BYTES,), nodes, g, repeats=REPEATS, statistic=STATISTIC)
+        atomic_write_json(out / f"{stem}{when}.json", asdict(network_bench(config, spec, timeout_s=600)))
+    figures = [json.loads(path.read_text())["sizes"][0]["seconds"]
+               for path in (out / f"{stem}{suffix}.json" for suffix in IN_EXCHANGE_WHEN) if path.is_file()]
+    return {algo: min(f[algo] for f in figures if algo in f) for algo in ("flat", "halo")
+            if any(algo in f for f in figures)}
+
+
 def copies_in_exchange(out: Path, spec: NetworkSpec, check: dict, shares: dict, calibration,
-                       price_link_use: bool = True) -> dict:
-    """Two figures of flat and HALO at COPY_BYTES per rank on IN_EXCHANGE_SHAPE (no predicted point's shape; timed in
-    alternation, as the test points are; kept in OUT/halo-copies-<rate>-<shape>.json), at ``spec``'s rate:
+                       price_link_use: bool = True, when: str | None = None) -> dict:
+    """Two figures of flat and HALO on IN_EXCHANGE_SHAPE (in_exchange_seconds, measured ``when``), at ``spec``'s rate:
 
     - flat's link use on three or more nodes (``flat_link_use``): the model's flat time there over the measured one,
       at most 1 (an OUT measured before flat was timed beside HALO there has none); priced (with_link_use) unless
@@ -245,16 +265,10 @@ def copies_in_exchange(out: Path, spec: NetworkSpec, check: dict, shares: dict, 
     - HALO's copy rate inside an exchange: HALO's time less the model's time for it without copies (its phases,
       priced with that link use; no host step: none is calibrated for that shape) is the copies' time there; the
       host's rate = ranks x copy bytes per rank / it."""
-    from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.cost.comm import relay_copy_bytes
-    from piper_plan.fileio import atomic_write_json
 
     nodes, g = IN_EXCHANGE_SHAPE
-    path = out / f"halo-copies-{spec.uplink_GBps:g}-{nodes}x{g}.json"
-    if not path.is_file():   # timed beside flat, as the test points are
-        config = BenchConfig(("flat", "halo"), (COPY_BYTES,), nodes, g, repeats=REPEATS, statistic=STATISTIC)
-        atomic_write_json(path, asdict(network_bench(config, spec, timeout_s=600)))
-    measured = json.loads(path.read_text())["sizes"][0]["seconds"]
+    measured = in_exchange_seconds(out, spec, when)
     no_copies = {"host_GBps": 1.0, "host_cores": os.cpu_count() or 1}  # relay_copy_GBps set to 0 below
     platform = platform_for(spec.uplink_GBps, nodes, g, check["figures"], shares[f"flat {g}"], check, no_copies)
     data = platform.model_dump()
@@ -449,7 +463,7 @@ def sweep(out: Path, shares: dict, price_link_use: bool = True) -> tuple[list[di
         checks[rate]["figures"] = link_figures(cal_dir)
         calibration = load_calibration(cal_dir)
         checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration,
-                                                                price_link_use)
+                                                                price_link_use, when="")
         for nodes, g in SHAPES:
             tiny_round(out, nodes, g, f"before-{rate:g}")    # the host-step calibration, spread over the run
             result = measure(spec, nodes, g, out)
@@ -461,7 +475,7 @@ def sweep(out: Path, shares: dict, price_link_use: bool = True) -> tuple[list[di
         checks[rate] = {**fastest_check(checks[rate], shaping(spec, out, "after")), "figures": checks[rate]["figures"]}
         print(f"shaping {spec.text}, after its points: {checks[rate]['checks']['after']}", flush=True)
         checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration,
-                                                                price_link_use)
+                                                                price_link_use, when="-after")
         print(f"copies inside an exchange: {checks[rate]['copies_in_exchange']}", flush=True)
     return rows, checks
 
@@ -707,7 +721,8 @@ def copies_inside_lines(checks: dict) -> list[str]:
                  f"({wide} here) is priced at that share of the switch figure. Between two nodes it is not."]
                 if uses else [])
     return ["", f"Inside an exchange the copies run slower than alone: HALO at {COPY_BYTES // 2**20} MiB per rank on "
-            f"{nodes} x {g} ranks (a shape no predicted point has), less the model's time for its phases without copies "
+            f"{nodes} x {g} ranks (a shape no predicted point has; the faster of its timings before and after the "
+            "rate's points where both were taken), less the model's time for its phases without copies "
             f"(no host step: none is calibrated for that shape), is its copies' time ({'; '.join(parts)} over the "
             "host). The model prices the copies at that rate, per test rate; a job of n ranks gets 1/n of it per rank.",
             *use_line]

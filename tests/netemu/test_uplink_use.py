@@ -205,3 +205,24 @@ def test_flats_link_use_on_three_nodes_prices_flat_on_three_or_more_only(network
         assert used["flat"] == pytest.approx(base[nodes]["flat"] / 0.8, rel=0.02)   # the wire term is most of it
     assert network.with_link_use(platform, 2, 0.8) is platform
     assert network.with_link_use(platform, 4, None) is platform
+
+
+def test_the_exchange_on_three_nodes_keeps_the_faster_of_its_two_timings(network, tmp_path):
+    """HALO's copy rate and flat's link use come from flat and HALO on 3 x 2 timed before a rate's points and after
+    them: per algorithm the faster figure (a slow spell only adds time); an OUT with one timing, or with HALO
+    alone (the oldest sweeps), keeps what it has; nothing is measured when no timing is asked for."""
+    from piper_plan.calibration.netemu import NetworkSpec
+
+    spec = NetworkSpec(0.2, 2)
+    stem = tmp_path / "halo-copies-0.2-3x2"
+
+    def timing(path, **seconds):
+        path.write_text(json.dumps({"sizes": [{"bytes_per_rank": 16 * 2**20, "seconds": seconds}]}))
+
+    timing(Path(f"{stem}.json"), flat=0.116, halo=0.219)
+    assert network.in_exchange_seconds(tmp_path, spec, None) == {"flat": 0.116, "halo": 0.219}
+    timing(Path(f"{stem}-after.json"), flat=0.120, halo=0.150)
+    assert network.in_exchange_seconds(tmp_path, spec, None) == {"flat": 0.116, "halo": 0.150}
+    timing(Path(f"{stem}-after.json"), halo=0.150)
+    timing(Path(f"{stem}.json"), halo=0.219)
+    assert network.in_exchange_seconds(tmp_path, spec, "-after") == {"halo": 0.150}   # present: not measured again
