@@ -14,9 +14,9 @@ Version-1 files are still read: their fields mean what they wrote (a v1 ``parall
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveInt
 
 from piper_plan import __version__
 from piper_plan.catalog import parse_spec, read_structured
@@ -30,6 +30,18 @@ from piper_plan.specs.estimate import Estimate
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
+
+MAX_SEED = 2**63 - 1
+"""The largest seed: numpy's SeedSequence takes a non-negative integer, torch.manual_seed one below 2^64 (the
+runtime seeds each rank with seed + rank, rank < 2^20: still below)."""
+MAX_RUNTIME_FACTOR = 1e4
+"""The largest learning rate, loss weight, weight decay or clipping norm a run takes: far above any that trains
+(LLaMA's peak rate is 3e-4), far below float32's 3.4e38, in which torch's optimizers and losses take them (a
+larger one overflows there: "value cannot be converted to type float without overflow")."""
+RuntimeFactor = Annotated[float, Field(ge=0, le=MAX_RUNTIME_FACTOR)]
+"""A weight or coefficient of the runtime: 0 (off) to MAX_RUNTIME_FACTOR."""
+PositiveRuntimeFactor = Annotated[float, Field(gt=0, le=MAX_RUNTIME_FACTOR)]
+"""A rate or a norm of the runtime: above 0, at most MAX_RUNTIME_FACTOR."""
 
 
 class MoEBlock(Spec):
@@ -75,23 +87,23 @@ class RuntimeBlock(Spec):
     keep_checkpoints: PositiveInt = 2
     """Complete checkpoints kept in RUN_DIR/checkpoints/ (the newest ones; older ones are deleted after ``latest``
     moves to a new one)."""
-    seed: int = 0
-    """Random seed."""
-    lr: PositiveFloat = 1e-3
-    """Peak learning rate."""
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
+    """Random seed: 0 to 2^63 - 1."""
+    lr: PositiveRuntimeFactor = 1e-3
+    """Peak learning rate: above 0, at most 1e4."""
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     """After the warmup: cosine decay to ``min_lr_ratio x lr`` at the last step, or constant."""
     warmup_steps: NonNegativeInt = 10
     """Steps of linear warmup from lr / (warmup_steps + 1) to lr."""
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     """Learning rate at the last step of the cosine decay, as a fraction of ``lr``."""
-    weight_decay: NonNegativeFloat = 0.1
+    weight_decay: RuntimeFactor = 0.1
     """AdamW's decoupled weight decay (matrices only: norms, biases and the router bias are not decayed)."""
-    grad_clip_norm: PositiveFloat | None = 1.0
+    grad_clip_norm: PositiveRuntimeFactor | None = 1.0
     """Clip the global gradient norm (every rank's gradients together) to this; None = no clipping."""
-    aux_loss_coeff: NonNegativeFloat = 0.01
-    """Switch balance-loss coefficient (0 = off)."""
-    mtp_loss_weight: NonNegativeFloat = 0.1
+    aux_loss_coeff: RuntimeFactor = 0.01
+    """Switch balance-loss coefficient (0 = off; at most 1e4)."""
+    mtp_loss_weight: RuntimeFactor = 0.1
     """lambda, the weight of the multi-token-prediction loss (the mean over the model's MTP modules) added to the
     next-token loss (runtime/pipeline.py MTPLoss). 0.1: Megatron-Core's ``mtp_loss_scaling_factor`` default and
     DeepSeek-V3's value for its last 4.8T tokens (0.3 for the first 10T; report sec. 4.2). Unused without MTP."""

@@ -90,7 +90,8 @@ def _module_exists(module: str) -> bool:
 
 EPILOG = ("Output: a command's result (table, report) on stdout; progress and diagnostics (\"wrote X\") on stderr; "
           "--json (every command) replaces the result on stdout with one JSON document. "
-          "Exit codes: 0 ok; 1 a check failed (validate: a row outside its tolerance; bench a2a --verify); "
+          "Exit codes: 0 ok; 1 a check failed (validate: a row outside its tolerance; bench a2a --verify; run: the loss "
+          "went nan / inf); "
           "2 bad input (one 'error:' line on stderr); 3 nothing fits (plan); 75 run checkpointed on SIGTERM / "
           "SIGUSR1 (requeue); 141 stdout closed early (| head).")
 

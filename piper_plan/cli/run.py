@@ -14,10 +14,13 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, json_option, note, out_dir_option, print_json
+from piper_plan.cli.common import (EXIT_CHECK_FAILED, console, exit_codes, json_option, note, out_dir_option,
+                                   print_json)
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 
-EPILOG = exit_codes({EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 (the batch script requeues)"}) + (
+EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' line naming the step, the lr, weight "
+                                        "decay and aux-loss coeff; every rank stops)",
+                     EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 (the batch script requeues)"}) + (
     " A plan that needs more than this machine is not run: the torchrun and srun lines to run it are the result"
     " (exit 0).")
 
@@ -31,9 +34,10 @@ EPILOG = exit_codes({EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 (the batch
 @click.option("--resume", is_flag=True, help="Continue from RUN_DIR/checkpoints/latest.")
 @click.option("--profile", type=click.IntRange(min=0), default=0, metavar="STEPS",
               help="Chrome trace of STEPS steps after the first.")
-@click.option("--lr", type=float, default=None, help="Peak learning rate (default: the plan's runtime.lr).")
+@click.option("--lr", type=float, default=None,
+              help="Peak learning rate, above 0 and at most 1e4 (default: the plan's runtime.lr).")
 @click.option("--aux-loss-coeff", type=float, default=None,
-              help="Balance-loss coefficient (default: the plan's runtime.aux_loss_coeff).")
+              help="Balance-loss coefficient, 0 (off) to 1e4 (default: the plan's runtime.aux_loss_coeff).")
 @json_option(help="The run's summary (summary.json with the run directory), or the commands for a plan that does "
                   "not fit here, as JSON on stdout.")
 def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> None:

@@ -11,7 +11,9 @@ gathers every rank's report as one tensor per step (runtime/report.py), migrates
 (plan.json ``migration``;
 runtime/migration.py), and writes metrics.jsonl + summary.json (global rank 0) and resharding checkpoints
 (runtime/checkpoint.py: torch.distributed.checkpoint; resumable under another layout).
-Bad input is found before any collective: rank 0 prints one line, every rank exits with 2.
+Bad input is found before any collective: rank 0 prints one line, every rank exits with 2. A loss that goes
+nan / inf stops every rank at the same step (each reads it in the gathered reports): rank 0 prints one line,
+every rank exits with EXIT_DIVERGED.
 Tensor parallelism (tp > 1, always with sequence parallelism) splits the stage on the meta device, before the
 seeded initialisation writes each rank's part (runtime/tensor_parallel.py).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -29,6 +32,9 @@ from pathlib import Path
 
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import device_index, read_launch_env
+
+EXIT_DIVERGED = 1
+"""The loss went nan / inf: the run's check of its loss failed (the CLI's EXIT_CHECK_FAILED, cli/common.py)."""
 
 
 # ---- plan and launch environment (no torch) -----------------------------------------------------
@@ -59,13 +65,13 @@ def load_plan(args):
 
 def preflight(cfg, world: int, cuda_available: bool) -> None:
     """Every check of the plan (planfile.PlanFile) that needs no communication; raises PiperError (one line)."""
-    from piper_plan.capability import unsupported_features
+    from piper_plan.capability import runtime_missing
 
     # the plan itself was checked by the one validity check when plan.json was read (planfile.read_plan_file)
     if cfg.parallel.world != world:
         raise PiperError(f"the plan's pp x dp x tp = {cfg.parallel.world} ranks, but the launcher started {world}",
                          field="parallel")
-    problems = unsupported_features(cfg.parallel, cfg.model, cfg.training)
+    problems = runtime_missing(cfg.parallel, cfg.model, cfg.training)
     if problems:
         raise PiperError("the runtime cannot run: " + "; ".join(problems), field="parallel")
     if cfg.platform.launch.device == "cuda" and not cuda_available:
@@ -432,6 +438,31 @@ class Trainer:
 
 
 # ---- rank-0 reporting ---------------------------------------------------------------------------
+def non_finite_loss(reports: list[dict], last_stage: int, names=("loss",)) -> tuple[str, float] | None:
+    """(name, value) of the first loss among ``names`` that a last-stage rank reports as nan or +-inf, else None.
+    A nan loss decodes as None (report.decode: nan marks a rank without a loss), so a last-stage rank without one
+    has a nan loss."""
+    for r in (r for r in reports if r["stage"] == last_stage):
+        for name in names:
+            value = math.nan if r.get(name) is None else r[name]
+            if not math.isfinite(value):
+                return name, value
+    return None
+
+
+def divergence(reports: list[dict], step: int, cfg) -> str | None:
+    """The one line of a step whose loss (or MTP loss) went nan / inf, else None; the same on every rank (the
+    reports are gathered)."""
+    names = ("loss", "mtp_loss") if cfg.model.mtp_layers else ("loss",)
+    found = non_finite_loss(reports, cfg.parallel.pp - 1, names)
+    if found is None:
+        return None
+    rt = cfg.runtime
+    return (f"step {step}: the {found[0]} is {found[1]} (runtime.lr {rt.lr:g}, runtime.weight_decay "
+            f"{rt.weight_decay:g}, runtime.aux_loss_coeff {rt.aux_loss_coeff:g}): the run diverged; lower --lr / "
+            "--aux-loss-coeff or the plan's runtime block")
+
+
 def merge_reports(reports: list[dict], step: int, tokens: int):
     """All ranks' step reports -> one metrics.jsonl record (DESIGN.md)."""
     from piper_plan.runtime.metrics import step_record
@@ -570,11 +601,15 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         _keep_plan(Path(args.plan), run_dir)
     for r in records:
         writer.write(r)
-    code = 0
+    code, failure = 0, None
     for step in range(start, steps):
         with _profiler(args.profile, step - start, run_dir, rank) as _:
             result = trainer.train_step(step)
         gathered = trainer.gather_reports(result, step, stop=bool(stop.signum))
+        failure = divergence(gathered, step + 1, cfg)
+        if failure:                       # every rank reads the same reports: every rank stops here
+            code = EXIT_DIVERGED
+            break
         if rank == 0:
             records.append(merge_reports(gathered, step + 1, tokens))
             writer.write(records[-1])
@@ -590,6 +625,8 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if rank == 0:
         progress.close()
         writer.close()
+        if failure:
+            print(f"error: {failure}", file=sys.stderr, flush=True)
         atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
                                                      "world": world, "device": device.type})
     dist.barrier()
