@@ -1,4 +1,5 @@
 """Measured (the runtime's metrics.jsonl) vs predicted (plan.json's ``prediction``): pure, no I/O.
+``check_same_job`` refuses metrics of another job than the plan's before any comparison.
 
 Every quantity is ``{"predicted", "measured", "rel_error"}`` with ``rel_error = (predicted - measured) / measured``
 (DESIGN.md, compare format); a quantity missing on either side has ``rel_error = None``.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 from statistics import median
 
+from piper_plan.errors import PiperError
 from piper_plan.specs.vocab import A2A_TIME_PREFIX
 
 A2A_KEY_PARTS = (A2A_TIME_PREFIX, "dispatch", "combine", "a2a", "all_to_all")
@@ -136,3 +138,16 @@ def compare(prediction: dict, records: list[dict]) -> dict:
         "memory_basis": ("tensor accounting (prediction without framework and fragmentation)" if tensors_only
                          else "allocator peak"),
     }
+
+
+def check_same_job(training, records: list[dict], metrics_path: str, plan_path: str) -> None:
+    """Refuse metrics of another job than the plan's (``training``: its TrainingSpec): every record's ``tokens``
+    (the run's global batch x sequence length a step, runtime/metrics.py) must be the plan's; one line naming both."""
+    planned = training.global_batch * training.seq_len
+    for record in records:
+        tokens = record.get("tokens")
+        if tokens is not None and tokens != planned:
+            raise PiperError(f"step {record['step']}: tokens={tokens:,} a step, but {plan_path} trains global_batch "
+                             f"{training.global_batch:,} x seq_len {training.seq_len:,} = {planned:,}: the metrics "
+                             "are of another job; compare a run directory with the plan.json it ran",
+                             path=metrics_path)

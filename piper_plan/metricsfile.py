@@ -43,7 +43,8 @@ class StepRecord(BaseModel):
     loss: float | None = None
     step_time_s: float | None = Field(default=None, ge=1e-9, le=MAX_SECONDS)
     """Seconds of the step: 1 ns .. MAX_SECONDS (shorter is a corrupt record)."""
-    tokens: int | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=1)
+    """Tokens of the step: the run's global batch x sequence length (runtime/metrics.py); at least 1."""
     tokens_per_s: float | None = Field(default=None, ge=0, le=1e18)
     time_s: dict[str, Seconds] | None = None
     memory_bytes: list[StageMemory | Bytes] | None = None

@@ -26,11 +26,9 @@ def find_metrics(run_dir: Path) -> Path:
     raise PiperError("no metrics.jsonl (has the run written a step yet?)", path=str(run_dir))
 
 
-def read_prediction(path: Path) -> dict:
-    """plan.json's prediction block, validated with the whole plan (planfile.read_plan_file)."""
-    from piper_plan.planfile import read_plan_file
-
-    prediction = read_plan_file(path).prediction
+def prediction_of(plan_file, path: Path) -> dict:
+    """The prediction block of plan.json at ``path`` (``plan_file``: read and validated by read_plan_file)."""
+    prediction = plan_file.prediction
     if prediction is None:
         raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
                          path=str(path))
@@ -43,7 +41,8 @@ def read_prediction(path: Path) -> dict:
 @plot_option("Write predicted vs measured step time per step and per time term as a PNG")
 def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     """Measured vs predicted step time, tokens/s, all-to-all share and memory per stage."""
-    from piper_plan.compare import compare
+    from piper_plan.compare import check_same_job, compare
+    from piper_plan.planfile import read_plan_file
     from piper_plan.plots import check_plot_path
 
     if plot_path:
@@ -52,7 +51,9 @@ def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     metrics_path = find_metrics(run)
     plan_path = find_plan(metrics_path.parent)
     records = read_metrics(metrics_path)
-    result = compare(read_prediction(plan_path), records)
+    plan_file = read_plan_file(plan_path)
+    check_same_job(plan_file.training, records, str(metrics_path), str(plan_path))
+    result = compare(prediction_of(plan_file, plan_path), records)
     result = {"run_dir": str(metrics_path.parent), "plan": str(plan_path), **result}
     if plot_path:
         note(f"wrote {_plot(plot_path, result, records)}")

@@ -331,3 +331,45 @@ def test_more_ranks_than_a_plan_may_have_and_a_balanced_split_too_deep(tmp_path)
 def test_a_dataset_rows_search_is_bounded(tmp_path, search, needle):
     path = changed_dataset(tmp_path, "piper-frontier-moe", lambda d: d["rows"][0].update(search=search))
     assert_one_line_error(run("validate", "--dataset", path), "rows[", needle)
+
+
+# ---- piper run: runtime settings the ranks would crash on; compare: metrics of another job -----------------------
+@pytest.mark.parametrize("runtime, needle", [
+    ({"seed": -1}, "runtime.seed: Input should be greater than or equal to 0 (got -1)"),
+    ({"seed": 99999999999999999999}, "runtime.seed: Input should be less than or equal to 9223372036854775807"),
+    ({"lr": 1e300}, "runtime.lr: Input should be less than or equal to 10000"),
+    ({"aux_loss_coeff": 1e300}, "runtime.aux_loss_coeff: Input should be less than or equal to 10000"),
+    ({"weight_decay": 1e39}, "runtime.weight_decay: Input should be less than or equal to 10000"),
+    ({"grad_clip_norm": 1e39}, "runtime.grad_clip_norm: Input should be less than or equal to 10000"),
+    ({"mtp_loss_weight": 1e39}, "runtime.mtp_loss_weight: Input should be less than or equal to 10000"),
+])
+def test_run_refuses_runtime_settings_torch_cannot_hold(tmp_path, plan_json, runtime, needle):
+    plan = write(tmp_path / "plan.json", {**plan_json, "runtime": {**plan_json["runtime"], **runtime}})
+    assert_one_line_error(run("run", "--plan", plan, "--steps", 1, "--out-dir", tmp_path / "R"), str(plan), needle)
+    assert not (tmp_path / "R").exists()
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("--lr", "1e300", "lr: Input should be less than or equal to 10000"),
+    ("--lr", "1e30", "lr: Input should be less than or equal to 10000"),
+    ("--aux-loss-coeff", "1e300", "aux_loss_coeff: Input should be less than or equal to 10000"),
+    ("--lr", "0", "lr: Input should be greater than 0"),
+    ("--lr", "inf", "lr: Input should be"),
+])
+def test_run_options_torch_cannot_hold_are_one_line(tmp_path, plan_json, option, value, needle):
+    plan = write(tmp_path / "plan.json", plan_json)
+    result = run("run", "--plan", plan, "--steps", 1, "--out-dir", tmp_path / "R", option, value)
+    assert_one_line_error(result, "runtime options", needle)
+
+
+def test_compare_refuses_metrics_of_another_job_and_no_tokens(tmp_path, plan_json):
+    write(tmp_path / "plan.json", plan_json)                     # global batch 8 x seq 128 = 1,024 tokens a step
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({**RECORD, "tokens": 2 * 64}) + "\n")
+    assert_one_line_error(run("compare", tmp_path), str(metrics), "tokens=128 a step",
+                          "global_batch 8 x seq_len 128 = 1,024", "another job")
+    metrics.write_text(json.dumps({**RECORD, "tokens": 0}) + "\n")
+    assert_one_line_error(run("compare", tmp_path), str(metrics), "line 1", "tokens: Input should be greater than or "
+                          "equal to 1")
+    metrics.write_text(json.dumps({**RECORD, "tokens": 8 * 128}) + "\n")
+    assert run("compare", tmp_path, "--json").exit_code == 0
