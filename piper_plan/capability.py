@@ -33,6 +33,10 @@ mxfp8, context parallelism (cp > 1), and the ``_tp_problems`` below. Multi-token
 with every pp, tp, ep and zero above."""
 
 
+FEWER_MICROBATCHES_THAN_STAGES = ("schedule=1f1b with fewer micro-batches than pp stages (torch's Schedule1F1B "
+                                  "needs one per stage; gpipe runs them)")
+
+
 def _plan_problems(plan) -> list[str]:
     cap, out = RUNTIME_CAPABILITY, []
     for field in ("schedule", "etp", "recompute", "zero", "a2a"):
@@ -42,6 +46,22 @@ def _plan_problems(plan) -> list[str]:
     if plan.cp not in cap["cp"]:
         out.append(f"parallel.cp={plan.cp} (the runtime has no context parallelism)")
     return out
+
+
+def _microbatch_problems(plan) -> list[str]:
+    """torch's Schedule1F1B needs at least one micro-batch per stage (GPipe does not; interleaved's
+    divisibility by pp is a plan rule)."""
+    if plan.schedule == "1f1b" and plan.pp > 1 and plan.num_microbatches < plan.pp:
+        return [f"{FEWER_MICROBATCHES_THAN_STAGES}: num_microbatches={plan.num_microbatches}, pp={plan.pp}"]
+    return []
+
+
+def too_few_microbatches(fields) -> "np.ndarray":
+    """``_microbatch_problems`` over a search's candidate fields (schedule codes, pp, num_microbatches)."""
+    from piper_plan.specs.vocab import Schedule
+
+    return ((fields["schedule"] == Schedule.ONE_F_ONE_B.code) & (fields["pp"] > 1)
+            & (fields["num_microbatches"] < fields["pp"]))
 
 
 def _attention_problems(model) -> list[str]:
@@ -147,9 +167,15 @@ def unsupported_features(plan, model, training=None) -> list[str]:
             + _tp_problems(model, plan, training) + _fsdp_problems(model, plan))
 
 
+def runtime_missing(plan, model, training=None) -> list[str]:
+    """``unsupported_features`` and what the plan's batch split asks of torch's schedules (``_microbatch_problems``):
+    everything a whole plan (its micro-batches set) needs that the runtime lacks."""
+    return unsupported_features(plan, model, training) + _microbatch_problems(plan)
+
+
 def runnable_problems(model, platform, training, nodes: int, plan) -> list[str]:
     """Why piper's runtime cannot run ``plan``: its validity problems, then what it needs outside the capability
     list; empty = runnable."""
     from piper_plan.plans import plan_problems
 
-    return plan_problems(model, platform, training, nodes, plan) or unsupported_features(plan, model, training)
+    return plan_problems(model, platform, training, nodes, plan) or runtime_missing(plan, model, training)

@@ -76,9 +76,10 @@ def runnable_mask(fields: dict[str, np.ndarray], model, training=None) -> tuple[
     once per distinct plan shape.
 
     Candidates differing only in mbs / num_microbatches share one answer (the capability list is about
-    degrees, schedules and algorithms, not batch sizes). Returns (mask, feature -> rejected count).
+    degrees, schedules and algorithms), except 1F1B's one micro-batch per stage, checked per candidate
+    (``too_few_microbatches``). Returns (mask, feature -> rejected count).
     """
-    from piper_plan.capability import unsupported_features
+    from piper_plan.capability import FEWER_MICROBATCHES_THAN_STAGES, too_few_microbatches, unsupported_features
     from piper_plan.search.space import describe
     from piper_plan.specs import ParallelPlan
 
@@ -99,4 +100,8 @@ def runnable_mask(fields: dict[str, np.ndarray], model, training=None) -> tuple[
             ok[u] = False
             for feat in missing:
                 features[feat] = features.get(feat, 0) + int(sizes[u])
-    return ok[inverse], features
+    mask = ok[inverse]
+    few = mask & too_few_microbatches(fields)       # per candidate: the shapes above ignore the batch split
+    if few.any():
+        features[FEWER_MICROBATCHES_THAN_STAGES] = int(few.sum())
+    return mask & ~few, features

@@ -16,7 +16,7 @@ COMPARED_FIELDS = ("dp", "cp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches
 def plan_rows(result, model, training, top: int) -> list[dict]:
     """The best ``top`` plans as dicts (degrees, figures, node-hours to train, and whether piper's runtime runs
     them: ``runtime_missing`` lists what it lacks, capability.py)."""
-    from piper_plan.capability import unsupported_features
+    from piper_plan.capability import runtime_missing
     from piper_plan.search.space import CANDIDATE_FIELDS
     from piper_plan.specs import ParallelPlan
 
@@ -25,7 +25,7 @@ def plan_rows(result, model, training, top: int) -> list[dict]:
         row = {"rank": rank_index, **result.row(int(i))}
         row["node_hours_to_train"] = training.tokens_to_train / row["tokens_per_s"] / 3600.0 * result.nodes
         plan = ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS})
-        row["runtime_missing"] = unsupported_features(plan, model, training)
+        row["runtime_missing"] = runtime_missing(plan, model, training)
         row["runnable_by_piper"] = not row["runtime_missing"]
         rows.append(row)
     return rows

@@ -175,3 +175,21 @@ def test_status_says_slurm_did_not_answer_not_that_the_job_is_unknown(tmp_path, 
 def test_status_of_a_job_slurm_forgot_still_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", _fake_slurm(tmp_path, "Invalid job id specified"))
     assert_one_line_error(run("status", "12345"), "Slurm does not know it")
+
+
+# ---- what the runtime runs ----------------------------------------------------------------------------
+def test_runnable_plans_give_1f1b_a_micro_batch_per_stage(tmp_path):
+    """torch's Schedule1F1B needs num_microbatches >= pp: `plan --runnable` offers no 1F1B plan with fewer (it once
+    ranked pp 2 x 1 micro-batch first, and `piper run` died in torch), and `run` / `launch` refuse one in one line."""
+    result = run("plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", 1, "--runnable", "--seq", 64,
+                 "--global-batch", 2, "--top", 100, "--json")
+    assert result.exit_code == 0, result.output
+    plans = json.loads(result.stdout)["plans"]
+    assert plans and not [p for p in plans if p["schedule"] == "1f1b" and p["num_microbatches"] < p["pp"]]
+    plan = tmp_path / "p.json"
+    assert run("estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", 1, "--pp", 2, "--dp", 1,
+               "--ep", 1, "--mbs", 1, "--seq", 64, "--global-batch", 1, "--schedule", "1f1b", "-o", plan).exit_code == 0
+    assert_one_line_error(run("run", "--plan", plan, "--steps", 1, "--out-dir", tmp_path / "r"),
+                          "fewer micro-batches than pp", "num_microbatches=1, pp=2")
+    assert_one_line_error(run("launch", "--plan", plan, "--out-dir", tmp_path / "j", "--dry-run"),
+                          "fewer micro-batches than pp")
