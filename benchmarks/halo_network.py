@@ -9,7 +9,8 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    all-to-all measured across nodes; flat's NIC use (the share of a node's inter-node bytes on its busiest uplink)
    comes from the tc counters of a flat all-to-all at another rate (SHARE_RATE_GBps, not a test rate); how busy
    flat and HALO keep each node's busiest uplink (its bytes against what its rate allows, sampled in the exchange) is
-   measured at that rate on every shape (benchmarks/halo_phases.py --uplink-use) and reported, not priced;
+   measured at that rate on every shape (benchmarks/halo_phases.py --uplink-use) and reported, not priced (flat's
+   link use on 3+ nodes is priced from the 3 x 2 exchange of item 4 instead);
 3. flat and HALO (piper_plan.calibration.bench_a2a over the network) on 2 x 2, 2 x 4 and 4 x 2, 4 KiB - 16 MiB;
 4. prediction: piper_plan.cost.comm.Network with the platform built from (2) and what the script set, the
    host's cost per dependent step (node.host_step_us, node.halo_step_us) from 4 KiB flat and HALO all-to-alls at
@@ -691,8 +692,10 @@ def uplink_use_table(uses: dict) -> list[str]:
              "uplink's bytes between the first and the last sample inside a call (the slowest rank's time) against "
              "what its rate allows in that span, mean over nodes, of the fastest call. The model takes both as 1 "
              "(flat: the switch bandwidth of the platform is the uplink rate / "
-             "(ranks per node x busiest share); HALO's phase II per NIC, cost/comm.py): this is reported, not priced "
-             "(benchmarks/halo_network_analysis.md says why).", "",
+             "(ranks per node x busiest share); HALO's phase II per NIC, cost/comm.py), except flat on 3 or more "
+             f"nodes, priced at its link use on {IN_EXCHANGE_SHAPE[0]} x {IN_EXCHANGE_SHAPE[1]} at the test rate "
+             "(below): these figures at this rate are reported, not priced (benchmarks/halo_network_analysis.md says "
+             "why).", "",
              "| shape | flat: fastest call ms | busiest uplink utilization | below half rate | HALO: fastest call ms | "
              "utilization | below half rate |", "|---|---|---|---|---|---|---|"]
     def cells(figures: dict | None) -> str:

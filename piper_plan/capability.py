@@ -52,7 +52,7 @@ def _microbatch_problems(plan) -> list[str]:
     """torch's Schedule1F1B needs at least one micro-batch per stage (GPipe does not; interleaved's
     divisibility by pp is a plan rule)."""
     if plan.schedule == "1f1b" and plan.pp > 1 and plan.num_microbatches < plan.pp:
-        return [f"{FEWER_MICROBATCHES_THAN_STAGES}: num_microbatches={plan.num_microbatches}, pp={plan.pp}"]
+        return [FEWER_MICROBATCHES_THAN_STAGES]
     return []
 
 

@@ -143,7 +143,7 @@ def compare(prediction: dict, records: list[dict]) -> dict:
 def check_same_job(training, records: list[dict], metrics_path: str, plan_path: str) -> None:
     """Refuse metrics of another job than the plan's (``training``: its TrainingSpec): every record's ``tokens``
     (the run's global batch x sequence length a step, runtime/metrics.py) must be the plan's; one line naming both."""
-    planned = training.global_batch * training.seq_len
+    planned = training.tokens_per_step
     for record in records:
         tokens = record.get("tokens")
         if tokens is not None and tokens != planned:

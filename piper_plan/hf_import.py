@@ -296,9 +296,12 @@ def default_name(config: dict, path: str) -> str:
     stem = Path(path).stem
     if not isinstance(config.get("_name_or_path", ""), str):
         raise PiperError(f"must be a string, got {config['_name_or_path']!r}", path=path, field="_name_or_path")
-    raw = config.get("_name_or_path") or (stem if stem != "config" else Path(path).resolve().parent.name)
-    name = re.sub(r"[^a-z0-9.]+", "-", str(raw).rstrip("/").split("/")[-1].lower()).strip("-")
-    return name or "model"
+
+    def clean(raw: str) -> str:
+        return re.sub(r"[^a-z0-9.]+", "-", raw.rstrip("/").split("/")[-1].lower()).strip("-.")
+
+    own = clean(config.get("_name_or_path") or "")      # "./" or ".." name no model: the file's own name then
+    return own or clean(stem if stem != "config" else Path(path).resolve().parent.name) or "model"
 
 
 def spec_from_hf_config(config: dict, path: str, name: str | None = None) -> ModelSpec:

@@ -23,8 +23,9 @@ REFUSED_EXIT = 3
 FIELDS = ("uplink_GBps", "uplinks", "latency_us")
 MAX_LATENCY_US = 1_000_000
 """Largest added one-way latency (a second: beyond any network piper plans for)."""
-_PLAIN_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+", re.ASCII)
-"""What a value may be: ASCII digits with an optional decimal point (no sign, exponent, underscore or other digits)."""
+_PLAIN_NUMBER = re.compile(r"[0-9]{1,12}(?:\.[0-9]{0,12})?|\.[0-9]{1,12}", re.ASCII)
+"""What a value may be: up to 12 ASCII digits with an optional decimal point and up to 12 more (no sign, exponent,
+underscore or other digits)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def parse_network(text: str) -> NetworkSpec:
         if key in values:
             raise PiperError(f"{key} given twice in {text!r}; {allowed}", field="--emulate-network")
         if not _PLAIN_NUMBER.fullmatch(value):
-            raise PiperError(f"{item!r}: {value!r} is not a number (ASCII digits and a point); {allowed}", field="--emulate-network")
+            raise PiperError(f"{item!r}: {value[:40]!r} is not a plain number (up to 12 ASCII digits, a point, up to 12 more); {allowed}", field="--emulate-network")
         values[key] = value
     if "uplink_GBps" not in values:
         raise PiperError(f"{text!r} has no uplink_GBps; {allowed}", field="--emulate-network")

@@ -9,12 +9,8 @@ from typing import Any
 
 import click
 
-from piper_plan.errors import EXIT_USER_ERROR, PiperError
+from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_USER_ERROR, PiperError  # noqa: F401 (re-exported)
 
-EXIT_CHECK_FAILED = 1
-"""A check of measurements failed: ``validate`` (a gated row or a dataset's mean outside its tolerance) and
-``bench a2a --verify`` (HALO differed from all_to_all_single). Python's own exit code for a crash is 1 too; piper
-never crashes on bad input (that is 2), so 1 with a traceback is a bug to report."""
 EXIT_NOTHING_FITS = 3
 """``plan``: no candidate fits (the closest ones and what would make them fit are shown)."""
 

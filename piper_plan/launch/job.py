@@ -93,8 +93,12 @@ BLOCKING_REASONS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit
 
 
 def pending_reason(job_id: str) -> str | None:
-    """Slurm's reason when a just-submitted job is held for a reason in BLOCKING_REASONS, else None."""
-    info = submit.job_info(job_id) or {}
+    """Slurm's reason when a just-submitted job is held for a reason in BLOCKING_REASONS, else None (also when
+    Slurm does not answer: the job is submitted, and its id must still be reported)."""
+    try:
+        info = submit.job_info(job_id) or {}
+    except PiperError:
+        return None
     reason = info.get("Reason", "")
     return reason if info.get("JobState") == "PENDING" and reason.startswith(BLOCKING_REASONS) else None
 

@@ -30,11 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
+from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import device_index, read_launch_env
 
-EXIT_DIVERGED = 1
-"""The loss went nan / inf: the run's check of its loss failed (the CLI's EXIT_CHECK_FAILED, cli/common.py)."""
+EXIT_DIVERGED = EXIT_CHECK_FAILED
+"""The loss went nan / inf: the run's check of its loss failed."""
 
 
 # ---- plan and launch environment (no torch) -----------------------------------------------------

@@ -101,14 +101,12 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
                         memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features)
 
 
-MAX_STEP_S = 1e9
-"""The longest step a prediction may report (specs.estimate.Estimate.step_time_s: no step runs for 30 years)."""
-
-
 def _check_figures(ev, fits: np.ndarray) -> None:
     """One PiperError line when a plan that fits is priced outside what an estimate can hold (NaN, infinity, a step
     beyond MAX_STEP_S): inputs valid one by one (a calibration row, an efficiency) whose rates together make no
-    trainable job; ``piper estimate`` refuses the same plan in the same words (cost.evaluate)."""
+    trainable job; ``piper estimate`` refuses the same plan likewise (cost.evaluate)."""
+    from piper_plan.specs.estimate import MAX_STEP_S
+
     with np.errstate(invalid="ignore"):
         bad = fits & ~(np.isfinite(ev.step_time_s) & (ev.step_time_s > 0) & (ev.step_time_s <= MAX_STEP_S)
                        & np.isfinite(ev.tokens_per_s))

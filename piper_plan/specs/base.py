@@ -19,11 +19,17 @@ def _plain_name(text: str) -> str:
 
     if not text or any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text):
         raise ValueError("a name is one non-empty line: no newline, tab, line separator or other control character")
+    return text
+
+
+def _folder_name(text: str) -> str:
     if "/" in text or "\\" in text or text.strip() in (".", ".."):
-        raise ValueError("a name names a folder (calibration/<platform>/): no '/' or '\\', and not '.' or '..'")
+        raise ValueError("a platform name names its calibration folder (calibration/<platform>/): no '/' or '\\', "
+                         "and not '.' or '..'")
     return text
 
 
 Name = Annotated[str, AfterValidator(_plain_name)]
-"""A name that launch scripts and exported scripts print into comments and job names, and that calibration folders
-are named after: one printable line, no path separator, not '.' or '..'."""
+"""A name that launch scripts and exported scripts print into comments and job names: one printable line."""
+FolderName = Annotated[str, AfterValidator(_plain_name), AfterValidator(_folder_name)]
+"""A Name that is also a folder's (a platform's: calibration/<platform>/): no path separator, not '.' or '..'."""

@@ -77,11 +77,15 @@ class OtherPlacement(Spec):
     scopes: dict[str, str]
 
 
+MAX_STEP_S = 1e9
+"""The longest step a prediction may report: no training step runs for 30 years."""
+
+
 class Estimate(Spec):
     """One plan's prediction."""
 
-    step_time_s: Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)]
-    """Seconds per optimizer step (at most 1e9 s: no training step runs for 30 years)."""
+    step_time_s: Annotated[float, Field(gt=0, le=MAX_STEP_S, allow_inf_nan=False)]
+    """Seconds per optimizer step (at most MAX_STEP_S)."""
     tokens_per_s: Positive
     tflops_per_device: NonNegative
     mfu: NonNegative

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from piper_plan.specs.base import Name, Spec
+from piper_plan.specs.base import FolderName, Name, Spec
 from piper_plan.specs.vocab import Precision, Scope
 
 MAX_NODES = 100_000
@@ -262,8 +262,8 @@ class MemoryOverheadSpec(Spec):
 class PlatformSpec(Spec):
     """A machine."""
 
-    name: Name
-    """Catalog name (frontier)."""
+    name: FolderName
+    """Catalog name (frontier); its calibration folder is calibration/<name>/."""
     description: str = ""
     """One line for people."""
     device: DeviceSpec
