@@ -82,10 +82,11 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse_spec(cls: type[SpecT], data: dict, path: str) -> SpecT:
+def parse_spec(cls: type[SpecT], data: dict, path: str, field: str | None = None) -> SpecT:
     """Validate ``data`` as ``cls`` (a spec, or a dataclass such as CostOptions over its annotations) in pydantic's
     strict JSON mode (a boolean is not a number, a string is not a number, 4.0 is not an integer); a validation
-    failure is one PiperError line naming the file.
+    failure is one PiperError line naming the file and, where given, the ``field`` ``data`` came from (a
+    dataclass's own check raising a PiperError keeps the field it names).
 
     ``data`` is what ``read_structured`` returns (plain JSON data); anything else (objects built in code) is
     validated as it is."""
@@ -101,7 +102,7 @@ def parse_spec(cls: type[SpecT], data: dict, path: str) -> SpecT:
         adapter = TypeAdapter(cls)
         return adapter.validate_python(data) if text is None else adapter.validate_json(text, strict=True)
     except ValidationError as exc:
-        raise PiperError(validation_message(exc), path=path) from None
+        raise PiperError(validation_message(exc), path=path or None, field=field) from None
 
 
 def resolve(name_or_path: str, folder: Path, kind: str) -> Path:

@@ -25,6 +25,7 @@ from typing import Literal, get_args
 
 from pydantic import Field
 
+from piper_plan.catalog import parse_spec
 from piper_plan.errors import PiperError
 from piper_plan.specs.base import Name, Spec
 from piper_plan.specs.model import MAX_EXPERTS, Width
@@ -274,7 +275,7 @@ def dataset_names(folder: Path | None = None) -> list[str]:
 
 def load_dataset(name_or_path: str | Path) -> DatasetSpec:
     """A dataset by name (validation/<name>.yaml) or path; a bad file is one PiperError line."""
-    from piper_plan.catalog import parse_spec, read_structured
+    from piper_plan.catalog import read_structured
 
     path = Path(name_or_path)
     if not path.suffix:
@@ -291,8 +292,8 @@ def load_dataset(name_or_path: str | Path) -> DatasetSpec:
 
     try:                                          # the dataset's shared settings, then every row's inputs:
         cost_options(spec.options)                # a bad one is found before any row is priced
-        _parsed(TrainingSpec, spec.training, "training")
-        _parsed(MigrationArgs, spec.migration, "migration")
+        parse_spec(TrainingSpec, spec.training, "", field="training")
+        parse_spec(MigrationArgs, spec.migration, "", field="migration")
     except PiperError as exc:
         raise PiperError(exc.message, path=str(path), field=exc.field) from None
     for row in spec.rows:
@@ -309,19 +310,6 @@ def in_row(row: RowSpec, path, fn, *args):
         message = exc.message if not exc.path or exc.path == str(path) else f"{exc.path}: {exc.message}"
         field = f"rows[{row.id}]" + (f".{exc.field}" if exc.field else "")
         raise PiperError(message, path=str(path) if path else None, field=field) from None
-
-
-def _parsed(cls, data, field: str):
-    """``data`` (plain JSON data) as ``cls`` by catalog.parse_spec's strict rules; a failure is a PiperError on
-    ``field`` (a dataclass's own check keeps the field it names)."""
-    from piper_plan.catalog import parse_spec
-
-    try:
-        return parse_spec(cls, data, "")
-    except PiperError as exc:
-        if exc.field:
-            raise
-        raise PiperError(exc.message, field=field) from None
 
 
 def check_row(spec: DatasetSpec, row: RowSpec) -> None:
@@ -344,7 +332,7 @@ def check_row(spec: DatasetSpec, row: RowSpec) -> None:
 def row_search(row: RowSpec):
     from piper_plan.search.space import SearchOptions
 
-    return _parsed(SearchOptions, row.search or {}, "search")
+    return parse_spec(SearchOptions, row.search or {}, "", field="search")
 
 
 def migration_inputs(spec: DatasetSpec, row: RowSpec) -> tuple[MigrationFacts, dict]:
@@ -355,8 +343,8 @@ def migration_inputs(spec: DatasetSpec, row: RowSpec) -> tuple[MigrationFacts, d
         m = row_model(row)
         facts = {"num_experts": m.moe.num_experts, "hidden_size": m.hidden_size,
                  "d_ffn": m.moe.expert.intermediate_size, **facts} if m.moe is not None else facts
-    args = _parsed(MigrationArgs, {**spec.migration, **(row.migration or {})}, "migration")
-    return _parsed(MigrationFacts, facts, "facts"), args.model_dump(exclude_none=True)
+    args = parse_spec(MigrationArgs, {**spec.migration, **(row.migration or {})}, "", field="migration")
+    return parse_spec(MigrationFacts, facts, "", field="facts"), args.model_dump(exclude_none=True)
 
 
 # ---- prediction --------------------------------------------------------------------------------------
@@ -403,7 +391,9 @@ def row_model(row: RowSpec):
         model = load_model(row.model)
     except PiperError as exc:                     # an unknown name, or the model file's own mistake (its path kept)
         raise PiperError(f"{exc.path}: {exc.message}" if exc.path else exc.message, field="model") from None
-    return _parsed(ModelSpec, _deep_merge(model.model_dump(mode="json"), row.facts), "facts") if row.facts else model
+    if not row.facts:
+        return model
+    return parse_spec(ModelSpec, _deep_merge(model.model_dump(mode="json"), row.facts), "", field="facts")
 
 
 def row_options(spec: DatasetSpec, row: RowSpec):
@@ -419,7 +409,7 @@ def row_training(spec: DatasetSpec, row: RowSpec):
 
     values = {**spec.training, **(row.training or {})}
     values.update({k: v for k, v in (("seq_len", row.seq_len), ("global_batch", row.global_batch)) if v})
-    return _parsed(TrainingSpec, values, "training")
+    return parse_spec(TrainingSpec, values, "", field="training")
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -437,7 +427,7 @@ def row_plan(row: RowSpec, training):
     dp, mbs = values.get("dp", 1), values.get("mbs", 1)
     if "num_microbatches" not in values and all(type(v) is int and v >= 1 for v in (dp, mbs)):
         values["num_microbatches"] = max(training.global_batch // (dp * mbs), 1)
-    return _parsed(ParallelPlan, values, "parallel")
+    return parse_spec(ParallelPlan, values, "", field="parallel")
 
 
 def best_plan(inputs: _Inputs, row: RowSpec, model, training):

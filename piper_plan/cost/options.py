@@ -122,12 +122,7 @@ def cost_options(values: dict) -> CostOptions:
     choices is one PiperError line."""
     from piper_plan.catalog import parse_spec
 
-    try:
-        return parse_spec(CostOptions, values, "")
-    except PiperError as exc:
-        if exc.field:                            # CostOptions' own check of a named choice names its field
-            raise
-        raise PiperError(exc.message, field="options") from None
+    return parse_spec(CostOptions, values, "", field="options")   # a named choice's own check names its field
 
 
 DEFAULT_OPTIONS = CostOptions()
