@@ -46,7 +46,7 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
                                              mtp_layers, dtype, grad_bytes)
     plan = build_plan(model, platform, training, nodes, **parallel)
     calibration = None if no_calibration else platform_calibration(platform.name)
-    options = cost_options(piper_runtime, dropout, recompute_modules)
+    options = cost_options(piper_runtime, dropout, recompute_modules, parallel["recompute"])
     result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement,
                       options=options)
     result = with_other_placement(result, model, platform, training, nodes, plan, calibration, options)

@@ -154,13 +154,20 @@ def with_mtp_layers(model, mtp_layers: int | None):
     return type(model).model_validate({**model.model_dump(), "mtp_layers": mtp_layers})   # no cached counts copied
 
 
-def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: str | None = None):
+def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: str | None = None,
+                 recompute: str | None = None):
     """The CostOptions of a plan or an estimate: piper's runtime's (unfused kernels, ...) or the default
     (Megatron's fused kernels), with dropout layers and the selective-recompute modules where asked; what the
-    runtime does not do is one error line."""
+    runtime does not do is one error line. ``recompute``: the estimated plan's --recompute, where the modules
+    would otherwise be silently unused (plan searches selective among the others)."""
     from dataclasses import replace
 
     from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS, RECOMPUTE_MODULES
+
+    if recompute_modules is not None and recompute not in (None, Recompute.SELECTIVE.value):
+        raise PiperError(f"{recompute_modules!r} says what --recompute selective re-runs; this plan has --recompute "
+                         f"{recompute}: add --recompute selective or drop --recompute-modules",
+                         field="--recompute-modules")
 
     options = PIPER_RUNTIME_OPTIONS if piper_runtime else DEFAULT_OPTIONS
     modules = options.recompute_modules if recompute_modules is None else \

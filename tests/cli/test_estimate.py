@@ -137,3 +137,7 @@ def test_recompute_modules_are_priced_and_the_runtime_keeps_its_own():
                           (["--recompute-modules", "mlp", "--piper-runtime"], "recomputes core_attn only")):
         res = CliRunner().invoke(cli, args + extra)
         assert res.exit_code == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    for recompute in ("none", "full"):   # the modules of a plan that recomputes no module selectively: not ignored
+        res = CliRunner().invoke(cli, args + ["--recompute", recompute, "--recompute-modules", "mlp"])
+        assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
+        assert f"this plan has --recompute {recompute}: add --recompute selective" in res.stderr
