@@ -33,7 +33,7 @@ GiB = 2**30
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
 def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_batch, dtype, grad_bytes, routing_skew,
-                 placement, no_calibration, piper_runtime, dropout, recompute_modules, as_json, save_path, plot_path,
+                 placement, no_calibration, piper_runtime, dropout, recompute_modules, cost_option, as_json, save_path, plot_path,
                  **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
     from piper_plan.cost.evaluate import estimate
@@ -46,7 +46,7 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
                                              mtp_layers, dtype, grad_bytes)
     plan = build_plan(model, platform, training, nodes, **parallel)
     calibration = None if no_calibration else platform_calibration(platform.name)
-    options = cost_options(piper_runtime, dropout, recompute_modules, parallel["recompute"])
+    options = cost_options(piper_runtime, dropout, recompute_modules, parallel["recompute"], cost_option)
     result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement,
                       options=options)
     result = with_other_placement(result, model, platform, training, nodes, plan, calibration, options)

@@ -67,6 +67,11 @@ def cost_knobs(fn):
                       help="What --recompute selective re-runs, as Megatron-Core names its modules: "
                            f"comma-separated from {', '.join(RECOMPUTE_MODULES)} (default: core_attn; piper's "
                            "runtime recomputes core_attn only).")(fn)
+    fn = click.option("--cost-option", "cost_option", multiple=True, metavar="NAME=VALUE",
+                      help="Any other assumption of the cost model (cost/options.py CostOptions; a dataset's "
+                           "`options`), repeatable, the value as YAML: e.g. moe_saved_rows=0 (Megatron-Core >= "
+                           "v0.13), cross_entropy_fusion_impl=te, ep_dispatch=per_node, "
+                           "cuda_graph_scope=[attn,moe_router].")(fn)
     return click.option("--dropout", is_flag=True,
                         help="Price dropout layers: their 1-byte masks in activation memory (Megatron GPT's, "
                              "Korthikanti et al. 2022; modern MoE pre-training runs without; piper's runtime has "
@@ -155,7 +160,7 @@ def with_mtp_layers(model, mtp_layers: int | None):
 
 
 def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: str | None = None,
-                 recompute: str | None = None):
+                 recompute: str | None = None, cost_option: tuple[str, ...] = ()):
     """The CostOptions of a plan or an estimate: piper's runtime's (unfused kernels, ...) or the default
     (Megatron's fused kernels), with dropout layers and the selective-recompute modules where asked; what the
     runtime does not do is one error line. ``recompute``: the estimated plan's --recompute, where the modules
@@ -180,7 +185,42 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
         what, field = ("trains without dropout", "--dropout") if dropout else \
             (f"recomputes {', '.join(PIPER_RUNTIME_OPTIONS.recompute_modules)} only", "--recompute-modules")
         raise PiperError(f"piper's runtime {what}: drop {field}, or drop --runnable / --piper-runtime", field=field)
-    return replace(options, dropout=dropout or options.dropout, recompute_modules=modules)
+    options = replace(options, dropout=dropout or options.dropout, recompute_modules=modules)
+    return with_cost_options(options, cost_option, piper_runtime)
+
+
+def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = False):
+    """``options`` with --cost-option NAME=VALUE pairs set (each value read as YAML), checked as a file's
+    ``options`` are (cost/options.py ``cost_options``); piper's runtime's own options are not for changing."""
+    from dataclasses import asdict
+
+    import yaml
+
+    from piper_plan.catalog import parse_spec
+    from piper_plan.cost.options import CostOptions
+
+    if not pairs:
+        return options
+    if piper_runtime:
+        raise PiperError(f"{pairs[0]!r}: piper's runtime prices its own kernels: drop --cost-option, or drop "
+                         "--runnable / --piper-runtime", field="--cost-option")
+    values = asdict(options)
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name.strip():
+            raise PiperError(f"{pair!r}; allowed: NAME=VALUE, NAME one of {', '.join(values)}", field="--cost-option")
+        if name.strip() not in values:
+            raise PiperError(f"{name.strip()!r} is not a cost option; allowed: {', '.join(values)}",
+                             field="--cost-option")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            raise PiperError(f"{pair!r}: the value is not YAML", field="--cost-option") from None
+        values[name.strip()] = list(value) if isinstance(value, (list, tuple)) else value
+    for name in ("recompute_modules", "cuda_graph_scope"):
+        if isinstance(values[name], tuple):
+            values[name] = list(values[name])
+    return parse_spec(CostOptions, values, "", field="--cost-option")
 
 
 def parse_layers(text: str | None, field: str = "--layers-per-stage") -> list[int] | None:

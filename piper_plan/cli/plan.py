@@ -49,7 +49,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
              "ones coloured by reason) as a PNG")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, dtype,
-             grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, placement, memory_headroom,
+             grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option, placement,
+             memory_headroom,
              cp_text, expert_tp, top,
              as_json, as_csv, save_path, explain, plot_path):
     """Search and rank every valid parallel configuration."""
@@ -67,7 +68,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
                                              dtype=dtypes[0], grad_bytes=grad_bytes)
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
-    kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules)
+    kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
     if len(dtypes) > 1:
@@ -162,11 +163,11 @@ def parse_cp(text: str | None) -> tuple[int, ...] | None:
 
 
 def search_kwargs(platform, placement: str, runnable: bool, dropout: bool = False,
-                  recompute_modules: str | None = None) -> dict:
+                  recompute_modules: str | None = None, cost_option: tuple[str, ...] = ()) -> dict:
     """engine.search's keyword arguments: the platform's calibration, and for runnable plans the runtime's own
     way of running (cost/options.py: unfused kernels), with dropout and recompute modules where asked."""
     return {"calibration": platform_calibration(platform.name), "placement": placement, "runnable": runnable,
-            "cost_options": cost_options(runnable, dropout, recompute_modules)}
+            "cost_options": cost_options(runnable, dropout, recompute_modules, cost_option=cost_option)}
 
 
 def save_best(path, model, platform, training, result, kwargs: dict, migration: bool):

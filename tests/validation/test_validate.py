@@ -195,3 +195,43 @@ def test_a_dataset_that_requires_fit_says_which_rows_are_predicted_not_to():
     result.rows[1].detail.pop("fits")                                    # a row the model could not price
     assert result.ungated_summary().endswith(
         "not: 25.11-dsv3-gb200-mxfp8 (269.1 GiB), 25.11-qwen3-30b-gb200 (not priced)"), result.ungated_summary()
+
+
+DSV3_H100_ESTIMATE = [
+    "estimate", "--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "128", "--dtype", "fp8",
+    "--global-batch", "8192", "--seq", "4096", "--grad-bytes", "2", "--tp", "2", "--pp", "8", "--dp", "64", "--ep", "64",
+    "--mbs", "1", "--zero", "1", "--schedule", "interleaved", "--virtual-stages", "4",
+    "--virtual-stage-layers", "Et|(tt|)*30mL", "--recompute", "selective", "--recompute-modules", "mla_up_proj,mlp",
+    "--cost-option", "moe_saved_rows=0", "--cost-option", "cross_entropy_fusion_impl=te",
+    "--cost-option", "ep_dispatch=per_node", "--json"]
+"""megatron-bridge-moe's row 25.09-dsv3-h100 as a user states it (the dataset's training and options defaults, the
+row's degrees and options): issue 17's "the DeepSeek-V3 H100 configuration of the dataset predicted to fit"."""
+
+
+def test_the_dsv3_h100_row_is_one_estimate_command_away():
+    """The CLI prices the row exactly as `piper validate` does (one pipeline), and it fits; without Megatron-Core's
+    memory-efficient permutation (moe_saved_rows 2, the default) it would not."""
+    row = _row_json("megatron-bridge-moe", "25.09-dsv3-h100")["detail"]
+    result = CliRunner().invoke(cli, DSV3_H100_ESTIMATE)
+    assert result.exit_code == 0, result.stderr
+    est = json.loads(result.stdout)
+    assert est["fits"] and row["fits"]
+    assert est["step_time_s"] == pytest.approx(row["step_time_s"], rel=1e-12)
+    assert est["memory"]["peak_bytes"] / 2**30 == pytest.approx(row["peak_memory_GiB"], rel=1e-12)
+    without = [a for a in DSV3_H100_ESTIMATE if a != "moe_saved_rows=0"]
+    without.remove("--cost-option")
+    assert not json.loads(CliRunner().invoke(cli, without).stdout)["fits"]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--cost-option", "bogus=1"], "--cost-option: 'bogus' is not a cost option; allowed: dropout,"),
+    (["--cost-option", "novalue"], "--cost-option: 'novalue'; allowed: NAME=VALUE"),
+    (["--cost-option", "moe_saved_rows=-1"], "--cost-option: moe_saved_rows: Input should be greater than or equal"),
+    (["--cost-option", "ep_dispatch=[x"], "the value is not YAML"),
+    (["--cost-option", "a2a_overlap=0.5", "--piper-runtime"], "piper's runtime prices its own kernels"),
+])
+def test_cost_option_bad_input_is_one_line(extra, needle):
+    args = ["estimate", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--dp", "8", "--ep", "8",
+            "--no-calibration"]
+    result = CliRunner().invoke(cli, args + extra)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
