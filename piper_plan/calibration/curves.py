@@ -333,6 +333,10 @@ class Calibration:
         tflops, ext = self._cache[cache_key](query)
         return (tflops * 1e12).reshape(s.shape), (ext | fell_back).reshape(s.shape)
 
+    def has_gemm(self, dtype: str) -> bool:
+        """Whether gemm.csv measured ``dtype`` (another precision's rows would price it at the wrong rate)."""
+        return (dtype,) in self._distinct(self.rows[GEMM.name], ("dtype",))
+
     # collectives -----------------------------------------------------------------------------------
     def has_collective(self, op: str, scope: str) -> bool:
         return (op, scope) in self._distinct(self.rows[COLLECTIVES.name], ("op", "scope"))

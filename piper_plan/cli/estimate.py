@@ -149,6 +149,7 @@ def render(result, model, platform, plan) -> None:
     out.print(f"scopes: {scopes} | compute: {result.sources.compute}"
               + (" | some points EXTRAPOLATED beyond calibration" if result.sources.extrapolated else ""),
               markup=False)
+    out.print(f"host time: {result.sources.host}", markup=False)
     out.print(f"expert all-to-all ({result.sources.a2a_algorithm}): {result.sources.a2a}", markup=False)
     if result.other_placement is not None:
         o = result.other_placement

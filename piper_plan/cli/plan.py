@@ -222,6 +222,7 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
     out.print(_plans_table(result, platform, plan_rows(result, model, training, top)), width=_table_width(out))
     out.print(_counts_line(result.candidates_total, len(result.fields["dp"]), result.feasible, result.search_seconds,
                            runnable), markup=False)
+    out.print(_sources_line(result.sources), markup=False)
     out.print(_reasons_table(result.reasons))
     if explain:
         out.print(_explain_table(result))
@@ -230,6 +231,10 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
 def _counts_line(candidates: int, evaluated: int, feasible: int, seconds: float, runnable: bool) -> str:
     return (f"{candidates:,} candidates, {evaluated:,} evaluated by the cost model, {feasible:,} fit, in "
             f"{seconds:.3f} s" + (" (runnable by the piper runtime only)" if runnable else ""))
+
+
+def _sources_line(sources: dict[str, str]) -> str:
+    return f"compute: {sources['compute']} | host time: {sources['host']}"
 
 
 # ---- output: one search per precision (--dtype LIST|any) -------------------------------------------------
@@ -253,6 +258,7 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
             out.print(f"{training.dtype}: " + _counts_line(result.candidates_total, len(result.fields["dp"]),
                                                          result.feasible, result.search_seconds, runnable),
                       markup=False)
+            out.print(f"{training.dtype}: " + _sources_line(result.sources), markup=False)
     if save_path:
         path, plan = save_best(save_path, model, platform, winner[0], winner[1], kwargs, migration)
         note(f"saved {path} ({winner[0].dtype}; layers per stage: {plan.layers_per_stage})")

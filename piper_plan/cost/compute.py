@@ -34,19 +34,28 @@ class Rates:
         self.bandwidth_Bps = platform.device.memory_bandwidth_GBps * 1e9
         self.elem_bytes = 4 if dtype == "fp32" else 1 if dtype in LOW_PRECISION_GEMM_DTYPES else 2
         self.gemm_efficiency = platform.efficiency.gemm_fraction(dtype)
+        self.gemm_calibration = calibration if calibration is not None and calibration.has_gemm(dtype) else None
+        """The calibration GEMMs are looked up in: None where gemm.csv has no rows of ``dtype`` (the roofline at
+        its own peak, not another precision's measured rates)."""
         self.extrapolated = False
 
     @property
     def source(self) -> str:
-        if self.calibration is not None:
-            return "calibration"
-        return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.dtype}, " \
-               f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source})"
+        """Where the compute rates come from: the calibration's own sources (with the GEMM fallback where its
+        gemm.csv lacks this dtype), else the roofline's efficiencies and their citation."""
+        if self.calibration is None:
+            return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.dtype}, " \
+                   f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source})"
+        listed = getattr(self.calibration, "sources", []) or ["(no sources listed)"]
+        gemm = "" if self.gemm_calibration is not None else \
+            f"; GEMMs in {self.dtype}: roofline fallback (efficiency.gemm={self.gemm_efficiency}: gemm.csv has no " \
+            f"{self.dtype} rows)"
+        return "calibration: " + "; ".join(listed) + gemm
 
     def gemm_flops_per_s(self, m, n, k, groups=1):
         """Achieved FLOP/s of a [m x k] @ [k x n] GEMM (``groups`` of them in one grouped call)."""
-        if self.calibration is not None:
-            rate, extra = self.calibration.gemm_flops_per_s(m, n, k, self.dtype, groups)
+        if self.gemm_calibration is not None:
+            rate, extra = self.gemm_calibration.gemm_flops_per_s(m, n, k, self.dtype, groups)
             self.extrapolated |= bool(np.any(extra))
             return np.asarray(rate, float)
         m, n, k = (np.maximum(np.asarray(x, float), 1.0) for x in (m, n, k))

@@ -137,13 +137,26 @@ def estimate(model, platform, training, nodes, plan: ParallelPlan, calibration=N
     return _estimate(ctx, plan, c, nodes, placement, alloc, ev, per_stage, layers)
 
 
+def pricing_sources(platform, dtype: str, calibration=None) -> dict[str, str]:
+    """Where a search's or an estimate's compute rates and host time come from (Estimate.sources' two lines)."""
+    from piper_plan.cost.compute import Rates
+
+    return {"compute": Rates(platform, dtype, calibration).source, "host": host_source(platform)}
+
+
+def host_source(platform) -> str:
+    """How the host's work per GEMM call is priced (cost/overhead.py host_floor_terms), or that it is not."""
+    per_call_s = platform.efficiency.host_s_per_gemm_call
+    if per_call_s > 0:
+        return f"{per_call_s * 1e6:.1f} us per GEMM call (efficiency.host_s_per_gemm_call)"
+    return f"not priced: {platform.name} has no efficiency.host_s_per_gemm_call (host work assumed hidden)"
+
+
 def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, per_stage, layers) -> Estimate:
     device_bytes = ctx.platform.device.memory_bytes
     peak = float(ev.peak_memory_bytes[0])
     group_spans = spans(alloc, c)
     totals = training_totals(ctx.training, float(ev.step_time_s[0]), nodes)
-    sources = ctx.rates.source if ctx.rates.calibration is None else \
-        "calibration: " + "; ".join(getattr(ctx.rates.calibration, "sources", []) or ["(no sources listed)"])
     return _validated_estimate({
         "step_time_s": float(ev.step_time_s[0]),
         "tokens_per_s": float(ev.tokens_per_s[0]),
@@ -166,7 +179,8 @@ def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, 
         "placement": placement,
         "nodes": nodes,
         "layers_per_stage": layers,
-        "sources": {"compute": sources, "extrapolated": bool(ctx.rates.extrapolated or ctx.net.extrapolated),
+        "sources": {"compute": ctx.rates.source, "host": host_source(ctx.platform),
+                    "extrapolated": bool(ctx.rates.extrapolated or ctx.net.extrapolated),
                     "collectives_calibrated": sorted(ctx.net.calibrated_ops),
                     "collectives_fallback": "alpha-beta from platform network.scopes",
                     "a2a_algorithm": plan.a2a.value,

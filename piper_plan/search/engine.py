@@ -40,6 +40,8 @@ class SearchResult:
     search_seconds: float
     unsupported: dict[str, int] = field(default_factory=dict)
     """runnable=True: runtime feature the rejected candidates need -> count."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where the compute rates and the host time came from (cost/evaluate.py pricing_sources)."""
 
     @property
     def batch(self) -> PlanBatch:
@@ -77,7 +79,7 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
            calibration=None, placement: str = "compact", runnable: bool = False, cost_options=None) -> SearchResult:
     """Search every candidate of ``nodes`` nodes; ``runnable`` keeps those piper's runtime executes
     (capability.py)."""
-    from piper_plan.cost.evaluate import Evaluation, evaluate
+    from piper_plan.cost.evaluate import Evaluation, evaluate, pricing_sources
 
     start = time.perf_counter()
     space = enumerate_space(model, platform, training, nodes, options)
@@ -98,7 +100,8 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     merged = {k: v for k, v in rank.merge_reasons(*reasons).items() if v}
     return SearchResult(nodes=nodes, world=world_size(platform, nodes), fields=space.fields, evaluation=ev,
                         candidates_total=space.total, reasons=merged, order=order, pareto=pareto,
-                        memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features)
+                        memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features,
+                        sources=pricing_sources(platform, training.dtype, calibration))
 
 
 def _check_figures(ev, fits: np.ndarray) -> None:

@@ -42,6 +42,7 @@ def result_json(result, model, platform, training, top: int) -> dict:
         "unsupported_features": result.unsupported,
         "search_seconds": result.search_seconds,
         "memory_limit_bytes": result.memory_limit_bytes,
+        "sources": result.sources,
         "plans": plan_rows(result, model, training, top),
         "pareto": [result.row(int(i)) for i in result.pareto],
     }
@@ -80,7 +81,7 @@ def precisions_json(searches, model, platform, top: int) -> dict:
                feasible=sum(r.feasible for _, r in searches),
                search_seconds=sum(r.search_seconds for _, r in searches),
                precisions=[{"dtype": t.dtype, "candidates_enumerated": r.candidates_total,
-                            "cost_model_evaluations": len(r.fields["dp"]), "feasible": r.feasible,
+                            "cost_model_evaluations": len(r.fields["dp"]), "feasible": r.feasible, "sources": r.sources,
                             "best_tokens_per_s": float(r.evaluation.tokens_per_s[r.best]) if r.feasible else None}
                            for t, r in searches])
     return obj

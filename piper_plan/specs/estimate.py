@@ -61,6 +61,8 @@ class Sources(Spec):
     """Where the figures came from."""
 
     compute: str
+    host: str
+    """How the host's work per GEMM call is priced, or that it is not (cost/evaluate.py host_source)."""
     extrapolated: bool
     collectives_calibrated: list[str]
     collectives_fallback: str

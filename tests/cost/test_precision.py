@@ -71,3 +71,33 @@ def test_8_bit_recipes_save_gemm_inputs_as_their_8_bit_casts(dtype, gemm_byte):
     assert got == pytest.approx(expected)
     runtime = moe_activation_bytes(model, training, CostOptions(unfused_kernels=True), 1, 1, 8, 1, 1)["experts"]
     assert runtime == pytest.approx(rows * d * 2 + rows * 4 * ffn * 2)       # piper's runtime: no 8-bit GEMMs
+
+
+def test_a_calibration_without_rows_of_the_precision_prices_its_gemms_at_the_roofline_and_says_so():
+    """gemm.csv measured bf16 only: fp8 GEMMs take fp8's roofline, not bf16's measured rates (which made an fp8
+    estimate identical to bf16's), and the sources say which fallback was used."""
+    from piper_plan.calibration.curves import load_calibration
+
+    calibration = load_calibration("frontier")
+    platform = _with_fp8_peak(load_platform("frontier"), 2.0)
+    model, plan = load_model("tiny-moe"), ParallelPlan(dp=8, pp=1, ep=8, mbs=1, num_microbatches=2)
+    runs = {dtype: estimate(model, platform, TrainingSpec(seq_len=256, global_batch=16, dtype=dtype), 1, plan,
+                            calibration=calibration) for dtype in ("bf16", "fp8")}
+    assert runs["bf16"].sources.compute.startswith("calibration: ") and "roofline" not in runs["bf16"].sources.compute
+    assert "GEMMs in fp8: roofline fallback (efficiency.gemm=" in runs["fp8"].sources.compute
+    assert "gemm.csv has no fp8 rows" in runs["fp8"].sources.compute
+    roofline = estimate(model, platform, TrainingSpec(seq_len=256, global_batch=16, dtype="fp8"), 1, plan)
+    for term in ("compute/experts", "compute/lm_head"):
+        assert runs["fp8"].time.breakdown[term] == pytest.approx(roofline.time.breakdown[term])
+        assert runs["fp8"].time.breakdown[term] != pytest.approx(runs["bf16"].time.breakdown[term])
+
+
+def test_the_output_says_whether_host_time_is_priced():
+    """efficiency.host_s_per_gemm_call 0 is a fallback (host work hidden), named in estimate's and plan's sources."""
+    from piper_plan.cost.evaluate import pricing_sources
+
+    assert pricing_sources(load_platform("dgx-h100"), "bf16")["host"].endswith("us per GEMM call "
+                                                                              "(efficiency.host_s_per_gemm_call)")
+    assert pricing_sources(load_platform("h200"), "bf16")["host"] == (
+        "not priced: h200 has no efficiency.host_s_per_gemm_call (host work assumed hidden)")
+    assert _estimate("bf16", load_platform("h200")).sources.host.startswith("not priced: h200")
