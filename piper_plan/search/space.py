@@ -133,6 +133,7 @@ def enumerate_space(model, platform, training, nodes: int, options: SearchOption
     check_setting(model, platform, training, nodes)
     world = world_size(platform, nodes)
     _check_cp_divides_world(options, world)
+    _check_cp_divides_sequence(options, training.seq_len)
     grid = structural_grid(model, platform, training, world, options)
     masks = problem_masks(model, platform, training, nodes, grid, STRUCTURAL_RULES)
     _check_batch_admits_some_dp(training, grid, masks, world)
@@ -191,6 +192,15 @@ def _check_cp_divides_world(options: SearchOptions, world: int) -> None:
     if options.cp and not any(world % cp == 0 for cp in options.cp):
         raise PiperError(f"{','.join(map(str, options.cp))}: no context-parallel degree divides the world of {world} "
                          f"devices (nodes x devices_per_node); cp can be a divisor of {world}", field="--cp")
+
+
+def _check_cp_divides_sequence(options: SearchOptions, seq_len: int) -> None:
+    """Asked-for context-parallel degrees of which none splits the sequence (plans.py rule cp_not_divisor_seq: 2 cp
+    equal chunks) are a user error, as in `estimate`, not "nothing fits"."""
+    if options.cp and not any(cp == 1 or seq_len % (2 * cp) == 0 for cp in options.cp):
+        raise PiperError(f"{','.join(map(str, options.cp))}: no context-parallel degree splits the sequence of "
+                         f"{seq_len} tokens into 2 x cp equal chunks (the load-balanced causal split); cp > 1 needs "
+                         f"seq_len divisible by 2 x cp", field="--cp")
 
 
 def _check_batch_admits_some_dp(training, grid: PlanBatch, masks: np.ndarray, world: int) -> None:

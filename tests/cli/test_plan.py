@@ -54,18 +54,20 @@ def test_nothing_fits_exit_3_with_closest_and_nodes_needed():
 
 
 def test_a_space_with_no_valid_candidate_is_nothing_fits_not_a_crash():
-    """Every candidate rejected (cp=2 cuts a 6-token sequence into 4 chunks): exit 3, the reasons, no closest;
-    a --cp that divides no world is one error line."""
+    """Every candidate rejected (cp=2 cuts a 6-token sequence into 4 chunks; cp=3 would split it but does not divide
+    the world of 2): exit 3, the reasons, no closest; a --cp of which no degree divides the world, or none splits
+    the sequence, is one error line (as in `estimate`)."""
     args = ("--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--seq", "6")
-    res = _run(*args, "--cp", "2", "--json")
+    res = _run(*args, "--cp", "2,3", "--json")
     assert res.exit_code == 3, res.output
     obj = json.loads(res.stdout)
     assert obj["feasible"] == 0 and obj["closest"] == [] and set(obj["infeasible_reasons"]) == {"cp_not_divisor_seq"}
-    table = _run(*args, "--cp", "2")
+    table = _run(*args, "--cp", "2,3")
     assert table.exit_code == 3 and "no candidate is a valid plan" in table.stdout
-    bad = _run(*args, "--cp", "3")
-    assert bad.exit_code == 2 and "--cp: 3: no context-parallel degree divides the world of 2" in bad.stderr
-    assert bad.stderr.count("\n") == 1
+    for cp, needle in (("3", "--cp: 3: no context-parallel degree divides the world of 2"),
+                       ("2", "--cp: 2: no context-parallel degree splits the sequence of 6 tokens into 2 x cp")):
+        bad = _run(*args, "--cp", cp)
+        assert bad.exit_code == 2 and needle in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
 
 
 def test_sweep_json_has_efficiency_per_node_count():
