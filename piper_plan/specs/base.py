@@ -29,6 +29,16 @@ def _folder_name(text: str) -> str:
     return text
 
 
+def _cited(text: str) -> str:
+    if not text.strip():
+        raise ValueError("a source is required (a datasheet, paper or measurement)")
+    if "from memory" in text.lower():
+        raise ValueError("'from memory' is not a source: cite one, or leave the value out")
+    return text
+
+
+Citation = Annotated[str, AfterValidator(_cited)]
+"""Where a spec's figures come from: not blank, and never 'from memory'."""
 Name = Annotated[str, AfterValidator(_plain_name)]
 """A name that launch scripts and exported scripts print into comments and job names: one printable line."""
 FolderName = Annotated[str, AfterValidator(_plain_name), AfterValidator(_folder_name)]

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from piper_plan.specs.base import FolderName, Name, Spec
+from piper_plan.specs.base import Citation, FolderName, Name, Spec
 from piper_plan.specs.vocab import Precision, Scope
 
 MAX_NODES = 100_000
@@ -49,7 +49,7 @@ class DeviceSpec(Spec):
     """Dense matrix peak, FLOP/s, per dtype."""
     memory_bandwidth_GBps: Bandwidth
     """Device memory bandwidth, GB/s."""
-    source: str
+    source: Citation
     """Citation or measuring command for these numbers."""
 
 
@@ -62,7 +62,7 @@ class LinkClassSpec(Spec):
     """Per direction, GB/s."""
     device_pairs: list[tuple[int, int]] | None = None
     """Local device pairs joined by this class; None = every pair not listed elsewhere."""
-    source: str
+    source: Citation
     """Citation."""
 
 
@@ -98,7 +98,7 @@ class NodeSpec(Spec):
     host work while one rank's bytes cross a shaped link): a step costs its wire time and host step less
     ``host_step_hidden x min(host step, wire time)``. Calibrated from a flat exchange at a rate no predicted point
     uses (docs/halo-measured.md); 0 = the host step adds to the wire time in full (cost/comm.py)."""
-    source: str
+    source: Citation
     """Citation."""
 
     @model_validator(mode="after")
@@ -138,7 +138,7 @@ class ScopeLinkSpec(Spec):
     """Per rank, per direction, GB/s, when every rank of the scope sends at once."""
     latency_us: float = Field(ge=0, le=1e7)
     """One-message latency, microseconds."""
-    source: str
+    source: Citation
     """Citation or derivation."""
 
 
@@ -169,7 +169,7 @@ class NetworkSpec(Spec):
     """One connection carries one direction at a time (gloo over TCP, measured: docs/halo-measured.md), so a
     ``p2p`` calibration row (sendrecv: both ways on one connection) moves its bytes twice over; a one-way
     transfer of b bytes then costs the p2p row of b / 2 (cost/comm.py ``_one_way_seconds``)."""
-    source: str
+    source: Citation
     """Citation."""
 
     @model_validator(mode="after")
@@ -240,7 +240,7 @@ class EfficiencySpec(Spec):
     """Host seconds per GEMM call of a training step (the Python, framework and launch work of one linear's
     forward, dgrad or wgrad with its casts): a layer cannot run faster than its host work (cost/overhead.py,
     host_floor_terms). 0 = host work always hidden (not priced)."""
-    source: str
+    source: Citation
     """Citation."""
 
     def gemm_fraction(self, dtype: str) -> float:
@@ -255,7 +255,7 @@ class MemoryOverheadSpec(Spec):
     """Fixed per-rank overhead (runtime context, communication buffers), bytes."""
     fragmentation: float = Field(ge=0, lt=1)
     """Fraction of the tensor memory lost to allocator fragmentation."""
-    source: str
+    source: Citation
     """Citation or measurement."""
 
 

@@ -119,3 +119,20 @@ def test_launch_renders_each_gpu_platforms_template(name, tmp_path):
     assert f"--ntasks-per-node={spec.devices_per_node}" in script
     assert f"--cpus-per-task={spec.launch.cpus_per_task}" in script
     assert "{{" not in script
+
+
+@pytest.mark.parametrize("section", ["device", "network.scopes.node", "efficiency"])
+@pytest.mark.parametrize("text, needle", [("  ", "a source is required"),
+                                          ("bandwidth From Memory", "'from memory' is not a source")])
+def test_a_platform_file_whose_source_is_blank_or_from_memory_is_refused(tmp_path, section, text, needle):
+    """What the catalog test checks of piper's own files holds for a user's too: one error line, exit 2."""
+    data = raw_platform("dgx-h100")
+    node = data
+    for key in section.split("."):
+        node = node[key]
+    node["source"] = text
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(cli, ["plan", "--model", "qwen3-30b-a3b", "--platform", str(path), "--nodes", "1"])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert f"{path}: {section}.source: {needle}" in res.stderr
