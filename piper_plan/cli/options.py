@@ -131,7 +131,7 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
     --grad-bytes replace the device's defaults (TrainingSpec.for_device) when given."""
     from pydantic import ValidationError
 
-    from piper_plan.catalog import load_model, load_platform, validation_message
+    from piper_plan.catalog import load_model, load_platform, platforms_dir, resolve, validation_message
     from piper_plan.specs import TrainingSpec
 
     check_dtype(dtype)
@@ -145,6 +145,11 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
                                            routing_skew=routing_skew, **given)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="training options") from None
+    try:
+        platform.peak_flops(training.dtype)
+    except PiperError as exc:   # the platform file names no rate for the precision: say which file
+        raise PiperError(exc.message, path=str(resolve(platform_name, platforms_dir(), "platform")),
+                         field=exc.field) from None
     return model, platform, training
 
 

@@ -24,7 +24,7 @@ from piper_plan.cost.terms import spans
 from piper_plan.errors import PiperError
 from piper_plan.placement.layout import allocation
 from piper_plan.plans import PlanBatch
-from piper_plan.specs.estimate import Estimate
+from piper_plan.specs.estimate import FLOPS_CONVENTIONS, Estimate
 from piper_plan.specs.parallel import ParallelPlan
 from piper_plan.specs.platform import SCOPES
 from piper_plan.specs.vocab import A2A_TIME_PREFIX
@@ -165,6 +165,7 @@ def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, 
         "hfu": float(ev.hfu[0]),
         "mfu_megatron": float(ev.mfu_megatron[0]),
         "hfu_megatron": float(ev.hfu_megatron[0]),
+        "flops_conventions": FLOPS_CONVENTIONS,
         "a2a_share": float(ev.a2a_share[0]),
         "fits": bool(ev.fits[0]),
         "memory": {"peak_bytes": peak, "device_bytes": device_bytes, "overflow_bytes": max(peak - device_bytes, 0.0),

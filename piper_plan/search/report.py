@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from piper_plan.errors import PiperError
+from piper_plan.specs.estimate import FLOPS_CONVENTIONS
 
 COMPARED_FIELDS = ("dp", "cp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches", "schedule", "recompute", "zero", "a2a")
 """Plan fields the winner / runner-up comparison names when they differ."""
@@ -43,6 +44,7 @@ def result_json(result, model, platform, training, top: int) -> dict:
         "search_seconds": result.search_seconds,
         "memory_limit_bytes": result.memory_limit_bytes,
         "sources": result.sources,
+        "flops_conventions": FLOPS_CONVENTIONS,
         "plans": plan_rows(result, model, training, top),
         "pareto": [result.row(int(i)) for i in result.pareto],
     }

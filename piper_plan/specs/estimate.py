@@ -79,6 +79,14 @@ class OtherPlacement(Spec):
     scopes: dict[str, str]
 
 
+FLOPS_CONVENTIONS = {
+    "mfu, hfu, tflops_per_device": "PaLM (Chowdhery et al. 2022, appendix B): 6 N (an untied LM head in N) + 12 L H Q T "
+                                   "per token, attention non-causal, no MTP layer",
+    "mfu_megatron, hfu_megatron": "Megatron (Megatron-LM num_floating_point_operations, as NVIDIA's published TFLOPS): "
+                                  "the same GEMMs, attention causal, MTP layers counted",
+}
+"""The FLOP conventions of the utilisation figures, named in every estimate and plan JSON (cost/flops.py)."""
+
 MAX_STEP_S = 1e9
 """The longest step a prediction may report: no training step runs for 30 years."""
 
@@ -98,6 +106,8 @@ class Estimate(Spec):
     """MFU in the convention of NVIDIA's published TFLOPS (causal attention, MTP counted; None in older plan files)."""
     hfu_megatron: NonNegative | None = None
     """HFU in the megatron convention (>= mfu_megatron)."""
+    flops_conventions: dict[str, str] = {}
+    """Which FLOP-counting convention each utilisation figure uses (FLOPS_CONVENTIONS)."""
     a2a_share: NonNegative
     fits: bool
     memory: MemoryEstimate

@@ -141,3 +141,18 @@ def test_recompute_modules_are_priced_and_the_runtime_keeps_its_own():
         res = CliRunner().invoke(cli, args + ["--recompute", recompute, "--recompute-modules", "mlp"])
         assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
         assert f"this plan has --recompute {recompute}: add --recompute selective" in res.stderr
+
+
+def test_the_json_names_each_utilisation_figures_flop_convention_and_the_pricing_sources():
+    """Issue 17: MFU / HFU in two conventions, both named in the JSON (PaLM and Megatron), and where the rates and
+    the host time come from; plan's JSON says the same of its search."""
+    est = json.loads(_run(ARGS + ["--json"]).stdout)
+    conventions = est["flops_conventions"]
+    assert conventions["mfu, hfu, tflops_per_device"].startswith("PaLM")
+    assert conventions["mfu_megatron, hfu_megatron"].startswith("Megatron")
+    assert est["hfu"] >= est["mfu"] and est["hfu_megatron"] >= est["mfu_megatron"]
+    assert est["sources"]["compute"].startswith("roofline fallback") and est["sources"]["host"].startswith("not priced")
+    plan = json.loads(_run(["plan", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--seq", "256",
+                            "--global-batch", "16", "--json"]).stdout)
+    assert plan["flops_conventions"] == conventions
+    assert plan["sources"]["compute"].startswith("calibration: ") and plan["sources"]["host"].startswith("not priced")
