@@ -69,6 +69,9 @@ class AttentionSpec(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> "AttentionSpec":
+        if self.sliding_window is None and self.sliding_window_every != 1:
+            raise ValueError(f"sliding_window_every={self.sliding_window_every} picks the layers of a sliding window, "
+                             "but sliding_window is not set: set both, or drop sliding_window_every")
         if self.kind == "mla":
             missing = [f for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
                        if getattr(self, f) is None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat
+from pydantic import Field, PositiveFloat, model_validator
 
 from piper_plan.specs.base import Spec
 
@@ -44,6 +44,14 @@ class TrainingSpec(Spec):
     """Tokens of the whole run, for time and node-hours to train."""
     routing_skew: float = Field(default=1.0, ge=1.0)
     """Expected max / mean tokens per expert-parallel rank (1 = perfectly balanced)."""
+
+    @model_validator(mode="after")
+    def _gradients_as_wide_as_weights(self) -> "TrainingSpec":
+        if self.grad_bytes < self.weight_bytes:
+            raise ValueError(f"grad_bytes={self.grad_bytes} is narrower than the weights' weight_bytes="
+                             f"{self.weight_bytes} (dtype {self.dtype}): gradients are kept in the weights' dtype or "
+                             "wider (fp32 main gradients)")
+        return self
 
     @classmethod
     def for_device(cls, device: str, **fields) -> "TrainingSpec":

@@ -373,3 +373,18 @@ def test_compare_refuses_metrics_of_another_job_and_no_tokens(tmp_path, plan_jso
                           "equal to 1")
     metrics.write_text(json.dumps({**RECORD, "tokens": 8 * 128}) + "\n")
     assert run("compare", tmp_path, "--json").exit_code == 0
+
+
+def test_gradients_narrower_than_the_weights_and_a_window_pattern_without_a_window(tmp_path):
+    """Accepted silently before (2-byte gradients of 4-byte weights halved the gradient memory; sliding_window_every
+    without a window was ignored): one line each."""
+    assert_one_line_error(run("estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                              "--dp", "2", "--ep", "2", "--grad-bytes", "2"),
+                          "grad_bytes=2 is narrower than the weights' weight_bytes=4")
+    text = (Path(__file__).parents[2] / "models" / "gpt-oss-120b.yaml").read_text()
+    model = tmp_path / "m.yaml"
+    model.write_text(text.replace("sliding_window: 128", "sliding_window: null"))
+    assert "sliding_window: null" in model.read_text()
+    assert_one_line_error(run("estimate", "--model", str(model), "--platform", "dgx-h100", "--nodes", "8",
+                              "--dp", "64", "--ep", "64"),
+                          f"{model}: attention: sliding_window_every=2 picks the layers of a sliding window")
