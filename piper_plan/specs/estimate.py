@@ -61,7 +61,7 @@ class Sources(Spec):
     """Where the figures came from."""
 
     compute: str
-    host: str
+    host: str = "not recorded (a plan file written before piper named it)"
     """How the host's work per GEMM call is priced, or that it is not (cost/evaluate.py host_source)."""
     extrapolated: bool
     collectives_calibrated: list[str]

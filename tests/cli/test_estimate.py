@@ -156,3 +156,15 @@ def test_the_json_names_each_utilisation_figures_flop_convention_and_the_pricing
                             "--global-batch", "16", "--json"]).stdout)
     assert plan["flops_conventions"] == conventions
     assert plan["sources"]["compute"].startswith("calibration: ") and plan["sources"]["host"].startswith("not priced")
+
+
+def test_a_plan_file_written_before_the_host_source_was_recorded_still_launches(tmp_path):
+    """prediction.sources.host came with schema_version 2 unchanged: a file without it must still be read."""
+    saved = tmp_path / "plan.json"
+    assert _run(ARGS + ["-o", str(saved)]).exit_code == 0
+    data = json.loads(saved.read_text())
+    del data["prediction"]["sources"]["host"]
+    data["prediction"].pop("flops_conventions", None)
+    saved.write_text(json.dumps(data))
+    res = CliRunner().invoke(cli, ["launch", "--plan", str(saved), "--out-dir", str(tmp_path / "job"), "--dry-run"])
+    assert res.exit_code == 0, res.stderr
