@@ -49,6 +49,10 @@ class Tolerance(Spec):
     """Largest allowed mean |error| over the gated rows of the dataset, percent."""
 
 
+MIN_PUBLISHED, MAX_PUBLISHED = 1e-9, 1e15
+"""Bounds of a row's published value (validation/ today: 1.1 to 23,766)."""
+
+
 class RowSpec(Spec):
     """One published datapoint."""
 
@@ -56,8 +60,9 @@ class RowSpec(Spec):
     """Unique within the dataset (one line: errors and tables print it)."""
     quantity: Quantity
     """What was published (see the module docstring)."""
-    published: float = Field(gt=0)
-    """The published value, in the quantity's unit (every quantity here is positive)."""
+    published: float = Field(ge=MIN_PUBLISHED, le=MAX_PUBLISHED)
+    """The published value, in the quantity's unit (every quantity here is positive; MIN_PUBLISHED keeps the
+    relative error finite)."""
     model: str | None = None
     """Catalog name or path of the model."""
     platform: str | None = None
@@ -450,6 +455,9 @@ def plan_quantity(quantity: str, est, stage: int | None = None) -> float:
     if quantity in ("step_time_s", "tflops_per_device", "mfu"):
         return float(getattr(est, quantity))
     stages = est.memory.per_stage
+    if stage is not None and stage >= len(stages):
+        raise PiperError(f"{stage}; the plan has {len(stages)} pipeline stage(s): 0 to {len(stages) - 1}",
+                         field="stage")
     chosen = max(stages, key=lambda s: s.total_bytes) if stage is None else stages[stage]
     comp = chosen.components
     if quantity == "memory.state_GiB":

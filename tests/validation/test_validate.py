@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from piper_plan.cli.main import cli
 from piper_plan.errors import PiperError
-from piper_plan.validation import DatasetSpec, dataset_names, load_dataset, validate, validate_dataset
+from piper_plan.validation import DatasetSpec, dataset_names, load_dataset, validate, validate_dataset, validation_dir
 
 # Rows the cost model is known to miss, each gated on its own: every other row and every dataset mean stay gated.
 # X-MoE Small: the paper's 90.44 TFLOPS is above every feasible plan's prediction (51.4 at best; the seed expert GEMM
@@ -234,4 +234,21 @@ def test_cost_option_bad_input_is_one_line(extra, needle):
     args = ["estimate", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--dp", "8", "--ep", "8",
             "--no-calibration"]
     result = CliRunner().invoke(cli, args + extra)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"stage": 99}, "stage: 99; the plan has 8 pipeline stage(s): 0 to 7"),
+    ({"published": 1e-320}, "published: Input should be greater than or equal to"),
+])
+def test_a_row_stage_past_the_pipeline_or_a_vanishing_published_value_is_one_line(tmp_path, change, needle):
+    """Before: an IndexError traceback (stage), and Infinity in the JSON (a relative error over 1e-320)."""
+    import yaml
+
+    data = yaml.safe_load((validation_dir() / "korthikanti-a100.yaml").read_text())
+    row = next(r for r in data["rows"] if r.get("parallel", {}).get("pp") == 8 and "mem" in r["id"])
+    row.update(change)
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(cli, ["validate", "--dataset", str(path)])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
