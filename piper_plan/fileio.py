@@ -275,7 +275,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 def check_writable(path: str | Path) -> None:
     """Raise a PiperError now if ``path`` cannot be written later (commands call it before long work)."""
-    path = Path(path)
+    path = _link_target(Path(path))
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise PiperError(f"cannot write: {blocker} is a file, not a folder", path=str(path))
@@ -291,13 +291,32 @@ def check_writable(path: str | Path) -> None:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (``atomic_write_text``'s rules; a PNG, say)."""
-    path = Path(path)
-    check_writable(path)
+    """Write ``data`` to ``path`` atomically (``atomic_write_text``'s rules; a PNG, say). A symbolic link is
+    written through (its target replaced, the link kept); a path in /dev or /proc is refused."""
+    given = Path(path)
+    check_writable(given)
     try:
-        return _write_replace(path, data)
+        _write_replace(_link_target(given), data)
     except OSError as exc:
-        raise PiperError(f"cannot write: {exc.strerror or exc}", path=str(path)) from None
+        raise PiperError(f"cannot write: {exc.strerror or exc}", path=str(given)) from None
+    return given
+
+
+SYSTEM_FOLDERS = ("/dev", "/proc", "/sys")
+"""Folders whose entries are devices and kernel files: never an output (an atomic rename over /dev/stdout replaced
+the system's link with a plain file)."""
+
+
+def _link_target(path: Path) -> Path:
+    """The file ``path`` names once its symbolic links are followed; a system folder's entry is one error line."""
+    hops, where = [Path(os.path.abspath(path))], Path(os.path.abspath(path))
+    while where.is_symlink() and len(hops) < 40:          # each link on the way (/dev/stdout -> /proc/self/fd/1)
+        where = Path(os.path.abspath(where.parent / os.readlink(where)))
+        hops.append(where)
+    for hop in hops + [Path(os.path.realpath(path))]:
+        if any(hop == Path(f) or Path(f) in hop.parents for f in SYSTEM_FOLDERS):
+            raise PiperError(f"cannot write: {hop} is a device or kernel file; give a file name", path=str(path))
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def _write_replace(path: Path, data: bytes) -> Path:

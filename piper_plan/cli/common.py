@@ -113,9 +113,39 @@ class AliasedOption(click.Option):
 
 
 def output_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
-    """``-o/--output FILE``: the one spelling of "write a file"; ``old`` spellings keep working, hidden."""
-    return click.option("-o", "--output", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="FILE",
-                        type=click.Path(dir_okay=False), default=None, help=help, **kwargs)
+    """``-o/--output FILE``: the one spelling of "write a file"; ``old`` spellings keep working, hidden. The file
+    may not be one of the command's inputs (``not_an_input``)."""
+    option = click.option("-o", "--output", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="FILE",
+                          type=click.Path(dir_okay=False), default=None, help=help, **kwargs)
+    return not_an_input(dest, "-o", option)
+
+
+def not_an_input(dest: str, flag: str, option):
+    """``option`` (a click option decorator writing the file named by parameter ``dest``) on a command that refuses,
+    before it runs, to write over a file another of its parameters names: `estimate --model m.yaml -o m.yaml`
+    would have replaced the model with a plan."""
+    from functools import wraps
+
+    def decorate(fn):
+        @wraps(fn)
+        def checked(*args, **params):
+            _refuse_overwriting_inputs(params, dest, flag)
+            return fn(*args, **params)
+        return option(checked)
+    return decorate
+
+
+def _refuse_overwriting_inputs(params: dict, dest: str, flag: str) -> None:
+    import os
+    from pathlib import Path
+
+    out = params.get(dest)
+    if not out or not Path(out).is_file():
+        return
+    for name, value in params.items():
+        if name != dest and isinstance(value, str) and value and Path(value).is_file() and os.path.samefile(value, out):
+            raise PiperError(f"is also this command's {name} input: writing would replace it; give another file",
+                             path=str(out), field=flag)
 
 
 def out_dir_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
@@ -127,8 +157,9 @@ def out_dir_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
 
 def plot_option(help: str):
     """``--plot FILE.png`` (as ``plot_path``): a picture of the result (the ``plot`` extra)."""
-    return click.option("--plot", "plot_path", metavar="FILE.png", type=click.Path(dir_okay=False), default=None,
-                        help=help + " (needs the plot extra: matplotlib)")
+    option = click.option("--plot", "plot_path", metavar="FILE.png", type=click.Path(dir_okay=False), default=None,
+                          help=help + " (needs the plot extra: matplotlib)")
+    return not_an_input("plot_path", "--plot", option)
 
 
 def json_option(f=None, *, help: str = "Machine-readable output on stdout."):

@@ -235,6 +235,31 @@ def test_an_output_path_that_is_a_pipe_is_refused_not_replaced(tmp_path):
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+def test_an_output_link_is_written_through_and_a_system_file_refused(tmp_path):
+    """-o link.json replaced the link with a file; -o /dev/stdout (stdout redirected to a file) replaced the system's
+    /dev/stdout link."""
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_text("{}")
+    link.symlink_to(target)
+    assert run(*ESTIMATE, "-o", link).exit_code == 0
+    assert link.is_symlink() and json.loads(target.read_text())["schema_version"] >= 1
+    system = tmp_path / "stdout"
+    system.symlink_to("/proc/self/fd/1")
+    for path in ("/dev/stdout", "/dev/null", "/proc/self/status", system):
+        assert_one_line_error(run(*ESTIMATE, "-o", path), "is a device or kernel file")
+    assert os.path.islink("/dev/stdout")
+
+
+def test_an_output_that_is_one_of_the_inputs_is_refused(tmp_path):
+    model = tmp_path / "m.yaml"
+    model.write_text((Path(__file__).parents[2] / "models" / "tiny-moe.yaml").read_text())
+    before = model.read_text()
+    args = ("estimate", "--model", model, "--platform", "local-cpu", "--nodes", 1, "--dp", 2, "--ep", 2)
+    assert_one_line_error(run(*args, "-o", model), f"{model}: -o: is also this command's model_name input")
+    assert_one_line_error(run(*args, "--plot", model), f"{model}: --plot: is also this command's model_name input")
+    assert model.read_text() == before
+
+
 def test_launch_writes_none_of_its_files_when_one_is_blocked(tmp_path):
     out = tmp_path / "job"
     (out / "README.md").mkdir(parents=True)
@@ -273,7 +298,7 @@ def test_migrate_seed_and_halo_report_name(tmp_path):
 @pytest.mark.parametrize("change, needles", [
     (lambda d: d["rows"][0]["parallel"].update(tp="abc"), ["rows[", "parallel: tp: Input should be a valid integer"]),
     (lambda d: d["rows"][0]["parallel"].update(tp=0), ["parallel: tp: Input should be greater than or equal to 1"]),
-    (lambda d: d["rows"][0].update(published=0), ["published: Input should be greater than 0"]),
+    (lambda d: d["rows"][0].update(published=0), ["published: Input should be greater than or equal to 0.000000001"]),
     (lambda d: d["rows"][0].update(nodes=-1), ["nodes: Input should be greater than or equal to 1"]),
     (lambda d: d["rows"][0].update(global_batch=0), ["global_batch: Input should be greater than or equal to 1"]),
     (lambda d: d["training"].update(seq_len="x"), ["training: seq_len: Input should be a valid integer"]),
