@@ -67,6 +67,10 @@ def _search_plan(save_path, model, platform, nodes, training_args, strategy, a2a
     with diagnostics().status(f"searching the best runnable plan for {model_spec.name}"):
         result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0),
                                **kwargs)
+    if not result.feasible and result.unsupported:     # plans fit, the runtime lacks what each needs
+        missing = ", ".join(result.unsupported)
+        raise PiperError(f"every plan of {model_spec.name} that fits on {nodes} {platform_spec.name} nodes needs what "
+                         f"piper's runtime lacks: {missing} (see `piper plan --runnable`)", field="--model")
     if not result.feasible:
         raise PiperError(f"no plan piper's runtime can run fits {model_spec.name} on {nodes} {platform_spec.name} "
                          "nodes (see `piper plan --runnable`)", field="--nodes")

@@ -83,8 +83,8 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
                          migration)
         return
     if len(counts) > 1:
-        for path, option in ((save_path, "--output"), (plot_path, "--plot")):
-            if path:
+        for given, option in ((save_path, "--output"), (plot_path, "--plot"), (as_csv, "--csv"), (explain, "--explain")):
+            if given:
                 raise PiperError(f"{option} needs one node count (use --nodes N or --min-nodes)", field=option)
         with searching:
             results = engine.sweep(model, platform, training, counts, options, **kwargs)
@@ -102,7 +102,11 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     if plot_path:
         note(f"wrote {_plot(plot_path, result, model, platform)}")
     if not result.feasible:
-        _emit_nothing_fits(model, platform, training, result, options, kwargs, as_json)
+        if as_csv:          # stdout stays CSV (no rows); what happened goes to stderr
+            note(f"nothing fits: {model.name} on {result.nodes} {platform.name} nodes (piper plan without --csv "
+                 "shows the reasons and the closest candidates)")
+        else:
+            _emit_nothing_fits(model, platform, training, result, options, kwargs, as_json)
         ctx.exit(EXIT_NOTHING_FITS)
     _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable)
     if save_path:
@@ -358,6 +362,11 @@ def _emit_nothing_fits(model, platform, training, result, options, kwargs, as_js
     out.print(f"nothing fits: {model.name} on {result.nodes} {platform.name} nodes "
               f"({result.candidates_total:,} candidates)", markup=False)
     out.print(_reasons_table(result.reasons))
+    if info["fit_but_not_runnable"]:
+        missing = ", ".join(f"{name} ({count:,})" for name, count in info["runtime_missing"].items())
+        out.print(f"{info['fit_but_not_runnable']:,} candidates fit in memory, but piper's runtime cannot run them "
+                  f"(--runnable): it lacks {missing}; without --runnable they are ranked", markup=False)
+        return
     if not info["closest"]:
         out.print("no candidate is a valid plan: each is rejected for a reason counted above", markup=False)
         return

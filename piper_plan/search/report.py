@@ -155,7 +155,8 @@ def nothing_fits_json(model, platform, training, result, options, kwargs) -> dic
             "candidates_enumerated": result.candidates_total, "infeasible_reasons": result.reasons,
             "search_seconds": result.search_seconds, "memory_limit_bytes": result.memory_limit_bytes,
             "plans": [], "closest": closest, "nodes_needed": needed,
-            "all_closest_use_full_recompute": all(r["recompute"] == "full" for r in closest)}
+            "all_closest_use_full_recompute": all(r["recompute"] == "full" for r in closest),
+            "fit_but_not_runnable": result.reasons.get(rank.NOT_RUNNABLE, 0), "runtime_missing": result.unsupported}
 
 
 def best_plan(model, platform, training, result, placement, calibration, cost_options=None):

@@ -12,6 +12,9 @@ from piper_plan.specs import even_split
 from click.testing import CliRunner
 
 from piper_plan.cli.main import cli
+from piper_plan.catalog import project_root
+
+ROOT = project_root()
 
 
 def _run(*args):
@@ -233,3 +236,33 @@ def test_precision_search_bad_input_is_one_line(args, needle):
 def test_estimate_takes_one_precision():
     res = CliRunner().invoke(cli, ["estimate", *QWEN_H100, "--dp", "16", "--ep", "8", "--dtype", "any"])
     assert res.exit_code == 2 and "a list or 'any' only for piper plan" in res.stderr, res.stderr
+
+
+def test_runnable_plans_that_fit_but_need_what_the_runtime_lacks_say_so_not_memory(tmp_path):
+    """Every candidate fits but is rejected as not runnable: the runtime's missing feature is named (before: the
+    closest candidates "over by 0.0 GiB" and "no node count makes it fit"); launch names it too."""
+    res = _run("--model", "tiny-moe", "--platform", "local-cpu", "--seq", "128", "--global-batch", "8", "--nodes", "1",
+               "--runnable", "--cp", "2")
+    assert res.exit_code == 3
+    assert "candidates fit in memory, but piper's runtime cannot run them (--runnable): it lacks parallel.cp=2" \
+        in res.stdout and "makes it fit" not in res.stdout
+    info = json.loads(_run("--model", "tiny-moe", "--platform", "local-cpu", "--seq", "128", "--global-batch", "8",
+                           "--nodes", "1", "--runnable", "--cp", "2", "--json").stdout)
+    assert info["fit_but_not_runnable"] > 0 and any("cp" in k for k in info["runtime_missing"])
+    model = tmp_path / "cap.yaml"
+    model.write_text((ROOT / "models" / "tiny-moe.yaml").read_text().replace("top_k: 2", "top_k: 2\n  capacity_factor: 1.0"))
+    launch = CliRunner().invoke(cli, ["launch", "--model", str(model), "--platform", "local-cpu", "--seq", "128",
+                                      "--global-batch", "8", "--nodes", "1", "--out-dir", str(tmp_path / "job"),
+                                      "--dry-run"])
+    assert launch.exit_code == 2 and launch.stderr.count("\n") == 1
+    assert "needs what piper's runtime lacks: moe.capacity_factor=1.0" in launch.stderr
+
+
+def test_csv_and_explain_need_one_node_count_and_csv_stays_csv_when_nothing_fits():
+    """Before: --csv / --explain with a node range were silently ignored (a rich table on stdout), and nothing-fits
+    printed tables under --csv."""
+    for flag in ("--csv", "--explain"):
+        res = _run("--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1..4", flag)
+        assert res.exit_code == 2 and f"{flag}: {flag} needs one node count" in res.stderr
+    res = _run("--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--seq", "6", "--cp", "2,3", "--csv")
+    assert res.exit_code == 3 and res.stdout == "" and res.stderr.startswith("nothing fits: tiny-moe")
