@@ -44,16 +44,58 @@ def check_runnable(plan_file: PlanFile, path: Path) -> None:
                          path=str(path), field="prediction.fits")
 
 
+STALE_PREDICTION = 1e-6
+"""Relative difference in step time or peak memory beyond which a file's stored prediction is not its plan's."""
+
+
+def repriced(plan_file: PlanFile, path: Path) -> tuple[PlanFile, bool]:
+    """``plan_file`` with its prediction priced again from what the file holds (model, platform, training, plan,
+    placement, the stored cost options and calibration use), and whether that changed it: a hand-edited file, or
+    one saved by another piper, is sized by what its plan costs now, not by the figures written beside it."""
+    from piper_plan.calibration.curves import load_calibration
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import cost_options
+
+    pf, stored = plan_file, plan_file.prediction
+    if stored is None:
+        return pf, False
+    calibration = load_calibration(pf.platform.name) if stored.sources.compute.startswith("calibration") else None
+    fresh = estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
+                     placement=pf.placement, options=cost_options(_whole_numbers(stored.options)))
+    pairs = ((stored.step_time_s, fresh.step_time_s), (stored.memory.peak_bytes, fresh.memory.peak_bytes))
+    changed = any(abs(new - old) > STALE_PREDICTION * max(abs(old), 1e-30) for old, new in pairs)
+    if changed:
+        from piper_plan.cli.common import note
+
+        note(f"{path}: its stored prediction (step {stored.step_time_s:.4g} s, peak "
+             f"{stored.memory.peak_bytes / 2**30:.2f} GiB) is not what its plan costs now (step "
+             f"{fresh.step_time_s:.4g} s, peak {fresh.memory.peak_bytes / 2**30:.2f} GiB): the file was edited or "
+             "saved by another piper; the job is sized and checked by the new figures")
+    return pf.model_copy(update={"prediction": fresh}), changed
+
+
+def _whole_numbers(options: dict) -> dict:
+    """The stored options with whole floats as ints (the file's option values read as floats: counts are ints)."""
+    return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in options.items()}
+
+
 def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
             command: tuple[str, ...] | None = None) -> PreparedJob:
-    """Read and check the plan, render the script; nothing is written."""
-    plan_file = read_plan_file(plan_path)
+    """Read the plan, price it again (repriced), check it, render the script; nothing is written."""
+    plan_file, changed = repriced(read_plan_file(plan_path), plan_path)
     check_runnable(plan_file, plan_path)
     out_dir = out_dir.expanduser().absolute()
     job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))
     script = render.render_sbatch(job, render.load_template(job.template, options.template_dir))
-    return PreparedJob(out_dir=out_dir, plan_text=read_text(plan_path), job=job,
+    plan_text = read_text(plan_path)
+    if changed:
+        import json
+
+        data = json.loads(plan_text)
+        data["prediction"] = plan_file.prediction.model_dump(mode="json")
+        plan_text = json.dumps(data, indent=2) + "\n"
+    return PreparedJob(out_dir=out_dir, plan_text=plan_text, job=job,
                        script=script, readme=readme_text(job, plan_file))
 
 

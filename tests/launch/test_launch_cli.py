@@ -143,3 +143,24 @@ def test_compare_cli_json(tmp_path):
     assert data["step_time_s"]["rel_error"] == pytest.approx(-1 / 3)
     table = run("compare", job)
     assert table.exit_code == 0, table.output
+
+
+def test_launch_prices_the_plan_again_not_the_figures_written_beside_it(tmp_path, plan):
+    """A hand-edited plan.json (here 16x the global batch) launched with the wall time and memory of its old
+    prediction; now the job is sized by what the plan costs, the user is told, and the job's plan.json carries it.
+    A file whose own figures are right launches silently, unchanged."""
+    same = run("launch", "--plan", plan, "--out-dir", tmp_path / "same", "--dry-run")
+    assert same.exit_code == 0 and "stored prediction" not in same.stderr
+    data = json.loads(plan.read_text())
+    old_step = data["prediction"]["step_time_s"]
+    data["training"]["global_batch"] *= 16
+    data["parallel"]["num_microbatches"] *= 16
+    data["runtime"]["steps"] = 1000
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    res = run("launch", "--plan", edited, "--out-dir", tmp_path / "job")
+    assert res.exit_code == 0, res.stderr
+    assert f"{edited}: its stored prediction (step {old_step:.4g} s" in res.stderr
+    written = json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"]["step_time_s"]
+    assert written > 10 * old_step
+    assert f"step_time_s: {written:.4g}" in (tmp_path / "job" / "README.md").read_text()
