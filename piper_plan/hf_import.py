@@ -68,6 +68,14 @@ class _Config:
             raise PiperError(f"must be true or false, got {value!r}", path=self.path, field=self.prefix + key)
         return value
 
+    def choice(self, key: str, allowed: tuple[str, ...], default: str) -> str:
+        """One of the ``allowed`` names (absent: ``default``); anything else is refused, never mapped to a default."""
+        value = self.get(key, default)
+        if not isinstance(value, str) or value not in allowed:
+            raise PiperError(f"must be one of {', '.join(allowed)}, got {value!r}", path=self.path,
+                             field=self.prefix + key)
+        return value
+
     def sub(self, key: str) -> "_Config":
         value = self.get(key)
         if not isinstance(value, dict):
@@ -148,13 +156,13 @@ def _deepseek(c: _Config, mla: bool) -> dict:
     shared = c.int_("n_shared_experts", None, minimum=0) or 0
     moe = {"num_experts": c.int_("n_routed_experts"), "top_k": c.int_("num_experts_per_tok"),
            "expert": _ffn(c.int_("moe_intermediate_size")), "num_shared_experts": shared,
-           "scoring": "sigmoid" if c.get("scoring_func", "softmax") == "sigmoid" else "softmax",
+           "scoring": c.choice("scoring_func", ("softmax", "sigmoid"), "softmax"),
            "normalize_top_k": c.flag("norm_topk_prob", False),
            "layers": {"first_k_dense": c.int_("first_k_dense_replace", 0, minimum=0),
                       "every": c.int_("moe_layer_freq", 1)}}
     # group-limited routing: V2's group_limited_greedy and V3's noaux_tc; "greedy" (V2-Lite, the reference code's
     # default) ignores the groups, and transformers writes n_group / topk_group as null when they are unset
-    method = c.get("topk_method", "greedy")
+    method = c.choice("topk_method", ("greedy", "group_limited_greedy", "noaux_tc"), "greedy")
     groups = c.int_("n_group", 1, minimum=1) if c.get("n_group", None) is not None else 1
     if groups > 1 and method in ("group_limited_greedy", "noaux_tc"):
         top = c.int_("topk_group", groups, minimum=1) if c.get("topk_group", None) is not None else groups
@@ -198,9 +206,9 @@ def _gpt_oss(c: _Config) -> dict:
 def _sliding_window(c: _Config) -> dict:
     """``sliding_window`` + ``layer_types`` -> the window and which layers use it: every layer, or every n-th from
     layer 0 (the patterns the spec can state); another pattern is refused in one line."""
+    types = _layer_types(c, c.num_layers())
     window = c.int_("sliding_window", None)
-    types = c.get("layer_types", None)
-    if window is None or not isinstance(types, list) or not types:
+    if window is None or types is None:
         return {}
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     for every in range(1, len(types) + 1):
@@ -210,6 +218,25 @@ def _sliding_window(c: _Config) -> dict:
         return {}
     raise PiperError(f"sliding-window attention on layers {sliding[:6]}...; piper states every layer or every "
                      "n-th from layer 0", path=c.path, field=c.prefix + "layer_types")
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _layer_types(c: _Config, num_layers: int) -> list[str] | None:
+    """``layer_types``: one of _LAYER_TYPES per layer (absent or null: None)."""
+    types, field = c.get("layer_types", None), c.prefix + "layer_types"
+    allowed = f"allowed: {', '.join(_LAYER_TYPES)}"
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != num_layers:
+        got = f"a list of {len(types)}" if isinstance(types, list) else repr(types)
+        raise PiperError(f"must be a list of one layer type per layer (num_hidden_layers={num_layers}), got {got}; "
+                         f"{allowed}", path=c.path, field=field)
+    bad = next((i for i, t in enumerate(types) if not isinstance(t, str) or t not in _LAYER_TYPES), None)
+    if bad is not None:
+        raise PiperError(f"entry {bad} is {types[bad]!r}; {allowed}", path=c.path, field=field)
+    return types
 
 
 def _llama4(c: _Config) -> dict:

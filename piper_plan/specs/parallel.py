@@ -188,6 +188,8 @@ def rank_layers(chunks: list[int], pp: int) -> list[int]:
 
 
 _LAYOUT_REPEAT = (re.compile(r"\(([^()]*)\)\*(\d+)"), re.compile(r"([Etm|L])\*(\d+)"))
+_LAYOUT_ORDER = re.compile(r"E?[t|]*m*\|*L?")
+"""An expanded layout's order: E, the decoder layers and chunk ends, the MTP layers in one chunk, L."""
 _LAYOUT_MAX_CHARS = 1_000_000
 """A layout expands to at most this many characters (100 per layer of the largest model a spec may hold)."""
 
@@ -197,7 +199,9 @@ def layout_decoder_counts(layout: str) -> list[int]:
     "Et|(tt|)*30mL" -> [1, 2 x 30, 0]. Grammar of megatron/core/transformer/pipeline_parallel_layer_layout.py
     (NVIDIA/Megatron-LM commit 00caa53, ``parse_str_to_list``): ``|`` ends a chunk, E embedding, t a decoder
     layer, m an MTP layer, L the loss, ``(...)*n`` and ``x*n`` repeat, commas are cosmetic. piper prices the MTP
-    modules and the loss on the last rank wherever the layout puts them."""
+    modules and the loss on the last rank wherever the layout puts them. Order (Megatron-Core's
+    ``validate_layer_layout``): E at most once, first in the first chunk; L at most once, last in the last chunk;
+    the MTP layers m together in one chunk after every t (e.g. "...tmL" or "...t|m|L")."""
     text = layout.replace(",", "").replace(" ", "")
 
     expanded = [len(text)]   # characters the repeats have made so far: bounded before each one is built
@@ -213,6 +217,12 @@ def layout_decoder_counts(layout: str) -> list[int]:
     if bad:
         raise ValueError(f"layout {layout!r}: unknown characters {sorted(bad)}; allowed E, t, m, L, |, (...)*n, x*n, "
                          "or a list of layer counts")
+    misplaced = [rule for rule, wrong in (
+        ("the embedding E at most once, first in the first chunk", text.count("E") > 1 or "E" in text[1:]),
+        ("the loss L at most once, last in the last chunk", text.count("L") > 1 or "L" in text[:-1]),
+        ("the MTP layers m together in one chunk after every t", not _LAYOUT_ORDER.fullmatch(text))) if wrong]
+    if misplaced:
+        raise ValueError(f"layout {layout!r}: misplaced layers; allowed: {misplaced[0]}")
     return [chunk.count("t") for chunk in text.split("|")]
 
 

@@ -153,3 +153,69 @@ def test_group_limited_routing_only_where_the_config_routes_by_groups():
     assert (limited.routing_groups, limited.routing_group_top_k, limited.routing_group_score_top) == (8, 3, 1)
     for change in ({"topk_method": "greedy"}, {"n_group": None, "topk_group": None}):
         assert spec_from_hf_config({**base, **change}, "v2.json").moe.routing_groups is None, change
+
+
+GPT_OSS = json.loads((FIXTURES / "gpt-oss-20b.json").read_text())      # 24 layers, sliding_window 128
+
+
+@pytest.mark.parametrize("layer_types, needle", [
+    (["sliding_attention"], "got a list of 1"),                                   # was: a window on every layer
+    (["sliding_attention", "full_attention", "full_attention"], "got a list of 3"),  # was: every 3rd layer
+    (["sliding_attention", "full_attention"] * 50, "got a list of 100"),
+    (["sliding_attention", "bogus"] * 12, "entry 1 is 'bogus'"),
+    ([1, 2] * 12, "entry 0 is 1"),                                                 # was: silently no window
+    ("sliding_attention", "got 'sliding_attention'"),
+    ([], "got a list of 0")])
+def test_layer_types_one_known_type_per_layer(layer_types, needle):
+    """layer_types is refused in one line naming the file, the field and the allowed types unless it holds one of
+    sliding_attention / full_attention for each of num_hidden_layers layers."""
+    with pytest.raises(PiperError) as err:
+        spec_from_hf_config({**GPT_OSS, "layer_types": layer_types}, "cfg.json")
+    text = str(err.value)
+    assert text.startswith("cfg.json: layer_types: ") and needle in text, text
+    assert "sliding_attention, full_attention" in text and "\n" not in text
+
+
+def test_layer_types_checked_without_a_window():
+    """A null sliding_window builds no window, but a broken layer_types is still bad input."""
+    with pytest.raises(PiperError, match="layer_types: entry 0 is 'bogus'"):
+        spec_from_hf_config({**GPT_OSS, "sliding_window": None, "layer_types": ["bogus"] * 24}, "cfg.json")
+    every = spec_from_hf_config({**GPT_OSS, "sliding_window": None, "layer_types": ["sliding_attention"] * 24}, "c")
+    assert every.attention.sliding_window is None
+
+
+DEEPSEEK_V3 = json.loads((FIXTURES / "deepseek-v3.json").read_text())
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("scoring_func", "sigmoidd", "softmax, sigmoid"), ("scoring_func", 1, "softmax, sigmoid"),
+    ("scoring_func", None, "softmax, sigmoid"),
+    ("topk_method", "noaux-tc", "greedy, group_limited_greedy, noaux_tc"),
+    ("topk_method", ["noaux_tc"], "greedy, group_limited_greedy, noaux_tc")])
+def test_unknown_routing_names_are_refused(field, value, allowed):
+    """An unknown scoring_func / topk_method was read as softmax / as no group routing; now one line naming the
+    file, the field, the value and the allowed names."""
+    with pytest.raises(PiperError) as err:
+        spec_from_hf_config({**DEEPSEEK_V3, field: value}, "cfg.json")
+    assert str(err.value) == f"cfg.json: {field}: must be one of {allowed}, got {value!r}"
+
+
+@pytest.mark.parametrize("change, scoring, groups", [
+    ({}, "sigmoid", 8), ({"scoring_func": "softmax", "topk_method": "group_limited_greedy"}, "softmax", 8),
+    ({"topk_method": "greedy"}, "sigmoid", None)])
+def test_known_routing_names_still_import(change, scoring, groups):
+    moe = spec_from_hf_config({**DEEPSEEK_V3, **change}, "cfg.json").moe
+    assert (moe.scoring, moe.routing_groups) == (scoring, groups)
+
+
+def test_cli_bad_layer_types_is_one_error_line(tmp_path):
+    from click.testing import CliRunner
+
+    from piper_plan.cli.main import cli
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GPT_OSS, "layer_types": ["sliding_attention"]}))
+    result = CliRunner().invoke(cli, ["model", "import", str(path)])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: {path}: layer_types: must be a list of one layer type per layer"), lines[0]
