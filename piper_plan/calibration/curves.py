@@ -333,6 +333,16 @@ class Calibration:
         tflops, ext = self._cache[cache_key](query)
         return (tflops * 1e12).reshape(s.shape), (ext | fell_back).reshape(s.shape)
 
+    def fastest_tflops(self, table: str, dtype: str) -> float:
+        """The highest rate any row of ``table`` ("gemm" or "attention") measured in ``dtype`` (0 without rows)."""
+        cache_key = ("fastest", table, dtype)
+        if cache_key not in self._cache:
+            rows = self.rows[table]
+            mine = rows.where(rows["dtype"] == dtype) if not rows.empty else rows
+            values = mine.floats(["tflops"])[:, 0] if not mine.empty else np.zeros(0)
+            self._cache[cache_key] = float(values.max()) if values.size else 0.0
+        return self._cache[cache_key]
+
     def has_gemm(self, dtype: str) -> bool:
         """Whether gemm.csv measured ``dtype`` (another precision's rows would price it at the wrong rate)."""
         return (dtype,) in self._distinct(self.rows[GEMM.name], ("dtype",))

@@ -19,6 +19,10 @@ import numpy as np
 from piper_plan.specs.platform import PlatformSpec
 
 
+PEAK_MARGIN = 1.02
+"""A measured rate may exceed the datasheet peak by this factor (rounding of the rows' tflops column) and no more."""
+
+
 class Rates:
     """Achieved FLOP/s lookups for one platform, dtype and (optional) calibration."""
 
@@ -38,6 +42,22 @@ class Rates:
         """The calibration GEMMs are looked up in: None where gemm.csv has no rows of ``dtype`` (the roofline at
         its own peak, not another precision's measured rates)."""
         self.extrapolated = False
+        if calibration is not None:
+            self._check_below_peak(calibration)
+
+    def _check_below_peak(self, calibration) -> None:
+        """A calibration row faster than the device's datasheet peak is a broken measurement (it priced MFU at
+        199%): one error line naming the file."""
+        from piper_plan.errors import PiperError
+
+        for table, dtype, peak in (("gemm", self.dtype, self.peak), ("attention", self.attention_dtype,
+                                                                      self.attention_peak)):
+            fastest = calibration.fastest_tflops(table, dtype) * 1e12
+            if fastest > PEAK_MARGIN * peak:
+                raise PiperError(f"a {dtype} row measures {fastest / 1e12:.4g} TFLOP/s, above the device's peak of "
+                                 f"{peak / 1e12:.4g} (platform {self.platform.name}, device.peak_flops): no kernel "
+                                 "beats its datasheet; measure the row again", path=str(calibration.directory /
+                                                                                        f"{table}.csv"))
 
     @property
     def source(self) -> str:

@@ -140,3 +140,30 @@ def test_grouped_gemm_outside_the_hull_takes_its_own_shape_not_a_near_group_coun
     assert float(rate) == pytest.approx(43e12) and bool(extrapolated)
     rate, extrapolated = cal.gemm_flops_per_s(1536, 1408, 2048, "bf16", groups=8)   # a measured point: exact
     assert float(rate) == pytest.approx(43e12) and not bool(extrapolated)
+
+
+@pytest.mark.parametrize("table", ["gemm", "attention"])
+def test_a_row_faster_than_the_device_peak_is_refused_naming_the_file(tmp_path, table):
+    """A row 10x the datasheet (every column in its allowed range) priced MFU at 199%; now one error line."""
+    import csv
+    import shutil
+
+    from piper_plan.calibration.curves import load_calibration
+    from piper_plan.catalog import calibration_dir, load_platform
+    from piper_plan.cost.compute import Rates
+    from piper_plan.errors import PiperError
+
+    folder = tmp_path / "local-cpu"
+    shutil.copytree(calibration_dir("local-cpu"), folder)
+    path = folder / f"{table}.csv"
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    row = next(r for r in rows if r["dtype"] == "fp32")
+    row["tflops"] = str(float(row["tflops"]) * 10)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    platform = load_platform("local-cpu")
+    assert Rates(platform, "fp32", load_calibration("local-cpu")).peak > 0      # the real rows pass
+    with pytest.raises(PiperError, match=rf"{table}\.csv: a fp32 row measures .* above the device's peak"):
+        Rates(platform, "fp32", load_calibration(folder))
