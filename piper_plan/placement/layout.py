@@ -65,10 +65,18 @@ class Allocation:
             return node
         return node // self.segment_nodes * self.nodes_per_switch + node % self.segment_nodes
 
+    @property
+    def switches_per_group(self) -> int:
+        return max(self.nodes_per_group // self.nodes_per_switch, 1)
+
     def switch_of_node(self, node):
+        """The switch a job node sits on. Spread: round-robin over the groups (group_of_node), then over the
+        switches of its group: one node per switch while the machine has switches to spare, never a switch it
+        does not have (a one-switch machine keeps every node on its switch)."""
         node = np.asarray(node)
         if self.placement == "spread":
-            return node                                   # one node per switch
+            within = (node // self.num_groups) % self.switches_per_group
+            return self.group_of_node(node) * self.switches_per_group + within
         return self.slot_of_node(node) // self.nodes_per_switch
 
     def group_of_node(self, node):

@@ -90,3 +90,21 @@ def test_segment_larger_than_a_switch_is_refused():
     net = load_platform("gb200-nvl72").network.model_dump()
     with pytest.raises(ValidationError, match="segment_nodes"):
         type(load_platform("gb200-nvl72").network).model_validate({**net, "segment_nodes": 19})
+
+
+@pytest.mark.parametrize("platform, nodes", [("local-cpu", 4), ("frontier", 64), ("frontier", 2048),
+                                             ("dgx-h100", 128)])
+def test_spread_uses_only_the_switches_the_machine_has(platform, nodes):
+    """Spread put every node on a switch of its own, also on a one-switch machine (local-cpu: 4 nodes priced as
+    crossing a dragonfly group it does not have). Now: a node's switch lies in its group, there are no more
+    switches than the machine has, and nodes share one only once every switch holds a node."""
+    alloc = allocation(load_platform(platform), nodes, "spread")
+    node = np.arange(nodes)
+    switch, group = alloc.switch_of_node(node), alloc.group_of_node(node)
+    switches = alloc.num_groups * alloc.switches_per_group
+    assert switch.max() < switches and np.all(switch // alloc.switches_per_group == group)
+    assert len(set(switch.tolist())) == min(nodes, switches)
+    if alloc.num_groups == 1 and alloc.switches_per_group == 1:
+        compact = allocation(load_platform(platform), nodes, "compact")
+        ranks = np.arange(alloc.world)
+        assert np.array_equal(alloc.scope_of_pair(ranks[:, None], ranks), compact.scope_of_pair(ranks[:, None], ranks))
