@@ -140,6 +140,9 @@ def _refuse_overwriting_inputs(params: dict, dest: str, flag: str) -> None:
     from pathlib import Path
 
     out = params.get(dest)
+    if out is not None and (not str(out).strip() or str(out).endswith(("/", "\\"))):
+        raise PiperError(f"{out!r} names no file (empty, or a folder's path ending in a separator); give a file name",
+                         field=flag)
     if not out or not Path(out).is_file():
         return
     for name, value in params.items():

@@ -176,6 +176,9 @@ class NetworkSpec(Spec):
     def _check(self) -> "NetworkSpec":
         if self.segment_nodes is not None and self.segment_nodes > self.nodes_per_switch:
             raise ValueError(f"segment_nodes = {self.segment_nodes} exceeds nodes_per_switch = {self.nodes_per_switch}")
+        if self.nodes_per_group % self.nodes_per_switch:
+            raise ValueError(f"nodes_per_group = {self.nodes_per_group} is not a whole number of switches of "
+                             f"nodes_per_switch = {self.nodes_per_switch} (a group is made of whole switches)")
         if self.nodes_per_group * self.num_groups > MAX_NODES:
             raise ValueError(f"nodes_per_group x num_groups = {self.nodes_per_group * self.num_groups:,} nodes; "
                              f"at most {MAX_NODES:,}")

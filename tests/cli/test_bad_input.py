@@ -413,3 +413,17 @@ def test_gradients_narrower_than_the_weights_and_a_window_pattern_without_a_wind
     assert_one_line_error(run("estimate", "--model", str(model), "--platform", "dgx-h100", "--nodes", "8",
                               "--dp", "64", "--ep", "64"),
                           f"{model}: attention: sliding_window_every=2 picks the layers of a sliding window")
+
+
+def test_an_output_that_names_no_file_is_refused_and_a_group_of_partial_switches_too(tmp_path):
+    for out in ("", "  ", str(tmp_path / "x.json") + "/"):
+        assert_one_line_error(run(*ESTIMATE, "-o", out), "-o:", "names no file")
+    assert not (tmp_path / "x.json").exists()
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).parents[2] / "platforms" / "local-cpu.yaml").read_text())
+    data["network"]["nodes_per_group"] = 6
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert_one_line_error(run("estimate", "--model", "tiny-moe", "--platform", path, "--nodes", 1, "--dp", 2,
+                              "--ep", 2), "nodes_per_group = 6 is not a whole number of switches")
