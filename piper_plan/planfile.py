@@ -27,6 +27,7 @@ from piper_plan.plans import check_plan
 from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
 from piper_plan.specs.base import Spec
 from piper_plan.specs.estimate import Estimate
+from piper_plan.specs.model import MoESpec
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -47,8 +48,8 @@ PositiveRuntimeFactor = Annotated[float, Field(gt=0, le=MAX_RUNTIME_FACTOR)]
 class MoEBlock(Spec):
     """Routing settings of the run."""
 
-    capacity_factor: float | None = None
-    """Tokens per expert capped at capacity_factor x mean; None = dropless."""
+    capacity_factor: float | None = MoESpec.model_fields["capacity_factor"]
+    """Tokens per expert capped at capacity_factor x mean; None = dropless (the model spec's field and bounds)."""
     routing_skew: float = Field(default=1.0, ge=1.0)
     """Expected max / mean tokens per expert-parallel rank the prediction assumed."""
 

@@ -64,6 +64,7 @@ def test_binary_and_directory_spec_files(tmp_path):
     (lambda d: {**d, "prediction": {**d["prediction"], "step_time_s": -1}}, ["prediction.step_time_s"]),
     (lambda d: {**d, "prediction": {**d["prediction"], "memory": {}}}, ["prediction.memory"]),
     (lambda d: {**d, "parallel": {**d["parallel"], "edp": 7}}, ["parallel.edp", "edp=7"]),
+    (lambda d: {**d, "moe": {**d["moe"], "capacity_factor": -5}}, ["moe.capacity_factor", "(got -5)"]),
 ])
 def test_launch_refuses_a_broken_plan_naming_the_input_file(tmp_path, plan_json, change, needles):
     plan = write(tmp_path / "in.json", change(plan_json))
