@@ -109,6 +109,11 @@ class NodeSpec(Spec):
             bad = [n for n in self.device_nic if not 0 <= n < max(self.num_nics, 1)]
             if bad:
                 raise ValueError(f"device_nic names NICs {bad}; allowed 0..{self.num_nics - 1}")
+        for link in self.link_classes:
+            bad = [p for p in link.device_pairs or [] if p[0] == p[1] or not all(0 <= d < self.devices_per_node for d in p)]
+            if bad:
+                raise ValueError(f"link class {link.name}: device_pairs {bad[:3]} are not pairs of two local devices "
+                                 f"0..{self.devices_per_node - 1}")
         return self
 
     @property

@@ -428,3 +428,15 @@ def test_an_output_that_names_no_file_is_refused_and_a_group_of_partial_switches
     path.write_text(yaml.safe_dump(data))
     assert_one_line_error(run("estimate", "--model", "tiny-moe", "--platform", path, "--nodes", 1, "--dp", 2,
                               "--ep", 2), "nodes_per_group = 6 is not a whole number of switches")
+
+
+@pytest.mark.parametrize("pairs", [[[99, 100]], [[-1, 0]], [[0, 0]]])
+def test_link_device_pairs_outside_the_node_are_refused(tmp_path, pairs):
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).parents[2] / "platforms" / "frontier.yaml").read_text())
+    data["node"]["link_classes"][0]["device_pairs"] = pairs
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert_one_line_error(run("estimate", "--model", "tiny-moe", "--platform", path, "--nodes", 1, "--dp", 8,
+                              "--ep", 8), "device_pairs", "are not pairs of two local devices 0..7")
