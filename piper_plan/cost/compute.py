@@ -62,15 +62,20 @@ class Rates:
     @property
     def source(self) -> str:
         """Where the compute rates come from: the calibration's own sources (with the GEMM fallback where its
-        gemm.csv lacks this dtype), else the roofline's efficiencies and their citation."""
+        gemm.csv lacks this dtype), else the roofline's efficiencies and their citation; a peak borrowed from the
+        other 16-bit format (PlatformSpec.peak_flops) is named."""
+        borrowed = [d for d in dict.fromkeys((self.dtype, self.attention_dtype))
+                    if d not in self.platform.device.peak_flops]
+        peaks = "".join(f"; the {d} peak is device.peak_flops' {'fp16' if d == 'bf16' else 'bf16'} (no {d} entry)"
+                        for d in borrowed)
         if self.calibration is None:
             return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.dtype}, " \
-                   f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source})"
+                   f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source}){peaks}"
         listed = getattr(self.calibration, "sources", []) or ["(no sources listed)"]
         gemm = "" if self.gemm_calibration is not None else \
             f"; GEMMs in {self.dtype}: roofline fallback (efficiency.gemm={self.gemm_efficiency}: gemm.csv has no " \
             f"{self.dtype} rows)"
-        return "calibration: " + "; ".join(listed) + gemm
+        return "calibration: " + "; ".join(listed) + gemm + peaks
 
     def gemm_flops_per_s(self, m, n, k, groups=1):
         """Achieved FLOP/s of a [m x k] @ [k x n] GEMM (``groups`` of them in one grouped call)."""

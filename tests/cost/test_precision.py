@@ -101,3 +101,14 @@ def test_the_output_says_whether_host_time_is_priced():
     assert pricing_sources(load_platform("h200"), "bf16")["host"] == (
         "not priced: h200 has no efficiency.host_s_per_gemm_call (host work assumed hidden)")
     assert _estimate("bf16", load_platform("h200")).sources.host.startswith("not priced: h200")
+
+
+def test_a_peak_borrowed_from_the_other_16_bit_format_is_named():
+    """device.peak_flops without bf16 prices bf16 at fp16's peak (PlatformSpec.peak_flops), and now says so."""
+    from piper_plan.cost.compute import Rates
+
+    data = load_platform("dgx-h100").model_dump(mode="json")
+    del data["device"]["peak_flops"]["bf16"]
+    platform = type(load_platform("dgx-h100")).model_validate(data)
+    assert "the bf16 peak is device.peak_flops' fp16 (no bf16 entry)" in Rates(platform, "bf16").source
+    assert "peak is device.peak_flops'" not in Rates(load_platform("dgx-h100"), "bf16").source
