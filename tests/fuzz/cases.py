@@ -406,8 +406,10 @@ def option_cases() -> list[Case]:
 ARGUABLY_VALID = {
     "model-import/architectures-string.json": "architectures is not read by the import (model_type decides)",
     "model-import-out/architectures-string.json": "architectures is not read by the import (model_type decides)",
-    "calibrate-show/gemm-header-only": "a header-only gemm.csv is an empty table; show lists it as such "
-                                       "(estimate and plan, which need its rows, refuse it)",
+    **{f"{cmd}/gemm-header-only": "a header-only gemm.csv is an empty table: show lists it as such; estimate and "
+                                  "plan price GEMMs at the roofline and say so (sources.compute: 'gemm.csv has no "
+                                  "<dtype> rows'), as for a calibration measured in another precision"
+       for cmd in ("calibrate-show", "estimate-calibration", "plan-calibration")},
     "launch-plan/data-dollar.json": "runtime.data never reaches the job script (the runtime reads it from plan.json "
                                     "and opens it as a path); the check asserts the script does not hold it",
     **{f"{cmd}/{name}": "fit.csv is read by no command (only by fit.load_fit, tested in tests/fuzz/test_readers.py)"
