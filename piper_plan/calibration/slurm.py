@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_text
 
 
@@ -12,9 +13,12 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
                         time_limit: str = "00:30:00", python_cmd: str = "python3") -> str:
     """One srun task per device, RANK/WORLD_SIZE from SLURM_* (bench_collectives reads them; OLCF advises
     srun over torchrun on Frontier), MASTER_ADDR = the job's first node. --time and --account are checked
-    like `piper launch`'s (launch/validate.py): no shell characters reach the script."""
+    like `piper launch`'s (launch/validate.py): no shell characters reach the script; --nodes is held to the
+    platform's size as `piper estimate` holds it (plans.py nodes_out_of_range)."""
     from piper_plan.launch import validate as v
 
+    check_nodes(platform, num_nodes)
+    check_python(python_cmd)
     v.wall_time(time_limit)
     if account is not None:
         v.slurm_name(account, "account")
@@ -38,6 +42,19 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
            "--out", str(out_dir), "--resume"] + (["--quick"] if quick else [])
     lines.append(shlex.join(srun + cmd))
     return "\n".join(lines) + "\n"
+
+
+def check_nodes(platform, num_nodes: int) -> None:
+    """One error line when the sweep asks for more nodes than the platform has (PlatformSpec.node_limit)."""
+    if not 1 <= num_nodes <= platform.node_limit:
+        raise PiperError(f"nodes={num_nodes}; {platform.name} has 1 to {platform.node_limit} nodes", field="--nodes")
+
+
+def check_python(python_cmd: str) -> None:
+    """One error line for an empty or blank interpreter (srun would be handed '' as the program to run)."""
+    if not python_cmd.strip():
+        raise PiperError(f"python={python_cmd!r} is not allowed; allowed: the Python command or path on the nodes "
+                         "(e.g. python3, /opt/venv/bin/python)", field="--python")
 
 
 def write_script(path: Path, text: str) -> Path:

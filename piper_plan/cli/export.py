@@ -20,16 +20,22 @@ from piper_plan.export import ENGINES
 def export_cmd(plan, engine, out_path, as_json) -> None:
     """Write the launch of another training engine for a plan.json (same model, degrees, batch, precision)."""
     from piper_plan.export import render
+    from piper_plan.export.script import fit_warning
     from piper_plan.fileio import atomic_write_text, check_writable
     from piper_plan.planfile import read_plan_file
 
     if out_path:
         check_writable(out_path)
-    text = render(read_plan_file(plan), engine)
+    plan_file = read_plan_file(plan)
+    text = render(plan_file, engine)
     if out_path:
         os.chmod(atomic_write_text(out_path, text), 0o755)
         note(f"wrote {out_path}")
+    warning = fit_warning(plan_file)
+    if warning:
+        note(f"warning: {warning}")
     if as_json:
-        print_json({"engine": engine, "plan": plan, "output": out_path, "script": text})
+        print_json({"engine": engine, "plan": plan, "output": out_path, "script": text,
+                    "warnings": [warning] if warning else []})
     elif not out_path:
         click.echo(text, nl=False)

@@ -5,7 +5,8 @@ lists the ones piper may write, with the commit they were read from, and a test 
 
 from __future__ import annotations
 
-from piper_plan.export.script import job_script, piper_only, torchrun_launcher
+from piper_plan.export.script import (capacity_note, job_script, option_notes, piper_only, prediction_options,
+                                      recompute_modules, torchrun_launcher)
 from piper_plan.specs.parallel import layout_string
 
 INSTEAD = {
@@ -20,6 +21,15 @@ PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": [], "fp8": ["
 RECOMPUTE = {"none": [], "selective": [["--recompute-granularity", "selective"]],
              "full": [["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
                       ["--recompute-num-layers", "1"]]}
+NO_DROPOUT = [["--hidden-dropout", "0"], ["--attention-dropout", "0"]]
+"""Megatron's dropout defaults are 0.1; a plan priced without dropout layers (piper's default) turns them off."""
+OPTION_FLAGS = {
+    "shared_expert_overlap": "not written: Megatron's --moe-shared-expert-overlap",
+    "ep_dispatch": "not written: Megatron's --moe-token-dispatcher-type flex with DeepEP or HybridEP",
+    "cross_entropy_fusion_impl": "not written: Megatron's --cross-entropy-loss-fusion --cross-entropy-fusion-impl",
+    "cuda_graph_scope": "not written: Megatron's CUDA-graph flags (--cuda-graph-scope) for your version",
+}
+"""Prediction options Megatron has a setting for that the export leaves to the user (note only)."""
 QK_NORM = {"per_head": "--qk-layernorm", "weightless": "--qk-l2-norm"}
 """piper's q/k norm -> Megatron's flag (per-head RMSNorm as in Qwen3; the weightless L2 norm of Llama 4)."""
 ZERO = {0: [], 1: [["--use-distributed-optimizer"]],
@@ -60,6 +70,8 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
         lines.append([QK_NORM[a.qk_norm]])
     if model.moe is not None:
         lines += moe_arguments(model)
+    if model.mtp_layers:
+        lines.append(["--mtp-num-layers", str(model.mtp_layers)])
     return lines
 
 
@@ -111,16 +123,52 @@ def parallel_arguments(pf) -> tuple[list[list[str]], list[str]]:
         if p.schedule == "interleaved":
             lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
         lines += split_arguments(p.stage_layers(pf.model.num_layers), notes)
-    lines += RECOMPUTE[p.recompute] + ZERO[p.zero]
+    lines += recompute_arguments(pf, notes) + zero_arguments(p, notes)
     lines += [[flag] for flag in PRECISION_FLAGS[t.dtype]]
     if p.schedule == "gpipe" and p.pp > 1:
         notes.append("schedule gpipe -> Megatron runs 1F1B (same bubble, fewer activations in flight)")
-    if p.zero >= 2:
-        notes.append(f"zero {p.zero} -> Megatron FSDP's sharding strategy (turn Megatron FSDP on as your version "
-                     "asks, e.g. --use-megatron-fsdp)")
     if t.dtype in ("fp8", "mxfp8"):
         notes.append(f"{t.dtype}: add Transformer Engine's fp8 recipe flags for your Megatron version (not written)")
     return lines, notes
+
+
+def recompute_arguments(pf, notes: list[str]) -> list[list[str]]:
+    """Recomputation flags: selective names the plan's modules (Megatron-Core's names, its default core_attn)."""
+    if pf.parallel.recompute != "selective":
+        return RECOMPUTE[pf.parallel.recompute]
+    modules = recompute_modules(pf)
+    if not modules:
+        notes.append("recompute selective with no modules: nothing is recomputed (no recompute flag written)")
+        return []
+    return RECOMPUTE["selective"] + [["--recompute-modules", *modules]]
+
+
+def zero_arguments(p, notes: list[str]) -> list[list[str]]:
+    """ZeRO flags; HSDP (dp_replicate > 1) as Megatron FSDP's distributed-optimizer instances (its outer replicas)."""
+    if p.zero >= 2:
+        notes.append(f"zero {p.zero} -> Megatron FSDP's sharding strategy (turn Megatron FSDP on as your version "
+                     "asks, e.g. --use-megatron-fsdp)")
+    if p.dp_replicate == 1:
+        return ZERO[p.zero]
+    notes.append(f"dp_replicate {p.dp_replicate} (HSDP) -> --num-distributed-optimizer-instances {p.dp_replicate}: "
+                 f"Megatron FSDP shards within dp x cp / {p.dp_replicate} = {p.dp * p.cp // p.dp_replicate} ranks and "
+                 f"replicates across {p.dp_replicate} (unsharded outer replicas: Megatron FSDP's "
+                 "--outer-dp-sharding-strategy no_shard)")
+    return ZERO[p.zero] + [["--num-distributed-optimizer-instances", str(p.dp_replicate)]]
+
+
+def training_arguments(pf) -> list[list[str]]:
+    """Dropout (off unless the prediction priced it) and the MTP loss weight."""
+    lines = [] if prediction_options(pf).dropout else list(NO_DROPOUT)
+    if pf.model.mtp_layers:
+        lines.append(["--mtp-loss-scaling-factor", f"{pf.runtime.mtp_loss_weight:g}"])
+    return lines
+
+
+def setting_notes(pf) -> list[str]:
+    """What of the prediction's options and the MoE block the flags leave out."""
+    notes = option_notes(pf, OPTION_FLAGS)
+    return notes + capacity_note(pf, "not written: Megatron's --moe-expert-capacity-factor")
 
 
 def split_arguments(layers: list[int], notes: list[str]) -> list[list[str]]:
@@ -138,8 +186,8 @@ def split_arguments(layers: list[int], notes: list[str]) -> list[list[str]]:
 def arguments(pf) -> tuple[list[list[str]], list[str]]:
     parallel, notes = parallel_arguments(pf)
     data = [["--mock-data"], ["--tokenizer-type", "NullTokenizer"]]
-    return (model_arguments(pf.model, pf.training.seq_len) + parallel + data,
-            model_notes(pf.model) + notes + piper_only(pf, INSTEAD))
+    return (model_arguments(pf.model, pf.training.seq_len) + parallel + training_arguments(pf) + data,
+            model_notes(pf.model) + notes + setting_notes(pf) + piper_only(pf, INSTEAD))
 
 
 def flags(pf) -> list[str]:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import shlex
 
+from piper_plan.cost.options import DEFAULT_OPTIONS, CostOptions, cost_options
 from piper_plan.launch.local import MASTER_PORT
+
+GIB = 2**30
+READ_OPTIONS = ("dropout", "recompute_modules", "shared_expert_overlap", "ep_dispatch", "cross_entropy_fusion_impl",
+                "cuda_graph_scope")
+"""The prediction options an export reads: written as the engine's flags or named in its notes."""
 
 
 def piper_only(plan_file, instead: dict[str, str]) -> list[str]:
@@ -16,7 +22,58 @@ def piper_only(plan_file, instead: dict[str, str]) -> list[str]:
     migration = "enabled in this plan" if m.enabled else "not enabled in this plan"
     return [f"only piper's runtime: the HALO hierarchical all-to-all ({halo}); here: {instead['halo']}",
             f"only piper's runtime: live expert migration ({migration}); here: {instead['migration']}",
-            f"not carried over: {instead['always']}"]
+            f"not carried over: {instead['always']}", runtime_note(plan_file)]
+
+
+def runtime_note(plan_file) -> str:
+    """The runtime block's optimizer and loss settings, which no export writes."""
+    r = plan_file.runtime
+    clip = "off" if r.grad_clip_norm is None else f"{r.grad_clip_norm:g}"
+    aux = f", aux loss {r.aux_loss_coeff:g}" if plan_file.model.moe is not None else ""
+    return (f"not carried over: piper's optimizer and loss settings (lr {r.lr:g}, {r.lr_schedule} to "
+            f"{r.min_lr_ratio:g} x lr after {r.warmup_steps} warmup steps, weight decay {r.weight_decay:g}, "
+            f"gradient clip {clip}{aux}, seed {r.seed}): set the engine's own")
+
+
+def prediction_options(plan_file) -> CostOptions:
+    """The options the plan's prediction was priced with, of those an export reads (READ_OPTIONS), checked as a
+    file's options are (a bad value is one error line); the defaults where the plan was not priced."""
+    stored = plan_file.prediction.options if plan_file.prediction is not None else {}
+    return cost_options({name: stored[name] for name in READ_OPTIONS if name in stored})
+
+
+def recompute_modules(plan_file) -> list[str]:
+    """What the plan's ``recompute: selective`` re-runs (Megatron-Core's module names)."""
+    return list(prediction_options(plan_file).recompute_modules)
+
+
+def option_notes(plan_file, where: dict[str, str]) -> list[str]:
+    """One 'not carried over' line per option in ``where`` whose value in the prediction is not the default:
+    a setting the prediction assumed and the export does not write (``where``: how the engine sets it)."""
+    options = prediction_options(plan_file)
+    return [f"not carried over: the prediction assumed {name}={_shown(getattr(options, name))} ({hint})"
+            for name, hint in where.items() if getattr(options, name) != getattr(DEFAULT_OPTIONS, name)]
+
+
+def _shown(value) -> str:
+    return ",".join(value) if isinstance(value, tuple) else repr(value)
+
+
+def capacity_note(plan_file, instead: str) -> list[str]:
+    """A note on a plan that drops tokens (a capacity factor), which no export writes."""
+    factor = plan_file.moe.capacity_factor
+    return [] if factor is None else [f"not carried over: capacity factor {factor:g} (tokens beyond it dropped); "
+                                      f"{instead}"]
+
+
+def fit_warning(plan_file) -> str | None:
+    """The plan's own prediction does not fit the device (``piper launch`` refuses such a plan), or None."""
+    prediction = plan_file.prediction
+    if prediction is None or prediction.fits:
+        return None
+    mem = prediction.memory
+    return (f"the plan's own prediction does not fit: peak {mem.peak_bytes / GIB:.2f} GiB of "
+            f"{mem.device_bytes / GIB:.2f} GiB per device (`piper launch` refuses it; re-plan with `piper plan`)")
 
 
 def job_script(engine: str, plan_file, launcher: list[str], lines: list[list[str]], notes: list[str]) -> str:
@@ -31,6 +88,8 @@ def job_script(engine: str, plan_file, launcher: list[str], lines: list[list[str
         f"microbatches={p.num_microbatches} schedule={p.schedule} recompute={p.recompute} zero={p.zero} a2a={p.a2a}",
         "# Run on every node of the allocation with MASTER_ADDR set to the first node (as `piper run` prints).",
     ]
+    warning = fit_warning(plan_file)
+    head += [f"# warning: {warning}"] if warning else []
     body = " \\\n  ".join([_join(launcher)] + [_join(words) for words in lines])
     return "\n".join(head + [f"# {n}" for n in notes] + ["set -euo pipefail", body]) + "\n"
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 from piper_plan.errors import PiperError
-from piper_plan.export.script import job_script, piper_only, torchrun_launcher
+from piper_plan.export.script import (capacity_note, job_script, option_notes, piper_only, recompute_modules,
+                                      torchrun_launcher)
 
 MODELS: dict[str, tuple[str, str]] = {
     "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b"),
@@ -30,6 +31,11 @@ PRECISION = {"bf16": "bfloat16", "fp32": "float32", "fp8": "bfloat16"}
 STAGE_LESS_LAYERS = 2
 """ParallelismConfig's first- and last-stage 'less layers' defaults (1 each): the embedding and the output head
 count as one layer each when torchtitan splits layers over stages."""
+
+REGISTERED = "torchtitan's registered configuration decides it, not this command line"
+OPTION_NOTES = {"dropout": "torchtitan's models have no dropout layers", "shared_expert_overlap": REGISTERED,
+                "ep_dispatch": REGISTERED, "cross_entropy_fusion_impl": REGISTERED, "cuda_graph_scope": REGISTERED}
+"""Prediction options torchtitan's command line cannot set (note only)."""
 
 INSTEAD = {
     "halo": "torchtitan's expert parallelism sends one flat all-to-all per MoE layer",
@@ -48,19 +54,49 @@ def config_names(model) -> tuple[str, str]:
 
 
 def dp_split(plan) -> tuple[int, int]:
-    """(data_parallel_replicate_degree, data_parallel_shard_degree). zero >= 1 shards over all of dp (FSDP);
-    zero 0 replicates, except that torchtitan's experts borrow their ranks from the shard axis
-    (dp_shard x cp x tp = efsdp x ep), so the smallest shard degree that holds ep is used."""
+    """(data_parallel_replicate_degree, data_parallel_shard_degree). zero >= 1 shards over dp / dp_replicate
+    (FSDP; HSDP with dp_replicate replicas of that shard group); zero 0 replicates, except that torchtitan's experts
+    borrow their ranks from the shard axis (dp_shard x cp x tp = efsdp x ep), so the smallest shard degree that
+    holds ep is used."""
     cp = getattr(plan, "cp", 1)
     if plan.zero >= 1:
-        shard = plan.dp
+        shard = plan.dp // plan.dp_replicate
     else:
         shard = next(s for s in range(1, plan.dp + 1) if plan.dp % s == 0 and (s * cp * plan.tp) % plan.ep == 0) \
             if (plan.dp * cp * plan.tp) % plan.ep == 0 else plan.dp
     if (shard * cp * plan.tp) % plan.ep:
-        raise PiperError(f"ep={plan.ep} does not divide dp x cp x tp = {plan.dp * cp * plan.tp}: torchtitan's experts "
-                         "use the dense data-parallel x tp ranks", field="parallel.ep")
+        raise PiperError(f"ep={plan.ep} does not divide data_parallel_shard_degree x cp x tp = {shard} x {cp} x "
+                         f"{plan.tp} = {shard * cp * plan.tp}: torchtitan's experts take their ranks from the dense "
+                         "shard group x cp x tp", field="parallel.ep")
     return plan.dp // shard, shard
+
+
+def dp_notes(p, replicate: int, shard: int) -> list[str]:
+    """How torchtitan's data-parallel axes differ from the plan's ZeRO stage and HSDP."""
+    if p.zero == 0:
+        return [f"zero 0 -> HSDP replicate {replicate} x shard {shard}: torchtitan's experts borrow the shard axis"] \
+            if shard > 1 else []
+    notes = ["zero 1 -> FSDP keeping parameters gathered from forward to backward (torchtitan has no "
+             "optimizer-only sharding; it also shards gradients and parameters)"] if p.zero == 1 else []
+    if replicate > 1:
+        efsdp = shard * getattr(p, "cp", 1) * p.tp // p.ep
+        notes.append(f"dp_replicate {replicate} (HSDP) -> replicate {replicate} x shard {shard}; torchtitan's experts "
+                     f"shard over efsdp = {efsdp} and are replicated across the {replicate} replicas (piper shards "
+                     f"them over edp = {p.edp})")
+    return notes
+
+
+def setting_notes(pf, config: str) -> list[str]:
+    """What of the plan's model, recomputation, MoE block and prediction options the command line leaves out."""
+    notes = option_notes(pf, OPTION_NOTES) + capacity_note(pf, "torchtitan's MoE is dropless")
+    if pf.parallel.recompute == "selective":
+        notes.append(f"recompute selective ({', '.join(recompute_modules(pf)) or 'no modules'}) -> torchtitan's "
+                     "per-op selective AC (it saves attention and every second matmul output and recomputes the "
+                     "rest; it has no per-module choice)")
+    if pf.model.mtp_layers:
+        notes.append(f"not carried over: multi-token prediction ({pf.model.mtp_layers} module(s)): torchtitan's "
+                     f"registered {config} has none")
+    return notes
 
 
 def layers_per_virtual_stage(num_layers: int, stages: int) -> int | None:
@@ -84,11 +120,7 @@ def arguments(pf) -> tuple[list[list[str]], list[str]]:
     if t.dtype == "fp8":
         config = FP8_CONFIGS[model.name]
     replicate, shard = dp_split(p)
-    if p.zero == 0 and shard > 1:
-        notes.append(f"zero 0 -> HSDP replicate {replicate} x shard {shard}: torchtitan's experts borrow the shard axis")
-    if p.zero == 1:
-        notes.append("zero 1 -> FSDP keeping parameters gathered from forward to backward (torchtitan has no "
-                     "optimizer-only sharding; it also shards gradients and parameters)")
+    notes += dp_notes(p, replicate, shard) + setting_notes(pf, config)
     lines = [["--module", module], ["--config", config],
              ["--parallelism.data_parallel_replicate_degree", str(replicate)],
              ["--parallelism.data_parallel_shard_degree", str(shard)],

@@ -56,6 +56,37 @@ def test_slurm_script_cpu_platform_has_no_gpus(tmp_path):
     assert as_json.stderr == f"wrote {script}\n"
 
 
+def _one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def test_slurm_refuses_more_nodes_than_the_platform_has(tmp_path):
+    """local-cpu has 4 nodes: 5 is refused as `piper estimate` refuses it (nodes_out_of_range), before any file."""
+    script = tmp_path / "a.sbatch"
+    for platform, nodes, limit in (("local-cpu", "5", "1 to 4 nodes"), ("frontier", "100000", "frontier has 1 to")):
+        result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", platform, "--nodes", nodes,
+                                          "--output", str(script)])
+        line = _one_error_line(result)
+        assert "--nodes" in line and f"nodes={nodes}" in line and limit in line, line
+        assert not script.exists()
+    at_limit = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "4", "--output",
+                                        str(script)])
+    assert at_limit.exit_code == 0 and "#SBATCH --nodes=4" in script.read_text().splitlines()
+
+
+def test_slurm_refuses_a_blank_python(tmp_path):
+    script = tmp_path / "c.sbatch"
+    for python in ("", "   "):
+        result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--python",
+                                          python, "--output", str(script)])
+        line = _one_error_line(result)
+        assert "--python" in line and f"python={python!r}" in line, line
+        assert not script.exists()
+
+
 def test_gpu_platform_without_gpu_refuses_compute_sweep(tmp_path):
     result = CliRunner().invoke(cli, ["calibrate", "--platform", "frontier", "--only", "gemm", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "torch sees no GPU" in result.output

@@ -41,6 +41,10 @@ PLANS = {
                               "--tp", "2", "--ep", "8", "--zero", "3", "--recompute", "selective"),
     "gpt-oss-pp": ("--model", "gpt-oss-120b", "--platform", "frontier", "--nodes", "8", "--dp", "8", "--tp", "2",
                    "--pp", "4", "--ep", "8", "--zero", "2"),
+    "qwen3-hsdp": ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "16", "--ep", "8",
+                   "--zero", "3", "--dp-replicate", "2"),
+    "qwen3-recompute-modules": ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "16",
+                                "--ep", "8", "--recompute", "selective", "--recompute-modules", "mlp,moe_act"),
 }
 
 
@@ -62,6 +66,97 @@ def test_megatron_script_carries_the_degrees(plans):
                   "--expert-model-parallel-size 8", "--micro-batch-size 1", "--global-batch-size", "--bf16",
                   "--use-distributed-optimizer", "--multi-latent-attention", "pretrain_gpt.py"):
         assert words in text
+
+
+def words_of(text: str, flag: str) -> list[str]:
+    """The words after ``flag`` on its line of a script (one argument group per line)."""
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith(flag + " ") or ln.strip() == flag)
+    return line.strip().rstrip("\\").split()[1:]
+
+
+def notes_of(text: str) -> list[str]:
+    return [ln[2:] for ln in text.splitlines() if ln.startswith("# ")]
+
+
+def test_hsdp_is_carried_to_both_engines(plans):
+    pf = read_plan_file(plans["qwen3-hsdp"])
+    titan = torchtitan.script(pf)
+    assert words_of(titan, "--parallelism.data_parallel_replicate_degree") == ["2"]
+    assert words_of(titan, "--parallelism.data_parallel_shard_degree") == ["8"]
+    assert any("dp_replicate 2 (HSDP)" in n and "efsdp = 1" in n and "edp = 2" in n for n in notes_of(titan))
+    mega = megatron.script(pf)
+    assert words_of(mega, "--num-distributed-optimizer-instances") == ["2"]
+    assert any("dp_replicate 2 (HSDP)" in n for n in notes_of(mega))
+    fsdp = read_plan_file(plans["qwen3-zero3-selective"])                  # plain FSDP: no replicas on either side
+    assert words_of(torchtitan.script(fsdp), "--parallelism.data_parallel_replicate_degree") == ["1"]
+    assert "--num-distributed-optimizer-instances" not in megatron.script(fsdp)
+
+
+def test_recompute_modules_reach_megatron(plans):
+    pf = read_plan_file(plans["qwen3-recompute-modules"])
+    mega = megatron.script(pf)
+    assert words_of(mega, "--recompute-granularity") == ["selective"]
+    assert words_of(mega, "--recompute-modules") == ["mlp", "moe_act"]
+    assert any("recompute selective (mlp, moe_act)" in n for n in notes_of(torchtitan.script(pf)))
+    default = megatron.script(read_plan_file(plans["qwen3-zero3-selective"]))
+    assert words_of(default, "--recompute-modules") == ["core_attn"]       # the prediction's own default, stated
+
+
+def test_megatron_turns_dropout_off_unless_priced(plans, tmp_path):
+    assert words_of(megatron.script(read_plan_file(plans["deepseek-zero1"])), "--hidden-dropout") == ["0"]
+    priced = saved_plan(tmp_path, "dropout", *PLANS["qwen3-hsdp"], "--dropout")
+    assert "--hidden-dropout" not in megatron.script(read_plan_file(priced))
+
+
+def test_mtp_is_carried_or_noted(plans):
+    pf = read_plan_file(plans["deepseek-zero1"])
+    assert pf.model.mtp_layers == 1
+    assert words_of(megatron.script(pf), "--mtp-num-layers") == ["1"]
+    assert any("multi-token prediction" in n for n in notes_of(torchtitan.script(pf)))
+
+
+def test_unwritten_settings_are_noted(plans, tmp_path):
+    """A capacity factor, a prediction option the engines' flags leave out, and the runtime's optimizer settings
+    are each named under 'not carried over'."""
+    import json
+
+    path = saved_plan(tmp_path, "opts", *PLANS["qwen3-hsdp"], "--cost-option", "shared_expert_overlap=true")
+    data = json.loads(path.read_text())
+    data["moe"]["capacity_factor"] = 1.25
+    path.write_text(json.dumps(data))
+    pf = read_plan_file(path)
+    for text, where in ((megatron.script(pf), "--moe-shared-expert-overlap"), (torchtitan.script(pf), "torchtitan")):
+        notes = [n for n in notes_of(text) if n.startswith("not carried over:")]
+        assert any("shared_expert_overlap=True" in n and where in n for n in notes), notes
+        assert any("capacity factor 1.25" in n for n in notes) and any("lr 0.001" in n for n in notes)
+    assert not any("shared_expert_overlap" in n for n in notes_of(megatron.script(read_plan_file(plans["qwen3-hsdp"]))))
+
+
+def test_a_bad_stored_option_is_one_error_line(plans, tmp_path):
+    """A hand-edited recompute_modules string is refused, not split into letters as Megatron modules."""
+    import json
+
+    path = tmp_path / "edited.json"
+    data = json.loads(plans["qwen3-recompute-modules"].read_text())
+    data["prediction"]["options"]["recompute_modules"] = "mlp"
+    path.write_text(json.dumps(data))
+    res = run("export", "--engine", "megatron", path, "-o", tmp_path / "job.sh")
+    errors = [line for line in res.stderr.splitlines() if line]
+    assert res.exit_code == 2 and len(errors) == 1 and "recompute_modules" in errors[0], res.stderr
+    assert not (tmp_path / "job.sh").exists()
+
+
+def test_export_warns_when_the_plan_does_not_fit(plans, tmp_path):
+    plan = saved_plan(tmp_path, "nofit", "--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2",
+                      "--dp", "8", "--pp", "2", "--ep", "8", "--schedule", "gpipe")
+    assert not read_plan_file(plan).prediction.fits
+    res = run("export", "--engine", "megatron", plan, "-o", tmp_path / "job.sh")
+    assert res.exit_code == 0, res.output
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "does not fit" in warnings[0] and "of 80.00 GiB" in warnings[0], res.stderr
+    assert "# warning: the plan's own prediction does not fit" in (tmp_path / "job.sh").read_text()
+    fits = run("export", "--engine", "torchtitan", plans["qwen3-hsdp"], "-o", tmp_path / "fits.sh")
+    assert fits.exit_code == 0 and "warning" not in fits.stderr, fits.stderr
 
 
 def test_export_cli_writes_an_executable_script(plans, tmp_path):
@@ -152,6 +247,7 @@ def test_torchtitan_accepts_every_export(plans):
     assert got["qwen3-zero3-selective"]["ac"] == "SelectiveAC.Config"
     assert got["qwen3-zero3-selective"]["reshard"] == "always"
     assert got["deepseek-zero1"]["ac"] == "NoneType" and got["deepseek-zero1"]["reshard"] == "never"
+    assert (got["qwen3-hsdp"]["dp_replicate"], got["qwen3-hsdp"]["dp_shard"]) == (2, 8)    # HSDP, not plain FSDP
 
 
 @pytest.mark.distributed     # spawns bash
