@@ -197,16 +197,21 @@ def _gpt_oss(c: _Config) -> dict:
     bias = c.flag("attention_bias", True)
     top_k = c.int_("num_experts_per_tok", None) or c.int_("experts_per_token")
     attention = {**_gqa(c, head_dim=c.int_("head_dim", 64), qkv_bias=bias, o_bias=bias, sinks=True),
-                 **_sliding_window(c)}
+                 **_sliding_window(c, default_every=2)}
     return {**_base(c), "attention": attention,
             "moe": {"num_experts": c.int_("num_local_experts"), "top_k": top_k,
                     "expert": _ffn(c.int_("intermediate_size"), bias=True), "router_bias": True}}
 
 
-def _sliding_window(c: _Config) -> dict:
+def _sliding_window(c: _Config, default_every: int | None = None) -> dict:
     """``sliding_window`` + ``layer_types`` -> the window and which layers use it: every layer, or every n-th from
-    layer 0 (the patterns the spec can state); another pattern is refused in one line."""
+    layer 0 (the patterns the spec can state); another pattern is refused in one line. ``default_every``: the
+    pattern transformers' config class sets where ``layer_types`` is absent (GptOssConfig: every 2nd layer from
+    layer 0 slides, huggingface/transformers src/transformers/models/gpt_oss/configuration_gpt_oss.py at
+    02b8f42)."""
     types = _layer_types(c, c.num_layers())
+    if types is None and default_every:
+        types = ["sliding_attention" if i % default_every == 0 else "full_attention" for i in range(c.num_layers())]
     window = c.int_("sliding_window", None)
     if window is None or types is None:
         return {}

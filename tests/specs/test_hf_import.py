@@ -219,3 +219,11 @@ def test_cli_bad_layer_types_is_one_error_line(tmp_path):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith(f"error: {path}: layer_types: must be a list of one layer type per layer"), lines[0]
+
+
+def test_a_gpt_oss_config_without_layer_types_alternates_as_transformers_does():
+    """GptOssConfig sets layer_types to sliding / full alternating from layer 0 when the file has none (transformers
+    configuration_gpt_oss.py); the import did the same only when the list was written out."""
+    written = spec_from_hf_config(GPT_OSS, "cfg.json").attention
+    absent = spec_from_hf_config({k: v for k, v in GPT_OSS.items() if k != "layer_types"}, "cfg.json").attention
+    assert (absent.sliding_window, absent.sliding_window_every) == (written.sliding_window, 2) == (128, 2)
