@@ -29,7 +29,7 @@ from piper_plan.catalog import parse_spec
 from piper_plan.errors import PiperError
 from piper_plan.specs.base import Name, Spec
 from piper_plan.specs.model import MAX_EXPERTS, Width
-from piper_plan.specs.parallel import MAX_RANKS
+from piper_plan.specs.parallel import MAX_RANKS, check_layout_mtp
 from piper_plan.specs.platform import MAX_NODES
 
 GiB = 2**30
@@ -331,7 +331,8 @@ def check_row(spec: DatasetSpec, row: RowSpec) -> None:
         row_search(row)
     else:
         row_plan(row, training)
-    row_model(row)
+    model = row_model(row)
+    check_layout_mtp((row.parallel or {}).get("virtual_stage_layers"), model.mtp_layers)
 
 
 def row_search(row: RowSpec):

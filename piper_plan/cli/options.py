@@ -11,7 +11,7 @@ import typing
 import click
 
 from piper_plan.errors import PiperError
-from piper_plan.specs.parallel import ParallelPlan
+from piper_plan.specs.parallel import ParallelPlan, check_layout_mtp
 from piper_plan.specs.training import TrainingSpec
 from piper_plan.specs.vocab import A2A, LayerSplit, Placement, Recompute, Schedule
 
@@ -266,4 +266,5 @@ def build_plan(model, platform, training, nodes: int, **options):
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="parallel") from None
     check_plan(model, platform, training, nodes, plan)
+    check_layout_mtp(chunks, model.mtp_layers, "--virtual-stage-layers")
     return plan

@@ -202,6 +202,29 @@ def layout_decoder_counts(layout: str) -> list[int]:
     modules and the loss on the last rank wherever the layout puts them. Order (Megatron-Core's
     ``validate_layer_layout``): E at most once, first in the first chunk; L at most once, last in the last chunk;
     the MTP layers m together in one chunk after every t (e.g. "...tmL" or "...t|m|L")."""
+    return [chunk.count("t") for chunk in expand_layout(layout).split("|")]
+
+
+def layout_mtp_layers(layout: str) -> int:
+    """MTP layers (m) a layout string places; Megatron-Core requires as many as the model trains."""
+    return expand_layout(layout).count("m")
+
+
+def check_layout_mtp(layout, mtp_layers: int, field: str = "parallel.virtual_stage_layers") -> None:
+    """A layout string (``virtual_stage_layers`` as given) placing another number of MTP layers than the model
+    trains is one error line (Megatron-Core's validate_layer_layout requires them equal)."""
+    if not isinstance(layout, str):
+        return
+    placed = layout_mtp_layers(layout)
+    if placed != mtp_layers:
+        from piper_plan.errors import PiperError
+
+        raise PiperError(f"layout {layout!r} places {placed} MTP layer(s) (m) and the model trains {mtp_layers}: "
+                         "make them equal (m before L, or the trained MTP layers)", field=field)
+
+
+def expand_layout(layout: str) -> str:
+    """A layout string with its repeats expanded and checked (layout_decoder_counts' grammar and order)."""
     text = layout.replace(",", "").replace(" ", "")
 
     expanded = [len(text)]   # characters the repeats have made so far: bounded before each one is built
@@ -223,7 +246,7 @@ def layout_decoder_counts(layout: str) -> list[int]:
         ("the MTP layers m together in one chunk after every t", not _LAYOUT_ORDER.fullmatch(text))) if wrong]
     if misplaced:
         raise ValueError(f"layout {layout!r}: misplaced layers; allowed: {misplaced[0]}")
-    return [chunk.count("t") for chunk in text.split("|")]
+    return text
 
 
 def layout_string(chunks: list[int], mtp_layers: int = 0) -> str:

@@ -51,3 +51,20 @@ def test_cli_one_error_line(layout):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("error:") and f"layout {layout!r}: misplaced layers" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("layout, flags, needle", [
+    ("Et|t|t|tmmmL", [], "places 3 MTP layer(s) (m) and the model trains 0"),     # tiny-moe has no MTP module
+    ("Et|t|t|tmL", [], "places 1 MTP layer(s) (m) and the model trains 0")])
+def test_a_layout_places_as_many_mtp_layers_as_the_model_trains(layout, flags, needle):
+    """Megatron-Core's validate_layer_layout requires the m count to equal the MTP layers; the CLI and the
+    validation rows hold layouts to it (a phantom 'mmm' was priced silently)."""
+    result = CliRunner().invoke(cli, ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                                      "--seq", "128", "--global-batch", "8", "--dp", "1", "--pp", "2",
+                                      "--schedule", "interleaved", "--virtual-stage-layers", layout, *flags])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert f"--virtual-stage-layers: layout {layout!r} {needle}" in result.stderr
+    ok = CliRunner().invoke(cli, ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                                  "--seq", "128", "--global-batch", "8", "--dp", "1", "--pp", "2",
+                                  "--schedule", "interleaved", "--virtual-stage-layers", "Et|t|t|tL"])
+    assert ok.exit_code == 0, ok.output
