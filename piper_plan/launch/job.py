@@ -64,14 +64,13 @@ def repriced(plan_file: PlanFile, path: Path) -> tuple[PlanFile, bool]:
                      placement=pf.placement, options=cost_options(_whole_numbers(stored.options)))
     pairs = ((stored.step_time_s, fresh.step_time_s), (stored.memory.peak_bytes, fresh.memory.peak_bytes))
     changed = any(abs(new - old) > STALE_PREDICTION * max(abs(old), 1e-30) for old, new in pairs)
-    if changed:
-        from piper_plan.cli.common import note
-
-        note(f"{path}: its stored prediction (step {stored.step_time_s:.4g} s, peak "
-             f"{stored.memory.peak_bytes / 2**30:.2f} GiB) is not what its plan costs now (step "
-             f"{fresh.step_time_s:.4g} s, peak {fresh.memory.peak_bytes / 2**30:.2f} GiB): the file was edited or "
-             "saved by another piper; the job is sized and checked by the new figures")
     return pf.model_copy(update={"prediction": fresh}), changed
+
+
+def _stale_note(stored, fresh) -> str:
+    return (f"its stored prediction (step {stored.step_time_s:.4g} s, peak {stored.memory.peak_bytes / 2**30:.2f} "
+            f"GiB) is not what its plan costs now (step {fresh.step_time_s:.4g} s, peak "
+            f"{fresh.memory.peak_bytes / 2**30:.2f} GiB): the file was edited or saved by another piper")
 
 
 def _whole_numbers(options: dict) -> dict:
@@ -82,8 +81,20 @@ def _whole_numbers(options: dict) -> dict:
 def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
             command: tuple[str, ...] | None = None) -> PreparedJob:
     """Read the plan, price it again (repriced), check it, render the script; nothing is written."""
-    plan_file, changed = repriced(read_plan_file(plan_path), plan_path)
-    check_runnable(plan_file, plan_path)
+    stored = read_plan_file(plan_path)
+    plan_file, changed = repriced(stored, plan_path)
+    try:
+        check_runnable(plan_file, plan_path)
+    except PiperError as exc:         # one line: why, and that the file's own figures said otherwise
+        if not changed:
+            raise
+        raise PiperError(f"{exc.message} ({_stale_note(stored.prediction, plan_file.prediction)})", path=exc.path,
+                         field=exc.field) from None
+    if changed:
+        from piper_plan.cli.common import note
+
+        note(f"{plan_path}: {_stale_note(stored.prediction, plan_file.prediction)}; the job is sized and checked by "
+             "the new figures")
     out_dir = out_dir.expanduser().absolute()
     job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))
