@@ -292,7 +292,7 @@ def check_writable(path: str | Path) -> None:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (``atomic_write_text``'s rules; a PNG, say). A symbolic link is
-    written through (its target replaced, the link kept); a path in /dev or /proc is refused."""
+    written through (its target replaced, the link kept); a path in /dev, /proc or /sys is refused."""
     given = Path(path)
     check_writable(given)
     try:
@@ -304,7 +304,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 
 SYSTEM_FOLDERS = ("/dev", "/proc", "/sys")
 """Folders whose entries are devices and kernel files: never an output (an atomic rename over /dev/stdout replaced
-the system's link with a plain file)."""
+the system's link with a plain file), except under SHARED_MEMORY."""
+SHARED_MEMORY = Path("/dev/shm")
+"""A tmpfs of ordinary files and folders under /dev: outputs there are written as anywhere."""
 
 
 def _link_target(path: Path) -> Path:
@@ -314,6 +316,8 @@ def _link_target(path: Path) -> Path:
         where = Path(os.path.abspath(where.parent / os.readlink(where)))
         hops.append(where)
     for hop in hops + [Path(os.path.realpath(path))]:
+        if SHARED_MEMORY in hop.parents:
+            continue
         if any(hop == Path(f) or Path(f) in hop.parents for f in SYSTEM_FOLDERS):
             raise PiperError(f"cannot write: {hop} is a device or kernel file; give a file name", path=str(path))
     return Path(os.path.realpath(path)) if path.is_symlink() else path

@@ -249,6 +249,12 @@ def test_an_output_link_is_written_through_and_a_system_file_refused(tmp_path):
     for path in ("/dev/stdout", "/dev/null", "/proc/self/status", system):
         assert_one_line_error(run(*ESTIMATE, "-o", path), "is a device or kernel file")
     assert os.path.islink("/dev/stdout")
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):      # a tmpfs of ordinary files: written
+        shm = Path("/dev/shm") / f"piper-test-{os.getpid()}.json"
+        try:
+            assert run(*ESTIMATE, "-o", shm).exit_code == 0 and shm.is_file()
+        finally:
+            shm.unlink(missing_ok=True)
 
 
 def test_an_output_that_is_one_of_the_inputs_is_refused(tmp_path):
