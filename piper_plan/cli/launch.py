@@ -86,6 +86,8 @@ def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partitio
     options = LaunchOptions(steps=steps, account=account, partition=partition, time=time_, job_name=job_name,
                             template_dir=template_dir)
     prepared = joblib.prepare(Path(plan_path), Path(out_dir), options, python=sys.executable)
+    if prepared.repriced_note:
+        note(prepared.repriced_note)
     if dry_run:
         if as_json:
             print_json({"script": prepared.script, **_job_facts(prepared)})

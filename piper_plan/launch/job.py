@@ -21,6 +21,8 @@ class PreparedJob:
     job: JobSpec
     script: str
     readme: str
+    repriced_note: str | None = None
+    """Where the file's stored prediction is not what its plan costs now: what changed (the CLI notes it)."""
 
     @property
     def script_path(self) -> Path:
@@ -90,11 +92,6 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
             raise
         raise PiperError(f"{exc.message} ({_stale_note(stored.prediction, plan_file.prediction)})", path=exc.path,
                          field=exc.field) from None
-    if changed:
-        from piper_plan.cli.common import note
-
-        note(f"{plan_path}: {_stale_note(stored.prediction, plan_file.prediction)}; the job is sized and checked by "
-             "the new figures")
     out_dir = out_dir.expanduser().absolute()
     job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))
@@ -106,8 +103,10 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
         data = json.loads(plan_text)
         data["prediction"] = plan_file.prediction.model_dump(mode="json")
         plan_text = json.dumps(data, indent=2) + "\n"
-    return PreparedJob(out_dir=out_dir, plan_text=plan_text, job=job,
-                       script=script, readme=readme_text(job, plan_file))
+    repriced_note = f"{plan_path}: {_stale_note(stored.prediction, plan_file.prediction)}; the job is sized and " \
+        "checked by the new figures" if changed else None
+    return PreparedJob(out_dir=out_dir, plan_text=plan_text, job=job, script=script,
+                       readme=readme_text(job, plan_file), repriced_note=repriced_note)
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:
