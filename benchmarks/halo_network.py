@@ -33,7 +33,7 @@ the framework overhead measured right before (its 4-rank lockstep rows by 2 x 2 
 predicted vs measured step time and its parts (the runtime's a2a and dp_sync timers, the rest). Writes docs/halo-measured.md and docs/halo-measured.png.
 
 Run: .venv/bin/python benchmarks/halo_network.py [--out /tmp/piper-halo-net] [--reuse [--rerun-closed-loop]]
-     [--no-hidden-step] [--no-link-use]
+     [--no-hidden-step] [--no-link-use] [--no-network-host-work]
      [--from DIR] [--repeat DIR]
 """
 
@@ -311,6 +311,34 @@ def copy_host_GBps(copies: dict, check: dict) -> float:
     return inside.get("host_GBps") or copies["host_GBps"]
 
 
+def copies_beside_network_GBps(copies: dict, check: dict, nodes: int, g: int) -> float:
+    """The host's copy rate for HALO on ``nodes`` x ``g``, with the emulated network's own host work priced.
+
+    Every emulated node runs on this one host, so each byte that crosses the emulated network costs the host kernel
+    work (veth, bridge, tbf) on the cores HALO's row copies run on. The copies alone run at ``copies["host_GBps"]``
+    (relay_copies); inside the IN_EXCHANGE_SHAPE exchange at its in-exchange rate (copies_in_exchange). The gap is
+    that work: kappa = (C / rate_in x rate_alone - C) / N host-byte equivalents per byte crossing the network, C the
+    exchange's copy bytes (all ranks), N its inter-node bytes. On another shape the copies then take
+    (C_x + kappa N_x) / rate_alone: the rate returned is rate_alone x C_x / (C_x + kappa N_x). On IN_EXCHANGE_SHAPE
+    it is the in-exchange rate itself; elsewhere a shape sending more of its bytes across the network than it
+    copies (4 x 2) gets a slower rate, one sending fewer (2 x 2, 2 x 4) a faster one. Without both measurements, or
+    with ``copies["network_host_work"]`` False (--no-network-host-work), copy_host_GBps's one rate."""
+    from piper_plan.cost.comm import relay_copy_bytes
+
+    inside = check.get("copies_in_exchange") or {}
+    alone, rate_in = copies["host_GBps"], inside.get("host_GBps")
+    if not copies.get("network_host_work", True) or not rate_in or alone <= rate_in:
+        return copy_host_GBps(copies, check)
+
+    def copied_and_sent(shape_nodes: int, ranks_per_node: int) -> tuple[float, float]:
+        n = shape_nodes * ranks_per_node      # per byte sent by each rank: copy bytes and inter-node bytes, all ranks
+        return n * float(relay_copy_bytes(n, shape_nodes, 1.0)), float(n - ranks_per_node)
+    c_in, n_in = copied_and_sent(*IN_EXCHANGE_SHAPE)
+    kappa = (c_in * alone / rate_in - c_in) / n_in
+    c_x, n_x = copied_and_sent(nodes, g)
+    return alone * c_x / (c_x + kappa * n_x)
+
+
 def half_duplex(check: dict) -> bool:
     """Whether one connection carries one direction at a time: both ways on one communicator get clearly less
     per direction than one way (shaping check)."""
@@ -332,8 +360,9 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     data = yaml.safe_load(PLATFORM_FILE.read_text())
     g = ranks_per_node
     nic_GBps = min(rate_GBps, check.get("two_way_two_connections_GBps") or rate_GBps)  # an all-to-all loads both ways
+    host_GBps = copies_beside_network_GBps(copies, check, nodes, g)
     data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=nic_GBps,
-                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=copy_host_GBps(copies, check) / (nodes * g),
+                        device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=host_GBps / (nodes * g),
                         serial_phases=nodes * g > copies["host_cores"])
     data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check),
                            link_burst_bytes=NetworkSpec(rate_GBps, UPLINKS).burst_bytes)
@@ -706,7 +735,7 @@ def uplink_use_table(uses: dict) -> list[str]:
     return lines
 
 
-def copies_inside_lines(checks: dict) -> list[str]:
+def copies_inside_lines(checks: dict, copies: dict) -> list[str]:
     """The copy rate inside an exchange per test rate, which the model prices the copies at where measured."""
     inside = {rate: c["copies_in_exchange"] for rate, c in checks.items()
               if (c.get("copies_in_exchange") or {}).get("host_GBps")}
@@ -727,8 +756,22 @@ def copies_inside_lines(checks: dict) -> list[str]:
             f"{nodes} x {g} ranks (a shape no predicted point has; the faster of its timings before and after the "
             "rate's points where both were taken), less the model's time for its phases without copies "
             f"(no host step: none is calibrated for that shape), is its copies' time ({'; '.join(parts)} over the "
-            "host). The model prices the copies at that rate, per test rate; a job of n ranks gets 1/n of it per rank.",
+            "host). A job of n ranks gets 1/n of the host's rate per rank.", *network_work_line(checks, copies),
             *use_line]
+
+
+def network_work_line(checks: dict, copies: dict) -> list[str]:
+    """How the copies' rate differs per shape (copies_beside_network_GBps), or that it does not."""
+    if not copies.get("network_host_work", True):
+        return ["The model prices the copies at that rate on every shape (--no-network-host-work)."]
+    rates = [f"{rate:g} GB/s: " + ", ".join(f"{n} x {r} {copies_beside_network_GBps(copies, c, n, r):.2f}"
+                                           for n, r in SHAPES)
+             for rate, c in sorted(checks.items()) if (c.get("copies_in_exchange") or {}).get("host_GBps")]
+    return [f"What the copies lose there is the emulated network's own work on this host (veth, bridge, tbf: every "
+            f"byte crossing it costs the kernel time on the cores the copies run on): against the copies alone "
+            f"({copies['host_GBps']:.2f} GB/s) it is priced per byte crossing the network, so a shape sending more of "
+            "its bytes across it than it copies gets a slower copy rate (copies_beside_network_GBps; GB/s over the "
+            f"host: {'; '.join(rates)})."]
 
 
 def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -> list[str]:
@@ -813,7 +856,7 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
               f"{copies['bytes_per_rank'] // 2**20} MiB per rank (benchmarks/halo_phases.py --copies): "
               f"{copies['seconds'] * 1e3:.1f} ms for {copies['copy_bytes_per_rank'] / 1e6:.1f} MB per rank, the host "
               f"copies {copies['host_GBps']:.2f} GB/s over all ranks; a job of n ranks gets 1/n of it per rank "
-              "(node.relay_copy_GBps)."] + copies_inside_lines(checks)
+              "(node.relay_copy_GBps)."] + copies_inside_lines(checks, copies)
     lines += host_step_lines(rows, other_rate, tiny or {})
     lines += ["", "## Flat vs HALO: measured and predicted", ""] + table(rows) + [
         "", "![measured (solid) and modelled (dashed) all-to-all time; dotted: measured flat / HALO](halo-measured.png)", "",
@@ -886,6 +929,9 @@ def main() -> int:
     ap.add_argument("--no-link-use", action="store_true",
                     help="price flat on 3+ nodes without the link use measured on IN_EXCHANGE_SHAPE (the with / "
                          "without comparison of the analysis)")
+    ap.add_argument("--no-network-host-work", action="store_true",
+                    help="price HALO's copies at the in-exchange rate on every shape, without the emulated network's "
+                         "host work per byte (copies_beside_network_GBps; the with / without comparison)")
     ap.add_argument("--no-hidden-step", action="store_true",
                     help="price without node.host_step_hidden (the with / without comparison of the analysis)")
     args = ap.parse_args()
@@ -895,7 +941,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.first:
         reuse_calibration(Path(args.first), out)
-    copies = relay_copies(out, reuse=args.reuse)
+    copies = {**relay_copies(out, reuse=args.reuse), "network_host_work": not args.no_network_host_work}
     print(f"relay copies: {copies}", flush=True)
     if args.reuse:
         saved = json.loads((out / "results.json").read_text())

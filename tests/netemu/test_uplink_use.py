@@ -226,3 +226,17 @@ def test_the_exchange_on_three_nodes_keeps_the_faster_of_its_two_timings(network
     timing(Path(f"{stem}-after.json"), halo=0.150)
     timing(Path(f"{stem}.json"), halo=0.219)
     assert network.in_exchange_seconds(tmp_path, spec, "-after") == {"halo": 0.150}   # present: not measured again
+
+
+def test_the_copy_rate_prices_the_emulated_networks_host_work_per_shape(network):
+    """copies_beside_network_GBps: on the shape it is measured on, the in-exchange rate itself; a shape sending
+    more of its bytes across the network than it copies (4 x 2) gets a slower rate, one sending fewer (2 x 2, 2 x 4)
+    a faster one, never above the copies alone; without the in-exchange figure, or switched off, the one rate."""
+    copies = {"host_GBps": 13.0, "host_cores": 2}
+    check = {"copies_in_exchange": {"host_GBps": 5.0}}
+    nodes, g = network.IN_EXCHANGE_SHAPE
+    rate = lambda n, r, c=copies, k=check: network.copies_beside_network_GBps(c, k, n, r)   # noqa: E731
+    assert rate(nodes, g) == pytest.approx(5.0)
+    assert rate(4, 2) < 5.0 < rate(2, 2) <= 13.0 and 5.0 < rate(2, 4) <= 13.0
+    assert rate(4, 2, {**copies, "network_host_work": False}) == 5.0
+    assert rate(4, 2, copies, {}) == 13.0                      # no in-exchange figure: the copies alone
