@@ -315,12 +315,13 @@ def _link_target(path: Path) -> Path:
     while where.is_symlink() and len(hops) < 40:          # each link on the way (/dev/stdout -> /proc/self/fd/1)
         where = Path(os.path.abspath(where.parent / os.readlink(where)))
         hops.append(where)
-    for hop in hops + [Path(os.path.realpath(path))]:
+    resolved = Path(os.path.realpath(path))
+    for hop in hops + [resolved]:
         if SHARED_MEMORY in hop.parents:
             continue
         if any(hop == Path(f) or Path(f) in hop.parents for f in SYSTEM_FOLDERS):
             raise PiperError(f"cannot write: {hop} is a device or kernel file; give a file name", path=str(path))
-    return Path(os.path.realpath(path)) if path.is_symlink() else path
+    return resolved if path.is_symlink() else path
 
 
 def _write_replace(path: Path, data: bytes) -> Path:

@@ -199,6 +199,15 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
     return plan_file
 
 
+def does_not_fit(prediction: Estimate | None) -> str | None:
+    """Why the plan's own prediction does not fit the device (launch refuses it, export warns), or None."""
+    if prediction is None or prediction.fits:
+        return None
+    mem = prediction.memory
+    return (f"the plan's own prediction does not fit: peak {mem.peak_bytes / 2**30:.2f} GiB of "
+            f"{mem.device_bytes / 2**30:.2f} GiB per device")
+
+
 def read_plan_file(path) -> PlanFile:
     """Read and validate plan.json."""
     return parse_plan_dict(read_structured(Path(path)), str(path))

@@ -261,6 +261,13 @@ def _chunks_broken(s: Setting, c) -> np.ndarray:
     return out
 
 
+def cp_splits_sequence(cp, seq_len: int):
+    """Whether context parallelism ``cp`` (scalar or array) can split a sequence of ``seq_len`` tokens: cp 1, or
+    2 cp equal chunks (the load-balanced causal split)."""
+    cp = np.asarray(cp)
+    return (cp <= 1) | (seq_len % (2 * np.maximum(cp, 1)) == 0)
+
+
 def _h(s: Setting) -> tuple[int, int]:
     return s.model.attention.num_heads, s.model.attention.kv_heads
 
@@ -279,7 +286,7 @@ RULES: tuple[Rule, ...] = (
     Rule("world_mismatch", lambda s, c: c.world != s.world,
          lambda s, p: f"pp x dp x cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp} = {p.world} must equal the world size "
                       f"{s.nodes} nodes x {s.platform.devices_per_node} = {s.world}"),
-    Rule("cp_not_divisor_seq", lambda s, c: (c.cp > 1) & (s.training.seq_len % (2 * c.cp) != 0),
+    Rule("cp_not_divisor_seq", lambda s, c: ~cp_splits_sequence(c.cp, s.training.seq_len),
          lambda s, p: f"cp={p.cp} needs seq_len={s.training.seq_len} divisible by 2 x cp = {2 * p.cp} (the "
                       "load-balanced causal split cuts each sequence into 2 cp equal chunks)"),
     Rule("balanced_split_too_deep", lambda s, c: (c.layers_split == LayerSplit.BALANCED.code) & (c.pp > 1)

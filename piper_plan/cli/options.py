@@ -201,8 +201,7 @@ def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = Fal
 
     import yaml
 
-    from piper_plan.catalog import parse_spec
-    from piper_plan.cost.options import CostOptions
+    from piper_plan.cost.options import cost_options as parsed_options
 
     if not pairs:
         return options
@@ -221,11 +220,8 @@ def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = Fal
             value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError:
             raise PiperError(f"{pair!r}: the value is not YAML", field="--cost-option") from None
-        values[name.strip()] = list(value) if isinstance(value, (list, tuple)) else value
-    for name in ("recompute_modules", "cuda_graph_scope"):
-        if isinstance(values[name], tuple):
-            values[name] = list(values[name])
-    return parse_spec(CostOptions, values, "", field="--cost-option")
+        values[name.strip()] = value
+    return parsed_options(values, field="--cost-option")
 
 
 def parse_layers(text: str | None, field: str = "--layers-per-stage") -> list[int] | None:

@@ -64,10 +64,9 @@ class Rates:
         """Where the compute rates come from: the calibration's own sources (with the GEMM fallback where its
         gemm.csv lacks this dtype), else the roofline's efficiencies and their citation; a peak borrowed from the
         other 16-bit format (PlatformSpec.peak_flops) is named."""
-        borrowed = [d for d in dict.fromkeys((self.dtype, self.attention_dtype))
-                    if d not in self.platform.device.peak_flops]
-        peaks = "".join(f"; the {d} peak is device.peak_flops' {'fp16' if d == 'bf16' else 'bf16'} (no {d} entry)"
-                        for d in borrowed)
+        peaks = "".join(f"; the {d} peak is device.peak_flops' {self.platform.peak_dtype(d)} (no {d} entry)"
+                        for d in dict.fromkeys((self.dtype, self.attention_dtype))
+                        if self.platform.peak_dtype(d) != d)
         if self.calibration is None:
             return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.dtype}, " \
                    f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source}){peaks}"

@@ -116,13 +116,16 @@ def _names_in(field: str, values, allowed: tuple[str, ...]):
     return values
 
 
-def cost_options(values: dict) -> CostOptions:
+def cost_options(values: dict, field: str = "options") -> CostOptions:
     """CostOptions from a file's ``options`` mapping (plain JSON data), validated as the spec files are (pydantic,
     strict JSON mode): an unknown name, a value of the wrong type or out of range, or a name outside a field's
-    choices is one PiperError line."""
+    choices is one PiperError line. A whole float stands for a count (plan files wrote moe_saved_rows as 2.0) and a
+    tuple for a list (``dataclasses.asdict`` of a CostOptions)."""
     from piper_plan.catalog import parse_spec
 
-    return parse_spec(CostOptions, values, "", field="options")   # a named choice's own check names its field
+    plain = {k: int(v) if isinstance(v, float) and v.is_integer() else list(v) if isinstance(v, tuple) else v
+             for k, v in values.items()}
+    return parse_spec(CostOptions, plain, "", field=field)   # a named choice's own check names its field
 
 
 DEFAULT_OPTIONS = CostOptions()

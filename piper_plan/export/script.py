@@ -7,8 +7,8 @@ import shlex
 
 from piper_plan.cost.options import DEFAULT_OPTIONS, CostOptions, cost_options
 from piper_plan.launch.local import MASTER_PORT
+from piper_plan.planfile import does_not_fit
 
-GIB = 2**30
 READ_OPTIONS = ("dropout", "recompute_modules", "shared_expert_overlap", "ep_dispatch", "cross_entropy_fusion_impl",
                 "cuda_graph_scope")
 """The prediction options an export reads: written as the engine's flags or named in its notes."""
@@ -68,12 +68,8 @@ def capacity_note(plan_file, instead: str) -> list[str]:
 
 def fit_warning(plan_file) -> str | None:
     """The plan's own prediction does not fit the device (``piper launch`` refuses such a plan), or None."""
-    prediction = plan_file.prediction
-    if prediction is None or prediction.fits:
-        return None
-    mem = prediction.memory
-    return (f"the plan's own prediction does not fit: peak {mem.peak_bytes / GIB:.2f} GiB of "
-            f"{mem.device_bytes / GIB:.2f} GiB per device (`piper launch` refuses it; re-plan with `piper plan`)")
+    overflow = does_not_fit(plan_file.prediction)
+    return f"{overflow} (`piper launch` refuses it; re-plan with `piper plan`)" if overflow else None
 
 
 def job_script(engine: str, plan_file, launcher: list[str], lines: list[list[str]], notes: list[str]) -> str:

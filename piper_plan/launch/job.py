@@ -9,7 +9,7 @@ from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_text, check_writable, read_text
 from piper_plan.launch import render, submit
 from piper_plan.launch.render import JobSpec, LaunchOptions
-from piper_plan.planfile import PlanFile, read_plan_file
+from piper_plan.planfile import PlanFile, does_not_fit, read_plan_file
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,16 @@ def check_runnable(plan_file: PlanFile, path: Path) -> None:
     if problems:
         raise PiperError(f"the runtime cannot run this plan: {'; '.join(problems)} "
                          f"(re-plan with `piper plan --runnable`)", path=str(path))
-    if pf.prediction is not None and not pf.prediction.fits:
-        mem = pf.prediction.memory
-        raise PiperError(f"the plan's own prediction does not fit: peak {mem.peak_bytes / 2**30:.2f} GiB of "
-                         f"{mem.device_bytes / 2**30:.2f} GiB per device (re-plan with `piper plan`)",
-                         path=str(path), field="prediction.fits")
+    overflow = does_not_fit(pf.prediction)
+    if overflow:
+        raise PiperError(f"{overflow} (re-plan with `piper plan`)", path=str(path), field="prediction.fits")
 
 
 STALE_PREDICTION = 1e-6
 """Relative difference in step time or peak memory beyond which a file's stored prediction is not its plan's."""
 
 
-def repriced(plan_file: PlanFile, path: Path) -> tuple[PlanFile, bool]:
+def repriced(plan_file: PlanFile) -> tuple[PlanFile, bool]:
     """``plan_file`` with its prediction priced again from what the file holds (model, platform, training, plan,
     placement, the stored cost options and calibration use), and whether that changed it: a hand-edited file, or
     one saved by another piper, is sized by what its plan costs now, not by the figures written beside it."""
@@ -63,7 +61,7 @@ def repriced(plan_file: PlanFile, path: Path) -> tuple[PlanFile, bool]:
         return pf, False
     calibration = load_calibration(pf.platform.name) if stored.sources.compute.startswith("calibration") else None
     fresh = estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
-                     placement=pf.placement, options=cost_options(_whole_numbers(stored.options)))
+                     placement=pf.placement, options=cost_options(dict(stored.options)))
     pairs = ((stored.step_time_s, fresh.step_time_s), (stored.memory.peak_bytes, fresh.memory.peak_bytes))
     changed = any(abs(new - old) > STALE_PREDICTION * max(abs(old), 1e-30) for old, new in pairs)
     return pf.model_copy(update={"prediction": fresh}), changed
@@ -75,16 +73,11 @@ def _stale_note(stored, fresh) -> str:
             f"{fresh.memory.peak_bytes / 2**30:.2f} GiB): the file was edited or saved by another piper")
 
 
-def _whole_numbers(options: dict) -> dict:
-    """The stored options with whole floats as ints (the file's option values read as floats: counts are ints)."""
-    return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in options.items()}
-
-
 def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
             command: tuple[str, ...] | None = None) -> PreparedJob:
     """Read the plan, price it again (repriced), check it, render the script; nothing is written."""
     stored = read_plan_file(plan_path)
-    plan_file, changed = repriced(stored, plan_path)
+    plan_file, changed = repriced(stored)
     try:
         check_runnable(plan_file, plan_path)
     except PiperError as exc:         # one line: why, and that the file's own figures said otherwise

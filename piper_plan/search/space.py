@@ -29,7 +29,8 @@ import numpy as np
 from pydantic import Field
 
 from piper_plan.errors import PiperError
-from piper_plan.plans import RULES, PlanBatch, array_fields, check_setting, problem_masks, reason_counts
+from piper_plan.plans import (RULES, PlanBatch, array_fields, check_setting, cp_splits_sequence, problem_masks,
+                              reason_counts)
 from piper_plan.specs.parallel import Degree
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
@@ -197,7 +198,7 @@ def _check_cp_divides_world(options: SearchOptions, world: int) -> None:
 def _check_cp_divides_sequence(options: SearchOptions, seq_len: int) -> None:
     """Asked-for context-parallel degrees of which none splits the sequence (plans.py rule cp_not_divisor_seq: 2 cp
     equal chunks) are a user error, as in `estimate`, not "nothing fits"."""
-    if options.cp and not any(cp == 1 or seq_len % (2 * cp) == 0 for cp in options.cp):
+    if options.cp and not cp_splits_sequence(list(options.cp), seq_len).any():
         raise PiperError(f"{','.join(map(str, options.cp))}: no context-parallel degree splits the sequence of "
                          f"{seq_len} tokens into 2 x cp equal chunks (the load-balanced causal split); cp > 1 needs "
                          f"seq_len divisible by 2 x cp", field="--cp")

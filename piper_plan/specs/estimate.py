@@ -122,7 +122,7 @@ class Estimate(Spec):
     layers_per_stage: list[int] = []
     """The layer split the plan was priced with (empty in plan.json files of schema 1)."""
     sources: Sources
-    options: dict[str, bool | float | None | list[str] | str]
+    options: dict[str, bool | int | float | None | list[str] | str]
     """The CostOptions in force (None: an option left to its default rule, e.g. loss_chunk_rows)."""
     other_placement: OtherPlacement | None = None
 

@@ -299,12 +299,18 @@ class PlatformSpec(Spec):
     def node_limit(self) -> int:
         return self.max_nodes or self.network.max_nodes
 
-    def peak_flops(self, dtype: str) -> float:
-        """Dense peak FLOP/s for ``dtype``; bf16 falls back to fp16 and back."""
+    def peak_dtype(self, dtype: str) -> str | None:
+        """Whose entry of device.peak_flops prices ``dtype``: its own, else (bf16 / fp16) the other 16-bit
+        format's; None where neither is listed."""
         peaks = self.device.peak_flops
-        for name in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype)):
-            if name in peaks:
-                return peaks[name]
+        return next((name for name in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype)) if name in peaks),
+                    None)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype`` (peak_dtype's entry)."""
+        peaks, name = self.device.peak_flops, self.peak_dtype(dtype)
+        if name is not None:
+            return peaks[name]
         from piper_plan.errors import PiperError
 
         raise PiperError(f"platform {self.name} has no peak for dtype={dtype}; has {sorted(str(p) for p in peaks)}",
