@@ -169,7 +169,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
     segment_nodes = platform.network.segment_nodes
     return JobSpec(
         platform=platform.name, template=launch.template,
-        job_name=v.job_name(_given(options.job_name, f"piper-{plan_file.model.name}-{nodes}n")),
+        job_name=v.job_name(_given(options.job_name, v.default_job_name(plan_file.model.name, nodes))),
         nodes=nodes, ranks_per_node=dpn, world=plan.world,
         cpus_per_task=launch.cpus_per_task, gpus_per_task=launch.gpus_per_task, steps=steps,
         time=v.wall_time(options.time) if options.time is not None

@@ -45,6 +45,13 @@ def job_name(value: str) -> str:
     return _check(value, NAME_RE, "job_name", "1-128 of letters, digits, '.', '_', '-' (no spaces or shell characters)")
 
 
+def default_job_name(model_name: str, nodes: int) -> str:
+    """The job name piper picks when none is given: ``piper-<model>-<nodes>n``, each run of characters a job name
+    may not hold (a model's name may be any printable line) as one '-', cut to NAME_RE's 128 characters."""
+    model = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-") or "model"
+    return f"piper-{model}"[:128 - len(f"-{nodes}n")] + f"-{nodes}n"
+
+
 def slurm_name(value: str, field: str) -> str:
     """A partition or account name."""
     return _check(value, NAME_RE, field, "letters, digits, '.', '_', '-' (no spaces or shell characters)")

@@ -136,3 +136,14 @@ def test_gb200_jobs_ask_for_rack_aligned_segments(tmp_path, nodes, segment):
 
 def test_segment_size():
     assert [render.segment_size(n, 16) for n in (1, 12, 16, 17, 32, 48, 40)] == [1, 12, 16, 1, 16, 16, 8]
+
+
+@pytest.mark.parametrize("model_name,nodes,expected", [
+    ("mixtral-8x7b", 4, "piper-mixtral-8x7b-4n"), ("../../etc", 4, "piper-..-..-etc-4n"),
+    ("Qwen3 30B (A3B)", 2, "piper-Qwen3-30B-A3B-2n"), ("$$$", 1, "piper-model-1n"), ("x" * 300, 1024, None)])
+def test_default_job_name_is_a_valid_job_name(model_name, nodes, expected):
+    """A model's name may be any printable line; the job name piper derives from it is always one sbatch takes."""
+    from piper_plan.launch import validate
+    name = validate.default_job_name(model_name, nodes)
+    assert validate.job_name(name) == name and name.endswith(f"-{nodes}n")
+    assert expected is None or name == expected
