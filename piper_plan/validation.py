@@ -327,11 +327,14 @@ def check_row(spec: DatasetSpec, row: RowSpec) -> None:
     if row.nodes is None:
         raise PiperError("needs nodes", field="nodes")
     training = row_training(spec, row)
+    model = row_model(row)
     if row.search is not None:
         row_search(row)
     else:
-        row_plan(row, training)
-    model = row_model(row)
+        from piper_plan.catalog import load_platform
+        from piper_plan.plans import check_plan
+
+        check_plan(model, load_platform(row.platform or spec.platform), training, row.nodes, row_plan(row, training))
     check_layout_mtp((row.parallel or {}).get("virtual_stage_layers"), model.mtp_layers)
 
 

@@ -252,3 +252,22 @@ def test_a_row_stage_past_the_pipeline_or_a_vanishing_published_value_is_one_lin
     path.write_text(yaml.safe_dump(data))
     result = CliRunner().invoke(cli, ["validate", "--dataset", str(path)])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("parallel, needle", [
+    ({"virtual_stage_layers": "Et|(tt|)*29mL"}, "virtual_stage_layers_invalid"),     # before: AssertionError
+    ({"pp": 200}, "pp_exceeds_layers"),                                             # before: ZeroDivisionError
+    ({"ep": 7}, "ep_not_divisor: ep=7 must divide num_experts=256"),                # before: priced, 437.8 tok/s
+    ({"mbs": 3}, "batch_not_divisible: global_batch=8192"),                         # before: priced at batch 8064
+])
+def test_a_rows_published_plan_is_checked_as_estimate_checks_it(tmp_path, parallel, needle):
+    import yaml
+
+    data = yaml.safe_load((validation_dir() / "megatron-bridge-moe.yaml").read_text())
+    data["rows"] = [r for r in data["rows"] if r["id"] == "25.09-dsv3-h100"]
+    data["rows"][0]["parallel"].update(parallel)
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(cli, ["validate", "--dataset", str(path)])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "rows[25.09-dsv3-h100].parallel: invalid plan:" in result.stderr and needle in result.stderr
