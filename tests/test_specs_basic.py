@@ -55,3 +55,12 @@ def test_expert_parallelism_on_a_dense_model_is_an_error():
     with pytest.raises(PiperError, match=r"ep=2, etp=1: tiny-dense is dense"):
         check_plan(load_model("tiny-dense"), LOCAL, TrainingSpec(global_batch=8), 1,
                    ParallelPlan(dp=2, ep=2, num_microbatches=4))
+
+
+@pytest.mark.parametrize("layers", [{"every": 2, "phase": 5}, {"first_k_dense": 32}, {"explicit": []}])
+def test_a_moe_block_that_selects_no_layer_is_refused(layers):
+    """Before: a MoE model with 0 routed experts in its counts, priced with ep 8 and no all-to-all."""
+    data = load_model("mixtral-8x7b").model_dump(mode="json")
+    data["moe"]["layers"] = layers
+    with pytest.raises(ValidationError, match="selects none of the 32 layers"):
+        type(load_model("mixtral-8x7b")).model_validate(data)

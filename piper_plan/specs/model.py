@@ -256,6 +256,13 @@ class ModelSpec(Spec):
             if bad:
                 raise ValueError(f"moe.layers.explicit has indices {bad[:5]} outside 0..{self.num_layers - 1} "
                                  f"(num_layers={self.num_layers})")
+        if self.moe is not None and not self.moe_layers:
+            rule = self.moe.layers
+            picks = (f"explicit={rule.explicit}" if rule.explicit is not None else
+                     f"first_k_dense={rule.first_k_dense}, every={rule.every}, phase={rule.phase}")
+            raise ValueError(f"moe.layers ({picks}) selects none of the {self.num_layers} layers: a moe block needs "
+                             "at least one MoE layer (phase < every, first_k_dense < num_layers); drop moe for a "
+                             "dense model")
         if self.num_dense_layers and self.dense_ffn is None:
             raise ValueError(f"{self.num_dense_layers} of {self.num_layers} layers are dense "
                              f"({self._dense_reason()}) but dense_ffn is not set")

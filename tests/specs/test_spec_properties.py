@@ -28,6 +28,9 @@ def moe_specs(draw):
                        "expert": {"intermediate_size": draw(st.integers(1, 64)), "gated": draw(st.booleans())},
                        "num_shared_experts": draw(st.integers(0, 2)),
                        "layers": {"first_k_dense": draw(st.integers(0, 2)), "every": draw(st.integers(1, 2))}}
+        rule = data["moe"]["layers"]
+        if not any(i % rule["every"] == 0 for i in range(rule["first_k_dense"], data["num_layers"])):
+            rule["first_k_dense"] = 0      # a moe block selects at least one layer (layer 0 here)
     return data
 
 
