@@ -183,8 +183,16 @@ def routed_rows(model: ModelSpec, training: TrainingSpec, tp, mbs, ep):
     1/etp of the expert's width), as Megatron-Core's expert tensor parallelism does."""
     moe = model.moe
     sent = mbs * training.seq_len / tp * moe.top_k
-    load = moe.capacity_factor if moe.capacity_factor is not None else training.routing_skew
+    load = moe.capacity_factor if moe.capacity_factor is not None else np.minimum(training.routing_skew,
+                                                                                 max_routing_skew(moe, ep))
     return sent, sent * load
+
+
+def max_routing_skew(moe, ep):
+    """The largest max / mean rows per rank an ep group can see: every token of the group sends its top_k copies
+    to one rank, at most one per expert it holds (num_experts / ep of them)."""
+    ep = np.asarray(ep, float)
+    return ep * np.minimum(moe.top_k, moe.num_experts / ep) / moe.top_k
 
 
 def routing_skew_from_histogram(tokens_per_expert, ep: int) -> float:

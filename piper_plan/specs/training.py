@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, model_validator
 
 from piper_plan.specs.base import Spec
+from piper_plan.specs.model import MAX_EXPERTS
 
 MAX_COUNT = 2**31
 """Upper bound of seq_len and global_batch: their product (tokens per step) must fit the cost model's int64."""
@@ -42,8 +43,9 @@ class TrainingSpec(Spec):
     """Attention never materialises the s x s score matrix."""
     tokens_to_train: PositiveFloat = 1e12
     """Tokens of the whole run, for time and node-hours to train."""
-    routing_skew: float = Field(default=1.0, ge=1.0)
-    """Expected max / mean tokens per expert-parallel rank (1 = perfectly balanced)."""
+    routing_skew: float = Field(default=1.0, ge=1.0, le=MAX_EXPERTS)
+    """Expected max / mean tokens per expert-parallel rank (1 = perfectly balanced). No rank can receive more than
+    every token's copies its experts can take, so the cost model caps it per plan (cost/memory.py routed_rows)."""
 
     @model_validator(mode="after")
     def _gradients_as_wide_as_weights(self) -> "TrainingSpec":

@@ -183,6 +183,21 @@ def test_routing_skew_stretches_experts_and_a2a():
         assert skew.time.breakdown[key] > 1.3 * base.time.breakdown[key]
 
 
+def test_routing_skew_is_capped_where_one_rank_takes_every_copy_it_can():
+    """Mixtral (8 experts, top 2) on ep 8: one expert per rank, so a rank receives at most one copy of every token
+    of its group: 8 x the mean / 2 = skew 4. Before: skew 1000 priced 100x skew 8 on some terms, not others."""
+    from piper_plan.cost.memory import max_routing_skew
+
+    model = load_model("mixtral-8x7b")
+    assert max_routing_skew(model.moe, 8) == 4 and max_routing_skew(model.moe, 1) == 1
+    plan = ParallelPlan(dp=8, pp=8, ep=8, num_microbatches=8)
+    at, past = (estimate(model, FRONTIER, TrainingSpec(seq_len=4096, global_batch=64, routing_skew=s), 8, plan)
+                for s in (4.0, 1000.0))
+    below = estimate(model, FRONTIER, TrainingSpec(seq_len=4096, global_batch=64, routing_skew=3.0), 8, plan)
+    assert past.step_time_s == at.step_time_s and past.memory.peak_bytes == at.memory.peak_bytes
+    assert below.step_time_s < at.step_time_s
+
+
 def test_planner_imports_no_torch_rich_click():
     """A fresh interpreter imports the cost model, the layout and planfile without torch, rich or click."""
     code = ("import sys, piper_plan.cost, piper_plan.cost.evaluate, piper_plan.placement.layout, "
