@@ -12,7 +12,7 @@ import click
 from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
                                    plot_option, print_json)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options,
-                                    parallel_options, placement_option, training_options)
+                                    migration_option, parallel_options, placement_option, training_options)
 
 GiB = 2**30
 
@@ -25,6 +25,7 @@ GiB = 2**30
 @click.option("--routing-skew", type=float, default=1.0, show_default=True,
               help="Expected max / mean tokens per expert-parallel rank.")
 @placement_option
+@migration_option
 @click.option("--no-calibration", is_flag=True, help="Ignore calibration/<platform>/ (roofline fallback).")
 @click.option("--piper-runtime", is_flag=True,
               help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
@@ -33,7 +34,7 @@ GiB = 2**30
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
 def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_batch, dtype, grad_bytes, routing_skew,
-                 placement, no_calibration, piper_runtime, dropout, recompute_modules, cost_option, as_json, save_path, plot_path,
+                 placement, migration, no_calibration, piper_runtime, dropout, recompute_modules, cost_option, as_json, save_path, plot_path,
                  **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
     from piper_plan.cost.evaluate import estimate
@@ -51,9 +52,10 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
                       options=options)
     result = with_other_placement(result, model, platform, training, nodes, plan, calibration, options)
     if save_path:
-        from piper_plan.planfile import write_plan_file
+        from piper_plan.planfile import MigrationBlock, write_plan_file
 
-        written = write_plan_file(save_path, model, platform, training, nodes, plan, placement, result)
+        written = write_plan_file(save_path, model, platform, training, nodes, plan, placement, result,
+                                  migration=MigrationBlock(enabled=migration))
         note(f"wrote {written}")
         if not result.fits:
             note(f"warning: the saved plan does not fit: peak {_gib(result.memory.peak_bytes)} of "

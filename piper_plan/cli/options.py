@@ -77,6 +77,8 @@ def cost_knobs(fn):
                              "Korthikanti et al. 2022; modern MoE pre-training runs without; piper's runtime has "
                              "none).")(fn)
 
+migration_option = click.option("--migration", is_flag=True,
+                                help="Record expert migration as enabled in the saved plan (off by default).")
 placement_option = click.option("--placement", type=click.Choice(Placement.values()), default="compact",
                                 show_default=True, help="Allocation shape.")
 

@@ -14,8 +14,8 @@ import click
 
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
                                    platform_calibration, plot_option, print_json)
-from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, model_options, placement_option,
-                                    training_options)
+from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
+                                    placement_option, training_options)
 from piper_plan.errors import PiperError
 from piper_plan.fileio import check_writable
 from piper_plan.plots import check_plot_path
@@ -30,7 +30,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @click.option("--strategy", type=click.Choice(["general", "piper"]), default="general", show_default=True,
               help="piper: the paper's PP x EP mesh (tp=1, dp=ep, ep <= devices per switch group).")
 @click.option("--a2a", type=click.Choice(["flat", "halo", "any"]), default="any", show_default=True)
-@click.option("--migration", is_flag=True, help="Record expert migration as enabled in the saved plan.")
+@migration_option
 @click.option("--runnable", is_flag=True, help="Keep only plans the piper runtime can execute.")
 @cost_knobs
 @placement_option

@@ -277,8 +277,8 @@ def test_launch_writes_none_of_its_files_when_one_is_blocked(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (("--routing-skew", "1e308"), "step_time_s is nan"),           # valid one by one, no trainable job together
-    (("--routing-skew", "1e100"), "step_time_s is"),
+    (("--routing-skew", "1e308"), "routing_skew: Input should be less than or equal to 65536"),  # before: step nan
+    (("--routing-skew", "1e100"), "routing_skew: Input should be less than or equal to 65536"),
     (("--dp", 2**63), "dp: Input should be less than or equal to 1048576"),   # beyond numpy's int64
     (("--mbs", 2**62), "mbs: Input should be less than or equal to 1048576"),
 ])

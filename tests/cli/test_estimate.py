@@ -41,9 +41,11 @@ def test_estimate_save_writes_a_readable_plan(tmp_path):
     assert plan.parallel.layers_per_stage == [2, 2] and plan.parallel.num_microbatches == 4
     raw = json.loads(path.read_text())
     assert raw["schema_version"] == 2 and raw["parallel"]["edp"] == 1
-    assert raw["migration"] == {"enabled": True, "threshold": 1.1, "interval": 50, "max_iters": 16,
-                                "window": None}
+    assert raw["migration"] == {"enabled": False, "threshold": 1.1, "interval": 50, "max_iters": 16,
+                                "window": None}                  # off unless --migration, as `piper plan -o` writes it
     assert raw["prediction"]["step_time_s"] > 0
+    assert _run(ARGS + ["--migration", "-o", str(path)]).exit_code == 0
+    assert json.loads(path.read_text())["migration"]["enabled"] is True
 
 
 def test_plan_that_does_not_fit_is_shown_with_its_overflow():
