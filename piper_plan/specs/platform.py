@@ -6,6 +6,7 @@ Scopes, from fastest to slowest: ``node`` (intra-node links), ``switch`` (nodes 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Literal
 
@@ -162,7 +163,8 @@ class NetworkSpec(Spec):
     scopes: dict[Scope, ScopeLinkSpec] = Field(min_length=1)
     """Per-scope bandwidth/latency: the fallback when calibration data lacks a collective."""
     global_taper: float = Field(default=1.0, gt=0, le=1000)
-    """Injection : global-link bandwidth ratio (Frontier ~1.75)."""
+    """Injection : global-link bandwidth ratio (Frontier ~1.75): what scopes.system's bandwidth is, scopes.group's
+    divided by it (checked where both are listed; the cost model prices the scopes' figures)."""
     a2a_posts_all: bool = False
     """An all-to-all posts every peer's message before it waits for any (gloo's alltoallv): one latency per
     exchange, not one per peer (cost/comm.py). False: one latency per peer (pairwise exchange)."""
@@ -184,6 +186,13 @@ class NetworkSpec(Spec):
         if self.nodes_per_group % self.nodes_per_switch:
             raise ValueError(f"nodes_per_group = {self.nodes_per_group} is not a whole number of switches of "
                              f"nodes_per_switch = {self.nodes_per_switch} (a group is made of whole switches)")
+        group, system = self.scopes.get("group"), self.scopes.get("system")
+        if group and system and not math.isclose(system.bandwidth_GBps, group.bandwidth_GBps / self.global_taper,
+                                                  rel_tol=0.01):
+            raise ValueError(f"global_taper = {self.global_taper:g}, but scopes.system.bandwidth_GBps = "
+                             f"{system.bandwidth_GBps:g} is not scopes.group's {group.bandwidth_GBps:g} / "
+                             f"{self.global_taper:g} = {group.bandwidth_GBps / self.global_taper:.4g} (within 1%): "
+                             "the taper is what the global links leave of a group's rate")
         if self.nodes_per_group * self.num_groups > MAX_NODES:
             raise ValueError(f"nodes_per_group x num_groups = {self.nodes_per_group * self.num_groups:,} nodes; "
                              f"at most {MAX_NODES:,}")
@@ -289,6 +298,10 @@ class PlatformSpec(Spec):
             raise ValueError(f"node.num_nics={self.node.num_nics}, node.nic_bandwidth_GBps="
                              f"{self.node.nic_bandwidth_GBps:g}: a platform of {self.node_limit:,} nodes needs "
                              "NICs with bandwidth (set max_nodes: 1 for a single-node machine)")
+        if self.node_limit > 1 and set(self.network.scopes) == {"node"}:
+            raise ValueError(f"network.scopes lists only 'node': a platform of {self.node_limit:,} nodes needs the "
+                             "scopes its inter-node traffic crosses (switch, and group / system where they differ; "
+                             "an unlisted scope is priced as the next wider one listed), or max_nodes: 1")
         return self
 
     @property

@@ -136,3 +136,30 @@ def test_a_platform_file_whose_source_is_blank_or_from_memory_is_refused(tmp_pat
     res = CliRunner().invoke(cli, ["plan", "--model", "qwen3-30b-a3b", "--platform", str(path), "--nodes", "1"])
     assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
     assert f"{path}: {section}.source: {needle}" in res.stderr
+
+
+def _edited(tmp_path, name: str, edit) -> str:
+    data = raw_platform(name)
+    edit(data["network"])
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("taper", [1e-300, 1000.0, 2.0])
+def test_a_global_taper_the_system_scope_does_not_show_is_refused(tmp_path, taper):
+    """Before: any taper was shown by `platform show` and priced nowhere (the step time did not move)."""
+    path = _edited(tmp_path, "dgx-h100", lambda net: net.update(global_taper=taper))
+    res = CliRunner().invoke(cli, ["platform", "show", path])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert f"global_taper = {taper:g}, but scopes.system.bandwidth_GBps = 43 is not scopes.group's 43" in res.stderr
+
+
+def test_a_multi_node_platform_with_only_the_node_scope_is_refused(tmp_path):
+    """Before: every inter-node transfer was priced at the node scope's NVLink rate (DSV3 on 32 H100 nodes: 13.64 s
+    against 29.66 s with the platform's own scopes)."""
+    path = _edited(tmp_path, "dgx-h100", lambda net: net.update(scopes={"node": net["scopes"]["node"]}))
+    res = CliRunner().invoke(cli, ["estimate", "--model", "qwen3-30b-a3b", "--platform", path, "--nodes", "2",
+                                   "--dp", "16", "--ep", "8", "--global-batch", "64"])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "network.scopes lists only 'node': a platform of 2,048 nodes needs" in res.stderr
