@@ -97,7 +97,7 @@ def _summary(ctx, c: PlanBatch, breakdown, step, peak_mem, split) -> Evaluation:
     for convention in CONVENTIONS:
         model_flops = model_flops_per_token(ctx.model, t.seq_len, convention) * tokens_per_step
         redone = recompute_flops_per_token(ctx.model, t.seq_len, ctx.lf, c.recompute, t.flash_attention,
-                                           convention) * tokens_per_step
+                                           convention, ctx.opts.recompute_modules) * tokens_per_step
         util[convention] = (model_flops * rate, (model_flops + redone) * rate)
     a2a = sum((v for k, v in breakdown.items() if k.startswith(A2A_TIME_PREFIX)), np.zeros(len(c)))
     return Evaluation(

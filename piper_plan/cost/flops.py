@@ -121,11 +121,12 @@ def mtp_forward_flops(model: ModelSpec, seq_len: int) -> float:
 
 
 def recompute_flops_per_token(model: ModelSpec, seq_len: int, lf: LayerFlops, recompute, flash: bool,
-                              convention: str = "palm"):
+                              convention: str = "palm", modules: tuple[str, ...] = ("core_attn",)):
     """Forward FLOPs per token that recomputation repeats (arrays broadcast over ``recompute`` codes): full = every
     layer's forward (GEMMs and scores; megatron: the MTP blocks' too, their shared-head logits excluded),
-    selective = the attention scores (none under flash attention, whose backward recomputes them anyway and is
-    counted as the model's backward)."""
+    selective = the GEMMs of the ``modules`` it re-runs (selective_gemm_flops_per_token) and, with core_attn, the
+    attention scores (none under flash attention, whose backward recomputes them anyway and is counted as the
+    model's backward)."""
     import numpy as np
 
     from piper_plan.specs.vocab import Recompute
@@ -136,5 +137,22 @@ def recompute_flops_per_token(model: ModelSpec, seq_len: int, lf: LayerFlops, re
     if convention == "megatron":
         gemm_fwd = gemm_fwd + mtp_forward_flops(model, seq_len) \
             - model.mtp_layers * 2.0 * (model.vocab_size or 0) * model.hidden_size
+    selective = selective_gemm_flops_per_token(model, lf, modules) \
+        + (0.0 if flash or "core_attn" not in modules else scores)
     return np.where(recompute == Recompute.FULL.code, gemm_fwd + scores,
-                    np.where(recompute == Recompute.SELECTIVE.code, 0.0 if flash else scores, 0.0))
+                    np.where(recompute == Recompute.SELECTIVE.code, selective, 0.0))
+
+
+def selective_gemm_flops_per_token(model: ModelSpec, lf: LayerFlops, modules) -> float:
+    """Forward GEMM FLOPs per token that selective recompute of ``modules`` re-runs, as its time is priced
+    (cost/stage.py selective_recompute_seconds): mla_up_proj = MLA's q and kv up-projections in every layer, mlp =
+    the dense layers' MLP; the other modules (norms, the experts' activation, the attention core) hold no GEMM."""
+    flops = 0.0
+    a = model.attention
+    if "mla_up_proj" in modules and a.kind == "mla":
+        q_up = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) * (a.q_lora_rank or model.hidden_size)
+        kv_up = a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
+        flops += model.num_layers * 2.0 * (q_up + kv_up)
+    if "mlp" in modules:
+        flops += model.num_dense_layers * lf.dense_mlp
+    return flops

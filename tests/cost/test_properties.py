@@ -247,6 +247,21 @@ def test_hfu_at_least_mfu_in_both_conventions(name):
     assert np.all(ev.mfu_megatron < ev.mfu)
 
 
+@pytest.mark.parametrize("modules, rises", [(("mla_up_proj",), True), (("mla_up_proj", "mlp", "moe_act"), True),
+                                             (("layernorm", "moe_act"), False), (("core_attn",), False)])
+def test_selective_recompute_of_gemm_modules_raises_hfu(modules, rises):
+    """DeepSeek-V3 (MLA, 3 dense layers): re-running the up-projections or the dense MLPs is GEMM work HFU counts;
+    norms, the experts' activation and (under flash attention) the core hold none. Before: HFU == MFU for all."""
+    from piper_plan.cost.options import CostOptions
+
+    model = load_model("deepseek-v3")
+    plan = ParallelPlan(dp=8, pp=8, ep=8, num_microbatches=32, recompute="selective")
+    ev = estimate(model, FRONTIER, TrainingSpec(seq_len=4096, global_batch=256), 8, plan,
+                  options=CostOptions(recompute_modules=modules))
+    for mfu, hfu in ((ev.mfu, ev.hfu), (ev.mfu_megatron, ev.hfu_megatron)):
+        assert (hfu > mfu * (1 + 1e-6)) if rises else hfu == pytest.approx(mfu)
+
+
 def test_in_flight_by_schedule_by_hand():
     """GPipe: all M; 1F1B: min(pp - i, M); interleaved stage 0 (pp 8, v 3, M 64): (8-1)x2 + (3-1)x8 + 1 = 31
     chunks of 1/3 stage = 10.33 stages' worth = pp (1 + (p - 1)/(p v)) (Korthikanti et al. 2022, sec. 4.2.3)."""
