@@ -193,12 +193,15 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
             (f"recomputes {', '.join(PIPER_RUNTIME_OPTIONS.recompute_modules)} only", "--recompute-modules")
         raise PiperError(f"piper's runtime {what}: drop {field}, or drop --runnable / --piper-runtime", field=field)
     options = replace(options, dropout=dropout or options.dropout, recompute_modules=modules)
-    return with_cost_options(options, cost_option, piper_runtime)
+    flags = {"recompute_modules": "--recompute-modules" if recompute_modules is not None else None,
+             "dropout": "--dropout" if dropout else None}
+    return with_cost_options(options, cost_option, piper_runtime, {k: v for k, v in flags.items() if v})
 
 
-def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = False):
+def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = False, flags: dict | None = None):
     """``options`` with --cost-option NAME=VALUE pairs set (each value read as YAML), checked as a file's
-    ``options`` are (cost/options.py ``cost_options``); piper's runtime's own options are not for changing."""
+    ``options`` are (cost/options.py ``cost_options``); piper's runtime's own options are not for changing.
+    ``flags``: option name -> the flag of its own that set it (it is given once: by that flag or by a pair)."""
     from dataclasses import asdict
 
     import yaml
@@ -217,6 +220,9 @@ def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = Fal
             raise PiperError(f"{pair!r}; allowed: NAME=VALUE, NAME one of {', '.join(values)}", field="--cost-option")
         if name.strip() not in values:
             raise PiperError(f"{name.strip()!r} is not a cost option; allowed: {', '.join(values)}",
+                             field="--cost-option")
+        if name.strip() in (flags or {}):
+            raise PiperError(f"{pair!r} sets what {flags[name.strip()]} already sets: give it once",
                              field="--cost-option")
         try:
             value = yaml.safe_load(text) if text.strip() else None

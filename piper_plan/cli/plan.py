@@ -141,7 +141,11 @@ def precisions(text: str | None, platform_name: str) -> list[str | None]:
         platform = load_platform(platform_name)
         default = TrainingSpec.for_device(platform.launch.device).dtype
         return [default] + [d for d in LOW_PRECISION_GEMM_DTYPES if d in platform.device.peak_flops]
-    return list(dict.fromkeys(check_dtype(part.strip()) for part in text.split(",")))
+    parts = [part.strip() for part in text.split(",")]
+    if "any" in parts:
+        raise PiperError(f"{text!r}: 'any' stands alone (the device's precision and every 8-bit one the platform "
+                         "has a peak for); or list precisions, e.g. bf16,fp8", field="--dtype")
+    return list(dict.fromkeys(check_dtype(part) for part in parts))
 
 
 def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False,

@@ -125,7 +125,12 @@ def cost_options(values: dict, field: str = "options") -> CostOptions:
 
     plain = {k: int(v) if isinstance(v, float) and v.is_integer() else list(v) if isinstance(v, tuple) else v
              for k, v in values.items()}
-    return parse_spec(CostOptions, plain, "", field=field)   # a named choice's own check names its field
+    try:
+        return parse_spec(CostOptions, plain, "", field=field)
+    except PiperError as exc:               # a named choice's own check names its field as a file's options.<name>
+        if field == "options" or not (exc.field or "").startswith("options."):
+            raise
+        raise PiperError(exc.message, path=exc.path, field=f"{field} {exc.field.removeprefix('options.')}") from None
 
 
 DEFAULT_OPTIONS = CostOptions()

@@ -237,6 +237,9 @@ def expand_layout(layout: str) -> str:
     for pattern in _LAYOUT_REPEAT:
         text = pattern.sub(repeat, text)
     bad = set(text) - set("Etm|L")
+    if bad & set("()*"):
+        raise ValueError(f"layout {layout!r}: a repeat piper cannot read; allowed (...)*n or x*n with a whole n >= 0, "
+                         "parentheses not nested")
     if bad:
         raise ValueError(f"layout {layout!r}: unknown characters {sorted(bad)}; allowed E, t, m, L, |, (...)*n, x*n, "
                          "or a list of layer counts")

@@ -446,3 +446,20 @@ def test_link_device_pairs_outside_the_node_are_refused(tmp_path, pairs):
     path.write_text(yaml.safe_dump(data))
     assert_one_line_error(run("estimate", "--model", "tiny-moe", "--platform", path, "--nodes", 1, "--dp", 8,
                               "--ep", 8), "device_pairs", "are not pairs of two local devices 0..7")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("--recompute", "selective", "--recompute-modules", "moe_act", "--cost-option", "recompute_modules=[mlp]"),
+     ["--cost-option: 'recompute_modules=[mlp]' sets what --recompute-modules already sets: give it once"]),
+    (("--dropout", "--cost-option", "dropout=false"), ["'dropout=false' sets what --dropout already sets"]),
+    (("--cost-option", "ep_dispatch=PER_NODE"), ["--cost-option ep_dispatch: ep_dispatch names 'PER_NODE'"]),
+])
+def test_a_cost_option_given_twice_or_out_of_its_choices_names_the_flag(args, needles):
+    """Before: the --cost-option value silently won over --recompute-modules; a bad choice blamed 'options.X'."""
+    assert_one_line_error(run(*ESTIMATE, *args), *needles)
+
+
+def test_plan_dtype_any_inside_a_list_is_one_clear_line():
+    """Before: "(a list or 'any' only for piper plan)", said by piper plan."""
+    assert_one_line_error(run("plan", *TINY, "--nodes", "1", "--dtype", "any,fp8"),
+                          "--dtype: 'any,fp8': 'any' stands alone")

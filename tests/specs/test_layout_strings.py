@@ -42,6 +42,14 @@ def test_misplaced_layers_are_refused(layout, rule):
     assert f"layout {layout!r}: misplaced layers; allowed: " in str(err.value) and rule in str(err.value)
 
 
+@pytest.mark.parametrize("layout", ["((t|)*16)", "(t|)*-1", "E(t|)*L", "Et|(t|*3L"])
+def test_a_repeat_that_cannot_be_read_is_named_as_one(layout):
+    """Before: 'unknown characters ['(', ')', '*', ...]' though parentheses and * are the layout's own syntax."""
+    with pytest.raises(ValueError) as err:
+        layout_decoder_counts(layout)
+    assert f"layout {layout!r}: a repeat piper cannot read; allowed (...)*n or x*n with a whole n >= 0" in str(err.value)
+
+
 @pytest.mark.parametrize("layout", ["EEt|t|t|tLL", "tE|t|t|Lt", "EtLt|t|t|"])
 def test_cli_one_error_line(layout):
     """The reproducers of the fuzz report: exit 2 and one 'error:' line naming the layout, no estimate."""
