@@ -64,3 +64,11 @@ def test_a_moe_block_that_selects_no_layer_is_refused(layers):
     data["moe"]["layers"] = layers
     with pytest.raises(ValidationError, match="selects none of the 32 layers"):
         type(load_model("mixtral-8x7b")).model_validate(data)
+
+
+@pytest.mark.parametrize("field, value", [("weight_bytes", 3), ("grad_bytes", 1), ("grad_bytes", 10**18),
+                                          ("master_bytes", 8), ("optimizer_bytes", 64)])
+def test_byte_widths_are_real_formats(field, value):
+    """Before: a plan file's weight_bytes 3 or grad_bytes 1e18 was read and priced."""
+    with pytest.raises(ValidationError, match=field):
+        TrainingSpec(**{field: value})

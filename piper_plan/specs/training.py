@@ -31,13 +31,13 @@ class TrainingSpec(Spec):
     values, Blackwell); attention, elementwise work and communication stay bf16 (LOW_PRECISION_GEMM_DTYPES)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Optimizer."""
-    weight_bytes: int = Field(default=2, ge=1)
-    """Bytes per parameter of the working weights."""
-    grad_bytes: int = Field(default=2, ge=1)
+    weight_bytes: Literal[1, 2, 4] = 2
+    """Bytes per parameter of the working weights (an 8-, 16- or 32-bit format)."""
+    grad_bytes: Literal[2, 4] = 2
     """Bytes per parameter of gradients (Megatron keeps 4)."""
-    master_bytes: int = Field(default=4, ge=0)
-    """Bytes per parameter of the fp32 master copy (0 when training in fp32)."""
-    optimizer_bytes: int = Field(default=8, ge=0)
+    master_bytes: Literal[0, 2, 4] = 4
+    """Bytes per parameter of the fp32 master copy (0 when training in fp32; 2: the 16 bits bf16 weights lack)."""
+    optimizer_bytes: int = Field(default=8, ge=0, le=32)
     """Bytes per parameter of optimizer state (Adam m and v in fp32: 8)."""
     flash_attention: bool = True
     """Attention never materialises the s x s score matrix."""
