@@ -544,6 +544,18 @@ def _shrunk_moe(m, ffn_size: int, num_experts: int | None, num_layers: int):
         upd["shared_expert"] = m.shared_expert.model_copy(update={"intermediate_size": ffn_size})
     if m.parallel_dense_ffn is not None:
         upd["parallel_dense_ffn"] = m.parallel_dense_ffn.model_copy(update={"intermediate_size": ffn_size})
-    if m.layers.explicit is not None:  # keep the explicit MoE layers that exist at the reduced depth
-        upd["layers"] = m.layers.model_copy(update={"explicit": [i for i in m.layers.explicit if i < num_layers]})
+    upd["layers"] = _shrunk_moe_layers(m.layers, num_layers)
     return m.model_copy(update=upd)
+
+
+def _shrunk_moe_layers(layers, num_layers: int):
+    """The MoE-layer rule at the reduced depth, at least one MoE layer kept (a moe block must select one): the
+    explicit layers that exist (else the last), first_k_dense below the depth, the period's pattern where it
+    still selects a layer (else every layer after the dense ones)."""
+    if layers.explicit is not None:
+        kept = [i for i in layers.explicit if i < num_layers]
+        return layers.model_copy(update={"explicit": kept or [num_layers - 1]})
+    rule = layers.model_copy(update={"first_k_dense": min(layers.first_k_dense, num_layers - 1)})
+    if not any(rule.is_moe(i) for i in range(num_layers)):
+        rule = rule.model_copy(update={"every": 1, "phase": 0})
+    return rule
