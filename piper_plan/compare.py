@@ -1,5 +1,5 @@
 """Measured (the runtime's metrics.jsonl) vs predicted (plan.json's ``prediction``): pure, no I/O.
-``check_same_job`` refuses metrics of another job than the plan's before any comparison.
+``check_same_job`` and ``check_stage_count`` refuse metrics of another job than the plan's before any comparison.
 
 Every quantity is ``{"predicted", "measured", "rel_error"}`` with ``rel_error = (predicted - measured) / measured``
 (DESIGN.md, compare format); a quantity missing on either side has ``rel_error = None``.
@@ -30,8 +30,8 @@ def quantity(predicted: float | None, measured: float | None) -> dict:
 
 
 def steady_steps(records: list[dict]) -> list[dict]:
-    """Records without the warm-up step (kept when it is the only one); the last record per step wins
-    (a resumed run may repeat steps)."""
+    """Records without the warm-up step (kept when it is the only one), by step; the last record per step wins
+    (read_metrics refuses a file whose steps do not increase; records built in code may repeat one)."""
     by_step = {r["step"]: r for r in records}
     ordered = [by_step[s] for s in sorted(by_step)]
     return ordered[1:] if len(ordered) > 1 else ordered
@@ -151,3 +151,13 @@ def check_same_job(training, records: list[dict], metrics_path: str, plan_path: 
                              f"{training.global_batch:,} x seq_len {training.seq_len:,} = {planned:,}: the metrics "
                              "are of another job; compare a run directory with the plan.json it ran",
                              path=metrics_path)
+
+
+def check_stage_count(pp: int, records: list[dict], metrics_path: str, plan_path: str) -> None:
+    """Refuse ``memory_bytes`` with more entries than the plan's ``pp`` pipeline stages (the runtime writes one
+    entry per stage, runtime/train.py merge_reports); one line naming both files."""
+    for record in records:
+        entries = len(record.get("memory_bytes") or [])
+        if entries > pp:
+            raise PiperError(f"step {record['step']}: memory_bytes has {entries} entries, but {plan_path} has pp={pp} "
+                             f"pipeline stage(s); allowed at most {pp} (one per stage)", path=metrics_path)

@@ -3,7 +3,8 @@ the planner side (compare, migrate simulate, calibrate fit) reads runs without i
 
 Every line goes through the input boundary (``fileio.json_lines``: strict JSON, no NaN / Infinity, bounded
 integers and depth) and is then validated as a ``StepRecord`` (pydantic, strict: a boolean or a string is not a
-number); an error names the file, the line and the field.
+number); then checked against itself (tokens_per_s = tokens / step_time_s, no component timed inside the step
+longer than the step) and the lines before it (steps increase); an error names the file, the line and the field.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ MAX_SECONDS = 1e7
 """Longest step (or step component) accepted: 1e7 s, 116 days; larger is a corrupt record, not a measurement."""
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 Bytes = Annotated[float, Field(ge=0, le=2.0**70)]
+RATE_TOLERANCE = 0.01
+"""tokens_per_s is tokens / step_time_s (runtime/metrics.py): off by more than 1 % (relative), a record contradicts
+itself."""
+STEP_SLACK = (0.01, 1e-3)
+"""A time_s component may exceed its step by 1 % + 1 ms (timer resolution); longer is a component of another step."""
+OUTSIDE_STEP = ("migration",)
+"""time_s components timed after the step's clock stops (runtime/train.py: migration runs at the step boundary):
+they may exceed step_time_s."""
 
 
 class StageMemory(BaseModel):
@@ -55,7 +64,13 @@ class StepRecord(BaseModel):
 def read_metrics(path: str | Path) -> list[dict]:
     """The step records of a metrics.jsonl, each validated as a StepRecord; at least one. The records come back
     as the parsed dicts (readers index into them)."""
-    records = [check_record(obj, f"line {number}", str(path)) for number, obj in json_lines(path)]
+    records: list[dict] = []
+    for number, obj in json_lines(path):
+        record = check_record(obj, f"line {number}", str(path))
+        if records and record["step"] <= records[-1]["step"]:
+            raise PiperError(f"line {number}: step={record['step']} after step {records[-1]['step']}; steps must "
+                             "increase line by line (the runtime writes one record per step, in order)", path=str(path))
+        records.append(record)
     if not records:
         raise PiperError("no step records", path=str(path))
     return records
@@ -72,4 +87,30 @@ def check_record(record: dict, where: str, path: str) -> dict:
         from piper_plan.catalog import validation_message
 
         raise PiperError(f"{where}: {validation_message(exc)}", path=path) from None
+    _check_rate(record, where, path)
+    _check_components(record, where, path)
     return record
+
+
+def _check_rate(record: dict, where: str, path: str) -> None:
+    """tokens_per_s must be tokens / step_time_s (where all three are given)."""
+    tokens, seconds, rate = record.get("tokens"), record.get("step_time_s"), record.get("tokens_per_s")
+    if None in (tokens, seconds, rate) or seconds <= 0:
+        return
+    derived = tokens / seconds
+    if abs(rate - derived) > RATE_TOLERANCE * derived:
+        raise PiperError(f"{where}: tokens_per_s={rate:g}, but tokens / step_time_s = {tokens:,} / {seconds:g} s = "
+                         f"{derived:g}; allowed within {RATE_TOLERANCE:.0%} of it", path=path)
+
+
+def _check_components(record: dict, where: str, path: str) -> None:
+    """No time_s component timed inside the step (all but OUTSIDE_STEP) may be longer than the step."""
+    seconds = record.get("step_time_s")
+    if seconds is None:
+        return
+    relative, absolute = STEP_SLACK
+    for name, value in (record.get("time_s") or {}).items():
+        if name not in OUTSIDE_STEP and value > seconds * (1 + relative) + absolute:
+            raise PiperError(f"{where}: time_s.{name}={value:g} s is longer than its step (step_time_s={seconds:g} s); "
+                             f"a component timed inside the step is at most the step (+{relative:.0%} + "
+                             f"{absolute * 1e3:g} ms)", path=path)

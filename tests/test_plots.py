@@ -102,7 +102,7 @@ def test_compare_plot(tmp_path):
     assert run("plan", *TINY, "--nodes", "1", "--runnable", "-o", plan).exit_code == 0
     records = [{"schema_version": 1, "step": s, "step_time_s": 0.05 + 0.01 * (s == 1), "tokens_per_s": 1e4,
                 "time_s": {"a2a": 0.01, "p2p": 0.002, "dp_sync": 0.004, "migration": 0.0},
-                "memory_bytes": [1e7, 1e7]} for s in range(1, 9)]
+                "memory_bytes": [1e7]} for s in range(1, 9)]      # one entry per stage of the pp 1 plan
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "compare.png"
     res = run("compare", tmp_path, "--plot", out)

@@ -397,14 +397,40 @@ def test_run_options_torch_cannot_hold_are_one_line(tmp_path, plan_json, option,
 def test_compare_refuses_metrics_of_another_job_and_no_tokens(tmp_path, plan_json):
     write(tmp_path / "plan.json", plan_json)                     # global batch 8 x seq 128 = 1,024 tokens a step
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text(json.dumps({**RECORD, "tokens": 2 * 64}) + "\n")
+    metrics.write_text(json.dumps({**RECORD, "tokens": 2 * 64, "tokens_per_s": 64.0}) + "\n")
     assert_one_line_error(run("compare", tmp_path), str(metrics), "tokens=128 a step",
                           "global_batch 8 x seq_len 128 = 1,024", "another job")
     metrics.write_text(json.dumps({**RECORD, "tokens": 0}) + "\n")
     assert_one_line_error(run("compare", tmp_path), str(metrics), "line 1", "tokens: Input should be greater than or "
                           "equal to 1")
-    metrics.write_text(json.dumps({**RECORD, "tokens": 8 * 128}) + "\n")
+    metrics.write_text(json.dumps({**RECORD, "tokens": 8 * 128, "tokens_per_s": 512.0}) + "\n")
     assert run("compare", tmp_path, "--json").exit_code == 0
+
+
+@pytest.mark.parametrize("lines, needles", [
+    ([RECORD, RECORD], ["line 2", "step=1 after step 1", "steps must increase"]),
+    ([{**RECORD, "step": 3}, RECORD], ["line 2", "step=1 after step 3"]),
+    ([{**RECORD, "time_s": {"a2a": 0.5, "compute": 50.0}}], ["line 1", "time_s.compute=50 s", "step_time_s=2 s"]),
+    ([RECORD, {**RECORD, "step": 2, "tokens": 1024, "tokens_per_s": 1.0}],
+     ["line 2", "tokens_per_s=1", "1,024 / 2 s = 512", "within 1%"]),
+    ([{**RECORD, "memory_bytes": [100] * 16}], ["step 1", "memory_bytes has 16 entries", "pp=1", "plan.json"]),
+])
+def test_compare_refuses_metrics_that_contradict_themselves_or_the_plan(tmp_path, plan_json, lines, needles):
+    """Accepted before: duplicate or backward steps, a component longer than its step, tokens_per_s off
+    tokens / step_time_s, more memory entries than the plan's pipeline stages."""
+    write(tmp_path / "plan.json", plan_json)                     # pp 1, 1,024 tokens a step
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert_one_line_error(run("compare", tmp_path), "metrics.jsonl", *needles)
+
+
+def test_compare_accepts_what_the_runtime_writes_at_the_edges(tmp_path, plan_json):
+    """Migration is timed after the step (it may be longer); timers and rates within their tolerance pass."""
+    write(tmp_path / "plan.json", plan_json)
+    lines = [{**RECORD, "time_s": {"a2a": 2.02, "migration": 50.0}},
+             {**RECORD, "step": 5, "tokens": 1024, "tokens_per_s": 512.0 * 1.009, "memory_bytes": [100]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = run("compare", tmp_path, "--json")
+    assert result.exit_code == 0, result.output
 
 
 def test_gradients_narrower_than_the_weights_and_a_window_pattern_without_a_window(tmp_path):

@@ -82,7 +82,7 @@ def _set_path(data, dotted: str, value) -> None:
 
 
 GOOD_METRICS = "\n".join(json.dumps({"schema_version": 1, "step": s, "loss": 6.0, "step_time_s": 2.0 + s / 10,
-                                     "tokens": 1024, "tokens_per_s": 500.0, "time_s": {"a2a": 0.2},
+                                     "tokens": 1024, "tokens_per_s": 1024 / (2.0 + s / 10), "time_s": {"a2a": 0.2},
                                      "memory_bytes": [{"total_bytes": 3.0e8, "source": "x"}]})
                          for s in (1, 2, 3)) + "\n"
 
