@@ -71,6 +71,21 @@ class Table:
         return [c.name for c in self.columns]
 
 
+RATE_TOLERANCE = 0.01
+"""A row's stored tflops may differ by 1 % (relative) from the FLOPs / seconds its other columns give (the writer
+rounds to 6 significant digits); further off, the row contradicts itself."""
+
+
+def tflops_problem(row: dict, flops: float, formula: str) -> str | None:
+    """What is wrong with a row whose ``tflops`` column is not ``flops`` / seconds / 1e12 (``formula``: how the FLOPs
+    follow from the row), else None."""
+    derived = flops / row["seconds"] / 1e12
+    if abs(row["tflops"] - derived) <= RATE_TOLERANCE * derived:
+        return None
+    return (f"column tflops: {row['tflops']:g}, but {formula} / seconds / 1e12 = {derived:.6g}; allowed within "
+            f"{RATE_TOLERANCE:.0%} of it")
+
+
 SOURCE = Column("source", "str", "what measured the row (measured: command + host) or the citation + derivation (seed:)")
 
 GEMM = Table(
@@ -87,6 +102,8 @@ GEMM = Table(
         SOURCE,
     ),
     key=("device", "dtype", "m", "n", "k", "groups"),
+    row_check=lambda row: tflops_problem(row, gemm_flops(row["m"], row["n"], row["k"], row["groups"]),
+                                         "2 m n k groups"),
 )
 
 ATTENTION = Table(
@@ -106,6 +123,9 @@ ATTENTION = Table(
         SOURCE,
     ),
     key=("device", "dtype", "pass", "batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "causal"),
+    row_check=lambda row: tflops_problem(row, float(attention_flops(row["batch"], row["seq_len"], row["num_heads"],
+                                                                    row["head_dim"], row["causal"], row["pass"])),
+                                         "the attention FLOPs"),
 )
 
 def scope_problem(scope: str, num_nodes: int) -> str | None:

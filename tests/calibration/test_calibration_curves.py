@@ -159,6 +159,7 @@ def test_a_row_faster_than_the_device_peak_is_refused_naming_the_file(tmp_path, 
     rows = list(csv.DictReader(path.read_text().splitlines()))
     row = next(r for r in rows if r["dtype"] == "fp32")
     row["tflops"] = str(float(row["tflops"]) * 10)
+    row["seconds"] = str(float(row["seconds"]) / 10)      # the same row ten times faster (its columns agree)
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

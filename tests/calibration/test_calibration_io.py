@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from piper_plan.calibration.io import measured_keys, merge_rows, read_table
-from piper_plan.calibration.schema import COLLECTIVES, GEMM
+from piper_plan.calibration.schema import ATTENTION, COLLECTIVES, GEMM
 from piper_plan.errors import PiperError
 
 HEADER = "device,dtype,m,n,k,groups,seconds,tflops,source\n"
 ROW = "cpu,fp32,{m},512,256,1,{s},{t},measured: test\n"
+GOOD = ROW.format(m=32, s=0.001, t=2 * 32 * 512 * 256 / 0.001 / 1e12)
+"""A row whose tflops is its 2 m n k groups / seconds / 1e12."""
 
 
 def _gemm(tmp_path: Path, *lines: str) -> Path:
@@ -27,7 +29,7 @@ def _row(m=64, seconds=1e-3):
 
 
 def test_reads_typed_values(tmp_path):
-    frame = read_table(_gemm(tmp_path, ROW.format(m=64, s=0.001, t=0.5)), GEMM)
+    frame = read_table(_gemm(tmp_path, ROW.format(m=64, s=2 * 64 * 512 * 256 / 0.5e12, t=0.5)), GEMM)
     assert frame.loc[0, "m"] == 64 and frame.loc[0, "tflops"] == 0.5 and frame.loc[0, "dtype"] == "fp32"
 
 
@@ -38,10 +40,10 @@ def test_reads_typed_values(tmp_path):
     (ROW.format(m=64, s=0.001, t=0.5).replace("fp32", "fp64"), "line 3: column dtype: 'fp64' is not one of"),
     ("cpu,fp32,64,512\n", "line 3: 4 fields, the header has 9"),
     (ROW.format(m=64, s=0.001, t="nan"), "line 3: column tflops: 'nan' is not a finite number"),
-    (ROW.format(m=32, s=0.001, t=0.5), "line 3: repeats the point"),
+    (GOOD, "line 3: repeats the point"),
 ])
 def test_bad_value_names_file_and_line(tmp_path, line, message):
-    path = _gemm(tmp_path, ROW.format(m=32, s=0.001, t=0.5), line)
+    path = _gemm(tmp_path, GOOD, line)
     with pytest.raises(PiperError) as err:
         read_table(path, GEMM)
     assert str(err.value).startswith(str(path)) and message in str(err.value)
@@ -86,3 +88,26 @@ def test_collectives_busbw_may_be_zero_but_seconds_not(tmp_path):
                     "all_reduce,node,1,2,1024,0,0.1,0,measured: x\n")
     with pytest.raises(PiperError, match="line 3: column seconds: 0.0 out of range, allowed >= 1e-09"):
         read_table(path, COLLECTIVES)
+
+
+def test_a_gemm_row_whose_tflops_contradicts_its_shape_and_seconds_is_refused(tmp_path):
+    """Accepted before: `calibrate show` listed 1e+06 TFLOPS for a CPU row whose m, n, k and seconds give 0.017."""
+    with pytest.raises(PiperError, match=r"line 3: column tflops: 999999, but 2 m n k groups / seconds / 1e12 = "
+                                         r"0.0167772; allowed within 1% of it"):
+        read_table(_gemm(tmp_path, GOOD, ROW.format(m=64, s=0.001, t=999999)), GEMM)
+    grouped = "cpu,fp32,32,512,256,4,0.001,{t},measured: test\n"      # four GEMMs a call count four times
+    assert len(read_table(_gemm(tmp_path, grouped.format(t=4 * 0.008388608 * 1.009)), GEMM)) == 1
+    with pytest.raises(PiperError, match="line 2: column tflops: 0.00838861"):
+        read_table(_gemm(tmp_path, grouped.format(t=0.008388608)), GEMM)
+
+
+def test_an_attention_row_whose_tflops_contradicts_its_shape_and_seconds_is_refused(tmp_path):
+    flops = 4 * 2 * 8 * 1024**2 * 64 * 2 * 0.5                     # b 2, h 8, s 1024, d 64; bwd x2, causal x1/2
+    row = "cpu,fp32,bwd,2,1024,8,8,64,true,0.01,{t},measured: test\n"
+    path = tmp_path / "attention.csv"
+    path.write_text(",".join(ATTENTION.column_names) + "\n" + row.format(t=flops / 0.01 / 1e12))
+    assert len(read_table(path, ATTENTION)) == 1
+    path.write_text(",".join(ATTENTION.column_names) + "\n" + row.format(t=2 * flops / 0.01 / 1e12))
+    with pytest.raises(PiperError, match=r"line 2: column tflops: 0.858993, but the attention FLOPs / seconds / "
+                                         r"1e12 = 0.429497"):
+        read_table(path, ATTENTION)

@@ -115,7 +115,10 @@ def test_plan_refuses_rates_that_price_no_trainable_job(tmp_path, monkeypatch):
     slow = []
     for line in lines[1:]:
         fields = line.split(",")
-        fields[header.index("seconds")], fields[header.index("tflops")] = "1000000", "1e-09"
+        m, n, k, groups = (int(fields[header.index(c)]) for c in ("m", "n", "k", "groups"))
+        seconds = min(1e6, 2 * m * n * k * groups / 1e-9 / 1e12)      # 1e-9 TFLOPS where seconds allow (<= 1e6)
+        tflops = 2 * m * n * k * groups / seconds / 1e12               # the row's columns agree
+        fields[header.index("seconds")], fields[header.index("tflops")] = f"{seconds:.6g}", f"{tflops:.6g}"
         slow.append(",".join(fields))
     (cal / "gemm.csv").write_text("\n".join([lines[0], *slow]) + "\n")
     monkeypatch.setenv("PIPER_HOME", str(home))
