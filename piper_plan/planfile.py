@@ -35,6 +35,11 @@ READABLE_VERSIONS = (1, 2)
 MAX_SEED = 2**63 - 1
 """The largest seed: numpy's SeedSequence takes a non-negative integer, torch.manual_seed one below 2^64 (the
 runtime seeds each rank with seed + rank, rank < 2^20: still below)."""
+UTILISATION_PAIRS = (("mfu", "hfu"), ("mfu_megatron", "hfu_megatron"))
+"""The prediction's (model, hardware) FLOPs utilisations of one convention: each a fraction of the device's peak,
+hardware's at least model's (recomputation only adds FLOPs)."""
+ROUNDING = 1e-6
+"""Relative slack for a figure that equals another up to rounding (hfu = mfu where nothing is recomputed)."""
 MAX_RUNTIME_FACTOR = 1e4
 """The largest learning rate, loss weight, weight decay or clipping norm a run takes: far above any that trains
 (LLaMA's peak rate is 3e-4), far below float32's 3.4e38, in which torch's optimizers and losses take them (a
@@ -196,7 +201,43 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
         raise PiperError(f"edp={edp} but dp x cp x tp / (ep x etp) = {plan_file.parallel.edp}", path=path,
                          field="parallel.edp")
     check_plan(plan_file.model, plan_file.platform, plan_file.training, plan_file.nodes, plan_file.parallel, path)
+    check_prediction(plan_file, path)
     return plan_file
+
+
+def check_prediction(plan_file: PlanFile, path: str) -> None:
+    """Refuse figures no estimate can hold (a hand-edited prediction): a utilisation outside [0, 1] or a hardware one
+    below its model one. A prediction of another batch or platform (the plan edited beside it) is not refused here:
+    launch prices the plan again and the job carries that prediction (launch/job.py)."""
+    pred = plan_file.prediction
+    if pred is None:
+        return
+    for model_name, hardware_name in UTILISATION_PAIRS:
+        model_u, hardware_u = getattr(pred, model_name), getattr(pred, hardware_name)
+        for name, value in ((model_name, model_u), (hardware_name, hardware_u)):
+            if value is not None and value > 1:
+                raise PiperError(f"{value!r} is not allowed; allowed: 0 to 1 (a fraction of the device's peak "
+                                 "FLOP/s)", path=path, field=f"prediction.{name}")
+        if model_u is not None and hardware_u is not None and hardware_u < model_u * (1 - ROUNDING):
+            raise PiperError(f"{hardware_u!r} is below {model_name}={model_u!r}; allowed: at least {model_name} "
+                             "(it counts the same FLOPs plus what recomputation repeats)", path=path,
+                             field=f"prediction.{hardware_name}")
+
+
+PLATFORM_BLOCK_FIELDS = ("device", "node", "network", "efficiency", "memory", "launch", "max_nodes")
+"""PlatformSpec's fields but ``name`` and ``description`` (which the model block has too): an error naming one
+without a file (a platform's own check, e.g. ``PlatformSpec.peak_flops``) is about the plan's ``platform`` block."""
+
+
+def in_plan_file(exc: PiperError, path) -> PiperError:
+    """``exc`` naming the plan file ``path`` where it names no file, and a field of the plan's platform block as the
+    plan file spells it (``launch.env.A`` -> ``platform.launch.env.A``); ``exc`` itself where it names a file."""
+    if exc.path:
+        return exc
+    field = exc.field
+    if field and field.split(".")[0] in PLATFORM_BLOCK_FIELDS:
+        field = f"platform.{field}"
+    return PiperError(exc.message, path=str(path), field=field)
 
 
 def does_not_fit(prediction: Estimate | None) -> str | None:

@@ -5,8 +5,8 @@ lists the ones piper may write, with the commit they were read from, and a test 
 
 from __future__ import annotations
 
-from piper_plan.export.script import (capacity_note, job_script, option_notes, piper_only, prediction_options,
-                                      recompute_modules, torchrun_launcher)
+from piper_plan.export.script import (capacity_note, gradient_precision, job_script, option_notes, piper_only,
+                                      prediction_options, recompute_modules, torchrun_launcher)
 from piper_plan.specs.parallel import layout_string
 
 INSTEAD = {
@@ -129,6 +129,8 @@ def parallel_arguments(pf) -> tuple[list[list[str]], list[str]]:
         notes.append("schedule gpipe -> Megatron runs 1F1B (same bubble, fewer activations in flight)")
     if t.dtype in ("fp8", "mxfp8"):
         notes.append(f"{t.dtype}: add Transformer Engine's fp8 recipe flags for your Megatron version (not written)")
+    notes.append(f"not carried over: {gradient_precision(t)} (set your Megatron version's gradient-precision "
+                 "flags; none written)")
     return lines, notes
 
 

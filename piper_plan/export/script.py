@@ -26,13 +26,23 @@ def piper_only(plan_file, instead: dict[str, str]) -> list[str]:
 
 
 def runtime_note(plan_file) -> str:
-    """The runtime block's optimizer and loss settings, which no export writes."""
+    """The plan's optimizer (training.optimizer) and the runtime block's optimizer and loss settings, which no
+    export writes."""
     r = plan_file.runtime
     clip = "off" if r.grad_clip_norm is None else f"{r.grad_clip_norm:g}"
     aux = f", aux loss {r.aux_loss_coeff:g}" if plan_file.model.moe is not None else ""
-    return (f"not carried over: piper's optimizer and loss settings (lr {r.lr:g}, {r.lr_schedule} to "
-            f"{r.min_lr_ratio:g} x lr after {r.warmup_steps} warmup steps, weight decay {r.weight_decay:g}, "
-            f"gradient clip {clip}{aux}, seed {r.seed}): set the engine's own")
+    return (f"not carried over: piper's optimizer and loss settings (optimizer {plan_file.training.optimizer}, "
+            f"lr {r.lr:g}, {r.lr_schedule} to {r.min_lr_ratio:g} x lr after {r.warmup_steps} warmup steps, weight "
+            f"decay {r.weight_decay:g}, gradient clip {clip}{aux}, seed {r.seed}): set the engine's own")
+
+
+def gradient_precision(training) -> str:
+    """The plan's gradients in words: bytes per value and, where the plan implies it, their format."""
+    if training.grad_bytes == 4:
+        kind = " (fp32)" if training.weight_bytes == 4 else " (fp32 main gradients)"
+    else:
+        kind = " (the weights' dtype)" if training.grad_bytes == training.weight_bytes else ""
+    return f"gradients: {training.grad_bytes} bytes per value{kind} in the plan"
 
 
 def prediction_options(plan_file) -> CostOptions:

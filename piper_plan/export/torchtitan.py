@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from piper_plan.errors import PiperError
-from piper_plan.export.script import (capacity_note, job_script, option_notes, piper_only, recompute_modules,
-                                      torchrun_launcher)
+from piper_plan.export.script import (capacity_note, gradient_precision, job_script, option_notes, piper_only,
+                                      recompute_modules, torchrun_launcher)
 
 MODELS: dict[str, tuple[str, str]] = {
     "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b"),
@@ -99,6 +99,23 @@ def setting_notes(pf, config: str) -> list[str]:
     return notes
 
 
+REDUCE_FLAG = "--training.mixed_precision_reduce"
+"""TrainingConfig.mixed_precision_reduce: the dtype of FSDP's gradient reductions, applied when
+data_parallel_shard_degree > 1; torchtitan 0.3 takes "float32" only."""
+
+
+def gradient_arguments(training, shard: int) -> tuple[list[list[str]], list[str]]:
+    """The plan's gradient precision: fp32 (4 bytes) under FSDP as torchtitan's float32 reduction dtype, written;
+    anything else a note (torchtitan 0.3 has no other gradient-precision setting on its command line)."""
+    if training.grad_bytes == 4 and shard > 1:
+        return [[REDUCE_FLAG, "float32"]], [f"{gradient_precision(training)} -> {REDUCE_FLAG} float32 (the dtype of "
+                                            "FSDP's gradient reductions)"]
+    why = ("takes only float32" if training.grad_bytes != 4
+           else "applies only when data_parallel_shard_degree > 1, and this export's is 1")
+    return [], [f"not carried over: {gradient_precision(training)} (torchtitan 0.3's {REDUCE_FLAG[2:]}, the dtype of "
+                f"FSDP's gradient reductions, {why})"]
+
+
 def layers_per_virtual_stage(num_layers: int, stages: int) -> int | None:
     """pipeline_parallel_layers_per_stage giving ``stages`` stages (torchtitan: ceil((L + 2) / n) stages), or None."""
     total = num_layers + STAGE_LESS_LAYERS
@@ -120,7 +137,8 @@ def arguments(pf) -> tuple[list[list[str]], list[str]]:
     if t.dtype == "fp8":
         config = FP8_CONFIGS[model.name]
     replicate, shard = dp_split(p)
-    notes += dp_notes(p, replicate, shard) + setting_notes(pf, config)
+    gradient_lines, gradient_notes = gradient_arguments(t, shard)
+    notes += dp_notes(p, replicate, shard) + gradient_notes + setting_notes(pf, config)
     lines = [["--module", module], ["--config", config],
              ["--parallelism.data_parallel_replicate_degree", str(replicate)],
              ["--parallelism.data_parallel_shard_degree", str(shard)],
@@ -133,7 +151,7 @@ def arguments(pf) -> tuple[list[list[str]], list[str]]:
              ["--training.global_batch_size", str(t.global_batch)],
              ["--training.seq_len", str(t.seq_len)],
              ["--training.steps", str(pf.runtime.steps)],
-             ["--training.mixed_precision_param", PRECISION[t.dtype]]]
+             ["--training.mixed_precision_param", PRECISION[t.dtype]], *gradient_lines]
     if p.zero >= 1:
         lines.append(["--parallelism.fsdp_reshard_after_forward", "always" if p.zero == 3 else "never"])
     if p.tp > 1 and not p.sequence_parallel:

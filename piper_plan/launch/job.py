@@ -9,7 +9,7 @@ from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_text, check_writable, read_text
 from piper_plan.launch import render, submit
 from piper_plan.launch.render import JobSpec, LaunchOptions
-from piper_plan.planfile import PlanFile, does_not_fit, read_plan_file
+from piper_plan.planfile import PlanFile, does_not_fit, in_plan_file, read_plan_file
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,11 @@ def check_runnable(plan_file: PlanFile, path: Path) -> None:
         raise PiperError(f"{overflow} (re-plan with `piper plan`)", path=str(path), field="prediction.fits")
 
 
-STALE_PREDICTION = 1e-6
-"""Relative difference in step time or peak memory beyond which a file's stored prediction is not its plan's."""
-
-
 def repriced(plan_file: PlanFile) -> tuple[PlanFile, bool]:
     """``plan_file`` with its prediction priced again from what the file holds (model, platform, training, plan,
-    placement, the stored cost options and calibration use), and whether that changed it: a hand-edited file, or
-    one saved by another piper, is sized by what its plan costs now, not by the figures written beside it."""
+    placement, the stored cost options and calibration use), and whether its step time or peak memory changed at
+    the precision the launch note prints (``_figures``): a hand-edited file, or one saved by another piper, is sized
+    by what its plan costs now, not by the figures written beside it."""
     from piper_plan.calibration.curves import load_calibration
     from piper_plan.cost.evaluate import estimate
     from piper_plan.cost.options import cost_options
@@ -62,22 +59,27 @@ def repriced(plan_file: PlanFile) -> tuple[PlanFile, bool]:
     calibration = load_calibration(pf.platform.name) if stored.sources.compute.startswith("calibration") else None
     fresh = estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
                      placement=pf.placement, options=cost_options(dict(stored.options)))
-    pairs = ((stored.step_time_s, fresh.step_time_s), (stored.memory.peak_bytes, fresh.memory.peak_bytes))
-    changed = any(abs(new - old) > STALE_PREDICTION * max(abs(old), 1e-30) for old, new in pairs)
-    return pf.model_copy(update={"prediction": fresh}), changed
+    return pf.model_copy(update={"prediction": fresh}), _figures(stored) != _figures(fresh)
+
+
+def _figures(prediction) -> str:
+    """Step time and peak memory as the launch note prints them."""
+    return f"step {prediction.step_time_s:.4g} s, peak {prediction.memory.peak_bytes / 2**30:.2f} GiB"
 
 
 def _stale_note(stored, fresh) -> str:
-    return (f"its stored prediction (step {stored.step_time_s:.4g} s, peak {stored.memory.peak_bytes / 2**30:.2f} "
-            f"GiB) is not what its plan costs now (step {fresh.step_time_s:.4g} s, peak "
-            f"{fresh.memory.peak_bytes / 2**30:.2f} GiB): the file was edited or saved by another piper")
+    return (f"its stored prediction ({_figures(stored)}) is not what its plan costs now ({_figures(fresh)}): the "
+            "file was edited or saved by another piper")
 
 
 def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
             command: tuple[str, ...] | None = None) -> PreparedJob:
     """Read the plan, price it again (repriced), check it, render the script; nothing is written."""
     stored = read_plan_file(plan_path)
-    plan_file, changed = repriced(stored)
+    try:
+        plan_file, changed = repriced(stored)
+    except PiperError as exc:        # a check of the plan's platform or options, which knows no file
+        raise in_plan_file(exc, plan_path) from None
     try:
         check_runnable(plan_file, plan_path)
     except PiperError as exc:         # one line: why, and that the file's own figures said otherwise
@@ -89,17 +91,24 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
     job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))
     script = render.render_sbatch(job, render.load_template(job.template, options.template_dir))
-    plan_text = read_text(plan_path)
-    if changed:
-        import json
-
-        data = json.loads(plan_text)
-        data["prediction"] = plan_file.prediction.model_dump(mode="json")
-        plan_text = json.dumps(data, indent=2) + "\n"
     repriced_note = f"{plan_path}: {_stale_note(stored.prediction, plan_file.prediction)}; the job is sized and " \
         "checked by the new figures" if changed else None
-    return PreparedJob(out_dir=out_dir, plan_text=plan_text, job=job, script=script,
+    return PreparedJob(out_dir=out_dir, plan_text=job_plan_text(plan_path, plan_file), job=job, script=script,
                        readme=readme_text(job, plan_file), repriced_note=repriced_note)
+
+
+def job_plan_text(plan_path: Path, plan_file: PlanFile) -> str:
+    """The job's plan.json: the file as given, its prediction replaced by the one piper computes now (``repriced``;
+    ``piper compare`` reads it as the prediction) where the two differ in any figure."""
+    import json
+
+    text = read_text(plan_path)
+    data = json.loads(text)
+    fresh = None if plan_file.prediction is None else plan_file.prediction.to_json()
+    if fresh is None or data.get("prediction") == fresh:
+        return text
+    data["prediction"] = fresh
+    return json.dumps(data, indent=2) + "\n"
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:

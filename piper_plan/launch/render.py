@@ -165,6 +165,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
     out_dir, plan_path = v.abs_path(out_dir, "--out-dir"), v.abs_path(plan_path, "--plan")
     run_dir = f"{out_dir}/run"
     python = v.abs_path(python, "python")
+    settings = launch_settings(launch, source or plan_path)
     span = nodes > 1 and platform.network.nodes_per_switch > 1 and expert_groups_span_nodes(plan, dpn)
     segment_nodes = platform.network.segment_nodes
     return JobSpec(
@@ -174,20 +175,34 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
         cpus_per_task=launch.cpus_per_task, gpus_per_task=launch.gpus_per_task, steps=steps,
         time=v.wall_time(options.time) if options.time is not None
         else default_time(steps, plan_file.prediction.step_time_s if plan_file.prediction else None),
-        partition=_optional_name(_given(options.partition, launch.partition), "partition"),
+        partition=_optional_name(options.partition, "partition") if options.partition is not None
+        else settings["partition"],
         account=_optional_name(options.account, "account"),
         switches=switches_needed(nodes, platform.network.nodes_per_switch) if span and not segment_nodes else None,
         segment=segment_size(nodes, segment_nodes) if segment_nodes and nodes > 1 else None,
         segment_warning=segment_warning(nodes, segment_nodes),
         out_dir=out_dir, run_dir=run_dir, plan_file=plan_path, python=python,
         plan_summary=plan_summary(plan_file),
-        modules=tuple(v.module_name(m) for m in launch.modules),
-        env=tuple(v.env_pair(k, val) for k, val in launch.env.items()),
-        srun_extra=tuple(v.option_token(o, "launch.srun") for o in launch.srun),
-        sbatch_extra=tuple(v.option_token(o, "launch.sbatch") for o in launch.sbatch),
+        modules=settings["modules"], env=settings["env"], srun_extra=settings["srun_extra"],
+        sbatch_extra=settings["sbatch_extra"],
         command=command or (python, "-m", "piper_plan.runtime.train", "--plan", plan_path,
                             "--steps", str(steps), "--out", run_dir),
     )
+
+
+def launch_settings(launch, source: str) -> dict:
+    """The plan's ``platform.launch`` block, validated: modules, env, srun and sbatch options, partition; a bad
+    value is one line naming the plan file ``source`` and its field there (``platform.launch.env.NAME``)."""
+    from piper_plan.planfile import in_plan_file
+
+    try:
+        return {"modules": tuple(v.module_name(m) for m in launch.modules),
+                "env": tuple(v.env_pair(k, val) for k, val in launch.env.items()),
+                "srun_extra": tuple(v.option_token(o, "launch.srun") for o in launch.srun),
+                "sbatch_extra": tuple(v.option_token(o, "launch.sbatch") for o in launch.sbatch),
+                "partition": _optional_name(launch.partition, "launch.partition")}
+    except PiperError as exc:
+        raise in_plan_file(exc, source) from None
 
 
 def _optional_sbatch(job: JobSpec) -> str:

@@ -43,6 +43,8 @@ PLANS = {
                    "--pp", "4", "--ep", "8", "--zero", "2"),
     "qwen3-hsdp": ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "16", "--ep", "8",
                    "--zero", "3", "--dp-replicate", "2"),
+    "qwen3-fp32-grads": ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "16", "--ep", "8",
+                         "--zero", "3", "--grad-bytes", "4"),
     "qwen3-recompute-modules": ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "16",
                                 "--ep", "8", "--recompute", "selective", "--recompute-modules", "mlp,moe_act"),
 }
@@ -132,6 +134,34 @@ def test_unwritten_settings_are_noted(plans, tmp_path):
     assert not any("shared_expert_overlap" in n for n in notes_of(megatron.script(read_plan_file(plans["qwen3-hsdp"]))))
 
 
+def test_gradient_precision_is_carried_or_noted(plans, tmp_path):
+    """The plan's gradient bytes reach both scripts: torchtitan's float32 FSDP reduction for fp32 gradients, a
+    'not carried over' note naming the plan's value otherwise (plans differing only in it export differently)."""
+    fp32, bf16 = read_plan_file(plans["qwen3-fp32-grads"]), read_plan_file(plans["qwen3-zero3-selective"])
+    assert (fp32.training.grad_bytes, bf16.training.grad_bytes) == (4, 2)
+    titan = torchtitan.script(fp32)
+    assert words_of(titan, "--training.mixed_precision_reduce") == ["float32"]
+    assert any(n.startswith("gradients: 4 bytes per value (fp32 main gradients) in the plan") for n in notes_of(titan))
+    titan = torchtitan.script(bf16)
+    assert "--training.mixed_precision_reduce" not in titan
+    assert any(n.startswith("not carried over: gradients: 2 bytes per value") for n in notes_of(titan))
+    for pf, value in ((fp32, "4 bytes per value (fp32 main gradients)"), (bf16, "2 bytes per value")):
+        assert any(n.startswith(f"not carried over: gradients: {value}") for n in notes_of(megatron.script(pf)))
+
+
+def test_the_optimizer_is_noted(plans, tmp_path):
+    """Neither engine's command line here takes piper's optimizer: its name is in the 'not carried over' note."""
+    import json
+
+    data = json.loads(plans["qwen3-hsdp"].read_text())
+    data["training"]["optimizer"] = "sgd"
+    path = tmp_path / "sgd.json"
+    path.write_text(json.dumps(data))
+    pf = read_plan_file(path)
+    for text in (megatron.script(pf), torchtitan.script(pf)):
+        assert any(n.startswith("not carried over:") and "optimizer sgd" in n for n in notes_of(text))
+
+
 def test_a_bad_stored_option_is_one_error_line(plans, tmp_path):
     """A hand-edited recompute_modules string is refused, not split into letters as Megatron modules."""
     import json
@@ -207,6 +237,7 @@ for world, args in json.loads(sys.argv[1]):
                 "schedule": cfg.parallelism.pipeline_parallel_schedule,
                 "reshard": cfg.parallelism.fsdp_reshard_after_forward,
                 "layers_per_stage": cfg.parallelism.pipeline_parallel_layers_per_stage,
+                "reduce": cfg.training.mixed_precision_reduce,
                 "layers": len(cfg.model_spec.model.layers)})
 print("RESULT " + json.dumps(out))
 """
@@ -248,6 +279,7 @@ def test_torchtitan_accepts_every_export(plans):
     assert got["qwen3-zero3-selective"]["reshard"] == "always"
     assert got["deepseek-zero1"]["ac"] == "NoneType" and got["deepseek-zero1"]["reshard"] == "never"
     assert (got["qwen3-hsdp"]["dp_replicate"], got["qwen3-hsdp"]["dp_shard"]) == (2, 8)    # HSDP, not plain FSDP
+    assert got["qwen3-fp32-grads"]["reduce"] == "float32"
 
 
 @pytest.mark.distributed     # spawns bash

@@ -45,7 +45,7 @@ def test_env_injection_in_platform_is_rejected(tmp_path):
     data["launch"]["env"]["EVIL"] = "$(touch /tmp/pwned)"
     plan = write_plan(tmp_path / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8}, platform_data=data)
     result = run("launch", "--plan", plan, "--out", tmp_path / "job")
-    assert result.exit_code == 2 and "launch.env.EVIL" in result.output
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {plan}: platform.launch.env.EVIL: ")
 
 
 def test_writes_three_files_and_force(tmp_path, plan):
@@ -135,7 +135,9 @@ def test_compare_numbers():
 def test_compare_cli_json(tmp_path):
     job = tmp_path / "job"
     (job / "run").mkdir(parents=True)
-    write_plan(job / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8}, prediction=PREDICTION)
+    tokens_per_step = 32 * 4 * 8                     # write_plan's seq_len x global_batch (4 x dp x mbs)
+    write_plan(job / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8},
+               prediction={**PREDICTION, "tokens_per_s": tokens_per_step / PREDICTION["step_time_s"]})
     (job / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     result = run("compare", job / "run", "--json")
     assert result.exit_code == 0, result.output
@@ -149,8 +151,9 @@ def test_launch_prices_the_plan_again_not_the_figures_written_beside_it(tmp_path
     """A hand-edited plan.json (here 16x the global batch) launched with the wall time and memory of its old
     prediction; now the job is sized by what the plan costs, the user is told, and the job's plan.json carries it.
     A file whose own figures are right launches silently, unchanged."""
-    same = run("launch", "--plan", plan, "--out-dir", tmp_path / "same", "--dry-run")
+    same = run("launch", "--plan", plan, "--out-dir", tmp_path / "same")
     assert same.exit_code == 0 and "stored prediction" not in same.stderr
+    assert (tmp_path / "same" / "plan.json").read_text() == plan.read_text()
     data = json.loads(plan.read_text())
     old_step = data["prediction"]["step_time_s"]
     data["training"]["global_batch"] *= 16
@@ -164,3 +167,66 @@ def test_launch_prices_the_plan_again_not_the_figures_written_beside_it(tmp_path
     written = json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"]["step_time_s"]
     assert written > 10 * old_step
     assert f"step_time_s: {written:.4g}" in (tmp_path / "job" / "README.md").read_text()
+
+
+def test_stale_note_only_when_its_figures_differ(tmp_path, plan):
+    """A stored step time off by less than the note's 4 significant digits: no note that would print the same
+    figures twice; the job's plan.json still carries the prediction piper computes now."""
+    data = json.loads(plan.read_text())
+    fresh_step = data["prediction"]["step_time_s"]
+    data["prediction"]["step_time_s"] *= 1 + 1e-5
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    res = run("launch", "--plan", edited, "--out-dir", tmp_path / "job")
+    assert res.exit_code == 0, res.stderr
+    assert "stored prediction" not in res.stderr
+    assert json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"]["step_time_s"] == fresh_step
+
+
+def test_the_job_carries_the_prediction_piper_computes_not_the_files(tmp_path, plan):
+    """Figures a prediction may hold but this plan's does not (mfu, hfu doubled) are not copied into the job."""
+    data = json.loads(plan.read_text())
+    fresh = data["prediction"]
+    data["prediction"] = {**fresh, "mfu": 2 * fresh["mfu"], "hfu": 2 * fresh["hfu"]}
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    assert run("launch", "--plan", edited, "--out-dir", tmp_path / "job").exit_code == 0
+    written = json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"]
+    assert (written["mfu"], written["hfu"]) == (fresh["mfu"], fresh["hfu"])
+
+
+@pytest.mark.parametrize("edit, field, needle", [
+    ({"mfu": 5.0}, "prediction.mfu", "allowed: 0 to 1"),
+    ({"hfu": 1.5}, "prediction.hfu", "allowed: 0 to 1"),
+    ({"mfu_megatron": 2.0}, "prediction.mfu_megatron", "allowed: 0 to 1"),
+    ({"mfu": 0.5, "hfu": 0.01}, "prediction.hfu", "is below mfu=0.5"),
+])
+def test_impossible_prediction_is_one_line(tmp_path, plan, edit, field, needle):
+    data = json.loads(plan.read_text())
+    data["prediction"].update(edit)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    res = run("launch", "--plan", edited, "--out-dir", tmp_path / "job")
+    assert res.exit_code == 2 and not (tmp_path / "job").exists()
+    line = res.stderr.strip()
+    assert "\n" not in line and line.startswith(f"error: {edited}: {field}: ") and needle in line, line
+
+
+def test_prediction_within_rounding_is_read(tmp_path, plan):
+    """hfu = mfu (nothing recomputed) rounded apart in the last digits: still a plan."""
+    data = json.loads(plan.read_text())
+    p = data["prediction"]
+    p.update(hfu=p["mfu"] * (1 - 1e-9), tokens_per_s=float(f"{p['tokens_per_s']:.3g}"))
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    assert run("launch", "--plan", edited, "--out-dir", tmp_path / "job", "--dry-run").exit_code == 0
+
+
+def test_platform_errors_of_a_plan_file_name_it(tmp_path, plan):
+    """launch.env and the dtype's peak are checked after the file is read; their one line still names it."""
+    data = json.loads(plan.read_text())
+    data["training"]["dtype"] = "fp8"                     # frontier lists no fp8 peak
+    no_peak = tmp_path / "no_peak.json"
+    no_peak.write_text(json.dumps(data))
+    res = run("launch", "--plan", no_peak, "--out-dir", tmp_path / "job", "--dry-run")
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: {no_peak}: platform.device.peak_flops: "), res.stderr
