@@ -33,7 +33,8 @@ def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span, shard_sp
         fsdp_weights = net.seconds("all_gather", fsdp_n, params * training.weight_bytes, fsdp_span)
         fsdp = scatters * net.seconds("reduce_scatter", fsdp_n, params * FSDP_GRAD_BYTES, fsdp_span) \
             + gathers * fsdp_weights
-        out.append(np.where(c.zero >= 2, fsdp, np.where(c.zero == 1, sharded, plain)))
+        synced = np.where(c.zero >= 2, fsdp, np.where(c.zero == 1, sharded, plain))
+        out.append(np.where(params > 0, synced, 0.0))      # no parameters of the kind (a dense model's experts)
     if hsdp.any():
         across = net.seconds("all_reduce", c.dp_replicate, dense / c.dense_shard * FSDP_GRAD_BYTES, replica_span)
         out[0] = out[0] + np.where(hsdp & (c.zero >= 2), scatters * across, 0.0)
