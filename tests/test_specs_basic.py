@@ -72,3 +72,17 @@ def test_byte_widths_are_real_formats(field, value):
     """Before: a plan file's weight_bytes 3 or grad_bytes 1e18 was read and priced."""
     with pytest.raises(ValidationError, match=field):
         TrainingSpec(**{field: value})
+
+
+@pytest.mark.parametrize("name, update, needle", [
+    ("deepseek-v3", {"head_dim": 64}, "kind=mla takes its widths"),
+    ("deepseek-v3", {"num_kv_heads": 8}, "drop head_dim=None and num_kv_heads=8"),
+    ("mixtral-8x7b", {"kv_lora_rank": 512}, "kv_lora_rank describe MLA, but kind=gqa"),
+])
+def test_attention_fields_of_another_kind_are_refused(name, update, needle):
+    """Before: silently ignored (an MLA model's head_dim, a GQA model's kv_lora_rank)."""
+    from piper_plan.specs.model import AttentionSpec
+
+    data = {**load_model(name).attention.model_dump(mode="json"), **update}
+    with pytest.raises(ValidationError, match=needle):
+        AttentionSpec.model_validate(data)

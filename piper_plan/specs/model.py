@@ -40,7 +40,7 @@ class AttentionSpec(Spec):
     num_heads: Heads
     """Query heads."""
     num_kv_heads: Heads | None = None
-    """Key/value heads (GQA); defaults to num_heads. Ignored for MLA."""
+    """Key/value heads (GQA); defaults to num_heads. MLA: unset (or num_heads)."""
     head_dim: Width | None = None
     """Per-head width of q/k/v; defaults to hidden_size / num_heads (Llama 4, Qwen3-MoE, gpt-oss set it)."""
     qkv_bias: bool = False
@@ -72,12 +72,19 @@ class AttentionSpec(Spec):
         if self.sliding_window is None and self.sliding_window_every != 1:
             raise ValueError(f"sliding_window_every={self.sliding_window_every} picks the layers of a sliding window, "
                              "but sliding_window is not set: set both, or drop sliding_window_every")
+        mla_only = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         if self.kind == "mla":
-            missing = [f for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-                       if getattr(self, f) is None]
+            missing = [f for f in mla_only[1:] if getattr(self, f) is None]
             if missing:
                 raise ValueError(f"kind=mla needs {', '.join(missing)}")
+            if self.head_dim is not None or self.num_kv_heads not in (None, self.num_heads):
+                raise ValueError(f"kind=mla takes its widths from qk_nope_head_dim, qk_rope_head_dim and v_head_dim "
+                                 f"and has a key and value per head: drop head_dim={self.head_dim} and "
+                                 f"num_kv_heads={self.num_kv_heads}")
             return self
+        stray = [f for f in mla_only if getattr(self, f) is not None]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} describe MLA, but kind={self.kind}: drop them, or set kind: mla")
         kv = self.kv_heads
         if self.kind == "mha" and kv != self.num_heads:
             raise ValueError(f"kind=mha needs num_kv_heads == num_heads, got num_kv_heads={kv}, num_heads={self.num_heads}")
