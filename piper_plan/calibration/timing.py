@@ -17,6 +17,8 @@ from typing import Callable
 
 
 STATISTICS = {"median": statistics.median, "min": min}
+MAX_CALLS = 10_000
+"""Timed (or untimed warm-up) calls of one measurement at most: a benchmark, not an endless loop."""
 """How the samples of one measurement become its figure."""
 
 

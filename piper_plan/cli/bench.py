@@ -18,6 +18,7 @@ import click
 
 from piper_plan.cli.common import (EXIT_CHECK_FAILED, console, diagnostics, exit_codes, json_option, note,
                                    out_dir_option, print_json)
+from piper_plan.calibration.timing import MAX_CALLS
 from piper_plan.errors import PiperError
 
 @click.group("bench")
@@ -36,8 +37,8 @@ def bench_group() -> None:
 @click.option("--verify", is_flag=True, help="Check HALO == all_to_all_single exactly (outputs and gradients).")
 @click.option("--platform", "platform_name", default=None,
               help="Platform for the NIC map, scope and calibration folder (required unless --no-save).")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed calls per size.")
-@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed calls first.")
+@click.option("--repeats", type=click.IntRange(1, MAX_CALLS), default=5, show_default=True, help="Timed calls per size.")
+@click.option("--warmup", type=click.IntRange(0, MAX_CALLS), default=1, show_default=True, help="Untimed calls first.")
 @out_dir_option("output_dir", "Folder whose collectives.csv receives the rows [default: calibration/<platform>].",
                 old=("--output-dir",), type=click.Path(file_okay=False, path_type=Path))
 @click.option("--no-save", is_flag=True, help="Do not write calibration rows.")

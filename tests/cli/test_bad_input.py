@@ -489,3 +489,10 @@ def test_plan_dtype_any_inside_a_list_is_one_clear_line():
     """Before: "(a list or 'any' only for piper plan)", said by piper plan."""
     assert_one_line_error(run("plan", *TINY, "--nodes", "1", "--dtype", "any,fp8"),
                           "--dtype: 'any,fp8': 'any' stands alone")
+
+
+@pytest.mark.parametrize("option", ["--repeats", "--warmup"])
+def test_bench_call_counts_are_bounded(option):
+    """Before: --repeats 1e21 ran until killed."""
+    assert_one_line_error(run("bench", "a2a", "--no-save", "--nodes", 1, "--ranks-per-node", 2, "--sizes", "4K", option,
+                              "999999999999999999999"), f"Invalid value for '{option}'", "<=10000")
