@@ -28,6 +28,10 @@ _TIME_UNITS = {"(us)": 1e-6, "(ms)": 1e-3, "(s)": 1.0}
 _REQUIRED = ("time", "algbw", "busbw")
 _CHECK_COLUMNS = ("#wrong", "error")
 _OK_CHECKS = ("", "0", "0e+00", "N/A")
+ALGBW_TOLERANCE, ALGBW_PRINTED = 0.01, 0.006
+"""algbw may differ from size / time by 1% plus its last printed digit (two decimals): the printed time is rounded."""
+REDUCING_OPS = ("all_reduce", "reduce_scatter")
+"""The ops whose table prints a reduction (redop); the others print ``none``."""
 _NUMERIC_START = re.compile(r"[-+]?(?:\d|\.\d)")
 """A line whose first token starts like a number is a data line (banners start with a word)."""
 
@@ -43,6 +47,9 @@ class NcclTestsRow:
     busbw_GBps: float
     wrong: tuple[str, ...]
     """Every result-check column of the line (out-of-place and in-place)."""
+    redop: str | None = None
+    """The reduction printed (``sum``, ... ; ``none`` for the ops that move data without reducing); None where the
+    table has no redop column."""
 
 
 def parse_nccl_tests(text: str, path: str = "<text>") -> list[NcclTestsRow]:
@@ -114,8 +121,14 @@ def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> 
         shown = ", ".join(f"{name} {text!r}" for name, text in bad)
         raise PiperError(f"line {number}: {shown} out of range (time > 0 and at most {MAX_MEASURED:g} s, bandwidths "
                          f"0..{MAX_MEASURED:g} GB/s)", path=path)
+    derived = size / seconds / 1e9
+    if abs(algbw - derived) > ALGBW_TOLERANCE * derived + ALGBW_PRINTED:
+        raise PiperError(f"line {number}: algbw {tokens[i_alg]} GB/s is not size / time = {size} B / "
+                         f"{tokens[i_time]} = {derived:.4g} GB/s; allowed: within {ALGBW_TOLERANCE:.0%} (nccl-tests "
+                         "prints algbw = size / time)", path=path)
     wrong = tuple(tokens[i] if i < len(tokens) else "" for i, c in enumerate(columns) if c == "#wrong")
-    return NcclTestsRow(number, size, seconds, algbw, busbw, wrong)
+    redop = tokens[columns.index("redop")] if "redop" in columns else None
+    return NcclTestsRow(number, size, seconds, algbw, busbw, wrong, redop)
 
 
 def rows_to_collectives(rows: list[NcclTestsRow], op: str, scope: str, num_nodes: int, ranks_per_node: int,
@@ -150,5 +163,17 @@ def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per
     wrong = [r.line for r in rows if any(w not in _OK_CHECKS for w in r.wrong)]
     if wrong:
         raise PiperError(f"lines {wrong[:5]}: nccl-tests reports wrong results (#wrong != 0); not importing", path=str(path))
+    check_redop(rows, op, str(path))
     source = f"imported: nccl-tests output {path.name} ({op}, {num_nodes} nodes x {ranks_per_node} ranks, out-of-place)"
     return rows_to_collectives(rows, op, scope, num_nodes, ranks_per_node, source)
+
+
+def check_redop(rows: list[NcclTestsRow], op: str, path: str) -> None:
+    """The table's reduction must be the op's: a reduction for all_reduce / reduce_scatter, ``none`` for the ops that
+    move data (an all_reduce log imported as all_to_all is refused)."""
+    reducing = op in REDUCING_OPS
+    bad = [r for r in rows if r.redop is not None and (r.redop == "none") == reducing]
+    if bad:
+        wanted = "a reduction (sum, ...)" if reducing else "none"
+        raise PiperError(f"line {bad[0].line}: redop {bad[0].redop!r}, but --op {op} prints redop {wanted}: the log is "
+                         "of another collective", path=path)

@@ -88,6 +88,26 @@ def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     assert str(err.value).startswith("a2a.log: ") and message in str(err.value)
 
 
+def test_an_algbw_that_is_not_size_over_time_is_refused(tmp_path):
+    """Before: algbw 9999 GB/s imported where 1 MiB / 45.10 us = 23.25 GB/s."""
+    text = "".join(NCCL_TESTS.splitlines(keepends=True)[:9]) + \
+        "     1048576        262144     float    none      -1    45.10  9999.0   40.69      0    44.80   23.41   40.96      0\n"
+    with pytest.raises(PiperError, match=r"line 10: algbw 9999.0 GB/s is not size / time = 1048576 B / 45.10 = 23.25"):
+        parse_nccl_tests(text, "a2a.log")
+
+
+@pytest.mark.parametrize("op, redop", [("all_to_all", "sum"), ("all_reduce", "none")])
+def test_a_log_of_another_collective_is_refused(tmp_path, op, redop):
+    """Before: an all_reduce table (redop sum) was imported as --op all_to_all."""
+    from piper_plan.calibration.nccl_tests import import_file
+
+    log = tmp_path / "x.log"
+    log.write_text("".join(NCCL_TESTS.splitlines(keepends=True)[:9]) +
+                   f"     1048576        262144     float    {redop}      -1    45.10   23.25   40.69      0    44.80   23.41   40.96      0\n")
+    with pytest.raises(PiperError, match=f"redop '{redop}', but --op {op} prints redop"):
+        import_file(log, op, "node", 1, 8)
+
+
 def test_no_table_is_an_error():
     with pytest.raises(PiperError, match="no nccl-tests data rows"):
         parse_nccl_tests("srun: error: something\n", "x.log")
