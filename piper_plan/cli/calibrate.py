@@ -199,6 +199,7 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     from piper_plan.calibration import fit as fitting
     from piper_plan.calibration import load_calibration
 
+    check_distinct_runs(run_dirs)
     runs = [fitting.read_run(d) for d in run_dirs]
     platform = runs[0].plan_file.platform
     calibration = None if no_calibration else load_calibration(platform.name)
@@ -243,3 +244,14 @@ def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
         return
     for r in rows:
         console().print(f"{r['op']:18s} size {r['size']:3d}  {r['seconds'] * 1e6:10.1f} us", markup=False)
+
+
+def check_distinct_runs(run_dirs) -> None:
+    """Each RUN_DIR once: the same run named twice (r, ./r, /abs/r) would count one measurement as several."""
+    seen: dict[Path, str] = {}
+    for name in run_dirs:
+        key = Path(name).resolve()
+        if key in seen:
+            raise PiperError(f"{name!r} is the run {seen[key]!r} again; give each run once (a fit needs as many "
+                             "distinct runs as parameters)", field="RUN_DIR")
+        seen[key] = name

@@ -228,6 +228,13 @@ def _run_dir(tmp_path: Path) -> Path:
     return d
 
 
+def test_fit_counts_a_run_named_twice_once(tmp_path):
+    """Before: r, ./r and /abs/r were 3 runs, 3 parameters fitted to one measurement ("0.0% after")."""
+    d = _run_dir(tmp_path)
+    one_error(run("calibrate", "fit", d, f"{d}/.", d.resolve(), "--dry-run", env={"PIPER_HOME": str(ROOT)}),
+              "is the run", "again; give each run once")
+
+
 def test_fit_refuses_unknown_and_underdetermined_parameters(tmp_path):
     d = _run_dir(tmp_path)
     env = {"PIPER_HOME": str(ROOT)}
