@@ -105,7 +105,16 @@ def read_metrics_loads(path: str | Path, last_steps: int | None = None) -> np.nd
     shapes = {r.shape for r in rows}
     if len(shapes) != 1:
         raise PiperError(f"expert_tokens changes shape between lines: {sorted(shapes)}", path=str(path))
-    return np.sum(rows, axis=0)
+    total = np.sum(rows, axis=0)
+    if not total.sum(axis=1).all():
+        raise PiperError(f"layer {int(np.argmin(total.sum(axis=1)))}: no token routed to any expert in the lines "
+                         "read; loads need tokens", path=str(path))
+    return total
+
+
+MAX_TOKEN_COUNT = 2**53
+"""Largest token count of one expert in one line: a whole number a float64 holds exactly (the sums over lines stay
+finite)."""
 
 
 def _layer_rows(obj: dict, path: Path, line: int) -> np.ndarray:
@@ -117,7 +126,8 @@ def _layer_rows(obj: dict, path: Path, line: int) -> np.ndarray:
         rows = np.asarray(tokens, dtype=np.float64)
     except (TypeError, ValueError):
         rows = None
-    if rows is None or rows.ndim != 2 or rows.shape[1] == 0 or (rows < 0).any() or not np.isfinite(rows).all():
-        raise PiperError(f"line {line}: field expert_tokens must be [layers][experts] non-negative counts",
-                         path=str(path))
+    if rows is None or rows.ndim != 2 or rows.shape[1] == 0 or not np.isfinite(rows).all() or (rows < 0).any() \
+            or (rows > MAX_TOKEN_COUNT).any() or (rows != np.floor(rows)).any():
+        raise PiperError(f"line {line}: field expert_tokens must be [layers][experts] whole token counts, 0 to "
+                         f"2^53", path=str(path))
     return rows
