@@ -326,7 +326,7 @@ def test_read_metrics_loads(tmp_path):
     ('{"expert_tokens": [[1, -2]]}\n', "line 1: field expert_tokens"),
     ('{"expert_tokens": [1, 2]}\n', "line 1: field expert_tokens"),
     ('{"expert_tokens": [[1, 2]]}\n{"expert_tokens": [[1, 2, 3]]}\n', "changes shape"),
-    ('{"expert_tokens": [[1e308, 1e308, 5, 6]]}\n', "whole token counts, 0 to 2^53"),   # before: NaN loads, bare NaN JSON
+    ('{"expert_tokens": [[1e308, 1e308, 5, 6]]}\n', r"whole token counts, 0 to 2\^53"),   # before: NaN loads, bare NaN JSON
     ('{"expert_tokens": [[1.5, 2]]}\n', "whole token counts"),
     ('{"expert_tokens": [[1, 2], [0, 0]]}\n', "layer 1: no token routed"),
 ])
