@@ -10,6 +10,10 @@ from piper_plan.cli.common import console, exit_codes, json_option, print_json
 from piper_plan.errors import PiperError
 
 
+JOB_DIR_MARKS = ("job.sbatch", "plan.json")
+"""What `piper launch` writes into a job directory (one of them marks it as a piper job's)."""
+
+
 def run_dir_summary(run_dir: Path) -> dict:
     """Last metrics line, step count and latest checkpoint of a run directory."""
     metrics, latest = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "latest"
@@ -54,6 +58,9 @@ def status_cmd(job_id: str, job_dir: str | None, as_json: bool) -> None:
     if info is None and job_dir is None:
         raise PiperError(f"job {job_id}: Slurm does not know it (finished long ago?); pass --dir JOB_DIR")
     base = Path(job_dir) if job_dir else Path(info.get("WorkDir", "."))
+    if job_dir and not any((base / name).is_file() for name in JOB_DIR_MARKS):
+        raise PiperError(f"{job_dir!r} is not a piper job directory: it holds none of {', '.join(JOB_DIR_MARKS)} "
+                         "(`piper launch --out-dir` writes them)", field="--dir")
     result = {"job_id": job_id, "state": state, "reason": (info or {}).get("Reason"),
               "nodes": (info or {}).get("NodeList"), "restarts": (info or {}).get("Restarts"),
               "run": run_dir_summary(base / "run")}
@@ -61,7 +68,10 @@ def status_cmd(job_id: str, job_dir: str | None, as_json: bool) -> None:
         print_json(result)
         return
     c, run = console(), result["run"]
-    c.print(f"job {job_id}: {state} (reason {result['reason']}, nodes {result['nodes']}, "
-            f"restarts {result['restarts']})", markup=False)
+    if info is None and state is None:
+        c.print(f"job {job_id}: not known to Slurm (finished long ago?)", markup=False)
+    else:
+        c.print(f"job {job_id}: {state} (reason {result['reason']}, nodes {result['nodes']}, "
+                f"restarts {result['restarts']})", markup=False)
     c.print(f"run {run['run_dir']}: {run['steps_logged']} steps logged, last {run['last']}, "
             f"checkpoint {run['checkpoint']}", markup=False)

@@ -214,3 +214,12 @@ def test_only_a_platform_name_is_a_folder_name(tmp_path):
     result = run("model", "import", folder / "config.json", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["spec"]["name"] == "my-model"
+
+
+def test_status_dir_must_be_a_piper_job_directory(tmp_path, monkeypatch):
+    """Before: `status 999999 --dir /` printed 'job 999999: None (reason None, ...)' and exited 0."""
+    monkeypatch.setenv("PATH", _fake_slurm(tmp_path, "Invalid job id specified"))
+    assert_one_line_error(run("status", "12345", "--dir", tmp_path), "is not a piper job directory")
+    (tmp_path / "job.sbatch").write_text("#!/bin/bash\n")
+    result = run("status", "12345", "--dir", tmp_path)
+    assert result.exit_code == 0 and "job 12345: not known to Slurm" in result.stdout and "None (" not in result.stdout
