@@ -44,7 +44,7 @@ def read_text(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str:
     if path.is_dir():
         raise PiperError("is a directory; expected a file", path=str(path))
     if not path.is_file():
-        raise PiperError("file not found", path=str(path))
+        raise PiperError(_not_a_file(path), path=str(path))
     size = path.stat().st_size
     if size > max_bytes:
         raise PiperError(f"file is {size:,} bytes; the limit is {max_bytes:,}", path=str(path))
@@ -53,6 +53,22 @@ def read_text(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str:
     except OSError as exc:
         raise PiperError(f"cannot read: {exc.strerror or exc}", path=str(path)) from None
     return decode_utf8(data, str(path))
+
+
+def _not_a_file(path: Path) -> str:
+    """Why ``path`` (not a directory, not a regular file) cannot be read: missing, a link loop or dangling link, or
+    something else (a device, a FIFO, a socket)."""
+    if path.is_symlink() and not path.exists():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:
+            return "a symbolic link loop; expected a file"
+        except OSError:
+            pass
+        return "a symbolic link to nothing; expected a file"
+    if path.exists():
+        return "not a regular file (a device, FIFO or socket); expected a file"
+    return "file not found"
 
 
 def decode_utf8(data: bytes, where: str) -> str:

@@ -223,3 +223,15 @@ def test_status_dir_must_be_a_piper_job_directory(tmp_path, monkeypatch):
     (tmp_path / "job.sbatch").write_text("#!/bin/bash\n")
     result = run("status", "12345", "--dir", tmp_path)
     assert result.exit_code == 0 and "job 12345: not known to Slurm" in result.stdout and "None (" not in result.stdout
+
+
+def test_a_path_that_is_no_regular_file_says_what_it_is(tmp_path):
+    """Before: /dev/null, a FIFO and a link loop were all 'file not found'."""
+    fifo, loop, dangling = tmp_path / "fifo", tmp_path / "loop", tmp_path / "dangling"
+    os.mkfifo(fifo)
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "nowhere")
+    for path, needle in ((fifo, "not a regular file (a device, FIFO or socket)"), ("/dev/null", "not a regular file"),
+                         (loop, "a symbolic link loop"), (dangling, "a symbolic link to nothing"),
+                         (tmp_path / "missing.yaml", "file not found")):
+        assert_one_line_error(run("model", "show", path), f"{path}: {needle}")
