@@ -93,6 +93,9 @@ def read_run(run_dir: str | Path) -> Run:
     from piper_plan.planfile import read_plan_file
 
     d = Path(run_dir)
+    if not d.is_dir():
+        raise PiperError("not found" if not d.exists() else "not a directory; a run directory is expected",
+                         path=str(d))
     for name in ("plan.json", "metrics.jsonl"):
         if not (d / name).is_file():
             raise PiperError(f"missing {name}: a run directory holds the plan.json it ran and the runtime's "
