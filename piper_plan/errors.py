@@ -8,7 +8,7 @@ EXIT_CHECK_FAILED = 1
 ``bench a2a --verify`` (HALO differed from all_to_all_single) and ``run`` (the loss went nan / inf). Python's own exit code for a crash is 1 too; piper
 never crashes on bad input (that is 2), so 1 with a traceback is a bug to report."""
 EXIT_REQUEUE = 75
-"""The runtime exits with this (EX_TEMPFAIL, sysexits.h) after checkpointing on SIGUSR1/SIGTERM; the batch
+"""The runtime exits with this (EX_TEMPFAIL, sysexits.h) after checkpointing on SIGUSR1/SIGTERM/SIGINT; the batch
 script (launch/render.py) requeues the job on it."""
 
 

@@ -80,13 +80,24 @@ def mark_latest(run_dir: Path, step: int) -> None:
     atomic_write_text(checkpoints_dir(run_dir) / "latest", f"{step}\n")
 
 
+LATEST_ALLOWED = "a decimal step number (ASCII digits) naming a checkpoints/step_<N> folder, as piper writes it"
+LATEST_MAX_BYTES = 4096
+
+
 def latest_step(run_dir: Path) -> int | None:
+    """The step ``checkpoints/latest`` names; None without one. Anything else there (a folder, a dangling link,
+    bytes that are not UTF-8, text that is not ASCII digits: '-1', '²') is one PiperError naming the file."""
+    from piper_plan.fileio import read_text
+
     path = checkpoints_dir(run_dir) / "latest"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
-    text = path.read_text().strip()
-    if not text.isdigit():
-        raise PiperError(f"expected a step number, found {text[:40]!r}", path=str(path))
+    try:
+        text = read_text(path, LATEST_MAX_BYTES).strip()
+    except PiperError as exc:
+        raise PiperError(f"{exc.message}; allowed: {LATEST_ALLOWED}", path=str(path)) from None
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        raise PiperError(f"expected a step number, found {text[:40]!r}; allowed: {LATEST_ALLOWED}", path=str(path))
     return int(text)
 
 
@@ -126,18 +137,33 @@ def held_experts(slot_of_expert: list[int], first_slot: int, num_local: int) -> 
     return sorted((e, s - first_slot) for e, s in enumerate(slot_of_expert) if first_slot <= s < first_slot + num_local)
 
 
-def first_difference(saved, mine, at: str = "") -> str | None:
-    """The first field where two JSON values differ, as ``field: saved vs mine``; None if equal."""
+def first_difference(saved, mine, at: str = "", labels: tuple[str, str] = ("checkpoint", "plan")) -> str | None:
+    """The first field where two JSON values differ, as ``field: saved vs mine`` (``labels`` name the two sides;
+    long values shortened); None if equal."""
     if isinstance(saved, dict) and isinstance(mine, dict):
         for key in sorted(set(saved) | set(mine)):
-            found = first_difference(saved.get(key), mine.get(key), f"{at}.{key}" if at else key)
+            found = first_difference(saved.get(key), mine.get(key), f"{at}.{key}" if at else key, labels)
             if found:
                 return found
         return None
     if isinstance(saved, list) and isinstance(mine, list) and len(saved) == len(mine):
-        return next((d for i, (a, b) in enumerate(zip(saved, mine)) if (d := first_difference(a, b, f"{at}[{i}]"))),
-                    None)
-    return None if saved == mine else f"{at}: {saved!r} (checkpoint) vs {mine!r} (plan)"
+        return next((d for i, (a, b) in enumerate(zip(saved, mine))
+                     if (d := first_difference(a, b, f"{at}[{i}]", labels))), None)
+    if saved == mine:
+        return None
+    return f"{at}: {_short(saved)} ({labels[0]}) vs {_short(mine)} ({labels[1]})"
+
+
+def _short(value, limit: int = 60) -> str:
+    """repr of a value, a mapping or list of more than ``limit`` characters as ``{...}`` / ``[...]`` (one line)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, dict):
+        return f"{{... {len(value)} fields}}"
+    if isinstance(value, list):
+        return f"[... {len(value)} items]"
+    return text[:limit] + "..."
 
 
 # ---- the flat state dict -------------------------------------------------------------------------------
@@ -310,7 +336,8 @@ def load(run_dir: Path, state: RankState) -> int:
     flat = None
     if problem is None:
         same_ep = meta["parallel"]["ep"] == state.cfg.parallel.ep
-        _install_slot_maps(state, meta["slot_of_expert"] if same_ep else None)
+        problem = _install_slot_maps(state, meta["slot_of_expert"] if same_ep else None)
+    if problem is None:
         model_sd, optim_sds = state.torch_state()
         flat = flat_state(model_sd, optim_sds, state.held(), state.rank)
         same_layout = meta["parallel"] == state.cfg.parallel.model_dump(mode="json") and meta["world"] == state.world
@@ -336,25 +363,46 @@ def _read_meta(path: Path, state: RankState) -> tuple[dict | None, str | None]:
         meta = read_document(path / META)
     except PiperError as exc:
         return None, str(exc)
+    for key, kind in _META_FIELDS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            what = "no" if key not in meta else f"a {type(meta[key]).__name__} as its"
+            return None, (f"{META} has {what} {key!r}; allowed: the {META} piper writes with every checkpoint "
+                          f"({', '.join(_META_FIELDS)}); this checkpoint is damaged or not piper's")
+    if not isinstance(meta["parallel"].get("ep"), int):
+        return None, f"{META} has no 'parallel.ep'; allowed: the {META} piper writes; this checkpoint is damaged"
     diff = first_difference(meta.get("model"), state.cfg.model.model_dump(mode="json"))
     if diff:
         return meta, f"the checkpoint is of another model: model.{diff}"
     return meta, None
 
 
-def _install_slot_maps(state: RankState, saved: dict | None) -> None:
-    """The saved slot maps (same ep) or the identity (another ep)."""
+_META_FIELDS = {"model": dict, "parallel": dict, "world": int, "step": int, "slot_of_expert": dict}
+"""What load reads from piper.json, and its type."""
+
+
+def _install_slot_maps(state: RankState, saved: dict | None) -> str | None:
+    """The saved slot maps (same ep) or the identity (another ep); the first problem of a damaged saved map
+    (nothing installed then), else None."""
+    rows = {}
     for i, m in state.module.moe_layers().items():
-        row = saved[str(i)] if saved is not None else list(range(m.spec.num_experts))
-        m.slot_of_expert.copy_(torch.as_tensor(row, dtype=torch.int64))
+        row = saved.get(str(i)) if saved is not None else list(range(m.spec.num_experts))
+        if not isinstance(row, list) or sorted(row) != list(range(m.spec.num_experts)):
+            return (f"{META}: slot_of_expert.{i}: {_short(row)}; allowed: a permutation of the layer's "
+                    f"{m.spec.num_experts} experts, as piper writes it; this checkpoint is damaged")
+        rows[i] = row
+    for i, m in state.module.moe_layers().items():
+        m.slot_of_expert.copy_(torch.as_tensor(rows[i], dtype=torch.int64))
+    return None
 
 
 def _missing(path: Path, flat: dict) -> str | None:
     """The first key of ``flat`` the checkpoint lacks, holds with another shape, or whose shard file is missing."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = FileSystemReader(str(path)).read_metadata()
+    try:
+        md = _dcp_metadata(path)
+    except PiperError as exc:
+        return exc.message
     for key, value in flat.items():
         saved = md.state_dict_metadata.get(key)
         if saved is None:
@@ -368,12 +416,21 @@ def _missing(path: Path, flat: dict) -> str | None:
     return None
 
 
+def _dcp_metadata(path: Path):
+    """DCP's .metadata of a checkpoint; unreadable (damaged, truncated) is one PiperError."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # an unpickling error of any kind: the file is not DCP's
+        raise PiperError(f".metadata cannot be read ({type(exc).__name__}); allowed: the .metadata "
+                         "torch.distributed.checkpoint writes; this checkpoint is damaged", path=str(path)) from None
+
+
 def _unplaced(path: Path, placed: set[str]) -> str | None:
     """A saved model key that no rank of this layout loads (the same answer on every rank): e.g. the separate LM
     head a tie_embeddings model has under pp > 1, resumed at pp = 1, where the head is the embedding."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = {k for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.startswith(MODEL)}
+    saved = {k for k in _dcp_metadata(path).state_dict_metadata if k.startswith(MODEL)}
     extra = sorted(saved - placed)
     if extra:
         return f"the checkpoint holds {extra[0]!r}, which no rank of this layout has a place for"

@@ -505,20 +505,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class _StopFlag:
-    """SIGTERM / SIGUSR1 set a flag; the loop checkpoints at the end of the step and exits 75."""
+    """SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) set a flag; the loop checkpoints at the end of the step and exits 75.
+    After the first SIGINT the default action is back, so a second Ctrl-C stops at once; a SIGINT ignored when the
+    process started (a background job) stays ignored. release(): the handlers from before."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.signum = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in self.SIGNALS:
             signal.signal(sig, self._set)
+        self._int_before = signal.getsignal(signal.SIGINT)
+        if self._int_before is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, self._set)
 
     def _set(self, signum, frame) -> None:
         self.signum = signum
+        if signum == signal.SIGINT:
+            # a second Ctrl-C stops this rank at once, the operating system's default way: not Python's
+            # KeyboardInterrupt, which would wait until a rank blocked in a collective returns to Python
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def release(self) -> None:
         """Default handlers again (a run that ends on bad input: torchrun's SIGTERM then ends a waiting rank)."""
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+        if self._int_before is not None:
+            signal.signal(signal.SIGINT, self._int_before)
 
 
 def main(argv=None) -> int:
@@ -530,9 +543,54 @@ def main(argv=None) -> int:
     try:
         cfg = load_plan(args)
         preflight(cfg, world, torch.cuda.is_available())
+        check_run_dir(Path(args.out))
+        rendezvous_timeout_s()
     except PiperError as exc:
         return _report_user_error(exc, rank)
     return run(cfg, args, rank, world, local)
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints/latest")
+"""The files a run writes in its directory (besides checkpoints/step_<N>/ and profiler traces)."""
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Every file the run will write in ``run_dir`` can be written: a folder where a file goes (metrics.jsonl,
+    summary.json, plan.json, checkpoints/latest) or a file where a folder goes (the run directory, checkpoints/)
+    is one PiperError now, before training (files only: the same answer on every rank, no collective)."""
+    from piper_plan.fileio import check_writable
+
+    for folder, what in ((run_dir, "the run directory (--out)"), (run_dir / "checkpoints", "the run's checkpoints")):
+        if folder.exists() and not folder.is_dir():
+            raise PiperError(f"is a file; allowed: a folder ({what}); move it aside or use another --out-dir",
+                             path=str(folder))
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            raise PiperError("is a folder; allowed: the file the run writes there (or none); move it aside or "
+                             "use another --out-dir", path=str(path))
+        check_writable(path)
+
+
+RENDEZVOUS_TIMEOUT_ENV = "PIPER_RENDEZVOUS_TIMEOUT_S"
+RENDEZVOUS_TIMEOUT_S = 300.0
+"""How long a rank waits for every rank to join the rendezvous (env:// store: rank 0's TCPStore waits for WORLD_SIZE
+ranks to connect, the others for rank 0's store) before it gives up with one line; PIPER_RENDEZVOUS_TIMEOUT_S
+overrides it. Only the rendezvous: the process group's own timeout (collectives under gloo, NCCL's watchdog) stays
+torch's default (30 min), as a step (or a checkpoint save that other ranks wait for at a barrier) may take long."""
+
+
+def rendezvous_timeout_s(environ=os.environ) -> float:
+    text = environ.get(RENDEZVOUS_TIMEOUT_ENV, "").strip()
+    if not text:
+        return RENDEZVOUS_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 86400):
+        raise PiperError(f"{text[:40]!r}; allowed: seconds, a number in (0, 86400]", field=RENDEZVOUS_TIMEOUT_ENV)
+    return value
 
 
 # Every rank reads the same plan, so a bad one fails on every rank; only rank 0 says why. torchrun stops all ranks
@@ -571,8 +629,38 @@ def _init(cfg, rank: int, world: int, local: int):
     os.environ.setdefault("MASTER_PORT", "29500")
     if not dist.is_initialized():
         backend = cfg.platform.launch.backend if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(backend, store=_rendezvous(rank, world), rank=rank, world_size=world)
     return device
+
+
+class RendezvousFailed(Exception):
+    """Not every rank joined the rendezvous in time (one line, printed by every rank that saw it)."""
+
+
+def _rendezvous(rank: int, world: int):
+    """init_process_group's own env:// rendezvous (its store, with the timeout put back to the process group's and
+    under the same "default_pg" prefix), waiting at most rendezvous_timeout_s() for the other ranks; a rank that
+    never comes is RendezvousFailed, not a 30-minute silence."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+    from torch.distributed.rendezvous import rendezvous
+
+    limit = rendezvous_timeout_s()
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, _, _ = next(rendezvous("env://", rank, world, timeout=timedelta(seconds=limit)))
+    except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError (RuntimeError), a bad port
+        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        missing = ("waited for the other ranks to connect to its store" if rank == 0 else
+                   "could not reach rank 0's store")
+        raise RendezvousFailed(
+            f"rank {rank} of {world}: rendezvous at {where} (MASTER_ADDR:MASTER_PORT) failed after {limit:g} s: "
+            f"{missing} ({detail}); start all {world} ranks with the same MASTER_ADDR / MASTER_PORT / WORLD_SIZE "
+            f"(a missing or dead rank), or raise {RENDEZVOUS_TIMEOUT_ENV}") from None
+    store.set_timeout(default_pg_timeout)
+    return dist.PrefixStore("default_pg", store)
 
 
 def run(cfg, args, rank: int, world: int, local: int) -> int:
@@ -582,22 +670,30 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     from piper_plan.fileio import atomic_write_json
     from piper_plan.runtime.metrics import MetricsWriter, ProgressLine, summarise
 
-    device = _init(cfg, rank, world, local)
+    try:
+        device = _init(cfg, rank, world, local)
+    except RendezvousFailed as exc:  # rank 0 may be the missing one: every rank that waited in vain says so
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     stop = _StopFlag()
     trainer = Trainer(cfg, rank, world, device)
     run_dir = Path(args.out)
-    try:
+    try:  # the same on every rank (checkpoint.load agrees on it; the rest reads files): nothing written yet
         start = trainer.resume(run_dir) if args.resume else 0
-    except PiperError as exc:  # the same on every rank (checkpoint.load agrees on it): nothing written yet
+        records = _kept_records(run_dir / "metrics.jsonl", start) if args.resume else []
+        plan_note = plan_change(Path(args.plan), run_dir)
+    except PiperError as exc:
         stop.release()
         _end_process_group()
         return _report_user_error(exc, rank)
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
-    records = _kept_records(run_dir / "metrics.jsonl", start) if rank == 0 and args.resume else []
+    records = records if rank == 0 else []
     writer = MetricsWriter(run_dir / "metrics.jsonl", resume=False) if rank == 0 else None
     progress = ProgressLine(steps) if rank == 0 else None
     if rank == 0:
+        if plan_note:
+            print(f"note: {plan_note}", file=sys.stderr, flush=True)
         _keep_plan(Path(args.plan), run_dir)
     for r in records:
         writer.write(r)
@@ -646,20 +742,67 @@ def _end_process_group() -> None:
     dist.destroy_process_group()
 
 
-def _keep_plan(plan_path: Path, run_dir: Path) -> None:
-    """A copy of the plan beside metrics.jsonl, so that `piper compare RUN_DIR` finds the prediction."""
-    from piper_plan.fileio import atomic_write_text
+IDENTITY_BLOCKS = ("model", "training")
+"""plan.json blocks that make a run directory another job's (compare.check_same_job: tokens per step; a
+checkpoint holds one model). The rest (parallel, platform, runtime, migration, the prediction) may change between
+runs in one directory: a resume under another layout reshards the checkpoint."""
+
+
+def plan_change(plan_path: Path, run_dir: Path) -> str | None:
+    """Whether this run may keep its plan in ``run_dir``: None when run_dir/plan.json is absent or the same plan; a
+    note (one line) when it differs outside IDENTITY_BLOCKS (_keep_plan then replaces it, so that `piper compare`
+    prices the layout now running); PiperError when run_dir holds another plan's run (another model / training).
+    Reads files only: the same answer on every rank."""
+    from piper_plan.fileio import read_document
+    from piper_plan.runtime.checkpoint import first_difference
 
     target = run_dir / "plan.json"
     if not target.exists():
-        atomic_write_text(target, plan_path.read_text(encoding="utf-8"))
+        return None
+    mine = read_document(plan_path)
+    try:
+        kept = read_document(target)
+    except PiperError as exc:
+        raise PiperError(f"{exc.message}; allowed: the plan.json piper run keeps there; move it aside or use "
+                         "another --out-dir", path=str(target)) from None
+    if kept == mine:
+        return None
+    labels = ("run directory", "plan")
+    for block in IDENTITY_BLOCKS:
+        old, new = kept.get(block), mine.get(block)
+        named = isinstance(old, dict) and isinstance(new, dict) and old.get("name") != new.get("name")
+        diff = (first_difference(old.get("name"), new.get("name"), f"{block}.name", labels) if named
+                else first_difference(old, new, block, labels))
+        if diff:
+            raise PiperError(f"{diff}: {run_dir} holds another plan's run (another {block}); allowed: the same "
+                             f"{', '.join(IDENTITY_BLOCKS)} as its plan.json; use another --out-dir", path=str(target))
+    diff = first_difference(kept, mine, "", labels)
+    return f"{target} replaced by {plan_path} (first difference: {diff})"
+
+
+def _keep_plan(plan_path: Path, run_dir: Path) -> None:
+    """A copy of the plan beside metrics.jsonl, so that `piper compare RUN_DIR` finds the prediction (replacing
+    the copy of an earlier run of the same job under another layout: plan_change)."""
+    from piper_plan.fileio import atomic_write_text, read_text
+
+    target = run_dir / "plan.json"
+    text = read_text(plan_path)
+    if not target.is_file() or read_text(target) != text:
+        atomic_write_text(target, text)
 
 
 def _kept_records(path: Path, start: int) -> list[dict]:
     """metrics.jsonl lines of steps <= start (a run killed after its last checkpoint logged steps it will redo)."""
+    from piper_plan.fileio import json_lines
+
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, row in json_lines(path):
+        if not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+            raise PiperError(f"line {number}: no integer 'step'; allowed: the records piper run writes; move it "
+                             "aside to resume without the earlier steps' records", path=str(path))
+        rows.append(row)
     return [r for r in rows if r["step"] <= start]
 
 
