@@ -20,7 +20,7 @@ from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 
 EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' line naming the step, the lr, weight "
                                         "decay and aux-loss coeff; every rank stops)",
-                     EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 (the batch script requeues)"}) + (
+                     EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 / SIGINT (the batch script requeues)"}) + (
     " A plan that needs more than this machine is not run: the torchrun and srun lines to run it are the result"
     " (exit 0).")
 
@@ -55,16 +55,18 @@ def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> N
         if as_json and env.rank == 0:
             print_run_summary(Path(out), code)
         sys.exit(code)
+    _check_out_name(out)
     cfg, layout = _checked_plan(args)
     if not layout.runs_here:
         absolute = runtime_args(str(Path(plan).resolve()), str(Path(out).resolve()), steps, resume, profile, lr,
                                 aux_loss_coeff)            # the nodes need not share this working directory
         _print_commands(layout, absolute, as_json)
         return
+    _check_run_dir(out)
     _check_devices(cfg)
     note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
                                                      if layout.emulated_topology else "") + f", run directory {out}")
-    code = launch_local(layout, args)
+    code = launch_local(layout, args, Path(out))
     if as_json:
         print_run_summary(Path(out), code)
     sys.exit(code)
@@ -106,23 +108,156 @@ def _check_devices(cfg) -> None:
         preflight(cfg, cfg.parallel.world, torch.cuda.is_available())
 
 
-def launch_local(layout, args: list[str]) -> int:
+STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""Signals the launcher forwards to the ranks (torch's default set plus SIGUSR1, the batch script's checkpoint
+signal); without SIGUSR1 here its default action killed the launcher and orphaned the ranks."""
+QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+
+
+def launch_local(layout, args: list[str], run_dir: Path) -> int:
     """The plan's ranks as local processes (torch.distributed's elastic launcher, as torchrun --standalone);
-    the first failed rank's exit code, else 0."""
+    the first failed rank's exit code, else 0. A stop signal (STOP_SIGNALS) is forwarded to the ranks, which
+    checkpoint and exit 75; the result is then the ranks' own (summary.json of this run), else 128 + the signal."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from piper_plan.launch.render import SIGNAL_LEAD_S
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if layout.emulated_topology:
         os.environ["PIPER_EMULATE_TOPOLOGY"] = layout.emulated_topology
+    # shutdown_timeout: how long the agent waits, after forwarding a stop signal, for the ranks to finish the step
+    # they are in, write a checkpoint and exit 75, before it SIGKILLs them (torch's default, 30 s, would kill a rank
+    # of a large model in the middle of its save). The batch script asks Slurm for USR1 this long before the time
+    # limit (launch/render.py SIGNAL_LEAD_S, 180 s): a step plus a checkpoint must fit that bound there too. A rank
+    # that hangs is still ended after it: bounded, never orphaned.
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=layout.world, run_id=f"piper-run-{os.getpid()}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          signals_to_handle=STOP_SIGNALS, shutdown_timeout=SIGNAL_LEAD_S)
+    _quiet_elastic_logs()
+    before = _identity(run_dir / "summary.json")
     try:
         elastic_launch(config, sys.executable)("-m", "piper_plan.runtime.train", *args)
     except ChildFailedError as exc:
-        _, failure = exc.get_first_failure()
-        return failure.exitcode
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode < 0:         # killed by a signal: the rank could say nothing itself
+            name = _signal_name(-failure.exitcode)
+            note(f"piper run: rank {rank} (pid {failure.pid}) was killed by {name}")
+            return 128 - failure.exitcode
+        return failure.exitcode          # the rank said why on its stderr (an 'error:' line or its traceback)
+    except SignalException as exc:
+        return _stopped(int(exc.sigval), run_dir, before)
     return 0
+
+
+def _quiet_elastic_logs() -> None:
+    """torch elastic's own log lines ("Sending process N closing signal SIGTERM", "failed (exitcode: 2) ...") off:
+    a rank's 'error:' line stays the only line. A crashing rank's traceback is its own stderr, shown as before;
+    a rank killed by a signal is one line of launch_local's."""
+    import logging
+
+    for name in [*QUIET_LOGGERS, *logging.root.manager.loggerDict]:
+        if name.startswith(QUIET_LOGGERS):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(inode, mtime) of a file, None if missing: summary.json is written by an atomic rename (a new inode), so
+    another identity after the launch means this run wrote it."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _stopped(signum: int, run_dir: Path, before: tuple[int, int] | None) -> int:
+    """The outcome of a run stopped by a signal, as one line: the ranks' exit code from this run's summary.json
+    (75: checkpointed), else 128 + the signal."""
+    name = _signal_name(signum)
+    summary = run_dir / "summary.json"
+    code = None
+    if _identity(summary) not in (None, before):
+        code = _summary_exit_code(summary)
+    if code is None:
+        note(f"piper run: stopped by {name} before the ranks wrote a summary (no checkpoint of this stop)")
+        return 128 + signum
+    if code == EXIT_REQUEUE:
+        step = _latest_checkpoint(run_dir)
+        at = f" at step {step}" if step is not None else ""
+        note(f"piper run: stopped by {name}; checkpointed{at} in {run_dir / 'checkpoints'}, resume with --resume")
+    else:
+        note(f"piper run: stopped by {name}; the ranks ended with exit code {code}")
+    return code
+
+
+def _summary_exit_code(summary: Path) -> int | None:
+    from piper_plan.fileio import parse_json, read_text
+
+    try:
+        code = parse_json(read_text(summary), str(summary)).get("exit_code")
+    except (PiperError, AttributeError):
+        return None
+    return code if isinstance(code, int) and not isinstance(code, bool) and 0 <= code <= 255 else None
+
+
+def _latest_checkpoint(run_dir: Path) -> int | None:
+    from piper_plan.runtime.checkpoint import latest_step
+
+    try:
+        return latest_step(run_dir)
+    except (PiperError, OSError):
+        return None
+
+
+RUN_DIR_FILES = ("metrics.jsonl", "summary.json", "plan.json")
+"""What rank 0 writes in the run directory (runtime/train.py), besides the checkpoints/ folder."""
+LATEST = "checkpoints/latest"
+"""The file naming the newest checkpoint (runtime/checkpoint.py)."""
+
+
+def _check_out_name(out: str) -> None:
+    """--out-dir '' would put the run's files in the working directory."""
+    if not out.strip():
+        raise PiperError(f"{out!r} names no directory; give a directory name (default: run)", field="--out-dir")
+
+
+def _check_run_dir(out: str) -> None:
+    """The run directory, before any rank starts: a path that cannot be a directory, or a run directory holding a
+    folder where the ranks write a file (or a file where they keep checkpoints/), is one line, exit 2."""
+    from piper_plan.fileio import check_writable
+
+    _check_out_name(out)
+    run = Path(out)
+    if run.exists() and not run.is_dir():
+        raise PiperError("exists and is not a directory; give a new or an existing run directory", path=out,
+                         field="--out-dir")
+    for name in (*RUN_DIR_FILES, LATEST):
+        if (run / name).is_dir():
+            raise PiperError(f"is a directory; the run writes its {name} file there: move it away or give another "
+                             "--out-dir", path=str(run / name))
+    checkpoints = run / "checkpoints"
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise PiperError("is not a directory; the run keeps its checkpoints in a checkpoints/ folder there: move it "
+                         "away or give another --out-dir", path=str(checkpoints))
+    targets = (*(run / name for name in RUN_DIR_FILES), run / LATEST)
+    for target in targets if run.exists() else (run, *targets):   # a new one: its own path first (/proc/x)
+        try:
+            check_writable(target)
+        except PiperError as exc:
+            reason = exc.message.removeprefix("cannot write: ").removesuffix("; give a file name")
+            raise PiperError(f"cannot write the run there ({reason}); give another directory", path=out,
+                             field="--out-dir") from None
 
 
 def _print_commands(layout, args: list[str], as_json: bool) -> None:

@@ -1,0 +1,182 @@
+"""`piper run`'s launcher side: the run directory checked before any rank starts, stop signals forwarded to the
+ranks (they checkpoint and exit 75, no traceback, no rank left behind), and torch elastic's own log lines kept
+off a rank's one 'error:' line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from piper_plan.cli import run as run_module
+from piper_plan.cli.main import cli
+from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR
+
+PIPER = Path(sys.executable).parent / "piper"
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+ESTIMATE = ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--dp", "2", "--ep", "2",
+            "--seq", "128", "--global-batch", "8"]
+
+
+def two_rank_plan(tmp_path: Path, name: str = "plan.json", model: str = "tiny-moe", **runtime) -> Path:
+    path = tmp_path / name
+    args = [*ESTIMATE, "-o", str(path)]
+    args[args.index("--model") + 1] = model
+    done = CliRunner().invoke(cli, args)
+    assert done.exit_code == 0, done.output
+    if runtime:
+        plan = json.loads(path.read_text())
+        plan["runtime"].update(runtime)
+        path.write_text(json.dumps(plan))
+    return path
+
+
+def run_here(plan: Path, out: str, *extra: str):
+    return CliRunner().invoke(cli, ["run", "--plan", str(plan), "--steps", "1", "--out-dir", out, *extra],
+                              env={"RANK": None, "WORLD_SIZE": None, "SLURM_PROCID": None, "SLURM_NTASKS": None})
+
+
+def one_error_line(done) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert done.exit_code == EXIT_USER_ERROR and len(lines) == 1 and lines[0].startswith("error: "), done.output
+    assert "Traceback" not in done.output
+    return lines[0]
+
+
+# ---- the run directory, before any rank starts (fast: no torch, no ranks) ------------------------------------
+def test_an_out_dir_that_cannot_be_a_directory_is_one_line(tmp_path, monkeypatch):
+    plan = two_rank_plan(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("hi\n")
+    cases = {"afile/sub": "afile is a file, not a folder", "/proc/nope": "/proc/nope is a device or kernel file",
+             "/dev/null": "exists and is not a directory", "": "names no directory", " ": "names no directory"}
+    for out, needle in cases.items():
+        line = one_error_line(run_here(plan, out))
+        assert "--out-dir" in line and needle in line, (out, line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "plan.json"]    # nothing written here
+
+
+@pytest.mark.parametrize("entry, needle", [("metrics.jsonl", "is a directory"), ("summary.json", "is a directory"),
+                                           ("plan.json", "is a directory"), ("checkpoints", "is not a directory")])
+def test_a_run_directory_entry_of_the_wrong_kind_is_one_line(tmp_path, entry, needle):
+    plan = two_rank_plan(tmp_path)
+    run = tmp_path / "rx"
+    run.mkdir()
+    if entry == "checkpoints":
+        (run / entry).write_text("x\n")
+    else:
+        (run / entry).mkdir()
+    line = one_error_line(run_here(plan, str(run)))
+    assert line.startswith(f"error: {run / entry}: {needle}"), line
+
+
+# ---- a stop signal's outcome (fast: the launcher's bookkeeping without ranks) --------------------------------
+def test_a_stop_without_a_summary_of_this_run_is_128_plus_the_signal(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text('{"exit_code": 75}\n')           # an earlier run's
+    before = run_module._identity(tmp_path / "summary.json")
+    assert run_module._stopped(signal.SIGTERM, tmp_path, before) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped by SIGTERM" in err[0]
+
+
+def test_a_stop_the_ranks_checkpointed_is_their_exit_code(tmp_path, capsys):
+    before = run_module._identity(tmp_path / "summary.json")                # none yet
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("7\n")
+    (tmp_path / "summary.json").write_text('{"exit_code": 75}\n')
+    assert run_module._stopped(signal.SIGUSR1, tmp_path, before) == EXIT_REQUEUE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped by SIGUSR1; checkpointed at step 7" in err[0] and "--resume" in err[0]
+
+
+def test_the_launcher_forwards_sigusr1():
+    assert "SIGUSR1" in run_module.STOP_SIGNALS.split(",")
+    assert {"SIGTERM", "SIGINT"} <= set(run_module.STOP_SIGNALS.split(","))
+
+
+# ---- real runs: ranks started by the elastic launcher -------------------------------------------------------
+def _ranks_of(run_dir: Path) -> list[int]:
+    """Processes whose command line names this run's directory (the ranks: --out RUN_DIR), from /proc."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir).encode() in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _end(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stop_signal_checkpoints_exits_75_and_leaves_no_rank(tmp_path, sig):
+    """The signal a batch system (SIGUSR1, SIGTERM) or a user (Ctrl-C: SIGINT) sends `piper run`: the launcher
+    forwards it, the ranks finish the step, checkpoint and exit 75; the launcher says so in one line and exits 75."""
+    plan = two_rank_plan(tmp_path, steps=500, checkpoint_interval=1000)
+    run_dir = tmp_path / "run"
+    err_path = tmp_path / "stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([str(PIPER), "run", "--plan", str(plan), "--out-dir", str(run_dir)], cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=err, env=CLEAN_ENV, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(proc.pid, sig)
+        code = proc.wait(timeout=300)
+        stderr = err_path.read_text()
+        assert code == EXIT_REQUEUE, stderr[-3000:]
+        assert "Traceback" not in stderr and "Exception" not in stderr, stderr[-3000:]
+        assert (run_dir / "checkpoints" / "latest").is_file(), stderr[-3000:]
+        step = int((run_dir / "checkpoints" / "latest").read_text())
+        assert (run_dir / "checkpoints" / f"step_{step}").is_dir()
+        assert json.loads((run_dir / "summary.json").read_text())["exit_code"] == EXIT_REQUEUE
+        said = [line for line in stderr.splitlines() if line.startswith("piper run: stopped")]
+        assert said == [f"piper run: stopped by {sig.name}; checkpointed at step {step} in {run_dir / 'checkpoints'}, "
+                        "resume with --resume"], stderr[-3000:]
+        time.sleep(0.5)
+        assert _ranks_of(run_dir) == [], "ranks left running after the launcher exited"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _end(_ranks_of(run_dir))
+
+
+@pytest.mark.distributed
+def test_a_rank_side_user_error_is_its_one_line(tmp_path):
+    """A checkpoint of another model, resumed: the rank's 'error:' line and none of torch elastic's own lines
+    ('Sending process N closing signal SIGTERM', 'failed (exitcode: 2) ...')."""
+    run_dir = tmp_path / "r"
+    first = subprocess.run([str(PIPER), "run", "--plan", str(two_rank_plan(tmp_path, checkpoint_interval=1)),
+                            "--steps", "1", "--out-dir", str(run_dir)], cwd=tmp_path, capture_output=True, text=True,
+                           env=CLEAN_ENV, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = two_rank_plan(tmp_path, "plain.json", model="tiny-moe-plain")
+    done = subprocess.run([str(PIPER), "run", "--plan", str(other), "--steps", "2", "--out-dir", str(run_dir),
+                           "--resume"], cwd=tmp_path, capture_output=True, text=True, env=CLEAN_ENV, timeout=180)
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("piper run: 2 local ranks")]
+    assert done.returncode == EXIT_USER_ERROR, done.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "another model" in lines[0], done.stderr[-3000:]
+    assert _ranks_of(run_dir) == []
