@@ -136,3 +136,32 @@ def test_cli_import_errors_exit_2(tmp_path):
     assert wrong.exit_code == 2 and "#wrong" in wrong.output and "bad.log" in wrong.output
     scope = CliRunner().invoke(cli, args + ["--op", "all_to_all", "--scope", "rack"])
     assert scope.exit_code == 2 and "--scope 'rack'" in scope.output
+
+
+def test_a_sendrecv_log_imports_as_p2p(tmp_path):
+    """Before: sendrecv_perf's table (redop ``sum``: it prints the -o reduction it ignores) was refused as p2p."""
+    from piper_plan.calibration.nccl_tests import import_file
+
+    log = tmp_path / "sendrecv.log"
+    log.write_text("".join(NCCL_TESTS.splitlines(keepends=True)[:9]) +
+                   "     1048576        262144     float     sum      -1    30.00   34.95   34.95      0    29.90   35.07   35.07      0\n")
+    (row,) = import_file(log, "p2p", "switch", 2, 1)
+    assert (row["bytes_per_rank"], row["busbw_GBps"]) == (1048576, 34.95)
+
+
+def test_a_blank_redop_of_old_sendrecv_parses():
+    """Old sendrecv_perf printed an empty reduction name: the line has one field fewer than the header."""
+    text = "".join(NCCL_TESTS.splitlines(keepends=True)[:9]) + \
+        "     1048576        262144     float              -1    30.00   34.95   34.95      0    29.90   35.07   35.07      0\n"
+    (row,) = parse_nccl_tests(text)
+    assert (row.redop, row.seconds, row.algbw_GBps) == ("", pytest.approx(30e-6), 34.95)
+
+
+def test_algbw_tolerance_follows_the_printed_time():
+    """A time printed ``1.2e+04`` us is known to +-50 us (4%): algbw 21.74 = 256 MiB / 12,345 us is consistent."""
+    text = "".join(NCCL_TESTS.splitlines(keepends=True)[:9]) + \
+        "   268435456      67108864     float    none      -1  1.2e+04   21.74   21.74      0  1.2e+04   21.74   21.74      0\n"
+    (row,) = parse_nccl_tests(text)
+    assert row.seconds == pytest.approx(0.012)
+    with pytest.raises(PiperError, match="algbw 25.00 GB/s"):
+        parse_nccl_tests(text.replace("21.74   21.74      0  1.2", "25.00   21.74      0  1.2"))
