@@ -153,6 +153,18 @@ def check_same_job(training, records: list[dict], metrics_path: str, plan_path: 
                              path=metrics_path)
 
 
+def layout_records(plan_file, records: list[dict], metrics_path: str, plan_path: str) -> list[dict]:
+    """The records of the layout plan.json now holds (a run resumed under another layout replaces plan.json and keeps
+    the earlier steps' records: metricsfile.records_of_layout); none is an error naming both files."""
+    from piper_plan.metricsfile import records_of_layout
+
+    kept = records_of_layout(records, plan_file.parallel.model_dump(mode="json"))
+    if not kept:
+        raise PiperError(f"no step ran under the parallel layout of {plan_path} (every record's 'parallel' is "
+                         "another); compare a run directory with the plan.json it ran", path=metrics_path)
+    return kept
+
+
 def check_stage_count(pp: int, records: list[dict], metrics_path: str, plan_path: str) -> None:
     """Refuse ``memory_bytes`` with more entries than the plan's ``pp`` pipeline stages (the runtime writes one
     entry per stage, runtime/train.py merge_reports); one line naming both files."""

@@ -76,6 +76,22 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
+def records_of_layout(records: list[dict], parallel: dict | None) -> list[dict]:
+    """The records run under ``parallel`` (a plan's parallel block as plan.json holds it; runtime/metrics.py writes it
+    into each record): a run resumed under another layout keeps the earlier layout's records, whose step times and
+    memory_bytes (one entry per stage) are of another plan. A record without ``parallel`` (written before the runtime
+    recorded it) counts as any layout's; fields one side lacks (another piper version's) are not compared."""
+    if parallel is None:
+        return records
+    return [r for r in records if _same_layout(r.get("parallel"), parallel)]
+
+
+def _same_layout(recorded, parallel: dict) -> bool:
+    if not isinstance(recorded, dict):
+        return recorded is None
+    return all(recorded[key] == parallel[key] for key in recorded.keys() & parallel.keys())
+
+
 def check_record(record: dict, where: str, path: str) -> dict:
     """One step record, validated (schema_version, step, the types and ranges of the fields readers use)."""
     version = record.get("schema_version", SCHEMA_VERSION)

@@ -41,7 +41,7 @@ def prediction_of(plan_file, path: Path) -> dict:
 @plot_option("Write predicted vs measured step time per step and per time term as a PNG")
 def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     """Measured vs predicted step time, tokens/s, all-to-all share and memory per stage."""
-    from piper_plan.compare import check_same_job, check_stage_count, compare
+    from piper_plan.compare import check_same_job, check_stage_count, compare, layout_records
     from piper_plan.planfile import read_plan_file
     from piper_plan.plots import check_plot_path
 
@@ -53,6 +53,7 @@ def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     records = read_metrics(metrics_path)
     plan_file = read_plan_file(plan_path)
     check_same_job(plan_file.training, records, str(metrics_path), str(plan_path))
+    records = layout_records(plan_file, records, str(metrics_path), str(plan_path))
     check_stage_count(plan_file.parallel.pp, records, str(metrics_path), str(plan_path))
     result = compare(prediction_of(plan_file, plan_path), records)
     result = {"run_dir": str(metrics_path.parent), "plan": str(plan_path), **result}

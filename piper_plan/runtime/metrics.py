@@ -5,19 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from piper_plan.metricsfile import SCHEMA_VERSION  # noqa: F401  (written into every record)
+from piper_plan.metricsfile import SCHEMA_VERSION, records_of_layout
 
 MEMORY_SOURCE_CPU = "tensor accounting: parameters + gradients + optimizer state + peak activations saved for backward"
 MEMORY_SOURCE_GPU = "torch.cuda.max_memory_allocated"
 
 
 def step_record(step: int, loss: float, step_time_s: float, tokens: int, time_s: dict, memory_bytes: list,
-                expert_tokens: dict, migrations: list | None = None) -> dict:
-    """One metrics.jsonl line."""
-    return {"schema_version": SCHEMA_VERSION, "step": step, "loss": loss, "step_time_s": step_time_s,
-            "tokens": tokens, "tokens_per_s": tokens / step_time_s if step_time_s > 0 else None,
-            "time_s": time_s, "memory_bytes": memory_bytes, "expert_tokens": expert_tokens,
-            "migrations": migrations or []}
+                expert_tokens: dict, migrations: list | None = None, parallel: dict | None = None) -> dict:
+    """One metrics.jsonl line; ``parallel``: the plan's parallel block the step ran under (a resumed run may change
+    it: metricsfile.records_of_layout)."""
+    record = {"schema_version": SCHEMA_VERSION, "step": step, "loss": loss, "step_time_s": step_time_s,
+              "tokens": tokens, "tokens_per_s": tokens / step_time_s if step_time_s > 0 else None,
+              "time_s": time_s, "memory_bytes": memory_bytes, "expert_tokens": expert_tokens,
+              "migrations": migrations or []}
+    return record if parallel is None else {**record, "parallel": parallel}
 
 
 class MetricsWriter:
@@ -45,19 +47,23 @@ def migration_summary(records: list[dict]) -> dict:
 
 
 def summarise(records: list[dict]) -> dict:
-    """The final summary: steady-state means (the first step, which includes warm-up, left out when possible)."""
+    """The final summary: steps, losses and migration over the whole run; times and memory per stage over the steps
+    of the last layout (a resume may change it: records_of_layout), steady state (the first step, which includes
+    warm-up, left out when possible)."""
+    all_records = records
+    records = records_of_layout(records, records[-1].get("parallel")) if records else records
     steady = records[1:] if len(records) > 1 else records
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     step_s = mean([r["step_time_s"] for r in steady])
     a2a = mean([r["time_s"].get("a2a", 0.0) for r in steady])
-    return {"schema_version": SCHEMA_VERSION, "steps": len(records),
-            "first_loss": records[0]["loss"] if records else None,
-            "final_loss": records[-1]["loss"] if records else None,
+    return {"schema_version": SCHEMA_VERSION, "steps": len(all_records),
+            "first_loss": all_records[0]["loss"] if all_records else None,
+            "final_loss": all_records[-1]["loss"] if all_records else None,
             "step_time_s": step_s, "steps_per_s": 1 / step_s if step_s else None,
             "tokens_per_s": mean([r["tokens_per_s"] for r in steady]),
             "a2a_share": a2a / step_s if step_s else None,
             "time_s": {k: mean([r["time_s"].get(k, 0.0) for r in steady]) for k in ("a2a", "p2p", "dp_sync", "migration")},
-            "migration": migration_summary(records),
+            "migration": migration_summary(all_records),
             "peak_memory_bytes": [max(r["memory_bytes"][i]["total_bytes"] for r in records)
                                   for i in range(len(records[0]["memory_bytes"]))] if records else []}
 

@@ -463,7 +463,7 @@ def divergence(reports: list[dict], step: int, cfg) -> str | None:
             "--aux-loss-coeff or the plan's runtime block")
 
 
-def merge_reports(reports: list[dict], step: int, tokens: int):
+def merge_reports(reports: list[dict], step: int, tokens: int, parallel: dict | None = None):
     """All ranks' step reports -> one metrics.jsonl record (DESIGN.md)."""
     from piper_plan.runtime.metrics import step_record
 
@@ -482,7 +482,7 @@ def merge_reports(reports: list[dict], step: int, tokens: int):
     time_s["migration"] = max((e["seconds"] for e in migrations), default=0.0)
     seconds = max(r["seconds"] for r in reports)
     record = step_record(step, loss, seconds, tokens, time_s, memory,
-                         dict(sorted(experts.items(), key=lambda kv: int(kv[0]))), migrations)
+                         dict(sorted(experts.items(), key=lambda kv: int(kv[0]))), migrations, parallel)
     mtp = next((r["mtp_loss"] for r in reports if r.get("mtp_loss") is not None), None)
     return record if mtp is None else {**record, "mtp_loss": mtp}
 
@@ -688,6 +688,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         return _report_user_error(exc, rank)
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
+    parallel = cfg.parallel.model_dump(mode="json")
     records = records if rank == 0 else []
     writer = MetricsWriter(run_dir / "metrics.jsonl", resume=False) if rank == 0 else None
     progress = ProgressLine(steps) if rank == 0 else None
@@ -707,7 +708,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             code = EXIT_DIVERGED
             break
         if rank == 0:
-            records.append(merge_reports(gathered, step + 1, tokens))
+            records.append(merge_reports(gathered, step + 1, tokens, parallel))
             writer.write(records[-1])
             progress.update(records[-1])
         saved = (step + 1) % interval == 0

@@ -433,6 +433,32 @@ def test_compare_accepts_what_the_runtime_writes_at_the_edges(tmp_path, plan_jso
     assert result.exit_code == 0, result.output
 
 
+def test_compare_takes_the_steps_of_the_plans_layout_after_a_resume_under_another(tmp_path, plan_json):
+    """Before: a run resumed under pp 1 after pp 2 (plan.json replaced, the pp 2 records kept) was refused (2 memory
+    entries > pp=1) and its summary raised IndexError; now compare and the summary take the pp 1 steps."""
+    from piper_plan.runtime.metrics import summarise
+
+    write(tmp_path / "plan.json", plan_json)                     # pp 1, 1,024 tokens a step
+    here = plan_json["parallel"]
+    other = {**here, "pp": 2}
+    old = [{**RECORD, "step": s, "tokens": 1024, "tokens_per_s": 102.4, "step_time_s": 10.0,
+            "memory_bytes": [{"total_bytes": 900}, {"total_bytes": 800}],
+            "parallel": other, "loss": 5.0} for s in (1, 2)]
+    new = [{**RECORD, "step": s, "tokens": 1024, "tokens_per_s": 512.0, "memory_bytes": [{"total_bytes": 100}],
+            "parallel": here,
+            "loss": 4.0} for s in (3, 4, 5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in old + new))
+    result = run("compare", tmp_path, "--json")
+    assert result.exit_code == 0, result.output
+    measured = json.loads(result.output)
+    assert measured["step_time_s"]["measured"] == pytest.approx(2.0) and len(measured["memory_bytes_per_stage"]) == 1
+    assert measured["steps_measured"] == 2                         # steps 4 and 5: step 3, the first, warms up
+    summary = summarise(old + new)
+    assert (summary["steps"], summary["step_time_s"], summary["peak_memory_bytes"]) == (5, 2.0, [100])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in old))
+    assert_one_line_error(run("compare", tmp_path), "metrics.jsonl", "no step ran under the parallel layout")
+
+
 def test_gradients_narrower_than_the_weights_and_a_window_pattern_without_a_window(tmp_path):
     """Accepted silently before (2-byte gradients of 4-byte weights halved the gradient memory; sliding_window_every
     without a window was ignored): one line each."""
