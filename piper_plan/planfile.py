@@ -35,9 +35,11 @@ READABLE_VERSIONS = (1, 2)
 MAX_SEED = 2**63 - 1
 """The largest seed: numpy's SeedSequence takes a non-negative integer, torch.manual_seed one below 2^64 (the
 runtime seeds each rank with seed + rank, rank < 2^20: still below)."""
-UTILISATION_PAIRS = (("mfu", "hfu"), ("mfu_megatron", "hfu_megatron"))
-"""The prediction's (model, hardware) FLOPs utilisations of one convention: each a fraction of the device's peak,
-hardware's at least model's (recomputation only adds FLOPs)."""
+UTILISATION_PAIRS = (("mfu", "hfu", 2.0), ("mfu_megatron", "hfu_megatron", 1.0))
+"""The prediction's (model, hardware) FLOPs utilisations of one convention and their largest value, hardware's at
+least model's (recomputation only adds FLOPs). Megatron's convention counts the FLOPs a causal model runs: at most
+the device's peak. PaLM's counts attention non-causally (DESIGN.md, MFU), up to twice what a causal model runs, so
+its figures may pass 1 where attention dominates; never 2."""
 ROUNDING = 1e-6
 """Relative slack for a figure that equals another up to rounding (hfu = mfu where nothing is recomputed)."""
 MAX_RUNTIME_FACTOR = 1e4
@@ -206,18 +208,19 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
 
 
 def check_prediction(plan_file: PlanFile, path: str) -> None:
-    """Refuse figures no estimate can hold (a hand-edited prediction): a utilisation outside [0, 1] or a hardware one
-    below its model one. A prediction of another batch or platform (the plan edited beside it) is not refused here:
+    """Refuse figures no estimate can hold (a hand-edited prediction): a utilisation beyond its convention's largest
+    (UTILISATION_PAIRS) or a hardware one below its model one. A prediction of another batch or platform (the plan edited beside it) is not refused here:
     launch prices the plan again and the job carries that prediction (launch/job.py)."""
     pred = plan_file.prediction
     if pred is None:
         return
-    for model_name, hardware_name in UTILISATION_PAIRS:
+    for model_name, hardware_name, largest in UTILISATION_PAIRS:
         model_u, hardware_u = getattr(pred, model_name), getattr(pred, hardware_name)
         for name, value in ((model_name, model_u), (hardware_name, hardware_u)):
-            if value is not None and value > 1:
-                raise PiperError(f"{value!r} is not allowed; allowed: 0 to 1 (a fraction of the device's peak "
-                                 "FLOP/s)", path=path, field=f"prediction.{name}")
+            if value is not None and value > largest:
+                raise PiperError(f"{value!r} is not allowed; allowed: 0 to {largest:g} (the device's peak FLOP/s"
+                                 f"{'' if largest == 1 else ', attention counted non-causally'})", path=path,
+                                 field=f"prediction.{name}")
         if model_u is not None and hardware_u is not None and hardware_u < model_u * (1 - ROUNDING):
             raise PiperError(f"{hardware_u!r} is below {model_name}={model_u!r}; allowed: at least {model_name} "
                              "(it counts the same FLOPs plus what recomputation repeats)", path=path,

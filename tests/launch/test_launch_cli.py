@@ -196,8 +196,8 @@ def test_the_job_carries_the_prediction_piper_computes_not_the_files(tmp_path, p
 
 
 @pytest.mark.parametrize("edit, field, needle", [
-    ({"mfu": 5.0}, "prediction.mfu", "allowed: 0 to 1"),
-    ({"hfu": 1.5}, "prediction.hfu", "allowed: 0 to 1"),
+    ({"mfu": 5.0}, "prediction.mfu", "allowed: 0 to 2 (the device's peak FLOP/s, attention counted non-causally)"),
+    ({"hfu": 2.5}, "prediction.hfu", "allowed: 0 to 2"),
     ({"mfu_megatron": 2.0}, "prediction.mfu_megatron", "allowed: 0 to 1"),
     ({"mfu": 0.5, "hfu": 0.01}, "prediction.hfu", "is below mfu=0.5"),
 ])
@@ -210,6 +210,15 @@ def test_impossible_prediction_is_one_line(tmp_path, plan, edit, field, needle):
     assert res.exit_code == 2 and not (tmp_path / "job").exists()
     line = res.stderr.strip()
     assert "\n" not in line and line.startswith(f"error: {edited}: {field}: ") and needle in line, line
+
+
+def test_a_palm_utilisation_above_one_is_read(tmp_path, plan):
+    """PaLM's MFU counts attention non-causally: a long-sequence plan may pass 1 (refused before); Megatron's not."""
+    data = json.loads(plan.read_text())
+    data["prediction"].update(mfu=1.2, hfu=1.3)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    assert run("launch", "--plan", edited, "--out-dir", tmp_path / "job", "--dry-run").exit_code == 0
 
 
 def test_prediction_within_rounding_is_read(tmp_path, plan):
