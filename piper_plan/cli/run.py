@@ -62,7 +62,7 @@ def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> N
                                 aux_loss_coeff)            # the nodes need not share this working directory
         _print_commands(layout, absolute, as_json)
         return
-    _check_run_dir(out)
+    _check_run_dir(out, plan)
     _check_devices(cfg)
     note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
                                                      if layout.emulated_topology else "") + f", run directory {out}")
@@ -134,7 +134,7 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
     # that hangs is still ended after it: bounded, never orphaned.
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=layout.world, run_id=f"piper-run-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          signals_to_handle=STOP_SIGNALS, shutdown_timeout=SIGNAL_LEAD_S)
+                          **signal_options(LaunchConfig, SIGNAL_LEAD_S))
     _quiet_elastic_logs()
     before = _identity(run_dir / "summary.json")
     try:
@@ -149,6 +149,30 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
     except SignalException as exc:
         return _stopped(int(exc.sigval), run_dir, before)
     return 0
+
+
+def signal_options(launch_config_class, shutdown_timeout_s: int) -> dict:
+    """LaunchConfig's signal fields (torch >= 2.9 has them; piper allows torch >= 2.6). Without ``signals_to_handle``
+    the launcher turns SIGUSR1 into torch's SignalException itself, which the agent forwards to the ranks like
+    SIGTERM; without ``shutdown_timeout`` the ranks get torch's fixed 30 s to checkpoint before SIGKILL."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(launch_config_class)}
+    if "signals_to_handle" not in names:
+        _forward_sigusr1()
+    wanted = {"signals_to_handle": STOP_SIGNALS, "shutdown_timeout": shutdown_timeout_s}
+    return {name: value for name, value in wanted.items() if name in names}
+
+
+def _forward_sigusr1() -> None:
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def stop(signum, frame):
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    signal.signal(signal.SIGUSR1, stop)
 
 
 def _quiet_elastic_logs() -> None:
@@ -220,44 +244,19 @@ def _latest_checkpoint(run_dir: Path) -> int | None:
         return None
 
 
-RUN_DIR_FILES = ("metrics.jsonl", "summary.json", "plan.json")
-"""What rank 0 writes in the run directory (runtime/train.py), besides the checkpoints/ folder."""
-LATEST = "checkpoints/latest"
-"""The file naming the newest checkpoint (runtime/checkpoint.py)."""
-
-
 def _check_out_name(out: str) -> None:
     """--out-dir '' would put the run's files in the working directory."""
     if not out.strip():
         raise PiperError(f"{out!r} names no directory; give a directory name (default: run)", field="--out-dir")
 
 
-def _check_run_dir(out: str) -> None:
-    """The run directory, before any rank starts: a path that cannot be a directory, or a run directory holding a
-    folder where the ranks write a file (or a file where they keep checkpoints/), is one line, exit 2."""
-    from piper_plan.fileio import check_writable
+def _check_run_dir(out: str, plan: str) -> None:
+    """The run directory, before any rank starts (the ranks check it again: rundir.py): a path that cannot be a
+    directory, an entry of the wrong kind, or another model's or training's run is one line, exit 2."""
+    from piper_plan.rundir import check_run_dir, plan_change
 
-    _check_out_name(out)
-    run = Path(out)
-    if run.exists() and not run.is_dir():
-        raise PiperError("exists and is not a directory; give a new or an existing run directory", path=out,
-                         field="--out-dir")
-    for name in (*RUN_DIR_FILES, LATEST):
-        if (run / name).is_dir():
-            raise PiperError(f"is a directory; the run writes its {name} file there: move it away or give another "
-                             "--out-dir", path=str(run / name))
-    checkpoints = run / "checkpoints"
-    if checkpoints.exists() and not checkpoints.is_dir():
-        raise PiperError("is not a directory; the run keeps its checkpoints in a checkpoints/ folder there: move it "
-                         "away or give another --out-dir", path=str(checkpoints))
-    targets = (*(run / name for name in RUN_DIR_FILES), run / LATEST)
-    for target in targets if run.exists() else (run, *targets):   # a new one: its own path first (/proc/x)
-        try:
-            check_writable(target)
-        except PiperError as exc:
-            reason = exc.message.removeprefix("cannot write: ").removesuffix("; give a file name")
-            raise PiperError(f"cannot write the run there ({reason}); give another directory", path=out,
-                             field="--out-dir") from None
+    check_run_dir(Path(out))
+    plan_change(Path(plan), Path(out))      # its note, where the layout changed, is the ranks' to print
 
 
 def _print_commands(layout, args: list[str], as_json: bool) -> None:

@@ -58,6 +58,7 @@ import torch
 
 from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json, atomic_write_text, read_document
+from piper_plan.rundir import first_difference, short_repr
 
 META = "piper.json"
 MODEL, OPTIM, RNG = "model.", "optim.", "rng.rank"
@@ -135,35 +136,6 @@ def layer_of(name: str) -> int:
 def held_experts(slot_of_expert: list[int], first_slot: int, num_local: int) -> list[tuple[int, int]]:
     """(logical expert, local index) of every expert in this rank's slots [first_slot, first_slot + El)."""
     return sorted((e, s - first_slot) for e, s in enumerate(slot_of_expert) if first_slot <= s < first_slot + num_local)
-
-
-def first_difference(saved, mine, at: str = "", labels: tuple[str, str] = ("checkpoint", "plan")) -> str | None:
-    """The first field where two JSON values differ, as ``field: saved vs mine`` (``labels`` name the two sides;
-    long values shortened); None if equal."""
-    if isinstance(saved, dict) and isinstance(mine, dict):
-        for key in sorted(set(saved) | set(mine)):
-            found = first_difference(saved.get(key), mine.get(key), f"{at}.{key}" if at else key, labels)
-            if found:
-                return found
-        return None
-    if isinstance(saved, list) and isinstance(mine, list) and len(saved) == len(mine):
-        return next((d for i, (a, b) in enumerate(zip(saved, mine))
-                     if (d := first_difference(a, b, f"{at}[{i}]", labels))), None)
-    if saved == mine:
-        return None
-    return f"{at}: {_short(saved)} ({labels[0]}) vs {_short(mine)} ({labels[1]})"
-
-
-def _short(value, limit: int = 60) -> str:
-    """repr of a value, a mapping or list of more than ``limit`` characters as ``{...}`` / ``[...]`` (one line)."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    if isinstance(value, dict):
-        return f"{{... {len(value)} fields}}"
-    if isinstance(value, list):
-        return f"[... {len(value)} items]"
-    return text[:limit] + "..."
 
 
 # ---- the flat state dict -------------------------------------------------------------------------------
@@ -387,7 +359,7 @@ def _install_slot_maps(state: RankState, saved: dict | None) -> str | None:
     for i, m in state.module.moe_layers().items():
         row = saved.get(str(i)) if saved is not None else list(range(m.spec.num_experts))
         if not isinstance(row, list) or sorted(row) != list(range(m.spec.num_experts)):
-            return (f"{META}: slot_of_expert.{i}: {_short(row)}; allowed: a permutation of the layer's "
+            return (f"{META}: slot_of_expert.{i}: {short_repr(row)}; allowed: a permutation of the layer's "
                     f"{m.spec.num_experts} experts, as piper writes it; this checkpoint is damaged")
         rows[i] = row
     for i, m in state.module.moe_layers().items():

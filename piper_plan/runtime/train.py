@@ -32,6 +32,7 @@ from pathlib import Path
 
 from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import device_index, read_launch_env
+from piper_plan.rundir import check_run_dir, keep_plan, kept_records, plan_change
 
 EXIT_DIVERGED = EXIT_CHECK_FAILED
 """The loss went nan / inf: the run's check of its loss failed."""
@@ -543,33 +544,11 @@ def main(argv=None) -> int:
     try:
         cfg = load_plan(args)
         preflight(cfg, world, torch.cuda.is_available())
-        check_run_dir(Path(args.out))
+        check_run_dir(Path(args.out))          # torchrun / srun start ranks without piper run's launcher
         rendezvous_timeout_s()
     except PiperError as exc:
         return _report_user_error(exc, rank)
     return run(cfg, args, rank, world, local)
-
-
-RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints/latest")
-"""The files a run writes in its directory (besides checkpoints/step_<N>/ and profiler traces)."""
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Every file the run will write in ``run_dir`` can be written: a folder where a file goes (metrics.jsonl,
-    summary.json, plan.json, checkpoints/latest) or a file where a folder goes (the run directory, checkpoints/)
-    is one PiperError now, before training (files only: the same answer on every rank, no collective)."""
-    from piper_plan.fileio import check_writable
-
-    for folder, what in ((run_dir, "the run directory (--out)"), (run_dir / "checkpoints", "the run's checkpoints")):
-        if folder.exists() and not folder.is_dir():
-            raise PiperError(f"is a file; allowed: a folder ({what}); move it aside or use another --out-dir",
-                             path=str(folder))
-    for name in RUN_FILES:
-        path = run_dir / name
-        if path.is_dir():
-            raise PiperError("is a folder; allowed: the file the run writes there (or none); move it aside or "
-                             "use another --out-dir", path=str(path))
-        check_writable(path)
 
 
 RENDEZVOUS_TIMEOUT_ENV = "PIPER_RENDEZVOUS_TIMEOUT_S"
@@ -680,12 +659,13 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     run_dir = Path(args.out)
     try:  # the same on every rank (checkpoint.load agrees on it; the rest reads files): nothing written yet
         start = trainer.resume(run_dir) if args.resume else 0
-        records = _kept_records(run_dir / "metrics.jsonl", start) if args.resume else []
+        records = kept_records(run_dir / "metrics.jsonl", start) if args.resume else []
         plan_note = plan_change(Path(args.plan), run_dir)
     except PiperError as exc:
         stop.release()
         _end_process_group()
         return _report_user_error(exc, rank)
+    dist.barrier()                            # every rank has read metrics.jsonl and plan.json: rank 0 rewrites them
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
     parallel = cfg.parallel.model_dump(mode="json")
@@ -695,7 +675,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if rank == 0:
         if plan_note:
             print(f"note: {plan_note}", file=sys.stderr, flush=True)
-        _keep_plan(Path(args.plan), run_dir)
+        keep_plan(Path(args.plan), run_dir)
     for r in records:
         writer.write(r)
     code, failure = 0, None
@@ -741,70 +721,6 @@ def _end_process_group() -> None:
 
     gc.collect()
     dist.destroy_process_group()
-
-
-IDENTITY_BLOCKS = ("model", "training")
-"""plan.json blocks that make a run directory another job's (compare.check_same_job: tokens per step; a
-checkpoint holds one model). The rest (parallel, platform, runtime, migration, the prediction) may change between
-runs in one directory: a resume under another layout reshards the checkpoint."""
-
-
-def plan_change(plan_path: Path, run_dir: Path) -> str | None:
-    """Whether this run may keep its plan in ``run_dir``: None when run_dir/plan.json is absent or the same plan; a
-    note (one line) when it differs outside IDENTITY_BLOCKS (_keep_plan then replaces it, so that `piper compare`
-    prices the layout now running); PiperError when run_dir holds another plan's run (another model / training).
-    Reads files only: the same answer on every rank."""
-    from piper_plan.fileio import read_document
-    from piper_plan.runtime.checkpoint import first_difference
-
-    target = run_dir / "plan.json"
-    if not target.exists():
-        return None
-    mine = read_document(plan_path)
-    try:
-        kept = read_document(target)
-    except PiperError as exc:
-        raise PiperError(f"{exc.message}; allowed: the plan.json piper run keeps there; move it aside or use "
-                         "another --out-dir", path=str(target)) from None
-    if kept == mine:
-        return None
-    labels = ("run directory", "plan")
-    for block in IDENTITY_BLOCKS:
-        old, new = kept.get(block), mine.get(block)
-        named = isinstance(old, dict) and isinstance(new, dict) and old.get("name") != new.get("name")
-        diff = (first_difference(old.get("name"), new.get("name"), f"{block}.name", labels) if named
-                else first_difference(old, new, block, labels))
-        if diff:
-            raise PiperError(f"{diff}: {run_dir} holds another plan's run (another {block}); allowed: the same "
-                             f"{', '.join(IDENTITY_BLOCKS)} as its plan.json; use another --out-dir", path=str(target))
-    diff = first_difference(kept, mine, "", labels)
-    return f"{target} replaced by {plan_path} (first difference: {diff})"
-
-
-def _keep_plan(plan_path: Path, run_dir: Path) -> None:
-    """A copy of the plan beside metrics.jsonl, so that `piper compare RUN_DIR` finds the prediction (replacing
-    the copy of an earlier run of the same job under another layout: plan_change)."""
-    from piper_plan.fileio import atomic_write_text, read_text
-
-    target = run_dir / "plan.json"
-    text = read_text(plan_path)
-    if not target.is_file() or read_text(target) != text:
-        atomic_write_text(target, text)
-
-
-def _kept_records(path: Path, start: int) -> list[dict]:
-    """metrics.jsonl lines of steps <= start (a run killed after its last checkpoint logged steps it will redo)."""
-    from piper_plan.fileio import json_lines
-
-    if not path.is_file():
-        return []
-    rows = []
-    for number, row in json_lines(path):
-        if not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
-            raise PiperError(f"line {number}: no integer 'step'; allowed: the records piper run writes; move it "
-                             "aside to resume without the earlier steps' records", path=str(path))
-        rows.append(row)
-    return [r for r in rows if r["step"] <= start]
 
 
 @contextlib.contextmanager

@@ -57,15 +57,15 @@ def test_an_out_dir_that_cannot_be_a_directory_is_one_line(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("hi\n")
     cases = {"afile/sub": "afile is a file, not a folder", "/proc/nope": "/proc/nope is a device or kernel file",
-             "/dev/null": "exists and is not a directory", "": "names no directory", " ": "names no directory"}
+             "/dev/null": "is not a folder", "": "names no directory", " ": "names no directory"}
     for out, needle in cases.items():
         line = one_error_line(run_here(plan, out))
         assert "--out-dir" in line and needle in line, (out, line)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "plan.json"]    # nothing written here
 
 
-@pytest.mark.parametrize("entry, needle", [("metrics.jsonl", "is a directory"), ("summary.json", "is a directory"),
-                                           ("plan.json", "is a directory"), ("checkpoints", "is not a directory")])
+@pytest.mark.parametrize("entry, needle", [("metrics.jsonl", "is a folder"), ("summary.json", "is a folder"),
+                                           ("plan.json", "is a folder"), ("checkpoints", "is not a folder")])
 def test_a_run_directory_entry_of_the_wrong_kind_is_one_line(tmp_path, entry, needle):
     plan = two_rank_plan(tmp_path)
     run = tmp_path / "rx"
@@ -100,6 +100,32 @@ def test_a_stop_the_ranks_checkpointed_is_their_exit_code(tmp_path, capsys):
 def test_the_launcher_forwards_sigusr1():
     assert "SIGUSR1" in run_module.STOP_SIGNALS.split(",")
     assert {"SIGTERM", "SIGINT"} <= set(run_module.STOP_SIGNALS.split(","))
+
+
+def test_older_torch_without_the_signal_fields_still_forwards_sigusr1():
+    """torch 2.6-2.8's LaunchConfig has neither signals_to_handle nor shutdown_timeout (passing them was a TypeError
+    there): they are left out, and SIGUSR1 becomes the SignalException the agent forwards to the ranks."""
+    import dataclasses
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    @dataclasses.dataclass
+    class OldLaunchConfig:
+        min_nodes: int = 1
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert run_module.signal_options(OldLaunchConfig, 180) == {}
+        with pytest.raises(SignalException) as stop:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.value.sigval == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if {"signals_to_handle", "shutdown_timeout"} <= {f.name for f in dataclasses.fields(LaunchConfig)}:
+        assert run_module.signal_options(LaunchConfig, 180) == {"signals_to_handle": run_module.STOP_SIGNALS,
+                                                                 "shutdown_timeout": 180}
 
 
 # ---- real runs: ranks started by the elastic launcher -------------------------------------------------------
@@ -164,16 +190,28 @@ def test_a_stop_signal_checkpoints_exits_75_and_leaves_no_rank(tmp_path, sig):
         _end(_ranks_of(run_dir))
 
 
+def test_another_models_run_directory_is_refused_before_any_rank_starts(tmp_path):
+    """Before: the ranks started, then each refused it (design notes said "before any rank starts")."""
+    run = tmp_path / "rx"
+    run.mkdir()
+    (run / "plan.json").write_text(two_rank_plan(tmp_path, "plain.json", model="tiny-moe-plain").read_text())
+    line = one_error_line(run_here(two_rank_plan(tmp_path), str(run)))
+    assert line.startswith(f"error: {run / 'plan.json'}: model.name: ") and "another model" in line, line
+    assert sorted(p.name for p in run.iterdir()) == ["plan.json"]
+
+
 @pytest.mark.distributed
 def test_a_rank_side_user_error_is_its_one_line(tmp_path):
-    """A checkpoint of another model, resumed: the rank's 'error:' line and none of torch elastic's own lines
-    ('Sending process N closing signal SIGTERM', 'failed (exitcode: 2) ...')."""
+    """A checkpoint of another model, resumed (the kept plan.json moved away, so only the ranks can tell): the
+    rank's 'error:' line and none of torch elastic's own lines ('Sending process N closing signal SIGTERM',
+    'failed (exitcode: 2) ...')."""
     run_dir = tmp_path / "r"
     first = subprocess.run([str(PIPER), "run", "--plan", str(two_rank_plan(tmp_path, checkpoint_interval=1)),
                             "--steps", "1", "--out-dir", str(run_dir)], cwd=tmp_path, capture_output=True, text=True,
                            env=CLEAN_ENV, timeout=180)
     assert first.returncode == 0, first.stderr[-3000:]
     other = two_rank_plan(tmp_path, "plain.json", model="tiny-moe-plain")
+    (run_dir / "plan.json").unlink()
     done = subprocess.run([str(PIPER), "run", "--plan", str(other), "--steps", "2", "--out-dir", str(run_dir),
                            "--resume"], cwd=tmp_path, capture_output=True, text=True, env=CLEAN_ENV, timeout=180)
     lines = [line for line in done.stderr.splitlines() if not line.startswith("piper run: 2 local ranks")]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from piper_plan.catalog import load_model
-from piper_plan.runtime.checkpoint import doomed, expert_key, first_difference, held_experts, layout_free_name
+from piper_plan.rundir import first_difference
+from piper_plan.runtime.checkpoint import doomed, expert_key, held_experts, layout_free_name
 from plans import plan_dict
 from reshard_worker import worker
 from workers import spawn

@@ -20,7 +20,9 @@ import pytest
 from piper_plan.catalog import load_model
 from piper_plan.errors import PiperError
 from piper_plan.runtime import train
-from piper_plan.runtime.checkpoint import _read_meta, first_difference, latest_step
+from piper_plan import rundir
+from piper_plan.rundir import first_difference
+from piper_plan.runtime.checkpoint import _read_meta, latest_step
 from plans import plan_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,29 +88,29 @@ def test_a_run_directory_entry_of_the_wrong_type_is_one_line(tmp_path, name, fol
     path.parent.mkdir(parents=True, exist_ok=True)
     path.mkdir() if folder else path.write_text("x")
     with pytest.raises(PiperError) as exc:
-        train.check_run_dir(run)
+        rundir.check_run_dir(run)
     assert str(exc.value).startswith(str(path) + ": ") and "allowed:" in str(exc.value), str(exc.value)
 
 
 def test_a_fresh_or_finished_run_directory_passes(tmp_path):
-    train.check_run_dir(tmp_path / "new")
+    rundir.check_run_dir(tmp_path / "new")
     run = tmp_path / "run"
     (run / "checkpoints" / "step_1").mkdir(parents=True)
-    for name in train.RUN_FILES:
+    for name in rundir.RUN_FILES:
         (run / name).write_text("{}")
-    train.check_run_dir(run)
+    rundir.check_run_dir(run)
 
 
 def test_damaged_metrics_on_resume_is_one_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
-    assert [r["step"] for r in train._kept_records(path, 2)] == [1, 2]
+    assert [r["step"] for r in rundir.kept_records(path, 2)] == [1, 2]
     path.write_text('{"step": 1}\nnot json\n')
     with pytest.raises(PiperError, match="line 2: malformed JSON"):
-        train._kept_records(path, 2)
+        rundir.kept_records(path, 2)
     path.write_text('{"loss": 1}\n')
     with pytest.raises(PiperError, match="line 1: no integer 'step'"):
-        train._kept_records(path, 2)
+        rundir.kept_records(path, 2)
 
 
 # ---- another plan in the run directory --------------------------------------------------------------------
@@ -120,21 +122,21 @@ def _write(path: Path, plan: dict) -> Path:
 def test_the_same_plan_or_none_kept_is_fine(tmp_path):
     plan = _write(tmp_path / "p.json", plan_dict(pp=2, dp=1, ep=1))
     run = tmp_path / "run"
-    assert train.plan_change(plan, run) is None
+    assert rundir.plan_change(plan, run) is None
     run.mkdir()
-    train._keep_plan(plan, run)
-    assert train.plan_change(plan, run) is None
+    rundir.keep_plan(plan, run)
+    assert rundir.plan_change(plan, run) is None
     assert (run / "plan.json").read_text() == plan.read_text()
 
 
 def test_another_layout_replaces_the_kept_plan_with_a_note(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    train._keep_plan(_write(tmp_path / "a.json", plan_dict(pp=2, dp=1, ep=1)), run)
+    rundir.keep_plan(_write(tmp_path / "a.json", plan_dict(pp=2, dp=1, ep=1)), run)
     other = _write(tmp_path / "b.json", plan_dict(pp=1, dp=2, ep=2, num_microbatches=1))  # the same tokens a step
-    note = train.plan_change(other, run)
+    note = rundir.plan_change(other, run)
     assert note.startswith(f"{run / 'plan.json'} replaced by {other}") and "parallel." in note, note
-    train._keep_plan(other, run)
+    rundir.keep_plan(other, run)
     assert json.loads((run / "plan.json").read_text())["parallel"]["pp"] == 1
 
 
@@ -145,11 +147,11 @@ def test_another_layout_replaces_the_kept_plan_with_a_note(tmp_path):
 def test_another_model_or_training_is_refused(tmp_path, change, needle):
     run = tmp_path / "run"
     run.mkdir()
-    train._keep_plan(_write(tmp_path / "a.json", plan_dict(pp=2, dp=1, ep=1)), run)
+    rundir.keep_plan(_write(tmp_path / "a.json", plan_dict(pp=2, dp=1, ep=1)), run)
     kept = (run / "plan.json").read_bytes()
     other = _write(tmp_path / "b.json", plan_dict(**{"pp": 2, "dp": 1, "ep": 1, **change}))
     with pytest.raises(PiperError) as exc:
-        train.plan_change(other, run)
+        rundir.plan_change(other, run)
     message = str(exc.value)
     assert needle in message and "holds another plan's run" in message and "use another --out-dir" in message
     assert (run / "plan.json").read_bytes() == kept
@@ -160,7 +162,7 @@ def test_a_damaged_kept_plan_is_refused(tmp_path):
     run.mkdir()
     (run / "plan.json").write_text("{not json")
     with pytest.raises(PiperError, match="malformed JSON.*move it aside"):
-        train.plan_change(_write(tmp_path / "a.json", plan_dict(pp=2, dp=1, ep=1)), run)
+        rundir.plan_change(_write(tmp_path / "a.json", plan_dict(pp=2, dp=1, ep=1)), run)
 
 
 # ---- signals, rendezvous timeout --------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""A run directory (`piper run --out-dir`): the files the runtime writes there, the check that it can, the plan it
+keeps there and the records a resume keeps. Torch-free and reading files only: `piper run`'s launcher makes the
+checks before any rank starts, and every rank makes them again (under torchrun / srun there is no launcher), with
+the same answer on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from piper_plan.errors import PiperError
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints/latest")
+"""The files a run writes in its directory (besides checkpoints/step_<N>/ and profiler traces)."""
+IDENTITY_BLOCKS = ("model", "training")
+"""plan.json blocks that make a run directory another job's (compare.check_same_job: tokens per step; a
+checkpoint holds one model). The rest (parallel, platform, runtime, migration, the prediction) may change between
+runs in one directory: a resume under another layout reshards the checkpoint."""
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Every file the run will write in ``run_dir`` can be written: a folder where a file goes (metrics.jsonl,
+    summary.json, plan.json, checkpoints/latest), anything but a folder where a folder goes (the run directory,
+    checkpoints/), or a path that cannot be written is one PiperError."""
+    from piper_plan.fileio import check_writable
+
+    for folder, what in ((run_dir, "the run directory"), (run_dir / "checkpoints", "the run's checkpoints")):
+        if folder.exists() and not folder.is_dir():
+            raise PiperError(f"is not a folder; allowed: a folder ({what}); move it aside or use another --out-dir",
+                             path=str(folder))
+    targets = [run_dir / name for name in RUN_FILES]
+    for path in targets:
+        if path.is_dir():
+            raise PiperError("is a folder; allowed: the file the run writes there (or none); move it aside or "
+                             "use another --out-dir", path=str(path))
+    for target in targets if run_dir.exists() else [run_dir, *targets]:   # a new one: its own path first (/proc/x)
+        try:
+            check_writable(target)
+        except PiperError as exc:
+            reason = exc.message.removeprefix("cannot write: ").removesuffix("; give a file name")
+            raise PiperError(f"cannot write the run there ({reason}); use another --out-dir", path=str(run_dir)) \
+                from None
+
+
+def plan_change(plan_path: Path, run_dir: Path) -> str | None:
+    """Whether this run may keep its plan in ``run_dir``: None when run_dir/plan.json is absent or the same plan; a
+    note (one line) when it differs outside IDENTITY_BLOCKS (keep_plan then replaces it, so that `piper compare`
+    prices the layout now running); PiperError when run_dir holds another plan's run (another model / training)."""
+    from piper_plan.fileio import read_document
+
+    target = run_dir / "plan.json"
+    if not target.exists():
+        return None
+    mine = read_document(plan_path)
+    try:
+        kept = read_document(target)
+    except PiperError as exc:
+        raise PiperError(f"{exc.message}; allowed: the plan.json piper run keeps there; move it aside or use "
+                         "another --out-dir", path=str(target)) from None
+    if kept == mine:
+        return None
+    labels = ("run directory", "plan")
+    for block in IDENTITY_BLOCKS:
+        old, new = kept.get(block), mine.get(block)
+        named = isinstance(old, dict) and isinstance(new, dict) and old.get("name") != new.get("name")
+        diff = (first_difference(old.get("name"), new.get("name"), f"{block}.name", labels) if named
+                else first_difference(old, new, block, labels))
+        if diff:
+            raise PiperError(f"{diff}: {run_dir} holds another plan's run (another {block}); allowed: the same "
+                             f"{', '.join(IDENTITY_BLOCKS)} as its plan.json; use another --out-dir", path=str(target))
+    diff = first_difference(kept, mine, "", labels)
+    return f"{target} replaced by {plan_path} (first difference: {diff})"
+
+
+def keep_plan(plan_path: Path, run_dir: Path) -> None:
+    """A copy of the plan beside metrics.jsonl, so that `piper compare RUN_DIR` finds the prediction (replacing
+    the copy of an earlier run of the same job under another layout: plan_change)."""
+    from piper_plan.fileio import atomic_write_text, read_text
+
+    target = run_dir / "plan.json"
+    text = read_text(plan_path)
+    if not target.is_file() or read_text(target) != text:
+        atomic_write_text(target, text)
+
+
+def kept_records(path: Path, start: int) -> list[dict]:
+    """metrics.jsonl lines of steps <= start (a run killed after its last checkpoint logged steps it will redo)."""
+    from piper_plan.fileio import json_lines
+
+    if not path.is_file():
+        return []
+    rows = []
+    for number, row in json_lines(path):
+        if not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+            raise PiperError(f"line {number}: no integer 'step'; allowed: the records piper run writes; move it "
+                             "aside to resume without the earlier steps' records", path=str(path))
+        rows.append(row)
+    return [r for r in rows if r["step"] <= start]
+
+
+def first_difference(saved, mine, at: str = "", labels: tuple[str, str] = ("checkpoint", "plan")) -> str | None:
+    """The first field where two JSON values differ, as ``field: saved vs mine`` (``labels`` name the two sides;
+    long values shortened); None if equal."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        for key in sorted(set(saved) | set(mine)):
+            found = first_difference(saved.get(key), mine.get(key), f"{at}.{key}" if at else key, labels)
+            if found:
+                return found
+        return None
+    if isinstance(saved, list) and isinstance(mine, list) and len(saved) == len(mine):
+        return next((d for i, (a, b) in enumerate(zip(saved, mine))
+                     if (d := first_difference(a, b, f"{at}[{i}]", labels))), None)
+    if saved == mine:
+        return None
+    return f"{at}: {short_repr(saved)} ({labels[0]}) vs {short_repr(mine)} ({labels[1]})"
+
+
+def short_repr(value, limit: int = 60) -> str:
+    """repr of a value, a mapping or list of more than ``limit`` characters as ``{...}`` / ``[...]`` (one line)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, dict):
+        return f"{{... {len(value)} fields}}"
+    if isinstance(value, list):
+        return f"[... {len(value)} items]"
+    return text[:limit] + "..."
