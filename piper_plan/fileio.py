@@ -12,6 +12,7 @@ docs/design-notes.md ("Input limits").
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -61,10 +62,11 @@ def _not_a_file(path: Path) -> str:
     if path.is_symlink() and not path.exists():
         try:
             path.resolve(strict=True)
-        except RuntimeError:
+        except RuntimeError:           # Python < 3.13 raises RuntimeError for a loop
             return "a symbolic link loop; expected a file"
-        except OSError:
-            pass
+        except OSError as exc:         # Python >= 3.13: OSError with errno ELOOP
+            if exc.errno == errno.ELOOP:
+                return "a symbolic link loop; expected a file"
         return "a symbolic link to nothing; expected a file"
     if path.exists():
         return "not a regular file (a device, FIFO or socket); expected a file"

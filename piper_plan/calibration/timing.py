@@ -17,9 +17,9 @@ from typing import Callable
 
 
 STATISTICS = {"median": statistics.median, "min": min}
+"""How the samples of one measurement become its figure."""
 MAX_CALLS = 10_000
 """Timed (or untimed warm-up) calls of one measurement at most: a benchmark, not an endless loop."""
-"""How the samples of one measurement become its figure."""
 
 
 def median_seconds(fn: Callable[[], object], device, warmup: int, repeats: int, min_sample_s: float = 1e-3) -> float:
