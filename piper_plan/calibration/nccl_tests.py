@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from piper_plan.calibration.schema import MAX_MEASURED, OPS, SCOPES, scope_problem
+from piper_plan.calibration.schema import MAX_MEASURED, MIN_MEASURED, OPS, SCOPES, scope_problem
 from piper_plan.errors import PiperError
 
 _TIME_UNITS = {"(us)": 1e-6, "(ms)": 1e-3, "(s)": 1.0}
@@ -31,10 +31,10 @@ _CHECK_COLUMNS = ("#wrong", "error")
 _OK_CHECKS = ("", "0", "0e+00", "N/A")
 ALGBW_TOLERANCE = 0.01
 """algbw may differ from size / time by 1% beyond the rounding of the printed time and algbw (half their last digit:
-``45.12`` us is +-0.005 us, ``1.2e+04`` us +-50 us)."""
+``45.12`` us is +-0.005 us, ``1.2e+04`` us +-500 us)."""
 REDUCING_OPS = ("all_reduce", "reduce_scatter")
 """The ops whose table prints a reduction (redop, ``sum`` ...)."""
-MOVING_OPS = ("all_to_all", "all_gather")
+MOVING_OPS = ("all_to_all", "halo_all_to_all", "all_gather")
 """The ops whose table prints redop ``none``. sendrecv_perf (--op p2p) prints the ``-o`` reduction it ignores (``sum``
 by default), so p2p accepts any redop."""
 _NUMERIC_START = re.compile(r"[-+]?(?:\d|\.\d)")
@@ -107,8 +107,9 @@ def _looks_like_data(line: str) -> bool:
 
 def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> NcclTestsRow:
     tokens = line.split()
-    if "redop" in columns and len(tokens) > columns.index("redop") and _NUMERIC_START.match(tokens[columns.index("redop")]):
-        tokens.insert(columns.index("redop"), "")  # old sendrecv_perf printed an empty redop: the field is blank
+    redop_at = columns.index("redop") if "redop" in columns else None
+    if redop_at is not None and redop_at < len(tokens) < len(columns) and _NUMERIC_START.match(tokens[redop_at]):
+        tokens.insert(redop_at, "")  # old sendrecv_perf printed an empty redop: the field is blank
     if len(tokens) < columns.index("busbw") + 1 or len(tokens) > len(columns):
         raise PiperError(f"line {number}: {len(tokens)} fields, the header has {len(columns)}: {line!r}", path=path)
     i_time, i_alg, i_bus = columns.index("time"), columns.index("algbw"), columns.index("busbw")
@@ -121,19 +122,20 @@ def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> 
         algbw, busbw = float(tokens[i_alg]), float(tokens[i_bus])
     except ValueError:
         raise PiperError(f"line {number}: not a number in {line!r}", path=path) from None
-    bad = [(name, tokens[i]) for name, i, value in (("time", i_time, seconds), ("algbw", i_alg, algbw),
-                                                      ("busbw", i_bus, busbw))
-           if not (0 <= value <= MAX_MEASURED) or (name == "time" and value == 0)]
+    figures = (("time", i_time, seconds, unit), ("algbw", i_alg, algbw, 1.0), ("busbw", i_bus, busbw, 1.0))
+    bad = [(name, tokens[i]) for name, i, value, scale in figures
+           if not (0 <= value <= MAX_MEASURED) or (name == "time" and value < MIN_MEASURED)
+           or _half_last_digit(tokens[i]) * scale > MAX_MEASURED]     # '0e+400': its rounding is the range
     if bad:
         shown = ", ".join(f"{name} {text!r}" for name, text in bad)
-        raise PiperError(f"line {number}: {shown} out of range (time > 0 and at most {MAX_MEASURED:g} s, bandwidths "
-                         f"0..{MAX_MEASURED:g} GB/s)", path=path)
+        raise PiperError(f"line {number}: {shown} out of range (time {MIN_MEASURED:g} to {MAX_MEASURED:g} s, bandwidths "
+                         f"0..{MAX_MEASURED:g} GB/s, each printed to better than that)", path=path)
     derived = size / seconds / 1e9
     time_rounding = _half_last_digit(tokens[i_time]) * unit / seconds
     if abs(algbw - derived) > (ALGBW_TOLERANCE + time_rounding) * derived + _half_last_digit(tokens[i_alg]):
         raise PiperError(f"line {number}: algbw {tokens[i_alg]} GB/s is not size / time = {size} B / "
-                         f"{tokens[i_time]} = {derived:.4g} GB/s; allowed: within {ALGBW_TOLERANCE:.0%} (nccl-tests "
-                         "prints algbw = size / time)", path=path)
+                         f"{tokens[i_time]} = {derived:.4g} GB/s; allowed: within {ALGBW_TOLERANCE:.0%} and the rounding "
+                         "of the printed time and algbw (nccl-tests prints algbw = size / time)", path=path)
     wrong = tuple(tokens[i] if i < len(tokens) else "" for i, c in enumerate(columns) if c == "#wrong")
     redop = tokens[columns.index("redop")] if "redop" in columns else None
     return NcclTestsRow(number, size, seconds, algbw, busbw, wrong, redop)
@@ -141,7 +143,7 @@ def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> 
 
 def _half_last_digit(printed: str) -> float:
     """Half a unit of the last digit of a printed number: its rounding (``45.12`` -> 0.005, ``1.2e+04`` -> 500)."""
-    return 10.0 ** Decimal(printed).as_tuple().exponent / 2
+    return float(Decimal(5).scaleb(Decimal(printed).as_tuple().exponent - 1))
 
 
 def rows_to_collectives(rows: list[NcclTestsRow], op: str, scope: str, num_nodes: int, ranks_per_node: int,
@@ -183,7 +185,7 @@ def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per
 
 def check_redop(rows: list[NcclTestsRow], op: str, path: str) -> None:
     """The table's reduction must be the op's: a reduction for all_reduce / reduce_scatter, ``none`` (or blank) for
-    all_to_all / all_gather (an all_reduce log imported as all_to_all is refused); p2p takes any."""
+    the ops that move data (an all_reduce log imported as all_to_all is refused); p2p takes any."""
     if op not in REDUCING_OPS + MOVING_OPS:
         return
     reducing = op in REDUCING_OPS

@@ -158,10 +158,35 @@ def test_a_blank_redop_of_old_sendrecv_parses():
 
 
 def test_algbw_tolerance_follows_the_printed_time():
-    """A time printed ``1.2e+04`` us is known to +-50 us (4%): algbw 21.74 = 256 MiB / 12,345 us is consistent."""
+    """A time printed ``1.2e+04`` us is known to +-500 us (4%): algbw 21.74 = 256 MiB / 12,345 us is consistent."""
     text = "".join(NCCL_TESTS.splitlines(keepends=True)[:9]) + \
         "   268435456      67108864     float    none      -1  1.2e+04   21.74   21.74      0  1.2e+04   21.74   21.74      0\n"
     (row,) = parse_nccl_tests(text)
     assert row.seconds == pytest.approx(0.012)
     with pytest.raises(PiperError, match="algbw 25.00 GB/s"):
         parse_nccl_tests(text.replace("21.74   21.74      0  1.2", "25.00   21.74      0  1.2"))
+
+
+def test_halo_keeps_its_redop_check_and_a_full_line_gets_no_blank(tmp_path):
+    """halo_all_to_all moves data (redop none): an all_reduce log is refused as it; a line as long as the header
+    whose redop reads like a number is not shifted (it is an error of its own)."""
+    from piper_plan.calibration.nccl_tests import import_file
+
+    log = tmp_path / "ar.log"
+    log.write_text(RCCL_TESTS)
+    with pytest.raises(PiperError, match="redop 'sum', but --op halo_all_to_all prints redop none"):
+        import_file(log, "halo_all_to_all", "node", 1, 2)
+    text = "".join(NCCL_TESTS.splitlines(keepends=True)[:9]) + \
+        "     1048576        262144     float       7      -1    45.10   23.25   40.69      0    44.80   23.41   40.96      0\n"
+    assert parse_nccl_tests(text)[0].redop == "7"
+
+
+@pytest.mark.parametrize("time, algbw, needle", [("45.10", "0e+400", "algbw '0e+400' out of range"),
+                                                 ("1e-300", "23.25", "time '1e-300' out of range")])
+def test_extreme_printed_numbers_are_one_line(time, algbw, needle):
+    """Before: algbw 0e+400 raised OverflowError in the rounding allowance; a time of 1e-300 us was accepted."""
+    text = "".join(NCCL_TESTS.splitlines(keepends=True)[:9]) + \
+        f"     1048576        262144     float    none      -1    {time}   {algbw}   40.69      0    44.80   23.41   40.96      0\n"
+    with pytest.raises(PiperError) as err:
+        parse_nccl_tests(text, "a2a.log")
+    assert needle in str(err.value)
