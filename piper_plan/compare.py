@@ -1,5 +1,7 @@
 """Measured (the runtime's metrics.jsonl) vs predicted (plan.json's ``prediction``): pure, no I/O.
-``check_same_job`` and ``check_stage_count`` refuse metrics of another job than the plan's before any comparison.
+``check_same_job`` and ``check_stage_count`` refuse metrics of another job than the plan's before any comparison;
+``layout_records`` keeps the steps that ran under the plan's parallel layout (a run resumed under another one keeps
+the earlier layout's steps in its metrics.jsonl).
 
 Every quantity is ``{"predicted", "measured", "rel_error"}`` with ``rel_error = (predicted - measured) / measured``
 (DESIGN.md, compare format); a quantity missing on either side has ``rel_error = None``.

@@ -88,7 +88,7 @@ class FitResult:
 # ---- I/O -------------------------------------------------------------------------------------------
 def read_run(run_dir: str | Path) -> Run:
     """RUN_DIR/plan.json + RUN_DIR/metrics.jsonl -> Run; a missing file is one PiperError line."""
-    from piper_plan.compare import check_same_job, compare
+    from piper_plan.compare import check_same_job, compare, layout_records
     from piper_plan.metricsfile import read_metrics
     from piper_plan.planfile import read_plan_file
 
@@ -103,6 +103,7 @@ def read_run(run_dir: str | Path) -> Run:
     pf = read_plan_file(d / "plan.json")
     records = read_metrics(d / "metrics.jsonl")
     check_same_job(pf.training, records, str(d / "metrics.jsonl"), str(d / "plan.json"))
+    records = layout_records(pf, records, str(d / "metrics.jsonl"), str(d / "plan.json"))
     measured = compare({}, records)["step_time_s"]["measured"]
     if not measured:
         raise PiperError("no step_time_s in metrics.jsonl", path=str(d / "metrics.jsonl"))

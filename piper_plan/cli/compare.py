@@ -53,7 +53,11 @@ def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     records = read_metrics(metrics_path)
     plan_file = read_plan_file(plan_path)
     check_same_job(plan_file.training, records, str(metrics_path), str(plan_path))
-    records = layout_records(plan_file, records, str(metrics_path), str(plan_path))
+    kept = layout_records(plan_file, records, str(metrics_path), str(plan_path))
+    if len(kept) < len(records):
+        note(f"note: {len(records) - len(kept)} of {len(records)} steps ran under another parallel layout than "
+             f"{plan_path}'s (the run was resumed under a new one) and are left out")
+    records = kept
     check_stage_count(plan_file.parallel.pp, records, str(metrics_path), str(plan_path))
     result = compare(prediction_of(plan_file, plan_path), records)
     result = {"run_dir": str(metrics_path.parent), "plan": str(plan_path), **result}

@@ -49,9 +49,13 @@ def migration_summary(records: list[dict]) -> dict:
 def summarise(records: list[dict]) -> dict:
     """The final summary: steps, losses and migration over the whole run; times and memory per stage over the steps
     of the last layout (a resume may change it: records_of_layout), steady state (the first step, which includes
-    warm-up, left out when possible)."""
+    warm-up, left out when possible). Records written before the runtime named their layout count as any layout's,
+    so the stage count must match the last record's too."""
     all_records = records
-    records = records_of_layout(records, records[-1].get("parallel")) if records else records
+    if records:
+        last = records[-1]
+        records = [r for r in records_of_layout(records, last.get("parallel"))
+                   if len(r["memory_bytes"]) == len(last["memory_bytes"])]
     steady = records[1:] if len(records) > 1 else records
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     step_s = mean([r["step_time_s"] for r in steady])
@@ -65,7 +69,7 @@ def summarise(records: list[dict]) -> dict:
             "time_s": {k: mean([r["time_s"].get(k, 0.0) for r in steady]) for k in ("a2a", "p2p", "dp_sync", "migration")},
             "migration": migration_summary(all_records),
             "peak_memory_bytes": [max(r["memory_bytes"][i]["total_bytes"] for r in records)
-                                  for i in range(len(records[0]["memory_bytes"]))] if records else []}
+                                  for i in range(len(records[-1]["memory_bytes"]))] if records else []}
 
 
 # ---- rank 0's progress line (step, loss, tokens/s, ETA) -----------------------------------------------------------

@@ -450,11 +450,14 @@ def test_compare_takes_the_steps_of_the_plans_layout_after_a_resume_under_anothe
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in old + new))
     result = run("compare", tmp_path, "--json")
     assert result.exit_code == 0, result.output
-    measured = json.loads(result.output)
+    measured = json.loads(result.stdout)
+    assert "note: 2 of 5 steps ran under another parallel layout" in result.stderr
     assert measured["step_time_s"]["measured"] == pytest.approx(2.0) and len(measured["memory_bytes_per_stage"]) == 1
     assert measured["steps_measured"] == 2                         # steps 4 and 5: step 3, the first, warms up
     summary = summarise(old + new)
     assert (summary["steps"], summary["step_time_s"], summary["peak_memory_bytes"]) == (5, 2.0, [100])
+    unnamed = [{k: v for k, v in r.items() if k != "parallel"} for r in old]   # written by an earlier piper
+    assert summarise(unnamed + new)["peak_memory_bytes"] == [100]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in old))
     assert_one_line_error(run("compare", tmp_path), "metrics.jsonl", "no step ran under the parallel layout")
 

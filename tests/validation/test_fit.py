@@ -102,3 +102,14 @@ def test_overhead_scale_recovered_and_scored_on_held_out_runs(tmp_path):
     assert result.values["overhead.scale"] == pytest.approx(2.0, rel=1e-3)
     before, after = holdout_mape_pct(result.values, held, cal)
     assert before > 5 and after < 0.1
+
+
+def test_a_run_resumed_under_another_layout_fits_its_plans_steps(tmp_path):
+    """Before: the steps of the earlier layout (10 s) were averaged in with the plan's (1 s)."""
+    d = _plan_dirs(tmp_path)[0]
+    here = json.loads((d / "plan.json").read_text())["parallel"]
+    other = {**here, "pp": 2, "dp": 1}
+    lines = [{"schema_version": 1, "step": s, "step_time_s": 10.0, "parallel": other} for s in (1, 2, 3)] + \
+            [{"schema_version": 1, "step": s, "step_time_s": 1.0, "parallel": here} for s in (4, 5, 6)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert read_run(d).measured_step_s == pytest.approx(1.0)
