@@ -9,6 +9,7 @@ emulated nodes), or prints the exact torchrun and srun lines for the allocation 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -118,9 +119,7 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
     """The plan's ranks as local processes (torch.distributed's elastic launcher, as torchrun --standalone);
     the first failed rank's exit code, else 0. A stop signal (STOP_SIGNALS) is forwarded to the ranks, which
     checkpoint and exit 75; the result is then the ranks' own (summary.json of this run), else 128 + the signal."""
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     from piper_plan.launch.render import SIGNAL_LEAD_S
 
@@ -132,11 +131,23 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
     # of a large model in the middle of its save). The batch script asks Slurm for USR1 this long before the time
     # limit (launch/render.py SIGNAL_LEAD_S, 180 s): a step plus a checkpoint must fit that bound there too. A rank
     # that hangs is still ended after it: bounded, never orphaned.
+    sigusr1 = signal.getsignal(signal.SIGUSR1)      # signal_options may replace it (torch < 2.9): restored below
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=layout.world, run_id=f"piper-run-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           **signal_options(LaunchConfig, SIGNAL_LEAD_S))
     _quiet_elastic_logs()
     before = _identity(run_dir / "summary.json")
+    try:
+        return _launch(config, args, run_dir, before)
+    finally:
+        signal.signal(signal.SIGUSR1, sigusr1)
+
+
+def _launch(config, args: list[str], run_dir: Path, before) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     try:
         elastic_launch(config, sys.executable)("-m", "piper_plan.runtime.train", *args)
     except ChildFailedError as exc:
@@ -165,8 +176,6 @@ def signal_options(launch_config_class, shutdown_timeout_s: int) -> dict:
 
 
 def _forward_sigusr1() -> None:
-    import signal
-
     from torch.distributed.elastic.multiprocessing import SignalException
 
     def stop(signum, frame):
@@ -197,8 +206,6 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def _signal_name(signum: int) -> str:
-    import signal
-
     try:
         return signal.Signals(signum).name
     except ValueError:

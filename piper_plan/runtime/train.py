@@ -578,12 +578,24 @@ def rendezvous_timeout_s(environ=os.environ) -> float:
 RANK0_REPORT_GRACE_S = 20.0
 
 
-def _report_user_error(exc: PiperError, rank: int) -> int:
-    if rank == 0:
+def _report_user_error(exc: PiperError | None, rank: int, reporter: int = 0) -> int:
+    """Exit code 2 with one line, printed by rank ``reporter`` (the others give it time to print first)."""
+    if rank == reporter and exc is not None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
     else:
         time.sleep(RANK0_REPORT_GRACE_S)
     return EXIT_USER_ERROR
+
+
+def first_failed_rank(failed: bool, rank: int, world: int, device) -> int | None:
+    """The lowest rank that failed, known to every rank (one all-reduce, so also a barrier); None when none did."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([rank if failed else world], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    first = int(value.item())
+    return None if first == world else first
 
 
 def select_device(cfg, local: int):
@@ -657,22 +669,27 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     stop = _StopFlag()
     trainer = Trainer(cfg, rank, world, device)
     run_dir = Path(args.out)
+    problem = None
     try:  # the same on every rank (checkpoint.load agrees on it; the rest reads files): nothing written yet
         start = trainer.resume(run_dir) if args.resume else 0
         records = kept_records(run_dir / "metrics.jsonl", start) if args.resume else []
         plan_note = plan_change(Path(args.plan), run_dir)
     except PiperError as exc:
+        problem = exc
+    # Every rank has read metrics.jsonl and plan.json before rank 0 rewrites them, and a rank that failed alone
+    # (a run directory other nodes do not see) stops every rank now, not at the first step's collective.
+    first = first_failed_rank(problem is not None, rank, world, device)
+    if first is not None:
         stop.release()
         _end_process_group()
-        return _report_user_error(exc, rank)
-    dist.barrier()                            # every rank has read metrics.jsonl and plan.json: rank 0 rewrites them
+        return _report_user_error(problem, rank, reporter=first)
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
     parallel = cfg.parallel.model_dump(mode="json")
     records = records if rank == 0 else []
     writer = MetricsWriter(run_dir / "metrics.jsonl", resume=False) if rank == 0 else None
     progress = ProgressLine(steps) if rank == 0 else None
-    if rank == 0:
+    if rank == 0 and (plan_note is None or start < steps):   # no step left: plan.json stays that of the records
         if plan_note:
             print(f"note: {plan_note}", file=sys.stderr, flush=True)
         keep_plan(Path(args.plan), run_dir)
