@@ -209,8 +209,9 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
 
 def check_prediction(plan_file: PlanFile, path: str) -> None:
     """Refuse figures no estimate can hold (a hand-edited prediction): a utilisation beyond its convention's largest
-    (UTILISATION_PAIRS) or a hardware one below its model one. A prediction of another batch or platform (the plan edited beside it) is not refused here:
-    launch prices the plan again and the job carries that prediction (launch/job.py)."""
+    (UTILISATION_PAIRS) or a hardware one below its model one. A prediction of another batch or platform (the plan
+    edited beside it) is not refused here: launch prices the plan again and the job carries that prediction
+    (launch/job.py)."""
     pred = plan_file.prediction
     if pred is None:
         return
