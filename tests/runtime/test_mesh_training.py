@@ -41,6 +41,7 @@ def test_four_ranks_pp2_dp2_ep2(tmp_path):
     jobs = [(f"train_{s}", "train", {"plan": plan_dict(pp=2, dp=2, ep=2, schedule=s, num_microbatches=2),
                                      "steps": STEPS, "aux": AUX}) for s in ("gpipe", "1f1b")]
     jobs.append(("dispatch", "dispatch", {}))
+    jobs.append(("first_failed", "first_failed", {"cases": [(), (2,), (3, 1)]}))
     jobs.append(("resume", "resume", {"plan": plan_dict(pp=2, dp=2, ep=2, num_microbatches=2),
                                       "run_dir": str(tmp_path / "run")}))
     results = spawn(4, jobs, tmp_path)
@@ -55,6 +56,8 @@ def test_four_ranks_pp2_dp2_ep2(tmp_path):
         assert d["recv"] == tuple(disp[src]["send"][r] for src in range(4))
         assert d["zero_recv_rows"] == (16 if r == 0 else 0)
     assert disp[0]["zero_recv_values"] == [0.0] * 4 + [1.0] * 4 + [2.0] * 4 + [3.0] * 4
+    # runtime/train.py: a run-directory error on some ranks only is known to all (the lowest such rank prints it)
+    assert [r["first_failed"] for r in results] == [[None, 2, 1]] * 4
     res = [r["resume"] for r in results]
     for r in res:
         assert r["start"] == 2

@@ -162,6 +162,11 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             results[name] = resume_check(kwargs["plan"], rank, world, kwargs["run_dir"])
         elif kind == "overlap":
             results[name] = overlap_check(kwargs["plan"], rank, world, kwargs["bucket_bytes"])
+        elif kind == "first_failed":
+            from piper_plan.runtime.train import first_failed_rank
+
+            results[name] = [first_failed_rank(rank in failed, rank, world, torch.device("cpu"))
+                             for failed in kwargs["cases"]]
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     import torch.distributed as dist
 
