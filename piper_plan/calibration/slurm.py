@@ -22,22 +22,25 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     v.wall_time(time_limit)
     if account is not None:
         v.slurm_name(account, "account")
+    from piper_plan.launch.render import launch_settings
+
     launch, per_node = platform.launch, platform.devices_per_node
+    settings = launch_settings(launch, launch.source or f"platform {platform.name}")   # as `piper launch` checks them
     lines = ["#!/bin/bash", f"#SBATCH --job-name=piper-calibrate-{platform.name}", f"#SBATCH --nodes={num_nodes}",
              f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --time={time_limit}",
              f"#SBATCH --output=piper-calibrate-{platform.name}-%j.out"]
-    lines += [f"#SBATCH --partition={launch.partition}"] if launch.partition else []
+    lines += [f"#SBATCH --partition={settings['partition']}"] if settings["partition"] else []
     lines += [f"#SBATCH --account={account}"] if account else []
-    lines += [f"#SBATCH {opt}" for opt in launch.sbatch]
-    lines += ["", "set -euo pipefail", f"# platform {platform.name}; launch settings: {launch.source}"]
-    lines += [f"module load {m}" for m in launch.modules]
-    lines += [f'export {k}="{v}"' for k, v in launch.env.items()]
+    lines += [f"#SBATCH {opt}" for opt in settings["sbatch_extra"]]
+    lines += ["", "set -euo pipefail", f"# platform {platform.name}; launch settings: {launch.source!r}"]
+    lines += [f"module load {shlex.quote(m)}" for m in settings["modules"]]
+    lines += [f'export {k}="{val}"' for k, val in settings["env"]]
     lines += ['export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               "export MASTER_PORT=${MASTER_PORT:-29500}", ""]
     srun = ["srun", f"--nodes={num_nodes}", f"--ntasks={num_nodes * per_node}", f"--ntasks-per-node={per_node}",
             f"--cpus-per-task={launch.cpus_per_task}"]
     srun += [f"--gpus-per-task={launch.gpus_per_task}"] if launch.gpus_per_task else []
-    srun += list(launch.srun)
+    srun += list(settings["srun_extra"])
     cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform", platform.name,
            "--out", str(out_dir), "--resume"] + (["--quick"] if quick else [])
     lines.append(shlex.join(srun + cmd))

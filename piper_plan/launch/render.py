@@ -199,7 +199,7 @@ def launch_settings(launch, source: str) -> dict:
         return {"modules": tuple(v.module_name(m) for m in launch.modules),
                 "env": tuple(v.env_pair(k, val) for k, val in launch.env.items()),
                 "srun_extra": tuple(v.option_token(o, "launch.srun") for o in launch.srun),
-                "sbatch_extra": tuple(v.option_token(o, "launch.sbatch") for o in launch.sbatch),
+                "sbatch_extra": tuple(v.sbatch_option(o) for o in launch.sbatch),
                 "partition": _optional_name(launch.partition, "launch.partition")}
     except PiperError as exc:
         raise in_plan_file(exc, source) from None

@@ -21,8 +21,8 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """Job names, partitions, accounts: letters, digits, '.', '_', '-' (first a letter or digit)."""
 PATH_RE = re.compile(r"/[A-Za-z0-9._/+@,=~-]*")
 """Absolute paths without whitespace, quotes, '$', '%', '*', ';', '&', '|', '<', '>', '(', ')', '`' or '\\'."""
-TIME_RE = re.compile(r"(?:(\d{1,3})-)?(\d{1,4}):([0-5]\d):([0-5]\d)")
-"""Slurm wall time [D-]HH:MM:SS."""
+TIME_RE = re.compile(r"(?:([0-9]{1,3})-)?([0-9]{1,4}):([0-5][0-9]):([0-5][0-9])")
+"""Slurm wall time [D-]HH:MM:SS (ASCII digits: ``\\d`` would take '٠٢')."""
 MAX_WALL_S = 365 * 86400
 """Longest wall time piper writes into a job: 365 days (Slurm's own INFINITE aside, no site allows more)."""
 MODULE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*")
@@ -32,6 +32,17 @@ ENV_VALUE_RE = re.compile(r"(?:[A-Za-z0-9_./:,=@+%-]|\$[A-Za-z_][A-Za-z0-9_]*|\$
 """Plain characters plus ``$NAME`` / ``${NAME}`` references; no command substitution, quotes or spaces."""
 OPTION_RE = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(?:=[A-Za-z0-9._:/@,+=-]+)?")
 """One sbatch/srun option token: ``--gpu-bind=closest``, ``-C nvme`` is two tokens and not allowed."""
+OWN_SBATCH_OPTIONS = frozenset({
+    "chdir", "D", "cpus-per-task", "c", "gpus-per-task", "job-name", "J", "nodes", "N", "ntasks-per-node", "ntasks",
+    "n", "open-mode", "output", "o", "error", "e", "requeue", "no-requeue", "signal", "time", "t", "partition", "p",
+    "account", "A", "switches", "segment"})
+"""sbatch options the job script sets itself (platforms/templates/*.sbatch, launch/render.py) or takes from their
+own fields (--partition, --account): a platform's extra ``launch.sbatch`` line after them would override them."""
+SHELL_CONTROL_ENV = frozenset({"IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "CDPATH", "GLOBIGNORE", "PS4",
+                               "BASH_XTRACEFD", "POSIXLY_CORRECT"})
+"""Variables that change how bash reads and runs the rest of the job script (bash(1), "Shell Variables"): a
+platform's ``launch.env`` may not export them. PATH and LD_LIBRARY_PATH stay allowed (module environments set
+them)."""
 
 
 def _check(value: object, pattern: re.Pattern, field: str, allowed: str) -> str:
@@ -89,12 +100,27 @@ def module_name(value: str) -> str:
 
 def env_pair(key: str, value: str) -> tuple[str, str]:
     _check(key, ENV_KEY_RE, "launch.env", "variable names [A-Za-z_][A-Za-z0-9_]*")
+    if key in SHELL_CONTROL_ENV:
+        raise PiperError(f"launch.env={key!r} is not allowed: it changes how bash runs the job script; allowed: any "
+                         f"other variable name (not {', '.join(sorted(SHELL_CONTROL_ENV))})", field="launch.env")
     _check(value, ENV_VALUE_RE, f"launch.env.{key}", "letters, digits, . _ / : , = @ + % - and $NAME / ${NAME}")
     return key, str(value)
 
 
 def option_token(value: str, field: str) -> str:
     return _check(value, OPTION_RE, field, "one option token like --gpu-bind=closest (no spaces or shell characters)")
+
+
+def sbatch_option(value: str) -> str:
+    """A platform's extra #SBATCH option: one token, and none the job script sets itself (OWN_SBATCH_OPTIONS)."""
+    token = option_token(value, "launch.sbatch")
+    name = token.lstrip("-").split("=")[0]
+    if name in OWN_SBATCH_OPTIONS:
+        shown = ("-" if len(name) == 1 else "--") + name
+        raise PiperError(f"launch.sbatch={token!r} is not allowed: piper's job script sets {shown} itself (or takes "
+                         "it from its own option: --partition, --account, --time); allowed: another sbatch option",
+                         field="launch.sbatch")
+    return token
 
 
 def positive_int(value: object, field: str) -> int:
