@@ -5,6 +5,7 @@ the same answer on every rank."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from piper_plan.errors import PiperError
@@ -39,6 +40,27 @@ def check_run_dir(run_dir: Path) -> None:
             reason = exc.message.removeprefix("cannot write: ").removesuffix("; give a file name")
             raise PiperError(f"cannot write the run there ({reason}); use another --out-dir", path=str(run_dir)) \
                 from None
+
+
+LATEST_ALLOWED = "a decimal step number (ASCII digits) naming a checkpoints/step_<N> folder, as piper writes it"
+LATEST_MAX_BYTES = 4096
+
+
+def latest_step(run_dir: Path) -> int | None:
+    """The step ``checkpoints/latest`` names; None without one. Anything else there (a folder, a dangling link,
+    bytes that are not UTF-8, text that is not ASCII digits: '-1', '²') is one PiperError naming the file."""
+    from piper_plan.fileio import read_text
+
+    path = Path(run_dir) / "checkpoints" / "latest"
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        text = read_text(path, LATEST_MAX_BYTES).strip()
+    except PiperError as exc:
+        raise PiperError(f"{exc.message}; allowed: {LATEST_ALLOWED}", path=str(path)) from None
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        raise PiperError(f"expected a step number, found {text[:40]!r}; allowed: {LATEST_ALLOWED}", path=str(path))
+    return int(text)
 
 
 def plan_change(plan_path: Path, run_dir: Path) -> str | None:

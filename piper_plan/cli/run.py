@@ -18,6 +18,7 @@ import click
 from piper_plan.cli.common import (EXIT_CHECK_FAILED, console, exit_codes, json_option, note, out_dir_option,
                                    print_json)
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
+from piper_plan.planfile import MAX_STEPS
 
 EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' line naming the step, the lr, weight "
                                         "decay and aux-loss coeff; every rank stops)",
@@ -28,7 +29,7 @@ EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' l
 
 @click.command("run", epilog=EPILOG)
 @click.option("--plan", "plan", required=True, type=click.Path(), help="plan.json to run.")
-@click.option("--steps", type=click.IntRange(min=1), default=None,
+@click.option("--steps", type=click.IntRange(min=1, max=MAX_STEPS), default=None,
               help="Optimizer steps (default: the plan's runtime.steps).")
 @out_dir_option("out", "Run directory (metrics.jsonl, summary.json, checkpoints/).", old=("--out",), default="run",
                 show_default=True)
@@ -243,7 +244,7 @@ def _summary_exit_code(summary: Path) -> int | None:
 
 
 def _latest_checkpoint(run_dir: Path) -> int | None:
-    from piper_plan.runtime.checkpoint import latest_step
+    from piper_plan.rundir import latest_step
 
     try:
         return latest_step(run_dir)

@@ -16,9 +16,12 @@ JOB_DIR_MARKS = ("job.sbatch", "plan.json")
 
 def run_dir_summary(run_dir: Path) -> dict:
     """Last metrics line, step count and latest checkpoint of a run directory."""
-    metrics, latest = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "latest"
+    from piper_plan.rundir import latest_step
+
+    metrics = run_dir / "metrics.jsonl"
+    step = latest_step(run_dir)           # only ASCII digits: a damaged file is one line, never printed raw
     out: dict = {"run_dir": str(run_dir), "steps_logged": 0, "last": None,
-                 "checkpoint": latest.read_text().strip() if latest.is_file() else None}
+                 "checkpoint": None if step is None else str(step)}
     if metrics.is_file():
         from piper_plan.fileio import read_text
 

@@ -58,7 +58,7 @@ import torch
 
 from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json, atomic_write_text, read_document
-from piper_plan.rundir import first_difference, short_repr
+from piper_plan.rundir import first_difference, latest_step, short_repr
 
 META = "piper.json"
 MODEL, OPTIM, RNG = "model.", "optim.", "rng.rank"
@@ -79,27 +79,6 @@ def step_dir(run_dir: Path, step: int) -> Path:
 def mark_latest(run_dir: Path, step: int) -> None:
     """Rank 0, after ``step_<step>/`` is complete: point ``latest`` at it (atomic)."""
     atomic_write_text(checkpoints_dir(run_dir) / "latest", f"{step}\n")
-
-
-LATEST_ALLOWED = "a decimal step number (ASCII digits) naming a checkpoints/step_<N> folder, as piper writes it"
-LATEST_MAX_BYTES = 4096
-
-
-def latest_step(run_dir: Path) -> int | None:
-    """The step ``checkpoints/latest`` names; None without one. Anything else there (a folder, a dangling link,
-    bytes that are not UTF-8, text that is not ASCII digits: '-1', '²') is one PiperError naming the file."""
-    from piper_plan.fileio import read_text
-
-    path = checkpoints_dir(run_dir) / "latest"
-    if not path.exists() and not path.is_symlink():
-        return None
-    try:
-        text = read_text(path, LATEST_MAX_BYTES).strip()
-    except PiperError as exc:
-        raise PiperError(f"{exc.message}; allowed: {LATEST_ALLOWED}", path=str(path)) from None
-    if not re.fullmatch(r"[0-9]{1,18}", text):
-        raise PiperError(f"expected a step number, found {text[:40]!r}; allowed: {LATEST_ALLOWED}", path=str(path))
-    return int(text)
 
 
 def doomed(names: list[str], latest: int, keep: int) -> list[str]:
@@ -358,7 +337,8 @@ def _install_slot_maps(state: RankState, saved: dict | None) -> str | None:
     rows = {}
     for i, m in state.module.moe_layers().items():
         row = saved.get(str(i)) if saved is not None else list(range(m.spec.num_experts))
-        if not isinstance(row, list) or sorted(row) != list(range(m.spec.num_experts)):
+        whole = isinstance(row, list) and all(type(x) is int for x in row)    # not bool, str or float
+        if not whole or sorted(row) != list(range(m.spec.num_experts)):
             return (f"{META}: slot_of_expert.{i}: {short_repr(row)}; allowed: a permutation of the layer's "
                     f"{m.spec.num_experts} experts, as piper writes it; this checkpoint is damaged")
         rows[i] = row
