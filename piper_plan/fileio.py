@@ -42,10 +42,7 @@ MAX_INT_DIGITS = 24
 def read_text(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str:
     """A UTF-8 text file's contents; missing, a directory, too large, unreadable or not UTF-8 is one PiperError."""
     path = Path(path)
-    if path.is_dir():
-        raise PiperError("is a directory; expected a file", path=str(path))
-    if not path.is_file():
-        raise PiperError(_not_a_file(path), path=str(path))
+    check_regular_file(path)
     size = path.stat().st_size
     if size > max_bytes:
         raise PiperError(f"file is {size:,} bytes; the limit is {max_bytes:,}", path=str(path))
@@ -54,6 +51,15 @@ def read_text(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str:
     except OSError as exc:
         raise PiperError(f"cannot read: {exc.strerror or exc}", path=str(path)) from None
     return decode_utf8(data, str(path))
+
+
+def check_regular_file(path: Path, field: str | None = None) -> None:
+    """One PiperError unless ``path`` is a regular file (opening a FIFO would block; a directory or device is no
+    input file)."""
+    if path.is_dir():
+        raise PiperError("is a directory; expected a file", path=str(path), field=field)
+    if not path.is_file():
+        raise PiperError(_not_a_file(path), path=str(path), field=field)
 
 
 def _not_a_file(path: Path) -> str:

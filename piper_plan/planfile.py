@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveInt
+from pydantic import AfterValidator, Field, PositiveInt
 
 from piper_plan import __version__
 from piper_plan.catalog import parse_spec, read_structured
@@ -31,6 +31,21 @@ from piper_plan.specs.model import MoESpec
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
+
+MAX_STEPS = 10**9
+"""The most steps a run (or a checkpoint interval, a warmup, a migration interval or window) may take: a thousand
+times the longest published pre-training run's (DeepSeek-V3: 14.8T tokens at 15.7M tokens a step, about 1e6 steps;
+technical report sec. 4.2); a larger count is a typo."""
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+MAX_SWAP_ITERS = 10**6
+"""The most hill-climbing iterations of one migration check (each is a pass over the EP group's experts)."""
+
+
+def _token_path(text: str) -> str:
+    if not text.strip():
+        raise ValueError("a token file's path, not blank (leave the field out for synthetic tokens)")
+    return text
+
 
 MAX_SEED = 2**63 - 1
 """The largest seed: numpy's SeedSequence takes a non-negative integer, torch.manual_seed one below 2^64 (the
@@ -69,11 +84,11 @@ class MigrationBlock(Spec):
     """Run the load monitor and the swap planner."""
     threshold: float = Field(default=1.1, ge=1.0)
     """Migrate when max / mean tokens per rank of an EP group exceeds this."""
-    interval: PositiveInt = 50
+    interval: Steps = 50
     """Steps between checks."""
-    max_iters: PositiveInt = 16
+    max_iters: Annotated[int, Field(ge=1, le=MAX_SWAP_ITERS)] = 16
     """Hill-climbing swap iterations per check."""
-    window: PositiveInt | None = None
+    window: Steps | None = None
     """Steps of load history the swap planner sees (None = ``interval``)."""
 
     @property
@@ -86,13 +101,13 @@ class RuntimeBlock(Spec):
     options only override them). Optimizer defaults follow LLaMA (Touvron et al. 2023, section 2.2: AdamW,
     weight decay 0.1, gradient clipping 1.0, cosine decay to 10% of the peak rate after a warmup)."""
 
-    data: str | None = None
+    data: Annotated[str, AfterValidator(_token_path)] | None = None
     """Token data (None = synthetic)."""
-    steps: PositiveInt = 100
+    steps: Steps = 100
     """Optimizer steps to run."""
-    checkpoint_interval: PositiveInt = 50
+    checkpoint_interval: Steps = 50
     """Steps between checkpoints."""
-    keep_checkpoints: PositiveInt = 2
+    keep_checkpoints: Steps = 2
     """Complete checkpoints kept in RUN_DIR/checkpoints/ (the newest ones; older ones are deleted after ``latest``
     moves to a new one)."""
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
@@ -101,7 +116,7 @@ class RuntimeBlock(Spec):
     """Peak learning rate: above 0, at most 1e4."""
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     """After the warmup: cosine decay to ``min_lr_ratio x lr`` at the last step, or constant."""
-    warmup_steps: NonNegativeInt = 10
+    warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 10
     """Steps of linear warmup from lr / (warmup_steps + 1) to lr."""
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     """Learning rate at the last step of the cosine decay, as a fraction of ``lr``."""

@@ -10,6 +10,7 @@ import click
 from piper_plan.cli.common import console, diagnostics, exit_codes, json_option, note, out_dir_option, print_json
 from piper_plan.cli.options import load_setting, training_options
 from piper_plan.errors import PiperError
+from piper_plan.planfile import MAX_STEPS
 
 
 @click.command("launch", epilog=exit_codes())
@@ -28,7 +29,8 @@ from piper_plan.errors import PiperError
 @click.option("--check", is_flag=True, help="Ask Slurm whether it would accept the job (sbatch --test-only).")
 @click.option("--dry-run", is_flag=True,
               help="Print the script on stdout (with --json: the script and the job's facts); write nothing.")
-@click.option("--steps", type=int, help="Training steps (default: the plan's runtime.steps).")
+@click.option("--steps", type=click.IntRange(min=1, max=MAX_STEPS),
+              help="Training steps (default: the plan's runtime.steps).")
 @click.option("--account", help="Slurm account (#SBATCH --account).")
 @click.option("--partition", help="Slurm partition (default: the platform's).")
 @click.option("--time", "time_", help="Wall time [D-]HH:MM:SS (default: from the predicted step time).")

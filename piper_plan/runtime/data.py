@@ -45,7 +45,7 @@ class MemmapTokens:
     """A flat token file; sequence i of step s starts at ((s x n + i) x seq_len) mod (length - seq_len - 1)."""
 
     def __init__(self, path: str | Path, vocab_size: int, seq_len: int, extra: int = 0) -> None:
-        self.path, self.seq_len, self.extra = Path(path), seq_len, extra
+        self.path, self.vocab_size, self.seq_len, self.extra = Path(path), vocab_size, seq_len, extra
         self.tokens = open_token_file(self.path, vocab_size, seq_len, extra)
 
     def batch(self, step: int, num_sequences: int) -> torch.Tensor:
@@ -53,14 +53,22 @@ class MemmapTokens:
         length = self.seq_len + 1 + self.extra
         span = len(self.tokens) - length
         starts = ((step * num_sequences + np.arange(num_sequences)) * self.seq_len) % max(span, 1)
-        rows = [np.asarray(self.tokens[s: s + length], dtype=np.int64) for s in starts]
-        return torch.from_numpy(np.stack(rows))
+        batch = np.stack([np.asarray(self.tokens[s: s + length], dtype=np.int64) for s in starts])
+        if batch.max() >= self.vocab_size:   # every rank reads the whole batch: the same answer on every rank
+            row, col = np.unravel_index(int(batch.argmax()), batch.shape)
+            raise PiperError(f"token {int(batch.max())} at token index {int(starts[row]) + int(col)} is not allowed; "
+                             f"allowed: 0 to vocab_size - 1 = {self.vocab_size - 1} (step {step + 1})",
+                             path=str(self.path), field="runtime.data")
+        return torch.from_numpy(batch)
 
 
 def open_token_file(path: Path, vocab_size: int, seq_len: int, extra: int = 0) -> np.memmap:
     """Open and check a token file (sequences of seq_len + 1 + ``extra`` tokens); every problem is one PiperError
     naming the file."""
+    from piper_plan.fileio import check_regular_file
+
     dtype = token_dtype(vocab_size)
+    check_regular_file(path, field="runtime.data")          # np.memmap of a FIFO would block for ever
     try:
         tokens = np.memmap(path, dtype=dtype, mode="r")
     except (OSError, ValueError) as exc:

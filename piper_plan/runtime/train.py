@@ -693,12 +693,19 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         if plan_note:
             print(f"note: {plan_note}", file=sys.stderr, flush=True)
         keep_plan(Path(args.plan), run_dir)
+    if rank == 0 and start >= steps:
+        print(f"note: resumed at step {start}, at or past the run's {steps} steps: no step to run (raise --steps "
+              "to train on)", file=sys.stderr, flush=True)
     for r in records:
         writer.write(r)
     code, failure = 0, None
     for step in range(start, steps):
-        with _profiler(args.profile, step - start, run_dir, rank) as _:
-            result = trainer.train_step(step)
+        try:
+            with _profiler(args.profile, step - start, run_dir, rank) as _:
+                result = trainer.train_step(step)
+        except PiperError as exc:         # a token id out of range: every rank reads the whole batch, all stop here
+            code, failure = EXIT_USER_ERROR, str(exc)
+            break
         gathered = trainer.gather_reports(result, step, stop=bool(stop.signum))
         failure = divergence(gathered, step + 1, cfg)
         if failure:                       # every rank reads the same reports: every rank stops here
