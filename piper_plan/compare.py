@@ -86,7 +86,8 @@ def _stage_bytes(entry) -> float | None:
     if isinstance(entry, (int, float)):
         return entry
     if isinstance(entry, dict):
-        return entry.get("total_bytes", entry.get("peak_bytes"))
+        total = entry.get("total_bytes")
+        return total if total is not None else entry.get("peak_bytes")
     return None
 
 

@@ -17,6 +17,7 @@ bandwidths finite; a size printed twice (two runs pasted together) is refused.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -113,7 +114,7 @@ def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> 
     if len(tokens) < columns.index("busbw") + 1 or len(tokens) > len(columns):
         raise PiperError(f"line {number}: {len(tokens)} fields, the header has {len(columns)}: {line!r}", path=path)
     i_time, i_alg, i_bus = columns.index("time"), columns.index("algbw"), columns.index("busbw")
-    if not re.fullmatch(r"\d{1,18}", tokens[0]):
+    if not re.fullmatch(r"[0-9]{1,18}", tokens[0]):
         raise PiperError(f"line {number}: size {tokens[0]!r} is not allowed; allowed: a whole number of bytes >= 0",
                          path=path)
     size = int(tokens[0])
@@ -142,8 +143,12 @@ def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> 
 
 
 def _half_last_digit(printed: str) -> float:
-    """Half a unit of the last digit of a printed number: its rounding (``45.12`` -> 0.005, ``1.2e+04`` -> 500)."""
-    return float(Decimal(5).scaleb(Decimal(printed).as_tuple().exponent - 1))
+    """Half a unit of the last digit of a printed number: its rounding (``45.12`` -> 0.005, ``1.2e+04`` -> 500);
+    infinite where the exponent is beyond what a Decimal holds (``0e+2000000``: refused as out of range)."""
+    try:
+        return float(Decimal(5).scaleb(Decimal(printed).as_tuple().exponent - 1))
+    except ArithmeticError:          # decimal.Overflow, InvalidOperation
+        return math.inf
 
 
 def rows_to_collectives(rows: list[NcclTestsRow], op: str, scope: str, num_nodes: int, ranks_per_node: int,
@@ -179,6 +184,9 @@ def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per
     if wrong:
         raise PiperError(f"lines {wrong[:5]}: nccl-tests reports wrong results (#wrong != 0); not importing", path=str(path))
     check_redop(rows, op, str(path))
+    if not any(r.size_bytes > 0 for r in rows):
+        raise PiperError("every data row has size 0: nothing to calibrate; allowed: a log with sizes above 0 bytes "
+                         "(nccl-tests -b / -e)", path=str(path))
     source = f"imported: nccl-tests output {path.name} ({op}, {num_nodes} nodes x {ranks_per_node} ranks, out-of-place)"
     return rows_to_collectives(rows, op, scope, num_nodes, ranks_per_node, source)
 
