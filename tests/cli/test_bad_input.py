@@ -525,3 +525,111 @@ def test_bench_call_counts_are_bounded(option):
     """Before: --repeats 1e21 ran until killed."""
     assert_one_line_error(run("bench", "a2a", "--no-save", "--nodes", 1, "--ranks-per-node", 2, "--sizes", "4K", option,
                               "999999999999999999999"), f"Invalid value for '{option}'", "<=10000")
+
+
+# ---- seventh fuzzing round (2026-12-03): the launch block, status, token data, step counts -------------------
+@pytest.mark.parametrize("edit, needle", [
+    ({"sbatch": ["--output=/etc/cron.d/x"]}, "piper's job script sets --output itself"),
+    ({"sbatch": ["-D=/"]}, "piper's job script sets -D itself"),
+    ({"env": {"IFS": "/"}}, "launch.env='IFS' is not allowed: it changes how bash runs the job script"),
+])
+def test_a_platform_launch_block_cannot_override_the_job_script(tmp_path, plan_json, edit, needle):
+    """Before: a plan's platform.launch could add '#SBATCH --output=...' after piper's own line (sbatch takes the
+    last) and export IFS before the script's own $(...)."""
+    data = json.loads(json.dumps(plan_json))
+    data["platform"]["launch"].update(edit)
+    plan = write(tmp_path / "p.json", data)
+    assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job", "--dry-run"), needle)
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("args, needle", [(("--time", "1-\u0660\u0662:00:00"), "time="),
+                                          (("--steps", str(10**10)), "--steps")])
+def test_launch_refuses_unicode_digits_in_time_and_absurd_steps(tmp_path, plan_json, args, needle):
+    plan = write(tmp_path / "p.json", plan_json)
+    assert_one_line_error(run("launch", "--plan", plan, "--out", tmp_path / "job", "--dry-run", *args), needle)
+
+
+def test_calibrate_slurm_checks_the_launch_block_as_launch_does(tmp_path):
+    """Before: `piper calibrate slurm` wrote a platform's env values as they were: export X="$(id)" ran id."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    data = yaml.safe_load((root / "platforms" / "local-cpu.yaml").read_text())
+    for launch, needle in (({"env": {"X": "$(id)"}}, "launch.env.X"),
+                           ({"sbatch": ["--output=/tmp/x"]}, "sets --output itself")):
+        data["launch"] = {**data["launch"], **launch}
+        path = write(tmp_path / "p.yaml", yaml.safe_dump(data))
+        out = tmp_path / "cal.sbatch"
+        assert_one_line_error(run("calibrate", "slurm", "--platform", path, "--nodes", 2, "--output", out), needle)
+        assert not out.exists()
+        data["launch"] = {k: v for k, v in data["launch"].items() if k not in launch}
+
+
+@pytest.mark.parametrize("latest", [b"\xff\xfe", b"\x1b]0;PWNED\x07\x1b[2J5\n"])
+def test_status_reads_checkpoints_latest_as_a_step_number(tmp_path, latest):
+    """Before: bytes that are not UTF-8 raised UnicodeDecodeError; escape sequences were printed to the terminal."""
+    from piper_plan.errors import PiperError
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_bytes(latest)
+    with pytest.raises(PiperError, match="checkpoints/latest: "):
+        run_dir_summary(tmp_path)
+    (tmp_path / "checkpoints" / "latest").write_text("12\n")
+    assert run_dir_summary(tmp_path)["checkpoint"] == "12"
+
+
+def test_blank_token_data_and_absurd_steps_are_refused_before_any_rank(tmp_path, plan_json):
+    """Before: runtime.data "" passed the plan check and crashed every rank (IsADirectoryError on '.')."""
+    for edit, args, needle in (({"data": " "}, (), "runtime.data"), ({}, ("--steps", str(10**10)), "--steps"),
+                               ({"warmup_steps": 10**12}, (), "runtime.warmup_steps")):
+        data = json.loads(json.dumps(plan_json))
+        data.setdefault("runtime", {}).update(edit)
+        plan = write(tmp_path / "p.json", data)
+        assert_one_line_error(run("run", "--plan", plan, "--out-dir", tmp_path / "R", *args), needle)
+        assert not (tmp_path / "R").exists()
+
+
+def test_token_file_that_is_a_fifo_or_holds_ids_beyond_the_vocabulary(tmp_path):
+    """Before: a FIFO as runtime.data blocked np.memmap for ever; a token id >= vocab_size crashed the embedding."""
+    import numpy as np
+
+    from piper_plan.errors import PiperError
+    from piper_plan.runtime.data import MemmapTokens, open_token_file
+
+    fifo = tmp_path / "fifo.bin"
+    os.mkfifo(fifo)
+    with pytest.raises(PiperError, match="not a regular file"):
+        open_token_file(fifo, 512, 8)
+    tokens = np.arange(64, dtype=np.uint16)
+    tokens[40] = 60000
+    path = tmp_path / "tokens.bin"
+    tokens.tofile(path)
+    source = MemmapTokens(path, 512, 8)
+    assert source.batch(0, 2).shape == (2, 9)                       # tokens 0..17
+    with pytest.raises(PiperError, match="token 60000 at token index 40 is not allowed; allowed: 0 to vocab_size - 1"):
+        source.batch(2, 2)                                          # tokens 32..49
+
+
+def test_compare_takes_peak_bytes_where_total_bytes_is_null():
+    from piper_plan.compare import measured_memory_per_stage
+
+    assert measured_memory_per_stage([{"memory_bytes": [{"total_bytes": None, "peak_bytes": 7.0}]}]) == [7.0]
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("           0             0     float    none      -1     0.19    0.00    0.00      0     0.18    0.00    0.00    N/A\n",
+     "every data row has size 0"),
+    ("     1048576        262144     float    none      -1    45.10   23.25 0e+2000000      0    44.80   23.41   40.96      0\n",
+     "busbw '0e+2000000' out of range"),
+])
+def test_import_nccl_tests_without_data_or_with_an_unreadable_exponent(tmp_path, line, needle):
+    """Before: a log of zero-byte rows wrote a header-only collectives.csv; 0e+2000000 raised decimal.Overflow."""
+    header = ("#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw"
+              "   busbw #wrong\n#        (B)    (elements)                               (us)  (GB/s)  (GB/s)       "
+              "     (us)  (GB/s)  (GB/s)\n")
+    log = write(tmp_path / "a2a.log", header + line)
+    assert_one_line_error(run("calibrate", "import-nccl-tests", log, "--op", "all_to_all", "--nodes", 1,
+                              "--ranks-per-node", 2, "--scope", "node", "--platform", "local-cpu", "--out-dir",
+                              tmp_path / "cal"), needle)
+    assert not (tmp_path / "cal" / "collectives.csv").exists()

@@ -22,7 +22,8 @@ from piper_plan.errors import PiperError
 from piper_plan.runtime import train
 from piper_plan import rundir
 from piper_plan.rundir import first_difference
-from piper_plan.runtime.checkpoint import _read_meta, latest_step
+from piper_plan.rundir import latest_step
+from piper_plan.runtime.checkpoint import _read_meta
 from plans import plan_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,3 +275,18 @@ def test_a_rank_that_never_comes_is_one_line_not_a_hang(tmp_path):
     assert codes == [2] and time.time() - start < 80, err[-2000:]
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and "rank 0 of 2: rendezvous" in lines[0] and "1/2 clients joined" in lines[0], err
+
+
+@pytest.mark.parametrize("row", [["a", 1, 2, 3], [True, False, 2, 3], [0.0, 1, 2, 3]])
+def test_a_slot_map_of_other_types_is_the_damaged_line(row):
+    """Before: a str in the saved slot map raised TypeError in sorted() on every rank; booleans passed as 0 / 1."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from piper_plan.runtime.checkpoint import _install_slot_maps
+
+    layer = SimpleNamespace(spec=SimpleNamespace(num_experts=4), slot_of_expert=torch.arange(4))
+    state = SimpleNamespace(module=SimpleNamespace(moe_layers=lambda: {0: layer}))
+    assert "this checkpoint is damaged" in _install_slot_maps(state, {"0": row})
+    assert _install_slot_maps(state, {"0": [3, 2, 1, 0]}) is None and layer.slot_of_expert.tolist() == [3, 2, 1, 0]
