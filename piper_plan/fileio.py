@@ -140,6 +140,14 @@ def _refuse_constant(name: str):
     raise _Refused(f"{name} is not a number piper accepts (finite numbers only)")
 
 
+def ascii_int(text: str) -> int:
+    """An integer typed on a command line: ASCII digits only (``int`` also takes '١٦' and '１６'); ValueError else."""
+    stripped = text.strip()
+    if not re.fullmatch(r"[+-]?[0-9]{1,18}", stripped):
+        raise ValueError(f"not an integer: {text!r}")
+    return int(stripped)
+
+
 def _parse_int(digits: str) -> int:
     if len(digits.lstrip("-")) > MAX_INT_DIGITS:
         raise _Refused(f"an integer of {len(digits.lstrip('-')):,} digits; at most {MAX_INT_DIGITS} are accepted")

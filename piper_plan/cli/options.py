@@ -11,6 +11,7 @@ import typing
 import click
 
 from piper_plan.errors import PiperError
+from piper_plan.fileio import ascii_int
 from piper_plan.specs.parallel import ParallelPlan, check_layout_mtp
 from piper_plan.specs.training import TrainingSpec
 from piper_plan.specs.vocab import A2A, LayerSplit, Placement, Recompute, Schedule
@@ -237,7 +238,7 @@ def parse_layers(text: str | None, field: str = "--layers-per-stage") -> list[in
     if text is None:
         return None
     try:
-        layers = [int(part) for part in text.split(",")]
+        layers = [ascii_int(part) for part in text.split(",")]
     except ValueError:
         raise PiperError(f"{text!r}; allowed: comma-separated layer counts, e.g. 16,16,15",
                          field=field) from None

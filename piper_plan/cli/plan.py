@@ -17,7 +17,7 @@ from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
                                     placement_option, training_options)
 from piper_plan.errors import PiperError
-from piper_plan.fileio import check_writable
+from piper_plan.fileio import ascii_int, check_writable
 from piper_plan.plots import check_plot_path
 from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows, result_json
 
@@ -91,6 +91,9 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
         _emit_sweep(results, training, as_json)
         return
     if min_nodes:
+        from piper_plan.plans import check_setting
+
+        check_setting(model, platform, training, counts[0])   # a start beyond the platform: not "nothing fits"
         with searching:
             _, result = engine.min_nodes(model, platform, training, options, start=counts[0], **kwargs)
         if result is None:
@@ -162,7 +165,7 @@ def parse_cp(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
-        values = tuple(int(part) for part in text.split(","))
+        values = tuple(ascii_int(part) for part in text.split(","))
     except ValueError:
         values = ()
     if not values or min(values) < 1:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from piper_plan.errors import PiperError
+from piper_plan.fileio import ascii_int
 from piper_plan.plans import PlanBatch
 from piper_plan.search import rank
 from piper_plan.search.space import SearchOptions, describe, enumerate_space, world_size
@@ -163,9 +164,9 @@ def parse_node_range(text: str) -> list[int]:
     """'64' -> [64]; '8..64' -> 8, 16, 32, 64 (doubling from A, B always included)."""
     try:
         if ".." not in text:
-            return [int(text)]
+            return [ascii_int(text)]
         a_text, b_text = text.split("..", 1)
-        a, b = int(a_text), int(b_text)
+        a, b = ascii_int(a_text), ascii_int(b_text)
     except ValueError:
         raise PiperError(f"{text!r} is not a node count or a range A..B of node counts", field="--nodes") from None
     if a < 1 or b < a:
