@@ -25,7 +25,7 @@ from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json
 from piper_plan.plans import check_plan
 from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
-from piper_plan.specs.base import Spec
+from piper_plan.specs.base import NotBool, Spec
 from piper_plan.specs.estimate import Estimate
 from piper_plan.specs.model import MoESpec
 
@@ -72,8 +72,9 @@ class MoEBlock(Spec):
 
     capacity_factor: float | None = MoESpec.model_fields["capacity_factor"]
     """Tokens per expert capped at capacity_factor x mean; None = dropless (the model spec's field and bounds)."""
-    routing_skew: float = Field(default=1.0, ge=1.0)
-    """Expected max / mean tokens per expert-parallel rank the prediction assumed."""
+    routing_skew: float = TrainingSpec.model_fields["routing_skew"]
+    """Expected max / mean tokens per expert-parallel rank the prediction assumed (the training block's, written
+    beside it: parse_plan_dict holds them equal)."""
 
 
 class MigrationBlock(Spec):
@@ -142,7 +143,7 @@ class RuntimeBlock(Spec):
 class PlanFile(Spec):
     """The parsed plan.json."""
 
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    schema_version: Annotated[Literal[1, 2], NotBool] = SCHEMA_VERSION
     """Format version."""
     piper_version: str = __version__
     """piper version that wrote the file."""
@@ -217,6 +218,10 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
     if edp is not None and edp != plan_file.parallel.edp:
         raise PiperError(f"edp={edp} but dp x cp x tp / (ep x etp) = {plan_file.parallel.edp}", path=path,
                          field="parallel.edp")
+    if plan_file.moe.routing_skew != plan_file.training.routing_skew:
+        raise PiperError(f"{plan_file.moe.routing_skew!r}, but training.routing_skew is "
+                         f"{plan_file.training.routing_skew!r}; allowed: the same skew (piper writes it in both)",
+                         path=path, field="moe.routing_skew")
     check_plan(plan_file.model, plan_file.platform, plan_file.training, plan_file.nodes, plan_file.parallel, path)
     check_prediction(plan_file, path)
     return plan_file

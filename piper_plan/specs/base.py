@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
 
 class Spec(BaseModel):
@@ -14,11 +14,17 @@ class Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
+MAX_NAME_CHARS = 256
+"""The longest name: a model's or platform's name is printed in tables, comments and job names."""
+
+
 def _plain_name(text: str) -> str:
     import unicodedata
 
-    if not text or any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text):
-        raise ValueError("a name is one non-empty line: no newline, tab, line separator or other control character")
+    if not text.strip() or any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text):
+        raise ValueError("a name is one line, not blank: no newline, tab, line separator or other control character")
+    if len(text) > MAX_NAME_CHARS:
+        raise ValueError(f"a name is at most {MAX_NAME_CHARS} characters (got {len(text):,})")
     return text
 
 
@@ -37,6 +43,14 @@ def _cited(text: str) -> str:
     return text
 
 
+def _not_a_bool(value):
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+NotBool = BeforeValidator(_not_a_bool)
+"""For a Literal of numbers, which even strict validation matches by equality (True == 1)."""
 Citation = Annotated[str, AfterValidator(_cited)]
 """Where a spec's figures come from: not blank, and never 'from memory'."""
 Name = Annotated[str, AfterValidator(_plain_name)]

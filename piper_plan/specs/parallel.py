@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeInt, model_validator
 
-from piper_plan.specs.base import Spec
+from piper_plan.specs.base import NotBool, Spec
 from piper_plan.specs.training import MAX_COUNT
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
@@ -54,7 +54,7 @@ class ParallelPlan(Spec):
     """Megatron sequence parallelism (Korthikanti et al. 2022): with tp > 1 the activations outside the tp
     region (norms, dropout, residual stream) are split over tp too; False = tensor parallelism only. The one
     place this setting lives: the cost model reads it from the plan."""
-    zero: Literal[0, 1, 2, 3] = 0
+    zero: Annotated[Literal[0, 1, 2, 3], NotBool] = 0
     """ZeRO stage, over dp (dense weights) and edp (experts): 1 shards master weights and optimizer state
     (a sharded optimizer); 2 and 3 are FSDP2 (parameters, gradients and optimizer state sharded at rest;
     2 keeps the gathered parameters from forward to backward, 3 re-gathers them). What each holds and sends

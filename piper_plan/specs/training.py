@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PositiveFloat, model_validator
 
-from piper_plan.specs.base import Spec
+from piper_plan.specs.base import NotBool, Spec
 from piper_plan.specs.model import MAX_EXPERTS
 
 MAX_COUNT = 2**31
@@ -31,11 +31,11 @@ class TrainingSpec(Spec):
     values, Blackwell); attention, elementwise work and communication stay bf16 (LOW_PRECISION_GEMM_DTYPES)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Optimizer."""
-    weight_bytes: Literal[1, 2, 4] = 2
+    weight_bytes: Annotated[Literal[1, 2, 4], NotBool] = 2
     """Bytes per parameter of the working weights (an 8-, 16- or 32-bit format)."""
-    grad_bytes: Literal[2, 4] = 2
+    grad_bytes: Annotated[Literal[2, 4], NotBool] = 2
     """Bytes per parameter of gradients (Megatron keeps 4)."""
-    master_bytes: Literal[0, 2, 4] = 4
+    master_bytes: Annotated[Literal[0, 2, 4], NotBool] = 4
     """Bytes per parameter of the fp32 master copy (0 when training in fp32; 2: the 16 bits bf16 weights lack)."""
     optimizer_bytes: int = Field(default=8, ge=0, le=32)
     """Bytes per parameter of optimizer state (Adam m and v in fp32: 8)."""
