@@ -345,7 +345,7 @@ def spec_from_hf_config(config: dict, path: str, name: str | None = None) -> Mod
     cfg = _Config(config, path)
     if model_type == "llama4":
         cfg = cfg.sub("text_config")
-    data = {"name": name or default_name(config, path),
+    data = {"name": default_name(config, path) if name is None else name,
             "source": f"Hugging Face config.json ({path}, model_type {model_type}), imported by piper model import",
             **CONVERTERS[model_type](cfg)}
     if model_type == "llama4":

@@ -46,6 +46,7 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew,
                                              mtp_layers, dtype, grad_bytes)
     plan = build_plan(model, platform, training, nodes, **parallel)
+    _note_capped_skew(model, training, plan)
     calibration = None if no_calibration else platform_calibration(platform.name)
     options = cost_options(piper_runtime, dropout, recompute_modules, parallel["recompute"], cost_option)
     result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement,
@@ -158,3 +159,15 @@ def render(result, model, platform, plan) -> None:
         scopes = ", ".join(f"{k} {v}" for k, v in o.scopes.items())
         out.print(f"with a {o.placement} allocation: step {o.step_time_s:.4g} s, "
                   f"{o.tokens_per_s:.4g} tokens/s (scopes {scopes})", markup=False)
+
+
+def _note_capped_skew(model, training, plan) -> None:
+    """A routing skew beyond what the plan's ep group can see is priced at that most (cost/memory.py): say so."""
+    if model.moe is None or training.routing_skew == 1.0:
+        return
+    from piper_plan.cost.memory import max_routing_skew
+
+    most = float(max_routing_skew(model.moe, plan.ep))
+    if training.routing_skew > most:
+        note(f"note: --routing-skew {training.routing_skew:g} is priced as {most:g}, the most an ep={plan.ep} group "
+             f"can see (every token's {model.moe.top_k} copies on one rank)")

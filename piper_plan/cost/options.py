@@ -43,7 +43,7 @@ class CostOptions:
     SwiGLU keeps silu(gate) beside gate, up and product (4 x d_ffn);
     the MoE block keeps one combine buffer, not dispatch + combine. False = Megatron-style fused kernels
     (Korthikanti et al. 2022 as written). Tier-4 test: tests/validation/test_activation_terms.py."""
-    moe_saved_rows: Count | None = None
+    moe_saved_rows: Annotated[int, Field(ge=0, le=2)] | None = None
     """Token-row buffers [rows sent x hidden] a MoE layer saves for backward besides its input and the experts'
     own activations. None = by kernels: 1 with ``unfused_kernels`` (piper's runtime: the combine's multiply by the
     routing weights keeps the combined rows, runtime/moe.py ``_routed``; measured by tests/runtime/
@@ -51,7 +51,8 @@ class CostOptions:
     assumption the Frontier datasets were validated with). 0 = Megatron-Core since v0.13's memory-efficient
     permutation (its MoE README, 2025/07: the probs multiplication moved into the experts' activation function;
     permute is an ``index_select`` and unpermute a ``scatter_add``, which save only indices:
-    megatron/core/transformer/moe/moe_utils.py at commit 00611e6e); datasets of such runs set it."""
+    megatron/core/transformer/moe/moe_utils.py at commit 00611e6e); datasets of such runs set it. At most 2: no
+    implementation cited here keeps more."""
     loss_chunk_rows: Count | None = None
     """With ``unfused_kernels``: the runtime's chunked LM loss (planfile.RuntimeBlock.loss_chunk_rows, runtime/
     pipeline.py ChunkedLoss): a micro-batch of more than this many tokens keeps no fp32 log-softmax of the whole
@@ -83,8 +84,9 @@ class CostOptions:
     """Fraction of pipeline p2p time hidden behind compute."""
     dp_overlap: Fraction = 0.0
     """Fraction of data-parallel gradient sync hidden behind the backward pass of the last micro-batch."""
-    migration_fraction: Fraction = 0.0
-    """Amortised expert-migration time as a fraction of step time (the Piper paper bounds it below 5%)."""
+    migration_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Amortised expert-migration time per step as a fraction of the step without it (0.05 adds 5%; the Piper
+    paper bounds it below 5%); below 1."""
     ep_dispatch: str = "per_expert"
     """How the expert all-to-all sends a token to other nodes: ``per_expert``, one copy per chosen expert
     (Megatron-Core's alltoall dispatcher, piper's runtime); ``per_node``, one copy per destination node, fanned out
