@@ -213,10 +213,10 @@ def test_a_name_with_a_newline_never_reaches_a_script(tmp_path):
     platform = yaml_copy(tmp_path, "platforms/local-cpu.yaml", name="cpu\ntouch /tmp/owned #")
     out = tmp_path / "job"
     assert_one_line_error(run("launch", "--model", "tiny-moe", "--platform", platform, "--nodes", 1, "--out-dir", out),
-                          "name: a name is one non-empty line")
+                          "name: a name is one line, not blank")
     assert not out.exists()                               # no job directory, no script
     model = yaml_copy(tmp_path, "models/tiny-moe.yaml", name="tiny\tmoe")
-    assert_one_line_error(run("model", "show", model), "name: a name is one non-empty line")
+    assert_one_line_error(run("model", "show", model), "name: a name is one line, not blank")
 
 
 def yaml_copy(tmp_path: Path, relative: str, **changes) -> Path:
@@ -633,3 +633,40 @@ def test_import_nccl_tests_without_data_or_with_an_unreadable_exponent(tmp_path,
                               "--ranks-per-node", 2, "--scope", "node", "--platform", "local-cpu", "--out-dir",
                               tmp_path / "cal"), needle)
     assert not (tmp_path / "cal" / "collectives.csv").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("plan", "--model", "tiny-moe", "--platform", "local-cpu", "--min-nodes", "--nodes", "4096"),
+     "--nodes: nodes=4096; local-cpu has 1 to"),
+    (("plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "\uff11"), "is not a node count"),
+    ((*ESTIMATE, "--pp", "2", "--dp", "1", "--ep", "1", "--layers-per-stage", "\u0661,\u0661"), "--layers-per-stage"),
+    ((*ESTIMATE, "--cost-option", "moe_saved_rows=100000000"), "moe_saved_rows: Input should be less than or equal to 2"),
+    ((*ESTIMATE, "--cost-option", "migration_fraction=1"), "migration_fraction: Input should be less than 1"),
+])
+def test_planner_options_of_round_seven(args, needle):
+    """Before: a --min-nodes start beyond the platform said 'nothing fits' (exit 3); Unicode digits parsed as
+    counts; a million saved MoE buffers priced a 1e8 GiB plan; migration_fraction 1 doubled the step."""
+    assert_one_line_error(run(*args), needle)
+
+
+def test_a_skew_beyond_the_ep_group_is_priced_at_its_most_and_said():
+    result = run(*ESTIMATE, "--routing-skew", "1000")
+    assert result.exit_code == 0, result.output
+    assert "note: --routing-skew 1000 is priced as 2, the most an ep=2 group can see" in result.stderr
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"moe": {"routing_skew": 1e308}}, "moe.routing_skew: Input should be less than or equal to 65536"),
+    ({"moe": {"routing_skew": 2.0}}, "moe.routing_skew: 2.0, but training.routing_skew is 1.0"),
+    ({"training": {"weight_bytes": True}}, "training.weight_bytes: a boolean is not a number"),
+    ({"parallel": {"zero": True}}, "parallel.zero: a boolean is not a number"),
+    ({"model": {"name": " "}}, "model.name: a name is one line, not blank"),
+    ({"model": {"name": "m" * 300}}, "model.name: a name is at most 256 characters"),
+])
+def test_a_plan_file_that_contradicts_itself_or_types_a_boolean(tmp_path, plan_json, edit, needle):
+    """Before: each was read (true as 1; a skew of 1e308 beside training's 1.0)."""
+    data = json.loads(json.dumps(plan_json))
+    for block, fields in edit.items():
+        data[block].update(fields)
+    plan = write(tmp_path / "p.json", data)
+    assert_one_line_error(run("export", plan, "--engine", "megatron"), needle)
