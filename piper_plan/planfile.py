@@ -26,6 +26,7 @@ from piper_plan.fileio import atomic_write_json
 from piper_plan.plans import check_plan
 from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
 from piper_plan.specs.base import NotBool, Spec
+from piper_plan.specs.model import MAX_EXPERTS
 from piper_plan.specs.estimate import Estimate
 from piper_plan.specs.model import MoESpec
 
@@ -72,7 +73,7 @@ class MoEBlock(Spec):
 
     capacity_factor: float | None = MoESpec.model_fields["capacity_factor"]
     """Tokens per expert capped at capacity_factor x mean; None = dropless (the model spec's field and bounds)."""
-    routing_skew: float = TrainingSpec.model_fields["routing_skew"]
+    routing_skew: float = Field(default=1.0, ge=1.0, le=MAX_EXPERTS)
     """Expected max / mean tokens per expert-parallel rank the prediction assumed (the training block's, written
     beside it: parse_plan_dict holds them equal)."""
 

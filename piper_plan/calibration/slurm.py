@@ -22,10 +22,13 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     v.wall_time(time_limit)
     if account is not None:
         v.slurm_name(account, "account")
-    from piper_plan.launch.render import launch_settings
+    from piper_plan.launch.render import checked_launch_block
 
     launch, per_node = platform.launch, platform.devices_per_node
-    settings = launch_settings(launch, launch.source or f"platform {platform.name}")   # as `piper launch` checks them
+    try:
+        settings = checked_launch_block(launch)                   # as `piper launch` checks them
+    except PiperError as exc:
+        raise PiperError(f"platform {platform.name}: {exc.message}", field=exc.field) from None
     lines = ["#!/bin/bash", f"#SBATCH --job-name=piper-calibrate-{platform.name}", f"#SBATCH --nodes={num_nodes}",
              f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --time={time_limit}",
              f"#SBATCH --output=piper-calibrate-{platform.name}-%j.out"]

@@ -169,5 +169,6 @@ def _note_capped_skew(model, training, plan) -> None:
 
     most = float(max_routing_skew(model.moe, plan.ep))
     if training.routing_skew > most:
+        copies = min(model.moe.top_k, model.moe.num_experts // plan.ep)
         note(f"note: --routing-skew {training.routing_skew:g} is priced as {most:g}, the most an ep={plan.ep} group "
-             f"can see (every token's {model.moe.top_k} copies on one rank)")
+             f"can see (each token's copies on one rank: {copies} of its {model.moe.top_k}, one per expert there)")

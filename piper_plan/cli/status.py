@@ -19,9 +19,12 @@ def run_dir_summary(run_dir: Path) -> dict:
     from piper_plan.rundir import latest_step
 
     metrics = run_dir / "metrics.jsonl"
-    step = latest_step(run_dir)           # only ASCII digits: a damaged file is one line, never printed raw
-    out: dict = {"run_dir": str(run_dir), "steps_logged": 0, "last": None,
-                 "checkpoint": None if step is None else str(step)}
+    try:
+        step = latest_step(run_dir)       # only ASCII digits: a damaged file is never printed raw
+        checkpoint = None if step is None else str(step)
+    except PiperError as exc:             # the job's state and metrics are still worth showing
+        checkpoint = f"damaged ({exc.message})"
+    out: dict = {"run_dir": str(run_dir), "steps_logged": 0, "last": None, "checkpoint": checkpoint}
     if metrics.is_file():
         from piper_plan.fileio import read_text
 

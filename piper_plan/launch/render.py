@@ -191,18 +191,24 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
 
 
 def launch_settings(launch, source: str) -> dict:
-    """The plan's ``platform.launch`` block, validated: modules, env, srun and sbatch options, partition; a bad
-    value is one line naming the plan file ``source`` and its field there (``platform.launch.env.NAME``)."""
+    """The plan's ``platform.launch`` block, validated (checked_launch_block); a bad value is one line naming the
+    plan file ``source`` and its field there (``platform.launch.env.NAME``)."""
     from piper_plan.planfile import in_plan_file
 
     try:
-        return {"modules": tuple(v.module_name(m) for m in launch.modules),
-                "env": tuple(v.env_pair(k, val) for k, val in launch.env.items()),
-                "srun_extra": tuple(v.option_token(o, "launch.srun") for o in launch.srun),
-                "sbatch_extra": tuple(v.sbatch_option(o) for o in launch.sbatch),
-                "partition": _optional_name(launch.partition, "launch.partition")}
+        return checked_launch_block(launch)
     except PiperError as exc:
         raise in_plan_file(exc, source) from None
+
+
+def checked_launch_block(launch) -> dict:
+    """A platform's ``launch`` block, validated: modules, env, srun and sbatch options, partition (a bad value is
+    one PiperError naming its field, ``launch.env``...)."""
+    return {"modules": tuple(v.module_name(m) for m in launch.modules),
+            "env": tuple(v.env_pair(k, val) for k, val in launch.env.items()),
+            "srun_extra": tuple(v.option_token(o, "launch.srun") for o in launch.srun),
+            "sbatch_extra": tuple(v.sbatch_option(o) for o in launch.sbatch),
+            "partition": _optional_name(launch.partition, "launch.partition")}
 
 
 def _optional_sbatch(job: JobSpec) -> str:

@@ -36,13 +36,18 @@ OWN_SBATCH_OPTIONS = frozenset({
     "chdir", "D", "cpus-per-task", "c", "gpus-per-task", "job-name", "J", "nodes", "N", "ntasks-per-node", "ntasks",
     "n", "open-mode", "output", "o", "error", "e", "requeue", "no-requeue", "signal", "time", "t", "partition", "p",
     "account", "A", "switches", "segment"})
-"""sbatch options the job script sets itself (platforms/templates/*.sbatch, launch/render.py) or takes from their
-own fields (--partition, --account): a platform's extra ``launch.sbatch`` line after them would override them."""
-SHELL_CONTROL_ENV = frozenset({"IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "CDPATH", "GLOBIGNORE", "PS4",
-                               "BASH_XTRACEFD", "POSIXLY_CORRECT"})
-"""Variables that change how bash reads and runs the rest of the job script (bash(1), "Shell Variables"): a
-platform's ``launch.env`` may not export them. PATH and LD_LIBRARY_PATH stay allowed (module environments set
-them)."""
+"""sbatch options the job script sets itself (platforms/templates/*.sbatch), writes from settings of its own
+(--partition, --account, --time; --switches and --segment from the platform's topology: launch/render.py), or that
+would contradict them (--error splits the job's output file, --ntasks its rank count): a platform's extra
+``launch.sbatch`` line after them would override them. Short forms with an attached value (``-t5``) and long
+prefixes sbatch expands (``--outp=x``) count as the option."""
+SHELL_CONTROL_ENV = frozenset({"IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "BASH_COMPAT", "CDPATH",
+                               "GLOBIGNORE", "EXECIGNORE", "PS4", "BASH_XTRACEFD", "POSIXLY_CORRECT",
+                               "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_RESTART_COUNT"})
+"""Variables that change how bash reads and runs the rest of the job script (bash(1), "Shell Variables"), and the
+Slurm variables the script reads after the platform's exports (its rendezvous address and port, --resume on a
+requeue): a platform's ``launch.env`` may not export them. PATH and LD_LIBRARY_PATH stay allowed (module
+environments set them)."""
 
 
 def _check(value: object, pattern: re.Pattern, field: str, allowed: str) -> str:
@@ -114,12 +119,15 @@ def option_token(value: str, field: str) -> str:
 def sbatch_option(value: str) -> str:
     """A platform's extra #SBATCH option: one token, and none the job script sets itself (OWN_SBATCH_OPTIONS)."""
     token = option_token(value, "launch.sbatch")
-    name = token.lstrip("-").split("=")[0]
-    if name in OWN_SBATCH_OPTIONS:
-        shown = ("-" if len(name) == 1 else "--") + name
-        raise PiperError(f"launch.sbatch={token!r} is not allowed: piper's job script sets {shown} itself (or takes "
-                         "it from its own option: --partition, --account, --time); allowed: another sbatch option",
-                         field="launch.sbatch")
+    long_form = token.startswith("--")
+    name = token[2:].split("=")[0] if long_form else token[1]      # '-t5': sbatch reads option t, value 5
+    own = ([o for o in OWN_SBATCH_OPTIONS if len(o) > 1 and o.startswith(name)] if long_form
+           else [name] if name in OWN_SBATCH_OPTIONS else [])
+    if own:
+        shown = ("--" if len(own[0]) > 1 else "-") + (name if name in own else own[0])
+        raise PiperError(f"launch.sbatch={token!r} is not allowed: the job script sets {shown} itself or from a "
+                         "setting of piper's (--partition, --account, --time, the platform's topology); allowed: "
+                         "another sbatch option", field="launch.sbatch")
     return token
 
 

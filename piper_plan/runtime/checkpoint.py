@@ -279,7 +279,7 @@ def load(run_dir: Path, state: RankState) -> int:
     layout; return the step to continue from (0 without a checkpoint). Bad checkpoints: PiperError on every rank."""
     import torch.distributed as dist
 
-    step = latest_step(run_dir)
+    step = _agreed_latest_step(run_dir, state.world)
     if step is None:
         return 0
     path = step_dir(run_dir, step)
@@ -303,6 +303,29 @@ def load(run_dir: Path, state: RankState) -> int:
         raise PiperError(first, path=str(path))
     _dcp_load(flat, path)
     _restore(state, model_sd, optim_sds, flat, step, same_layout)
+    return step
+
+
+def _agreed_latest_step(run_dir: Path, world: int) -> int | None:
+    """Collective: the step ``checkpoints/latest`` names, the same on every rank, or one PiperError on every rank
+    (a damaged file, or a run directory not every node sees: before, the ranks that saw no checkpoint went on to
+    the next collective while the others loaded, and the job hung)."""
+    import torch.distributed as dist
+
+    try:
+        step, problem = latest_step(run_dir), None
+    except PiperError as exc:
+        step, problem = None, str(exc)
+    seen: list = [None] * world
+    dist.all_gather_object(seen, (problem, step))
+    first = next((p for p, _ in seen if p), None)
+    if first:
+        raise PiperError(first)
+    other = next((r for r, (_, s) in enumerate(seen) if s != seen[0][1]), None)
+    if other is not None:
+        shown = [("none" if s is None else f"step {s}") for _, s in (seen[0], seen[other])]
+        raise PiperError(f"names {shown[0]} on rank 0 but {shown[1]} on rank {other}; allowed: one run directory "
+                         "every rank sees (a folder shared by all nodes)", path=str(run_dir / "checkpoints" / "latest"))
     return step
 
 

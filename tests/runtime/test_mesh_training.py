@@ -42,6 +42,7 @@ def test_four_ranks_pp2_dp2_ep2(tmp_path):
                                      "steps": STEPS, "aux": AUX}) for s in ("gpipe", "1f1b")]
     jobs.append(("dispatch", "dispatch", {}))
     jobs.append(("first_failed", "first_failed", {"cases": [(), (2,), (3, 1)]}))
+    jobs.append(("agreed_latest", "agreed_latest", {"root": str(tmp_path / "latest")}))
     jobs.append(("resume", "resume", {"plan": plan_dict(pp=2, dp=2, ep=2, num_microbatches=2),
                                       "run_dir": str(tmp_path / "run")}))
     results = spawn(4, jobs, tmp_path)
@@ -58,6 +59,12 @@ def test_four_ranks_pp2_dp2_ep2(tmp_path):
     assert disp[0]["zero_recv_values"] == [0.0] * 4 + [1.0] * 4 + [2.0] * 4 + [3.0] * 4
     # runtime/train.py: a run-directory error on some ranks only is known to all (the lowest such rank prints it)
     assert [r["first_failed"] for r in results] == [[None, 2, 1]] * 4
+    # runtime/checkpoint.py: every rank agrees on the checkpoint, or every rank raises the same line (no hang)
+    for rank, (same, only0, damaged) in enumerate(r["agreed_latest"] for r in results):
+        assert same == 4
+        assert only0.endswith("names step 4 on rank 0 but none on rank 1; allowed: one run directory every rank "
+                              "sees (a folder shared by all nodes)"), only0
+        assert "rank3/checkpoints/latest: expected a step number, found 'x'" in damaged, damaged
     res = [r["resume"] for r in results]
     for r in res:
         assert r["start"] == 2

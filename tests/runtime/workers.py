@@ -148,6 +148,26 @@ def tp_accounting(rank: int, world: int, models: dict, seq_len: int) -> dict:
     return out
 
 
+def agreed_latest(rank: int, world: int, root: Path) -> list:
+    """checkpoint._agreed_latest_step where the ranks see (a) the same checkpoint, (b) a checkpoint only rank 0
+    sees (a run directory not shared), (c) a damaged one only the last rank sees: the step, else the message."""
+    from piper_plan.errors import PiperError
+    from piper_plan.runtime.checkpoint import _agreed_latest_step
+
+    out = []
+    for case, latest in (("same", "4\n"), ("only0", "4\n" if rank == 0 else None),
+                         ("damaged", "x\n" if rank == world - 1 else "4\n")):
+        run_dir = root / case / f"rank{rank}"
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        if latest is not None:
+            (run_dir / "checkpoints" / "latest").write_text(latest)
+        try:
+            out.append(_agreed_latest_step(run_dir, world))
+        except PiperError as exc:
+            out.append(str(exc))
+    return out
+
+
 def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     init(rank, world, port)
     results = {}
@@ -162,6 +182,8 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             results[name] = resume_check(kwargs["plan"], rank, world, kwargs["run_dir"])
         elif kind == "overlap":
             results[name] = overlap_check(kwargs["plan"], rank, world, kwargs["bucket_bytes"])
+        elif kind == "agreed_latest":
+            results[name] = agreed_latest(rank, world, Path(kwargs["root"]))
         elif kind == "first_failed":
             from piper_plan.runtime.train import first_failed_rank
 
