@@ -26,20 +26,19 @@ from piper_plan.fileio import atomic_write_json
 from piper_plan.plans import check_plan
 from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
 from piper_plan.specs.base import NotBool, Spec
-from piper_plan.specs.model import MAX_EXPERTS
 from piper_plan.specs.estimate import Estimate
-from piper_plan.specs.model import MoESpec
+from piper_plan.specs.model import MAX_EXPERTS, MoESpec
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 MAX_STEPS = 10**9
-"""The most steps a run (or a checkpoint interval, a warmup, a migration interval or window) may take: a thousand
-times the longest published pre-training run's (DeepSeek-V3: 14.8T tokens at 15.7M tokens a step, about 1e6 steps;
-technical report sec. 4.2); a larger count is a typo."""
+"""The most steps a run (or a checkpoint interval, a warmup, a migration interval or window) may take: at one step a
+second, 31 years; a larger count is a typo, not a run."""
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
 MAX_SWAP_ITERS = 10**6
-"""The most hill-climbing iterations of one migration check (each is a pass over the EP group's experts)."""
+"""The most hill-climbing swaps per layer of one migration check (placement/migration.py; the search ends sooner
+when no swap lowers the load spread)."""
 
 
 def _token_path(text: str) -> str:

@@ -132,7 +132,7 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
     # of a large model in the middle of its save). The batch script asks Slurm for USR1 this long before the time
     # limit (launch/render.py SIGNAL_LEAD_S, 180 s): a step plus a checkpoint must fit that bound there too. A rank
     # that hangs is still ended after it: bounded, never orphaned.
-    sigusr1 = signal.getsignal(signal.SIGUSR1)      # signal_options may replace it (torch < 2.9): restored below
+    sigusr1 = signal.getsignal(signal.SIGUSR1)      # signal_options may replace it (older torch): restored below
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=layout.world, run_id=f"piper-run-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           **signal_options(LaunchConfig, SIGNAL_LEAD_S))
@@ -164,7 +164,9 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
 
 
 def signal_options(launch_config_class, shutdown_timeout_s: int) -> dict:
-    """LaunchConfig's signal fields (torch >= 2.9 has them; piper allows torch >= 2.6). Without ``signals_to_handle``
+    """LaunchConfig's signal fields where the installed torch has them: ``signals_to_handle`` came with pytorch PR
+    160690 (merged 2025-08), ``shutdown_timeout`` with PR 172596 (merged 2026-03); piper allows torch >= 2.6,
+    which has neither. Without ``signals_to_handle``
     the launcher turns SIGUSR1 into torch's SignalException itself, which the agent forwards to the ranks like
     SIGTERM; without ``shutdown_timeout`` the ranks get torch's fixed 30 s to checkpoint before SIGKILL."""
     import dataclasses

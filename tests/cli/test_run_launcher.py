@@ -103,8 +103,9 @@ def test_the_launcher_forwards_sigusr1():
 
 
 def test_older_torch_without_the_signal_fields_still_forwards_sigusr1():
-    """torch 2.6-2.8's LaunchConfig has neither signals_to_handle nor shutdown_timeout (passing them was a TypeError
-    there): they are left out, and SIGUSR1 becomes the SignalException the agent forwards to the ranks."""
+    """Older torch's LaunchConfig (2.6, piper's minimum) has neither signals_to_handle nor shutdown_timeout
+    (passing them was a TypeError there): they are left out, and SIGUSR1 becomes the SignalException the agent
+    forwards to the ranks."""
     import dataclasses
 
     from torch.distributed.elastic.multiprocessing import SignalException
