@@ -166,8 +166,8 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
 def signal_options(launch_config_class, shutdown_timeout_s: int) -> dict:
     """LaunchConfig's signal fields where the installed torch has them: ``signals_to_handle`` came with pytorch PR
     160690 (merged 2025-08), ``shutdown_timeout`` with PR 172596 (merged 2026-03); piper allows torch >= 2.6,
-    which has neither. Without ``signals_to_handle``
-    the launcher turns SIGUSR1 into torch's SignalException itself, which the agent forwards to the ranks like
+    which has neither. Without ``signals_to_handle`` the launcher turns SIGUSR1 into torch's SignalException
+    itself (installed here; launch_local restores the handler), which the agent forwards to the ranks like
     SIGTERM; without ``shutdown_timeout`` the ranks get torch's fixed 30 s to checkpoint before SIGKILL."""
     import dataclasses
 
