@@ -37,8 +37,8 @@ from piper_plan.planfile import MAX_STEPS
 @click.option("--job-name", help="Slurm job name.")
 @click.option("--force", is_flag=True, help="Write into a non-empty --out-dir directory.")
 @json_option
-def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, dtype, grad_bytes, strategy, a2a, migration,
-               out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json):
+def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, dtype, fp8_recipe, grad_bytes, strategy, a2a,
+               migration, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json):
     """Write DIR/job.sbatch, DIR/plan.json and DIR/README.md for a plan; --submit sends it to Slurm.
 
     The plan is --plan plan.json, or the best runnable plan `piper plan` finds for --model/--platform/--nodes."""
@@ -49,8 +49,8 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, dtype, 
     with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")
-            _search_plan(plan_path, model, platform, nodes, (seq_len, global_batch, dtype, grad_bytes), strategy, a2a,
-                         migration)
+            _search_plan(plan_path, model, platform, nodes, (seq_len, global_batch, dtype, grad_bytes, fp8_recipe),
+                         strategy, a2a, migration)
         template_dir = str(Path(platform).parent) if platform and Path(platform).is_file() else None
         _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force,
                 as_json, template_dir)
@@ -58,13 +58,13 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, dtype, 
 
 def _search_plan(save_path, model, platform, nodes, training_args, strategy, a2a, migration) -> None:
     """The best plan the runtime can run (piper plan's search with runnable=True), saved to ``save_path``.
-    ``training_args``: (seq_len, global_batch, dtype, grad_bytes) from the shared training options."""
+    ``training_args``: (seq_len, global_batch, dtype, grad_bytes, fp8_recipe) from the shared training options."""
     from piper_plan.cli.plan import save_best, search_kwargs, search_options
     from piper_plan.search import engine
 
-    seq_len, global_batch, dtype, grad_bytes = training_args
+    seq_len, global_batch, dtype, grad_bytes, fp8_recipe = training_args
     model_spec, platform_spec, training = load_setting(model, platform, seq_len, global_batch, dtype=dtype,
-                                                       grad_bytes=grad_bytes)
+                                                       grad_bytes=grad_bytes, fp8_recipe=fp8_recipe)
     kwargs = search_kwargs(platform_spec, "compact", runnable=True)
     with diagnostics().status(f"searching the best runnable plan for {model_spec.name}"):
         result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0),

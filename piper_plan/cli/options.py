@@ -13,11 +13,14 @@ import click
 from piper_plan.errors import PiperError
 from piper_plan.fileio import ascii_int
 from piper_plan.specs.parallel import ParallelPlan, check_layout_mtp
-from piper_plan.specs.training import TrainingSpec
+from piper_plan.specs.training import Fp8Recipe, TrainingSpec
 from piper_plan.specs.vocab import A2A, LayerSplit, Placement, Recompute, Schedule
 
 DTYPES: tuple[str, ...] = typing.get_args(TrainingSpec.model_fields["dtype"].annotation)
 """Training precisions (TrainingSpec.dtype)."""
+
+FP8_RECIPES: tuple[str, ...] = typing.get_args(Fp8Recipe)
+"""fp8 recipes (TrainingSpec.fp8_recipe)."""
 
 DEFAULT_SEQ_LEN = TrainingSpec.model_fields["seq_len"].default
 """--seq when not given: min(this, the model's max_seq_len)."""
@@ -54,6 +57,10 @@ training_options = _bundle(
                       "with 8-bit linear GEMMs, where the platform has the rate. `piper plan` also takes a list "
                       "(bf16,fp8) or 'any' (the default and every 8-bit recipe the platform has a peak for) and "
                       "searches precision as an axis."),
+    click.option("--fp8-recipe", type=click.Choice(FP8_RECIPES), default=None,
+                 help="How an fp8 run scales its tensors (Megatron-LM's --fp8-recipe): delayed (the default), "
+                      "tensorwise (current scaling), blockwise (1x128 / 128x128 blocks); priced by the platform's "
+                      "measured time per recipe (efficiency.fp8_recipe_time)."),
     click.option("--grad-bytes", type=click.Choice(["2", "4"]), default=None,
                  help="Bytes per gradient value (default: 2 under bf16 / fp16; 4 = fp32 main gradients, "
                       "Megatron's default)."),
@@ -129,9 +136,9 @@ def check_dtype(dtype: str | None) -> str | None:
 
 def load_setting(model_name: str, platform_name: str, seq_len: int | None, global_batch: int,
                  routing_skew: float = 1.0, mtp_layers: int | None = None, dtype: str | None = None,
-                 grad_bytes: str | None = None):
-    """(model, platform, training) from the shared options; --seq defaults to min(4096, max_seq_len); --dtype and
-    --grad-bytes replace the device's defaults (TrainingSpec.for_device) when given."""
+                 grad_bytes: str | None = None, fp8_recipe: str | None = None):
+    """(model, platform, training) from the shared options; --seq defaults to min(4096, max_seq_len); --dtype,
+    --grad-bytes and --fp8-recipe replace the device's defaults (TrainingSpec.for_device) when given."""
     from pydantic import ValidationError
 
     from piper_plan.catalog import load_model, load_platform, platforms_dir, resolve, validation_message
@@ -141,9 +148,12 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
     model, platform = with_mtp_layers(load_model(model_name), mtp_layers), load_platform(platform_name)
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, model.max_seq_len or DEFAULT_SEQ_LEN)
+    if fp8_recipe is not None and dtype != "fp8":
+        raise PiperError(f"{fp8_recipe}: an fp8 recipe needs --dtype fp8 (given: {dtype or 'the device default'}; "
+                         "mxfp8 is a block recipe of its own)", field="--fp8-recipe")
     try:
-        given = {k: v for k, v in (("dtype", dtype), ("grad_bytes", None if grad_bytes is None else int(grad_bytes)))
-                 if v is not None}
+        given = {k: v for k, v in (("dtype", dtype), ("grad_bytes", None if grad_bytes is None else int(grad_bytes)),
+                                   ("fp8_recipe", fp8_recipe)) if v is not None}
         training = TrainingSpec.for_device(platform.launch.device, seq_len=seq_len, global_batch=global_batch,
                                            routing_skew=routing_skew, **given)
     except ValidationError as exc:

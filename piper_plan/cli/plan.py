@@ -49,7 +49,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
              "ones coloured by reason) as a PNG")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, dtype,
-             grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option, placement,
+             fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option, placement,
              memory_headroom,
              cp_text, expert_tp, top,
              as_json, as_csv, save_path, explain, plot_path):
@@ -65,8 +65,9 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     dtypes = precisions(dtype, platform_name)
     if dtype == "any" and len(dtypes) == 1:
         note(f"--dtype any: {platform_name} has no peak for fp8 or mxfp8 (device.peak_flops): {dtypes[0]} only")
+    recipe = fp8_recipe_of(fp8_recipe, dtypes)
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
-                                             dtype=dtypes[0], grad_bytes=grad_bytes)
+                                             dtype=dtypes[0], grad_bytes=grad_bytes, fp8_recipe=recipe(dtypes[0]))
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
@@ -76,7 +77,8 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
             raise PiperError(f"{dtype!r}: several precisions are searched at one node count (--nodes N), without "
                              "--min-nodes, --plot and --explain", field="--dtype")
         trainings = [training] + [load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
-                                               dtype=d, grad_bytes=grad_bytes)[2] for d in dtypes[1:]]
+                                               dtype=d, grad_bytes=grad_bytes, fp8_recipe=recipe(d))[2]
+                                  for d in dtypes[1:]]
         with searching:
             searches = [(t, engine.search(model, platform, t, counts[0], options, **kwargs)) for t in trainings]
         _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_json, as_csv, runnable, save_path,
@@ -149,6 +151,16 @@ def precisions(text: str | None, platform_name: str) -> list[str | None]:
         raise PiperError(f"{text!r}: 'any' stands alone (the device's precision and every 8-bit one the platform "
                          "has a peak for); or list precisions, e.g. bf16,fp8", field="--dtype")
     return list(dict.fromkeys(check_dtype(part) for part in parts))
+
+
+def fp8_recipe_of(fp8_recipe: str | None, dtypes: list[str | None]):
+    """dtype -> the --fp8-recipe its search prices (fp8 only); a recipe given where no precision searched is fp8
+    is one error line, not a silently unused option."""
+    if fp8_recipe is not None and "fp8" not in dtypes:
+        searched = ", ".join(d or "the device's default" for d in dtypes)
+        raise PiperError(f"{fp8_recipe}: no fp8 precision is searched ({searched}); give --dtype fp8 (or a list or "
+                         "'any' holding it)", field="--fp8-recipe")
+    return lambda dtype: fp8_recipe if dtype == "fp8" else None
 
 
 def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False,

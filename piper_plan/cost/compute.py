@@ -26,12 +26,16 @@ PEAK_MARGIN = 1.02
 class Rates:
     """Achieved FLOP/s lookups for one platform, dtype and (optional) calibration."""
 
-    def __init__(self, platform: PlatformSpec, dtype: str, calibration=None):
+    def __init__(self, platform: PlatformSpec, dtype: str, calibration=None, fp8_recipe: str | None = None):
         """dtype: the training precision (TrainingSpec.dtype); under fp8 / mxfp8 only GEMMs run at its rate,
-        attention at bf16's."""
+        attention at bf16's. fp8_recipe: an fp8 run's recipe (TrainingSpec.fp8_recipe), whose measured time over
+        the kernel rate (efficiency.fp8_recipe_time) its linear layers take."""
         from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES
 
         self.platform, self.dtype, self.calibration = platform, dtype, calibration
+        self.fp8_recipe = fp8_recipe if dtype == "fp8" else None
+        self.recipe_time = platform.efficiency.fp8_recipe_time.get(self.fp8_recipe, 1.0) if self.fp8_recipe else 1.0
+        """A linear GEMM's time over its kernel's (the recipe's quantization and scaling work; 1 where unmeasured)."""
         self.attention_dtype = "bf16" if dtype in LOW_PRECISION_GEMM_DTYPES else dtype
         self.peak = platform.peak_flops(dtype)
         self.attention_peak = platform.peak_flops(self.attention_dtype)
@@ -69,12 +73,24 @@ class Rates:
                         if self.platform.peak_dtype(d) != d)
         if self.calibration is None:
             return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.dtype}, " \
-                   f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source}){peaks}"
+                   f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source}){peaks}" \
+                   + self.recipe_source
         listed = getattr(self.calibration, "sources", []) or ["(no sources listed)"]
         gemm = "" if self.gemm_calibration is not None else \
             f"; GEMMs in {self.dtype}: roofline fallback (efficiency.gemm={self.gemm_efficiency}: gemm.csv has no " \
             f"{self.dtype} rows)"
-        return "calibration: " + "; ".join(listed) + gemm + peaks
+        return "calibration: " + "; ".join(listed) + gemm + peaks + self.recipe_source
+
+    @property
+    def recipe_source(self) -> str:
+        """How an fp8 run's recipe is priced: its measured factor, or that none is measured on this platform."""
+        if self.fp8_recipe is None:
+            return ""
+        if self.fp8_recipe in self.platform.efficiency.fp8_recipe_time:
+            return (f"; fp8 recipe {self.fp8_recipe}: linear GEMMs take {self.recipe_time:g} x their kernel time "
+                    "(efficiency.fp8_recipe_time)")
+        return (f"; fp8 recipe {self.fp8_recipe}: no time measured for it on {self.platform.name} "
+                "(efficiency.fp8_recipe_time): linear GEMMs at the kernel rate")
 
     def gemm_flops_per_s(self, m, n, k, groups=1):
         """Achieved FLOP/s of a [m x k] @ [k x n] GEMM (``groups`` of them in one grouped call)."""
@@ -92,6 +108,10 @@ class Rates:
         if not backward:
             return flops / self.gemm_flops_per_s(m, n, k, groups)
         return flops / self.gemm_flops_per_s(m, k, n, groups) + flops / self.gemm_flops_per_s(k, n, m, groups)
+
+    def linear_seconds(self, m, n, k, groups=1, backward=False):
+        """``gemm_seconds`` of a linear layer's GEMM: under fp8, times its recipe's factor (``recipe_time``)."""
+        return self.recipe_time * self.gemm_seconds(m, n, k, groups, backward)
 
     def attention_flops_per_s(self, seq_len, num_heads, head_dim, pass_: str):
         """Achieved FLOP/s of causal attention (fwd or bwd)."""

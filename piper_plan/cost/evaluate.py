@@ -137,11 +137,12 @@ def estimate(model, platform, training, nodes, plan: ParallelPlan, calibration=N
     return _estimate(ctx, plan, c, nodes, placement, alloc, ev, per_stage, layers)
 
 
-def pricing_sources(platform, dtype: str, calibration=None) -> dict[str, str]:
+def pricing_sources(platform, training, calibration=None) -> dict[str, str]:
     """Where a search's or an estimate's compute rates and host time come from (Estimate.sources' two lines)."""
     from piper_plan.cost.compute import Rates
 
-    return {"compute": Rates(platform, dtype, calibration).source, "host": host_source(platform)}
+    rates = Rates(platform, training.dtype, calibration, training.fp8_recipe)
+    return {"compute": rates.source, "host": host_source(platform)}
 
 
 def host_source(platform) -> str:

@@ -43,7 +43,7 @@ class Context:
 
 def make_context(model, platform, training, opts, calibration=None) -> Context:
     return Context(model, platform, training, opts, layer_params(model), layer_flops(model, training.seq_len, training.flash_attention),
-                   Rates(platform, training.dtype, calibration), Network(platform, calibration))
+                   Rates(platform, training.dtype, calibration, training.fp8_recipe), Network(platform, calibration))
 
 
 @dataclass
@@ -200,9 +200,9 @@ def _end_activations(ctx: Context, c, st: StageShape, flight, loss_flight) -> di
 
 # ---- time per micro-batch ------------------------------------------------------------------------
 def _gemm(ctx: Context, m, n, k, groups=1):
-    """(forward, backward) seconds of one GEMM shape."""
+    """(forward, backward) seconds of one linear layer's GEMM shape."""
     r = ctx.rates
-    return r.gemm_seconds(m, n, k, groups), r.gemm_seconds(m, n, k, groups, backward=True)
+    return r.linear_seconds(m, n, k, groups), r.linear_seconds(m, n, k, groups, backward=True)
 
 
 def _ffn_gemms(ctx: Context, ffn, rows, tp, groups=1, count=1):

@@ -102,7 +102,7 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     return SearchResult(nodes=nodes, world=world_size(platform, nodes), fields=space.fields, evaluation=ev,
                         candidates_total=space.total, reasons=merged, order=order, pareto=pareto,
                         memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features,
-                        sources=pricing_sources(platform, training.dtype, calibration))
+                        sources=pricing_sources(platform, training, calibration))
 
 
 def _check_figures(ev, fits: np.ndarray) -> None:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from piper_plan.specs.base import Citation, FolderName, Name, Spec
+from piper_plan.specs.training import Fp8Recipe
 from piper_plan.specs.vocab import Precision, Scope
 
 MAX_NODES = 100_000
@@ -253,6 +254,10 @@ class EfficiencySpec(Spec):
     gemm_by_dtype: dict[Dtype, Efficiency] = {}
     """Measured GEMM fraction of that dtype's peak where it differs from ``gemm`` (e.g. fp8 matmuls reach a lower
     fraction than bf16 ones); a dtype not named here uses ``gemm``."""
+    fp8_recipe_time: dict[Fp8Recipe, Annotated[float, Field(ge=1.0, le=10.0)]] = {}
+    """Measured time of an fp8 recipe's linear-layer GEMMs over the fp8 kernel's own (the quantization, amax and
+    scale work a GEMM of that recipe carries: 1 to 10); a recipe not named here is priced at the kernel rate and
+    the output says so."""
     host_s_per_gemm_call: float = Field(default=0.0, ge=0, le=1e-2)
     """Host seconds per GEMM call of a training step (the Python, framework and launch work of one linear's
     forward, dgrad or wgrad with its casts): a layer cannot run faster than its host work (cost/overhead.py,

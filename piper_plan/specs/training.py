@@ -15,6 +15,14 @@ MAX_COUNT = 2**31
 
 LOW_PRECISION_GEMM_DTYPES: dict[str, float] = {"fp8": 2.0, "mxfp8": 2.0 + 2.0 / 32}
 """Training precisions whose GEMMs run in 8 bits -> bytes per parameter of their weight copies (TrainingSpec)."""
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise"]
+"""How an fp8 run scales its 8-bit tensors, by Megatron-LM's --fp8-recipe names (megatron/training/arguments.py at
+000c4ac, _add_transformer_engine_args; its default is delayed) for Transformer Engine's recipes
+(transformer_engine/common/recipe/__init__.py at 000b637): delayed = DelayedScaling (one scale per tensor, from its
+amax history), tensorwise = Float8CurrentScaling (one scale per tensor, from the tensor itself: an extra read of
+it), blockwise = Float8BlockScaling (1 x 128 blocks of activations and gradients, 128 x 128 of weights: DeepSeek-V3's
+recipe; Hopper emulates its GEMMs). mxfp8 is a dtype of its own (MXFP8BlockScaling)."""
+DEFAULT_FP8_RECIPE = "delayed"
 
 
 class TrainingSpec(Spec):
@@ -29,6 +37,9 @@ class TrainingSpec(Spec):
     training whose linear-layer GEMMs run in 8-bit floating point (Transformer Engine recipes: fp8 = per-tensor
     current or delayed scaling, or blockwise, all priced alike; mxfp8 = OCP microscaling, one 8-bit scale per 32
     values, Blackwell); attention, elementwise work and communication stay bf16 (LOW_PRECISION_GEMM_DTYPES)."""
+    fp8_recipe: Fp8Recipe | None = None
+    """The fp8 recipe (Fp8Recipe) of an fp8 run; only with dtype fp8, where it defaults to delayed (Megatron-LM's
+    and Transformer Engine's default)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Optimizer."""
     weight_bytes: Annotated[Literal[1, 2, 4], NotBool] = 2
@@ -46,6 +57,21 @@ class TrainingSpec(Spec):
     routing_skew: float = Field(default=1.0, ge=1.0, le=MAX_EXPERTS)
     """Expected max / mean tokens per expert-parallel rank (1 = perfectly balanced). No rank can receive more than
     every token's copies its experts can take, so the cost model caps it per plan (cost/memory.py routed_rows)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fp8_recipe_named(cls, data):
+        """An fp8 run names its recipe (the default where none is given), so plan.json says which was priced."""
+        if isinstance(data, dict) and data.get("dtype") == "fp8" and data.get("fp8_recipe") is None:
+            return {**data, "fp8_recipe": DEFAULT_FP8_RECIPE}
+        return data
+
+    @model_validator(mode="after")
+    def _fp8_recipe_only_under_fp8(self) -> "TrainingSpec":
+        if self.fp8_recipe is not None and self.dtype != "fp8":
+            raise ValueError(f"fp8_recipe={self.fp8_recipe} is for dtype fp8 only (dtype {self.dtype}; mxfp8 is a "
+                             "block recipe of its own)")
+        return self
 
     @model_validator(mode="after")
     def _gradients_as_wide_as_weights(self) -> "TrainingSpec":

@@ -227,10 +227,26 @@ def test_any_is_the_default_and_the_platforms_8_bit_recipes(tmp_path):
     (("--dtype", "bf16,fp9"), "--dtype: 'fp9'; allowed: bf16, fp16, fp32, fp8, mxfp8"),
     (("--dtype", "bf16,fp8", "--explain"), "several precisions are searched at one node count"),
     (("--dtype", "any", "--min-nodes"), "several precisions"),
+    (("--dtype", "bf16", "--fp8-recipe", "blockwise"), "--fp8-recipe: blockwise: no fp8 precision is searched (bf16)"),
+    (("--dtype", "fp8", "--fp8-recipe", "rowwise"), "Invalid value for '--fp8-recipe'"),
 ])
 def test_precision_search_bad_input_is_one_line(args, needle):
     res = _run(*QWEN_H100, *args)
     assert res.exit_code == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_the_fp8_recipe_prices_the_fp8_plans_only_and_is_saved_with_them(tmp_path):
+    args = (*QWEN_H100, "--dtype", "bf16,fp8", "--json", "--top", "0")
+    plans = {r: json.loads(_run(*args, "--fp8-recipe", r).stdout)["plans"] for r in ("delayed", "blockwise")}
+    for dtype in ("bf16", "fp8"):
+        tps = [[p["tokens_per_s"] for p in plans[r] if p["dtype"] == dtype] for r in ("delayed", "blockwise")]
+        assert tps[0] == tps[1] if dtype == "bf16" else max(tps[1]) < max(tps[0])   # blockwise: slower fp8 GEMMs
+    res = _run(*QWEN_H100, "--dtype", "fp8", "--fp8-recipe", "tensorwise", "-o", str(tmp_path / "plan.json"))
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "plan.json").read_text())["training"]["fp8_recipe"] == "tensorwise"
+    res = CliRunner().invoke(cli, ["estimate", *QWEN_H100, "--dp", "16", "--ep", "8", "--fp8-recipe", "tensorwise"])
+    assert res.exit_code == 2 and res.stderr == ("error: --fp8-recipe: tensorwise: an fp8 recipe needs --dtype fp8 "
+                                                 "(given: the device default; mxfp8 is a block recipe of its own)\n")
 
 
 def test_estimate_takes_one_precision():

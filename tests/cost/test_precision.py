@@ -96,9 +96,9 @@ def test_the_output_says_whether_host_time_is_priced():
     """efficiency.host_s_per_gemm_call 0 is a fallback (host work hidden), named in estimate's and plan's sources."""
     from piper_plan.cost.evaluate import pricing_sources
 
-    assert pricing_sources(load_platform("dgx-h100"), "bf16")["host"].endswith("us per GEMM call "
+    assert pricing_sources(load_platform("dgx-h100"), TrainingSpec())["host"].endswith("us per GEMM call "
                                                                               "(efficiency.host_s_per_gemm_call)")
-    assert pricing_sources(load_platform("h200"), "bf16")["host"] == (
+    assert pricing_sources(load_platform("h200"), TrainingSpec())["host"] == (
         "not priced: h200 has no efficiency.host_s_per_gemm_call (host work assumed hidden)")
     assert _estimate("bf16", load_platform("h200")).sources.host.startswith("not priced: h200")
 
@@ -112,3 +112,51 @@ def test_a_peak_borrowed_from_the_other_16_bit_format_is_named():
     platform = type(load_platform("dgx-h100")).model_validate(data)
     assert "the bf16 peak is device.peak_flops' fp16 (no bf16 entry)" in Rates(platform, "bf16").source
     assert "peak is device.peak_flops'" not in Rates(load_platform("dgx-h100"), "bf16").source
+
+
+def _recipe_estimate(recipe: str, platform_name: str):
+    model = load_model("mixtral-8x7b")
+    training = TrainingSpec(seq_len=4096, global_batch=128, dtype="fp8", fp8_recipe=recipe)
+    return estimate(model, load_platform(platform_name), training, 1, PLAN)
+
+
+def test_an_fp8_run_names_its_recipe_delayed_by_default_and_only_fp8_has_one():
+    assert TrainingSpec(dtype="fp8").fp8_recipe == "delayed"          # Megatron-LM's and Transformer Engine's default
+    assert TrainingSpec(dtype="bf16").fp8_recipe is None and TrainingSpec(dtype="mxfp8").fp8_recipe is None
+    for dtype in ("bf16", "mxfp8"):
+        with pytest.raises(ValueError, match="fp8_recipe=blockwise is for dtype fp8 only"):
+            TrainingSpec(dtype=dtype, fp8_recipe="blockwise")
+    saved = TrainingSpec(dtype="fp8", fp8_recipe="tensorwise").model_dump(mode="json")
+    assert TrainingSpec.model_validate(saved).fp8_recipe == "tensorwise"
+
+
+def test_each_recipe_scales_the_linear_gemms_by_its_measured_time_and_nothing_else():
+    """dgx-h100's efficiency.fp8_recipe_time (Transformer Engine's H200 GEMM benchmark): every linear layer's GEMM
+    time scales by the recipe's factor; attention and elementwise work do not."""
+    factors = load_platform("dgx-h100").efficiency.fp8_recipe_time
+    runs = {r: _recipe_estimate(r, "dgx-h100") for r in ("delayed", "tensorwise", "blockwise")}
+    assert runs["delayed"].step_time_s < runs["tensorwise"].step_time_s < runs["blockwise"].step_time_s
+    base = runs["delayed"].time.breakdown
+    for recipe, run in runs.items():
+        ratio = factors[recipe] / factors["delayed"]
+        for term in ("compute/experts", "compute/router"):
+            assert run.time.breakdown[term] == pytest.approx(base[term] * ratio, rel=1e-9), (recipe, term)
+        attention = run.time.breakdown["compute/attention"] / base["compute/attention"]   # projections + bf16 core
+        assert attention == 1.0 if ratio == 1.0 else 1.0 < attention < ratio
+        assert run.time.breakdown["compute/elementwise"] == pytest.approx(base["compute/elementwise"])
+        assert f"fp8 recipe {recipe}: linear GEMMs take {factors[recipe]:g} x" in run.sources.compute
+
+
+def test_a_platform_without_a_measured_recipe_time_prices_the_kernel_rate_and_says_so():
+    runs = [_recipe_estimate(r, "dgx-b200") for r in ("delayed", "blockwise")]
+    assert runs[0].step_time_s == runs[1].step_time_s
+    assert "fp8 recipe blockwise: no time measured for it on dgx-b200" in runs[1].sources.compute
+
+
+def test_a_recipe_time_below_one_is_refused():
+    from pydantic import ValidationError
+
+    data = load_platform("dgx-h100").model_dump(mode="json")
+    data["efficiency"]["fp8_recipe_time"]["delayed"] = 0.9            # faster than the kernel it runs: impossible
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        type(load_platform("dgx-h100")).model_validate(data)

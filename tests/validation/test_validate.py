@@ -199,7 +199,7 @@ def test_a_dataset_that_requires_fit_says_which_rows_are_predicted_not_to():
 
 DSV3_H100_ESTIMATE = [
     "estimate", "--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "128", "--dtype", "fp8",
-    "--global-batch", "8192", "--seq", "4096", "--grad-bytes", "2", "--tp", "2", "--pp", "8", "--dp", "64", "--ep", "64",
+    "--fp8-recipe", "tensorwise", "--global-batch", "8192", "--seq", "4096", "--grad-bytes", "2", "--tp", "2", "--pp", "8", "--dp", "64", "--ep", "64",
     "--mbs", "1", "--zero", "1", "--schedule", "interleaved", "--virtual-stages", "4",
     "--virtual-stage-layers", "Et|(tt|)*30mL", "--recompute", "selective", "--recompute-modules", "mla_up_proj,mlp",
     "--cost-option", "moe_saved_rows=0", "--cost-option", "cross_entropy_fusion_impl=te",
