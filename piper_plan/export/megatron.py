@@ -18,6 +18,10 @@ INSTEAD = {
               "checkpoint-on-signal requeue and its metrics.jsonl for `piper compare`",
 }
 PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": [], "fp8": ["--bf16"], "mxfp8": ["--bf16"]}
+FP8_FORMAT = {"delayed": "hybrid", "tensorwise": "hybrid", "blockwise": "e4m3", "mxfp8": "e4m3"}
+"""Megatron's --fp8-recipe -> --fp8-format: each Transformer Engine recipe's own default format (DelayedScaling and
+Float8CurrentScaling HYBRID, Float8BlockScaling and MXFP8BlockScaling E4M3: transformer_engine/common/recipe/
+__init__.py at 000b637); --fp8-format also turns fp8 on (its default None = off)."""
 RECOMPUTE = {"none": [], "selective": [["--recompute-granularity", "selective"]],
              "full": [["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
                       ["--recompute-num-layers", "1"]]}
@@ -26,7 +30,6 @@ NO_DROPOUT = [["--hidden-dropout", "0"], ["--attention-dropout", "0"]]
 OPTION_FLAGS = {
     "shared_expert_overlap": "not written: Megatron's --moe-shared-expert-overlap",
     "ep_dispatch": "not written: Megatron's --moe-token-dispatcher-type flex with DeepEP or HybridEP",
-    "cross_entropy_fusion_impl": "not written: Megatron's --cross-entropy-loss-fusion --cross-entropy-fusion-impl",
     "cuda_graph_scope": "not written: Megatron's CUDA-graph flags (--cuda-graph-scope) for your version",
 }
 """Prediction options Megatron has a setting for that the export leaves to the user (note only)."""
@@ -72,17 +75,27 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
         lines += moe_arguments(model)
     if model.mtp_layers:
         lines.append(["--mtp-num-layers", str(model.mtp_layers)])
+    return lines + attention_variant_arguments(model)
+
+
+def attention_variant_arguments(model) -> list[list[str]]:
+    """Sliding windows and learnable sinks as Megatron-Bridge's GPT-OSS provider sets them (src/megatron/bridge/
+    models/gpt_oss/gpt_oss_provider.py at 355cef4: window_size (128, 0) for the Hugging Face sliding_window 128,
+    softmax_type learnable). --window-size takes 'left,right' as one word; --window-attn-skip-freq a list, 1 for a
+    window layer and 0 for a full one (Megatron-LM arguments.py at 000c4ac, tuple_type and moe_freq_type)."""
+    a, lines = model.attention, []
+    if a.sliding_window is not None:
+        pattern = [0 if a.window_of(i) is None else 1 for i in range(model.num_layers)]
+        lines += [["--window-size", f"{a.sliding_window},0"],
+                  ["--window-attn-skip-freq", "[" + ",".join(map(str, pattern)) + "]"]]
+    if a.sinks:
+        lines.append(["--softmax-type", "learnable"])
     return lines
 
 
 def model_notes(model) -> list[str]:
     """What of the architecture the exported flags leave out (set it for your Megatron version)."""
     a, notes = model.attention, []
-    if a.sliding_window is not None:
-        notes.append(f"sliding-window attention ({a.sliding_window} tokens, one layer in {a.sliding_window_every}): "
-                     "not written (Megatron's --window-size / --window-attn-skip-freq)")
-    if a.sinks:
-        notes.append("attention sinks: not written (Megatron's --softmax-type learnable)")
     if a.qk_norm == "full":
         notes.append("q/k norm over all heads: not written (Megatron's --qk-layernorm is per head)")
     return notes
@@ -124,14 +137,25 @@ def parallel_arguments(pf) -> tuple[list[list[str]], list[str]]:
             lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
         lines += split_arguments(p.stage_layers(pf.model.num_layers), notes)
     lines += recompute_arguments(pf, notes) + zero_arguments(p, notes)
-    lines += [[flag] for flag in PRECISION_FLAGS[t.dtype]]
+    lines += precision_arguments(t, notes)
     if p.schedule == "gpipe" and p.pp > 1:
         notes.append("schedule gpipe -> Megatron runs 1F1B (same bubble, fewer activations in flight)")
-    if t.dtype in ("fp8", "mxfp8"):
-        notes.append(f"{t.dtype}: add Transformer Engine's fp8 recipe flags for your Megatron version (not written)")
-    notes.append(f"not carried over: {gradient_precision(t)} (set your Megatron version's gradient-precision "
-                 "flags; none written)")
     return lines, notes
+
+
+def precision_arguments(training, notes: list[str]) -> list[list[str]]:
+    """The 16-bit format, an 8-bit recipe (--fp8-format with --fp8-recipe) and the gradients' width: Megatron keeps
+    fp32 main gradients under bf16 unless told --grad-reduce-in-bf16 (arguments.py at 000c4ac, validate_args)."""
+    lines = [[flag] for flag in PRECISION_FLAGS[training.dtype]]
+    recipe = training.fp8_recipe or (training.dtype if training.dtype == "mxfp8" else None)
+    if recipe is not None:
+        lines += [["--fp8-format", FP8_FORMAT[recipe]], ["--fp8-recipe", recipe]]
+    if training.grad_bytes == 2 and "--bf16" in PRECISION_FLAGS[training.dtype]:
+        lines.append(["--grad-reduce-in-bf16"])
+    elif training.grad_bytes == 2:
+        notes.append(f"not carried over: {gradient_precision(training)} (Megatron keeps fp32 main gradients under "
+                     "--fp16)")
+    return lines
 
 
 def recompute_arguments(pf, notes: list[str]) -> list[list[str]]:
@@ -160,8 +184,12 @@ def zero_arguments(p, notes: list[str]) -> list[list[str]]:
 
 
 def training_arguments(pf) -> list[list[str]]:
-    """Dropout (off unless the prediction priced it) and the MTP loss weight."""
-    lines = [] if prediction_options(pf).dropout else list(NO_DROPOUT)
+    """Dropout (off unless the prediction priced it), the fused cross entropy the prediction assumed, and the MTP
+    loss weight."""
+    options = prediction_options(pf)
+    lines = [] if options.dropout else list(NO_DROPOUT)
+    if options.cross_entropy_fusion_impl != "native":
+        lines += [["--cross-entropy-loss-fusion"], ["--cross-entropy-fusion-impl", options.cross_entropy_fusion_impl]]
     if pf.model.mtp_layers:
         lines.append(["--mtp-loss-scaling-factor", f"{pf.runtime.mtp_loss_weight:g}"])
     return lines

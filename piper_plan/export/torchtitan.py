@@ -136,6 +136,8 @@ def arguments(pf) -> tuple[list[list[str]], list[str]]:
                          field="training.dtype")
     if t.dtype == "fp8":
         config = FP8_CONFIGS[model.name]
+        notes.append(f"fp8 recipe {t.fp8_recipe} (as priced) -> {config} scales rowwise, one scale per row (torchtitan "
+                     "0.3.0 Float8LinearConverter recipe_name 'rowwise'; it needs torchao)")
     replicate, shard = dp_split(p)
     gradient_lines, gradient_notes = gradient_arguments(t, shard)
     notes += dp_notes(p, replicate, shard) + gradient_notes + setting_notes(pf, config)

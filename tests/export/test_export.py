@@ -47,6 +47,9 @@ PLANS = {
                          "--zero", "3", "--grad-bytes", "4"),
     "qwen3-recompute-modules": ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "16",
                                 "--ep", "8", "--recompute", "selective", "--recompute-modules", "mlp,moe_act"),
+    "deepseek-fp8-blockwise-te-loss": ("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "128", "--dp", "8",
+                                       "--tp", "4", "--pp", "32", "--ep", "8", "--zero", "1", "--dtype", "fp8",
+                                       "--fp8-recipe", "blockwise", "--cost-option", "cross_entropy_fusion_impl=te"),
 }
 
 
@@ -145,8 +148,35 @@ def test_gradient_precision_is_carried_or_noted(plans, tmp_path):
     titan = torchtitan.script(bf16)
     assert "--training.mixed_precision_reduce" not in titan
     assert any(n.startswith("not carried over: gradients: 2 bytes per value") for n in notes_of(titan))
-    for pf, value in ((fp32, "4 bytes per value (fp32 main gradients)"), (bf16, "2 bytes per value")):
-        assert any(n.startswith(f"not carried over: gradients: {value}") for n in notes_of(megatron.script(pf)))
+    assert "--grad-reduce-in-bf16" not in megatron.script(fp32)      # Megatron's default: fp32 main gradients
+    assert words_of(megatron.script(bf16), "--grad-reduce-in-bf16") == []
+    for pf in (fp32, bf16):
+        assert not any("gradients:" in n for n in notes_of(megatron.script(pf)))
+
+
+def test_the_precision_recipe_and_fused_loss_reach_megatron(plans):
+    """An fp8 plan's recipe is Megatron's --fp8-recipe with its Transformer Engine format; a bf16 plan writes neither;
+    the fused cross entropy the prediction assumed is written, not noted."""
+    text = megatron.script(read_plan_file(plans["deepseek-fp8-blockwise-te-loss"]))
+    assert words_of(text, "--fp8-format") == ["e4m3"] and words_of(text, "--fp8-recipe") == ["blockwise"]
+    assert words_of(text, "--bf16") == [] and words_of(text, "--cross-entropy-fusion-impl") == ["te"]
+    assert "--cross-entropy-loss-fusion" in text and not any("cross_entropy" in n for n in notes_of(text))
+    titan = torchtitan.script(read_plan_file(plans["deepseek-fp8-blockwise-te-loss"]))
+    assert words_of(titan, "--config") == ["deepseek_v3_671b_float8"]
+    assert any(n.startswith("fp8 recipe blockwise (as priced) -> deepseek_v3_671b_float8 scales rowwise")
+               for n in notes_of(titan))
+    bf16 = megatron.script(read_plan_file(plans["qwen3-hsdp"]))
+    assert "--fp8-format" not in bf16 and "--cross-entropy-loss-fusion" not in bf16
+
+
+def test_sliding_windows_and_sinks_reach_megatron(plans):
+    """gpt-oss: a 128-key window on layers 0, 2, 4, ... and learnable sinks, as Megatron-Bridge's GPT-OSS provider
+    sets them (window_size (128, 0), softmax_type learnable)."""
+    text = megatron.script(read_plan_file(plans["gpt-oss-pp"]))
+    assert words_of(text, "--window-size") == ["128,0"] and words_of(text, "--softmax-type") == ["learnable"]
+    assert words_of(text, "--window-attn-skip-freq") == ["'[" + ",".join(["1,0"] * 18) + "]'"]   # shell-quoted
+    assert not any("sliding" in n or "sinks" in n for n in notes_of(text))
+    assert "--window-size" not in megatron.script(read_plan_file(plans["deepseek-zero1"]))
 
 
 def test_the_optimizer_is_noted(plans, tmp_path):
@@ -260,6 +290,7 @@ def test_torchtitan_accepts_every_export(plans):
     if os.environ.get("CI") != "true":
         pytest.importorskip("torchtitan")  # the export extra; scripts/install.sh --test installs it
     files = {name: read_plan_file(path) for name, path in plans.items()}
+    files = {name: pf for name, pf in files.items() if pf.training.dtype != "fp8"}  # float8 layers need torchao
     got = dict(zip(files, torchtitan_parse([(pf.parallel.world, torchtitan.flat_arguments(pf))
                                             for pf in files.values()])))
     for name, pf in files.items():
