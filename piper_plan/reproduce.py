@@ -160,8 +160,8 @@ def single_layer_rows(platform, calibration=None) -> list[dict]:
     for name, paper in PAPER_SINGLE_LAYER.items():
         base = load_model(name)
         data = base.model_dump()
-        data.update(num_layers=1, vocab_size=None, name=f"{name}-1layer")
-        data["moe"]["layers"] = {**data["moe"]["layers"], "first_k_dense": 0}
+        data.update(num_layers=1, vocab_size=None, mtp_layers=0, name=f"{name}-1layer")   # no embedding, head or MTP
+        data["moe"]["layers"] = {"explicit": [0]}     # the one layer is MoE (Llama 4 interleaves dense ones)
         model = ModelSpec.model_validate(data)
         best = _search_best(model, platform, TrainingSpec(seq_len=4096, global_batch=64), 1, calibration)
         ours = best["tflops_per_device"] if best else None

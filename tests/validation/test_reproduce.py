@@ -39,3 +39,27 @@ def test_reproduce_halo_cli_writes_markdown(tmp_path):
     rows = data["tables"][0]["rows"]
     assert {r["nodes"] for r in rows} == {1, 2, 4, 8, 16, 32, 64, 128, 256, 512}
     assert "Comparison with the paper" in out.read_text()
+
+
+def test_the_single_layer_table_prices_one_moe_layer_of_every_model():
+    """Each catalog model cut to one layer is a MoE layer without embedding, head or MTP module, whatever the model
+    interleaves (Llama 4 Maverick's MoE layers are the odd ones; DeepSeek-V3 has an MTP module)."""
+    from piper_plan.catalog import load_platform
+    from piper_plan.reproduce import PAPER_SINGLE_LAYER, single_layer_rows
+
+    rows = single_layer_rows(load_platform("frontier"))
+    assert [r["model"] for r in rows] == list(PAPER_SINGLE_LAYER)
+    assert all(r["piper_TFLOPS"] is not None and r["piper_TFLOPS"] > 0 for r in rows), rows
+
+
+@pytest.mark.parametrize("command", [("paper", "--out-dir", ""), ("paper", "--out-dir", "d"), ("halo", "-o", "d.md")])
+def test_a_report_that_cannot_write_all_its_files_writes_none(tmp_path, monkeypatch, command):
+    """An empty --out-dir is not the project's docs/paper/; a folder where the PNG goes is one line before anything
+    is computed or written (the Markdown is not left behind linking to a missing picture)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d" / "halo.png").mkdir(parents=True)
+    (tmp_path / "d.png").mkdir()
+    result = CliRunner().invoke(cli, ["reproduce", *command])
+    assert result.exit_code == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
+        result.output
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["d", "d.png", "halo.png"]
