@@ -146,7 +146,8 @@ def _refuse_overwriting_inputs(params: dict, dest: str, flag: str) -> None:
     if not out or not Path(out).is_file():
         return
     for name, value in params.items():
-        if name != dest and isinstance(value, str) and value and Path(value).is_file() and os.path.samefile(value, out):
+        if (name != dest and isinstance(value, (str, os.PathLike)) and str(value) and Path(value).is_file()
+                and os.path.samefile(value, out)):
             raise PiperError(f"is also this command's {name} input: writing would replace it; give another file",
                              path=str(out), field=flag)
 

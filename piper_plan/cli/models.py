@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, json_option, note, print_json
+from piper_plan.cli.common import console, exit_codes, json_option, note, output_option, print_json
 
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
 
@@ -147,19 +147,20 @@ def show_cmd(model: str, as_json: bool) -> None:
 
 @model_group.command("import", epilog=exit_codes())
 @click.argument("config", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the spec here (YAML); default: stdout.")
+@output_option("output", "Write the spec here (JSON for a .json file, else YAML); default: YAML on stdout.")
 @click.option("--name", help="Catalog name of the spec (default: from the config's _name_or_path or file name).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @json_option(help="Print one JSON object (name, counts, spec) on stdout.")
-def import_cmd(config: Path, output: Path | None, name: str | None, force: bool, as_json: bool) -> None:
+def import_cmd(config: Path, output: str | None, name: str | None, force: bool, as_json: bool) -> None:
     """Convert a Hugging Face config.json into a piper model spec."""
-    from piper_plan.catalog import spec_to_yaml
+    from piper_plan.catalog import spec_text
     from piper_plan.errors import PiperError
     from piper_plan.fileio import atomic_write_text, check_writable
     from piper_plan.hf_import import import_hf_file
 
     spec = import_hf_file(config, name)
-    text = spec_to_yaml(spec)
+    output = Path(output) if output is not None else None
+    text = spec_text(spec, output or "stdout.yaml")
     if output is not None:
         check_writable(output)                   # a folder or a device is named as such, not as "exists"
         if output.exists() and not force:

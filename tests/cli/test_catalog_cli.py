@@ -76,6 +76,21 @@ def test_import_writes_a_spec_that_loads_back(tmp_path):
     assert again.exit_code == 2 and "--force" in again.stderr
 
 
+def test_import_writes_json_to_a_json_file_and_never_over_its_input(tmp_path):
+    """The loaders read a spec by its suffix: -o x.json gets JSON that `model show` reads back; the config itself is
+    never the output, --force or not."""
+    out = tmp_path / "qwen.json"
+    assert run("model", "import", str(FIXTURES / "qwen3-30b-a3b.json"), "-o", str(out)).exit_code == 0
+    assert json.loads(out.read_text())["hidden_size"] == 2048
+    assert run_json("model", "show", str(out))["total_params"] == 30_532_122_624
+    config = tmp_path / "config.json"
+    config.write_bytes((FIXTURES / "qwen3-30b-a3b.json").read_bytes())
+    before = config.read_bytes()
+    result = run("model", "import", str(config), "-o", str(config), "--force")
+    assert_user_error(result, str(config), "is also this command's config input")
+    assert config.read_bytes() == before
+
+
 def test_import_without_output_prints_yaml():
     result = run("model", "import", str(FIXTURES / "mixtral-8x7b.json"))
     assert result.exit_code == 0
