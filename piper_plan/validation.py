@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from piper_plan.catalog import parse_spec
 from piper_plan.errors import PiperError
@@ -95,6 +95,14 @@ class RowSpec(Spec):
     """Overrides the dataset's split: 'fit' rows fed a fitted parameter and cannot validate it."""
     note: str | None = None
     """Why a row is ungated, or what was assumed."""
+
+    @model_validator(mode="after")
+    def _one_plan_source(self) -> "RowSpec":
+        """The published configuration or a search for one, not both: the search would silently win."""
+        if self.parallel is not None and self.search is not None:
+            raise ValueError("give parallel (the published configuration) or search (for an unpublished one), "
+                             "not both")
+        return self
 
 
 class DatasetSpec(Spec):

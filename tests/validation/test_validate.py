@@ -240,6 +240,7 @@ def test_cost_option_bad_input_is_one_line(extra, needle):
 @pytest.mark.parametrize("change, needle", [
     ({"stage": 99}, "stage: 99; the plan has 8 pipeline stage(s): 0 to 7"),
     ({"published": 1e-320}, "published: Input should be greater than or equal to"),
+    ({"search": {"strategy": "piper"}}, "give parallel (the published configuration) or search"),   # search won
 ])
 def test_a_row_stage_past_the_pipeline_or_a_vanishing_published_value_is_one_line(tmp_path, change, needle):
     """Before: an IndexError traceback (stage), and Infinity in the JSON (a relative error over 1e-320)."""
