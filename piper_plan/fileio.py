@@ -5,7 +5,8 @@ Reading (``read_text``, ``read_document``, ``json_lines``, ``parse_json``, ``par
 line naming the file and where: a file larger than its limit (checked before reading it), text that is not UTF-8,
 nesting deeper than ``MAX_DEPTH``, a document of more than ``MAX_ITEMS`` values, an integer of more than
 ``MAX_INT_DIGITS`` digits, NaN or infinity, duplicate mapping keys, non-string keys, YAML aliases (a few bytes
-can expand to gigabytes) and YAML tags beyond the plain JSON types. What comes back is plain JSON data (dict,
+can expand to gigabytes), YAML tags beyond the plain JSON types and YAML 1.1-only number and boolean spellings
+(010 octal, 0x200, 5_12, 8:32, yes / off). What comes back is plain JSON data (dict,
 list, str, int, float, bool, None), checked before any schema looks at it. The limits are in
 docs/design-notes.md ("Input limits").
 """
@@ -218,6 +219,11 @@ def parse_yaml(text: str, where: str) -> Any:
 
 _EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 """1e12 without a dot: a float in YAML 1.2 and JSON, a string in PyYAML's YAML 1.1 resolver; read as a float."""
+_DECIMAL_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
+"""The integers YAML 1.2 and JSON write: PyYAML's YAML 1.1 resolver also reads 010 as 8 (octal), 0x200, 0b1,
+5_12 and 8:32 (base 60) as 512; piper refuses those spellings rather than guess which was meant."""
+_BOOLS = ("true", "false", "True", "False", "TRUE", "FALSE")
+"""YAML 1.2's booleans; YAML 1.1 also reads yes / no / on / off as booleans (refused: write true or false)."""
 
 
 def _strict_loader_class():
@@ -257,13 +263,25 @@ def _strict_loader_class():
             return super().construct_mapping(node, deep=deep)
 
         def construct_yaml_int(self, node):
+            if not _DECIMAL_INT.fullmatch(node.value):
+                raise _Refused(f"line {node.start_mark.line + 1}: {node.value} is a YAML 1.1 integer spelling "
+                               "(octal, hex, binary, base 60 or with '_'); write it in plain decimal")
             digits = sum(ch.isdigit() for ch in node.value)
             if digits > MAX_INT_DIGITS:
                 raise _Refused(f"line {node.start_mark.line + 1}: an integer of {digits:,} digits; at most "
                                f"{MAX_INT_DIGITS} are accepted")
             return super().construct_yaml_int(node)
 
+        def construct_yaml_bool(self, node):
+            if node.value not in _BOOLS:
+                raise _Refused(f"line {node.start_mark.line + 1}: {node.value} is a YAML 1.1 boolean spelling; "
+                               "write true or false")
+            return super().construct_yaml_bool(node)
+
         def construct_yaml_float(self, node):
+            if "_" in node.value or ":" in node.value:
+                raise _Refused(f"line {node.start_mark.line + 1}: {node.value} is a YAML 1.1 number spelling (with "
+                               "'_' or base 60); write it in plain decimal")
             value = super().construct_yaml_float(node)
             if not math.isfinite(value):
                 raise _Refused(f"line {node.start_mark.line + 1}: {node.value} is not a finite number")
@@ -274,6 +292,7 @@ def _strict_loader_class():
 
     StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
     StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
+    StrictLoader.add_constructor("tag:yaml.org,2002:bool", StrictLoader.construct_yaml_bool)
     for tag in ("timestamp", "binary", "set", "omap", "pairs"):      # not JSON types: refused, not converted
         StrictLoader.add_constructor(f"tag:yaml.org,2002:{tag}", StrictLoader.construct_undefined)
     StrictLoader.add_constructor(None, StrictLoader.construct_undefined)

@@ -41,6 +41,13 @@ def one_error(result, *needles) -> str:
     ("a: .inf\n", ".inf is not a finite number"),
     ("a: !!python/name:os.system x\n", "YAML tag"),
     ("2: x\n", "mapping key 2 is not a string"),
+    ("num_layers: 010\n", "010 is a YAML 1.1 integer spelling"),           # PyYAML alone: 8 (octal)
+    ("a: 0x200\n", "0x200 is a YAML 1.1 integer spelling"),
+    ("a: 5_12\n", "5_12 is a YAML 1.1 integer spelling"),                  # 512
+    ("a: 8:32\n", "8:32 is a YAML 1.1 integer spelling"),                  # base 60: 512
+    ("a: 1_0.5\n", "1_0.5 is a YAML 1.1 number spelling"),
+    ("gated: yes\n", "yes is a YAML 1.1 boolean spelling; write true or false"),
+    ("gated: off\n", "off is a YAML 1.1 boolean spelling"),
 ])
 def test_yaml_refusals(text, needle):
     with pytest.raises(PiperError) as info:
@@ -49,8 +56,8 @@ def test_yaml_refusals(text, needle):
 
 
 def test_yaml_plain_values_stay_plain():
-    assert parse_yaml("a: 1e12\nb: 2026-11-30\nc: -2.5E-3\nd: 12\n", "f") == {
-        "a": 1e12, "b": "2026-11-30", "c": -2.5e-3, "d": 12}
+    assert parse_yaml("a: 1e12\nb: 2026-11-30\nc: -2.5E-3\nd: 12\ne: 0\nf: -7\ng: True\nh: '010'\n", "f") == {
+        "a": 1e12, "b": "2026-11-30", "c": -2.5e-3, "d": 12, "e": 0, "f": -7, "g": True, "h": "010"}
 
 
 @pytest.mark.parametrize("text, needle", [
