@@ -363,8 +363,10 @@ SHARED_MEMORY = Path("/dev/shm")
 def _link_target(path: Path) -> Path:
     """The file ``path`` names once its symbolic links are followed; a system folder's entry is one error line."""
     hops, where = [Path(os.path.abspath(path))], Path(os.path.abspath(path))
-    while where.is_symlink() and len(hops) < 40:          # each link on the way (/dev/stdout -> /proc/self/fd/1)
+    while where.is_symlink():                             # each link on the way (/dev/stdout -> /proc/self/fd/1)
         where = Path(os.path.abspath(where.parent / os.readlink(where)))
+        if where in hops or len(hops) >= 40:              # the kernel's own limit on links followed is 40
+            raise PiperError("cannot write: a symbolic link loop; give a file name", path=str(path))
         hops.append(where)
     resolved = Path(os.path.realpath(path))
     for hop in hops + [resolved]:

@@ -249,6 +249,10 @@ def test_an_output_link_is_written_through_and_a_system_file_refused(tmp_path):
     for path in ("/dev/stdout", "/dev/null", "/proc/self/status", system):
         assert_one_line_error(run(*ESTIMATE, "-o", path), "is a device or kernel file")
     assert os.path.islink("/dev/stdout")
+    (tmp_path / "loop1").symlink_to("loop2")                    # a loop was replaced by a regular file, silently
+    (tmp_path / "loop2").symlink_to("loop1")
+    assert_one_line_error(run(*ESTIMATE, "-o", tmp_path / "loop1"), "a symbolic link loop")
+    assert (tmp_path / "loop1").is_symlink() and (tmp_path / "loop2").is_symlink()
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):      # a tmpfs of ordinary files: written
         shm = Path("/dev/shm") / f"piper-test-{os.getpid()}.json"
         try:
