@@ -125,7 +125,7 @@ def _sparse_step_layers(c: _Config, num_layers: int) -> dict:
 # ---- families -------------------------------------------------------------------------------------
 
 def _mixtral(c: _Config) -> dict:
-    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", None)),
+    return {**_base(c), "attention": {**_gqa(c, head_dim=c.int_("head_dim", None)), **_every_layer_window(c)},
             "moe": {"num_experts": c.int_("num_local_experts"), "top_k": c.int_("num_experts_per_tok"),
                     "expert": _ffn(c.int_("intermediate_size"))}}
 
@@ -143,7 +143,8 @@ def _qwen_moe(c: _Config, qwen3: bool) -> dict:
     if not qwen3:
         moe.update(num_shared_experts=1, shared_expert=_ffn(c.int_("shared_expert_intermediate_size")),
                    shared_expert_gate=True)
-    return {**spec, "attention": attn, "dense_ffn": _ffn(c.int_("intermediate_size")), "moe": moe}
+    return {**spec, "attention": {**attn, **_qwen_window(c)}, "dense_ffn": _ffn(c.int_("intermediate_size")),
+            "moe": moe}
 
 
 def _deepseek(c: _Config, mla: bool) -> dict:
@@ -197,21 +198,38 @@ def _gpt_oss(c: _Config) -> dict:
     bias = c.flag("attention_bias", True)
     top_k = c.int_("num_experts_per_tok", None) or c.int_("experts_per_token")
     attention = {**_gqa(c, head_dim=c.int_("head_dim", 64), qkv_bias=bias, o_bias=bias, sinks=True),
-                 **_sliding_window(c, default_every=2)}
+                 **_sliding_window(c, ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(c.num_layers())])}
     return {**_base(c), "attention": attention,
             "moe": {"num_experts": c.int_("num_local_experts"), "top_k": top_k,
                     "expert": _ffn(c.int_("intermediate_size"), bias=True), "router_bias": True}}
 
 
-def _sliding_window(c: _Config, default_every: int | None = None) -> dict:
+def _every_layer_window(c: _Config) -> dict:
+    """Mistral and Mixtral: ``sliding_window`` (null: none) in every layer's attention (transformers
+    src/transformers/models/mistral/modeling_mistral.py at 93e0020, MistralAttention.forward passes
+    config.sliding_window; MixtralAttention is MistralAttention)."""
+    return _sliding_window(c, ["sliding_attention"] * c.num_layers())
+
+
+def _qwen_window(c: _Config) -> dict:
+    """Qwen2 / Qwen3 (dense and MoE): with use_sliding_window, layers from max_window_layers on slide (their config
+    classes' layer_types rule: i >= max_window_layers); off (the default), none does."""
+    if not c.flag("use_sliding_window", False):
+        return {}
+    start = c.int_("max_window_layers", minimum=0) if c.get("layer_types", None) is None else 0
+    return _sliding_window(c, ["sliding_attention" if i >= start else "full_attention" for i in range(c.num_layers())])
+
+
+def _sliding_window(c: _Config, default_types: list[str]) -> dict:
     """``sliding_window`` + ``layer_types`` -> the window and which layers use it: every layer, or every n-th from
-    layer 0 (the patterns the spec can state); another pattern is refused in one line. ``default_every``: the
-    pattern transformers' config class sets where ``layer_types`` is absent (GptOssConfig: every 2nd layer from
-    layer 0 slides, huggingface/transformers src/transformers/models/gpt_oss/configuration_gpt_oss.py at
+    layer 0 (the patterns the spec can state); another pattern is refused in one line. ``default_types``: the
+    pattern the family's transformers config class sets where ``layer_types`` is absent (GptOssConfig: every 2nd
+    layer from layer 0 slides, huggingface/transformers src/transformers/models/gpt_oss/configuration_gpt_oss.py at
     02b8f42)."""
     types = _layer_types(c, c.num_layers())
-    if types is None and default_every:
-        types = ["sliding_attention" if i % default_every == 0 else "full_attention" for i in range(c.num_layers())]
+    if types is None:
+        types = default_types
     window = c.int_("sliding_window", None)
     if window is None or types is None:
         return {}
@@ -285,19 +303,19 @@ def _llama(c: _Config) -> dict:
 
 
 def _mistral(c: _Config) -> dict:
-    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", None)),
+    return {**_base(c), "attention": {**_gqa(c, head_dim=c.int_("head_dim", None)), **_every_layer_window(c)},
             "dense_ffn": _ffn(c.int_("intermediate_size"))}
 
 
 def _qwen2(c: _Config) -> dict:
-    return {**_base(c), "attention": _gqa(c, qkv_bias=True), "dense_ffn": _ffn(c.int_("intermediate_size"))}
+    return {**_base(c), "attention": {**_gqa(c, qkv_bias=True), **_qwen_window(c)},
+            "dense_ffn": _ffn(c.int_("intermediate_size"))}
 
 
 def _qwen3(c: _Config) -> dict:
     bias = c.flag("attention_bias", False)
-    return {**_base(c), "attention": _gqa(c, head_dim=c.int_("head_dim", None), qkv_bias=bias, o_bias=bias,
-                                          qk_norm="per_head"),
-            "dense_ffn": _ffn(c.int_("intermediate_size"))}
+    attention = _gqa(c, head_dim=c.int_("head_dim", None), qkv_bias=bias, o_bias=bias, qk_norm="per_head")
+    return {**_base(c), "attention": {**attention, **_qwen_window(c)}, "dense_ffn": _ffn(c.int_("intermediate_size"))}
 
 
 CONVERTERS: dict[str, Callable[[_Config], dict]] = {

@@ -131,6 +131,31 @@ def test_imported_spec_round_trips_through_yaml(fixture):
     assert parse_spec(ModelSpec, yaml.safe_load(spec_to_yaml(spec)), "roundtrip") == spec
 
 
+@pytest.mark.parametrize("fixture, extra, expected", [
+    ("mistral-7b-v0.1.json", {"sliding_window": 4096}, (4096, 1)),          # Mistral 7B v0.1's: every layer
+    ("mixtral-8x7b.json", {"sliding_window": 4096}, (4096, 1)),
+    ("mixtral-8x7b.json", {"sliding_window": None}, (None, 1)),             # Mixtral 8x7B's own: none
+    ("qwen2-7b.json", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0}, (4096, 1)),
+    ("qwen2-7b.json", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28}, (None, 1)),
+    ("qwen2-7b.json", {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 0}, (None, 1)),
+    ("qwen3-30b-a3b.json", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0}, (4096, 1)),
+])
+def test_a_configs_sliding_window_is_imported_not_dropped(fixture, extra, expected):
+    """Mistral / Mixtral slide in every layer when sliding_window is set; Qwen2 / Qwen3 from max_window_layers on
+    with use_sliding_window (before: every one imported as full attention)."""
+    path = Path(__file__).parent / "fixtures" / fixture
+    spec = spec_from_hf_config({**json.loads(path.read_text()), **extra}, str(path))
+    assert (spec.attention.sliding_window, spec.attention.sliding_window_every) == expected
+
+
+def test_a_qwen_window_from_a_middle_layer_is_one_error():
+    path = Path(__file__).parent / "fixtures" / "qwen2-7b.json"
+    config = {**json.loads(path.read_text()), "use_sliding_window": True, "sliding_window": 4096,
+              "max_window_layers": 14}
+    with pytest.raises(PiperError, match="piper states every layer or every n-th from layer 0"):
+        spec_from_hf_config(config, str(path))
+
+
 def test_sliding_window_layers_from_layer_types():
     """gpt-oss's layer_types (sliding, full, sliding, ...) -> a 128-key window on every other layer; a pattern the
     spec cannot state is one clear error."""
