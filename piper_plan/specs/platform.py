@@ -111,6 +111,10 @@ class NodeSpec(Spec):
             bad = [n for n in self.device_nic if not 0 <= n < max(self.num_nics, 1)]
             if bad:
                 raise ValueError(f"device_nic names NICs {bad}; allowed 0..{self.num_nics - 1}")
+        names = [link.name for link in self.link_classes]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"link class {twice[0]!r} is named twice; each link class needs its own name")
         for link in self.link_classes:
             bad = [p for p in link.device_pairs or [] if p[0] == p[1] or not all(0 <= d < self.devices_per_node for d in p)]
             if bad:

@@ -163,3 +163,13 @@ def test_a_multi_node_platform_with_only_the_node_scope_is_refused(tmp_path):
                                    "--dp", "16", "--ep", "8", "--global-batch", "64"])
     assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "network.scopes lists only 'node': a platform of 2,048 nodes needs" in res.stderr
+
+
+def test_a_link_class_named_twice_is_refused():
+    """Two link classes of one name were both kept (and listed twice by platform show)."""
+    from pydantic import ValidationError
+
+    data = load_platform("frontier").model_dump(mode="json")
+    data["node"]["link_classes"].append(dict(data["node"]["link_classes"][0]))
+    with pytest.raises(ValidationError, match="is named twice"):
+        type(load_platform("frontier")).model_validate(data)
