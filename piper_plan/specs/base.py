@@ -21,10 +21,11 @@ MAX_NAME_CHARS = 256
 def _plain_name(text: str) -> str:
     import unicodedata
 
-    if not text.strip() or any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text):
-        raise ValueError("a name is one line, not blank: no newline, tab, line separator or other control character")
+    if not text.strip() or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text):
+        raise ValueError("a name is one line, not blank: no newline, tab, line separator, other control character "
+                         "or format character (a right-to-left override reorders what a terminal shows)")
     if len(text) > MAX_NAME_CHARS:
-        raise ValueError(f"a name is at most {MAX_NAME_CHARS} characters (got {len(text):,})")
+        raise ValueError(f"a name is at most {MAX_NAME_CHARS} characters, not {len(text):,}")
     return text
 
 

@@ -217,6 +217,8 @@ def test_a_name_with_a_newline_never_reaches_a_script(tmp_path):
     assert not out.exists()                               # no job directory, no script
     model = yaml_copy(tmp_path, "models/tiny-moe.yaml", name="tiny\tmoe")
     assert_one_line_error(run("model", "show", model), "name: a name is one line, not blank")
+    model = yaml_copy(tmp_path, "models/tiny-moe.yaml", name="tiny\u202emoe")      # right-to-left override
+    assert_one_line_error(run("model", "show", model), "or format character")
 
 
 def yaml_copy(tmp_path: Path, relative: str, **changes) -> Path:
