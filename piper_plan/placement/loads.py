@@ -7,6 +7,8 @@ Generators are pure (numpy ``Generator`` in, array out); only :func:`read_metric
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ DEFAULT_TOKENS_PER_LAYER = 1 << 20
 """Routed token-slots per layer of synthetic loads (tokens x top_k); only the shares matter to the planner."""
 
 SKEW_HELP = "zipf:S (S >= 0), dirichlet:A (A > 0), uniform, or a metrics.jsonl file"
+DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+"""A plain ASCII decimal (S or A of --skew): no underscores, spaces, non-ASCII digits, hex, inf or nan."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,10 @@ def parse_skew(text: str) -> Skew:
 
 
 def _parse_float(value: str, text: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise PiperError(f"--skew {text!r}: {value!r} is not a number; allowed {SKEW_HELP}") from None
+    if not DECIMAL.fullmatch(value):
+        raise PiperError(f"--skew {ascii(text)}: {ascii(value)} is not a number (plain ASCII decimal, e.g. 1.2 or "
+                         f"1e-3); allowed {SKEW_HELP}")
+    number = float(value)
     if not np.isfinite(number):
         raise PiperError(f"--skew {text!r}: value must be finite; allowed {SKEW_HELP}")
     return number
@@ -118,16 +122,59 @@ finite)."""
 
 
 def _layer_rows(obj: dict, path: Path, line: int) -> np.ndarray:
-    """One line's expert_tokens -> float ``[L, E]``."""
-    tokens = obj["expert_tokens"]
-    try:
-        if isinstance(tokens, dict):
-            tokens = [tokens[k] for k in sorted(tokens, key=int)]
-        rows = np.asarray(tokens, dtype=np.float64)
-    except (TypeError, ValueError):
-        rows = None
-    if rows is None or rows.ndim != 2 or rows.shape[1] == 0 or not np.isfinite(rows).all() or (rows < 0).any() \
-            or (rows > MAX_TOKEN_COUNT).any() or (rows != np.floor(rows)).any():
-        raise PiperError(f"line {line}: field expert_tokens must be [layers][experts] whole token counts, 0 to "
-                         f"2^53", path=str(path))
-    return rows
+    """One line's expert_tokens -> float ``[L, E]``; a PiperError names the first entry that is not a token count."""
+    layers = _layer_list(obj["expert_tokens"], path, line)
+    if all(map(_plain_counts, layers)) and len(set(map(len, layers))) == 1:
+        rows = np.asarray(layers, dtype=np.float64)
+        if (rows == np.floor(rows)).all():
+            return rows
+    raise _first_bad_count(layers, path, line)
+
+
+def _layer_list(tokens, path: Path, line: int) -> list:
+    """expert_tokens' layers in layer order: a non-empty list, or a mapping with the keys "0" .. "L-1"."""
+    if not tokens or not isinstance(tokens, (list, dict)):
+        raise PiperError(f"line {line}: field expert_tokens: {_shown(tokens)} is not [layers][experts] token counts; "
+                         'allowed: a non-empty list of layers, or a mapping from layer index ("0", "1", ...) to a '
+                         "layer", path=str(path))
+    if isinstance(tokens, list):
+        return tokens
+    keys = {str(index): index for index in range(len(tokens))}      # canonical spelling: no "00", "-1", " 1"
+    stray = [key for key in tokens if key not in keys]
+    if stray:
+        raise PiperError(f"line {line}: field expert_tokens: layer key {json.dumps(stray[0])} is not a layer index; "
+                         f'allowed: the layer indices "0" to "{len(keys) - 1}", each once', path=str(path))
+    return [tokens[key] for key in keys]
+
+
+def _plain_counts(counts) -> bool:
+    """Whether ``counts`` is a non-empty list of JSON numbers 0 .. MAX_TOKEN_COUNT (C loops: metrics are large)."""
+    return (isinstance(counts, list) and bool(counts) and set(map(type, counts)) <= {int, float}
+            and min(counts) >= 0 and max(counts) <= MAX_TOKEN_COUNT)
+
+
+def _is_count(value) -> bool:
+    return type(value) in (int, float) and 0 <= value <= MAX_TOKEN_COUNT and float(value).is_integer()
+
+
+def _first_bad_count(layers: list, path: Path, line: int) -> PiperError:
+    """The error for the first layer or entry of ``layers`` that is not a list of whole token counts."""
+    at = f"line {line}: field expert_tokens"
+    for i, counts in enumerate(layers):
+        if not isinstance(counts, list) or not counts:
+            return PiperError(f"{at}[{i}]: {_shown(counts)} is not a list of token counts; allowed: [layers][experts] "
+                              "whole token counts, 0 to 2^53", path=str(path))
+        for j, value in enumerate(counts):
+            if not _is_count(value):
+                return PiperError(f"{at}[{i}][{j}]: {_shown(value)} is not a token count; allowed: whole token "
+                                  "counts, 0 to 2^53", path=str(path))
+        if len(counts) != len(layers[0]):
+            return PiperError(f"{at}[{i}]: {len(counts)} experts, layer 0 has {len(layers[0])}; allowed: the same "
+                              "number of experts in every layer", path=str(path))
+    return PiperError(f"{at}: allowed: [layers][experts] whole token counts, 0 to 2^53", path=str(path))
+
+
+def _shown(value, limit: int = 40) -> str:
+    """``value`` as JSON, cut to ``limit`` characters (an error line stays short)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

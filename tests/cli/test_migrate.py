@@ -119,3 +119,58 @@ def test_group_across_nodes_priced_by_network_scope(tmp_path):
     assert compact["pricing"]["bytes_per_expert"] == 3 * 64 * 128 * 14      # gated expert x 14 B/param
     hill_c, hill_s = compact["algorithms"]["hill_climb"], spread["algorithms"]["hill_climb"]
     assert hill_s["time_s"] == pytest.approx(hill_c["time_s"] * 12.5 / 7.14)
+
+
+def _metrics(tmp_path, expert_tokens) -> str:
+    """A metrics.jsonl whose line 2 carries ``expert_tokens`` (line 1 is a valid step)."""
+    path = tmp_path / "metrics.jsonl"
+    good = {"schema_version": 1, "step": 1, "expert_tokens": [[10, 20, 30, 40], [1, 2, 3, 4]]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"schema_version": 1, "step": 2,
+                                                          "expert_tokens": expert_tokens}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("expert_tokens, fragment", [
+    ([[True, False, True, True], [1, 2, 3, 4]], "expert_tokens[0][0]: true is not a token count"),
+    ([[10, 20, 30, 40], [1, "2", 3, 4]], "expert_tokens[1][1]: \"2\" is not a token count"),
+    ([["1e3", 20, 30, 40], [1, 2, 3, 4]], "expert_tokens[0][0]: \"1e3\" is not a token count"),
+    ([[10, 20, 30, 40], [1, 2, 3, 4.5]], "expert_tokens[1][3]: 4.5 is not a token count"),
+    ([[10, 20, 30, 40], [1, 2, 3, -4]], "expert_tokens[1][3]: -4 is not a token count"),
+    ([[10, 20, 30, 40], [1, 2, 3, None]], "expert_tokens[1][3]: null is not a token count"),
+    ([[10, 20, 30, 40], [1, 2, 3, 2**53 + 1]], "expert_tokens[1][3]: 9007199254740993 is not a token count"),
+    ([[10, 20, 30, 40], [1, 2, 3]], "expert_tokens[1]: 3 experts, layer 0 has 4"),
+    ([[10, 20, 30, 40], 5], "expert_tokens[1]: 5 is not a list of token counts"),
+    ({"0": [10, 20, 30, 40], "00": [1, 2, 3, 4]}, "expert_tokens: layer key \"00\" is not a layer index"),
+    ({"0": [10, 20, 30, 40], "5": [1, 2, 3, 4]}, "expert_tokens: layer key \"5\" is not a layer index"),
+    ({"-1": [10, 20, 30, 40], "0": [1, 2, 3, 4]}, "expert_tokens: layer key \"-1\" is not a layer index"),
+    ({"0": [10, 20, 30, 40], " 1": [1, 2, 3, 4]}, "expert_tokens: layer key \" 1\" is not a layer index"),
+    ({}, "expert_tokens: {} is not"),
+])
+def test_measured_loads_bad_counts_one_line(tmp_path, expert_tokens, fragment):
+    path = _metrics(tmp_path, expert_tokens)
+    result = _run("--ep", "2", "--skew", path)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: {path}: line 2: field {fragment}")
+    assert "allowed" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_measured_loads_layer_keys_and_whole_floats(tmp_path):
+    tokens = {"1": [1.0, 2, 3, 4e0], "0": [10, 20, 30, 40]}       # keys in any order; 4e0 is a whole number
+    out = _json("--ep", "2", "--skew", _metrics(tmp_path, tokens))
+    assert out["algorithms"]["hill_climb"]["before"]["per_layer"] == pytest.approx([140 / 100, 14 / 10])
+
+
+@pytest.mark.parametrize("skew", ["zipf:1_2", "zipf:\uff11.2", "zipf: 1.2", "zipf:1.2 ", "dirichlet:0_3",
+                                  "dirichlet:\u0663", "zipf:1.2\n", "zipf:infinity", "zipf:nan", "zipf:0x10"])
+def test_skew_number_is_plain_ascii_decimal(skew):
+    result = _run("--experts", "8", "--ep", "2", "--skew", skew)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: --skew ") and "not a number" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("skew", ["zipf:1e-3", "zipf:.5", "zipf:2.", "zipf:0", "dirichlet:3", "dirichlet:1E+1"])
+def test_skew_plain_decimals_accepted(skew):
+    assert _json("--experts", "8", "--ep", "2", "--skew", skew)["skew"].split(":")[0] == skew.split(":")[0]
