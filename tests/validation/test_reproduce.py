@@ -63,3 +63,15 @@ def test_a_report_that_cannot_write_all_its_files_writes_none(tmp_path, monkeypa
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
         result.output
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["d", "d.png", "halo.png"]
+
+
+def test_the_halo_report_stays_inside_the_platform(tmp_path):
+    """local-cpu (4 nodes of 2 devices): no row beyond 4 nodes, its own devices per node in the text, and the
+    paper's 16+-node claims answered 'no row' (before: rows to 512 nodes, '8 GCDs per node', and a traceback)."""
+    out = tmp_path / "halo.md"
+    result = CliRunner().invoke(cli, ["reproduce", "halo", "--platform", "local-cpu", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["tables"][0]["rows"]
+    assert max(r["nodes"] for r in rows) == load_platform("local-cpu").node_limit == 4
+    text = out.read_text()
+    assert "(2 devices per node, up to 4 nodes)" in text and "no row (the platform has fewer nodes)" in text
