@@ -308,8 +308,8 @@ _STRICT_LOADER = None
 
 
 def _kind(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), f"a {type(value).__name__}")
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), f"a {type(value).__name__}")
 
 
 # ---- writing ------------------------------------------------------------------------------------------

@@ -57,6 +57,8 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
     if platform_name is None and not no_save:
         raise PiperError("give --platform P (calibration/P/collectives.csv receives the rows), or --no-save",
                          field="--platform")
+    if no_save and output_dir is not None:
+        raise PiperError(f"{output_dir}: --no-save writes no rows; drop --out-dir or --no-save", field="--out-dir")
     network = parse_network(network_text) if network_text is not None else None
     platform = load_platform(platform_name) if platform_name else None
     config = bench.BenchConfig(

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from piper_plan.cli.common import EXIT_CHECK_FAILED, console, exit_codes, json_option, output_option, print_json
+from piper_plan.cli.common import EXIT_CHECK_FAILED, console, exit_codes, json_option, note, output_option, print_json
 
 
 @click.command("validate", epilog=exit_codes({EXIT_CHECK_FAILED: "a gated row or a dataset's mean error is outside its tolerance (on this version's own checkout: piper-frontier-moe/xmoe-small, see docs/validation.md)"}))
@@ -30,7 +30,7 @@ def validate_cmd(datasets, as_json, markdown_path) -> None:
     if markdown_path:
         from piper_plan.fileio import atomic_write_text
 
-        atomic_write_text(markdown_path, report_markdown(results, violations))
+        note(f"wrote {atomic_write_text(markdown_path, report_markdown(results, violations))}")
     if as_json:
         print_json({"datasets": [r.to_dict() for r in results], "violations": violations, "ok": not violations})
     else:

@@ -194,6 +194,7 @@ def test_json_goes_to_stdout(args):
 
 def test_bench_a2a_never_picks_a_platform_to_write_into():
     assert_one_line_error(run("bench", "a2a"), "--platform", "--no-save")
+    assert_one_line_error(run("bench", "a2a", "--no-save", "--out-dir", "somewhere"), "--no-save writes no rows")
 
 
 @pytest.mark.parametrize("args,needle", [
