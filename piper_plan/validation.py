@@ -286,16 +286,22 @@ def dataset_names(folder: Path | None = None) -> list[str]:
     return sorted(p.stem for p in (folder or validation_dir()).glob("*.yaml"))
 
 
-def load_dataset(name_or_path: str | Path) -> DatasetSpec:
-    """A dataset by name (validation/<name>.yaml) or path; a bad file is one PiperError line."""
-    from piper_plan.catalog import read_structured
-
+def dataset_path(name_or_path: str | Path) -> Path:
+    """validation/<name>.yaml for a name, else the path given."""
     path = Path(name_or_path)
     if not path.suffix:
         path = validation_dir() / f"{name_or_path}.yaml"
         if not path.is_file():
             raise PiperError(f"unknown dataset {str(name_or_path)!r}; known: {', '.join(dataset_names())}",
                              field="--dataset")
+    return path
+
+
+def load_dataset(name_or_path: str | Path) -> DatasetSpec:
+    """A dataset by name (validation/<name>.yaml) or path; a bad file is one PiperError line."""
+    from piper_plan.catalog import load_platform, read_structured
+
+    path = dataset_path(name_or_path)
     spec = parse_spec(DatasetSpec, read_structured(path), str(path))
     ids = [r.id for r in spec.rows]
     if len(set(ids)) != len(ids):
@@ -305,6 +311,7 @@ def load_dataset(name_or_path: str | Path) -> DatasetSpec:
 
     try:                                          # the dataset's shared settings, then every row's inputs:
         cost_options(spec.options)                # a bad one is found before any row is priced
+        in_field("platform", load_platform, spec.platform)
         parse_spec(TrainingSpec, spec.training, "", field="training")
         parse_spec(MigrationArgs, spec.migration, "", field="migration")
     except PiperError as exc:
@@ -312,6 +319,14 @@ def load_dataset(name_or_path: str | Path) -> DatasetSpec:
     for row in spec.rows:
         in_row(row, path, check_row, spec, row)
     return spec
+
+
+def in_field(field: str, fn, *args):
+    """``fn(*args)``, a PiperError from it named by ``field`` (a file of its own kept in the message)."""
+    try:
+        return fn(*args)
+    except PiperError as exc:
+        raise PiperError(f"{exc.path}: {exc.message}" if exc.path else exc.message, field=field) from None
 
 
 def in_row(row: RowSpec, path, fn, *args):
@@ -534,7 +549,18 @@ def validate_dataset(spec: DatasetSpec) -> DatasetResult:
 
 def validate(names: list[str] | None = None) -> list[DatasetResult]:
     """Every dataset (or the named ones), in name order."""
-    return [validate_dataset(load_dataset(n)) for n in (names or dataset_names())]
+    return [_validated(name) for name in (names or dataset_names())]
+
+
+def _validated(name_or_path: str | Path) -> DatasetResult:
+    """One dataset validated; an error met while pricing its rows names the dataset file."""
+    spec = load_dataset(name_or_path)
+    try:
+        return validate_dataset(spec)
+    except PiperError as exc:
+        if exc.path:
+            raise
+        raise PiperError(exc.message, path=str(dataset_path(name_or_path)), field=exc.field) from None
 
 
 def all_violations(results: list[DatasetResult]) -> list[str]:

@@ -253,6 +253,17 @@ def test_a_row_stage_past_the_pipeline_or_a_vanishing_published_value_is_one_lin
     path.write_text(yaml.safe_dump(data))
     result = CliRunner().invoke(cli, ["validate", "--dataset", str(path)])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
+    assert result.stderr.startswith(f"error: {path}: "), result.stderr         # the dataset file is named
+
+
+def test_an_unknown_dataset_platform_names_the_dataset_file(tmp_path):
+    import yaml
+
+    data = yaml.safe_load((validation_dir() / "korthikanti-a100.yaml").read_text())
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump({**data, "platform": "nowhere"}))
+    result = CliRunner().invoke(cli, ["validate", "--dataset", str(path)])
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {path}: platform: unknown platform 'nowhere'")
 
 
 @pytest.mark.parametrize("parallel, needle", [
