@@ -67,7 +67,7 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
     if as_json:
         print_json(result.to_json())
         return
-    render(result, model, platform, plan)
+    render(result, model, platform, plan, training)
 
 
 def _plot(path, result, model, platform, plan):
@@ -129,10 +129,16 @@ def time_table(result):
     return table
 
 
-def render(result, model, platform, plan) -> None:
+def precision_text(training) -> str:
+    """The training precision as a reader names it: 'bf16', or 'fp8 (tensorwise)' with its recipe."""
+    return f"{training.dtype} ({training.fp8_recipe})" if training.fp8_recipe else training.dtype
+
+
+def render(result, model, platform, plan, training) -> None:
     out = console()
     device = platform.device.memory_bytes
-    out.print(f"{model.name} on {result.nodes} x {platform.name} nodes ({result.placement}): "
+    out.print(f"{model.name} on {result.nodes} x {platform.name} nodes ({result.placement}), "
+              f"{precision_text(training)}: "
               f"dp={plan.dp} tp={plan.tp} pp={plan.pp} ep={plan.ep} etp={plan.etp} edp={plan.edp} mbs={plan.mbs} "
               f"M={plan.num_microbatches} {plan.schedule} recompute={plan.recompute} zero={plan.zero} a2a={plan.a2a} "
               f"layers per stage {result.layers_per_stage}", markup=False)

@@ -244,6 +244,9 @@ def test_the_fp8_recipe_prices_the_fp8_plans_only_and_is_saved_with_them(tmp_pat
     res = _run(*QWEN_H100, "--dtype", "fp8", "--fp8-recipe", "tensorwise", "-o", str(tmp_path / "plan.json"))
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "plan.json").read_text())["training"]["fp8_recipe"] == "tensorwise"
+    res = CliRunner().invoke(cli, ["estimate", *QWEN_H100, "--dp", "16", "--ep", "8", "--dtype", "fp8",
+                                   "--fp8-recipe", "tensorwise"])
+    assert res.exit_code == 0 and ", fp8 (tensorwise): dp=16 " in res.stdout.splitlines()[0], res.stdout[:300]
     res = CliRunner().invoke(cli, ["estimate", *QWEN_H100, "--dp", "16", "--ep", "8", "--fp8-recipe", "tensorwise"])
     assert res.exit_code == 2 and res.stderr == ("error: --fp8-recipe: tensorwise: an fp8 recipe needs --dtype fp8 "
                                                  "(given: the device default; mxfp8 is a block recipe of its own)\n")
