@@ -12,7 +12,8 @@ import click
 from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
                                    plot_option, print_json)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options,
-                                    migration_option, parallel_options, placement_option, training_options)
+                                    migration_option, parallel_options, placement_option, precision_text,
+                                    training_options)
 
 GiB = 2**30
 
@@ -127,11 +128,6 @@ def time_table(result):
             table.add_row(name, f"{seconds:.4g}", f"{seconds / step:.1%}")
     table.add_row("total", f"{step:.4g}", "100%")
     return table
-
-
-def precision_text(training) -> str:
-    """The training precision as a reader names it: 'bf16', or 'fp8 (tensorwise)' with its recipe."""
-    return f"{training.dtype} ({training.fp8_recipe})" if training.fp8_recipe else training.dtype
 
 
 def render(result, model, platform, plan, training) -> None:

@@ -126,6 +126,11 @@ parallel_options = _bundle(
 )
 
 
+def precision_text(training) -> str:
+    """The training precision as a reader names it: 'bf16', or 'fp8 (tensorwise)' with its recipe."""
+    return f"{training.dtype} ({training.fp8_recipe})" if training.fp8_recipe else training.dtype
+
+
 def check_dtype(dtype: str | None) -> str | None:
     """One --dtype value, or one error line naming what is allowed."""
     if dtype is not None and dtype not in DTYPES:

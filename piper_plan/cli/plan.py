@@ -15,7 +15,7 @@ import click
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
                                    platform_calibration, plot_option, print_json)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
-                                    placement_option, training_options)
+                                    placement_option, precision_text, training_options)
 from piper_plan.errors import PiperError
 from piper_plan.fileio import ascii_int, check_writable
 from piper_plan.plots import check_plot_path
@@ -278,13 +278,13 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
         out = console()
         out.print(_plans_table(winner[1], platform, precision_rows(searches, model, top)), width=_table_width(out))
         for training, result in searches:
-            out.print(f"{training.dtype}: " + _counts_line(result.candidates_total, len(result.fields["dp"]),
-                                                         result.feasible, result.search_seconds, runnable),
-                      markup=False)
-            out.print(f"{training.dtype}: " + _sources_line(result.sources), markup=False)
+            counts = _counts_line(result.candidates_total, len(result.fields["dp"]), result.feasible,
+                                  result.search_seconds, runnable)
+            out.print(f"{precision_text(training)}: {counts}", markup=False)
+            out.print(f"{precision_text(training)}: " + _sources_line(result.sources), markup=False)
     if save_path:
         path, plan = save_best(save_path, model, platform, winner[0], winner[1], kwargs, migration)
-        note(f"saved {path} ({winner[0].dtype}; layers per stage: {plan.layers_per_stage})")
+        note(f"saved {path} ({precision_text(winner[0])}; layers per stage: {plan.layers_per_stage})")
 
 
 def _plans_table(result, platform, rows: list[dict]):
