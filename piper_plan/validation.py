@@ -40,12 +40,16 @@ MIGRATION_QUANTITIES = tuple(q for q in get_args(Quantity) if q.startswith("migr
 
 
 # ---- the dataset file format ------------------------------------------------------------------------
+MAX_TOLERANCE_PCT = 1000.0
+"""The widest tolerance, percent: a prediction 11x off; a wider one would gate nothing."""
+
+
 class Tolerance(Spec):
     """Allowed absolute percentage errors."""
 
-    row: float = Field(gt=0)
+    row: float = Field(gt=0, le=MAX_TOLERANCE_PCT)
     """Largest allowed |error| of one gated row, percent."""
-    mean: float = Field(gt=0)
+    mean: float = Field(gt=0, le=MAX_TOLERANCE_PCT)
     """Largest allowed mean |error| over the gated rows of the dataset, percent."""
 
 
@@ -87,7 +91,7 @@ class RowSpec(Spec):
     """expert_migration arguments for this row, over the dataset's."""
     options: dict | None = None
     """CostOptions fields for this row (e.g. dropout), over the dataset's."""
-    tolerance_pct: float | None = Field(default=None, gt=0)
+    tolerance_pct: float | None = Field(default=None, gt=0, le=MAX_TOLERANCE_PCT)
     """Overrides the dataset's row tolerance."""
     gated: bool = True
     """False: reported, never fails the suite (a known inconsistency of the source, explained in ``note``)."""

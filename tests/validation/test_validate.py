@@ -241,6 +241,7 @@ def test_cost_option_bad_input_is_one_line(extra, needle):
     ({"stage": 99}, "stage: 99; the plan has 8 pipeline stage(s): 0 to 7"),
     ({"published": 1e-320}, "published: Input should be greater than or equal to"),
     ({"search": {"strategy": "piper"}}, "give parallel (the published configuration) or search"),   # search won
+    ({"tolerance_pct": 1e300}, "tolerance_pct: Input should be less than or equal to 1000"),  # gated nothing
 ])
 def test_a_row_stage_past_the_pipeline_or_a_vanishing_published_value_is_one_line(tmp_path, change, needle):
     """Before: an IndexError traceback (stage), and Infinity in the JSON (a relative error over 1e-320)."""
