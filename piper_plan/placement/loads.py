@@ -131,20 +131,26 @@ def _layer_rows(obj: dict, path: Path, line: int) -> np.ndarray:
     raise _first_bad_count(layers, path, line)
 
 
+LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
+"""A layer index as piper's runtime writes it (the MoE layer's global index: "3", "4", ... for DeepSeek-V3; an MTP
+module's is num_layers + k): plain decimal, so "03" and "3" cannot both name layer 3."""
+
+
 def _layer_list(tokens, path: Path, line: int) -> list:
-    """expert_tokens' layers in layer order: a non-empty list, or a mapping with the keys "0" .. "L-1"."""
+    """expert_tokens' layers in layer order: a non-empty list, or a mapping from layer index to a layer (the runtime's
+    records: keys the MoE layers' global indices, in any order)."""
     if not tokens or not isinstance(tokens, (list, dict)):
         raise PiperError(f"line {line}: field expert_tokens: {_shown(tokens)} is not [layers][experts] token counts; "
                          'allowed: a non-empty list of layers, or a mapping from layer index ("0", "1", ...) to a '
                          "layer", path=str(path))
     if isinstance(tokens, list):
         return tokens
-    keys = {str(index): index for index in range(len(tokens))}      # canonical spelling: no "00", "-1", " 1"
-    stray = [key for key in tokens if key not in keys]
+    stray = [key for key in tokens if not LAYER_KEY.fullmatch(key)]
     if stray:
         raise PiperError(f"line {line}: field expert_tokens: layer key {json.dumps(stray[0])} is not a layer index; "
-                         f'allowed: the layer indices "0" to "{len(keys) - 1}", each once', path=str(path))
-    return [tokens[key] for key in keys]
+                         'allowed: a layer index in plain decimal ("0", "3", "12"; no sign, space or leading zero)',
+                         path=str(path))
+    return [tokens[key] for key in sorted(tokens, key=int)]
 
 
 def _plain_counts(counts) -> bool:

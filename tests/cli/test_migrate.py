@@ -141,7 +141,7 @@ def _metrics(tmp_path, expert_tokens) -> str:
     ([[10, 20, 30, 40], [1, 2, 3]], "expert_tokens[1]: 3 experts, layer 0 has 4"),
     ([[10, 20, 30, 40], 5], "expert_tokens[1]: 5 is not a list of token counts"),
     ({"0": [10, 20, 30, 40], "00": [1, 2, 3, 4]}, "expert_tokens: layer key \"00\" is not a layer index"),
-    ({"0": [10, 20, 30, 40], "5": [1, 2, 3, 4]}, "expert_tokens: layer key \"5\" is not a layer index"),
+    ({"3": [10, 20, 30, 40], "03": [1, 2, 3, 4]}, "expert_tokens: layer key \"03\" is not a layer index"),
     ({"-1": [10, 20, 30, 40], "0": [1, 2, 3, 4]}, "expert_tokens: layer key \"-1\" is not a layer index"),
     ({"0": [10, 20, 30, 40], " 1": [1, 2, 3, 4]}, "expert_tokens: layer key \" 1\" is not a layer index"),
     ({}, "expert_tokens: {} is not"),
@@ -160,6 +160,15 @@ def test_measured_loads_layer_keys_and_whole_floats(tmp_path):
     tokens = {"1": [1.0, 2, 3, 4e0], "0": [10, 20, 30, 40]}       # keys in any order; 4e0 is a whole number
     out = _json("--ep", "2", "--skew", _metrics(tmp_path, tokens))
     assert out["algorithms"]["hill_climb"]["before"]["per_layer"] == pytest.approx([140 / 100, 14 / 10])
+
+
+def test_measured_loads_keyed_by_the_runtimes_global_layer_indices(tmp_path):
+    """piper's runtime keys expert_tokens by each MoE layer's global index (runtime/train.py merge_reports): 3, 4, ...
+    for DeepSeek-V3, 1, 3, 5, ... for Llama 4 Maverick; a file of them is read in layer order."""
+    tokens = {"12": [5, 5, 5, 10], "3": [10, 20, 30, 40]}              # layer 3 first, though "12" < "3" as text
+    out = _json("--ep", "2", "--skew", _metrics(tmp_path, tokens))
+    # summed with line 1 ([[10, 20, 30, 40], [1, 2, 3, 4]]): layer 0 as line 1 twice, layer 1 [6, 7, 8, 14]
+    assert out["algorithms"]["hill_climb"]["before"]["per_layer"] == pytest.approx([140 / 100, 22 / 17.5])
 
 
 @pytest.mark.parametrize("skew", ["zipf:1_2", "zipf:\uff11.2", "zipf: 1.2", "zipf:1.2 ", "dirichlet:0_3",
