@@ -5,8 +5,8 @@ lists the ones piper may write, with the commit they were read from, and a test 
 
 from __future__ import annotations
 
-from piper_plan.export.script import (capacity_note, gradient_precision, job_script, option_notes, piper_only,
-                                      prediction_options, recompute_modules, torchrun_launcher)
+from piper_plan.export.script import (capacity_note, job_script, option_notes, piper_only, prediction_options,
+                                      recompute_modules, torchrun_launcher)
 from piper_plan.specs.parallel import layout_string
 
 INSTEAD = {
@@ -137,24 +137,25 @@ def parallel_arguments(pf) -> tuple[list[list[str]], list[str]]:
             lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
         lines += split_arguments(p.stage_layers(pf.model.num_layers), notes)
     lines += recompute_arguments(pf, notes) + zero_arguments(p, notes)
-    lines += precision_arguments(t, notes)
+    lines += precision_arguments(t)
     if p.schedule == "gpipe" and p.pp > 1:
         notes.append("schedule gpipe -> Megatron runs 1F1B (same bubble, fewer activations in flight)")
     return lines, notes
 
 
-def precision_arguments(training, notes: list[str]) -> list[list[str]]:
-    """The 16-bit format, an 8-bit recipe (--fp8-format with --fp8-recipe) and the gradients' width: Megatron keeps
-    fp32 main gradients under bf16 unless told --grad-reduce-in-bf16 (arguments.py at 000c4ac, validate_args)."""
-    lines = [[flag] for flag in PRECISION_FLAGS[training.dtype]]
+def precision_arguments(training) -> list[list[str]]:
+    """The 16-bit format, an 8-bit recipe (--fp8-format with --fp8-recipe) and the gradients' width. Megatron's
+    default differs by format (arguments.py at 000c4ac, validate_args): under --bf16 fp32 main gradients unless told
+    --grad-reduce-in-bf16; under --fp16 gradients in fp16 unless told --accumulate-allreduce-grads-in-fp32."""
+    flags = PRECISION_FLAGS[training.dtype]
+    lines = [[flag] for flag in flags]
     recipe = training.fp8_recipe or (training.dtype if training.dtype == "mxfp8" else None)
     if recipe is not None:
         lines += [["--fp8-format", FP8_FORMAT[recipe]], ["--fp8-recipe", recipe]]
-    if training.grad_bytes == 2 and "--bf16" in PRECISION_FLAGS[training.dtype]:
+    if training.grad_bytes == 2 and "--bf16" in flags:
         lines.append(["--grad-reduce-in-bf16"])
-    elif training.grad_bytes == 2:
-        notes.append(f"not carried over: {gradient_precision(training)} (Megatron keeps fp32 main gradients under "
-                     "--fp16)")
+    if training.grad_bytes == 4 and "--fp16" in flags:
+        lines.append(["--accumulate-allreduce-grads-in-fp32"])
     return lines
 
 

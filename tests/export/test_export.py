@@ -154,6 +154,17 @@ def test_gradient_precision_is_carried_or_noted(plans, tmp_path):
         assert not any("gradients:" in n for n in notes_of(megatron.script(pf)))
 
 
+@pytest.mark.parametrize("grad_bytes, flag", [("4", "--accumulate-allreduce-grads-in-fp32"), ("2", None)])
+def test_fp16_gradients_follow_megatrons_fp16_default(tmp_path, grad_bytes, flag):
+    """Under --fp16 Megatron keeps gradients in fp16 unless told --accumulate-allreduce-grads-in-fp32 (under --bf16 it
+    is the other way round)."""
+    path = saved_plan(tmp_path, "fp16", *PLANS["qwen3-hsdp"], "--dtype", "fp16", "--grad-bytes", grad_bytes)
+    text = megatron.script(read_plan_file(path))
+    assert words_of(text, "--fp16") == [] and "--grad-reduce-in-bf16" not in text
+    assert (flag in text) if flag else "--accumulate-allreduce-grads-in-fp32" not in text
+    assert not any("gradients:" in n for n in notes_of(text))
+
+
 def test_the_precision_recipe_and_fused_loss_reach_megatron(plans):
     """An fp8 plan's recipe is Megatron's --fp8-recipe with its Transformer Engine format; a bf16 plan writes neither;
     the fused cross entropy the prediction assumed is written, not noted."""
