@@ -48,6 +48,12 @@ class Rates:
         self.extrapolated = False
         if calibration is not None:
             self._check_below_peak(calibration)
+        self.high_precision = self if self.attention_dtype == dtype else Rates(platform, self.attention_dtype,
+                                                                               calibration)
+        """The rates of the GEMMs an 8-bit recipe leaves in 16 bits (the router, the output layer, unfused
+        attention): Megatron-Core's router multiplies in moe_router_dtype (megatron/core/transformer/moe/router.py,
+        TopKRouter.gating) and its output layer is a tensor_parallel.ColumnParallelLinear, not a Transformer Engine
+        module (megatron/core/models/gpt/gpt_model.py), so neither runs under Transformer Engine's fp8 autocast."""
 
     def _check_below_peak(self, calibration) -> None:
         """A calibration row faster than the device's datasheet peak is a broken measurement (it priced MFU at

@@ -84,7 +84,7 @@ def layer_activations(ctx: Context, c, streamed: bool = False) -> dict:
     GEMM inputs that fp8 recipes save are extra outputs of those kernels, not smaller tensors)."""
     m, t, o = ctx.model, ctx.training, ctx.opts
     if streamed:
-        t = t.model_copy(update={"dtype": t.attention_dtype})
+        t = t.model_copy(update={"dtype": t.attention_dtype, "fp8_recipe": None})
     sp = sequence_split(c)
     kept, core = mem.attention_activation_bytes(m, t, o, c.tp, c.seq_share, sp)
     out = {"attention": kept, "attention_core": core + 0.0 * kept,
@@ -200,9 +200,16 @@ def _end_activations(ctx: Context, c, st: StageShape, flight, loss_flight) -> di
 
 # ---- time per micro-batch ------------------------------------------------------------------------
 def _gemm(ctx: Context, m, n, k, groups=1):
-    """(forward, backward) seconds of one linear layer's GEMM shape."""
+    """(forward, backward) seconds of one linear layer's GEMM shape (in the training precision, with its recipe)."""
     r = ctx.rates
     return r.linear_seconds(m, n, k, groups), r.linear_seconds(m, n, k, groups, backward=True)
+
+
+def gemm_16bit(ctx: Context, m, n, k, groups=1):
+    """(forward, backward) seconds of a GEMM an 8-bit recipe leaves in 16 bits (``Rates.high_precision``): the
+    router, the output layer, unfused attention."""
+    r = ctx.rates.high_precision
+    return r.gemm_seconds(m, n, k, groups), r.gemm_seconds(m, n, k, groups, backward=True)
 
 
 def _ffn_gemms(ctx: Context, ffn, rows, tp, groups=1, count=1):
@@ -225,7 +232,7 @@ def layer_compute_seconds(ctx: Context, c) -> dict[str, tuple]:
         out["mlp"] = _ffn_gemms(ctx, m.dense_ffn, tokens, c.tp)
     if m.moe is not None:
         moe = m.moe
-        out["router"] = _gemm(ctx, tokens / c.tp, moe.num_experts, d)
+        out["router"] = gemm_16bit(ctx, tokens / c.tp, moe.num_experts, d)
         _, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
         local = moe.num_experts / c.ep
         out["experts"] = _ffn_gemms(ctx, moe.expert, received * c.etp / local, c.etp, groups=local)
@@ -282,9 +289,8 @@ def _attention_core(ctx: Context, c):
 
     _, qk, v = score_widths(m)
     batch = c.seq_share * heads
-    fwd = ctx.rates.gemm_seconds(s, s, qk, batch) + ctx.rates.gemm_seconds(s, v, s, batch)
-    bwd = ctx.rates.gemm_seconds(s, s, qk, batch, True) + ctx.rates.gemm_seconds(s, v, s, batch, True)
-    return fwd, bwd
+    scores, values = gemm_16bit(ctx, s, s, qk, batch), gemm_16bit(ctx, s, v, s, batch)
+    return scores[0] + values[0], scores[1] + values[1]
 
 
 def layer_comm_seconds(ctx: Context, c, spans) -> dict[str, np.ndarray]:

@@ -115,8 +115,8 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
                 per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
         if o.shared_expert_overlap and ctx.model.moe.num_shared_experts:
             _hide_dispatch_behind_shared_experts(per_layer, comp["shared_experts"], c, full)
-    head_f, head_b = stg._gemm(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
-                               ctx.model.hidden_size)
+    head_f, head_b = stg.gemm_16bit(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
+                                    ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms
     overhead = getattr(ctx.rates.calibration, "overhead", None)
     if overhead is not None:                                     # measured framework overhead (cost/overhead.py)

@@ -21,7 +21,7 @@ Fp8Recipe = Literal["delayed", "tensorwise", "blockwise"]
 (transformer_engine/common/recipe/__init__.py at 000b637): delayed = DelayedScaling (one scale per tensor, from its
 amax history), tensorwise = Float8CurrentScaling (one scale per tensor, from the tensor itself: an extra read of
 it), blockwise = Float8BlockScaling (1 x 128 blocks of activations and gradients, 128 x 128 of weights: DeepSeek-V3's
-recipe; Hopper emulates its GEMMs). mxfp8 is a dtype of its own (MXFP8BlockScaling)."""
+recipe). mxfp8 is a dtype of its own (MXFP8BlockScaling)."""
 DEFAULT_FP8_RECIPE = "delayed"
 
 
@@ -34,9 +34,9 @@ class TrainingSpec(Spec):
     """Sequences per optimizer step (at most 2^31)."""
     dtype: Literal["bf16", "fp16", "fp32", "fp8", "mxfp8"] = "bf16"
     """Training precision. bf16 / fp16 / fp32: every GEMM and activation in that dtype. fp8 / mxfp8: bf16
-    training whose linear-layer GEMMs run in 8-bit floating point (Transformer Engine recipes: fp8 = per-tensor
-    current or delayed scaling, or blockwise, all priced alike; mxfp8 = OCP microscaling, one 8-bit scale per 32
-    values, Blackwell); attention, elementwise work and communication stay bf16 (LOW_PRECISION_GEMM_DTYPES)."""
+    training whose linear-layer GEMMs run in 8-bit floating point (fp8: Transformer Engine's per-tensor or blockwise
+    recipes, ``fp8_recipe``; mxfp8 = OCP microscaling, one 8-bit scale per 32 values, Blackwell); attention, the
+    router, the output layer, elementwise work and communication stay bf16 (LOW_PRECISION_GEMM_DTYPES)."""
     fp8_recipe: Fp8Recipe | None = None
     """The fp8 recipe (Fp8Recipe) of an fp8 run; only with dtype fp8, where it defaults to delayed (Megatron-LM's
     and Transformer Engine's default)."""
