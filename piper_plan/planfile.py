@@ -1,4 +1,4 @@
-"""plan.json: the single source of truth of a run (DESIGN.md, "Shared file formats"; schema_version 2).
+"""plan.json: the single source of truth of a run (DESIGN.md, "Shared file formats"; schema_version 3).
 
 Written by ``estimate --save``, ``plan --save`` and ``launch``; read by ``launch``, ``compare``, ``calibrate fit``
 and the runtime. The ``parallel`` block carries the derived ``edp`` and the resolved ``layers_per_stage`` so that
@@ -29,8 +29,10 @@ from piper_plan.specs.base import NotBool, Spec
 from piper_plan.specs.estimate import Estimate
 from piper_plan.specs.model import MAX_EXPERTS, MoESpec
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+"""3 adds training.fp8_recipe and platform.efficiency.fp8_recipe_time (a piper that reads only 1 and 2 names the
+version instead of an unknown field); 2 added parallel.layers_split and the typed prediction."""
+READABLE_VERSIONS = (1, 2, 3)
 
 MAX_STEPS = 10**9
 """The most steps a run (or a checkpoint interval, a warmup, a migration interval or window) may take: at one step a
@@ -143,7 +145,7 @@ class RuntimeBlock(Spec):
 class PlanFile(Spec):
     """The parsed plan.json."""
 
-    schema_version: Annotated[Literal[1, 2], NotBool] = SCHEMA_VERSION
+    schema_version: Annotated[Literal[1, 2, 3], NotBool] = SCHEMA_VERSION
     """Format version."""
     piper_version: str = __version__
     """piper version that wrote the file."""
