@@ -275,7 +275,7 @@ def _strict_loader_class():
         def construct_yaml_bool(self, node):
             if node.value not in _BOOLS:
                 raise _Refused(f"line {node.start_mark.line + 1}: {node.value} is a YAML 1.1 boolean spelling; "
-                               "write true or false")
+                               "write true or false (or quote it, for a string or a key)")
             return super().construct_yaml_bool(node)
 
         def construct_yaml_float(self, node):

@@ -217,16 +217,19 @@ def _qwen_window(c: _Config) -> dict:
     classes' layer_types rule: i >= max_window_layers); off (the default), none does."""
     if not c.flag("use_sliding_window", False):
         return {}
-    start = c.int_("max_window_layers", minimum=0) if c.get("layer_types", None) is None else 0
-    return _sliding_window(c, ["sliding_attention" if i >= start else "full_attention" for i in range(c.num_layers())])
+    if c.get("layer_types", None) is not None:
+        return _sliding_window(c, [])
+    start = c.int_("max_window_layers", minimum=0)
+    return _sliding_window(c, ["sliding_attention" if i >= start else "full_attention" for i in range(c.num_layers())],
+                           from_field="max_window_layers")
 
 
-def _sliding_window(c: _Config, default_types: list[str]) -> dict:
+def _sliding_window(c: _Config, default_types: list[str], from_field: str = "layer_types") -> dict:
     """``sliding_window`` + ``layer_types`` -> the window and which layers use it: every layer, or every n-th from
-    layer 0 (the patterns the spec can state); another pattern is refused in one line. ``default_types``: the
-    pattern the family's transformers config class sets where ``layer_types`` is absent (GptOssConfig: every 2nd
-    layer from layer 0 slides, huggingface/transformers src/transformers/models/gpt_oss/configuration_gpt_oss.py at
-    02b8f42)."""
+    layer 0 (the patterns the spec can state); another pattern is refused in one line, naming ``from_field``, the
+    field the pattern came from. ``default_types``: the pattern the family's transformers config class sets where
+    ``layer_types`` is absent (GptOssConfig: every 2nd layer from layer 0 slides, huggingface/transformers
+    src/transformers/models/gpt_oss/configuration_gpt_oss.py at 02b8f42)."""
     types = _layer_types(c, c.num_layers())
     if types is None:
         types = default_types
@@ -240,7 +243,7 @@ def _sliding_window(c: _Config, default_types: list[str]) -> dict:
     if not sliding:
         return {}
     raise PiperError(f"sliding-window attention on layers {sliding[:6]}...; piper states every layer or every "
-                     "n-th from layer 0", path=c.path, field=c.prefix + "layer_types")
+                     "n-th from layer 0", path=c.path, field=c.prefix + from_field)
 
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")

@@ -65,9 +65,10 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     dtypes = precisions(dtype, platform_name)
     if dtype == "any" and len(dtypes) == 1:
         note(f"--dtype any: {platform_name} has no peak for fp8 or mxfp8 (device.peak_flops): {dtypes[0]} only")
-    recipe = fp8_recipe_of(fp8_recipe, dtypes)
+    check_fp8_recipe(fp8_recipe, dtypes)
+    recipe = {"fp8": fp8_recipe}                  # the recipe of each searched precision (fp8's only)
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
-                                             dtype=dtypes[0], grad_bytes=grad_bytes, fp8_recipe=recipe(dtypes[0]))
+                                             dtype=dtypes[0], grad_bytes=grad_bytes, fp8_recipe=recipe.get(dtypes[0]))
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
@@ -77,7 +78,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
             raise PiperError(f"{dtype!r}: several precisions are searched at one node count (--nodes N), without "
                              "--min-nodes, --plot and --explain", field="--dtype")
         trainings = [training] + [load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
-                                               dtype=d, grad_bytes=grad_bytes, fp8_recipe=recipe(d))[2]
+                                               dtype=d, grad_bytes=grad_bytes, fp8_recipe=recipe.get(d))[2]
                                   for d in dtypes[1:]]
         with searching:
             searches = [(t, engine.search(model, platform, t, counts[0], options, **kwargs)) for t in trainings]
@@ -153,14 +154,13 @@ def precisions(text: str | None, platform_name: str) -> list[str | None]:
     return list(dict.fromkeys(check_dtype(part) for part in parts))
 
 
-def fp8_recipe_of(fp8_recipe: str | None, dtypes: list[str | None]):
-    """dtype -> the --fp8-recipe its search prices (fp8 only); a recipe given where no precision searched is fp8
-    is one error line, not a silently unused option."""
+def check_fp8_recipe(fp8_recipe: str | None, dtypes: list[str | None]) -> None:
+    """A --fp8-recipe where no precision searched is fp8 is one error line, not a silently unused option (the
+    recipe prices the fp8 search of a list only)."""
     if fp8_recipe is not None and "fp8" not in dtypes:
         searched = ", ".join(d or "the device's default" for d in dtypes)
         raise PiperError(f"{fp8_recipe}: no fp8 precision is searched ({searched}); give --dtype fp8 (or a list or "
                          "'any' holding it)", field="--fp8-recipe")
-    return lambda dtype: fp8_recipe if dtype == "fp8" else None
 
 
 def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False,

@@ -152,8 +152,9 @@ def test_a_qwen_window_from_a_middle_layer_is_one_error():
     path = Path(__file__).parent / "fixtures" / "qwen2-7b.json"
     config = {**json.loads(path.read_text()), "use_sliding_window": True, "sliding_window": 4096,
               "max_window_layers": 14}
-    with pytest.raises(PiperError, match="piper states every layer or every n-th from layer 0"):
+    with pytest.raises(PiperError, match="piper states every layer or every n-th from layer 0") as info:
         spec_from_hf_config(config, str(path))
+    assert info.value.field == "max_window_layers"
 
 
 def test_sliding_window_layers_from_layer_types():
