@@ -6,6 +6,7 @@ validation/*.yaml; this test runs the real command, so the suite fails when the 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -28,9 +29,15 @@ def _validate_json(*args: str) -> tuple[int, dict]:
     return result.exit_code, json.loads(result.stdout)
 
 
+@functools.lru_cache(maxsize=None)
+def _catalog_dataset_json(dataset: str) -> dict:
+    """`piper validate --json --dataset NAME` of a catalog dataset, run once per test process (the files do not
+    change while the tests run)."""
+    return _validate_json("--dataset", dataset)[1]
+
+
 def _row_json(dataset: str, row_id: str) -> dict:
-    _, out = _validate_json("--dataset", dataset)
-    (ds,) = out["datasets"]
+    (ds,) = _catalog_dataset_json(dataset)["datasets"]
     (row,) = [r for r in ds["rows"] if r["id"] == row_id]
     return row
 
