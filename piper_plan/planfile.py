@@ -205,7 +205,7 @@ def write_plan_file(path, model, platform, training, nodes, plan, placement, pre
 def parse_plan_dict(data: dict, path: str) -> PlanFile:
     """Validate a plan.json object; errors name the file and the field."""
     version = data.get("schema_version")
-    if version not in READABLE_VERSIONS or isinstance(version, bool):
+    if type(version) is not int or version not in READABLE_VERSIONS:   # not True, not 3.0
         raise PiperError(f"{version!r}; this piper reads {', '.join(map(str, READABLE_VERSIONS))} (save the plan "
                          "again with this piper)", path=path, field="schema_version")
     data = dict(data)
@@ -224,6 +224,10 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
         raise PiperError(f"{plan_file.moe.routing_skew!r}, but training.routing_skew is "
                          f"{plan_file.training.routing_skew!r}; allowed: the same skew (piper writes it in both)",
                          path=path, field="moe.routing_skew")
+    try:                                                # a precision the plan's own platform has no rate for
+        plan_file.platform.peak_flops(plan_file.training.dtype)
+    except PiperError as exc:
+        raise PiperError(exc.message, path=path, field="training.dtype") from None
     check_plan(plan_file.model, plan_file.platform, plan_file.training, plan_file.nodes, plan_file.parallel, path)
     check_prediction(plan_file, path)
     return plan_file

@@ -66,7 +66,7 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
     if plot_path:
         note(f"wrote {_plot(plot_path, result, model, platform, plan)}")
     if as_json:
-        print_json(result.to_json())
+        print_json({**result.to_json(), "dtype": training.dtype, "fp8_recipe": training.fp8_recipe})
         return
     render(result, model, platform, plan, training)
 

@@ -22,12 +22,16 @@ def export_cmd(plan, engine, out_path, as_json) -> None:
     from piper_plan.export import render
     from piper_plan.export.script import fit_warning
     from piper_plan.fileio import atomic_write_text, check_writable
-    from piper_plan.planfile import read_plan_file
+    from piper_plan.errors import PiperError
+    from piper_plan.planfile import in_plan_file, read_plan_file
 
     if out_path:
         check_writable(out_path)
     plan_file = read_plan_file(plan)
-    text = render(plan_file, engine)
+    try:
+        text = render(plan_file, engine)
+    except PiperError as exc:                   # what the engine cannot take names the plan file and its field
+        raise in_plan_file(exc, plan) from None
     if out_path:
         os.chmod(atomic_write_text(out_path, text), 0o755)
         note(f"wrote {out_path}")

@@ -165,9 +165,9 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
         raise PiperError(validation_message(exc), field="training options") from None
     try:
         platform.peak_flops(training.dtype)
-    except PiperError as exc:   # the platform file names no rate for the precision: say which file
-        raise PiperError(exc.message, path=str(resolve(platform_name, platforms_dir(), "platform")),
-                         field=exc.field) from None
+    except PiperError as exc:   # the asked precision has no rate there: --dtype is the input to change
+        where = resolve(platform_name, platforms_dir(), "platform")
+        raise PiperError(f"{exc.message} ({where}, device.peak_flops)", field="--dtype") from None
     return model, platform, training
 
 

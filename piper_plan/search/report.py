@@ -36,6 +36,7 @@ def result_json(result, model, platform, training, top: int) -> dict:
     return {
         "model": model.name, "platform": platform.name, "nodes": result.nodes, "world": result.world,
         "seq_len": training.seq_len, "global_batch": training.global_batch,
+        "dtype": training.dtype, "fp8_recipe": training.fp8_recipe,
         "candidates_enumerated": result.candidates_total,
         "cost_model_evaluations": len(result.fields["dp"]),
         "feasible": result.feasible,
@@ -52,9 +53,9 @@ def result_json(result, model, platform, training, top: int) -> dict:
 
 def precision_rows(searches, model, top: int) -> list[dict]:
     """Several searches of one setting at different precisions, ``[(training, result)]``, as one ranking: every
-    row carries its ``dtype``, ranked by tokens/s (each search's own order kept among equals)."""
-    rows = [{**row, "dtype": training.dtype} for training, result in searches if result.feasible
-            for row in plan_rows(result, model, training, top)]
+    row carries its ``dtype`` and ``fp8_recipe``, ranked by tokens/s (each search's own order kept among equals)."""
+    rows = [{**row, "dtype": training.dtype, "fp8_recipe": training.fp8_recipe} for training, result in searches
+            if result.feasible for row in plan_rows(result, model, training, top)]
     rows.sort(key=lambda row: -row["tokens_per_s"])
     rows = rows[:top] if top > 0 else rows
     for rank_index, row in enumerate(rows, start=1):
@@ -77,12 +78,13 @@ def precisions_json(searches, model, platform, top: int) -> dict:
     for _, r in searches:
         for name, count in r.reasons.items():
             reasons[name] = reasons.get(name, 0) + count
-    obj.update(dtype=training.dtype, plans=precision_rows(searches, model, top), infeasible_reasons=reasons,
+    obj.update(dtype=training.dtype, fp8_recipe=training.fp8_recipe, plans=precision_rows(searches, model, top),
+               infeasible_reasons=reasons,
                candidates_enumerated=sum(r.candidates_total for _, r in searches),
                cost_model_evaluations=sum(len(r.fields["dp"]) for _, r in searches),
                feasible=sum(r.feasible for _, r in searches),
                search_seconds=sum(r.search_seconds for _, r in searches),
-               precisions=[{"dtype": t.dtype, "candidates_enumerated": r.candidates_total,
+               precisions=[{"dtype": t.dtype, "fp8_recipe": t.fp8_recipe, "candidates_enumerated": r.candidates_total,
                             "cost_model_evaluations": len(r.fields["dp"]), "feasible": r.feasible, "sources": r.sources,
                             "best_tokens_per_s": float(r.evaluation.tokens_per_s[r.best]) if r.feasible else None}
                            for t, r in searches])

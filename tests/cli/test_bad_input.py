@@ -60,6 +60,8 @@ def test_binary_and_directory_spec_files(tmp_path):
     (lambda d: {k: v for k, v in d.items() if k != "parallel"}, ["parallel: Field required"]),
     (lambda d: {**d, "placement": "weird"}, ["placement", "'weird'"]),
     (lambda d: {**d, "schema_version": 4}, ["schema_version", "reads 1, 2, 3"]),
+    (lambda d: {**d, "schema_version": 3.0}, ["schema_version", "3.0; this piper reads 1, 2, 3"]),
+    (lambda d: {**d, "training": {**d["training"], "dtype": "fp8"}}, ["training.dtype", "no peak for dtype=fp8"]),
     (lambda d: {**d, "prediction": {**d["prediction"], "step_time_s": "abc"}}, ["prediction.step_time_s"]),
     (lambda d: {**d, "prediction": {**d["prediction"], "step_time_s": -1}}, ["prediction.step_time_s"]),
     (lambda d: {**d, "prediction": {**d["prediction"], "memory": {}}}, ["prediction.memory"]),

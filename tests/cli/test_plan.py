@@ -237,7 +237,11 @@ def test_precision_search_bad_input_is_one_line(args, needle):
 
 def test_the_fp8_recipe_prices_the_fp8_plans_only_and_is_saved_with_them(tmp_path):
     args = (*QWEN_H100, "--dtype", "bf16,fp8", "--json", "--top", "0")
-    plans = {r: json.loads(_run(*args, "--fp8-recipe", r).stdout)["plans"] for r in ("delayed", "blockwise")}
+    docs = {r: json.loads(_run(*args, "--fp8-recipe", r).stdout) for r in ("delayed", "blockwise")}
+    assert [(p["dtype"], p["fp8_recipe"]) for p in docs["blockwise"]["precisions"]] == [("bf16", None),
+                                                                                       ("fp8", "blockwise")]
+    plans = {r: docs[r]["plans"] for r in docs}
+    assert {(p["dtype"], p["fp8_recipe"]) for p in plans["blockwise"]} == {("bf16", None), ("fp8", "blockwise")}
     for dtype in ("bf16", "fp8"):
         tps = [[p["tokens_per_s"] for p in plans[r] if p["dtype"] == dtype] for r in ("delayed", "blockwise")]
         assert tps[0] == tps[1] if dtype == "bf16" else max(tps[1]) < max(tps[0])   # blockwise: slower fp8 GEMMs
@@ -247,6 +251,9 @@ def test_the_fp8_recipe_prices_the_fp8_plans_only_and_is_saved_with_them(tmp_pat
     res = CliRunner().invoke(cli, ["estimate", *QWEN_H100, "--dp", "16", "--ep", "8", "--dtype", "fp8",
                                    "--fp8-recipe", "tensorwise"])
     assert res.exit_code == 0 and ", fp8 (tensorwise): dp=16 " in res.stdout.splitlines()[0], res.stdout[:300]
+    res = CliRunner().invoke(cli, ["estimate", *QWEN_H100, "--dp", "16", "--ep", "8", "--dtype", "fp8",
+                                   "--fp8-recipe", "tensorwise", "--json"])
+    assert (json.loads(res.stdout)["dtype"], json.loads(res.stdout)["fp8_recipe"]) == ("fp8", "tensorwise")
     res = CliRunner().invoke(cli, ["estimate", *QWEN_H100, "--dp", "16", "--ep", "8", "--fp8-recipe", "tensorwise"])
     assert res.exit_code == 2 and res.stderr == ("error: --fp8-recipe: tensorwise: an fp8 recipe needs --dtype fp8 "
                                                  "(given: the device default; mxfp8 is a block recipe of its own)\n")

@@ -252,6 +252,7 @@ def test_torchtitan_refuses_in_one_line(tmp_path, args, needle):
     assert res.exit_code == 2
     errors = [line for line in res.stderr.splitlines() if line]
     assert len(errors) == 1 and needle in errors[0], res.stderr
+    assert errors[0].startswith(f"error: {plan}: "), errors[0]          # the plan file the engine cannot take
     assert not (tmp_path / "job.sh").exists()
 
 
