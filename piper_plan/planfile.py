@@ -28,6 +28,7 @@ from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
 from piper_plan.specs.base import NotBool, Spec
 from piper_plan.specs.estimate import Estimate
 from piper_plan.specs.model import MAX_EXPERTS, MoESpec
+from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES
 
 SCHEMA_VERSION = 3
 """3 adds training.fp8_recipe and platform.efficiency.fp8_recipe_time (a piper that reads only 1 and 2 names the
@@ -224,10 +225,11 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
         raise PiperError(f"{plan_file.moe.routing_skew!r}, but training.routing_skew is "
                          f"{plan_file.training.routing_skew!r}; allowed: the same skew (piper writes it in both)",
                          path=path, field="moe.routing_skew")
-    try:                                                # a precision the plan's own platform has no rate for
-        plan_file.platform.peak_flops(plan_file.training.dtype)
-    except PiperError as exc:
-        raise PiperError(exc.message, path=path, field="training.dtype") from None
+    if plan_file.training.dtype in LOW_PRECISION_GEMM_DTYPES:  # an 8-bit recipe its own hardware has no rate for:
+        try:                                                  # an export would ask the engine for it
+            plan_file.platform.peak_flops(plan_file.training.dtype)
+        except PiperError as exc:
+            raise PiperError(exc.message, path=path, field="training.dtype") from None
     check_plan(plan_file.model, plan_file.platform, plan_file.training, plan_file.nodes, plan_file.parallel, path)
     check_prediction(plan_file, path)
     return plan_file
