@@ -238,4 +238,5 @@ def test_platform_errors_of_a_plan_file_name_it(tmp_path, plan):
     no_peak = tmp_path / "no_peak.json"
     no_peak.write_text(json.dumps(data))
     res = run("launch", "--plan", no_peak, "--out-dir", tmp_path / "job", "--dry-run")
-    assert res.exit_code == 2 and res.stderr.startswith(f"error: {no_peak}: platform.device.peak_flops: "), res.stderr
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: {no_peak}: training.dtype: platform frontier has no "
+                                                        "peak for dtype=fp8"), res.stderr

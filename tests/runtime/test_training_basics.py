@@ -143,6 +143,8 @@ def test_precisions_the_runtime_lacks_are_refused_with_one_line(dtype, why):
 
     plan = plan_dict(pp=1, dp=2, ep=2)
     plan["training"]["dtype"] = dtype
+    peaks = plan["platform"]["device"]["peak_flops"]
+    peaks.setdefault(dtype, 2 * peaks["bf16"])      # an 8-bit rate on the test platform, so the runtime's check speaks
     with pytest.raises(PiperError, match=f"training.dtype={dtype} .runtime supports fp32, bf16: .*{why}") as err:
         preflight(parse_plan_dict(plan, "test plan"), 2, False)
     assert "\n" not in str(err.value)
