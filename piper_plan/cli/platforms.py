@@ -42,6 +42,19 @@ def render_platforms_table(rows: list[dict]) -> None:
     console().print(table)
 
 
+def efficiency_lines(eff: dict, has_fp8: bool) -> list[str]:
+    """The roofline fallback's rates as the cost model takes them: GEMM (per precision), attention, each fp8
+    recipe's time (where the device has an fp8 rate), the host time per GEMM call (0: not priced), and their
+    source."""
+    gemm = ", ".join([f"gemm {eff['gemm']:g}"] + [f"{k} {v:g}" for k, v in eff["gemm_by_dtype"].items()])
+    recipes = ", ".join(f"{k} x{v:g}" for k, v in eff["fp8_recipe_time"].items()) or "not measured (kernel rate)"
+    host = eff["host_s_per_gemm_call"]
+    return [f"efficiency: {gemm}; attention {eff['attention']:g}; "
+            + (f"fp8 recipe time {recipes}; " if has_fp8 else "")
+            + "host per GEMM call " + (f"{host * 1e6:.1f} us" if host else "not priced"),
+            f"  source: {eff['source']}"]
+
+
 def render_platform_summary(s: dict) -> None:
     out, spec = console(), s["spec"]
     dev, node, net = spec["device"], spec["node"], spec["network"]
@@ -58,6 +71,7 @@ def render_platform_summary(s: dict) -> None:
                  f"{net['num_groups']} groups (max {s['max_nodes']} nodes), global taper {net['global_taper']:g}")
     lines += [f"  {scope}: {v['bandwidth_GBps']:g} GB/s per rank, {v['latency_us']:g} us ({v['source']})"
               for scope, v in net["scopes"].items()]
+    lines += efficiency_lines(spec["efficiency"], "fp8" in dev["peak_flops"])
     lines.append(f"launch: template {spec['launch']['template']}, backend {spec['launch']['backend']}")
     for line in lines:
         out.print(line, markup=False)

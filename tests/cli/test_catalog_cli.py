@@ -66,6 +66,16 @@ def test_platforms_json_and_show():
     assert s["spec"]["launch"]["template"] == "dgx-h100.sbatch"
 
 
+def test_platform_show_prints_the_rates_the_cost_model_takes():
+    """The efficiency block was in --json only: the GEMM rate per precision, each fp8 recipe's measured time, the
+    host time per GEMM call."""
+    lines = run("platform", "show", "dgx-h100").stdout.splitlines()
+    (eff,) = [line for line in lines if line.startswith("efficiency: ")]
+    assert "gemm 0.8, fp8 0.709" in eff and "fp8 recipe time tensorwise x1.2086" in eff and "us" in eff
+    (eff,) = [line for line in run("platform", "show", "frontier").stdout.splitlines() if line.startswith("efficiency")]
+    assert "fp8 recipe" not in eff and eff.endswith("host per GEMM call not priced")
+
+
 def test_import_writes_a_spec_that_loads_back(tmp_path):
     out = tmp_path / "qwen.yaml"
     s = run_json("model", "import", str(FIXTURES / "qwen3-30b-a3b.json"), "-o", str(out), "--name", "qwen3-30b")
