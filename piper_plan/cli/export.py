@@ -19,10 +19,9 @@ from piper_plan.export import ENGINES
 @json_option(help="The script and the file it was written to as JSON on stdout.")
 def export_cmd(plan, engine, out_path, as_json) -> None:
     """Write the launch of another training engine for a plan.json (same model, degrees, batch, precision)."""
-    from piper_plan.export import render
-    from piper_plan.export.script import fit_warning
-    from piper_plan.fileio import atomic_write_text, check_writable
     from piper_plan.errors import PiperError
+    from piper_plan.export import render
+    from piper_plan.fileio import atomic_write_text, check_writable
     from piper_plan.planfile import in_plan_file, read_plan_file
 
     if out_path:
@@ -35,11 +34,21 @@ def export_cmd(plan, engine, out_path, as_json) -> None:
     if out_path:
         os.chmod(atomic_write_text(out_path, text), 0o755)
         note(f"wrote {out_path}")
-    warning = fit_warning(plan_file)
-    if warning:
+    warnings = export_warnings(plan_file)
+    for warning in warnings:
         note(f"warning: {warning}")
     if as_json:
-        print_json({"engine": engine, "plan": plan, "output": out_path, "script": text,
-                    "warnings": [warning] if warning else []})
+        print_json({"engine": engine, "plan": plan, "output": out_path, "script": text, "warnings": warnings})
     elif not out_path:
         click.echo(text, nl=False)
+
+
+def export_warnings(plan_file) -> list[str]:
+    """What a reader of the exported job should know of its plan file: its own prediction does not fit, or is not
+    what the plan costs now (a hand-edited recipe, batch or platform; the check `piper launch` makes)."""
+    from piper_plan.export.script import fit_warning
+    from piper_plan.launch.job import repriced, stale_note
+
+    fresh, changed = repriced(plan_file)
+    found = [fit_warning(plan_file), stale_note(plan_file.prediction, fresh.prediction) if changed else None]
+    return [w for w in found if w]

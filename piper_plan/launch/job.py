@@ -67,7 +67,7 @@ def _figures(prediction) -> str:
     return f"step {prediction.step_time_s:.4g} s, peak {prediction.memory.peak_bytes / 2**30:.2f} GiB"
 
 
-def _stale_note(stored, fresh) -> str:
+def stale_note(stored, fresh) -> str:
     return (f"its stored prediction ({_figures(stored)}) is not what its plan costs now ({_figures(fresh)}): the "
             "file was edited or saved by another piper")
 
@@ -85,13 +85,13 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
     except PiperError as exc:         # one line: why, and that the file's own figures said otherwise
         if not changed:
             raise
-        raise PiperError(f"{exc.message} ({_stale_note(stored.prediction, plan_file.prediction)})", path=exc.path,
+        raise PiperError(f"{exc.message} ({stale_note(stored.prediction, plan_file.prediction)})", path=exc.path,
                          field=exc.field) from None
     out_dir = out_dir.expanduser().absolute()
     job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))
     script = render.render_sbatch(job, render.load_template(job.template, options.template_dir))
-    repriced_note = f"{plan_path}: {_stale_note(stored.prediction, plan_file.prediction)}; the job is sized and " \
+    repriced_note = f"{plan_path}: {stale_note(stored.prediction, plan_file.prediction)}; the job is sized and " \
         "checked by the new figures" if changed else None
     return PreparedJob(out_dir=out_dir, plan_text=job_plan_text(plan_path, plan_file), job=job, script=script,
                        readme=readme_text(job, plan_file), repriced_note=repriced_note)

@@ -190,6 +190,22 @@ def test_sliding_windows_and_sinks_reach_megatron(plans):
     assert "--window-size" not in megatron.script(read_plan_file(plans["deepseek-zero1"]))
 
 
+def test_export_warns_when_the_stored_prediction_is_not_what_the_plan_costs_now(plans, tmp_path):
+    """A hand-edited plan file (here the platform's host time) is priced again, as `piper launch` does, and the
+    export says its stored figures are stale."""
+    import json
+
+    data = json.loads(plans["qwen3-hsdp"].read_text())
+    data["platform"]["efficiency"]["host_s_per_gemm_call"] = 0.0
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    res = run("export", "--engine", "megatron", path, "--json")
+    assert res.exit_code == 0, res.output
+    (warning,) = json.loads(res.stdout)["warnings"]
+    assert warning.startswith("its stored prediction (step ") and "is not what its plan costs now" in warning
+    assert json.loads(run("export", "--engine", "megatron", plans["qwen3-hsdp"], "--json").stdout)["warnings"] == []
+
+
 def test_the_optimizer_is_noted(plans, tmp_path):
     """Neither engine's command line here takes piper's optimizer: its name is in the 'not carried over' note."""
     import json
