@@ -145,9 +145,10 @@ def spec_to_yaml(spec: BaseModel) -> str:
     return yaml.safe_dump(data, sort_keys=False, width=110)
 
 
-def spec_text(spec: BaseModel, path: str | Path) -> str:
-    """A spec as the file ``path`` names: JSON for a .json file (the loaders read it by its suffix), else YAML."""
-    if Path(path).suffix.lower() == ".json":
+def spec_text(spec: BaseModel, path: str | Path | None) -> str:
+    """A spec as the file ``path`` names: JSON for a .json file (the loaders read it by its suffix), else YAML (also
+    for ``path`` None: stdout)."""
+    if path is not None and Path(path).suffix.lower() == ".json":
         import json
 
         return json.dumps(spec.model_dump(mode="json", exclude_defaults=True), indent=2) + "\n"

@@ -27,14 +27,14 @@ def export_cmd(plan, engine, out_path, as_json) -> None:
     if out_path:
         check_writable(out_path)
     plan_file = read_plan_file(plan)
-    try:
+    try:                                        # all that can fail, before anything is written
         text = render(plan_file, engine)
+        warnings = export_warnings(plan_file)
     except PiperError as exc:                   # what the engine cannot take names the plan file and its field
         raise in_plan_file(exc, plan) from None
     if out_path:
         os.chmod(atomic_write_text(out_path, text), 0o755)
         note(f"wrote {out_path}")
-    warnings = export_warnings(plan_file)
     for warning in warnings:
         note(f"warning: {warning}")
     if as_json:

@@ -160,7 +160,7 @@ def import_cmd(config: Path, output: str | None, name: str | None, force: bool, 
 
     spec = import_hf_file(config, name)
     output = Path(output) if output is not None else None
-    text = spec_text(spec, output or "stdout.yaml")
+    text = spec_text(spec, output)
     if output is not None:
         check_writable(output)                   # a folder or a device is named as such, not as "exists"
         if output.exists() and not force:
