@@ -1,4 +1,4 @@
-"""plan.json: the single source of truth of a run (DESIGN.md, "Shared file formats"; schema_version 3).
+"""plan.json: the single source of truth of a run (DESIGN.md, "Shared file formats"; schema_version 4).
 
 Written by ``estimate --save``, ``plan --save`` and ``launch``; read by ``launch``, ``compare``, ``calibrate fit``
 and the runtime. The ``parallel`` block carries the derived ``edp`` and the resolved ``layers_per_stage`` so that
@@ -30,10 +30,11 @@ from piper_plan.specs.estimate import Estimate
 from piper_plan.specs.model import MAX_EXPERTS, MoESpec
 from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES
 
-SCHEMA_VERSION = 3
-"""3 adds training.fp8_recipe and platform.efficiency.fp8_recipe_time (a piper that reads only 1 and 2 names the
-version instead of an unknown field); 2 added parallel.layers_split and the typed prediction."""
-READABLE_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+"""4 adds platform.efficiency.fp8_blockwise_runs_as_mxfp8; 3 added training.fp8_recipe and platform.efficiency.
+fp8_recipe_time (a piper that reads only older versions names the version instead of an unknown field); 2 added
+parallel.layers_split and the typed prediction."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 MAX_STEPS = 10**9
 """The most steps a run (or a checkpoint interval, a warmup, a migration interval or window) may take: at one step a
@@ -146,7 +147,7 @@ class RuntimeBlock(Spec):
 class PlanFile(Spec):
     """The parsed plan.json."""
 
-    schema_version: Annotated[Literal[1, 2, 3], NotBool] = SCHEMA_VERSION
+    schema_version: Annotated[Literal[1, 2, 3, 4], NotBool] = SCHEMA_VERSION
     """Format version."""
     piper_version: str = __version__
     """piper version that wrote the file."""

@@ -48,6 +48,8 @@ def efficiency_lines(eff: dict, has_fp8: bool) -> list[str]:
     source."""
     gemm = ", ".join([f"gemm {eff['gemm']:g}"] + [f"{k} {v:g}" for k, v in eff["gemm_by_dtype"].items()])
     recipes = ", ".join(f"{k} x{v:g}" for k, v in eff["fp8_recipe_time"].items()) or "not measured (kernel rate)"
+    if eff["fp8_blockwise_runs_as_mxfp8"]:
+        recipes += ", blockwise runs as mxfp8"
     host = eff["host_s_per_gemm_call"]
     return [f"efficiency: {gemm}; attention {eff['attention']:g}; "
             + (f"fp8 recipe time {recipes}; " if has_fp8 else "")

@@ -37,14 +37,18 @@ class Rates:
         self.recipe_time = platform.efficiency.fp8_recipe_time.get(self.fp8_recipe, 1.0) if self.fp8_recipe else 1.0
         """A linear GEMM's time over its kernel's (the recipe's quantization and scaling work; 1 where unmeasured)."""
         self.attention_dtype = "bf16" if dtype in LOW_PRECISION_GEMM_DTYPES else dtype
-        self.peak = platform.peak_flops(dtype)
+        self.gemm_dtype = "mxfp8" if self.emulated_blockwise else dtype
+        """The precision whose kernels run the GEMMs: ``dtype``, or mxfp8 for fp8 blockwise where the device runs it
+        as MXFP8 (efficiency.fp8_blockwise_runs_as_mxfp8)."""
+        self.peak = platform.peak_flops(self.gemm_dtype)
         self.attention_peak = platform.peak_flops(self.attention_dtype)
         self.bandwidth_Bps = platform.device.memory_bandwidth_GBps * 1e9
         self.elem_bytes = 4 if dtype == "fp32" else 1 if dtype in LOW_PRECISION_GEMM_DTYPES else 2
-        self.gemm_efficiency = platform.efficiency.gemm_fraction(dtype)
-        self.gemm_calibration = calibration if calibration is not None and calibration.has_gemm(dtype) else None
-        """The calibration GEMMs are looked up in: None where gemm.csv has no rows of ``dtype`` (the roofline at
-        its own peak, not another precision's measured rates)."""
+        self.gemm_efficiency = platform.efficiency.gemm_fraction(self.gemm_dtype)
+        self.gemm_calibration = calibration if calibration is not None and calibration.has_gemm(self.gemm_dtype) \
+            else None
+        """The calibration GEMMs are looked up in: None where gemm.csv has no rows of ``gemm_dtype`` (the roofline
+        at its own peak, not another precision's measured rates)."""
         self.extrapolated = False
         if calibration is not None:
             self._check_below_peak(calibration)
@@ -55,12 +59,17 @@ class Rates:
         TopKRouter.gating) and its output layer is a tensor_parallel.ColumnParallelLinear, not a Transformer Engine
         module (megatron/core/models/gpt/gpt_model.py), so neither runs under Transformer Engine's fp8 autocast."""
 
+    @property
+    def emulated_blockwise(self) -> bool:
+        """An fp8 blockwise run on a device that runs the recipe as MXFP8 (Blackwell)."""
+        return self.fp8_recipe == "blockwise" and self.platform.efficiency.fp8_blockwise_runs_as_mxfp8
+
     def _check_below_peak(self, calibration) -> None:
         """A calibration row faster than the device's datasheet peak is a broken measurement (it priced MFU at
         199%): one error line naming the file."""
         from piper_plan.errors import PiperError
 
-        for table, dtype, peak in (("gemm", self.dtype, self.peak), ("attention", self.attention_dtype,
+        for table, dtype, peak in (("gemm", self.gemm_dtype, self.peak), ("attention", self.attention_dtype,
                                                                       self.attention_peak)):
             fastest = calibration.fastest_tflops(table, dtype) * 1e12
             if fastest > PEAK_MARGIN * peak:
@@ -75,16 +84,16 @@ class Rates:
         gemm.csv lacks this dtype), else the roofline's efficiencies and their citation; a peak borrowed from the
         other 16-bit format (PlatformSpec.peak_flops) is named."""
         peaks = "".join(f"; the {d} peak is device.peak_flops' {self.platform.peak_dtype(d)} (no {d} entry)"
-                        for d in dict.fromkeys((self.dtype, self.attention_dtype))
+                        for d in dict.fromkeys((self.gemm_dtype, self.attention_dtype))
                         if self.platform.peak_dtype(d) != d)
         if self.calibration is None:
-            return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.dtype}, " \
+            return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.gemm_dtype}, " \
                    f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source}){peaks}" \
                    + self.recipe_source
         listed = getattr(self.calibration, "sources", []) or ["(no sources listed)"]
         gemm = "" if self.gemm_calibration is not None else \
-            f"; GEMMs in {self.dtype}: roofline fallback (efficiency.gemm={self.gemm_efficiency}: gemm.csv has no " \
-            f"{self.dtype} rows)"
+            f"; GEMMs in {self.gemm_dtype}: roofline fallback (efficiency.gemm={self.gemm_efficiency}: gemm.csv " \
+            f"has no {self.gemm_dtype} rows)"
         return "calibration: " + "; ".join(listed) + gemm + peaks + self.recipe_source
 
     @property
@@ -92,6 +101,9 @@ class Rates:
         """How an fp8 run's recipe is priced: its measured factor, or that none is measured on this platform."""
         if self.fp8_recipe is None:
             return ""
+        if self.emulated_blockwise:
+            return (f"; fp8 recipe blockwise: {self.platform.name} runs it as MXFP8 (efficiency."
+                    "fp8_blockwise_runs_as_mxfp8): linear GEMMs at mxfp8's rate, the conversion not measured")
         if self.fp8_recipe in self.platform.efficiency.fp8_recipe_time:
             return (f"; fp8 recipe {self.fp8_recipe}: linear GEMMs take {self.recipe_time:g} x their kernel time "
                     "(efficiency.fp8_recipe_time)")
@@ -101,7 +113,7 @@ class Rates:
     def gemm_flops_per_s(self, m, n, k, groups=1):
         """Achieved FLOP/s of a [m x k] @ [k x n] GEMM (``groups`` of them in one grouped call)."""
         if self.gemm_calibration is not None:
-            rate, extra = self.gemm_calibration.gemm_flops_per_s(m, n, k, self.dtype, groups)
+            rate, extra = self.gemm_calibration.gemm_flops_per_s(m, n, k, self.gemm_dtype, groups)
             self.extrapolated |= bool(np.any(extra))
             return np.asarray(rate, float)
         m, n, k = (np.maximum(np.asarray(x, float), 1.0) for x in (m, n, k))

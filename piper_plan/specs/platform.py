@@ -262,6 +262,11 @@ class EfficiencySpec(Spec):
     """Measured time of an fp8 recipe's linear-layer GEMMs over the fp8 kernel's own (the quantization, amax and
     scale work a GEMM of that recipe carries: 1 to 10); a recipe not named here is priced at the kernel rate and
     the output says so."""
+    fp8_blockwise_runs_as_mxfp8: bool = False
+    """The device has no blockwise-scaled fp8 GEMM of its own and Transformer Engine runs the blockwise recipe as
+    MXFP8 (Blackwell: "On Blackwell (SM100+), FP8 Block is emulated via MXFP8", TransformerEngine docs/examples/
+    gemm_profiling/gemm_profiling.rst): an fp8 blockwise run's linear GEMMs are priced at mxfp8's rate, never
+    faster than an mxfp8 run's."""
     host_s_per_gemm_call: float = Field(default=0.0, ge=0, le=1e-2)
     """Host seconds per GEMM call of a training step (the Python, framework and launch work of one linear's
     forward, dgrad or wgrad with its casts): a layer cannot run faster than its host work (cost/overhead.py,
@@ -307,6 +312,9 @@ class PlatformSpec(Spec):
             raise ValueError(f"node.num_nics={self.node.num_nics}, node.nic_bandwidth_GBps="
                              f"{self.node.nic_bandwidth_GBps:g}: a platform of {self.node_limit:,} nodes needs "
                              "NICs with bandwidth (set max_nodes: 1 for a single-node machine)")
+        if self.efficiency.fp8_blockwise_runs_as_mxfp8 and self.peak_dtype("mxfp8") is None:
+            raise ValueError("efficiency.fp8_blockwise_runs_as_mxfp8=true prices fp8 blockwise GEMMs at mxfp8's "
+                             "rate: device.peak_flops needs an mxfp8 entry")
         if self.node_limit > 1 and set(self.network.scopes) == {"node"}:
             raise ValueError(f"network.scopes lists only 'node': a platform of {self.node_limit:,} nodes needs the "
                              "scopes its inter-node traffic crosses (switch, and group / system where they differ; "

@@ -150,9 +150,34 @@ def test_each_recipe_scales_the_linear_gemms_by_its_measured_time_and_nothing_el
 
 
 def test_a_platform_without_a_measured_recipe_time_prices_the_kernel_rate_and_says_so():
-    runs = [_recipe_estimate(r, "dgx-b200") for r in ("delayed", "blockwise")]
+    runs = [_recipe_estimate(r, "dgx-b200") for r in ("delayed", "tensorwise")]
     assert runs[0].step_time_s == runs[1].step_time_s
-    assert "fp8 recipe blockwise: no time measured for it on dgx-b200" in runs[1].sources.compute
+    assert "fp8 recipe tensorwise: no time measured for it on dgx-b200" in runs[1].sources.compute
+
+
+@pytest.mark.parametrize("platform_name", ["dgx-b200", "gb200-nvl72"])
+def test_blockwise_on_blackwell_runs_as_mxfp8_never_faster(platform_name):
+    """Transformer Engine emulates the blockwise recipe through MXFP8 on Blackwell (efficiency.
+    fp8_blockwise_runs_as_mxfp8): its GEMMs take mxfp8's rate, not the fp8 kernel's, so --dtype any cannot rank an
+    fp8 blockwise plan above the same plan in mxfp8."""
+    blockwise, tensorwise = (_recipe_estimate(r, platform_name) for r in ("blockwise", "tensorwise"))
+    model = load_model("mixtral-8x7b")
+    mxfp8 = estimate(model, load_platform(platform_name), TrainingSpec(seq_len=4096, global_batch=128,
+                                                                      dtype="mxfp8"), 1, PLAN)
+    for term in ("compute/experts", "compute/attention", "compute/router", "compute/lm_head"):
+        assert blockwise.time.breakdown[term] == pytest.approx(mxfp8.time.breakdown[term], rel=1e-12), term
+    assert blockwise.time.breakdown["compute/experts"] > tensorwise.time.breakdown["compute/experts"]
+    assert f"{platform_name} runs it as MXFP8" in blockwise.sources.compute
+    assert "for mxfp8" in blockwise.sources.compute and "for fp8," not in blockwise.sources.compute
+
+
+def test_blockwise_as_mxfp8_needs_an_mxfp8_peak():
+    from pydantic import ValidationError
+
+    data = load_platform("dgx-h100").model_dump(mode="json")
+    data["efficiency"]["fp8_blockwise_runs_as_mxfp8"] = True              # Hopper has no mxfp8 rate
+    with pytest.raises(ValidationError, match="fp8_blockwise_runs_as_mxfp8=true .* needs an mxfp8 entry"):
+        type(load_platform("dgx-h100")).model_validate(data)
 
 
 def test_a_recipe_time_below_one_is_refused():
