@@ -55,7 +55,10 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", item.upper())
         if not match or int(match.group(1)) == 0:
             raise PiperError(f"--sizes: {item.strip()!r} is not a positive size; use e.g. 4K,64K,1M (K = 1024 bytes)")
-        sizes.append(int(match.group(1)) * SIZE_SUFFIX[match.group(2)])
+        size = int(match.group(1)) * SIZE_SUFFIX[match.group(2)]
+        if size in sizes:
+            raise PiperError(f"--sizes: {item.strip()!r} is {size} bytes again; give each size once")
+        sizes.append(size)
     return tuple(sizes)
 
 
@@ -66,6 +69,8 @@ BUFFERS_PER_RANK = 6
 def check_local_spawn(nodes: int, ranks_per_node: int, sizes_bytes: tuple[int, ...]) -> None:
     """Refuse a local spawn that would start too many processes or allocate more than the machine's memory."""
     ranks = nodes * ranks_per_node
+    if ranks < 2:
+        raise PiperError(f"--nodes x --ranks-per-node = {nodes} x {ranks_per_node}: an all-to-all needs 2 ranks or more")
     if ranks > MAX_LOCAL_RANKS:
         raise PiperError(f"--nodes x --ranks-per-node = {nodes} x {ranks_per_node} = {ranks} local processes; at most "
                          f"{MAX_LOCAL_RANKS} on one machine (launch under srun / torchrun for real nodes)")

@@ -39,7 +39,14 @@ def read_table(path: str | Path, table: Table, drop_keys: set[tuple] = frozenset
 def read_columns(path: str | Path, table: Table, drop_keys: set[tuple] = frozenset()) -> dict[str, list]:
     """``read_table`` without pandas: the validated values of each column (what the cost model reads)."""
     path = Path(path)
-    header, raw = _read_raw(path)
+    from piper_plan.fileio import read_text
+
+    return _validated_columns(path, table, *_parse_raw(read_text(path), path), drop_keys)
+
+
+def _validated_columns(path: Path, table: Table, header: list[str], raw: list[list[str]],
+                       drop_keys: set[tuple] = frozenset()) -> dict[str, list]:
+    """The checked values of each column of parsed CSV rows; ``path`` names them in errors."""
     missing = [c for c in table.column_names if c not in header]
     if missing:
         raise PiperError(f"line 1: missing columns {missing}; a {table.filename} has {table.column_names}", path=str(path))
@@ -69,11 +76,8 @@ def _key_text(value) -> str:
         return text.lower() if text.lower() in _TRUE | _FALSE else text
 
 
-def _read_raw(path: Path) -> tuple[list[str], list[list[str]]]:
-    """(header, data rows) of a CSV, fields stripped; blank lines skipped."""
-    from piper_plan.fileio import read_text
-
-    text = read_text(path)
+def _parse_raw(text: str, path: Path) -> tuple[list[str], list[list[str]]]:
+    """(header, data rows) of a CSV's text, fields stripped; blank lines skipped."""
     reader = csv.reader(io.StringIO(text))
     try:
         rows = list(reader)
@@ -184,10 +188,15 @@ def merge_rows(directory: str | Path, table: Table, rows: Iterable[dict]) -> Pat
 
     path = table_path(directory, table)
     new = pd.DataFrame(list(rows), columns=table.column_names)
+    text = render_csv(new, table)           # the new rows pass the reader's checks, or nothing is written
+    _validated_columns(Path(f"{path} (the rows to add)"), table, *_parse_raw(text, path))
     replaced = {tuple(_key_text(v) for v in key) for key in new[list(table.key)].itertuples(index=False, name=None)}
     old = read_table(path, table, drop_keys=replaced) if path.exists() else None
     frame = new if old is None or old.empty else pd.concat([old, new], ignore_index=True)
     frame = frame.drop_duplicates(list(table.key), keep="last").sort_values(list(table.key), kind="stable")
+    if len(frame) > MAX_ROWS:
+        raise PiperError(f"adding {len(new):,} rows would make {len(frame):,}; a calibration table holds at most "
+                         f"{MAX_ROWS:,} (nothing written)", path=str(path))
     return atomic_write_text(path, render_csv(frame, table))
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from piper_plan.calibration.schema import MAX_MEASURED, MIN_MEASURED, OPS, SCOPES, scope_problem
+from piper_plan.calibration.schema import MAX_MEASURED, MIN_MEASURED, OPS, SCOPES, busbw_factor, scope_problem
 from piper_plan.errors import PiperError
 
 _TIME_UNITS = {"(us)": 1e-6, "(ms)": 1e-3, "(s)": 1.0}
@@ -56,6 +56,8 @@ class NcclTestsRow:
     redop: str | None = None
     """The reduction printed (``sum``, ... ; ``none`` for the ops that move data without reducing); None where the
     table has no redop column."""
+    bw_rounding: tuple[float, float] = (0.0, 0.0)
+    """Half the last printed digit of algbw and of busbw (GB/s): how far each may be from its exact value."""
 
 
 def parse_nccl_tests(text: str, path: str = "<text>") -> list[NcclTestsRow]:
@@ -66,6 +68,9 @@ def parse_nccl_tests(text: str, path: str = "<text>") -> list[NcclTestsRow]:
         if not stripped:
             continue
         if stripped.startswith("#"):
+            if rows and stripped.lstrip("#").split()[:2] == ["size", "count"]:
+                raise PiperError(f"line {number}: a second table after line {rows[-1].line}'s; import one run per "
+                                 "file", path=path)
             columns, unit = _header(stripped, columns, unit, number, path)
             continue
         if not _looks_like_data(stripped):
@@ -139,7 +144,8 @@ def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> 
                          "of the printed time and algbw (nccl-tests prints algbw = size / time)", path=path)
     wrong = tuple(tokens[i] if i < len(tokens) else "" for i, c in enumerate(columns) if c == "#wrong")
     redop = tokens[columns.index("redop")] if "redop" in columns else None
-    return NcclTestsRow(number, size, seconds, algbw, busbw, wrong, redop)
+    return NcclTestsRow(number, size, seconds, algbw, busbw, wrong, redop,
+                        (_half_last_digit(tokens[i_alg]), _half_last_digit(tokens[i_bus])))
 
 
 def _half_last_digit(printed: str) -> float:
@@ -153,14 +159,29 @@ def _half_last_digit(printed: str) -> float:
 
 def rows_to_collectives(rows: list[NcclTestsRow], op: str, scope: str, num_nodes: int, ranks_per_node: int,
                         source: str) -> list[dict]:
-    """collectives.csv rows (zero-byte lines dropped: nothing to calibrate)."""
+    """collectives.csv rows (zero-byte lines dropped: nothing to calibrate). The bandwidths are derived from size
+    and time (as the CSV defines them), not the printed ones: nccl-tests prints two decimals, so a small message's
+    algbw reads 0.00, a value the CSV cannot hold."""
     check_op_scope(op, scope, num_nodes)
+    factor = busbw_factor(op, num_nodes * ranks_per_node)
     return [
         {"op": op, "scope": scope, "num_nodes": num_nodes, "ranks_per_node": ranks_per_node,
-         "bytes_per_rank": r.size_bytes, "seconds": r.seconds, "algbw_GBps": r.algbw_GBps,
-         "busbw_GBps": r.busbw_GBps, "source": source}
+         "bytes_per_rank": r.size_bytes, "seconds": r.seconds, "algbw_GBps": r.size_bytes / r.seconds / 1e9,
+         "busbw_GBps": factor * r.size_bytes / r.seconds / 1e9, "source": source}
         for r in rows if r.size_bytes > 0
     ]
+
+
+def check_busbw(rows: list[NcclTestsRow], op: str, ranks: int, path: str) -> None:
+    """busbw = algbw x the op's factor at the run's rank count (nccl-tests PERFORMANCE.md): a busbw of another
+    factor is a log of another op or rank count than --op / --nodes x --ranks-per-node say."""
+    factor = busbw_factor(op, ranks)
+    for r in rows:
+        expected = r.algbw_GBps * factor
+        if abs(r.busbw_GBps - expected) > ALGBW_TOLERANCE * expected + r.bw_rounding[1] + factor * r.bw_rounding[0]:
+            raise PiperError(f"line {r.line}: busbw {r.busbw_GBps:g} GB/s is not algbw {r.algbw_GBps:g} x {factor:.4g} "
+                             f"({op} at {ranks} ranks: nccl-tests PERFORMANCE.md); the log is of another op or rank "
+                             "count than --op, --nodes and --ranks-per-node say", path=path)
 
 
 def check_op_scope(op: str, scope: str, num_nodes: int | None = None) -> None:
@@ -178,12 +199,16 @@ def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per
     from piper_plan.fileio import read_text
 
     check_op_scope(op, scope, num_nodes)
+    if num_nodes * ranks_per_node < 2:
+        raise PiperError(f"--nodes {num_nodes} --ranks-per-node {ranks_per_node}: one rank runs no collective; "
+                         "allowed: 2 ranks or more")
     path = Path(path)
     rows = parse_nccl_tests(read_text(path), str(path))
     wrong = [r.line for r in rows if any(w not in _OK_CHECKS for w in r.wrong)]
     if wrong:
         raise PiperError(f"lines {wrong[:5]}: nccl-tests reports wrong results (#wrong != 0); not importing", path=str(path))
     check_redop(rows, op, str(path))
+    check_busbw(rows, op, num_nodes * ranks_per_node, str(path))
     if not any(r.size_bytes > 0 for r in rows):
         raise PiperError("every data row has size 0: nothing to calibrate; allowed: a log with sizes above 0 bytes "
                          "(nccl-tests -b / -e)", path=str(path))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 from piper_plan.specs.vocab import CollectiveOp, Precision, Scope
 
 DTYPES = Precision.values()
@@ -138,6 +139,18 @@ def scope_problem(scope: str, num_nodes: int) -> str | None:
 
 
 def _collective_row_problem(row: dict) -> str | None:
+    """Scope against nodes, at least two ranks, and the bandwidths the row's bytes and seconds give (algbw =
+    bytes / seconds, busbw = algbw x the op's factor: a busbw of another rank count is a wrong --ranks-per-node)."""
+    ranks = row["num_nodes"] * row["ranks_per_node"]
+    if ranks < 2:
+        return f"num_nodes={row['num_nodes']} x ranks_per_node={row['ranks_per_node']}: a collective needs 2 ranks or more"
+    algbw = row["bytes_per_rank"] / row["seconds"] / 1e9
+    busbw = algbw * busbw_factor(row["op"], ranks)
+    for name, derived, formula in (("algbw_GBps", algbw, "bytes_per_rank / seconds / 1e9"),
+                                   ("busbw_GBps", busbw, f"algbw x {row['op']}'s factor at {ranks} ranks")):
+        if abs(row[name] - derived) > RATE_TOLERANCE * derived:
+            return (f"column {name}: {row[name]:g}, but {formula} = {derived:.6g}; allowed within "
+                    f"{RATE_TOLERANCE:.0%} of it")
     return scope_problem(row["scope"], row["num_nodes"])
 
 
@@ -146,8 +159,8 @@ COLLECTIVES = Table(
     (
         Column("op", "str", "collective", choices=OPS),
         Column("scope", "str", "widest network scope the group spans", choices=SCOPES),
-        _pos_int("num_nodes", "nodes in the group"),
-        _pos_int("ranks_per_node", "ranks of the group on each node"),
+        Column("num_nodes", "int", "nodes in the group", min_value=1, max_value=MAX_NODES),
+        Column("ranks_per_node", "int", "ranks of the group on each node", min_value=1, max_value=MAX_DEVICES_PER_NODE),
         _pos_int("bytes_per_rank", "nccl-tests 'size' for this op (bytes)"),
         _pos_float("seconds", "time of one call (the slowest rank), median over repeats"),
         _pos_float("algbw_GBps", "bytes_per_rank / seconds / 1e9 (nccl-tests algbw)"),

@@ -113,8 +113,8 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
     from piper_plan.calibration.nccl_tests import import_file
     from piper_plan.calibration.schema import COLLECTIVES
 
+    directory = _out_dir(platform_name, out_dir)        # the platform first: a typo is named before the log
     rows = import_file(file, op, scope, num_nodes, ranks_per_node)
-    directory = _out_dir(platform_name, out_dir)
     path = merge_rows(directory, COLLECTIVES, rows)
     if as_json:
         print_json(rows)
@@ -232,6 +232,13 @@ def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
     from piper_plan.calibration.io import merge_rows
     from piper_plan.calibration.overhead import OVERHEAD
 
+    from piper_plan.catalog import load_platform
+
+    platform = load_platform(platform_name)
+    if platform.launch.device != "cpu":
+        raise PiperError(f"platform {platform.name} runs on launch.device={platform.launch.device}, but the overhead "
+                         "benchmark times the runtime's modules on this machine's CPU; measure it for a CPU platform "
+                         "(local-cpu)", field="--platform")
     out = _out_dir(platform_name, out_dir)
     args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out-dir", out_dir] if out_dir else [])
     t0 = time.perf_counter()

@@ -153,10 +153,24 @@ def _refuse_overwriting_inputs(params: dict, dest: str, flag: str) -> None:
 
 
 def out_dir_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
-    """``--out-dir DIR``: the one spelling of "write into a directory"; ``old`` spellings keep working, hidden."""
+    """``--out-dir DIR``: the one spelling of "write into a directory"; ``old`` spellings keep working, hidden. A
+    blank value is refused: it is not the default directory (calibration/<platform>/, docs/paper/) nor this one."""
+    from functools import wraps
+
     kwargs.setdefault("type", click.Path(file_okay=False))
-    return click.option("--out-dir", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="DIR",
-                        help=help, **kwargs)
+    option = click.option("--out-dir", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="DIR",
+                          help=help, **kwargs)
+
+    def decorate(fn):
+        @wraps(fn)
+        def checked(*args, **params):
+            value = params.get(dest)
+            if value is not None and not str(value).strip():
+                raise PiperError(f"{value!r} names no directory; give a directory name (or leave --out-dir out for "
+                                 "the default)", field="--out-dir")
+            return fn(*args, **params)
+        return option(checked)
+    return decorate
 
 
 def plot_option(help: str):

@@ -48,9 +48,6 @@ def paper_cmd(platform_name, out_dir, no_calibration, as_json) -> None:
     from piper_plan.catalog import load_platform, project_root
     from piper_plan.fileio import atomic_write_text
 
-    if out_dir == "":
-        raise PiperError("'' names no folder; give a directory (or leave --out-dir out for docs/paper/)",
-                         field="--out-dir")
     out = Path(out_dir) if out_dir is not None else project_root() / "docs" / "paper"
     _check_targets([out / "README.md"] + ([out / "halo.png"] if rp.have_matplotlib() else []))
     platform = load_platform(platform_name)

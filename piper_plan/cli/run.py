@@ -57,7 +57,6 @@ def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> N
         if as_json and env.rank == 0:
             print_run_summary(Path(out), code)
         sys.exit(code)
-    _check_out_name(out)
     cfg, layout = _checked_plan(args)
     if not layout.runs_here:
         absolute = runtime_args(str(Path(plan).resolve()), str(Path(out).resolve()), steps, resume, profile, lr,
@@ -252,12 +251,6 @@ def _latest_checkpoint(run_dir: Path) -> int | None:
         return latest_step(run_dir)
     except (PiperError, OSError):
         return None
-
-
-def _check_out_name(out: str) -> None:
-    """--out-dir '' would put the run's files in the working directory."""
-    if not out.strip():
-        raise PiperError(f"{out!r} names no directory; give a directory name (default: run)", field="--out-dir")
 
 
 def _check_run_dir(out: str, plan: str) -> None:

@@ -57,9 +57,12 @@ class FrameworkOverhead:
 
     def slowdown(self, ranks_per_host):
         """Per-rank slowdown with ``ranks_per_host`` ranks at once: linear in the measured points, and
-        proportional beyond the largest (the cores are saturated: twice the ranks, twice the time)."""
+        proportional beyond the largest (the cores are saturated: twice the ranks, twice the time); 1 where no
+        point beyond one rank was measured (``calibrate overhead --no-concurrency``: nothing says ranks share)."""
         ranks = np.asarray(ranks_per_host, float)
         xs, ys = np.asarray(self.concurrency_ranks, float), np.asarray(self.concurrency_factor, float)
+        if xs[-1] <= 1:
+            return np.ones_like(ranks)
         inside = np.interp(ranks, xs, ys)
         return np.where(ranks > xs[-1], ys[-1] * ranks / xs[-1], np.maximum(inside, 1.0))
 

@@ -111,3 +111,47 @@ def test_an_attention_row_whose_tflops_contradicts_its_shape_and_seconds_is_refu
     with pytest.raises(PiperError, match=r"line 2: column tflops: 0.858993, but the attention FLOPs / seconds / "
                                          r"1e12 = 0.429497"):
         read_table(path, ATTENTION)
+
+
+def _collectives(tmp_path: Path, *rows: str) -> Path:
+    path = tmp_path / "collectives.csv"
+    path.write_text(",".join(COLLECTIVES.column_names) + "\n" + "".join(rows))
+    return path
+
+
+@pytest.mark.parametrize("row, message", [
+    # a group of one rank: estimate and plan divided by zero (busbw_factor's n = 1 ... (n - 1) / n in the curve)
+    ("all_to_all,node,1,1,1048576,4.512e-05,23.24,21.79,seed: x\n",
+     "line 2: num_nodes=1 x ranks_per_node=1: a collective needs 2 ranks or more"),
+    # 2^32 x 2^32 ranks wrapped to 0 in int64: a division by zero again
+    ("all_to_all,switch,4294967296,4294967296,1048576,0.001,1.048576,1,seed: x\n",
+     "line 2: column num_nodes: 4294967296 out of range, allowed <= 100000"),
+    ("all_to_all,node,1,2,1048576,0.001,999999,0,seed: x\n",
+     "line 2: column algbw_GBps: 999999, but bytes_per_rank / seconds / 1e9 = 1.04858"),
+    # busbw of 16 ranks (factor 15/16) on a row that says 2 (factor 1/2): the rank count is wrong
+    ("all_to_all,node,1,2,1048576,0.001,1.048576,0.98304,seed: x\n",
+     "line 2: column busbw_GBps: 0.98304, but algbw x all_to_all's factor at 2 ranks = 0.524288"),
+])
+def test_a_collectives_row_must_agree_with_itself(tmp_path, row, message):
+    good = "all_to_all,node,1,2,1048576,0.001,1.048576,0.524288,seed: x\n"
+    assert len(read_table(_collectives(tmp_path, good), COLLECTIVES)) == 1
+    with pytest.raises(PiperError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_table(_collectives(tmp_path, row), COLLECTIVES)
+
+
+def test_a_merge_past_the_row_limit_or_of_a_bad_row_writes_nothing(tmp_path, monkeypatch):
+    """Before: import-nccl-tests merged 12,000 rows into a table every later read refused, and wrote a one-rank
+    row the next estimate divided by zero on."""
+    import piper_plan.calibration.io as cal_io
+
+    merge_rows(tmp_path, GEMM, [_row(64)])
+    before = (tmp_path / "gemm.csv").read_text()
+    monkeypatch.setattr(cal_io, "MAX_ROWS", 2)
+    with pytest.raises(PiperError, match="adding 2 rows would make 3; a calibration table holds at most 2"):
+        merge_rows(tmp_path, GEMM, [_row(16), _row(32)])
+    assert (tmp_path / "gemm.csv").read_text() == before
+    one_rank = {"op": "all_to_all", "scope": "node", "num_nodes": 1, "ranks_per_node": 1, "bytes_per_rank": 1024,
+                "seconds": 1e-5, "algbw_GBps": 0.1024, "busbw_GBps": 0.0, "source": "measured: x"}
+    with pytest.raises(PiperError, match=r"collectives.csv \(the rows to add\): line 2: .* needs 2 ranks or more"):
+        merge_rows(tmp_path, COLLECTIVES, [one_rank])
+    assert not (tmp_path / "collectives.csv").exists()

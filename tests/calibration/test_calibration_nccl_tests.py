@@ -146,7 +146,7 @@ def test_a_sendrecv_log_imports_as_p2p(tmp_path):
     log.write_text("".join(NCCL_TESTS.splitlines(keepends=True)[:9]) +
                    "     1048576        262144     float     sum      -1    30.00   34.95   34.95      0    29.90   35.07   35.07      0\n")
     (row,) = import_file(log, "p2p", "switch", 2, 1)
-    assert (row["bytes_per_rank"], row["busbw_GBps"]) == (1048576, 34.95)
+    assert row["bytes_per_rank"] == 1048576 and row["busbw_GBps"] == pytest.approx(34.95, rel=1e-3)
 
 
 def test_a_blank_redop_of_old_sendrecv_parses():
@@ -190,3 +190,50 @@ def test_extreme_printed_numbers_are_one_line(time, algbw, needle):
     with pytest.raises(PiperError) as err:
         parse_nccl_tests(text, "a2a.log")
     assert needle in str(err.value)
+
+
+def _import(tmp_path, text: str, *extra: str, ranks_per_node="1", out=None):
+    log = tmp_path / "a2a.log"
+    log.write_text(text)
+    return CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_to_all", "--nodes", "2",
+                                    "--ranks-per-node", ranks_per_node, "--scope", "switch", "--platform", "frontier",
+                                    "--out-dir", str(tmp_path / "cal") if out is None else out, *extra])
+
+
+def test_imported_bandwidths_are_size_over_time_so_a_small_message_loads_again(tmp_path):
+    """nccl-tests prints 1024 B in 25.61 us as algbw 0.04 (two decimals; 0.00 below 5 MB/s), which the CSV stored
+    as printed: a 0.00 row made the whole table unreadable. Rows now hold size / time and its busbw."""
+    result = _import(tmp_path, NCCL_TESTS.replace("25.61    0.04    0.02", "25.61    0.00    0.00")
+                     .replace("        1024            16", "          64             1"))
+    assert result.exit_code == 0, result.output
+    frame = read_table(tmp_path / "cal" / "collectives.csv", COLLECTIVES)
+    assert frame.algbw_GBps.tolist() == pytest.approx([64 / 25.61e-6 / 1e9, 1048576 / 60.12e-6 / 1e9], rel=1e-5)
+    assert frame.busbw_GBps.tolist() == pytest.approx((frame.algbw_GBps / 2).tolist(), rel=1e-5)
+
+
+def test_a_log_of_another_rank_count_or_two_tables_is_refused(tmp_path):
+    """busbw = algbw x (n - 1) / n for all_to_all: the sample's 8.72 / 17.44 is 2 ranks, not 2 x 4. Two tables in
+    one file (two runs pasted together) were merged into one op's rows."""
+    result = _import(tmp_path, NCCL_TESTS, ranks_per_node="4")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "line 11: busbw 0.02 GB/s is not algbw 0.04 x 0.875 (all_to_all at 8 ranks" in result.stderr
+    second = NCCL_TESTS + "# Collective test starting: alltoall_perf\n" + "\n".join(NCCL_TESTS.splitlines()[7:9]) + \
+        "\n     2097152         32768     float    none      -1   120.24   17.44    8.72      0   119.87   17.50    8.75    N/A\n"
+    result = _import(tmp_path, second)
+    assert result.exit_code == 2 and "line 17: a second table after line 12's; import one run per file" in result.stderr
+    assert not (tmp_path / "cal").exists()
+
+
+def test_one_rank_or_a_blank_out_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """--out-dir '' wrote into the platform's shipped calibration folder; one rank wrote a row estimate divided
+    by zero on."""
+    monkeypatch.chdir(tmp_path)
+    blank = _import(tmp_path, NCCL_TESTS, out="")
+    assert blank.exit_code == 2 and "error: --out-dir: '' names no directory" in blank.stderr
+    log = tmp_path / "one.log"
+    log.write_text(NCCL_TESTS)
+    one = CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_to_all", "--nodes", "1",
+                                   "--ranks-per-node", "1", "--scope", "node", "--platform", "frontier",
+                                   "--out-dir", str(tmp_path / "cal")])
+    assert one.exit_code == 2 and "one rank runs no collective" in one.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a2a.log", "one.log"]

@@ -37,7 +37,12 @@ def test_rows_to_overhead_linear_fits():
 def test_slowdown_interpolates_then_grows_in_proportion():
     ov = overhead_from_rows(_rows())
     assert ov.slowdown([1, 2, 3, 4, 8]).tolist() == pytest.approx([1.5, 2.0, 3.0, 4.0, 8.0])
-    assert FrameworkOverhead().slowdown(16) == pytest.approx(16.0)   # default: one rank measured, factor 1
+    # nothing measured beyond one rank (calibrate overhead --no-concurrency): no slowdown. Before, 16 ranks were
+    # priced 16x slower, which made a GPU platform's compute 8x slower per node of 8 devices.
+    assert FrameworkOverhead().slowdown([1, 8, 16]).tolist() == [1.0, 1.0, 1.0]
+    rows = _rows()
+    alone = rows[~rows["op"].str.startswith("concurrency")]
+    assert overhead_from_rows(alone).slowdown(8) == 1.0
 
 
 def test_linear_fit_clamps_negative_intercept():

@@ -202,6 +202,8 @@ def test_bench_a2a_never_picks_a_platform_to_write_into():
 @pytest.mark.parametrize("args,needle", [
     (["--nodes", "20", "--ranks-per-node", "8"], "160 local processes"),
     (["--nodes", "2", "--ranks-per-node", "4", "--sizes", "4G"], "needs ~"),
+    (["--nodes", "1", "--ranks-per-node", "1"], "1 x 1: an all-to-all needs 2 ranks or more"),   # rows divided by 0
+    (["--sizes", "4K,4096"], "'4096' is 4096 bytes again; give each size once"),    # "wrote 4 rows" for 2
 ])
 def test_bench_a2a_refuses_a_local_spawn_the_machine_cannot_hold(args, needle):
     res = CliRunner().invoke(cli, ["bench", "a2a", "--no-save", *args])
@@ -681,3 +683,10 @@ def test_a_plan_file_that_contradicts_itself_or_types_a_boolean(tmp_path, plan_j
         data[block].update(fields)
     plan = write(tmp_path / "p.json", data)
     assert_one_line_error(run("export", plan, "--engine", "megatron"), needle)
+
+
+def test_the_overhead_benchmark_is_refused_for_a_gpu_platform():
+    """It times the runtime's modules on this machine's CPU; recorded for frontier, its rows priced every GPU
+    layer at CPU speed (and without concurrency rows, 8 ranks per node 8x slower)."""
+    assert_one_line_error(run("calibrate", "overhead", "--platform", "frontier", "--no-concurrency"),
+                          "--platform", "frontier runs on launch.device=cuda", "(local-cpu)")
