@@ -143,9 +143,12 @@ def compare(prediction: dict, records: list[dict]) -> dict:
     }
 
 
-def check_same_job(training, records: list[dict], metrics_path: str, plan_path: str) -> None:
-    """Refuse metrics of another job than the plan's (``training``: its TrainingSpec): every record's ``tokens``
-    (the run's global batch x sequence length a step, runtime/metrics.py) must be the plan's; one line naming both."""
+def check_same_job(plan_file, records: list[dict], metrics_path: str, plan_path: str) -> None:
+    """Refuse metrics of another job than the plan's: every record's ``tokens`` (the run's global batch x sequence
+    length a step, runtime/metrics.py) must be the plan's, and its expert counts of the plan's model
+    (``check_same_model``); one line naming both files."""
+    training = plan_file.training
+    check_same_model(plan_file.model, records, metrics_path, plan_path)
     planned = training.tokens_per_step
     for record in records:
         tokens = record.get("tokens")
@@ -154,6 +157,28 @@ def check_same_job(training, records: list[dict], metrics_path: str, plan_path: 
                              f"{training.global_batch:,} x seq_len {training.seq_len:,} = {planned:,}: the metrics "
                              "are of another job; compare a run directory with the plan.json it ran",
                              path=metrics_path)
+
+
+def check_same_model(model, records: list[dict], metrics_path: str, plan_path: str) -> None:
+    """Refuse metrics of another model than the plan's: a record's ``expert_tokens`` (runtime/metrics.py: per MoE
+    layer, by its global index, one count per expert) must name the model's MoE layers (ModelSpec.expert_layer_ids)
+    with ``num_experts`` counts each. A malformed entry is placement.loads' to name; one line naming both files."""
+    layers = set(model.expert_layer_ids)
+    experts = model.moe.num_experts if model.moe is not None else 0
+    for record in records:
+        tokens = record.get("expert_tokens")
+        if not tokens:
+            continue
+        entries = tokens.items() if isinstance(tokens, dict) else enumerate(tokens) if isinstance(tokens, list) else ()
+        for key, counts in entries:
+            layer = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdecimal()) else None
+            named = layer in layers if isinstance(tokens, dict) else layer < len(layers)
+            if not layers or (layer is not None and not named) or (isinstance(counts, list) and len(counts) != experts):
+                raise PiperError(f"step {record['step']}: expert_tokens has layer {key} with "
+                                 f"{len(counts) if isinstance(counts, list) else '?'} experts, but {plan_path}'s model "
+                                 f"{model.name} routes {experts} experts in layers {sorted(layers) or 'none'}: the "
+                                 "metrics are of another model; compare a run directory with the plan.json it ran",
+                                 path=metrics_path)
 
 
 def layout_records(plan_file, records: list[dict], metrics_path: str, plan_path: str) -> list[dict]:

@@ -61,6 +61,9 @@ the device's peak. PaLM's counts attention non-causally (DESIGN.md, MFU), up to 
 its figures may pass 1 where attention dominates; never 2."""
 ROUNDING = 1e-6
 """Relative slack for a figure that equals another up to rounding (hfu = mfu where nothing is recomputed)."""
+DERIVED_TOLERANCE = 0.01
+"""Relative slack for a prediction's figure derived from its others (tokens_per_s, a2a_share, time to train): a
+plan file written by hand may round them (3 significant digits: 0.5%)."""
 MAX_RUNTIME_FACTOR = 1e4
 """The largest learning rate, loss weight, weight decay or clipping norm a run takes: far above any that trains
 (LLaMA's peak rate is 3e-4), far below float32's 3.4e38, in which torch's optimizers and losses take them (a
@@ -255,6 +258,27 @@ def check_prediction(plan_file: PlanFile, path: str) -> None:
             raise PiperError(f"{hardware_u!r} is below {model_name}={model_u!r}; allowed: at least {model_name} "
                              "(it counts the same FLOPs plus what recomputation repeats)", path=path,
                              field=f"prediction.{hardware_name}")
+    _check_derived_figures(pred, plan_file.platform.devices_per_node, path)
+
+
+def _check_derived_figures(pred: Estimate, devices_per_node: int, path: str) -> None:
+    """The figures a prediction derives from its others (cost/evaluate.py) must agree with them: a hand-edited
+    tokens_per_s or a2a_share was shown by `compare` and `export` as the plan's prediction."""
+    from piper_plan.specs.vocab import A2A_TIME_PREFIX
+
+    a2a_s = sum(v for k, v in pred.time.breakdown.items() if k.startswith(A2A_TIME_PREFIX))
+    devices = pred.nodes * devices_per_node
+    derived = (("a2a_share", pred.a2a_share, a2a_s / pred.step_time_s,
+                f"the {A2A_TIME_PREFIX} terms of time.breakdown / step_time_s"),
+               ("tokens_per_s", pred.tokens_per_s, pred.tflops_per_device * 1e12 * devices / pred.model_flops_per_token
+                if pred.model_flops_per_token > 0 else pred.tokens_per_s,
+                "tflops_per_device x 1e12 x devices / model_flops_per_token"),
+               ("training.time_to_train_s", pred.training.time_to_train_s, pred.training.steps * pred.step_time_s,
+                "training.steps x step_time_s"))
+    for name, value, expected, formula in derived:
+        if abs(value - expected) > DERIVED_TOLERANCE * abs(expected) + 1e-12:
+            raise PiperError(f"{value!r}, but {formula} = {expected:.6g}; allowed: within {DERIVED_TOLERANCE:.0%} of "
+                             "it (the prediction derives it)", path=path, field=f"prediction.{name}")
 
 
 PLATFORM_BLOCK_FIELDS = ("device", "node", "network", "efficiency", "memory", "launch", "max_nodes")

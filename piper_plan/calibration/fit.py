@@ -102,12 +102,24 @@ def read_run(run_dir: str | Path) -> Run:
                              "metrics.jsonl", path=str(d))
     pf = read_plan_file(d / "plan.json")
     records = read_metrics(d / "metrics.jsonl")
-    check_same_job(pf.training, records, str(d / "metrics.jsonl"), str(d / "plan.json"))
+    check_same_job(pf, records, str(d / "metrics.jsonl"), str(d / "plan.json"))
     records = layout_records(pf, records, str(d / "metrics.jsonl"), str(d / "plan.json"))
     measured = compare({}, records)["step_time_s"]["measured"]
     if not measured:
         raise PiperError("no step_time_s in metrics.jsonl", path=str(d / "metrics.jsonl"))
     return Run(str(d), pf, float(measured))
+
+
+def check_one_platform(runs: list[Run]) -> None:
+    """A fit prices every run with one platform and calibration and writes that platform's fit.csv: runs of another
+    platform (another name, or the same name with other figures) are refused, naming the first that differs."""
+    first = runs[0].plan_file.platform
+    for run in runs[1:]:
+        other = run.plan_file.platform
+        if other != first:
+            what = f"platform {other.name}" if other.name != first.name else f"another {other.name} (other figures)"
+            raise PiperError(f"ran on {what}, but {runs[0].path} ran on {first.name}; fit runs of one platform",
+                             path=run.path)
 
 
 def fit_path(platform_name: str) -> Path:

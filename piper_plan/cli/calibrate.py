@@ -201,6 +201,7 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
 
     check_distinct_runs(run_dirs)
     runs = [fitting.read_run(d) for d in run_dirs]
+    fitting.check_one_platform(runs)
     platform = runs[0].plan_file.platform
     calibration = None if no_calibration else load_calibration(platform.name)
     with diagnostics().status(f"fitting to {len(runs)} runs"):
@@ -231,7 +232,6 @@ def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
     from piper_plan.calibration.bench_overhead import overhead_rows
     from piper_plan.calibration.io import merge_rows
     from piper_plan.calibration.overhead import OVERHEAD
-
     from piper_plan.catalog import load_platform
 
     platform = load_platform(platform_name)

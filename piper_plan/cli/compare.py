@@ -52,7 +52,7 @@ def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     plan_path = find_plan(metrics_path.parent)
     records = read_metrics(metrics_path)
     plan_file = read_plan_file(plan_path)
-    check_same_job(plan_file.training, records, str(metrics_path), str(plan_path))
+    check_same_job(plan_file, records, str(metrics_path), str(plan_path))
     kept = layout_records(plan_file, records, str(metrics_path), str(plan_path))
     if len(kept) < len(records):
         note(f"note: {len(records) - len(kept)} of {len(records)} steps ran under another parallel layout than "

@@ -21,12 +21,6 @@ _TIMES = ("a2a", "p2p", "dp_sync")
 _LOSSES = ("loss", "mtp_loss")
 
 
-def moe_layer_ids(spec) -> list[int]:
-    """The MoE layers, then the MTP modules' MoE blocks (num_layers + k: runtime/model.py)."""
-    mtp = [spec.num_layers + k for k in range(spec.mtp_layers)] if spec.mtp_is_moe else []
-    return [i for i in range(spec.num_layers) if spec.is_moe_layer(i)] + mtp
-
-
 def encode(spec, values: dict, losses: dict, expert_tokens: dict, device) -> torch.Tensor:
     """This rank's report: ``values`` holds every field of FIELDS but the losses (host numbers); ``losses`` maps
     "loss" (and "mtp_loss" with MTP modules) to device tensors (none off the last stage); ``expert_tokens`` maps
@@ -36,8 +30,8 @@ def encode(spec, values: dict, losses: dict, expert_tokens: dict, device) -> tor
     for name, value in losses.items():
         head[FIELDS.index(name)] = value.to(torch.float64)
     experts = spec.moe.num_experts if spec.moe else 0
-    tokens = torch.zeros(len(moe_layer_ids(spec)), experts, dtype=torch.float64, device=device)
-    for row, layer in enumerate(moe_layer_ids(spec)):
+    tokens = torch.zeros(len(spec.expert_layer_ids), experts, dtype=torch.float64, device=device)
+    for row, layer in enumerate(spec.expert_layer_ids):
         if layer in expert_tokens:
             tokens[row] = expert_tokens[layer].to(torch.float64)
     return torch.cat([head, tokens.reshape(-1)])
@@ -49,7 +43,7 @@ def decode(spec, row: list[float], rank: int, memory_source: str) -> dict:
     experts = spec.moe.num_experts if spec.moe else 0
     stage = int(head["stage"])
     tokens = {layer: [int(c) for c in row[len(FIELDS) + i * experts: len(FIELDS) + (i + 1) * experts]]
-              for i, layer in enumerate(moe_layer_ids(spec))}
+              for i, layer in enumerate(spec.expert_layer_ids)}
     return {"rank": rank, "stage": stage, "dp_index": int(head["dp_index"]),
             **{k: None if math.isnan(head[k]) else head[k] for k in _LOSSES}, "seconds": head["seconds"],
             "memory": {"stage": stage, **{k: int(head[k]) for k in _MEMORY}, "source": memory_source},

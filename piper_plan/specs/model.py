@@ -321,6 +321,13 @@ class ModelSpec(Spec):
     def is_moe(self) -> bool:
         return self.num_moe_layers > 0
 
+    @property
+    def expert_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose router counts tokens (metrics.jsonl's expert_tokens keys): the MoE layers, then the MTP
+        modules' MoE blocks as num_layers + k (runtime/model.py)."""
+        mtp = tuple(self.num_layers + k for k in range(self.mtp_layers)) if self.mtp_is_moe else ()
+        return self.moe_layers + mtp
+
     # ---- parameters --------------------------------------------------------------------
     @cached_property
     def params(self):

@@ -67,6 +67,11 @@ def test_binary_and_directory_spec_files(tmp_path):
     (lambda d: {**d, "prediction": {**d["prediction"], "memory": {}}}, ["prediction.memory"]),
     (lambda d: {**d, "parallel": {**d["parallel"], "edp": 7}}, ["parallel.edp", "edp=7"]),
     (lambda d: {**d, "moe": {**d["moe"], "capacity_factor": -5}}, ["moe.capacity_factor", "(got -5)"]),
+    # figures a prediction derives from its others, edited alone (compare and export showed them as the plan's)
+    (lambda d: {**d, "prediction": {**d["prediction"], "tokens_per_s": 1}},
+     ["prediction.tokens_per_s: 1.0, but tflops_per_device x 1e12 x devices / model_flops_per_token = "]),
+    (lambda d: {**d, "prediction": {**d["prediction"], "a2a_share": 0.9}},
+     ["prediction.a2a_share: 0.9, but the moe/ terms of time.breakdown / step_time_s = ", "within 1%"]),
 ])
 def test_launch_refuses_a_broken_plan_naming_the_input_file(tmp_path, plan_json, change, needles):
     plan = write(tmp_path / "in.json", change(plan_json))

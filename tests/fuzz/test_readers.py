@@ -244,6 +244,38 @@ def test_fit_counts_a_run_named_twice_once(tmp_path):
               "is the run", "again; give each run once")
 
 
+def test_fit_refuses_runs_of_two_platforms(tmp_path):
+    """Before: every run was priced with the first run's platform and calibration, and the fit written there."""
+    first = _run_dir(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    data = json.loads(base_plan_text())
+    data["platform"]["efficiency"]["gemm"] = 0.5               # the same name, other figures
+    (other / "plan.json").write_text(json.dumps(data))
+    (other / "metrics.jsonl").write_text(GOOD_METRICS)
+    one_error(run("calibrate", "fit", first, other, "--dry-run", env={"PIPER_HOME": str(ROOT)}),
+              f"{other}: ran on another local-cpu (other figures), but {first} ran on local-cpu; fit runs of one platform")
+
+
+@pytest.mark.parametrize("expert_tokens, needle", [
+    ({"0": [1] * 8, "7": [1] * 8}, "layer 7 with 8 experts"),         # tiny-moe's MoE layers are 0..3
+    ({"0": [1] * 64}, "layer 0 with 64 experts"),                     # it routes 8
+    ([[1] * 8] * 5, "layer 4 with 8 experts"),                        # 5 layers in list form
+])
+def test_compare_and_fit_refuse_metrics_of_another_model(tmp_path, expert_tokens, needle):
+    """Before: a dense or other-sized plan.json beside a tiny-moe run's metrics (same tokens and layout) compared
+    and fitted as if they were its own run."""
+    d = _run_dir(tmp_path)
+    lines = [json.loads(line) for line in GOOD_METRICS.splitlines()]
+    (d / "metrics.jsonl").write_text("".join(json.dumps({**r, "expert_tokens": expert_tokens}) + "\n" for r in lines))
+    tail = "the metrics are of another model; compare a run directory with the plan.json it ran"
+    one_error(run("compare", d), needle, "model tiny-moe routes 8 experts in layers [0, 1, 2, 3]", tail)
+    one_error(run("calibrate", "fit", d, "--dry-run", env={"PIPER_HOME": str(ROOT)}), needle, tail)
+    good = {str(layer): [1] * 8 for layer in range(4)}
+    (d / "metrics.jsonl").write_text("".join(json.dumps({**r, "expert_tokens": good}) + "\n" for r in lines))
+    assert run("compare", d).exit_code == 0
+
+
 def test_fit_refuses_unknown_and_underdetermined_parameters(tmp_path):
     d = _run_dir(tmp_path)
     env = {"PIPER_HOME": str(ROOT)}
