@@ -46,11 +46,38 @@ INSTEAD = {
 }
 
 
+DESCRIPTIVE_FIELDS = ("source", "notes")
+"""ModelSpec fields that describe a model without changing it (an edit of them is not another architecture)."""
+
+
 def config_names(model) -> tuple[str, str]:
+    """The torchtitan module and registered configuration of the plan's model: the catalog model of that name, whose
+    architecture the registered configuration has; a plan whose model block was changed under the name is refused
+    (torchtitan would train the registered architecture, not the plan's)."""
+    from piper_plan.catalog import load_model
+
     if model.name not in MODELS:
         raise PiperError(f"torchtitan 0.3 has no registered configuration for model {model.name!r}; "
                          f"exportable: {', '.join(MODELS)}", field="model")
+    changed = _first_difference(model.model_dump(mode="json", exclude=set(DESCRIPTIVE_FIELDS)),
+                                load_model(model.name).model_dump(mode="json", exclude=set(DESCRIPTIVE_FIELDS)))
+    if changed:
+        field, planned, catalog = changed
+        raise PiperError(f"{planned!r}, but the catalog's {model.name} (torchtitan's registered {MODELS[model.name][1]}) "
+                         f"has {catalog!r}: torchtitan would train the registered architecture, not this plan's; "
+                         "allowed: the catalog model's figures", field=f"model.{field}")
     return MODELS[model.name]
+
+
+def _first_difference(planned, catalog, where: str = ""):
+    """(dotted field, planned value, catalog value) of the first difference, or None."""
+    if isinstance(planned, dict) and isinstance(catalog, dict):
+        for key in sorted(planned.keys() | catalog.keys()):
+            found = _first_difference(planned.get(key), catalog.get(key), f"{where}.{key}" if where else key)
+            if found:
+                return found
+        return None
+    return None if planned == catalog else (where, planned, catalog)
 
 
 def dp_split(plan) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """piper export: torchtitan 0.3 launches checked by torchtitan's own ConfigManager and ParallelDims, Megatron-LM
 flags checked against the names read from Megatron-LM's arguments.py (tests/export/megatron_flags.txt)."""
 
+import json
 import os
 import stat
 import subprocess
@@ -269,6 +270,24 @@ def test_torchtitan_refuses_in_one_line(tmp_path, args, needle):
     errors = [line for line in res.stderr.splitlines() if line]
     assert len(errors) == 1 and needle in errors[0], res.stderr
     assert errors[0].startswith(f"error: {plan}: "), errors[0]          # the plan file the engine cannot take
+    assert not (tmp_path / "job.sh").exists()
+
+
+def test_torchtitan_refuses_a_plan_whose_model_was_changed_under_its_name(plans, tmp_path):
+    """Before: the export picked qwen3_30b_a3b by name and launched the registered 128-expert model for a plan of
+    64 experts (only a stale-prediction warning). The model's source and notes are not its architecture."""
+    data = json.loads(plans["qwen3-hsdp"].read_text())
+    data["model"]["notes"] = "edited by hand"
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps(data))
+    assert run("export", "--engine", "torchtitan", same, "-o", tmp_path / "same.sh").exit_code == 0
+    data["model"]["moe"]["num_experts"] = 64
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    res = run("export", "--engine", "torchtitan", edited, "-o", tmp_path / "job.sh")
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"error: {edited}: model.moe.num_experts: 64, but the catalog's qwen3-30b-a3b "
+                                 "(torchtitan's registered qwen3_30b_a3b) has 128"), res.stderr
     assert not (tmp_path / "job.sh").exists()
 
 
