@@ -217,6 +217,12 @@ def parse_yaml(text: str, where: str) -> Any:
     return data
 
 
+def python_only_number(text: str) -> bool:
+    """Whether ``text`` is a number only Python's float() / int() read: digit-group underscores (4_5.12 is 45.12)
+    or non-ASCII digits (Arabic-Indic); no tool that writes numbers (nccl-tests, csv writers) prints them."""
+    return "_" in text or not text.isascii()
+
+
 _EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 """1e12 without a dot: a float in YAML 1.2 and JSON, a string in PyYAML's YAML 1.1 resolver; read as a float."""
 _DECIMAL_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")

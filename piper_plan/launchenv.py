@@ -76,7 +76,7 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
 
 def _emulated_shape(text: str, world: int) -> tuple[int, int]:
     parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 7 and int(p) > 0 for p in parts):
         raise PiperError(f"{text!r}; allowed: NODESxRANKS, e.g. 2x4", field="environment PIPER_EMULATE_TOPOLOGY")
     nodes, per_node = int(parts[0]), int(parts[1])
     if nodes * per_node != world:

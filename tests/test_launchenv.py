@@ -19,7 +19,10 @@ def test_srun_torchrun_emulation_and_a_lone_process():
 
 @pytest.mark.parametrize("environ", [{"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "5", "WORLD_SIZE": "2"},
                                      {"RANK": "0", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "3x3"},
-                                     {"RANK": "0", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "two"}])
+                                     {"RANK": "0", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "two"},
+                                     # str.isdigit's superscript two: int() raised a traceback
+                                     {"RANK": "0", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "\u00b2x4"},
+                                     {"RANK": "0", "WORLD_SIZE": "8", "PIPER_EMULATE_TOPOLOGY": "9" * 5000 + "x1"}])
 def test_bad_launcher_variables_are_one_line(environ):
     with pytest.raises(PiperError):
         read_launch_env(environ)

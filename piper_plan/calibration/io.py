@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from piper_plan.calibration.schema import Column, Table
 from piper_plan.errors import PiperError
-from piper_plan.fileio import atomic_write_json, atomic_write_text
+from piper_plan.fileio import atomic_write_json, atomic_write_text, python_only_number
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -116,9 +116,11 @@ def _convert(path: Path, line: int, col: Column, value: str):
 
 def _parse_number(path: Path, where: str, col: Column, value: str):
     try:
+        if python_only_number(value):
+            raise ValueError
         number = float(value)
     except ValueError:
-        raise PiperError(f"{where}: {value!r} is not a number", path=str(path)) from None
+        raise PiperError(f"{where}: {ascii(value)} is not a number", path=str(path)) from None
     if number != number or number in (float("inf"), float("-inf")):
         raise PiperError(f"{where}: {value!r} is not a finite number", path=str(path))
     if col.kind == "int":

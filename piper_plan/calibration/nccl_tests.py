@@ -25,6 +25,7 @@ from pathlib import Path
 
 from piper_plan.calibration.schema import MAX_MEASURED, MIN_MEASURED, OPS, SCOPES, busbw_factor, scope_problem
 from piper_plan.errors import PiperError
+from piper_plan.fileio import python_only_number
 
 _TIME_UNITS = {"(us)": 1e-6, "(ms)": 1e-3, "(s)": 1.0}
 _REQUIRED = ("time", "algbw", "busbw")
@@ -124,10 +125,12 @@ def _row(line: str, columns: list[str], unit: float, number: int, path: str) -> 
                          path=path)
     size = int(tokens[0])
     try:
+        if any(python_only_number(tokens[i]) for i in (i_time, i_alg, i_bus)):
+            raise ValueError
         seconds = float(tokens[i_time]) * unit
         algbw, busbw = float(tokens[i_alg]), float(tokens[i_bus])
     except ValueError:
-        raise PiperError(f"line {number}: not a number in {line!r}", path=path) from None
+        raise PiperError(f"line {number}: not a number in {ascii(line)}", path=path) from None
     figures = (("time", i_time, seconds, unit), ("algbw", i_alg, algbw, 1.0), ("busbw", i_bus, busbw, 1.0))
     bad = [(name, tokens[i]) for name, i, value, scale in figures
            if not (0 <= value <= MAX_MEASURED) or (name == "time" and value < MIN_MEASURED)

@@ -67,12 +67,24 @@ def parse_only(text: str | None) -> tuple[str, ...]:
     return kinds
 
 
+def check_existing_files(out_dir: Path, kinds: tuple[str, ...]) -> None:
+    """The CSVs the sweep will merge into (and metadata.json) read as they are before anything is measured: a
+    malformed one is one error line before minutes of measurement, not after them (their rows then lost)."""
+    from piper_plan.calibration.io import read_if_present, read_metadata
+    from piper_plan.calibration.schema import TABLES
+
+    for kind in kinds:
+        read_if_present(out_dir, TABLES[kind])
+    read_metadata(out_dir)
+
+
 def run_calibration(opts: SweepOptions, reporter: Reporter | None = None) -> SweepResult:
     """Run the selected sweeps and write calibration/<platform>/; returns counts and timings."""
     from piper_plan.catalog import load_platform
 
     reporter = reporter or Reporter()
     platform = load_platform(opts.platform)
+    check_existing_files(opts.out_dir, opts.only)
     result = SweepResult()
     source = f"measured: {opts.command} on {socket.gethostname()} {_today()}"
     if "gemm" in opts.only or "attention" in opts.only:

@@ -77,13 +77,16 @@ class _RichReporter:
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                                  TextColumn("{task.fields[label]}", markup=False), console=diagnostics())
         self.tasks: dict[str, int] = {}
-        self.progress.__enter__()
+        self.shown = False
         return self
 
     def __exit__(self, *exc):
-        return self.progress.__exit__(*exc)
+        return self.progress.__exit__(*exc) if self.shown else False
 
     def start(self, task: str, total: int) -> None:
+        if not self.shown:        # shown from the first sweep on: an error before it stays one line on stderr
+            self.progress.__enter__()
+            self.shown = True
         self.tasks[task] = self.progress.add_task(task, total=total, name=task, label="")
 
     def advance(self, task: str, label: str, done: int | None = None) -> None:
@@ -132,9 +135,12 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
 
     if plot_path:
         check_plot_path(plot_path)
-    cal = load_calibration(Path(platform_name) if Path(platform_name).is_dir() else platform_name)
+    folder = Path(platform_name).is_dir()
+    cal = load_calibration(Path(platform_name) if folder else platform_name)
     if cal is None:
-        raise PiperError(f"no calibration CSVs for {platform_name!r}; run `piper calibrate --platform {platform_name}`")
+        hint = (f"measure into it with `piper calibrate --platform P --out-dir {platform_name}`" if folder
+                else f"run `piper calibrate --platform {platform_name}`")
+        raise PiperError(f"no calibration CSVs for {platform_name!r}; {hint}")
     data = summary(cal)
     if as_json:
         print_json(data)
@@ -200,6 +206,9 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     from piper_plan.calibration import load_calibration
 
     check_distinct_runs(run_dirs)
+    repeated = sorted({p for p in params if params.count(p) > 1})
+    if repeated:
+        raise PiperError(f"{repeated[0]!r} given more than once; name each parameter once", field="--param")
     runs = [fitting.read_run(d) for d in run_dirs]
     fitting.check_one_platform(runs)
     platform = runs[0].plan_file.platform
@@ -230,7 +239,7 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
 def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
     """Measure the runtime's fixed per-layer / per-micro-batch / optimizer overhead; write overhead.csv."""
     from piper_plan.calibration.bench_overhead import overhead_rows
-    from piper_plan.calibration.io import merge_rows
+    from piper_plan.calibration.io import merge_rows, read_if_present
     from piper_plan.calibration.overhead import OVERHEAD
     from piper_plan.catalog import load_platform
 
@@ -240,6 +249,7 @@ def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
                          "benchmark times the runtime's modules on this machine's CPU; measure it for a CPU platform "
                          "(local-cpu)", field="--platform")
     out = _out_dir(platform_name, out_dir)
+    read_if_present(out, OVERHEAD)              # a malformed overhead.csv is named before the measurement, not after
     args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out-dir", out_dir] if out_dir else [])
     t0 = time.perf_counter()
     with diagnostics().status("measuring the runtime's overhead (about 40 s on 2 cores)"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ def _reason(proc: subprocess.CompletedProcess) -> str:
     return " / ".join(lines) or f"exit code {proc.returncode}"
 
 
+JOB_ID = re.compile(r"[0-9]{1,10}")
+"""A Slurm job id: a 32-bit number in ASCII digits (str.isdigit also takes superscripts and other scripts' digits)."""
+
+
 def submit(script: str | Path, extra_args: list[str] | None = None) -> str:
     """``sbatch --parsable script``; returns the job id. Slurm's refusal becomes a PiperError with its reason."""
     script = Path(script)
@@ -37,7 +42,7 @@ def submit(script: str | Path, extra_args: list[str] | None = None) -> str:
     if proc.returncode != 0:
         raise PiperError(f"sbatch refused the job: {_reason(proc)}", path=str(script))
     job_id = proc.stdout.strip().split(";")[0]
-    if not job_id.isdigit():
+    if not JOB_ID.fullmatch(job_id):
         raise PiperError(f"sbatch printed no job id: {proc.stdout.strip()!r}", path=str(script))
     return job_id
 
@@ -60,8 +65,9 @@ def would_accept(script: str | Path) -> SlurmAnswer:
 def job_info(job_id: str) -> dict[str, str] | None:
     """``scontrol show job -o JOB`` as a dict (JobState, WorkDir, StdOut, NodeList, Reason, RestartCnt, ...);
     None when Slurm no longer knows the job."""
-    if not str(job_id).isdigit():
-        raise PiperError(f"job id {job_id!r} is not allowed; allowed: a number")
+    if not JOB_ID.fullmatch(str(job_id)):
+        shown = ascii(str(job_id)[:40]) + ("..." if len(str(job_id)) > 40 else "")
+        raise PiperError(f"job id {shown} is not allowed; allowed: a job number (ASCII digits, at most 10)")
     proc = _slurm("scontrol", ["show", "job", "-o", str(job_id)])
     if proc.returncode != 0:
         return _unknown_job(proc, "scontrol")

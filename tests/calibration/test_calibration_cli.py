@@ -90,7 +90,50 @@ def test_slurm_refuses_a_blank_python(tmp_path):
 def test_gpu_platform_without_gpu_refuses_compute_sweep(tmp_path):
     result = CliRunner().invoke(cli, ["calibrate", "--platform", "frontier", "--only", "gemm", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "torch sees no GPU" in result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1    # no progress display's blank line
     assert not (tmp_path / "gemm.csv").exists()
+
+
+def test_a_malformed_csv_to_merge_into_is_named_before_anything_is_measured(tmp_path, monkeypatch):
+    """Before: the sweep (minutes) and the overhead benchmark (40 s) ran, then the merge refused the file and the
+    measured rows were lost."""
+    from piper_plan.calibration import bench_overhead, sweep
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the file it merges into was read")
+
+    monkeypatch.setattr(sweep, "_compute_sweeps", measured)
+    monkeypatch.setattr(bench_overhead, "overhead_rows", measured)
+    (tmp_path / "gemm.csv").write_text("garbage\n")
+    (tmp_path / "overhead.csv").write_text("op,size\nx\n")
+    gemm = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--only", "gemm", "--out-dir", str(tmp_path)])
+    assert gemm.exit_code == 2 and f"{tmp_path / 'gemm.csv'}: line 1: missing columns" in gemm.stderr, gemm.output
+    overhead = CliRunner().invoke(cli, ["calibrate", "overhead", "--platform", "local-cpu", "--out-dir", str(tmp_path)])
+    assert overhead.exit_code == 2 and f"{tmp_path / 'overhead.csv'}: line 2" in overhead.stderr, overhead.output
+
+
+def test_numbers_only_python_reads_are_not_numbers(tmp_path):
+    """float() reads 4_5.12 as 45.12 and Arabic-Indic digits as digits; nccl-tests and CSV writers print neither."""
+    import pytest
+
+    from piper_plan.calibration.io import read_table
+    from piper_plan.calibration.nccl_tests import parse_nccl_tests
+    from piper_plan.calibration.schema import ATTENTION
+    from piper_plan.errors import PiperError
+
+    header = "#       size         count      type   redop    root     time   algbw   busbw #wrong\n"
+    for bad in ("4_5.12", "\u0664\u0665.12"):
+        with pytest.raises(PiperError, match="line 2: not a number in"):
+            parse_nccl_tests(header + f"     1048576        262144     float    none      -1    {bad}   23.24   11.62      0\n")
+    path = tmp_path / "attention.csv"
+    row = "cpu,fp32,fwd,1,128,8,{kv},64,true,{s},{t},measured: x\n"
+    good_t = 4 * 128**2 * 8 * 64 * 0.5 / 1e-3 / 1e12
+    path.write_text(",".join(ATTENTION.column_names) + "\n" + row.format(kv=8, s="1_0e-4", t=good_t))
+    with pytest.raises(PiperError, match="line 2: column seconds: '1_0e-4' is not a number"):
+        read_table(path, ATTENTION)
+    path.write_text(",".join(ATTENTION.column_names) + "\n" + row.format(kv=3, s="1e-3", t=good_t))
+    with pytest.raises(PiperError, match="line 2: num_kv_heads=3 does not divide num_heads=8"):
+        read_table(path, ATTENTION)
 
 
 def test_frontier_groups_cover_every_scope():

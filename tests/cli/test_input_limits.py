@@ -175,6 +175,13 @@ def test_status_says_slurm_did_not_answer_not_that_the_job_is_unknown(tmp_path, 
     assert_one_line_error(run("status", "12345", "--dir", tmp_path), "Unable to contact slurm controller")
 
 
+def test_a_job_id_is_ascii_digits_and_a_long_one_is_not_echoed_whole():
+    """str.isdigit took a superscript two (then Slurm was asked about it); a 5,000-digit id was echoed in full."""
+    assert_one_line_error(run("status", "\u00b2"), r"job id '\xb2' is not allowed", "ASCII digits, at most 10")
+    line = assert_one_line_error(run("status", "7" * 5000), "is not allowed")
+    assert len(line) < 200 and "7777'..." in line
+
+
 def test_status_of_a_job_slurm_forgot_still_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", _fake_slurm(tmp_path, "Invalid job id specified"))
     assert_one_line_error(run("status", "12345"), "Slurm does not know it")

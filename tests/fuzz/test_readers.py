@@ -280,6 +280,8 @@ def test_fit_refuses_unknown_and_underdetermined_parameters(tmp_path):
     d = _run_dir(tmp_path)
     env = {"PIPER_HOME": str(ROOT)}
     one_error(run("calibrate", "fit", d, "--dry-run", "--param", "bogus", env=env), "'bogus' is not a fittable parameter")
+    one_error(run("calibrate", "fit", d, "--dry-run", "--param", "a2a_overlap", "--param", "a2a_overlap", env=env),
+              "--param: 'a2a_overlap' given more than once")          # was: "underdetermined" by 2 parameters
     one_error(run("calibrate", "fit", d, "--dry-run", "--param", "a2a_overlap", "--param", "dp_overlap", "--param",
                   "overhead.scale", env=env), "from 1 run(s): underdetermined by")
 
