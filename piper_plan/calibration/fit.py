@@ -19,8 +19,9 @@ Honesty: what is fitted on some runs cannot validate on them. ``split_runs`` hol
 ``holdout_mape_pct`` reports the error on the held-out runs with the fitted values (benchmarks/closed_loop.py).
 
 The result is written to ``calibration/<platform>/fit.csv`` (parameter, value, before/after error, source naming
-the runs); :func:`load_fit` reads it back as (CostOptions, platform with fitted efficiencies). Pure except
-``read_run`` and ``write_fit``; no torch.
+the runs); :func:`load_fit` reads it back as (CostOptions, platform with fitted efficiencies). ``estimate`` and
+``plan`` do not apply it: a fit is reported with its held-out error, and ``how_to_apply`` names the options and
+platform fields that price with it. Pure except ``read_run`` and ``write_fit``; no torch.
 """
 
 from __future__ import annotations
@@ -120,6 +121,17 @@ def check_one_platform(runs: list[Run]) -> None:
             what = f"platform {other.name}" if other.name != first.name else f"another {other.name} (other figures)"
             raise PiperError(f"ran on {what}, but {runs[0].path} ran on {first.name}; fit runs of one platform",
                              path=run.path)
+
+
+def how_to_apply(values: dict[str, float], platform_name: str) -> str:
+    """How to price with fitted ``values``: estimate and plan do not read fit.csv (it records the fit and its error;
+    docs/closed-loop.md reports such a fit without tuning the table to it), so each value is named where it goes."""
+    options = " ".join(f"--cost-option {k}={v:.4g}" for k, v in values.items() if "." not in k)
+    platform = ", ".join(f"{k}: {v:.4g}" for k, v in values.items() if k.startswith("efficiency."))
+    parts = ([f"estimate / plan {options}"] if options else []) + \
+            ([f"a copy of platform {platform_name}'s YAML with {platform}"] if platform else []) + \
+            (["overhead.scale: no option takes it (scale overhead.csv's seconds)"] if "overhead.scale" in values else [])
+    return "fit.csv records the fit; estimate and plan do not apply it. To price with it: " + "; ".join(parts)
 
 
 def fit_path(platform_name: str) -> Path:

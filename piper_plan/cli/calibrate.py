@@ -201,7 +201,8 @@ def _submit(path: Path) -> str:
 @click.option("--dry-run", is_flag=True, help="Show the fit; write nothing.")
 @json_option(help="Machine-readable output on stdout.")
 def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
-    """Fit efficiency/overlap parameters to measured runs (RUN_DIR: plan.json + metrics.jsonl)."""
+    """Fit efficiency/overlap parameters to measured runs (RUN_DIR: plan.json + metrics.jsonl); calibration/<platform>/
+    fit.csv records the fit, which estimate and plan do not apply (the output says how to price with it)."""
     from piper_plan.calibration import fit as fitting
     from piper_plan.calibration import load_calibration
 
@@ -219,8 +220,10 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
     if not dry_run and result.values:
         fitting.write_fit(path, fitting.fit_rows(result, shlex.join(["piper", "calibrate", "fit", *run_dirs])))
         note(f"wrote {path} (platform {platform.name}, the runs' own)")
+    apply = fitting.how_to_apply(result.values, platform.name) if result.values else None
     if as_json:
-        print_json({**result.to_dict(), "written": None if dry_run or not result.values else str(path)})
+        print_json({**result.to_dict(), "written": None if dry_run or not result.values else str(path),
+                    "how_to_apply": apply})
         return
     out = console()
     for name, value in result.values.items():
@@ -229,6 +232,8 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
               f"{result.mape_after_pct:.1f}% after", markup=False)
     if not result.values:
         out.print("no parameter changes any prediction of these runs: nothing fitted", markup=False)
+    else:
+        note(apply)
 
 
 @calibrate_group.command("overhead", epilog=exit_codes())

@@ -113,3 +113,15 @@ def test_a_run_resumed_under_another_layout_fits_its_plans_steps(tmp_path):
             [{"schema_version": 1, "step": s, "step_time_s": 1.0, "parallel": here} for s in (4, 5, 6)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert read_run(d).measured_step_s == pytest.approx(1.0)
+
+
+def test_the_fit_says_how_to_price_with_it_since_estimate_does_not_read_it():
+    """fit.csv is a record (nothing prices with it); before, nothing said so and a user took the fit as applied."""
+    from piper_plan.calibration.fit import how_to_apply
+
+    text = how_to_apply({"a2a_overlap": 0.35, "efficiency.gemm": 0.6123, "overhead.scale": 1.25}, "local-cpu")
+    assert text.startswith("fit.csv records the fit; estimate and plan do not apply it. To price with it: ")
+    assert "estimate / plan --cost-option a2a_overlap=0.35" in text
+    assert "a copy of platform local-cpu's YAML with efficiency.gemm: 0.6123" in text
+    assert "overhead.scale: no option takes it" in text
+    assert "--cost-option" not in how_to_apply({"efficiency.attention": 0.3}, "frontier")
