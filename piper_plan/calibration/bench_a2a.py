@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from piper_plan.calibration.schema import busbw_factor
+from piper_plan.calibration.schema import collective_bandwidths_GBps
 from piper_plan.calibration.timing import end_process_group
 from piper_plan.errors import PiperError
 from piper_plan.launchenv import MAX_LOCAL_RANKS, device_index, read_launch_env
@@ -70,7 +70,8 @@ def check_local_spawn(nodes: int, ranks_per_node: int, sizes_bytes: tuple[int, .
     """Refuse a local spawn that would start too many processes or allocate more than the machine's memory."""
     ranks = nodes * ranks_per_node
     if ranks < 2:
-        raise PiperError(f"--nodes x --ranks-per-node = {nodes} x {ranks_per_node}: an all-to-all needs 2 ranks or more")
+        raise PiperError(f"--nodes x --ranks-per-node = {nodes} x {ranks_per_node}: an all-to-all needs 2 ranks or "
+                         "more")
     if ranks > MAX_LOCAL_RANKS:
         raise PiperError(f"--nodes x --ranks-per-node = {nodes} x {ranks_per_node} = {ranks} local processes; at most "
                          f"{MAX_LOCAL_RANKS} on one machine (launch under srun / torchrun for real nodes)")
@@ -144,12 +145,6 @@ class BenchResult:
     @property
     def passed(self) -> bool:
         return all(not s.errors for s in self.sizes)
-
-
-def alltoall_bandwidths_GBps(bytes_per_rank: float, seconds: float, num_ranks: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s per nccl-tests: algbw = size / time, busbw = algbw x busbw_factor."""
-    algbw = bytes_per_rank / seconds / 1e9
-    return algbw, algbw * busbw_factor("all_to_all", num_ranks)
 
 
 def message_shape(bytes_per_rank: int, num_ranks: int) -> tuple[int, int]:
@@ -406,7 +401,7 @@ def collective_rows(result: BenchResult, scope: str, source: str) -> list[dict]:
     rows = []
     for size in result.sizes:
         for algo, seconds in size.seconds.items():
-            algbw, busbw = alltoall_bandwidths_GBps(size.bytes_per_rank, seconds, result.num_ranks)
+            algbw, busbw = collective_bandwidths_GBps("all_to_all", result.num_ranks, size.bytes_per_rank, seconds)
             rows.append({"op": OP_OF_ALGO[algo], "scope": scope, "num_nodes": result.num_nodes,
                          "ranks_per_node": result.ranks_per_node, "bytes_per_rank": size.bytes_per_rank,
                          "seconds": seconds, "algbw_GBps": algbw, "busbw_GBps": busbw, "source": source})

@@ -149,12 +149,11 @@ def _row_key(op: str, g: GroupSpec, size: int) -> tuple:
 
 
 def _row(op: str, g: GroupSpec, size: int, seconds: float, source: str) -> dict:
-    from piper_plan.calibration.schema import busbw_factor
+    from piper_plan.calibration.schema import collective_bandwidths_GBps
 
-    algbw = size / seconds / 1e9
+    algbw, busbw = collective_bandwidths_GBps(op, len(g.ranks), size, seconds)
     return {"op": op, "scope": g.scope, "num_nodes": g.num_nodes, "ranks_per_node": g.ranks_per_node,
-            "bytes_per_rank": size, "seconds": seconds, "algbw_GBps": algbw,
-            "busbw_GBps": algbw * busbw_factor(op, len(g.ranks)), "source": source}
+            "bytes_per_rank": size, "seconds": seconds, "algbw_GBps": algbw, "busbw_GBps": busbw, "source": source}
 
 
 def _progress(done: int, total: int, label: str) -> None:

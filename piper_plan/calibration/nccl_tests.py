@@ -12,7 +12,7 @@ check column reads ``N/A``. Columns are found by the header names, so either lay
 per-rank byte count nccl-tests defines for each op (all_to_all: the whole send buffer; all_gather: the
 gathered output) -- exactly the ``bytes_per_rank`` of collectives.csv. Out-of-place numbers are used; both
 result checks (out-of-place and in-place ``#wrong``) must be 0. A size must be a whole number of bytes, times and
-bandwidths finite; a size printed twice (two runs pasted together) is refused.
+bandwidths finite; a size above 0 printed twice (two runs pasted together) is refused, and so is a second table.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from piper_plan.calibration.schema import MAX_MEASURED, MIN_MEASURED, OPS, SCOPES, busbw_factor, scope_problem
+from piper_plan.calibration.schema import (MAX_MEASURED, MIN_MEASURED, OPS, SCOPES, busbw_factor,
+                                           collective_bandwidths_GBps, scope_problem)
 from piper_plan.errors import PiperError
 from piper_plan.fileio import python_only_number
 
@@ -86,8 +87,12 @@ def parse_nccl_tests(text: str, path: str = "<text>") -> list[NcclTestsRow]:
 
 
 def _check_sizes_unique(rows: list[NcclTestsRow], path: str) -> None:
+    """A size above 0 printed twice is two runs pasted together; size 0 repeats in one run (nccl-tests rounds a
+    count below its alignment down to 0 for each small -b size: several '0' lines at 8 ranks and more)."""
     first: dict[int, int] = {}
     for r in rows:
+        if r.size_bytes == 0:
+            continue
         if r.size_bytes in first:
             raise PiperError(f"line {r.line}: size {r.size_bytes} repeats line {first[r.size_bytes]}; import one run "
                              "per file", path=path)
@@ -166,12 +171,13 @@ def rows_to_collectives(rows: list[NcclTestsRow], op: str, scope: str, num_nodes
     and time (as the CSV defines them), not the printed ones: nccl-tests prints two decimals, so a small message's
     algbw reads 0.00, a value the CSV cannot hold."""
     check_op_scope(op, scope, num_nodes)
-    factor = busbw_factor(op, num_nodes * ranks_per_node)
+    rows = [r for r in rows if r.size_bytes > 0]
+    bandwidths = [collective_bandwidths_GBps(op, num_nodes * ranks_per_node, r.size_bytes, r.seconds) for r in rows]
     return [
         {"op": op, "scope": scope, "num_nodes": num_nodes, "ranks_per_node": ranks_per_node,
-         "bytes_per_rank": r.size_bytes, "seconds": r.seconds, "algbw_GBps": r.size_bytes / r.seconds / 1e9,
-         "busbw_GBps": factor * r.size_bytes / r.seconds / 1e9, "source": source}
-        for r in rows if r.size_bytes > 0
+         "bytes_per_rank": r.size_bytes, "seconds": r.seconds, "algbw_GBps": algbw, "busbw_GBps": busbw,
+         "source": source}
+        for r, (algbw, busbw) in zip(rows, bandwidths)
     ]
 
 

@@ -40,7 +40,7 @@ def bench_group() -> None:
 @click.option("--repeats", type=click.IntRange(1, MAX_CALLS), default=5, show_default=True, help="Timed calls per size.")
 @click.option("--warmup", type=click.IntRange(0, MAX_CALLS), default=1, show_default=True, help="Untimed calls first.")
 @out_dir_option("output_dir", "Folder whose collectives.csv receives the rows [default: calibration/<platform>].",
-                old=("--output-dir",), type=click.Path(file_okay=False, path_type=Path))
+                old=("--output-dir",))
 @click.option("--no-save", is_flag=True, help="Do not write calibration rows.")
 @click.option("--emulate-network", "network_text", default=None, metavar="uplink_GBps=R,uplinks=U",
               help="Run the ranks on an emulated multi-node network (one namespace per node, U uplinks of R GB/s "
@@ -78,7 +78,7 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
         sys.exit(0 if result.passed else EXIT_CHECK_FAILED)
     _report(result, verify, as_json)
     if result.passed and not no_save:
-        _save(result, platform, output_dir, launched)
+        _save(result, platform, Path(output_dir) if output_dir is not None else None, launched)
     sys.exit(0 if result.passed else EXIT_CHECK_FAILED)
 
 
@@ -92,7 +92,7 @@ def _backend(platform) -> str:
 def _report(result, verify: bool, as_json: bool) -> None:
     from rich.table import Table
 
-    from piper_plan.calibration.bench_a2a import alltoall_bandwidths_GBps
+    from piper_plan.calibration.schema import collective_bandwidths_GBps
 
     for size in result.sizes:
         for error in size.errors[:5]:
@@ -112,7 +112,8 @@ def _report(result, verify: bool, as_json: bool) -> None:
     for size in result.sizes:
         flat, halo = size.seconds.get("flat"), size.seconds.get("halo")
         ratio = f"{halo / flat:.2f}" if flat and halo else "-"
-        busbw = f"{alltoall_bandwidths_GBps(size.bytes_per_rank, halo, result.num_ranks)[1]:.3f}" if halo else "-"
+        busbw = "-" if not halo else \
+            f"{collective_bandwidths_GBps('all_to_all', result.num_ranks, size.bytes_per_rank, halo)[1]:.3f}"
         checked = ("yes" if not size.errors else "FAILED") if verify else "-"
         table.add_row(f"{size.bytes_per_rank:,}", _ms(flat), _ms(halo), ratio, busbw, checked)
     console().print(table)

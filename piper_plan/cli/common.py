@@ -158,16 +158,19 @@ def out_dir_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
     from functools import wraps
 
     kwargs.setdefault("type", click.Path(file_okay=False))
+    if getattr(kwargs["type"], "type", None) is not None:
+        raise TypeError("out_dir_option takes the directory as text (the blank check needs it): no path_type")
     option = click.option("--out-dir", *old, dest, cls=AliasedOption, hidden_aliases=old, metavar="DIR",
                           help=help, **kwargs)
+
+    default = "" if kwargs.get("required") else " (or leave --out-dir out for the default)"
 
     def decorate(fn):
         @wraps(fn)
         def checked(*args, **params):
-            value = params.get(dest)
+            value = params.get(dest)          # the text as given: a path_type=Path would make '' the folder '.'
             if value is not None and not str(value).strip():
-                raise PiperError(f"{value!r} names no directory; give a directory name (or leave --out-dir out for "
-                                 "the default)", field="--out-dir")
+                raise PiperError(f"{value!r} names no directory; give a directory name{default}", field="--out-dir")
             return fn(*args, **params)
         return option(checked)
     return decorate

@@ -102,8 +102,10 @@ class Rates:
         if self.fp8_recipe is None:
             return ""
         if self.emulated_blockwise:
+            factor = (f" x {self.recipe_time:g} (efficiency.fp8_recipe_time)" if "blockwise" in
+                      self.platform.efficiency.fp8_recipe_time else ", the conversion not measured")
             return (f"; fp8 recipe blockwise: {self.platform.name} runs it as MXFP8 (efficiency."
-                    "fp8_blockwise_runs_as_mxfp8): linear GEMMs at mxfp8's rate, the conversion not measured")
+                    f"fp8_blockwise_runs_as_mxfp8): linear GEMMs at mxfp8's rate{factor}")
         if self.fp8_recipe in self.platform.efficiency.fp8_recipe_time:
             return (f"; fp8 recipe {self.fp8_recipe}: linear GEMMs take {self.recipe_time:g} x their kernel time "
                     "(efficiency.fp8_recipe_time)")

@@ -46,8 +46,9 @@ INSTEAD = {
 }
 
 
-DESCRIPTIVE_FIELDS = ("source", "notes")
-"""ModelSpec fields that describe a model without changing it (an edit of them is not another architecture)."""
+NOT_COMPARED = ("source", "notes", "mtp_layers")
+"""ModelSpec fields a plan may change under the catalog name: its description, and the MTP modules torchtitan's
+registered configurations do not have (setting_notes says they are not carried over)."""
 
 
 def config_names(model) -> tuple[str, str]:
@@ -59,8 +60,8 @@ def config_names(model) -> tuple[str, str]:
     if model.name not in MODELS:
         raise PiperError(f"torchtitan 0.3 has no registered configuration for model {model.name!r}; "
                          f"exportable: {', '.join(MODELS)}", field="model")
-    changed = _first_difference(model.model_dump(mode="json", exclude=set(DESCRIPTIVE_FIELDS)),
-                                load_model(model.name).model_dump(mode="json", exclude=set(DESCRIPTIVE_FIELDS)))
+    changed = _first_difference(model.model_dump(mode="json", exclude=set(NOT_COMPARED)),
+                                load_model(model.name).model_dump(mode="json", exclude=set(NOT_COMPARED)))
     if changed:
         field, planned, catalog = changed
         raise PiperError(f"{planned!r}, but the catalog's {model.name} (torchtitan's registered {MODELS[model.name][1]}) "

@@ -139,6 +139,19 @@ def test_a_collectives_row_must_agree_with_itself(tmp_path, row, message):
         read_table(_collectives(tmp_path, row), COLLECTIVES)
 
 
+def test_rows_an_older_import_wrote_with_printed_bandwidths_still_load(tmp_path):
+    """Before 2026-12-03 import-nccl-tests stored nccl-tests' printed two-decimal bandwidths: 1 KiB in 147.1 us at 16
+    ranks printed algbw 0.01 (0.00696 exact). Such a row loads; the same figures measured by piper do not."""
+    row = "all_reduce,node,1,16,1024,0.0001471,0.01,0.02,{source}\n"
+    assert len(read_table(_collectives(tmp_path, row.format(source="imported: old.log")), COLLECTIVES)) == 1
+    with pytest.raises(PiperError, match=r"line 2: column algbw_GBps: 0.01, but bytes_per_rank / seconds / 1e9 = "
+                                         r"0.00696125; allowed within 1% of it$"):
+        read_table(_collectives(tmp_path, row.format(source="measured: x")), COLLECTIVES)
+    with pytest.raises(PiperError, match="and the printed rounding; or import the log again"):
+        read_table(_collectives(tmp_path, row.replace("0.01,0.02", "0.05,0.09").format(source="imported: x")),
+                   COLLECTIVES)
+
+
 def test_a_merge_past_the_row_limit_or_of_a_bad_row_writes_nothing(tmp_path, monkeypatch):
     """Before: import-nccl-tests merged 12,000 rows into a table every later read refused, and wrote a one-rank
     row the next estimate divided by zero on."""

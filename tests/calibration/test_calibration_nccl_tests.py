@@ -224,6 +224,16 @@ def test_a_log_of_another_rank_count_or_two_tables_is_refused(tmp_path):
     assert not (tmp_path / "cal").exists()
 
 
+def test_size_zero_repeats_in_one_run(tmp_path):
+    """nccl-tests at 8+ ranks prints several size-0 lines from -b 8 (counts below its alignment round to 0); they
+    were taken for two runs pasted together, so real 8-rank alltoall logs did not import."""
+    zero = "           0             0     float    none      -1     0.19    0.00    0.00      0     0.18    0.00    0.00    N/A\n"
+    lines = NCCL_TESTS.splitlines(keepends=True)
+    result = _import(tmp_path, "".join(lines[:10] + [zero, zero] + lines[10:]))
+    assert result.exit_code == 0, result.output
+    assert len(read_table(tmp_path / "cal" / "collectives.csv", COLLECTIVES)) == 2
+
+
 def test_one_rank_or_a_blank_out_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     """--out-dir '' wrote into the platform's shipped calibration folder; one rank wrote a row estimate divided
     by zero on."""

@@ -202,6 +202,8 @@ def test_json_goes_to_stdout(args):
 def test_bench_a2a_never_picks_a_platform_to_write_into():
     assert_one_line_error(run("bench", "a2a"), "--platform", "--no-save")
     assert_one_line_error(run("bench", "a2a", "--no-save", "--out-dir", "somewhere"), "--no-save writes no rows")
+    # its option took a Path, so '' arrived as the folder '.': rows went into the working directory
+    assert_one_line_error(run("bench", "a2a", "--platform", "local-cpu", "--out-dir", ""), "--out-dir: '' names no directory")
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -171,6 +171,19 @@ def test_blockwise_on_blackwell_runs_as_mxfp8_never_faster(platform_name):
     assert "for mxfp8" in blockwise.sources.compute and "for fp8," not in blockwise.sources.compute
 
 
+def test_a_measured_blockwise_time_on_blackwell_is_applied_and_named():
+    """Where a Blackwell platform measures the emulation's own time, it scales mxfp8's rate and the source says so
+    (before, the factor was applied while the source line said the conversion was not measured)."""
+    data = load_platform("dgx-b200").model_dump(mode="json")
+    data["efficiency"]["fp8_recipe_time"] = {"blockwise": 1.5}
+    platform = type(load_platform("dgx-b200")).model_validate(data)
+    model, plain = load_model("mixtral-8x7b"), _recipe_estimate("blockwise", "dgx-b200")
+    timed = estimate(model, platform, TrainingSpec(seq_len=4096, global_batch=128, dtype="fp8", fp8_recipe="blockwise"),
+                     1, PLAN)
+    assert timed.time.breakdown["compute/experts"] == pytest.approx(1.5 * plain.time.breakdown["compute/experts"])
+    assert "linear GEMMs at mxfp8's rate x 1.5 (efficiency.fp8_recipe_time)" in timed.sources.compute
+
+
 def test_blockwise_as_mxfp8_needs_an_mxfp8_peak():
     from pydantic import ValidationError
 

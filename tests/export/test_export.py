@@ -289,6 +289,11 @@ def test_torchtitan_refuses_a_plan_whose_model_was_changed_under_its_name(plans,
     assert res.stderr.startswith(f"error: {edited}: model.moe.num_experts: 64, but the catalog's qwen3-30b-a3b "
                                  "(torchtitan's registered qwen3_30b_a3b) has 128"), res.stderr
     assert not (tmp_path / "job.sh").exists()
+    deepseek = json.loads(plans["deepseek-zero1"].read_text())
+    deepseek["model"]["mtp_layers"] = 0        # torchtitan's deepseek_v3_671b has no MTP module: closer, not refused
+    no_mtp = tmp_path / "no_mtp.json"
+    no_mtp.write_text(json.dumps(deepseek))
+    assert run("export", "--engine", "torchtitan", no_mtp, "-o", tmp_path / "ds.sh").exit_code == 0
 
 
 def test_export_bad_plan_file_is_one_line(tmp_path):
