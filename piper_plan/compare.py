@@ -171,7 +171,8 @@ def check_same_model(model, records: list[dict], metrics_path: str, plan_path: s
             continue
         entries = tokens.items() if isinstance(tokens, dict) else enumerate(tokens) if isinstance(tokens, list) else ()
         for key, counts in entries:
-            layer = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isascii() and key.isdecimal()) else None
+            plain = isinstance(key, int) or (isinstance(key, str) and key.isascii() and key.isdecimal())
+            layer = int(key) if plain else None
             named = layer in layers if isinstance(tokens, dict) else layer < len(layers)
             if not layers or (layer is not None and not named) or (isinstance(counts, list) and len(counts) != experts):
                 raise PiperError(f"step {record['step']}: expert_tokens has layer {key} with "

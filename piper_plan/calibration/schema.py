@@ -137,6 +137,7 @@ def _attention_row_problem(row: dict) -> str | None:
     return tflops_problem(row, float(attention_flops(row["batch"], row["seq_len"], row["num_heads"], row["head_dim"],
                                                      row["causal"], row["pass"])), "the attention FLOPs")
 
+
 def scope_problem(scope: str, num_nodes: int) -> str | None:
     """Scope ``node`` is one node; every wider scope spans at least two (else the row is measured at another scope)."""
     if scope == "node" and num_nodes != 1:
