@@ -150,7 +150,7 @@ class RuntimeBlock(Spec):
 class PlanFile(Spec):
     """The parsed plan.json."""
 
-    schema_version: Annotated[Literal[1, 2, 3, 4], NotBool] = SCHEMA_VERSION
+    schema_version: Annotated[Literal[READABLE_VERSIONS], NotBool] = SCHEMA_VERSION
     """Format version."""
     piper_version: str = __version__
     """piper version that wrote the file."""

@@ -107,6 +107,16 @@ GEMM = Table(
                                          "2 m n k groups"),
 )
 
+def _attention_row_problem(row: dict) -> str | None:
+    """Grouped-query heads (num_kv_heads divides num_heads: each key/value head serves a group of query heads), then
+    the row's tflops against its FLOPs and seconds."""
+    if row["num_heads"] % row["num_kv_heads"]:
+        return (f"num_kv_heads={row['num_kv_heads']} does not divide num_heads={row['num_heads']}; allowed: a "
+                "divisor (= num_heads for multi-head attention, 1 for multi-query)")
+    return tflops_problem(row, float(attention_flops(row["batch"], row["seq_len"], row["num_heads"], row["head_dim"],
+                                                     row["causal"], row["pass"])), "the attention FLOPs")
+
+
 ATTENTION = Table(
     "attention",
     (
@@ -124,18 +134,8 @@ ATTENTION = Table(
         SOURCE,
     ),
     key=("device", "dtype", "pass", "batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "causal"),
-    row_check=lambda row: _attention_row_problem(row),
+    row_check=_attention_row_problem,
 )
-
-
-def _attention_row_problem(row: dict) -> str | None:
-    """Grouped-query heads (num_kv_heads divides num_heads: each key/value head serves a group of query heads), then
-    the row's tflops against its FLOPs and seconds."""
-    if row["num_heads"] % row["num_kv_heads"]:
-        return (f"num_kv_heads={row['num_kv_heads']} does not divide num_heads={row['num_heads']}; allowed: a "
-                "divisor (= num_heads for multi-head attention, 1 for multi-query)")
-    return tflops_problem(row, float(attention_flops(row["batch"], row["seq_len"], row["num_heads"], row["head_dim"],
-                                                     row["causal"], row["pass"])), "the attention FLOPs")
 
 
 def scope_problem(scope: str, num_nodes: int) -> str | None:
