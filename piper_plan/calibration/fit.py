@@ -288,10 +288,17 @@ def fit(runs: list[Run], calibration=None, names=None, options=None, determined:
         return np.log(predict_seconds(runs, dict(zip(names, x)), calibration, options) / measured)
 
     sol = least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper), diff_step=1e-3)
-    values = {n: float(v) for n, v in zip(names, sol.x)}
+    values = {n: float(v) for n, v in zip(names, at_bounds(sol.x, lower, upper))}
     return FitResult(runs[0].plan_file.platform.name, values, dict(zip(names, start.tolist())),
                      [r.path for r in runs], measured.tolist(), before.tolist(),
                      predict_seconds(runs, values, calibration, options).tolist())
+
+
+def at_bounds(x, lower, upper, rel_tol: float = 1e-6):
+    """``x`` with values within ``rel_tol`` of their range of a bound set to it: the solver stops strictly inside
+    its bounds (a fitted 0 comes back as 4.8e-13), which is the bound, not a change."""
+    near = rel_tol * (upper - lower)
+    return np.where(x - lower <= near, lower, np.where(upper - x <= near, upper, x))
 
 
 def split_runs(runs: list, every: int = 2) -> tuple[list, list]:

@@ -18,18 +18,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from piper_plan.calibration.schema import SOURCE, Column, Table, _pos_float, _pos_int
+from piper_plan.calibration.schema import MIN_MEASURED, SOURCE, Column, Table, _pos_int
 
 CONCURRENCY_WORKLOAD_EXPERTS = 4      # bench_overhead.measure_concurrency runs moe_block with 4 local experts
 OVERHEAD_OPS = ("autograd_op", "attention_layer", "dense_mlp", "moe_block", "head_loss", "optimizer_tensor",
                 "concurrency", "concurrency_coarse", "lockstep_outside", "lockstep_wait")
 COARSE_CALLS = 3       # bench_overhead.COARSE_CALLS: workloads per collective in the concurrency_coarse rows
+MAX_CALL_SECONDS = 600.0
+"""Longest one call an overhead row may hold: the benchmark times small runtime modules, its whole run about 40 s
+on 2 cores (``piper calibrate overhead``); a call of over ten minutes is a corrupt row, not a measurement, and
+every step of every plan would carry it."""
 OVERHEAD = Table(
     "overhead",
     (
         Column("op", "str", "what was timed", choices=OVERHEAD_OPS),
         _pos_int("size", "moe_block: local experts; optimizer_tensor: tensors; concurrency: ranks at once; else 1"),
-        _pos_float("seconds", "median seconds of one call (forward + backward for blocks), one rank"),
+        Column("seconds", "float", "median seconds of one call (forward + backward for blocks), one rank",
+               min_value=MIN_MEASURED, max_value=MAX_CALL_SECONDS),
         SOURCE,
     ),
     key=("op", "size"),

@@ -70,6 +70,19 @@ def test_bad_overhead_row_is_user_error(tmp_path):
         load_overhead(tmp_path)
 
 
+def test_an_overhead_call_of_days_is_refused(tmp_path):
+    # the benchmark's whole run takes about 40 s: a row of 999,999 s per call (inside the million seconds any
+    # calibration row may hold) would put eleven days into every step of every plan
+    from piper_plan.errors import PiperError
+
+    (tmp_path / "overhead.csv").write_text("op,size,seconds,source\nmoe_block,1,999999,measured: x\n")
+    with pytest.raises(PiperError, match="seconds"):
+        load_overhead(tmp_path)
+    (tmp_path / "overhead.csv").write_text("op,size,seconds,source\nmoe_block,1,600,measured: x\n")
+    ov = load_overhead(tmp_path)
+    assert ov.moe_block_s + ov.moe_per_local_expert_s == pytest.approx(600)     # one local expert's block
+
+
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense", "tiny-moe-plain"])
 def test_param_tensors_per_layer_equal_runtime(name):
     pytest.importorskip("torch")

@@ -125,3 +125,12 @@ def test_the_fit_says_how_to_price_with_it_since_estimate_does_not_read_it():
     assert "a copy of platform local-cpu's YAML with efficiency.gemm: 0.6123" in text
     assert "overhead.scale: no option takes it" in text
     assert "--cost-option" not in how_to_apply({"efficiency.attention": 0.3}, "frontier")
+
+
+def test_a_parameter_fitted_to_its_bound_is_the_bound_not_solver_noise(tmp_path):
+    # the data were made with no all-to-all overlap: least squares stops just inside its bound (4.8e-13 was printed
+    # as a change, '0 -> 4.8e-13'); the fit reports the bound itself
+    runs, _ = _runs(tmp_path, {"efficiency.gemm": 0.35, "a2a_overlap": 0.0})
+    result = fit(runs, calibration=None, names=["efficiency.gemm", "a2a_overlap"])
+    assert result.values["a2a_overlap"] == 0.0
+    assert result.values["efficiency.gemm"] == pytest.approx(0.35, rel=1e-3)
