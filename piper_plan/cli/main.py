@@ -65,6 +65,10 @@ class LazyGroup(click.Group):
             raise UserError(str(exc)) from None
         except click.UsageError as exc:
             raise _one_line(exc) from None
+        except ModuleNotFoundError as exc:
+            if _extra_of(exc) is None:
+                raise
+            raise _missing_extra(exc) from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
@@ -80,6 +84,25 @@ def _one_line(exc: click.UsageError) -> click.UsageError:
     if isinstance(exc, (click.exceptions.NoArgsIsHelpError, OneLineUsageError)):
         return exc
     return OneLineUsageError.of(exc)
+
+
+EXTRAS = {"torch": "runtime", "matplotlib": "plot", "torchtitan": "export"}
+"""Optional packages -> the pyproject extra that installs them (the planner itself needs none)."""
+
+
+def _extra_of(exc: ModuleNotFoundError) -> str | None:
+    """The extra that installs the missing module; None for a module no extra brings (a broken installation, whose
+    traceback is kept)."""
+    return EXTRAS.get((exc.name or "").split(".")[0])
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> Exception:
+    """A command that needs an optional package not installed: one line naming it and the extra that installs it."""
+    from piper_plan.cli.common import UserError
+
+    package = exc.name.split(".")[0]
+    return UserError(f"this command needs {package}, which is not installed: pip install "
+                     f"'piper-plan[{EXTRAS[package]}]' (scripts/install.sh --test installs every extra)")
 
 
 def _module_exists(module: str) -> bool:

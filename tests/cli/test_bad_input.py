@@ -697,3 +697,43 @@ def test_the_overhead_benchmark_is_refused_for_a_gpu_platform():
     layer at CPU speed (and without concurrency rows, 8 ranks per node 8x slower)."""
     assert_one_line_error(run("calibrate", "overhead", "--platform", "frontier", "--no-concurrency"),
                           "--platform", "frontier runs on launch.device=cuda", "(local-cpu)")
+
+
+WITHOUT = """import sys
+for name in {blocked!r}:
+    sys.modules[name] = None          # as if not installed: `import name` raises ModuleNotFoundError
+from piper_plan.cli.main import main
+sys.argv = ["piper", *{args!r}]
+main()
+"""
+
+
+@pytest.mark.parametrize("blocked, args, extra", [
+    (["torch"], ["bench", "a2a", "--nodes", "2", "--ranks-per-node", "2", "--no-save"], "runtime"),
+    (["torch"], ["calibrate", "overhead", "--platform", "local-cpu", "--out-dir", "{tmp}"], "runtime"),
+    (["matplotlib"], [*ESTIMATE, "--plot", "{tmp}/m.png"], "plot"),
+])
+def test_a_command_needing_an_extra_not_installed_says_which_in_one_line(tmp_path, blocked, args, extra):
+    # the planner's install (pip install -e .) has no torch: `piper bench a2a` printed a ModuleNotFoundError
+    # traceback and exited 1, the code of a failed check
+    import subprocess
+    import sys
+
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = subprocess.run([sys.executable, "-c", WITHOUT.format(blocked=blocked, args=args)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert f"'piper-plan[{extra}]'" in lines[0] and blocked[0] in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_module_no_extra_installs_keeps_its_traceback():
+    # a missing module that is not an optional package is a broken installation, not bad input
+    import subprocess
+    import sys
+
+    code = WITHOUT.format(blocked=["pandas"], args=["calibrate", "show", "--platform", "local-cpu"])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "pandas" in proc.stderr
