@@ -66,7 +66,8 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
     if plot_path:
         note(f"wrote {_plot(plot_path, result, model, platform, plan)}")
     if as_json:
-        print_json({**result.to_json(), "dtype": training.dtype, "fp8_recipe": training.fp8_recipe})
+        print_json({**result.to_json(), "parallel": plan.model_dump(mode="json", exclude_none=True),
+                    "dtype": training.dtype, "fp8_recipe": training.fp8_recipe})
         return
     render(result, model, platform, plan, training)
 
@@ -135,9 +136,7 @@ def render(result, model, platform, plan, training) -> None:
     device = platform.device.memory_bytes
     out.print(f"{model.name} on {result.nodes} x {platform.name} nodes ({result.placement}), "
               f"{precision_text(training)}: "
-              f"dp={plan.dp} tp={plan.tp} pp={plan.pp} ep={plan.ep} etp={plan.etp} edp={plan.edp} mbs={plan.mbs} "
-              f"M={plan.num_microbatches} {plan.schedule} recompute={plan.recompute} zero={plan.zero} a2a={plan.a2a} "
-              f"layers per stage {result.layers_per_stage}", markup=False)
+              f"{plan.settings_text()} layers per stage {result.layers_per_stage}", markup=False)
     out.print(memory_table(result, device))
     out.print(time_table(result))
     mem = result.memory

@@ -90,8 +90,7 @@ def job_script(engine: str, plan_file, launcher: list[str], lines: list[list[str
         "#!/usr/bin/env bash",
         f"# {engine} launch for piper's plan: {plan_file.model.name} on {plan_file.nodes} x {plan_file.platform.name} "
         f"nodes ({p.world} ranks)",
-        f"# piper degrees: dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp} edp={p.edp} mbs={p.mbs} "
-        f"microbatches={p.num_microbatches} schedule={p.schedule} recompute={p.recompute} zero={p.zero} a2a={p.a2a}",
+        f"# piper degrees: {p.settings_text()}",
         "# Run on every node of the allocation with MASTER_ADDR set to the first node (as `piper run` prints).",
     ]
     warning = fit_warning(plan_file)

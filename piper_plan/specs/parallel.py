@@ -140,6 +140,17 @@ class ParallelPlan(Spec):
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp,
                 "edp": self.edp}
 
+    def settings_text(self) -> str:
+        """One line of every degree and setting, as the estimate header and exported scripts show them: cp always,
+        the interleaved schedule with its chunks per rank, HSDP's replicas and tensor parallelism without sequence
+        parallelism where set."""
+        degrees = " ".join(f"{k}={v}" for k, v in self.degrees().items())
+        schedule = self.schedule.value + (f" v={self.virtual_stages}" if self.schedule == Schedule.INTERLEAVED else "")
+        zero = f"zero={self.zero}" + (f" dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else "")
+        degrees += " sequence_parallel=off" if self.tp > 1 and not self.sequence_parallel else ""
+        return (f"{degrees} mbs={self.mbs} microbatches={self.num_microbatches} {schedule} "
+                f"recompute={self.recompute.value} {zero} a2a={self.a2a.value}")
+
 
 def even_split(num_layers: int, pp: int) -> list[int]:
     """Split ``num_layers`` over ``pp`` stages as evenly as possible; extra layers go to the later stages

@@ -170,3 +170,20 @@ def test_a_plan_file_written_before_the_host_source_was_recorded_still_launches(
     saved.write_text(json.dumps(data))
     res = CliRunner().invoke(cli, ["launch", "--plan", str(saved), "--out-dir", str(tmp_path / "job"), "--dry-run"])
     assert res.exit_code == 0, res.stderr
+
+
+def test_the_header_and_json_name_every_degree_the_plan_sets():
+    # cp, HSDP's replicas and the interleaved chunks per rank were priced but not shown (the header listed
+    # dp tp pp ep only, and --json had no degrees at all)
+    base = ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "4", "--seq", "256",
+            "--global-batch", "16"]
+    hsdp = base + ["--dp", "2", "--cp", "2", "--tp", "2", "--ep", "2", "--zero", "3", "--dp-replicate", "2",
+                   "--no-sequence-parallel"]
+    head = _run(hsdp).stdout.splitlines()[0]
+    assert "dp=2 cp=2 tp=2 pp=1 ep=2" in head and "zero=3 dp_replicate=2" in head
+    assert "sequence_parallel=off" in head
+    data = json.loads(_run(hsdp + ["--json"]).stdout)
+    assert {k: data["parallel"][k] for k in ("dp", "cp", "tp", "zero", "dp_replicate")} == \
+        {"dp": 2, "cp": 2, "tp": 2, "zero": 3, "dp_replicate": 2}
+    interleaved = base + ["--dp", "4", "--pp", "2", "--ep", "2", "--schedule", "interleaved", "--virtual-stages", "2"]
+    assert "interleaved v=2" in _run(interleaved).stdout.splitlines()[0]
