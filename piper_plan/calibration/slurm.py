@@ -1,4 +1,5 @@
-"""Render the sbatch script of a multi-node collective sweep from PlatformSpec.launch (pure text)."""
+"""Render the sbatch script of a calibration on N nodes from PlatformSpec.launch (pure text): the GEMM and attention
+sweeps on one device of the first node, then the collective sweep over every device of the N nodes."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ from piper_plan.fileio import atomic_write_text
 
 
 def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool = False, account: str | None = None,
-                        time_limit: str = "00:30:00", python_cmd: str = "python3") -> str:
-    """One srun task per device, RANK/WORLD_SIZE from SLURM_* (bench_collectives reads them; OLCF advises
-    srun over torchrun on Frontier), MASTER_ADDR = the job's first node. --time and --account are checked
-    like `piper launch`'s (launch/validate.py): no shell characters reach the script; --nodes is held to the
-    platform's size as `piper estimate` holds it (plans.py nodes_out_of_range)."""
+                        time_limit: str = "00:30:00", python_cmd: str = "python3",
+                        only: tuple[str, ...] = ("gemm", "attention", "collectives")) -> str:
+    """``only``'s GEMM and attention sweeps as one srun task on one device (``piper calibrate --only``), then its
+    collective sweep as one srun task per device, RANK/WORLD_SIZE from SLURM_* (bench_collectives reads them; OLCF
+    advises srun over torchrun on Frontier), MASTER_ADDR = the job's first node; each resumes (points already in the
+    CSVs are skipped). --time and --account are checked like `piper launch`'s (launch/validate.py): no shell
+    characters reach the script; --nodes is held to the platform's size as `piper estimate` holds it (plans.py
+    nodes_out_of_range)."""
     from piper_plan.launch import validate as v
 
     check_nodes(platform, num_nodes)
     check_python(python_cmd)
+    v.abs_path(str(out_dir), "--out-dir")       # it is the job's #SBATCH --output folder, which sbatch reads unquoted
     v.wall_time(time_limit)
     if account is not None:
         v.slurm_name(account, "account")
@@ -31,7 +36,7 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
         raise PiperError(f"platform {platform.name}: {exc.message}", field=exc.field) from None
     lines = ["#!/bin/bash", f"#SBATCH --job-name=piper-calibrate-{platform.name}", f"#SBATCH --nodes={num_nodes}",
              f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --time={time_limit}",
-             f"#SBATCH --output=piper-calibrate-{platform.name}-%j.out"]
+             f"#SBATCH --output={out_dir}/piper-calibrate-{platform.name}-%j.out"]    # beside its rows, not in the cwd
     lines += [f"#SBATCH --partition={settings['partition']}"] if settings["partition"] else []
     lines += [f"#SBATCH --account={account}"] if account else []
     lines += [f"#SBATCH {opt}" for opt in settings["sbatch_extra"]]
@@ -40,14 +45,26 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     lines += [f'export {k}="{val}"' for k, val in settings["env"]]
     lines += ['export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               "export MASTER_PORT=${MASTER_PORT:-29500}", ""]
-    srun = ["srun", f"--nodes={num_nodes}", f"--ntasks={num_nodes * per_node}", f"--ntasks-per-node={per_node}",
-            f"--cpus-per-task={launch.cpus_per_task}"]
-    srun += [f"--gpus-per-task={launch.gpus_per_task}"] if launch.gpus_per_task else []
-    srun += list(settings["srun_extra"])
-    cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform", platform.name,
-           "--out", str(out_dir), "--resume"] + (["--quick"] if quick else [])
-    lines.append(shlex.join(srun + cmd))
+    quick_flag = ["--quick"] if quick else []
+    compute = [k for k in only if k != "collectives"]
+    if compute:
+        cmd = [python_cmd, "-m", "piper_plan.cli.main", "calibrate", "--platform", platform.name, "--only",
+               ",".join(compute), "--out-dir", str(out_dir), "--resume"] + quick_flag
+        lines.append(shlex.join(_srun(platform, settings, 1, 1) + cmd))
+    if "collectives" in only:
+        cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform", platform.name,
+               "--out", str(out_dir), "--resume"] + quick_flag
+        lines.append(shlex.join(_srun(platform, settings, num_nodes, per_node) + cmd))
     return "\n".join(lines) + "\n"
+
+
+def _srun(platform, settings: dict, num_nodes: int, tasks_per_node: int) -> list[str]:
+    """srun of ``tasks_per_node`` tasks on each of ``num_nodes`` nodes, each with its cores (and GPU)."""
+    launch = platform.launch
+    srun = ["srun", f"--nodes={num_nodes}", f"--ntasks={num_nodes * tasks_per_node}",
+            f"--ntasks-per-node={tasks_per_node}", f"--cpus-per-task={launch.cpus_per_task}"]
+    srun += [f"--gpus-per-task={launch.gpus_per_task}"] if launch.gpus_per_task else []
+    return srun + list(settings["srun_extra"])
 
 
 def check_nodes(platform, num_nodes: int) -> None:

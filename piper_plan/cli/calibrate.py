@@ -156,22 +156,29 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
 @click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
 @click.option("--nodes", "num_nodes", type=click.IntRange(1, MAX_NODES), required=True, help="Nodes to sweep over.")
 @click.option("--quick", is_flag=True, help="The small sweep.")
+@click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all; GEMM and attention "
+              "run on one device of the first node).")
+@out_dir_option("out_dir", "Directory the job writes its rows into (default calibration/<platform>/).")
 @click.option("--account", default=None, help="#SBATCH -A (project account).")
 @click.option("--time", "time_limit", default="00:30:00", show_default=True, help="#SBATCH -t.")
 @click.option("--python", "python_cmd", default="python3", show_default=True, help="Python with piper installed, on the nodes.")
 @output_option("script_path", "Script path (default calibration/<platform>/calibrate-<N>n.sbatch).")
 @click.option("--submit", is_flag=True, help="Submit it with sbatch.")
 @json_option(help="The script path, its rows' directory and the job id (with --submit) as JSON on stdout.")
-def slurm_cmd(platform_name, num_nodes, quick, account, time_limit, python_cmd, script_path, submit, as_json) -> None:
-    """Write (and submit) the sbatch script that runs the collective sweep across N nodes."""
+def slurm_cmd(platform_name, num_nodes, quick, only, out_dir, account, time_limit, python_cmd, script_path, submit,
+              as_json) -> None:
+    """Write (and submit) the sbatch script that calibrates on N nodes: GEMM and attention on one device, then the
+    collective sweep across the N nodes."""
     from piper_plan.calibration.slurm import render_sweep_script, write_script
+    from piper_plan.calibration.sweep import parse_only
     from piper_plan.catalog import load_platform
 
     platform = load_platform(platform_name)
-    directory = _out_dir(platform_name, None)
+    directory = _out_dir(platform_name, out_dir)
     path = Path(script_path) if script_path else directory / f"calibrate-{num_nodes}n.sbatch"
     text = render_sweep_script(platform, num_nodes, directory, quick=quick, account=account,
-                               time_limit=time_limit, python_cmd=python_cmd)
+                               time_limit=time_limit, python_cmd=python_cmd, only=parse_only(only))
+    directory.mkdir(parents=True, exist_ok=True)          # Slurm opens the job's log there and creates no folder
     write_script(path, text)
     note(f"wrote {path}")
     job_id = _submit(path) if submit else None

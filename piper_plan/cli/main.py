@@ -128,3 +128,7 @@ def cli() -> None:
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="piper")
+
+
+if __name__ == "__main__":          # python -m piper_plan.cli.main: the calibration job's compute step (no venv bin/)
+    main()

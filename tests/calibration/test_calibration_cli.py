@@ -34,10 +34,18 @@ def test_slurm_script_from_launch_block(tmp_path):
     text = script.read_text()
     lines = text.splitlines()
     assert "#SBATCH --nodes=4" in lines and "#SBATCH --account=abc123" in lines and "#SBATCH --partition=batch" in lines
-    srun = next(line for line in lines if line.startswith("srun "))
+    compute, collectives = [line for line in lines if line.startswith("srun ")]
+    # the GEMM and attention sweeps on one device of the first node (the docs promised them from this job; it
+    # ran the collective sweep only), then the collectives over every device of the 4 nodes
+    for part in ("--nodes=1 --ntasks=1 --ntasks-per-node=1", "--gpus-per-task=1",
+                 "-m piper_plan.cli.main calibrate --platform frontier --only gemm,attention", "--resume"):
+        assert part in compute
     for part in ("--ntasks=32", "--ntasks-per-node=8", "--cpus-per-task=7", "--gpus-per-task=1", "--gpu-bind=closest",
                  "-m piper_plan.calibration.bench_collectives --platform frontier", "--resume"):
-        assert part in srun
+        assert part in collectives
+    assert any(line.startswith("#SBATCH --output=/") and line.endswith("/calibration/frontier/"
+                                                                        "piper-calibrate-frontier-%j.out")
+               for line in lines)
     assert "module load rccl-net-plugin" in lines and 'export NCCL_SOCKET_IFNAME="hsn0"' in lines
     assert os.access(script, os.X_OK)
 
@@ -46,8 +54,8 @@ def test_slurm_script_cpu_platform_has_no_gpus(tmp_path):
     script = tmp_path / "cpu.sbatch"
     result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--output", str(script)])
     assert result.exit_code == 0, result.output
-    srun = next(line for line in script.read_text().splitlines() if line.startswith("srun "))
-    assert "--ntasks=4" in srun and "gpus-per-task" not in srun
+    srun = [line for line in script.read_text().splitlines() if line.startswith("srun ")]
+    assert "--ntasks=4" in srun[-1] and not any("gpus-per-task" in line for line in srun)
     as_json = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--output",
                                        str(script), "--json"])
     assert as_json.exit_code == 0, as_json.output
@@ -147,3 +155,19 @@ def test_frontier_groups_cover_every_scope():
         ("node", 1, 8), ("switch", 4, 32), ("group", 128, 1024), ("system", 256, 2048)]
     pairs = p2p_groups(LaunchEnv(0, 8 * 8, 0, 8, "srun"), net)
     assert [(p.scope, p.ranks) for p in pairs] == [("node", (0, 1)), ("switch", (0, 24)), ("group", (0, 56))]
+
+
+def test_slurm_only_and_out_dir(tmp_path):
+    script, rows = tmp_path / "c.sbatch", tmp_path / "rows"
+    result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--only",
+                                      "collectives", "--out-dir", str(rows), "--output", str(script)])
+    assert result.exit_code == 0, result.output
+    srun = [line for line in script.read_text().splitlines() if line.startswith("srun ")]
+    assert len(srun) == 1 and "bench_collectives" in srun[0] and f"--out {rows}" in srun[0]
+    assert rows.is_dir()                                  # sbatch opens the job's log there and creates no folder
+    spaced = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--out-dir",
+                                      str(tmp_path / "a b"), "--output", str(tmp_path / "d.sbatch")])
+    assert "--out-dir" in _one_error_line(spaced) and not (tmp_path / "a b").exists()
+    bad = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--only", "gemm,x",
+                                   "--output", str(tmp_path / "e.sbatch")])
+    assert "--only" in _one_error_line(bad) and not (tmp_path / "e.sbatch").exists()

@@ -102,3 +102,27 @@ def test_usr1_checkpoint_requeue_resume(slurm_cluster, tmp_path):
     assert sorted(e["what"] for e in second) == ["done"] * world + ["start"] * world
     assert all(e["resume"] for e in second)
     assert int(info.get("Restarts", 0)) == 1
+
+
+def test_calibrate_slurm_measures_gemm_attention_and_collectives(slurm_cluster, tmp_path, monkeypatch):
+    """`piper calibrate slurm`'s job on 2 nodes: GEMM and attention rows from one task, collective rows at node and
+    switch scope from all ranks, its log beside them, nothing in the directory it was submitted from."""
+    from piper_plan.calibration.io import read_table
+    from piper_plan.calibration.schema import TABLES
+
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "rows"
+    result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--quick",
+                                      "--out-dir", str(rows), "--python", sys.executable, "--time", "00:10:00",
+                                      "--output", str(tmp_path / "cal.sbatch"), "--submit", "--json"])
+    assert result.exit_code == 0, result.output
+    job_id = json.loads(result.stdout)["job_id"]
+    info = wait_for_job(job_id, timeout_s=480)
+    log = rows / f"piper-calibrate-local-cpu-{job_id}.out"
+    assert info.get("JobState") == "COMPLETED", (info, log.read_text() if log.exists() else "no log")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.sbatch", "rows"]
+    for kind in ("gemm", "attention", "collectives"):
+        frame = read_table(rows / f"{kind}.csv", TABLES[kind])
+        assert len(frame) > 0 and frame["source"].str.startswith("measured: ").all()
+    scopes = set(read_table(rows / "collectives.csv", TABLES["collectives"])["scope"])
+    assert {"node", "switch"} <= scopes
