@@ -333,11 +333,12 @@ tiny-moe (d 64, 4 MoE layers, 8 experts top-2), seq 128, fp32, one thread per ra
 
 ## What still limits it
 
-- **This machine's noise.** Four full runs of this benchmark on 2026-11-30: 18.7% (before the expert-loop fix,
-  lockstep rows measured one after the other), 24.5% (after the fix), then with the paired lockstep probe
-  22.2% and 14.6% (the table above) with the same code; single steps vary by up to 30% inside one run (the
-  min-max column). The 2-rank slowdown the model multiplies every plan's compute by is measured between x1.16
-  and x1.71 from one calibration to the next. The 15% target is met by the table's run, not reliably.
+- **This machine's noise.** Step time MAPE of whole runs of this benchmark: on 2026-11-30 18.7% (before the
+  expert-loop fix, lockstep rows measured one after the other), 24.5% (after the fix), then with the paired
+  lockstep probe 22.2% and 14.6% with the same code; on 2026-12-01 28.2, 22.4, 22.9 and 19.6% (the last is the
+  table above). Single steps vary by up to 30% inside one run (the min-max column). The 2-rank slowdown the
+  model multiplies every plan's compute by was measured between x1.16 and x1.71 from one calibration to the
+  next on 2026-11-30, and x2.34 in the table's run. The 15% target was met by one run of eight, not reliably.
 - **Collective waits are under-predicted** in most plans (the table above): the lockstep probe puts one
   collective after ~1 ms of uniform work; the runtime's MoE layer has five exchanges between uneven pieces of
   0.05-0.5 ms, and data-dependent expert loads (a rank with more tokens makes its peer wait). Pipeline p2p waits

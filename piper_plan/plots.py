@@ -47,7 +47,7 @@ def pyplot():
 def save_png(fig, path: str | Path) -> Path:
     """Render ``fig`` to PNG in memory, close it, and write the file atomically."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")      # a long title or label is never cut off
     pyplot().close(fig)
     return atomic_write_bytes(path, buf.getvalue())
 

@@ -75,9 +75,10 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
 def _plot(path, result, model, platform, plan):
     from piper_plan.plots import estimate_plot
 
-    title = (f"{model.name} on {result.nodes} x {platform.name}: dp={plan.dp} tp={plan.tp} pp={plan.pp} ep={plan.ep} "
-             f"mbs={plan.mbs} {plan.schedule} recompute={plan.recompute} zero={plan.zero}\n"
-             f"peak {_gib(result.memory.peak_bytes)} of {_gib(platform.device.memory_bytes)} GiB per device")
+    import textwrap
+
+    title = "\n".join([f"{model.name} on {result.nodes} x {platform.name}", *textwrap.wrap(plan.settings_text(), 100),
+                       f"peak {_gib(result.memory.peak_bytes)} of {_gib(platform.device.memory_bytes)} GiB per device"])
     return estimate_plot(path, [s.components for s in result.memory.per_stage], platform.device.memory_bytes, title)
 
 
