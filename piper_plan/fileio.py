@@ -347,6 +347,20 @@ def check_writable(path: str | Path) -> None:
         raise PiperError(f"cannot write: {existing} is not writable", path=str(path))
 
 
+def check_folder_path(folder: str | Path, field: str | None = None) -> None:
+    """A folder a command will make (or write into) can be made: no symbolic link to nothing or link loop on its
+    path (mkdir cannot make a folder through one; the error came after the work, or from each rank), and no file
+    where it or one of its parents should be a folder."""
+    folder = Path(folder)
+    for part in (folder, *folder.parents):
+        if part.is_symlink() and not part.exists():
+            raise PiperError(f"cannot make this folder: {part} is a symbolic link to nothing or a link loop",
+                             path=str(folder), field=field)
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise PiperError(f"cannot make this folder: {blocker} is a file, not a folder", path=str(folder), field=field)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (``atomic_write_text``'s rules; a PNG, say). A symbolic link is
     written through (its target replaced, the link kept); a path in /dev, /proc or /sys is refused."""

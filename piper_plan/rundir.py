@@ -22,12 +22,14 @@ def check_run_dir(run_dir: Path) -> None:
     """Every file the run will write in ``run_dir`` can be written: a folder where a file goes (metrics.jsonl,
     summary.json, plan.json, checkpoints/latest), anything but a folder where a folder goes (the run directory,
     checkpoints/), or a path that cannot be written is one PiperError."""
-    from piper_plan.fileio import check_writable
+    from piper_plan.fileio import check_folder_path, check_writable
 
     for folder, what in ((run_dir, "the run directory"), (run_dir / "checkpoints", "the run's checkpoints")):
         if folder.exists() and not folder.is_dir():
             raise PiperError(f"is not a folder; allowed: a folder ({what}); move it aside or use another --out-dir",
                              path=str(folder))
+    if not run_dir.is_dir():
+        check_folder_path(run_dir, "--out-dir")       # before any rank starts (each failed at its own mkdir)
     targets = [run_dir / name for name in RUN_FILES]
     for path in targets:
         if path.is_dir():

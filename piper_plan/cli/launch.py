@@ -59,12 +59,19 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, dtype, 
 def _search_plan(save_path, model, platform, nodes, training_args, strategy, a2a, migration) -> None:
     """The best plan the runtime can run (piper plan's search with runnable=True), saved to ``save_path``.
     ``training_args``: (seq_len, global_batch, dtype, grad_bytes, fp8_recipe) from the shared training options."""
+    from piper_plan.catalog import platforms_dir, resolve
     from piper_plan.cli.plan import save_best, search_kwargs, search_options
+    from piper_plan.launch.render import checked_launch_block
     from piper_plan.search import engine
 
     seq_len, global_batch, dtype, grad_bytes, fp8_recipe = training_args
     model_spec, platform_spec, training = load_setting(model, platform, seq_len, global_batch, dtype=dtype,
                                                        grad_bytes=grad_bytes, fp8_recipe=fp8_recipe)
+    try:                     # before the search, naming the platform's file (not the temporary plan.json made here)
+        checked_launch_block(platform_spec.launch)
+    except PiperError as exc:
+        where = str(resolve(platform, platforms_dir(), "platform"))
+        raise PiperError(exc.message, path=where, field=exc.field) from None
     kwargs = search_kwargs(platform_spec, "compact", runnable=True)
     with diagnostics().status(f"searching the best runnable plan for {model_spec.name}"):
         result = engine.search(model_spec, platform_spec, training, nodes, search_options(strategy, a2a, 0.0),
@@ -90,13 +97,13 @@ def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partitio
     prepared = joblib.prepare(Path(plan_path), Path(out_dir), options, python=sys.executable)
     if prepared.repriced_note:
         note(prepared.repriced_note)
+    joblib.check_out_dir(prepared.out_dir, force or dry_run)     # a dry run writes nothing: only the path matters
     if dry_run:
         if as_json:
             print_json({"script": prepared.script, **_job_facts(prepared)})
         else:
             click.echo(prepared.script, nl=False)
         return
-    joblib.check_out_dir(prepared.out_dir, force)
     joblib.write_job(prepared)
     if check:
         joblib.check_with_slurm(prepared)

@@ -48,7 +48,7 @@ def simulate_cmd(num_experts, ep, num_layers, skew, threshold, max_iters, seed, 
     if not math.isfinite(threshold):
         raise PiperError(f"--threshold {threshold}: must be a finite number >= 1.0")
     model_spec = _load_model(model)
-    loads_LE, skew_spec = _loads(skew, num_experts, num_layers, seed, model_spec)
+    loads_LE, skew_spec = _loads(skew, num_experts, num_layers, seed, model_spec, model)
     if loads_LE.shape[1] % ep:
         raise PiperError(f"--ep {ep} must divide the number of experts {loads_LE.shape[1]}")
     pricing = _pricing(model_spec, platform, ep, with_grads, placement)
@@ -79,7 +79,7 @@ def _load_model(model: str | None):
     return spec
 
 
-def _loads(skew: str, num_experts, num_layers, seed: int, model_spec):
+def _loads(skew: str, num_experts, num_layers, seed: int, model_spec, model: str | None = None):
     """-> (loads float [L, E], Skew); E and L from the options, else the model, else the file."""
     from piper_plan.placement.loads import parse_skew, read_metrics_loads, synthetic_loads
 
@@ -89,6 +89,9 @@ def _loads(skew: str, num_experts, num_layers, seed: int, model_spec):
             raise PiperError(f"--experts {num_experts} contradicts --model {model_spec.name} "
                              f"(moe.num_experts = {model_spec.moe.num_experts})")
         num_experts = model_spec.moe.num_experts
+        if num_experts > MAX_EXPERTS:
+            raise PiperError(f"--model {model}: moe.num_experts = {num_experts:,}; the planners simulate at most "
+                             f"{MAX_EXPERTS:,} experts (as --experts)")
     if spec.kind == "file":
         loads = read_metrics_loads(spec.path)
         _check_file_shape(loads, num_experts, num_layers, spec)
@@ -103,6 +106,10 @@ def _loads(skew: str, num_experts, num_layers, seed: int, model_spec):
 
 def _check_file_shape(loads, num_experts, num_layers, spec) -> None:
     layers, experts = loads.shape
+    if experts > MAX_EXPERTS or layers * experts > MAX_LOAD_CELLS:
+        raise PiperError(f"expert_tokens has {layers:,} MoE layers x {experts:,} experts; the planners simulate at "
+                         f"most {MAX_EXPERTS:,} experts and {MAX_LOAD_CELLS:,} load cells (as --experts, --layers)",
+                         path=str(spec.path))
     if num_experts is not None and experts != num_experts:
         raise PiperError(f"expert_tokens has {experts} experts per layer, --experts/--model say {num_experts}",
                          path=str(spec.path))

@@ -112,8 +112,12 @@ def job_plan_text(plan_path: Path, plan_file: PlanFile) -> str:
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:
+    """The job's folder can be made or is empty (or --force); --dry-run checks it as the real launch does."""
+    from piper_plan.fileio import check_folder_path
+
     if out_dir.exists() and not out_dir.is_dir():
         raise PiperError("--out-dir exists and is not a directory", path=str(out_dir))
+    check_folder_path(out_dir, "--out-dir")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise PiperError("--out-dir is not empty; pass --force to overwrite job.sbatch, plan.json and README.md there",
                          path=str(out_dir))

@@ -198,7 +198,7 @@ def rank_layers(chunks: list[int], pp: int) -> list[int]:
     return [sum(chunks[r::pp]) for r in range(pp)]
 
 
-_LAYOUT_REPEAT = (re.compile(r"\(([^()]*)\)\*(\d+)"), re.compile(r"([Etm|L])\*(\d+)"))
+_LAYOUT_REPEAT = (re.compile(r"\(([^()]*)\)\*([0-9]+)"), re.compile(r"([Etm|L])\*([0-9]+)"))
 _LAYOUT_ORDER = re.compile(r"E?[t|]*m*\|*L?")
 """An expanded layout's order: E, the decoder layers and chunk ends, the MTP layers in one chunk, L."""
 _LAYOUT_MAX_CHARS = 1_000_000
@@ -241,10 +241,12 @@ def expand_layout(layout: str) -> str:
     expanded = [len(text)]   # characters the repeats have made so far: bounded before each one is built
 
     def repeat(m: re.Match) -> str:
-        expanded[0] += len(m.group(1)) * int(m.group(2))
-        if expanded[0] > _LAYOUT_MAX_CHARS:
+        digits = m.group(2).lstrip("0") or "0"     # a count of thousands of digits: int() refuses it
+        count = int(digits) if len(digits) <= len(str(_LAYOUT_MAX_CHARS)) else _LAYOUT_MAX_CHARS + 1
+        expanded[0] += len(m.group(1)) * count
+        if expanded[0] > _LAYOUT_MAX_CHARS or count > _LAYOUT_MAX_CHARS:   # "()*10**20": "" * count overflows
             raise ValueError(f"layout {layout!r}: its repeats expand past {_LAYOUT_MAX_CHARS:,} characters")
-        return m.group(1) * int(m.group(2))
+        return m.group(1) * count
     for pattern in _LAYOUT_REPEAT:
         text = pattern.sub(repeat, text)
     bad = set(text) - set("Etm|L")

@@ -308,6 +308,10 @@ class PlatformSpec(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> "PlatformSpec":
+        if self.max_nodes is not None and self.max_nodes > self.network.max_nodes:
+            raise ValueError(f"max_nodes = {self.max_nodes:,} exceeds the {self.network.max_nodes:,} nodes the network "
+                             "describes (nodes_per_group x num_groups, segments counted): nodes beyond it sit in no "
+                             "group; allowed: at most that")
         if self.node_limit > 1 and self.node.injection_GBps == 0:
             raise ValueError(f"node.num_nics={self.node.num_nics}, node.nic_bandwidth_GBps="
                              f"{self.node.nic_bandwidth_GBps:g}: a platform of {self.node_limit:,} nodes needs "

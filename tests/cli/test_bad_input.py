@@ -737,3 +737,68 @@ def test_a_module_no_extra_installs_keeps_its_traceback():
     code = WITHOUT.format(blocked=["pandas"], args=["calibrate", "show", "--platform", "local-cpu"])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "pandas" in proc.stderr
+
+
+# ---- hostile input found by a fuzzing pass (2026-12-03) ---------------------------------------------------
+def test_migrate_holds_a_file_or_model_to_its_expert_limit(tmp_path):
+    # the 16,384-expert limit held --experts only: a metrics file of 32,768 experts (or a model of 65,536) grew
+    # the process to 24 GB until it was killed
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "expert_tokens": [[1] * 16_385]}) + "\n")
+    assert_one_line_error(run("migrate", "simulate", "--ep", 5, "--skew", metrics), str(metrics), "16,384 experts")
+    model = yaml_copy(tmp_path, "models/tiny-moe.yaml")
+    import yaml
+
+    data = yaml.safe_load(model.read_text())
+    data["moe"]["num_experts"] = 65_536
+    model.write_text(yaml.safe_dump(data))
+    assert_one_line_error(run("migrate", "simulate", "--ep", 2, "--model", model, "--platform", "local-cpu",
+                              "--skew", "zipf:2"), "65,536", "16,384 experts")
+
+
+@pytest.mark.parametrize("layout, needle", [("()*99999999999999999999", "expand past"),
+                                            ("Et*\u0663|tL", "a repeat piper cannot read")])
+def test_a_layout_repeat_is_bounded_and_ascii(layout, needle):
+    # '()*10**20' raised OverflowError (exit 1); an Arabic-Indic 3 was read as 3
+    args = ["estimate", *TINY, "--nodes", 1, "--dp", 1, "--pp", 2, "--ep", 1, "--schedule", "interleaved",
+            "--virtual-stage-layers", layout]
+    assert_one_line_error(run(*args), needle)
+
+
+def test_an_out_dir_through_a_broken_link_is_refused_before_any_work(tmp_path, plan_json):
+    # run started its ranks, which each failed at mkdir (87 lines of tracebacks); reproduce paper computed for 3 s
+    # and then raised FileExistsError; launch --dry-run printed a script the real launch could not write
+    dangling, loop = tmp_path / "dangling", tmp_path / "loop"
+    dangling.symlink_to(tmp_path / "nowhere")
+    loop.symlink_to(loop)
+    plan = write(tmp_path / "p.json", plan_json)
+    for folder in (dangling, loop / "x"):
+        assert_one_line_error(run("run", "--plan", plan, "--steps", 1, "--out-dir", folder), "symbolic link")
+        assert_one_line_error(run("reproduce", "paper", "--out-dir", folder), "symbolic link")
+        assert_one_line_error(run("launch", "--plan", plan, "--out-dir", folder, "--dry-run"), "symbolic link")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop", "p.json"]
+
+
+def test_reproduce_paper_does_not_replace_a_readme_it_did_not_write(tmp_path):
+    (tmp_path / "README.md").write_text("mine\n")
+    assert_one_line_error(run("reproduce", "paper", "--out-dir", tmp_path), "README.md", "not a report")
+    assert (tmp_path / "README.md").read_text() == "mine\n"
+
+
+def test_a_platform_holds_no_more_nodes_than_its_network_describes(tmp_path):
+    # local-cpu's network is 4 nodes in one group: max_nodes 100,000 priced 1,000 nodes at a scope it never lists
+    platform = yaml_copy(tmp_path, "platforms/local-cpu.yaml", max_nodes=100_000)
+    assert_one_line_error(run("platform", "show", platform), "max_nodes", "100,000")
+
+
+def test_launch_names_the_platform_file_whose_launch_block_is_bad(tmp_path):
+    # the error named the temporary plan.json launch had made (and removed), after a search
+    import yaml
+
+    platform = yaml_copy(tmp_path, "platforms/local-cpu.yaml")
+    data = yaml.safe_load(platform.read_text())
+    data["launch"]["partition"] = "batch\n#SBATCH --output=/tmp/pwn"
+    platform.write_text(yaml.safe_dump(data))
+    line = assert_one_line_error(run("launch", "--model", "tiny-moe", "--platform", platform, "--nodes", 1,
+                                     "--out-dir", tmp_path / "job"), str(platform), "partition")
+    assert "piper-launch-" not in line and not (tmp_path / "job").exists()
