@@ -192,11 +192,6 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
 
     from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS, RECOMPUTE_MODULES
 
-    if recompute_modules is not None and recompute not in (None, Recompute.SELECTIVE.value):
-        raise PiperError(f"{recompute_modules!r} says what --recompute selective re-runs; this plan has --recompute "
-                         f"{recompute}: add --recompute selective or drop --recompute-modules",
-                         field="--recompute-modules")
-
     options = PIPER_RUNTIME_OPTIONS if piper_runtime else DEFAULT_OPTIONS
     modules = options.recompute_modules if recompute_modules is None else \
         tuple(dict.fromkeys(m.strip() for m in recompute_modules.split(",")))
@@ -211,18 +206,25 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
     options = replace(options, dropout=dropout or options.dropout, recompute_modules=modules)
     flags = {"recompute_modules": "--recompute-modules" if recompute_modules is not None else None,
              "dropout": "--dropout" if dropout else None}
-    return with_cost_options(options, cost_option, piper_runtime, {k: v for k, v in flags.items() if v})
+    result = with_cost_options(options, cost_option, piper_runtime, {k: v for k, v in flags.items() if v})
+    modules_given = recompute_modules is not None or result.recompute_modules != options.recompute_modules
+    if modules_given and recompute not in (None, Recompute.SELECTIVE.value):      # else silently unused
+        field = "--recompute-modules" if recompute_modules is not None else "--cost-option"
+        raise PiperError(f"recompute_modules {list(result.recompute_modules)} says what --recompute selective "
+                         f"re-runs; this plan has --recompute {recompute}: add --recompute selective or drop {field}",
+                         field=field)
+    return result
 
 
 def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = False, flags: dict | None = None):
-    """``options`` with --cost-option NAME=VALUE pairs set (each value read as YAML), checked as a file's
-    ``options`` are (cost/options.py ``cost_options``); piper's runtime's own options are not for changing.
+    """``options`` with --cost-option NAME=VALUE pairs set (each value read as strict YAML, fileio.parse_yaml),
+    checked as a file's ``options`` are (cost/options.py ``cost_options``); piper's runtime's own options are not for
+    changing.
     ``flags``: option name -> the flag of its own that set it (it is given once: by that flag or by a pair)."""
     from dataclasses import asdict
 
-    import yaml
-
     from piper_plan.cost.options import cost_options as parsed_options
+    from piper_plan.fileio import parse_yaml
 
     if not pairs:
         return options
@@ -240,11 +242,8 @@ def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = Fal
         if name.strip() in (flags or {}):
             raise PiperError(f"{pair!r} sets what {flags[name.strip()]} already sets: give it once",
                              field="--cost-option")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError:
-            raise PiperError(f"{pair!r}: the value is not YAML", field="--cost-option") from None
-        values[name.strip()] = value
+        where = f"--cost-option {pair!r}"     # read as files' values are (010, on, 1:0 refused, not 8, true, 60)
+        values[name.strip()] = parse_yaml(text, where) if text.strip() else None
     return parsed_options(values, field="--cost-option")
 
 

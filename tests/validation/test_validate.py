@@ -234,7 +234,14 @@ def test_the_dsv3_h100_row_is_one_estimate_command_away():
     (["--cost-option", "bogus=1"], "--cost-option: 'bogus' is not a cost option; allowed: dropout,"),
     (["--cost-option", "novalue"], "--cost-option: 'novalue'; allowed: NAME=VALUE"),
     (["--cost-option", "moe_saved_rows=-1"], "--cost-option: moe_saved_rows: Input should be greater than or equal"),
-    (["--cost-option", "ep_dispatch=[x"], "the value is not YAML"),
+    (["--cost-option", "ep_dispatch=[x"], "malformed YAML"),
+    # YAML 1.1 spellings are refused as files refuse them (they were read as 8, true and 60)
+    (["--cost-option", "loss_chunk_rows=010"], "YAML 1.1 integer spelling"),
+    (["--cost-option", "dropout=on"], "YAML 1.1 boolean spelling"),
+    (["--cost-option", "moe_saved_rows=1:0"], "YAML 1.1 integer spelling"),
+    # selective recompute's modules under another --recompute were silently unused when given as a cost option
+    (["--recompute", "full", "--cost-option", "recompute_modules=[mlp]"], "--cost-option: recompute_modules ['mlp']"),
+    (["--recompute", "full", "--recompute-modules", "mlp"], "--recompute-modules: recompute_modules ['mlp']"),
     (["--cost-option", "a2a_overlap=0.5", "--piper-runtime"], "piper's runtime prices its own kernels"),
 ])
 def test_cost_option_bad_input_is_one_line(extra, needle):
