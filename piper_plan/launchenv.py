@@ -85,6 +85,17 @@ def _emulated_shape(text: str, world: int) -> tuple[int, int]:
     return nodes, per_node
 
 
+def check_visible_devices(visible_devices: int, ranks_per_node: int, launcher: str) -> None:
+    """One device per rank of the node: srun with --gpus-per-task=1 shows each task its own one; torchrun and
+    `piper run`'s local launcher show every rank all of the node's, which must then be at least one per rank (with
+    fewer, device_index puts two ranks on one device, which NCCL refuses after they have started)."""
+    if visible_devices >= ranks_per_node or (launcher == "srun" and visible_devices == 1):
+        return
+    raise PiperError(f"{ranks_per_node} ranks on this node, one device each, but torch sees {visible_devices}: "
+                     f"run on a node with {ranks_per_node} devices, or plan for a platform whose node.devices_per_node "
+                     f"is {visible_devices}", field="device")
+
+
 def device_index(local_rank: int, visible_devices: int) -> int:
     """The device this rank uses: with one visible device per task (``--gpus-per-task=1``) always 0, else its
     local rank modulo the visible count."""

@@ -34,3 +34,15 @@ def test_device_index_with_one_visible_device_per_task_and_all_visible():
     assert [device_index(local, 8) for local in range(8)] == list(range(8))
     with pytest.raises(PiperError):
         device_index(0, 0)
+
+
+def test_ranks_of_a_node_never_share_a_device():
+    # 8 ranks on a node torch shows 4 devices (or 1, under torchrun / piper run) put two ranks on one device:
+    # NCCL refuses after the ranks started; one line before instead
+    from piper_plan.launchenv import check_visible_devices
+
+    check_visible_devices(8, 8, "torchrun")
+    check_visible_devices(1, 8, "srun")                  # --gpus-per-task=1: each task its own device
+    for visible, launcher in ((4, "torchrun"), (1, "torchrun"), (4, "srun"), (0, "srun")):
+        with pytest.raises(PiperError, match=f"8 ranks on this node, one device each, but torch sees {visible}"):
+            check_visible_devices(visible, 8, launcher)

@@ -64,7 +64,7 @@ def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> N
         _print_commands(layout, absolute, as_json)
         return
     _check_run_dir(out, plan)
-    _check_devices(cfg)
+    _check_devices(cfg, layout)
     note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
                                                      if layout.emulated_topology else "") + f", run directory {out}")
     code = launch_local(layout, args, Path(out))
@@ -99,14 +99,17 @@ def _checked_plan(args: list[str]):
     return cfg, layout_of(cfg)
 
 
-def _check_devices(cfg) -> None:
-    """A GPU plan on a machine without one is one line here, not the same line from every rank."""
+def _check_devices(cfg, layout) -> None:
+    """A GPU plan on a machine without one, or with fewer than its ranks (the local launcher shows every rank all
+    of them), is one line here, not the same line from every rank."""
     if cfg.platform.launch.device == "cuda":
         import torch
 
+        from piper_plan.launchenv import check_visible_devices
         from piper_plan.runtime.train import preflight
 
         preflight(cfg, cfg.parallel.world, torch.cuda.is_available())
+        check_visible_devices(torch.cuda.device_count(), layout.ranks_per_node, "torchrun")
 
 
 STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
-from piper_plan.launchenv import device_index, read_launch_env
+from piper_plan.launchenv import check_visible_devices, device_index, read_launch_env
 from piper_plan.rundir import check_run_dir, keep_plan, kept_records, plan_change
 
 EXIT_DIVERGED = EXIT_CHECK_FAILED
@@ -544,6 +544,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_plan(args)
         preflight(cfg, world, torch.cuda.is_available())
+        if cfg.platform.launch.device == "cuda":
+            check_visible_devices(torch.cuda.device_count(), env.ranks_per_node, env.launcher)
         check_run_dir(Path(args.out))          # torchrun / srun start ranks without piper run's launcher
         rendezvous_timeout_s()
     except PiperError as exc:
