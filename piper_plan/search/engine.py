@@ -180,27 +180,43 @@ def parse_node_range(text: str) -> list[int]:
 
 def min_nodes(model, platform, training, options: SearchOptions = SearchOptions(), *, start: int = 1,
               **kwargs) -> tuple[int | None, SearchResult | None]:
-    """The smallest node count >= ``start`` whose search has a feasible plan: doubling, then bisection.
+    """The smallest node count >= ``start`` whose search has a feasible plan: ``start``, then each power of two
+    above it (the counts whose worlds a power-of-two global batch divides: from 33, 66 and its doublings may admit
+    no plan while 64 does), then bisection.
 
     Bisection assumes that fitting is monotone in the node count between the last failure and the first
     success (true of memory; a batch-divisibility gap can break it, in which case the doubling answer stands).
+    A count whose whole space is refused (no dp divides the global batch, cp divides no world of it: a PiperError
+    naming that count) has no plan and the search moves on; only when every count tried is refused is the
+    first refusal the answer, as it is then the input's, not one count's.
     """
     limit = platform.node_limit
-    lo, n, found = start - 1, start, None
+    lo, n, found, refusals, tried = start - 1, start, None, [], 0
     while n <= limit:
-        r = search(model, platform, training, n, options, **kwargs)
-        if r.feasible:
+        r, refused = _search_or_refusal(model, platform, training, n, options, **kwargs)
+        tried, refusals = tried + 1, refusals + [refused] if refused else refusals
+        if r is not None and r.feasible:
             found = r
             break
-        lo, n = n, min(n * 2, limit) if n < limit else limit + 1
+        lo, n = n, min(1 << n.bit_length(), limit) if n < limit else limit + 1   # the next power of two
     if found is None:
+        if refusals and len(refusals) == tried:
+            raise refusals[0]
         return None, None
     hi = found.nodes
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        r = search(model, platform, training, mid, options, **kwargs)
-        if r.feasible:
+        r, _ = _search_or_refusal(model, platform, training, mid, options, **kwargs)
+        if r is not None and r.feasible:
             hi, found = mid, r
         else:
             lo = mid
     return hi, found
+
+
+def _search_or_refusal(model, platform, training, nodes, options, **kwargs):
+    """(the search at ``nodes``, None), or (None, the PiperError that refused that count's whole space)."""
+    try:
+        return search(model, platform, training, nodes, options, **kwargs), None
+    except PiperError as exc:
+        return None, exc

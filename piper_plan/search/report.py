@@ -151,7 +151,7 @@ def nothing_fits_json(model, platform, training, result, options, kwargs) -> dic
     if start <= platform.node_limit and not hopeless:
         try:
             needed, _ = engine.min_nodes(model, platform, training, options, start=start, **kwargs)
-        except PiperError:      # a larger allocation is not a valid question (batch, nodes): none found
+        except PiperError:      # every larger count is refused (batch, cp, nodes): none found
             needed = None
     return {"model": model.name, "platform": platform.name, "nodes": result.nodes, "feasible": 0,
             "candidates_enumerated": result.candidates_total, "infeasible_reasons": result.reasons,

@@ -293,3 +293,19 @@ def test_csv_and_explain_need_one_node_count_and_csv_stays_csv_when_nothing_fits
         assert res.exit_code == 2 and f"{flag}: {flag} needs one node count" in res.stderr
     res = _run("--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--seq", "6", "--cp", "2,3", "--csv")
     assert res.exit_code == 3 and res.stdout == "" and res.stderr.startswith("nothing fits: tiny-moe")
+
+
+def test_min_nodes_passes_counts_whose_whole_space_is_refused():
+    # 47 x 8 devices admit no dp dividing a global batch of 1024; the bisection raised that count's refusal (exit 2)
+    # where 48 fits, and the nothing-fits report swallowed it as "no node count up to 2048 makes it fit". From 33,
+    # doubling (66, 132, ...) found only 2048; the powers of two above it find 64, then 48
+    args = ("--model", "piper-weak-1.7t", "--platform", "dgx-h100", "--json")
+    smallest = json.loads(_run(*args, "--min-nodes", "--top", "1").stdout)
+    assert smallest["nodes"] == 48 and smallest["plans"]
+    assert json.loads(_run(*args, "--nodes", "47").stdout or "{}") == {}            # 47 itself: refused, exit 2
+    assert not json.loads(_run(*args, "--nodes", "40").stdout)["plans"]            # nothing fits below 48
+    assert json.loads(_run(*args, "--nodes", "32").stdout)["nodes_needed"] == 48
+    cp = json.loads(_run("--model", "tiny-moe", "--platform", "netemu", "--cp", "4", "--min-nodes", "--json").stdout)
+    assert cp["nodes"] == 2                                   # 1 node's 2 devices: no cp of 4; 2 nodes: 4 devices
+    refused = _run("--model", "tiny-moe", "--platform", "local-cpu", "--cp", "3", "--min-nodes")
+    assert refused.exit_code == 2 and "--cp: 3" in refused.stderr           # no count admits it: the input's fault
