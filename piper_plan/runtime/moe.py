@@ -55,12 +55,16 @@ def grouped_mm_usable(x: torch.Tensor, *weights) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """One tiny forward + backward (some builds lack a kernel for a device or dtype, e.g. older ROCm)."""
+    """One tiny forward + backward (some builds lack a kernel for a device or dtype, e.g. older ROCm), apart from
+    the caller's autograd: with grad on whatever the caller's mode (a first call under no_grad cached False), and
+    its saved tensors kept by hooks of its own (inside a checkpointed block's first forward they were counted
+    there, and not in the recomputation, whose call the cache answers: every full-recompute MoE run crashed)."""
     try:
-        a = torch.ones(8, 16, device=device_type, dtype=dtype, requires_grad=True)
-        b = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([3, 8], dtype=torch.int32, device=device_type)
-        _contiguous_grad(torch._grouped_mm(a, b, offs=offs)).sum().backward()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            a = torch.ones(8, 16, device=device_type, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([3, 8], dtype=torch.int32, device=device_type)
+            _contiguous_grad(torch._grouped_mm(a, b, offs=offs)).sum().backward()
         return True
     except (RuntimeError, NotImplementedError):
         return False

@@ -330,3 +330,22 @@ def test_two_ranks_interleaved_and_recompute_match_reference(tmp_path):
                         want = want[first: first + grad.shape[0]]
                     torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=f"{key} {name} step {step}")
         assert seen == set(ref["grads"][0])
+
+
+@pytest.mark.parametrize("first", ["full", "none"])
+def test_the_grouped_gemm_probe_runs_apart_from_the_first_forward(first):
+    # the probe (a tiny forward + backward, cached) ran inside the first checkpointed block's forward: with full
+    # recompute its saved tensors were counted in the forward and not in the recomputation ("58 / 55"), so
+    # every MoE run with --recompute full crashed at its first step; and a first call without grad (shape
+    # inference, evaluation) cached "no grouped GEMMs" for the whole run
+    from piper_plan.runtime import moe
+
+    spec = load_model("tiny-moe")
+    moe._grouped_mm_works.cache_clear()
+    if first == "none":
+        with torch.no_grad():
+            build(spec)(tokens(spec)[:, :-1])
+        assert moe._grouped_mm_works("cpu", torch.float32)
+    else:
+        loss, _, _, _ = _loss_and_grads(spec, "full")
+        assert torch.isfinite(loss)
