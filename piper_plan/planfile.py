@@ -114,7 +114,8 @@ class RuntimeBlock(Spec):
     steps: Steps = 100
     """Optimizer steps to run."""
     checkpoint_interval: Steps = 50
-    """Steps between checkpoints."""
+    """Steps between checkpoints; the run's last step is checkpointed too (``--resume`` continues a run that
+    ended between two of them, e.g. under another layout)."""
     keep_checkpoints: Steps = 2
     """Complete checkpoints kept in RUN_DIR/checkpoints/ (the newest ones; older ones are deleted after ``latest``
     moves to a new one)."""

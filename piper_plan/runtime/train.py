@@ -698,6 +698,9 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if rank == 0 and start >= steps:
         print(f"note: resumed at step {start}, at or past the run's {steps} steps: no step to run (raise --steps "
               "to train on)", file=sys.stderr, flush=True)
+    if rank == 0 and args.resume and start == 0:
+        print(f"note: --resume: no checkpoint in {run_dir / 'checkpoints'}: training from step 0",
+              file=sys.stderr, flush=True)
     for r in records:
         writer.write(r)
     code, failure = 0, None
@@ -717,7 +720,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             records.append(merge_reports(gathered, step + 1, tokens, parallel))
             writer.write(records[-1])
             progress.update(records[-1])
-        saved = (step + 1) % interval == 0
+        saved = (step + 1) % interval == 0 or step + 1 == steps    # and the last step's: --resume continues it
         if saved:
             trainer.save(run_dir, step + 1)
         if any(r["stop"] for r in gathered):

@@ -219,3 +219,29 @@ def test_a_rank_side_user_error_is_its_one_line(tmp_path):
     assert done.returncode == EXIT_USER_ERROR, done.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "another model" in lines[0], done.stderr[-3000:]
     assert _ranks_of(run_dir) == []
+
+
+@pytest.mark.distributed
+def test_a_short_run_resumes_where_it_ended_under_another_layout(tmp_path):
+    """A run of 2 steps (checkpoint_interval 50) wrote no checkpoint: `--resume` with another layout trained from
+    step 0 again, silently, and metrics.jsonl held step 1 twice. The last step is checkpointed now; a resume that
+    finds no checkpoint says so."""
+    run_dir = tmp_path / "r"
+    first = subprocess.run([str(PIPER), "run", "--plan", str(two_rank_plan(tmp_path)), "--steps", "2", "--out-dir",
+                            str(run_dir)], cwd=tmp_path, capture_output=True, text=True, env=CLEAN_ENV, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").exists()
+    pipeline = tmp_path / "pp2.json"
+    done = CliRunner().invoke(cli, [*ESTIMATE[:ESTIMATE.index("--dp")], "--pp", "2", "--seq", "128",
+                                    "--global-batch", "8", "-o", str(pipeline)])
+    assert done.exit_code == 0, done.output
+    resumed = subprocess.run([str(PIPER), "run", "--plan", str(pipeline), "--steps", "3", "--out-dir", str(run_dir),
+                              "--resume"], cwd=tmp_path, capture_output=True, text=True, env=CLEAN_ENV, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3] and "no checkpoint" not in resumed.stderr
+    assert "step 3/3" in resumed.stderr and "step 1/3" not in resumed.stderr     # it trained step 3 only
+    fresh = subprocess.run([str(PIPER), "run", "--plan", str(pipeline), "--steps", "1", "--out-dir",
+                            str(tmp_path / "new"), "--resume"], cwd=tmp_path, capture_output=True, text=True,
+                           env=CLEAN_ENV, timeout=180)
+    assert fresh.returncode == 0 and "note: --resume: no checkpoint in" in fresh.stderr, fresh.stderr[-3000:]
