@@ -698,6 +698,10 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if rank == 0 and start >= steps:
         print(f"note: resumed at step {start}, at or past the run's {steps} steps: no step to run (raise --steps "
               "to train on)", file=sys.stderr, flush=True)
+    if rank == 0 and _runs_in_fp32(cfg, device):
+        print(f"note: training.dtype {cfg.training.dtype} with zero {cfg.parallel.zero} on the CPU trains in fp32 "
+              "(autocast is used on GPUs only; zero 2 / 3 cast through FSDP2; docs/design-notes.md)",
+              file=sys.stderr, flush=True)
     if rank == 0 and args.resume and start == 0:
         print(f"note: --resume: no checkpoint in {run_dir / 'checkpoints'}: training from step 0",
               file=sys.stderr, flush=True)
@@ -738,6 +742,13 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     dist.barrier()
     _end_process_group()
     return code
+
+
+def _runs_in_fp32(cfg, device) -> bool:
+    """Whether a 16-bit plan trains in fp32 here (Trainer._autocast: on the CPU, zero 0 / 1 take no autocast)."""
+    from piper_plan.capability import uses_fsdp
+
+    return device.type == "cpu" and cfg.training.dtype in ("bf16", "fp16") and not uses_fsdp(cfg.parallel)
 
 
 def _end_process_group() -> None:

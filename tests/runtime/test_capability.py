@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 from piper_plan.capability import RUNTIME_CAPABILITY, unsupported_features
 from piper_plan.catalog import load_model
@@ -80,3 +81,21 @@ def test_capability_imports_no_torch():
     code = "import sys, piper_plan.capability; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_16_bit_plan_that_trains_in_fp32_on_the_cpu_is_named():
+    # the plan and its prediction said bf16 while zero 0 / 1 CPU runs trained in fp32 (autocast is GPU-only), and
+    # nothing said so; `piper run` now prints a note where _runs_in_fp32 holds
+    import torch
+
+    from piper_plan.catalog import load_model, load_platform
+    from piper_plan.runtime.train import _runs_in_fp32
+    from piper_plan.specs import TrainingSpec
+
+    cfg = SimpleNamespace(model=load_model("tiny-moe"), platform=load_platform("local-cpu"))
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    for dtype, zero, device, fp32 in (("bf16", 0, cpu, True), ("bf16", 1, cpu, True), ("bf16", 3, cpu, False),
+                                      ("fp32", 0, cpu, False), ("bf16", 0, gpu, False)):
+        cfg.training = TrainingSpec(seq_len=64, global_batch=8, dtype=dtype)
+        cfg.parallel = ParallelPlan(dp=2, ep=2, zero=zero, num_microbatches=4)
+        assert _runs_in_fp32(cfg, device) is fp32, (dtype, zero, device)
