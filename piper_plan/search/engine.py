@@ -185,23 +185,23 @@ def min_nodes(model, platform, training, options: SearchOptions = SearchOptions(
     no plan while 64 does), then bisection.
 
     Bisection assumes that fitting is monotone in the node count between the last failure and the first
-    success (true of memory; a batch-divisibility gap can break it, in which case the doubling answer stands).
+    success (true of memory; a batch-divisibility gap can break it, in which case the first count found stands).
     A count whose whole space is refused (no dp divides the global batch, cp divides no world of it: a PiperError
     naming that count) has no plan and the search moves on; only when every count tried is refused is the
     first refusal the answer, as it is then the input's, not one count's.
     """
     limit = platform.node_limit
-    lo, n, found, refusals, tried = start - 1, start, None, [], 0
+    lo, n, found, first_refusal, all_refused = start - 1, start, None, None, True
     while n <= limit:
         r, refused = _search_or_refusal(model, platform, training, n, options, **kwargs)
-        tried, refusals = tried + 1, refusals + [refused] if refused else refusals
+        first_refusal, all_refused = first_refusal or refused, all_refused and refused is not None
         if r is not None and r.feasible:
             found = r
             break
         lo, n = n, min(1 << n.bit_length(), limit) if n < limit else limit + 1   # the next power of two
     if found is None:
-        if refusals and len(refusals) == tried:
-            raise refusals[0]
+        if first_refusal is not None and all_refused:
+            raise first_refusal
         return None, None
     hi = found.nodes
     while hi - lo > 1:
