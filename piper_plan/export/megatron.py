@@ -5,6 +5,7 @@ lists the ones piper may write, with the commit they were read from, and a test 
 
 from __future__ import annotations
 
+from piper_plan.errors import PiperError
 from piper_plan.export.script import (capacity_note, job_script, option_notes, piper_only, prediction_options,
                                       recompute_modules, torchrun_launcher)
 from piper_plan.specs.parallel import layout_string
@@ -35,15 +36,25 @@ OPTION_FLAGS = {
 """Prediction options Megatron has a setting for that the export leaves to the user (note only)."""
 QK_NORM = {"per_head": "--qk-layernorm", "weightless": "--qk-l2-norm"}
 """piper's q/k norm -> Megatron's flag (per-head RMSNorm as in Qwen3; the weightless L2 norm of Llama 4)."""
+MEGATRON_FSDP = [["--use-megatron-fsdp"], ["--ckpt-format", "fsdp_dtensor"]]
+"""The sharding strategy acts under Megatron FSDP only, which needs its own checkpoint format (arguments.py at
+000c4ac, validate_args)."""
 ZERO = {0: [], 1: [["--use-distributed-optimizer"]],
-        2: [["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy", "optim_grads"]],
-        3: [["--use-distributed-optimizer"], ["--data-parallel-sharding-strategy", "optim_grads_params"]]}
+        2: [["--use-distributed-optimizer"], *MEGATRON_FSDP, ["--data-parallel-sharding-strategy", "optim_grads"]],
+        3: [["--use-distributed-optimizer"], *MEGATRON_FSDP,
+            ["--data-parallel-sharding-strategy", "optim_grads_params"]]}
+
+
+def _ffn(model):
+    """The FFN whose width and gate Megatron's --ffn-hidden-size / --swiglu describe: the dense one, else the
+    experts'."""
+    return model.dense_ffn or model.moe.expert
 
 
 def model_arguments(model, seq_len: int) -> list[list[str]]:
     """Architecture flags: sizes, attention (GQA or MLA), MLP, MoE."""
     a = model.attention
-    ffn = model.dense_ffn or (model.moe.expert if model.moe else None)
+    ffn = _ffn(model)
     lines = [["--num-layers", str(model.num_layers)], ["--hidden-size", str(model.hidden_size)],
              ["--num-attention-heads", str(a.num_heads)], ["--ffn-hidden-size", str(ffn.intermediate_size)],
              ["--seq-length", str(seq_len)], ["--max-position-embeddings", str(model.max_seq_len or seq_len)],
@@ -69,8 +80,11 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
             lines += [["--group-query-attention"], ["--num-query-groups", str(a.kv_heads)]]
         if a.head_dim is not None:
             lines.append(["--kv-channels", str(a.head_dim)])
-    if a.qk_norm in QK_NORM:
-        lines.append([QK_NORM[a.qk_norm]])
+    if a.qk_norm in QK_NORM or a.kind == "mla":
+        # MLA: the q_a / kv_a latent norms of DeepSeek's attention exist in Megatron-Core only under --qk-layernorm
+        # (models/gpt/gpt_layer_specs.py, Megatron-Core 0.15.0: linear_q_up_proj / linear_kv_up_proj with the fused
+        # layer norm when qk_layernorm is set)
+        lines.append([QK_NORM.get(a.qk_norm, "--qk-layernorm")])
     if model.moe is not None:
         lines += moe_arguments(model)
     if model.mtp_layers:
@@ -95,9 +109,23 @@ def attention_variant_arguments(model) -> list[list[str]]:
 
 def model_notes(model) -> list[str]:
     """What of the architecture the exported flags leave out (set it for your Megatron version)."""
-    a, notes = model.attention, []
+    a, m, notes = model.attention, model.moe, []
     if a.qk_norm == "full":
         notes.append("q/k norm over all heads: not written (Megatron's --qk-layernorm is per head)")
+    if m is not None and m.routing_groups and m.routing_group_score_top != 2:
+        notes.append(f"group-limited routing: Megatron ranks a group by its best 2 expert scores; this model ranks "
+                     f"it by its best {m.routing_group_score_top}")
+    if m is not None and m.scoring == "sigmoid":
+        notes.append("not in piper's model spec, so not written: an aux-loss-free expert bias "
+                     "(--moe-router-enable-expert-bias) and a routed scaling factor (--moe-router-topk-scaling-factor)"
+                     " such as DeepSeek-V3's 2.5")
+    if not model.learned_position_embeddings:
+        notes.append("not in piper's model spec, so Megatron's defaults apply: the rotary base and scaling "
+                     "(--rotary-base 10000) and the norm epsilon (--norm-epsilon 1e-5); set the model's own")
+    if _ffn(model).gated:
+        notes.append("gated FFNs written as SwiGLU (--swiglu); a model with another gate (gpt-oss: clamped "
+                     "quick-GELU, --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0) needs "
+                     "its own")
     return notes
 
 
@@ -110,6 +138,11 @@ def moe_arguments(model) -> list[list[str]]:
              ["--moe-grouped-gemm"]]
     if not all(pattern):
         lines.append(["--moe-layer-freq", "[" + ",".join(map(str, pattern)) + "]"])
+    if m.routing_groups:
+        lines += [["--moe-router-num-groups", str(m.routing_groups)],
+                  ["--moe-router-group-topk", str(m.routing_group_top_k)]]
+    if m.scoring == "softmax" and not m.normalize_top_k:
+        lines.append(["--moe-router-pre-softmax"])      # softmax over all experts; by default over the top-k only
     if m.num_shared_experts:
         width = (m.shared_expert or m.expert).intermediate_size
         lines.append(["--moe-shared-expert-intermediate-size", str(m.num_shared_experts * width)])
@@ -172,9 +205,6 @@ def recompute_arguments(pf, notes: list[str]) -> list[list[str]]:
 
 def zero_arguments(p, notes: list[str]) -> list[list[str]]:
     """ZeRO flags; HSDP (dp_replicate > 1) as Megatron FSDP's distributed-optimizer instances (its outer replicas)."""
-    if p.zero >= 2:
-        notes.append(f"zero {p.zero} -> Megatron FSDP's sharding strategy (turn Megatron FSDP on as your version "
-                     "asks, e.g. --use-megatron-fsdp)")
     if p.dp_replicate == 1:
         return ZERO[p.zero]
     notes.append(f"dp_replicate {p.dp_replicate} (HSDP) -> --num-distributed-optimizer-instances {p.dp_replicate}: "
@@ -226,6 +256,27 @@ def flags(pf) -> list[str]:
     return [group[0] for group in arguments(pf)[0]]
 
 
+def check_runs_in_megatron(pf) -> None:
+    """What Megatron-LM refuses at start-up or in its first step (arguments.py at 000c4ac, validate_args; Megatron-Core
+    0.15.0 transformer/moe/moe_layer.py): one error line before a script is written."""
+    p = pf.parallel
+    if pf.model.moe is not None and pf.training.dtype == "fp16":
+        raise PiperError("Megatron-LM trains MoE grouped GEMMs and expert parallelism in bf16 only: export a bf16 plan",
+                         field="training.dtype")
+    if pf.model.moe is not None and p.tp > 1 and not p.sequence_parallel:
+        raise PiperError("Megatron-Core trains an MoE model with tp > 1 only with sequence parallelism: export a plan "
+                         "with it (drop --no-sequence-parallel)", field="parallel.sequence_parallel")
+
+
+def environment(pf) -> list[str]:
+    """Variables the script exports: Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 under tp > 1 or cp > 1 before
+    Blackwell (arguments.py at 000c4ac, validate_args; on Blackwell it is allowed too)."""
+    p = pf.parallel
+    return ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if p.tp > 1 or p.cp > 1 else []
+
+
 def script(pf) -> str:
+    check_runs_in_megatron(pf)
     lines, notes = arguments(pf)
-    return job_script("Megatron-LM", pf, torchrun_launcher(pf, ["pretrain_gpt.py"]), lines, notes)
+    return job_script("Megatron-LM", pf, torchrun_launcher(pf, ["pretrain_gpt.py"]), lines, notes,
+                      exports=environment(pf))

@@ -82,9 +82,10 @@ def fit_warning(plan_file) -> str | None:
     return f"{overflow} (`piper launch` refuses it; re-plan with `piper plan`)" if overflow else None
 
 
-def job_script(engine: str, plan_file, launcher: list[str], lines: list[list[str]], notes: list[str]) -> str:
-    """A bash script: a header naming the plan, the notes as comments, then the launch: ``launcher`` and the
-    engine's arguments, one group of ``lines`` per line."""
+def job_script(engine: str, plan_file, launcher: list[str], lines: list[list[str]], notes: list[str],
+               exports: list[str] = ()) -> str:
+    """A bash script: a header naming the plan, the notes as comments, ``exports`` (NAME=value), then the launch:
+    ``launcher`` and the engine's arguments, one group of ``lines`` per line."""
     p = plan_file.parallel
     head = [
         "#!/usr/bin/env bash",
@@ -96,7 +97,8 @@ def job_script(engine: str, plan_file, launcher: list[str], lines: list[list[str
     warning = fit_warning(plan_file)
     head += [f"# warning: {warning}"] if warning else []
     body = " \\\n  ".join([_join(launcher)] + [_join(words) for words in lines])
-    return "\n".join(head + [f"# {n}" for n in notes] + ["set -euo pipefail", body]) + "\n"
+    exported = [f"export {shlex.quote(pair)}" for pair in exports]
+    return "\n".join(head + [f"# {n}" for n in notes] + ["set -euo pipefail", *exported, body]) + "\n"
 
 
 def _join(tokens: list[str]) -> str:

@@ -159,7 +159,9 @@ def test_gradient_precision_is_carried_or_noted(plans, tmp_path):
 def test_fp16_gradients_follow_megatrons_fp16_default(tmp_path, grad_bytes, flag):
     """Under --fp16 Megatron keeps gradients in fp16 unless told --accumulate-allreduce-grads-in-fp32 (under --bf16 it
     is the other way round)."""
-    path = saved_plan(tmp_path, "fp16", *PLANS["qwen3-hsdp"], "--dtype", "fp16", "--grad-bytes", grad_bytes)
+    dense = ("--model", "tiny-dense", "--platform", "dgx-h100", "--nodes", "1", "--dp", "8", "--seq", "128",
+             "--global-batch", "64")                 # Megatron trains MoE in bf16 only (below)
+    path = saved_plan(tmp_path, "fp16", *dense, "--dtype", "fp16", "--grad-bytes", grad_bytes)
     text = megatron.script(read_plan_file(path))
     assert words_of(text, "--fp16") == [] and "--grad-reduce-in-bf16" not in text
     assert (flag in text) if flag else "--accumulate-allreduce-grads-in-fp32" not in text
@@ -372,3 +374,24 @@ def test_every_export_is_a_valid_bash_script(plans, tmp_path, engine):
         out = tmp_path / f"{name}.sh"
         assert run("export", "--engine", engine, path, "-o", out).exit_code == 0
         assert subprocess.run(["bash", "-n", str(out)]).returncode == 0, name
+
+
+def test_megatron_gets_what_it_needs_to_start_and_route_as_the_model_does(plans, tmp_path):
+    # checked against Megatron-LM arguments.py at 000c4ac and Megatron-Core 0.15.0: an fp16 MoE plan and an MoE
+    # plan with tp > 1 but no sequence parallelism stop Megatron at start-up or in the first step; tp > 1 needs
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell; DeepSeek's group-limited routing and MLA latent norms were not
+    # written; zero 2 / 3 ran as zero 1 without Megatron FSDP
+    deepseek = megatron.script(read_plan_file(plans["deepseek-zero1"]))
+    assert words_of(deepseek, "--moe-router-num-groups") == ["8"] and words_of(deepseek, "--moe-router-group-topk") == ["4"]
+    assert "--qk-layernorm" in deepseek and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in deepseek
+    assert any("--moe-router-topk-scaling-factor" in n for n in notes_of(deepseek))
+    zero3 = megatron.script(read_plan_file(plans["qwen3-zero3-selective"]))
+    assert "--use-megatron-fsdp" in zero3 and words_of(zero3, "--ckpt-format") == ["fsdp_dtensor"]
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in megatron.script(read_plan_file(plans["qwen3-hsdp"]))     # tp 1
+    qwen3 = ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--ep", "8")
+    for extra, needle in ((("--dp", "16", "--dtype", "fp16"), "bf16 only"),
+                          (("--dp", "8", "--tp", "2", "--no-sequence-parallel"), "sequence parallelism")):
+        path = saved_plan(tmp_path, "refused", *qwen3, *extra)
+        res = run("export", "--engine", "megatron", path, "-o", tmp_path / "job.sh")
+        assert res.exit_code == 2 and res.stderr.count("\n") == 1 and needle in res.stderr, res.output
+        assert not (tmp_path / "job.sh").exists()
