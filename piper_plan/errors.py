@@ -27,3 +27,8 @@ class PiperError(Exception):
         parts = [p for p in (path, field) if p]
         prefix = ": ".join(parts)
         super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class CountRefused(PiperError):
+    """A node count whose whole search space is refused (no dp divides the global batch, no cp divides its world):
+    that count has no plan; another may (search.engine.min_nodes moves on)."""

@@ -6,13 +6,14 @@ Pure computation (no rich, no click, no torch); the CLI renders what this return
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from piper_plan.errors import PiperError
+from piper_plan.errors import CountRefused, PiperError
 from piper_plan.fileio import ascii_int
 from piper_plan.plans import PlanBatch
 from piper_plan.search import rank
@@ -180,26 +181,27 @@ def parse_node_range(text: str) -> list[int]:
 
 def min_nodes(model, platform, training, options: SearchOptions = SearchOptions(), *, start: int = 1,
               **kwargs) -> tuple[int | None, SearchResult | None]:
-    """The smallest node count >= ``start`` whose search has a feasible plan: ``start``, then each power of two
-    above it (the counts whose worlds a power-of-two global batch divides: from 33, 66 and its doublings may admit
-    no plan while 64 does), then bisection.
+    """The smallest node count >= ``start`` whose search has a feasible plan: the counts of ``probe_counts``
+    (``start``'s doublings and the powers of two above it) until one is feasible, then bisection below it.
 
     Bisection assumes that fitting is monotone in the node count between the last failure and the first
-    success (true of memory; a batch-divisibility gap can break it, in which case the first count found stands).
-    A count whose whole space is refused (no dp divides the global batch, cp divides no world of it: a PiperError
-    naming that count) has no plan and the search moves on; only when every count tried is refused is the
-    first refusal the answer, as it is then the input's, not one count's.
+    success (true of memory; a batch-divisibility gap can break it, in which case the count found stands).
+    A count whose whole space is refused (errors.CountRefused: no dp divides the global batch, no cp divides its
+    world) has no plan and the search moves on; only when every count tried is refused is the first refusal the
+    answer, as it is then the input's, not one count's.
     """
-    limit = platform.node_limit
-    lo, n, found, first_refusal, all_refused = start - 1, start, None, None, True
-    while n <= limit:
+    found, lo, first_refusal, all_refused = None, start - 1, None, True
+    for n in probe_counts(start, platform.node_limit):
         r, refused = _search_or_refusal(model, platform, training, n, options, **kwargs)
         first_refusal, all_refused = first_refusal or refused, all_refused and refused is not None
         if r is not None and r.feasible:
             found = r
             break
-        lo, n = n, min(1 << n.bit_length(), limit) if n < limit else limit + 1   # the next power of two
+        lo = n
     if found is None:
+        aligned = _cp_aligned_start(start, options, platform.devices_per_node)
+        if first_refusal is not None and all_refused and start < aligned <= platform.node_limit:
+            return min_nodes(model, platform, training, options, start=aligned, **kwargs)
         if first_refusal is not None and all_refused:
             raise first_refusal
         return None, None
@@ -214,9 +216,28 @@ def min_nodes(model, platform, training, options: SearchOptions = SearchOptions(
     return hi, found
 
 
+def probe_counts(start: int, limit: int) -> list[int]:
+    """The node counts min_nodes tries before bisecting, ascending: ``start`` x 2^k (multiples of whatever
+    ``start`` holds: from 3, 6 and 12 hold a cp of 3 on 8-device nodes), the powers of two above ``start`` (what a
+    power-of-two global batch divides: from 33, 66 and its doublings may admit no plan while 64 does), and
+    ``limit``."""
+    if start > limit:
+        return []
+    doublings = {start << k for k in range(limit.bit_length() + 1) if start << k <= limit}
+    powers = {1 << k for k in range(limit.bit_length() + 1) if start < 1 << k <= limit}
+    return sorted(doublings | powers | {limit})
+
+
+def _cp_aligned_start(start: int, options: SearchOptions, devices_per_node: int) -> int:
+    """The first count >= ``start`` whose world some searched cp divides (nodes a multiple of cp / gcd(cp, devices
+    per node)): probe_counts from 1 are powers of two, which a cp of 3 never divides."""
+    step = min(c // math.gcd(c, devices_per_node) for c in options.cp or (1,))
+    return -(-start // step) * step
+
+
 def _search_or_refusal(model, platform, training, nodes, options, **kwargs):
-    """(the search at ``nodes``, None), or (None, the PiperError that refused that count's whole space)."""
+    """(the search at ``nodes``, None), or (None, the CountRefused that refused that count's whole space)."""
     try:
         return search(model, platform, training, nodes, options, **kwargs), None
-    except PiperError as exc:
+    except CountRefused as exc:
         return None, exc

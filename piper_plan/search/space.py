@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field
 
-from piper_plan.errors import PiperError
+from piper_plan.errors import CountRefused, PiperError
 from piper_plan.plans import (RULES, PlanBatch, array_fields, check_setting, cp_splits_sequence, problem_masks,
                               reason_counts)
 from piper_plan.specs.parallel import Degree
@@ -191,7 +191,7 @@ def _check_cp_divides_world(options: SearchOptions, world: int) -> None:
     """Context-parallel degrees asked for (--cp) of which none divides the world are a user error, not an empty
     result."""
     if options.cp and not any(world % cp == 0 for cp in options.cp):
-        raise PiperError(f"{','.join(map(str, options.cp))}: no context-parallel degree divides the world of {world} "
+        raise CountRefused(f"{','.join(map(str, options.cp))}: no context-parallel degree divides the world of {world} "
                          f"devices (nodes x devices_per_node); cp can be a divisor of {world}", field="--cp")
 
 
@@ -210,7 +210,7 @@ def _check_batch_admits_some_dp(training, grid: PlanBatch, masks: np.ndarray, wo
     others_ok = ~np.delete(masks, batch_row, axis=0).any(axis=0)
     if others_ok.any() and not (others_ok & ~masks[batch_row]).any():
         dps = sorted({int(d) for d in grid.dp[others_ok]})
-        raise PiperError(f"global_batch={training.global_batch} is not divisible by dp x mbs for any valid "
+        raise CountRefused(f"global_batch={training.global_batch} is not divisible by dp x mbs for any valid "
                          f"plan of {world} devices (dp can be {', '.join(map(str, dps[:8]))}); "
                          f"use a multiple of {min(dps)}", field="--global-batch")
 

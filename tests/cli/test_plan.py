@@ -307,5 +307,17 @@ def test_min_nodes_passes_counts_whose_whole_space_is_refused():
     assert json.loads(_run(*args, "--nodes", "32").stdout)["nodes_needed"] == 48
     cp = json.loads(_run("--model", "tiny-moe", "--platform", "netemu", "--cp", "4", "--min-nodes", "--json").stdout)
     assert cp["nodes"] == 2                                   # 1 node's 2 devices: no cp of 4; 2 nodes: 4 devices
-    refused = _run("--model", "tiny-moe", "--platform", "local-cpu", "--cp", "3", "--min-nodes")
-    assert refused.exit_code == 2 and "--cp: 3" in refused.stderr           # no count admits it: the input's fault
+    refused = _run("--model", "tiny-moe", "--platform", "local-cpu", "--cp", "5", "--seq", "100", "--min-nodes")
+    assert refused.exit_code == 2 and "--cp: 5" in refused.stderr           # no count admits it: the input's fault
+    # a cp of 3 divides no power-of-two world: the counts from 3 (its multiples) are tried, and 6 nodes fit
+    three = _run("--model", "mixtral-8x22b", "--platform", "dgx-h100", "--cp", "3", "--seq", "12288",
+                 "--global-batch", "1536", "--min-nodes", "--top", "1", "--json")
+    assert json.loads(three.stdout)["nodes"] == 6, three.output
+
+
+def test_probe_counts_take_the_starts_multiples_and_the_powers_of_two():
+    from piper_plan.search.engine import probe_counts
+
+    assert probe_counts(1, 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert probe_counts(33, 300) == [33, 64, 66, 128, 132, 256, 264, 300]
+    assert probe_counts(5, 5) == [5] and probe_counts(6, 5) == []
