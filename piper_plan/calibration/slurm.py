@@ -12,13 +12,15 @@ from piper_plan.fileio import atomic_write_text
 
 def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool = False, account: str | None = None,
                         time_limit: str = "00:30:00", python_cmd: str = "python3",
-                        only: tuple[str, ...] = ("gemm", "attention", "collectives")) -> str:
+                        only: tuple[str, ...] = ("gemm", "attention", "collectives"),
+                        platform_ref: str | None = None) -> str:
     """``only``'s GEMM and attention sweeps as one srun task on one device (``piper calibrate --only``), then its
     collective sweep as one srun task per device, RANK/WORLD_SIZE from SLURM_* (bench_collectives reads them; OLCF
     advises srun over torchrun on Frontier), MASTER_ADDR = the job's first node; each resumes (points already in the
     CSVs are skipped). --time and --account are checked like `piper launch`'s (launch/validate.py): no shell
     characters reach the script; --nodes is held to the platform's size as `piper estimate` holds it (plans.py
-    nodes_out_of_range)."""
+    nodes_out_of_range). ``platform_ref``: what the job passes as --platform (a platform file's absolute path: the
+    nodes know no catalog entry of its name); the platform's name by default."""
     from piper_plan.launch import validate as v
 
     check_nodes(platform, num_nodes)
@@ -48,11 +50,12 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     quick_flag = ["--quick"] if quick else []
     compute = [k for k in only if k != "collectives"]
     if compute:
-        cmd = [python_cmd, "-m", "piper_plan.cli.main", "calibrate", "--platform", platform.name, "--only",
-               ",".join(compute), "--out-dir", str(out_dir), "--resume"] + quick_flag
+        cmd = [python_cmd, "-m", "piper_plan.cli.main", "calibrate", "--platform", platform_ref or platform.name,
+               "--only", ",".join(compute), "--out-dir", str(out_dir), "--resume"] + quick_flag
         lines.append(shlex.join(_srun(platform, settings, 1, 1) + cmd))
     if "collectives" in only:
-        cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform", platform.name,
+        cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform",
+               platform_ref or platform.name,
                "--out", str(out_dir), "--resume"] + quick_flag
         lines.append(shlex.join(_srun(platform, settings, num_nodes, per_node) + cmd))
     return "\n".join(lines) + "\n"

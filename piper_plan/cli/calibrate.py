@@ -172,12 +172,15 @@ def slurm_cmd(platform_name, num_nodes, quick, only, out_dir, account, time_limi
     from piper_plan.calibration.slurm import render_sweep_script, write_script
     from piper_plan.calibration.sweep import parse_only
     from piper_plan.catalog import load_platform
+    from piper_plan.fileio import check_folder_path
 
     platform = load_platform(platform_name)
     directory = _out_dir(platform_name, out_dir)
     path = Path(script_path) if script_path else directory / f"calibrate-{num_nodes}n.sbatch"
     text = render_sweep_script(platform, num_nodes, directory, quick=quick, account=account,
-                               time_limit=time_limit, python_cmd=python_cmd, only=parse_only(only))
+                               time_limit=time_limit, python_cmd=python_cmd, only=parse_only(only),
+                               platform_ref=_platform_ref(platform_name))
+    check_folder_path(directory, "--out-dir")
     directory.mkdir(parents=True, exist_ok=True)          # Slurm opens the job's log there and creates no folder
     write_script(path, text)
     note(f"wrote {path}")
@@ -187,6 +190,14 @@ def slurm_cmd(platform_name, num_nodes, quick, only, out_dir, account, time_limi
                     "job_id": job_id})
     elif job_id:
         console().print(job_id, markup=False)
+
+
+def _platform_ref(platform_name: str) -> str:
+    """How a job names the platform: a catalog name as it is, a platform file by its absolute path."""
+    from piper_plan.catalog import platforms_dir, resolve
+
+    path = resolve(platform_name, platforms_dir(), "platform")
+    return platform_name if path.parent.resolve() == platforms_dir().resolve() else str(path.resolve())
 
 
 def _submit(path: Path) -> str:

@@ -91,9 +91,11 @@ EXTRAS = {"torch": "runtime", "matplotlib": "plot", "torchtitan": "export"}
 
 
 def _extra_of(exc: ModuleNotFoundError) -> str | None:
-    """The extra that installs the missing module; None for a module no extra brings (a broken installation, whose
-    traceback is kept)."""
-    return EXTRAS.get((exc.name or "").split(".")[0])
+    """The extra that installs the missing package; None where the package is installed (a module missing inside
+    it: a torch built without distributed, a version mismatch) or no extra brings it: a broken installation, whose
+    traceback is kept."""
+    package = (exc.name or "").split(".")[0]
+    return EXTRAS.get(package) if package in EXTRAS and not _module_exists(package) else None
 
 
 def _missing_extra(exc: ModuleNotFoundError) -> Exception:

@@ -60,7 +60,8 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     its saved tensors kept by hooks of its own (inside a checkpointed block's first forward they were counted
     there, and not in the recomputation, whose call the cache answers: every full-recompute MoE run crashed)."""
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             a = torch.ones(8, 16, device=device_type, dtype=dtype, requires_grad=True)
             b = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
             offs = torch.tensor([3, 8], dtype=torch.int32, device=device_type)

@@ -248,9 +248,7 @@ class Trainer:
     def _autocast(self):
         import torch
 
-        from piper_plan.capability import uses_fsdp
-
-        if self.device.type == "cuda" and self.cfg.training.dtype in ("bf16", "fp16") and not uses_fsdp(self.cfg.parallel):
+        if precision_path(self.cfg, self.device) == "autocast":
             dtype = torch.bfloat16 if self.cfg.training.dtype == "bf16" else torch.float16
             return torch.autocast("cuda", dtype=dtype)
         return contextlib.nullcontext()
@@ -698,9 +696,9 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if rank == 0 and start >= steps:
         print(f"note: resumed at step {start}, at or past the run's {steps} steps: no step to run (raise --steps "
               "to train on)", file=sys.stderr, flush=True)
-    if rank == 0 and _runs_in_fp32(cfg, device):
+    if rank == 0 and precision_path(cfg, device) == "fp32 instead":
         print(f"note: training.dtype {cfg.training.dtype} with zero {cfg.parallel.zero} on the CPU trains in fp32 "
-              "(autocast is used on GPUs only; zero 2 / 3 cast through FSDP2; docs/design-notes.md)",
+              "(autocast is used on GPUs only; with zero 2 / 3 FSDP2 casts; docs/design-notes.md)",
               file=sys.stderr, flush=True)
     if rank == 0 and args.resume and start == 0:
         print(f"note: --resume: no checkpoint in {run_dir / 'checkpoints'}: training from step 0",
@@ -730,7 +728,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         if any(r["stop"] for r in gathered):
             if not saved:
                 trainer.save(run_dir, step + 1)
-            code = EXIT_REQUEUE
+            code = EXIT_REQUEUE if step + 1 < steps else 0      # the last step done: nothing left to requeue for
             break
     if rank == 0:
         progress.close()
@@ -744,11 +742,17 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     return code
 
 
-def _runs_in_fp32(cfg, device) -> bool:
-    """Whether a 16-bit plan trains in fp32 here (Trainer._autocast: on the CPU, zero 0 / 1 take no autocast)."""
+def precision_path(cfg, device) -> str:
+    """How the plan's training.dtype is trained on ``device``: "fp32" (an fp32 plan), "fsdp2" (zero 2 / 3: FSDP2's
+    mixed-precision policy casts), "autocast" (16-bit, zero 0 / 1, on a GPU: Trainer._autocast) or "fp32 instead"
+    (16-bit, zero 0 / 1, on the CPU: no autocast there; docs/design-notes.md)."""
     from piper_plan.capability import uses_fsdp
 
-    return device.type == "cpu" and cfg.training.dtype in ("bf16", "fp16") and not uses_fsdp(cfg.parallel)
+    if cfg.training.dtype not in ("bf16", "fp16"):
+        return "fp32"
+    if uses_fsdp(cfg.parallel):
+        return "fsdp2"
+    return "autocast" if device.type == "cuda" else "fp32 instead"
 
 
 def _end_process_group() -> None:

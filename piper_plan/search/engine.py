@@ -187,8 +187,9 @@ def min_nodes(model, platform, training, options: SearchOptions = SearchOptions(
     Bisection assumes that fitting is monotone in the node count between the last failure and the first
     success (true of memory; a batch-divisibility gap can break it, in which case the count found stands).
     A count whose whole space is refused (errors.CountRefused: no dp divides the global batch, no cp divides its
-    world) has no plan and the search moves on; only when every count tried is refused is the first refusal the
-    answer, as it is then the input's, not one count's.
+    world) has no plan and the search moves on. When every count tried is refused and a searched cp holds no
+    power-of-two world, the search starts again from the first count whose world it divides; when every count is
+    refused, the first refusal is the answer, as it is then the input's, not one count's.
     """
     found, lo, first_refusal, all_refused = None, start - 1, None, True
     for n in probe_counts(start, platform.node_limit):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -171,3 +172,22 @@ def test_slurm_only_and_out_dir(tmp_path):
     bad = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--only", "gemm,x",
                                    "--output", str(tmp_path / "e.sbatch")])
     assert "--only" in _one_error_line(bad) and not (tmp_path / "e.sbatch").exists()
+    (tmp_path / "afile").write_text("x\n")           # mkdir raised NotADirectoryError (a traceback, exit 1)
+    blocked = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--out-dir",
+                                       str(tmp_path / "afile" / "rows"), "--output", str(tmp_path / "f.sbatch")])
+    assert "is a file, not a folder" in _one_error_line(blocked)
+
+
+def test_slurm_job_names_a_platform_file_by_its_path(tmp_path):
+    # the job passed --platform <the file's name>, which no catalog on the nodes knows: it failed after the queue
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "platforms" / "local-cpu.yaml").read_text())
+    data["name"] = "mysite"
+    (tmp_path / "mysite.yaml").write_text(yaml.safe_dump(data))
+    script = tmp_path / "m.sbatch"
+    result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", str(tmp_path / "mysite.yaml"), "--nodes",
+                                      "2", "--out-dir", str(tmp_path / "rows"), "--output", str(script)])
+    assert result.exit_code == 0, result.output
+    srun = [line for line in script.read_text().splitlines() if line.startswith("srun ")]
+    assert len(srun) == 2 and all(f"--platform {tmp_path / 'mysite.yaml'} " in line for line in srun)

@@ -729,14 +729,19 @@ def test_a_command_needing_an_extra_not_installed_says_which_in_one_line(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_module_no_extra_installs_keeps_its_traceback():
+@pytest.mark.parametrize("blocked, args", [
+    (["pandas"], ["calibrate", "show", "--platform", "local-cpu"]),
+    # torch installed, a module inside it missing (a build without distributed): not "torch is not installed"
+    (["torch.distributed"], ["bench", "a2a", "--nodes", "2", "--ranks-per-node", "2", "--no-save"]),
+])
+def test_a_module_no_extra_installs_keeps_its_traceback(blocked, args):
     # a missing module that is not an optional package is a broken installation, not bad input
     import subprocess
     import sys
 
-    code = WITHOUT.format(blocked=["pandas"], args=["calibrate", "show", "--platform", "local-cpu"])
+    code = WITHOUT.format(blocked=blocked, args=args)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "Traceback" in proc.stderr and "pandas" in proc.stderr
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and blocked[0] in proc.stderr, proc.stderr[-2000:]
 
 
 # ---- hostile input found by a fuzzing pass (2026-12-03) ---------------------------------------------------

@@ -85,11 +85,11 @@ def test_capability_imports_no_torch():
 
 def test_a_16_bit_plan_that_trains_in_fp32_on_the_cpu_is_named():
     # the plan and its prediction said bf16 while zero 0 / 1 CPU runs trained in fp32 (autocast is GPU-only), and
-    # nothing said so; `piper run` now prints a note where _runs_in_fp32 holds
+    # nothing said so; `piper run` now prints a note where precision_path says so
     import torch
 
     from piper_plan.catalog import load_model, load_platform
-    from piper_plan.runtime.train import _runs_in_fp32
+    from piper_plan.runtime.train import precision_path
     from piper_plan.specs import TrainingSpec
 
     cfg = SimpleNamespace(model=load_model("tiny-moe"), platform=load_platform("local-cpu"))
@@ -98,4 +98,4 @@ def test_a_16_bit_plan_that_trains_in_fp32_on_the_cpu_is_named():
                                       ("fp32", 0, cpu, False), ("bf16", 0, gpu, False)):
         cfg.training = TrainingSpec(seq_len=64, global_batch=8, dtype=dtype)
         cfg.parallel = ParallelPlan(dp=2, ep=2, zero=zero, num_microbatches=4)
-        assert _runs_in_fp32(cfg, device) is fp32, (dtype, zero, device)
+        assert (precision_path(cfg, device) == "fp32 instead") is fp32, (dtype, zero, device)

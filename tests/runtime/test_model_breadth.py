@@ -332,7 +332,7 @@ def test_two_ranks_interleaved_and_recompute_match_reference(tmp_path):
         assert seen == set(ref["grads"][0])
 
 
-@pytest.mark.parametrize("first", ["full", "none"])
+@pytest.mark.parametrize("first", ["full", "none", "inference"])
 def test_the_grouped_gemm_probe_runs_apart_from_the_first_forward(first):
     # the probe (a tiny forward + backward, cached) ran inside the first checkpointed block's forward: with full
     # recompute its saved tensors were counted in the forward and not in the recomputation ("58 / 55"), so
@@ -342,8 +342,8 @@ def test_the_grouped_gemm_probe_runs_apart_from_the_first_forward(first):
 
     spec = load_model("tiny-moe")
     moe._grouped_mm_works.cache_clear()
-    if first == "none":
-        with torch.no_grad():
+    if first in ("none", "inference"):
+        with torch.no_grad() if first == "none" else torch.inference_mode():
             build(spec)(tokens(spec)[:, :-1])
         assert moe._grouped_mm_works("cpu", torch.float32)
     else:

@@ -242,6 +242,7 @@ def test_the_dsv3_h100_row_is_one_estimate_command_away():
     # selective recompute's modules under another --recompute were silently unused when given as a cost option
     (["--recompute", "full", "--cost-option", "recompute_modules=[mlp]"], "--cost-option: recompute_modules ['mlp']"),
     (["--recompute", "full", "--recompute-modules", "mlp"], "--recompute-modules: recompute_modules ['mlp']"),
+    (["--recompute", "full", "--cost-option", "recompute_modules=[core_attn]"], "--cost-option: recompute_modules"),
     (["--cost-option", "a2a_overlap=0.5", "--piper-runtime"], "piper's runtime prices its own kernels"),
 ])
 def test_cost_option_bad_input_is_one_line(extra, needle):
