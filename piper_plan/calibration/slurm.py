@@ -47,16 +47,15 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     lines += [f'export {k}="{val}"' for k, val in settings["env"]]
     lines += ['export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               "export MASTER_PORT=${MASTER_PORT:-29500}", ""]
-    quick_flag = ["--quick"] if quick else []
+    quick_flag, ref = ["--quick"] if quick else [], platform_ref or platform.name
     compute = [k for k in only if k != "collectives"]
     if compute:
-        cmd = [python_cmd, "-m", "piper_plan.cli.main", "calibrate", "--platform", platform_ref or platform.name,
-               "--only", ",".join(compute), "--out-dir", str(out_dir), "--resume"] + quick_flag
+        cmd = [python_cmd, "-m", "piper_plan.cli.main", "calibrate", "--platform", ref, "--only", ",".join(compute),
+               "--out-dir", str(out_dir), "--resume"] + quick_flag
         lines.append(shlex.join(_srun(platform, settings, 1, 1) + cmd))
     if "collectives" in only:
-        cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform",
-               platform_ref or platform.name,
-               "--out", str(out_dir), "--resume"] + quick_flag
+        cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform", ref, "--out", str(out_dir),
+               "--resume"] + quick_flag
         lines.append(shlex.join(_srun(platform, settings, num_nodes, per_node) + cmd))
     return "\n".join(lines) + "\n"
 

@@ -66,9 +66,10 @@ class LazyGroup(click.Group):
         except click.UsageError as exc:
             raise _one_line(exc) from None
         except ModuleNotFoundError as exc:
-            if _extra_of(exc) is None:
+            missing = _missing_extra(exc)
+            if missing is None:
                 raise
-            raise _missing_extra(exc) from None
+            raise missing from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
@@ -90,19 +91,15 @@ EXTRAS = {"torch": "runtime", "matplotlib": "plot", "torchtitan": "export"}
 """Optional packages -> the pyproject extra that installs them (the planner itself needs none)."""
 
 
-def _extra_of(exc: ModuleNotFoundError) -> str | None:
-    """The extra that installs the missing package; None where the package is installed (a module missing inside
-    it: a torch built without distributed, a version mismatch) or no extra brings it: a broken installation, whose
-    traceback is kept."""
-    package = (exc.name or "").split(".")[0]
-    return EXTRAS.get(package) if package in EXTRAS and not _module_exists(package) else None
-
-
-def _missing_extra(exc: ModuleNotFoundError) -> Exception:
-    """A command that needs an optional package not installed: one line naming it and the extra that installs it."""
+def _missing_extra(exc: ModuleNotFoundError):
+    """A command that needs an optional package not installed: one line naming it and the extra that installs it.
+    None where the package is installed (a module missing inside it: a torch built without distributed, a version
+    mismatch) or no extra brings it: a broken installation, whose traceback is kept."""
     from piper_plan.cli.common import UserError
 
-    package = exc.name.split(".")[0]
+    package = (exc.name or "").split(".")[0]
+    if package not in EXTRAS or _module_exists(package):
+        return None
     return UserError(f"this command needs {package}, which is not installed: pip install "
                      f"'piper-plan[{EXTRAS[package]}]' (scripts/install.sh --test installs every extra)")
 

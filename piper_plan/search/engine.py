@@ -187,12 +187,14 @@ def min_nodes(model, platform, training, options: SearchOptions = SearchOptions(
     Bisection assumes that fitting is monotone in the node count between the last failure and the first
     success (true of memory; a batch-divisibility gap can break it, in which case the count found stands).
     A count whose whole space is refused (errors.CountRefused: no dp divides the global batch, no cp divides its
-    world) has no plan and the search moves on. When every count tried is refused and a searched cp holds no
-    power-of-two world, the search starts again from the first count whose world it divides; when every count is
-    refused, the first refusal is the answer, as it is then the input's, not one count's.
+    world) has no plan and the search moves on; the counts start at the first whose world a searched cp divides (a
+    cp of 3 holds no power-of-two world). When every count is refused, the first refusal is the answer, as it is
+    then the input's, not one count's.
     """
-    found, lo, first_refusal, all_refused = None, start - 1, None, True
-    for n in probe_counts(start, platform.node_limit):
+    aligned = _cp_aligned_start(start, options, platform.devices_per_node)
+    counts = probe_counts(aligned, platform.node_limit) or probe_counts(start, platform.node_limit)
+    found, lo, first_refusal, all_refused = None, counts[0] - 1 if counts else start - 1, None, True
+    for n in counts:
         r, refused = _search_or_refusal(model, platform, training, n, options, **kwargs)
         first_refusal, all_refused = first_refusal or refused, all_refused and refused is not None
         if r is not None and r.feasible:
@@ -200,9 +202,6 @@ def min_nodes(model, platform, training, options: SearchOptions = SearchOptions(
             break
         lo = n
     if found is None:
-        aligned = _cp_aligned_start(start, options, platform.devices_per_node)
-        if first_refusal is not None and all_refused and start < aligned <= platform.node_limit:
-            return min_nodes(model, platform, training, options, start=aligned, **kwargs)
         if first_refusal is not None and all_refused:
             raise first_refusal
         return None, None
@@ -231,7 +230,7 @@ def probe_counts(start: int, limit: int) -> list[int]:
 
 def _cp_aligned_start(start: int, options: SearchOptions, devices_per_node: int) -> int:
     """The first count >= ``start`` whose world some searched cp divides (nodes a multiple of cp / gcd(cp, devices
-    per node)): probe_counts from 1 are powers of two, which a cp of 3 never divides."""
+    per node)): no count between holds a plan."""
     step = min(c // math.gcd(c, devices_per_node) for c in options.cp or (1,))
     return -(-start // step) * step
 
