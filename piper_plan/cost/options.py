@@ -109,6 +109,21 @@ class CostOptions:
 _ALLOWED = {"recompute_modules": RECOMPUTE_MODULES, "cuda_graph_scope": CUDA_GRAPH_SCOPES}
 
 
+def check_modules_exist(model, modules) -> None:
+    """One PiperError line when selective recompute names a module ``model`` does not have (it would be priced as
+    nothing, silently): mla_up_proj without MLA and moe_act without MoE layers, which Megatron-Core refuses too
+    (TransformerConfig.__post_init__, megatron/core/transformer/transformer_config.py at d2c5e8b). ``mlp`` on a
+    model without dense layers stays allowed: Megatron-Core recomputes no MoE layer for it (transformer_layer.py,
+    ``recompute_mlp`` only where the layer is not MoE), and piper prices it so (flops.py)."""
+    lacks = {"mla_up_proj": (model.attention.kind != "mla", f"its attention is {model.attention.kind}, not mla"),
+             "moe_act": (not model.is_moe, "it has no MoE layer")}
+    missing = [f"{name} ({why})" for name, (absent, why) in lacks.items() if name in modules and absent]
+    if missing:
+        raise PiperError(f"names {', '.join(missing)}, which {model.name} does not have; allowed here: "
+                         f"{', '.join(m for m in RECOMPUTE_MODULES if m not in lacks or not lacks[m][0])}",
+                         field="recompute_modules")
+
+
 def _names_in(field: str, values, allowed: tuple[str, ...]):
     """``values`` when each is one of ``allowed``, else one error line naming the field, the values and the choices."""
     unknown = [v for v in values if v not in allowed]

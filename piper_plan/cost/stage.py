@@ -14,7 +14,7 @@ from piper_plan.cost import memory as mem
 from piper_plan.cost.comm import Network
 from piper_plan.cost.compute import Rates
 from piper_plan.cost.flops import FLASH_BACKWARD_FACTOR, LayerFlops, layer_flops
-from piper_plan.cost.options import CostOptions
+from piper_plan.cost.options import CostOptions, check_modules_exist
 from piper_plan.cost.params import LayerParams, layer_params, rank_stage_params
 from piper_plan.specs.model import ModelSpec
 from piper_plan.specs.platform import PlatformSpec
@@ -42,6 +42,7 @@ class Context:
 
 
 def make_context(model, platform, training, opts, calibration=None) -> Context:
+    check_modules_exist(model, opts.recompute_modules)
     return Context(model, platform, training, opts, layer_params(model), layer_flops(model, training.seq_len, training.flash_attention),
                    Rates(platform, training.dtype, calibration, training.fp8_recipe), Network(platform, calibration))
 

@@ -52,3 +52,22 @@ def test_modules_only_act_under_selective_recompute():
 def test_an_unknown_module_is_one_clear_error():
     with pytest.raises(PiperError, match="recompute_modules names 'attn'; allowed: core_attn, mla_up_proj"):
         CostOptions(recompute_modules=("attn",))
+
+
+@pytest.mark.parametrize("model,module,why", [("mixtral-8x7b", "mla_up_proj", "its attention is gqa, not mla"),
+                                              ("gpt-22b", "moe_act", "it has no MoE layer")])
+def test_a_module_the_model_lacks_is_one_line(model, module, why):
+    """Before: priced as nothing, silently (Megatron-Core refuses both: TransformerConfig.__post_init__)."""
+    plan = ParallelPlan(dp=8, mbs=1, recompute="selective")
+    with pytest.raises(PiperError, match=rf"names {module} \({why}\), which {model} does not have; allowed here"):
+        estimate(load_model(model), H100, TrainingSpec(seq_len=2048, global_batch=64), 1, plan,
+                 options=CostOptions(recompute_modules=("core_attn", module)))
+
+
+def test_mlp_on_a_model_without_dense_layers_is_megatrons_no_op():
+    """Megatron-Core sets recompute_mlp only on layers that are not MoE: accepted and priced as nothing."""
+    model, plan = load_model("qwen3-30b-a3b"), ParallelPlan(dp=8, ep=8, mbs=1, recompute="selective")
+    training = TrainingSpec(seq_len=2048, global_batch=64)
+    with_mlp, without = (estimate(model, H100, training, 1, plan, options=CostOptions(recompute_modules=m))
+                         for m in (("core_attn", "mlp"), ("core_attn",)))
+    assert with_mlp.time.breakdown == without.time.breakdown and with_mlp.memory == without.memory
