@@ -68,6 +68,15 @@ class _Config:
             raise PiperError(f"must be true or false, got {value!r}", path=self.path, field=self.prefix + key)
         return value
 
+    def positive_number(self, key: str, default: float) -> float:
+        """A finite number > 0 (absent or null: ``default``)."""
+        value = self.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise PiperError(f"must be a number > 0, got {value!r}", path=self.path, field=self.prefix + key)
+        return float(value)
+
     def choice(self, key: str, allowed: tuple[str, ...], default: str) -> str:
         """One of the ``allowed`` names (absent: ``default``); anything else is refused, never mapped to a default."""
         value = self.get(key, default)
@@ -200,9 +209,23 @@ def _gpt_oss(c: _Config) -> dict:
     attention = {**_gqa(c, head_dim=c.int_("head_dim", 64), qkv_bias=bias, o_bias=bias, sinks=True),
                  **_sliding_window(c, ["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(c.num_layers())])}
+    expert = {**_ffn(c.int_("intermediate_size"), bias=True), **_gpt_oss_activation(c)}
     return {**_base(c), "attention": attention,
-            "moe": {"num_experts": c.int_("num_local_experts"), "top_k": top_k,
-                    "expert": _ffn(c.int_("intermediate_size"), bias=True), "router_bias": True}}
+            "moe": {"num_experts": c.int_("num_local_experts"), "top_k": top_k, "expert": expert,
+                    "router_bias": True}}
+
+
+def _gpt_oss_activation(c: _Config) -> dict:
+    """The experts' clamped SwiGLU: quick_gelu(clamp(gate, max=L)) x (clamp(up, -L, L) + 1), L = swiglu_limit
+    (GptOssConfig: swiglu_alpha 1.702 and swiglu_limit 7.0 by default, huggingface/transformers src/transformers/
+    models/gpt_oss/configuration_gpt_oss.py at 02b8f42; GptOssExperts.forward in modeling_gpt_oss.py at 00d4b3d).
+    Another alpha than quick_gelu's 1.702 is refused: no spec field states it."""
+    alpha = c.positive_number("swiglu_alpha", 1.702)
+    if alpha != 1.702:
+        raise PiperError(f"must be 1.702 (quick_gelu's gain: piper states no other), got {alpha!r}", path=c.path,
+                         field=c.prefix + "swiglu_alpha")
+    return {"activation": "quick_gelu", "glu_linear_offset": 1.0,
+            "activation_clamp": c.positive_number("swiglu_limit", 7.0)}
 
 
 def _every_layer_window(c: _Config) -> dict:

@@ -155,12 +155,21 @@ def runtime_masked_core_bytes(model: ModelSpec, training: TrainingSpec, opts: Co
 
 def ffn_activation_bytes(ffn, rows, ab, tp, unfused: bool = False, gb=None):
     """Intermediates of one MLP over ``rows`` token rows, split over tp: gated 3 x d_ffn (gate, up, product;
-    fused SwiGLU), 4 x d_ffn unfused (silu(gate) kept too), plain 2 x d_ffn (activation input and output). The
-    last one (product / activation output) is the second GEMM's input, kept at ``gb`` bytes (gemm_input_bytes;
-    default ``ab``)."""
+    fused SwiGLU), plain 2 x d_ffn (activation input and output); unfused, what the runtime saves
+    (unfused_ffn_saved). The last one (product / activation output) is the second GEMM's input, kept at ``gb``
+    bytes (gemm_input_bytes; default ``ab``)."""
     gb = ab if gb is None else gb
-    kept_in_ab = ((3 if unfused else 2) if ffn.gated else 1) * ffn.intermediate_size
+    kept_in_ab = (unfused_ffn_saved(ffn) if unfused else 2 if ffn.gated else 1) * ffn.intermediate_size
     return rows * (kept_in_ab * ab + ffn.intermediate_size * gb) / tp
+
+
+def unfused_ffn_saved(ffn) -> int:
+    """d_ffn-wide tensors piper's runtime saves for backward besides the second GEMM's input (runtime/moe.py
+    ``activate``, eager PyTorch): the activation's input, and where gated its output and up; quick_gelu keeps its
+    sigmoid too; a clamp keeps both unclamped inputs (SwiGLU 3, gpt-oss's clamped quick_gelu 6; measured by
+    tests/runtime/test_analytic_vs_real.py)."""
+    kept = (3 if ffn.gated else 1) + (ffn.activation_name == "quick_gelu")
+    return kept + (2 if ffn.activation_clamp is not None else 0)
 
 
 def dense_mlp_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, sp):

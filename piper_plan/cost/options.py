@@ -40,7 +40,8 @@ class CostOptions:
     enable_gqa) except where the core masks explicitly (sinks; a sliding window shorter than the sequence), which
     repeats them to every head and keeps the mask, and on the sink path the [s, s + 1] softmax
     (memory.runtime_masked_core_bytes); RoPE keeps its cos / sin tables;
-    SwiGLU keeps silu(gate) beside gate, up and product (4 x d_ffn);
+    an FFN keeps what its eager activation saves (memory.unfused_ffn_saved; SwiGLU: silu(gate) beside gate, up
+    and product, 4 x d_ffn);
     the MoE block keeps one combine buffer, not dispatch + combine. False = Megatron-style fused kernels
     (Korthikanti et al. 2022 as written). Tier-4 test: tests/validation/test_activation_terms.py."""
     moe_saved_rows: Annotated[int, Field(ge=0, le=2)] | None = None

@@ -61,8 +61,7 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
              ["--vocab-size", str(model.vocab_size)],
              ["--normalization", "RMSNorm" if model.norm.kind == "rmsnorm" else "LayerNorm"],
              ["--position-embedding-type", "learned_absolute" if model.learned_position_embeddings else "rope"]]
-    if ffn.gated:
-        lines.append(["--swiglu"])
+    lines += activation_arguments(ffn)
     if not ffn.bias:
         lines.append(["--disable-bias-linear"])
     if a.qkv_bias:
@@ -90,6 +89,23 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
     if model.mtp_layers:
         lines.append(["--mtp-num-layers", str(model.mtp_layers)])
     return lines + attention_variant_arguments(model)
+
+
+def activation_arguments(ffn) -> list[list[str]]:
+    """The FFN's gate: SwiGLU (--swiglu), or gpt-oss's clamped quick-GELU GLU (--quick-geglu with its offset and
+    clamp: Megatron-LM arguments.py at 307dcf3, _add_network_size_args); a plain GELU is Megatron's default. A
+    gated GELU has no flag (model_notes says so)."""
+    if not ffn.gated or ffn.activation_name in ("gelu", "gelu_tanh"):
+        return []
+    if ffn.activation_name == "silu":
+        lines = [["--swiglu"]]
+    else:
+        lines = [["--quick-geglu"]]
+    if ffn.glu_linear_offset:
+        lines.append(["--glu-linear-offset", f"{ffn.glu_linear_offset:g}"])
+    if ffn.activation_clamp is not None:
+        lines.append(["--activation-func-clamp-value", f"{ffn.activation_clamp:g}"])
+    return lines
 
 
 def attention_variant_arguments(model) -> list[list[str]]:
@@ -122,10 +138,10 @@ def model_notes(model) -> list[str]:
     if not model.learned_position_embeddings:
         notes.append("not in piper's model spec, so Megatron's defaults apply: the rotary base and scaling "
                      "(--rotary-base 10000) and the norm epsilon (--norm-epsilon 1e-5); set the model's own")
-    if _ffn(model).gated:
-        notes.append("gated FFNs written as SwiGLU (--swiglu); a model with another gate (gpt-oss: clamped "
-                     "quick-GELU, --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0) needs "
-                     "its own")
+    ffn = _ffn(model)
+    if ffn.gated and ffn.activation_name in ("gelu", "gelu_tanh"):
+        notes.append(f"a GELU-gated FFN ({ffn.activation_name}) has no Megatron flag: not written, so Megatron "
+                     "builds a plain GELU MLP of 2 matrices; set gated_linear_unit and activation_func in its config")
     return notes
 
 

@@ -16,15 +16,29 @@ from torch import nn
 
 
 
-def ffn_apply(x_ND, w_in, w_gate, w_out, b_in=None, b_gate=None, b_out=None):
-    """Gated (SwiGLU: silu(x Wg) * (x Wi)) or plain (gelu(x Wi)) MLP, then W_out."""
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+               "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+"""FFNSpec.activation's functions (quick_gelu: Hendrycks & Gimpel's sigmoid approximation, as gpt-oss and
+Megatron-Core's quick_gelu compute it)."""
+
+
+def activate(ffn, up, gate=None):
+    """An FFN's non-linearity: act(up) when plain; gated, act(gate) x (up + offset), gate clamped to at most c and
+    up to [-c, c] first where the spec clamps (specs/model.py FFNSpec)."""
+    act = ACTIVATIONS[ffn.activation_name]
+    if gate is None:
+        return act(up)
+    c = ffn.activation_clamp
+    if c is not None:
+        gate, up = gate.clamp(max=c), up.clamp(-c, c)
+    return act(gate) * (up + ffn.glu_linear_offset if ffn.glu_linear_offset else up)
+
+
+def ffn_apply(ffn, x_ND, w_in, w_gate, w_out, b_in=None, b_gate=None, b_out=None):
+    """Gated (act(x Wg) * (x Wi), SwiGLU by default) or plain (act(x Wi)) MLP, then W_out."""
     h = x_ND @ w_in + (b_in if b_in is not None else 0)
-    if w_gate is not None:
-        g = x_ND @ w_gate + (b_gate if b_gate is not None else 0)
-        h = F.silu(g) * h
-    else:
-        h = F.gelu(h)
-    return h @ w_out + (b_out if b_out is not None else 0)
+    g = None if w_gate is None else x_ND @ w_gate + (b_gate if b_gate is not None else 0)
+    return activate(ffn, h, g) @ w_out + (b_out if b_out is not None else 0)
 
 
 class FFN(nn.Module):
@@ -32,14 +46,13 @@ class FFN(nn.Module):
 
     def __init__(self, hidden: int, ffn) -> None:
         super().__init__()
+        self.spec = ffn
         self.up = nn.Linear(hidden, ffn.intermediate_size, bias=ffn.bias)
         self.gate = nn.Linear(hidden, ffn.intermediate_size, bias=ffn.bias) if ffn.gated else None
         self.down = nn.Linear(ffn.intermediate_size, hidden, bias=ffn.bias)
 
     def forward(self, x):
-        h = self.up(x)
-        h = F.silu(self.gate(x)) * h if self.gate is not None else F.gelu(h)
-        return self.down(h)
+        return self.down(activate(self.spec, self.up(x), None if self.gate is None else self.gate(x)))
 
 
 def grouped_mm_usable(x: torch.Tensor, *weights) -> bool:
@@ -95,6 +108,7 @@ class LocalExperts(nn.Module):
 
     def __init__(self, num_local: int, hidden: int, ffn) -> None:
         super().__init__()
+        self.spec = ffn
         f = ffn.intermediate_size
         self.w_in = nn.Parameter(torch.empty(num_local, hidden, f))
         self.w_gate = nn.Parameter(torch.empty(num_local, hidden, f)) if ffn.gated else None
@@ -131,13 +145,12 @@ class LocalExperts(nn.Module):
             y = _contiguous_grad(torch._grouped_mm(a, w, offs=offs))
             return y if b is None else y + b[expert_X]
 
-        h = mm(x_XD, w_in, b_in)
-        h = F.silu(mm(x_XD, w_gate, b_gate)) * h if w_gate is not None else F.gelu(h)
+        h = activate(self.spec, mm(x_XD, w_in, b_in), None if w_gate is None else mm(x_XD, w_gate, b_gate))
         return mm(h, w_out, b_out)
 
     def _loop(self, x_XD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         per_expert = self._per_expert_weights()
-        outs = [ffn_apply(chunk, *(None if w is None else w[e] for w in per_expert))
+        outs = [ffn_apply(self.spec, chunk, *(None if w is None else w[e] for w in per_expert))
                 for e, chunk in enumerate(torch.split(x_XD, counts))]
         return torch.cat(outs) if outs else x_XD
 

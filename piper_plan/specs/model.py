@@ -122,6 +122,28 @@ class FFNSpec(Spec):
     """Gated (SwiGLU: 3 matrices) or plain (2 matrices, e.g. GELU)."""
     bias: bool = False
     """Linear layers carry biases."""
+    activation: Literal["silu", "gelu", "gelu_tanh", "quick_gelu"] | None = None
+    """The non-linearity; None = silu when gated (SwiGLU), gelu when plain. gelu is the exact (erf) form, gelu_tanh
+    its tanh approximation (jax.nn.gelu's default, which Grok-1's experts use: xai-org/grok-1 model.py at 1a0ba38,
+    DenseBlock); quick_gelu = x sigmoid(1.702 x) (gpt-oss's experts: huggingface/transformers
+    models/gpt_oss/modeling_gpt_oss.py at 00d4b3d, GptOssExperts alpha 1.702; Megatron's --quick-geglu)."""
+    glu_linear_offset: float = Field(default=0.0, ge=-1e6, le=1e6)
+    """A gated FFN computes act(gate) x (up + offset) (gpt-oss: 1; Megatron's --glu-linear-offset)."""
+    activation_clamp: float | None = Field(default=None, gt=0, le=1e6)
+    """A gated FFN clamps gate to at most c and up to [-c, c] before the product (gpt-oss: 7, GptOssExperts'
+    limit; Megatron's --activation-func-clamp-value); None = no clamp."""
+
+    @property
+    def activation_name(self) -> str:
+        """The non-linearity, its default resolved."""
+        return self.activation or ("silu" if self.gated else "gelu")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FFNSpec":
+        if not self.gated and (self.glu_linear_offset or self.activation_clamp is not None):
+            raise ValueError("glu_linear_offset and activation_clamp shape a gated FFN's product; this FFN is "
+                             "plain (gated: false)")
+        return self
 
 
 class MoELayersSpec(Spec):

@@ -193,6 +193,20 @@ def test_sliding_windows_and_sinks_reach_megatron(plans):
     assert "--window-size" not in megatron.script(read_plan_file(plans["deepseek-zero1"]))
 
 
+def test_the_ffn_gate_reaches_megatron(plans, tmp_path):
+    """gpt-oss's experts: --quick-geglu with offset 1 and clamp 7 (before: --swiglu, a different model, and a
+    note); SwiGLU models keep --swiglu; Grok-1's GELU gate has no flag and says so."""
+    gpt_oss = megatron.script(read_plan_file(plans["gpt-oss-pp"]))
+    assert "--quick-geglu" in gpt_oss and "--swiglu" not in gpt_oss
+    assert words_of(gpt_oss, "--glu-linear-offset") == ["1"] and words_of(gpt_oss, "--activation-func-clamp-value") == ["7"]
+    deepseek = megatron.script(read_plan_file(plans["deepseek-zero1"]))
+    assert "--swiglu" in deepseek and "--quick-geglu" not in deepseek
+    grok = megatron.script(read_plan_file(saved_plan(tmp_path, "grok", "--model", "grok-1", "--platform", "dgx-h100",
+                                                     "--nodes", "8", "--dp", "8", "--tp", "8", "--ep", "8")))
+    assert "--swiglu" not in grok and "--quick-geglu" not in grok
+    assert any(n.startswith("a GELU-gated FFN (gelu_tanh) has no Megatron flag") for n in notes_of(grok))
+
+
 def test_export_warns_when_the_stored_prediction_is_not_what_the_plan_costs_now(plans, tmp_path):
     """A hand-edited plan file (here the platform's host time) is priced again, as `piper launch` does, and the
     export says its stored figures are stale."""

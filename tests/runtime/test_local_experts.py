@@ -136,3 +136,28 @@ def test_a_device_without_a_kernel_falls_back(monkeypatch):
         assert experts(torch.randn(5, 16), torch.tensor([2, 3])).shape == (5, 16)
     finally:
         moe_module._grouped_mm_works.cache_clear()
+
+
+GPT_OSS_GATE = {"activation": "quick_gelu", "glu_linear_offset": 1.0, "activation_clamp": 7.0}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gemms_equal_the_loop_under_gpt_oss_gate(bias):
+    experts = LocalExperts(4, 16, FFNSpec(intermediate_size=32, bias=bias, **GPT_OSS_GATE))
+    torch.manual_seed(0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=2.0)               # wide enough that the clamp at 7 acts
+    x = torch.randn(21, 16)
+    got, ref = _run(experts, x, [7, 0, 9, 5], True), _run(experts, x, [7, 0, 9, 5], False)
+    for g, r in zip([got[0], got[1], *got[2]], [ref[0], ref[1], *ref[2]]):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-4)
+
+
+def test_gpt_oss_gate_by_hand():
+    """gate 10 -> 7, x sigmoid(1.702 x 7) = 6.9999536; up -10 -> -7, + 1 = -6: -41.99972. gate -1, up 2:
+    -sigmoid(-1.702) x 3 = -0.46261. SwiGLU of the same: silu(10) x -10 = -99.99546."""
+    gate, up = torch.tensor([10.0, -1.0]), torch.tensor([-10.0, 2.0])
+    got = moe_module.activate(FFNSpec(intermediate_size=2, **GPT_OSS_GATE), up, gate)
+    torch.testing.assert_close(got, torch.tensor([-41.99972, -0.46261]), rtol=1e-5, atol=1e-5)
+    swiglu = moe_module.activate(FFNSpec(intermediate_size=2), up, gate)
+    torch.testing.assert_close(swiglu[0], torch.tensor(-99.99546), rtol=1e-6, atol=1e-4)

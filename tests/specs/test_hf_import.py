@@ -253,3 +253,16 @@ def test_a_gpt_oss_config_without_layer_types_alternates_as_transformers_does():
     written = spec_from_hf_config(GPT_OSS, "cfg.json").attention
     absent = spec_from_hf_config({k: v for k, v in GPT_OSS.items() if k != "layer_types"}, "cfg.json").attention
     assert (absent.sliding_window, absent.sliding_window_every) == (written.sliding_window, 2) == (128, 2)
+
+
+def test_gpt_oss_experts_take_the_clamped_quick_gelu_gate():
+    """GptOssExperts: quick_gelu(min(gate, L)) x (clamp(up, -L, L) + 1), L = swiglu_limit (7 by default); before,
+    the spec had no field for it and the runtime and export trained SwiGLU."""
+    expert = spec_from_hf_config(GPT_OSS, "cfg.json").moe.expert
+    assert (expert.activation, expert.glu_linear_offset, expert.activation_clamp) == ("quick_gelu", 1.0, 7.0)
+    assert expert == load_model("gpt-oss-120b").moe.expert
+    assert spec_from_hf_config({**GPT_OSS, "swiglu_limit": 5.5}, "cfg.json").moe.expert.activation_clamp == 5.5
+    with pytest.raises(PiperError, match=r"must be 1.702 \(quick_gelu's gain"):
+        spec_from_hf_config({**GPT_OSS, "swiglu_alpha": 2.0}, "cfg.json")
+    with pytest.raises(PiperError, match="must be a number > 0"):
+        spec_from_hf_config({**GPT_OSS, "swiglu_limit": "7"}, "cfg.json")
