@@ -17,6 +17,8 @@ INSTEAD = {
                  "expert bias of --moe-router-enable-expert-bias)",
     "always": "the data (--mock-data with a NullTokenizer stands in: give --data-path and a tokenizer), piper's "
               "checkpoint-on-signal requeue and its metrics.jsonl for `piper compare`",
+    "optimizer": "written as --lr, --lr-decay-style, --min-lr, --lr-warmup-iters / -init, --weight-decay, "
+                 "--clip-grad, --seed (and --moe-aux-loss-coeff); Adam's betas and epsilon are Megatron's defaults",
 }
 PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": [], "fp8": ["--bf16"], "mxfp8": ["--bf16"]}
 FP8_FORMAT = {"delayed": "hybrid", "tensorwise": "hybrid", "blockwise": "e4m3", "mxfp8": "e4m3"}
@@ -32,6 +34,10 @@ OPTION_FLAGS = {
     "shared_expert_overlap": "not written: Megatron's --moe-shared-expert-overlap",
     "ep_dispatch": "not written: Megatron's --moe-token-dispatcher-type flex with DeepEP or HybridEP",
     "cuda_graph_scope": "not written: Megatron's CUDA-graph flags (--cuda-graph-scope) for your version",
+    "tp_overlap": "not written: Megatron's --tp-comm-overlap (Transformer Engine's userbuffers)",
+    "a2a_overlap": "not written: Megatron's --overlap-moe-expert-parallel-comm for your version",
+    "p2p_overlap": "not written: Megatron overlaps pipeline sends under interleaving by default",
+    "dp_overlap": "not written: Megatron's --overlap-grad-reduce and --overlap-param-gather",
 }
 """Prediction options Megatron has a setting for that the export leaves to the user (note only)."""
 QK_NORM = {"per_head": "--qk-layernorm", "weightless": "--qk-l2-norm"}
@@ -184,7 +190,7 @@ def parallel_arguments(pf) -> tuple[list[list[str]], list[str]]:
     else:
         if p.schedule == "interleaved":
             lines.append(["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)])
-        lines += split_arguments(p.stage_layers(pf.model.num_layers), notes)
+        lines += split_arguments(p.stage_layers(pf.model.num_layers), pf.model.mtp_layers)
     lines += recompute_arguments(pf, notes) + zero_arguments(p, notes)
     lines += precision_arguments(t)
     if p.schedule == "gpipe" and p.pp > 1:
@@ -230,11 +236,26 @@ def zero_arguments(p, notes: list[str]) -> list[list[str]]:
     return ZERO[p.zero] + [["--num-distributed-optimizer-instances", str(p.dp_replicate)]]
 
 
+def optimizer_arguments(pf) -> list[list[str]]:
+    """The plan's learning-rate schedule, weight decay, clipping, balance-loss weight and seed (planfile
+    RuntimeBlock), as Megatron-LM names them (arguments.py at 307dcf3: _add_learning_rate_args,
+    _add_regularization_args, _add_initialization_args). Without --lr Megatron cannot build its scheduler (its
+    default is None). Warmup starts at lr / (warmup + 1), as piper's runtime does; clipping off is --clip-grad 0."""
+    r = pf.runtime
+    lines = [["--lr", f"{r.lr:g}"], ["--lr-decay-style", r.lr_schedule], ["--min-lr", f"{r.lr * r.min_lr_ratio:g}"],
+             ["--lr-warmup-iters", str(r.warmup_steps)], ["--lr-warmup-init", f"{r.lr / (r.warmup_steps + 1):g}"],
+             ["--weight-decay", f"{r.weight_decay:g}"], ["--clip-grad", f"{r.grad_clip_norm or 0:g}"],
+             ["--seed", str(r.seed)]]
+    if pf.model.moe is not None:
+        lines.append(["--moe-aux-loss-coeff", f"{r.aux_loss_coeff:g}"])
+    return lines
+
+
 def training_arguments(pf) -> list[list[str]]:
-    """Dropout (off unless the prediction priced it), the fused cross entropy the prediction assumed, and the MTP
-    loss weight."""
+    """Dropout (off unless the prediction priced it), the fused cross entropy the prediction assumed, the MTP
+    loss weight and the optimizer's settings."""
     options = prediction_options(pf)
-    lines = [] if options.dropout else list(NO_DROPOUT)
+    lines = optimizer_arguments(pf) + ([] if options.dropout else list(NO_DROPOUT))
     if options.cross_entropy_fusion_impl != "native":
         lines += [["--cross-entropy-loss-fusion"], ["--cross-entropy-fusion-impl", options.cross_entropy_fusion_impl]]
     if pf.model.mtp_layers:
@@ -245,19 +266,26 @@ def training_arguments(pf) -> list[list[str]]:
 def setting_notes(pf) -> list[str]:
     """What of the prediction's options and the MoE block the flags leave out."""
     notes = option_notes(pf, OPTION_FLAGS)
+    options = prediction_options(pf)
+    if pf.model.moe is not None and not options.unfused_kernels and options.moe_saved_rows != 0:
+        rows = 2 if options.moe_saved_rows is None else options.moe_saved_rows
+        notes.append(f"the prediction priced {rows} token-row buffers per MoE layer (Megatron-Core before v0.13); "
+                     "since v0.13 it keeps none: re-price with --cost-option moe_saved_rows=0 for a recent Megatron")
+    if pf.training.optimizer != "adam":
+        notes.append(f"not carried over: optimizer {pf.training.optimizer} (not written: Megatron's default is adam)")
     return notes + capacity_note(pf, "not written: Megatron's --moe-expert-capacity-factor")
 
 
-def split_arguments(layers: list[int], notes: list[str]) -> list[list[str]]:
-    """Megatron's first / last stage layer counts when only they differ from an even middle; else a note."""
+def split_arguments(layers: list[int], mtp_layers: int) -> list[list[str]]:
+    """Megatron's first / last stage layer counts when only they differ from an even middle; else its layout (one
+    chunk per stage)."""
     if len(set(layers)) <= 1:
         return []
     middle = layers[1:-1]
     if len(set(middle)) <= 1:
         return [["--decoder-first-pipeline-num-layers", str(layers[0])],
                 ["--decoder-last-pipeline-num-layers", str(layers[-1])]]
-    notes.append(f"piper's layers per stage {layers}: Megatron splits evenly (or take --pipeline-model-parallel-layout)")
-    return []
+    return [["--pipeline-model-parallel-layout", layout_string(layers, mtp_layers)]]
 
 
 def arguments(pf) -> tuple[list[list[str]], list[str]]:
@@ -286,9 +314,10 @@ def check_runs_in_megatron(pf) -> None:
 
 def environment(pf) -> list[str]:
     """Variables the script exports: Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 under tp > 1 or cp > 1 before
-    Blackwell (arguments.py at 000c4ac, validate_args; on Blackwell it is allowed too)."""
+    Blackwell (arguments.py at 000c4ac, validate_args; on Blackwell it is allowed too), but not under Megatron FSDP
+    (zero 2 / 3), which requires it unset or above 1 and only warns about tp / cp (arguments.py at 307dcf3)."""
     p = pf.parallel
-    return ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if p.tp > 1 or p.cp > 1 else []
+    return ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if (p.tp > 1 or p.cp > 1) and p.zero < 2 else []
 
 
 def script(pf) -> str:

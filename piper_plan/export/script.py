@@ -10,7 +10,7 @@ from piper_plan.launch.local import MASTER_PORT
 from piper_plan.planfile import does_not_fit
 
 READ_OPTIONS = ("dropout", "recompute_modules", "shared_expert_overlap", "ep_dispatch", "cross_entropy_fusion_impl",
-                "cuda_graph_scope")
+                "cuda_graph_scope", "tp_overlap", "a2a_overlap", "p2p_overlap", "dp_overlap", "moe_saved_rows", "unfused_kernels")
 """The prediction options an export reads: written as the engine's flags or named in its notes."""
 
 
@@ -22,18 +22,19 @@ def piper_only(plan_file, instead: dict[str, str]) -> list[str]:
     migration = "enabled in this plan" if m.enabled else "not enabled in this plan"
     return [f"only piper's runtime: the HALO hierarchical all-to-all ({halo}); here: {instead['halo']}",
             f"only piper's runtime: live expert migration ({migration}); here: {instead['migration']}",
-            f"not carried over: {instead['always']}", runtime_note(plan_file)]
+            f"not carried over: {instead['always']}", runtime_note(plan_file, instead.get("optimizer"))]
 
 
-def runtime_note(plan_file) -> str:
-    """The plan's optimizer (training.optimizer) and the runtime block's optimizer and loss settings, which no
-    export writes."""
+def runtime_note(plan_file, written: str | None) -> str:
+    """The plan's optimizer (training.optimizer) and the runtime block's optimizer and loss settings: ``written``
+    says which flags carry them, None that none does."""
     r = plan_file.runtime
     clip = "off" if r.grad_clip_norm is None else f"{r.grad_clip_norm:g}"
     aux = f", aux loss {r.aux_loss_coeff:g}" if plan_file.model.moe is not None else ""
-    return (f"not carried over: piper's optimizer and loss settings (optimizer {plan_file.training.optimizer}, "
-            f"lr {r.lr:g}, {r.lr_schedule} to {r.min_lr_ratio:g} x lr after {r.warmup_steps} warmup steps, weight "
-            f"decay {r.weight_decay:g}, gradient clip {clip}{aux}, seed {r.seed}): set the engine's own")
+    settings = (f"piper's optimizer and loss settings (optimizer {plan_file.training.optimizer}, "
+                f"lr {r.lr:g}, {r.lr_schedule} to {r.min_lr_ratio:g} x lr after {r.warmup_steps} warmup steps, "
+                f"weight decay {r.weight_decay:g}, gradient clip {clip}{aux}, seed {r.seed})")
+    return f"not carried over: {settings}: set the engine's own" if written is None else f"{settings}: {written}"
 
 
 def gradient_precision(training) -> str:

@@ -34,7 +34,10 @@ count as one layer each when torchtitan splits layers over stages."""
 
 REGISTERED = "torchtitan's registered configuration decides it, not this command line"
 OPTION_NOTES = {"dropout": "torchtitan's models have no dropout layers", "shared_expert_overlap": REGISTERED,
-                "ep_dispatch": REGISTERED, "cross_entropy_fusion_impl": REGISTERED, "cuda_graph_scope": REGISTERED}
+                "ep_dispatch": REGISTERED, "cross_entropy_fusion_impl": REGISTERED, "cuda_graph_scope": REGISTERED,
+                "tp_overlap": REGISTERED, "a2a_overlap": REGISTERED, "p2p_overlap": REGISTERED,
+                "dp_overlap": REGISTERED, "moe_saved_rows": REGISTERED,
+                "unfused_kernels": REGISTERED}
 """Prediction options torchtitan's command line cannot set (note only)."""
 
 INSTEAD = {

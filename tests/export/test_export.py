@@ -134,7 +134,8 @@ def test_unwritten_settings_are_noted(plans, tmp_path):
     for text, where in ((megatron.script(pf), "--moe-shared-expert-overlap"), (torchtitan.script(pf), "torchtitan")):
         notes = [n for n in notes_of(text) if n.startswith("not carried over:")]
         assert any("shared_expert_overlap=True" in n and where in n for n in notes), notes
-        assert any("capacity factor 1.25" in n for n in notes) and any("lr 0.001" in n for n in notes)
+        assert any("capacity factor 1.25" in n for n in notes)
+    assert any("lr 0.001" in n for n in notes_of(torchtitan.script(pf)) if n.startswith("not carried over:"))
     assert not any("shared_expert_overlap" in n for n in notes_of(megatron.script(read_plan_file(plans["qwen3-hsdp"]))))
 
 
@@ -193,6 +194,50 @@ def test_sliding_windows_and_sinks_reach_megatron(plans):
     assert "--window-size" not in megatron.script(read_plan_file(plans["deepseek-zero1"]))
 
 
+def test_the_learning_rate_schedule_reaches_megatron(plans):
+    """Megatron's --lr defaults to None and its scheduler needs a number: the plan's runtime settings are written
+    (before: a note, and a script that stopped at setup)."""
+    pf = read_plan_file(plans["qwen3-hsdp"])
+    text, r = megatron.script(pf), pf.runtime
+    assert words_of(text, "--lr") == [f"{r.lr:g}"] and words_of(text, "--lr-decay-style") == ["cosine"]
+    assert words_of(text, "--min-lr") == [f"{r.lr * r.min_lr_ratio:g}"]
+    assert words_of(text, "--lr-warmup-iters") == [str(r.warmup_steps)]
+    assert words_of(text, "--clip-grad") == ["1"] and words_of(text, "--moe-aux-loss-coeff") == ["0.01"]
+    assert not any(n.startswith("not carried over: piper's optimizer") for n in notes_of(text))
+
+
+def test_priced_overlaps_and_buffers_are_noted(tmp_path):
+    """Overlaps the prediction priced are named with Megatron's flags; the default two MoE token-row buffers (older
+    Megatron-Core) are named with how to price a recent one (before: silently dropped)."""
+    pf = read_plan_file(saved_plan(tmp_path, "ov", *PLANS["qwen3-hsdp"], "--cost-option", "a2a_overlap=0.8",
+                                   "--cost-option", "dp_overlap=0.5"))
+    notes = notes_of(megatron.script(pf))
+    assert any("a2a_overlap=0.8" in n and "--overlap-moe-expert-parallel-comm" in n for n in notes), notes
+    assert any("dp_overlap=0.5" in n and "--overlap-grad-reduce" in n for n in notes), notes
+    assert any(n.startswith("the prediction priced 2 token-row buffers per MoE layer") for n in notes), notes
+    zero_rows = read_plan_file(saved_plan(tmp_path, "r0", *PLANS["qwen3-hsdp"], "--cost-option", "moe_saved_rows=0"))
+    assert not any("token-row buffers" in n for n in notes_of(megatron.script(zero_rows)))
+
+
+def test_megatron_fsdp_keeps_cuda_connections_unset(tmp_path):
+    """Megatron FSDP (zero 2 / 3) requires CUDA_DEVICE_MAX_CONNECTIONS unset or above 1; tp > 1 without it still
+    exports 1."""
+    args = ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "8", "--tp", "2",
+            "--ep", "8")
+    zero3 = megatron.script(read_plan_file(saved_plan(tmp_path, "z3", *args, "--zero", "3")))
+    zero1 = megatron.script(read_plan_file(saved_plan(tmp_path, "z1", *args, "--zero", "1")))
+    assert "--use-megatron-fsdp" in zero3 and "CUDA_DEVICE_MAX_CONNECTIONS" not in zero3
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in zero1
+
+
+def test_an_uneven_split_is_megatrons_layout(tmp_path):
+    """An explicit split whose middle stages differ: Megatron's layout, one chunk per stage (before: a note, and
+    Megatron's even split, another memory profile than the one predicted)."""
+    pf = read_plan_file(saved_plan(tmp_path, "u4", "--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes",
+                                   "2", "--dp", "4", "--pp", "4", "--ep", "4", "--layers-per-stage", "10,12,13,13"))
+    assert words_of(megatron.script(pf), "--pipeline-model-parallel-layout") == ["'Et*10|t*12|t*13|t*13L'"]
+
+
 def test_the_ffn_gate_reaches_megatron(plans, tmp_path):
     """gpt-oss's experts: --quick-geglu with offset 1 and clamp 7 (before: --swiglu, a different model, and a
     note); SwiGLU models keep --swiglu; Grok-1's GELU gate has no flag and says so."""
@@ -224,7 +269,7 @@ def test_export_warns_when_the_stored_prediction_is_not_what_the_plan_costs_now(
 
 
 def test_the_optimizer_is_noted(plans, tmp_path):
-    """Neither engine's command line here takes piper's optimizer: its name is in the 'not carried over' note."""
+    """Neither engine's command line here takes piper's optimizer kind: its name is in a 'not carried over' note."""
     import json
 
     data = json.loads(plans["qwen3-hsdp"].read_text())
