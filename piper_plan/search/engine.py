@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from piper_plan.cost.options import DEFAULT_OPTIONS
 from piper_plan.errors import CountRefused, PiperError
 from piper_plan.fileio import ascii_int
 from piper_plan.plans import PlanBatch
@@ -84,7 +85,8 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     from piper_plan.cost.evaluate import Evaluation, evaluate, pricing_sources
 
     start = time.perf_counter()
-    space = enumerate_space(model, platform, training, nodes, options)
+    modules = (DEFAULT_OPTIONS if cost_options is None else cost_options).recompute_modules
+    space = enumerate_space(model, platform, training, nodes, options, modules)
     extra = {} if cost_options is None else {"options": cost_options}
     ev = evaluate(model, platform, training, nodes, space.batch(), calibration=calibration, placement=placement,
                   **extra) if len(space) else Evaluation.empty()

@@ -129,8 +129,10 @@ def world_size(platform, nodes: int) -> int:
     return nodes * platform.devices_per_node
 
 
-def enumerate_space(model, platform, training, nodes: int, options: SearchOptions = SearchOptions()) -> Space:
-    """Every candidate of ``nodes`` nodes of ``platform``; the ones kept returned as arrays."""
+def enumerate_space(model, platform, training, nodes: int, options: SearchOptions = SearchOptions(),
+                    recompute_modules: tuple[str, ...] = ("core_attn",)) -> Space:
+    """Every candidate of ``nodes`` nodes of ``platform``; the ones kept returned as arrays. ``recompute_modules``:
+    what selective recompute re-runs (the cost options'), which decides whether it duplicates no recompute."""
     check_setting(model, platform, training, nodes)
     world = world_size(platform, nodes)
     _check_cp_divides_world(options, world)
@@ -143,7 +145,7 @@ def enumerate_space(model, platform, training, nodes: int, options: SearchOption
     reasons = {name: count * n_expand for name, count in reason_counts(masks, names).items()}
     expanded = expand(grid.take(~masks.any(axis=0)), training, options)
     masks = np.concatenate([problem_masks(model, platform, training, nodes, expanded, SCHEDULE_RULES),
-                            search_masks(model, platform, training, expanded, options)])
+                            search_masks(model, platform, training, expanded, options, recompute_modules)])
     names = tuple(r.name for r in SCHEDULE_RULES) + STRATEGY_REASONS + DUPLICATE_REASONS
     for name, count in reason_counts(masks, names).items():
         reasons[name] = reasons.get(name, 0) + count
@@ -232,15 +234,18 @@ def expand(valid: PlanBatch, training, options: SearchOptions) -> PlanBatch:
     return PlanBatch.from_arrays(f)
 
 
-def search_masks(model, platform, training, c: PlanBatch, options: SearchOptions) -> np.ndarray:
+def search_masks(model, platform, training, c: PlanBatch, options: SearchOptions,
+                 recompute_modules: tuple[str, ...] = ("core_attn",)) -> np.ndarray:
     """[len(STRATEGY_REASONS) + len(DUPLICATE_REASONS), N]: what the search drops besides invalid plans. A
-    duplicate rule applies only when the twin it keeps is in the space too."""
+    duplicate rule applies only when the twin it keeps is in the space too; selective recompute duplicates none
+    only under flash attention with nothing but core_attn to re-run (other modules drop activations and add
+    time)."""
     dpn = platform.devices_per_node
     piper = options.strategy == "piper"
     gpipe, halo = c.schedule == Schedule.GPIPE.code, c.a2a == A2A.HALO.code
     groups_in_one_node = dpn % (c.ep * c.etp) == 0       # expert groups: ep x etp consecutive, aligned ranks
     halo_twin = "flat" in options.a2a_names()
-    selective_twin = "none" in options.recompute and training.flash_attention
+    selective_twin = "none" in options.recompute and training.flash_attention and set(recompute_modules) <= {"core_attn"}
     return np.stack([
         (c.ep > dpn * platform.network.nodes_per_switch) if piper else np.zeros(len(c), dtype=bool),
         (c.pp == 1) & gpipe,

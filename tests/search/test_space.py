@@ -165,3 +165,17 @@ def test_one_microbatch_gpipe_is_priced_as_1f1b():
     ofob = evaluate(model, FRONTIER, training, 4, PlanBatch.of(base))
     np.testing.assert_allclose(gpipe.step_time_s, ofob.step_time_s, rtol=1e-12)
     np.testing.assert_allclose(gpipe.peak_memory_bytes, ofob.peak_memory_bytes, rtol=1e-12)
+
+
+def test_selective_recompute_of_more_than_core_attn_is_searched():
+    """Under flash attention selective recompute of core_attn alone re-runs nothing (dropped as none's twin); of
+    other modules it drops their activations and adds time, so it is a plan of its own (before: always dropped)."""
+    from piper_plan.specs.vocab import Recompute
+
+    model, training = load_model("tiny-moe"), TrainingSpec(global_batch=8, seq_len=512)
+    default = enumerate_space(model, FRONTIER, training, 1)
+    modules = enumerate_space(model, FRONTIER, training, 1, recompute_modules=("core_attn", "moe_act"))
+    selective = Recompute.SELECTIVE.code
+    assert not (default.fields["recompute"] == selective).any() and default.reasons["duplicate_selective_flash"] > 0
+    assert (modules.fields["recompute"] == selective).sum() == default.reasons["duplicate_selective_flash"]
+    assert "duplicate_selective_flash" not in modules.reasons
