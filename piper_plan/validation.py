@@ -242,8 +242,10 @@ class DatasetResult:
             return None
         errors = [r.abs_pct_error for r in rows]
         within = sum(r.abs_pct_error <= r.tolerance_pct for r in rows)
+        held_out = [r.abs_pct_error for r in self.rows if r.split == "held_out" and r.abs_pct_error is not None]
         return (f"not gated: {len(rows)} held-out rows, mean |error| {_mean(errors):.2f}%, max {max(errors):.2f}%, "
-                f"{within} within their row tolerance{self._fit_summary()}")
+                f"{within} within their row tolerance; all {len(held_out)} held-out rows, gated or not: mean |error| "
+                f"{_mean(held_out):.2f}%{self._fit_summary()}")
 
     def _fit_summary(self) -> str:
         """Where the dataset requires its published runs to fit: how many of its rows are predicted to (and which

@@ -183,6 +183,9 @@ def test_a_dataset_not_yet_gated_reports_where_its_held_out_rows_stand():
     result = validate_dataset(DatasetSpec.model_validate(data))
     summary = result.ungated_summary()
     assert summary.startswith("not gated: 1 held-out rows, mean |error| 50.") and "0 within" in summary, summary
+    data["rows"].append(dict(data["rows"][1], id="held-out-and-gated", split="held_out", gated=True))
+    summary = validate_dataset(DatasetSpec.model_validate(data)).ungated_summary()     # the gate's view beside it
+    assert "; all 2 held-out rows, gated or not: mean |error| 25." in summary, summary
 
 
 def test_a_dataset_that_requires_fit_says_which_rows_are_predicted_not_to():
