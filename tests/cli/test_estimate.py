@@ -190,3 +190,10 @@ def test_the_header_and_json_name_every_degree_the_plan_sets():
         {"dp": 2, "cp": 2, "tp": 2, "zero": 3, "dp_replicate": 2}
     interleaved = base + ["--dp", "4", "--pp", "2", "--ep", "2", "--schedule", "interleaved", "--virtual-stages", "2"]
     assert "interleaved v=2" in header(interleaved)
+
+
+def test_time_to_train_names_its_token_budget():
+    """The days to train come from TrainingSpec.tokens_to_train (1e12 by default), which the output now names."""
+    res = CliRunner().invoke(cli, ["estimate", "--model", "mixtral-8x7b", "--platform", "dgx-h100", "--nodes", "1",
+                                   "--dp", "8", "--ep", "8"])
+    assert res.exit_code == 0 and "to train mixtral-8x7b on 1e+12 tokens (training.tokens_to_train; " in res.output
