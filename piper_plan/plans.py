@@ -147,6 +147,7 @@ class PlanBatch:
     def describe(self, i: int) -> dict:
         """Plan i as plain Python values, enum axes by name, with its derived ``edp``."""
         out = {name: int(getattr(self, name)[i]) for name in array_fields()}
+        out["sequence_parallel"] = bool(out["sequence_parallel"])     # a flag, as in ParallelPlan and plan.json
         for name, vocab in ENUM_FIELDS.items():
             out[name] = vocab.of_code(out[name]).value
         out["edp"] = int(self.edp[i])

@@ -28,6 +28,7 @@ def test_json_has_the_contract_fields():
     for key in ("candidates_enumerated", "feasible", "infeasible_reasons", "search_seconds", "plans"):
         assert key in obj
     assert obj["candidates_enumerated"] == obj["feasible"] + sum(obj["infeasible_reasons"].values())
+    assert {type(p["sequence_parallel"]) for p in obj["plans"]} == {bool}     # a flag, as plan.json writes it (was 1)
     assert 0 < len(obj["plans"]) <= 5
     for p in obj["plans"]:
         for key in ("dp", "tp", "pp", "ep", "step_time_s", "tokens_per_s", "mfu", "tflops_per_device", "peak_memory_bytes"):
