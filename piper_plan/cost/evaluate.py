@@ -67,8 +67,10 @@ def evaluate(model, platform, training, nodes: int, plans: PlanBatch, calibratio
     """Predict step time, throughput and peak memory of every plan (arrays of length N), each with the layer
     split its ``layers_split`` asks for (auto: the one that fits, then the faster).
 
-    Plans are assumed valid (``plans.problems``; the search filters first)."""
+    Plans are assumed valid (``plans.problems``; the search filters first); no plans, an empty evaluation."""
     ctx = stg.make_context(model, platform, training, options, calibration)
+    if not len(plans):
+        return Evaluation.empty()
     breakdown, step, memory, split = evaluate_batch(ctx, allocation(platform, nodes, placement), plans,
                                                     memory_detail=memory_detail)
     return _summary(ctx, plans, breakdown, step, memory, split)

@@ -82,14 +82,14 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
            calibration=None, placement: str = "compact", runnable: bool = False, cost_options=None) -> SearchResult:
     """Search every candidate of ``nodes`` nodes; ``runnable`` keeps those piper's runtime executes
     (capability.py)."""
-    from piper_plan.cost.evaluate import Evaluation, evaluate, pricing_sources
+    from piper_plan.cost.evaluate import evaluate, pricing_sources
 
     start = time.perf_counter()
     modules = (DEFAULT_OPTIONS if cost_options is None else cost_options).recompute_modules
     space = enumerate_space(model, platform, training, nodes, options, modules)
     extra = {} if cost_options is None else {"options": cost_options}
     ev = evaluate(model, platform, training, nodes, space.batch(), calibration=calibration, placement=placement,
-                  **extra) if len(space) else Evaluation.empty()
+                  **extra)
     limit = rank.memory_limit_bytes(platform, options.memory_headroom)
     fits = rank.fits_mask(ev, platform, options.memory_headroom)
     _check_figures(ev, fits)

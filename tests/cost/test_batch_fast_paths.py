@@ -14,7 +14,7 @@ from piper_plan.cost.step import dp_sync_seconds
 from piper_plan.cost.terms import spans
 from piper_plan.placement.layout import allocation
 from piper_plan.search.space import enumerate_space
-from piper_plan.specs import TrainingSpec
+from piper_plan.specs import ParallelPlan, TrainingSpec
 
 
 class Columns:
@@ -127,3 +127,13 @@ def test_sync_once_per_params_row_equals_per_sync_row():
                                *(group_spans[k][0] for k in batch.SYNC_GROUPS))
         assert np.array_equal(got["dp/sync/dense"][v], want[0] * (1 - ctx.opts.dp_overlap))
         assert np.array_equal(got["dp/sync/expert"][v], want[1] * (1 - ctx.opts.dp_overlap))
+
+
+def test_no_plans_is_an_empty_evaluation():
+    """evaluate() of an empty batch (before: numpy's zero-size reduction error; the search guarded it itself)."""
+    from piper_plan.cost.evaluate import evaluate
+    from piper_plan.plans import PlanBatch
+
+    none = PlanBatch.of(ParallelPlan(dp=8)).take(np.array([], dtype=int))
+    training = TrainingSpec(seq_len=32, global_batch=8)
+    assert len(evaluate(load_model("tiny-moe"), load_platform("dgx-h100"), training, 1, none).step_time_s) == 0

@@ -71,3 +71,4 @@ def test_mlp_on_a_model_without_dense_layers_is_megatrons_no_op():
     with_mlp, without = (estimate(model, H100, training, 1, plan, options=CostOptions(recompute_modules=m))
                          for m in (("core_attn", "mlp"), ("core_attn",)))
     assert with_mlp.time.breakdown == without.time.breakdown and with_mlp.memory == without.memory
+
