@@ -272,7 +272,8 @@ def build_plan(model, platform, training, nodes: int, **options):
         if options["layers_split"] != "auto":
             raise PiperError("give --layers-split or --layers-per-stage, not both", field="--layers-per-stage")
         options["layers_split"] = LayerSplit.EXPLICIT
-    if options["virtual_stages"] is None:
+    vp_given = options["virtual_stages"] is not None
+    if not vp_given:
         options["virtual_stages"] = 2 if options["schedule"] == "interleaved" else 1
     chunks = options.pop("virtual_stage_layers")
     if chunks is not None and set(chunks) <= set("0123456789, -+"):    # counts; anything else: a layout string
@@ -284,6 +285,10 @@ def build_plan(model, platform, training, nodes: int, **options):
                             virtual_stage_layers=chunks)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="parallel") from None
+    given = plan.virtual_stage_layers
+    if not vp_given and given is not None and plan.schedule == "interleaved" and len(given) % plan.pp == 0:
+        # the layout's chunks say how many virtual stages there are, as Megatron infers vp from its layout
+        plan = plan.model_copy(update={"virtual_stages": len(given) // plan.pp})
     check_plan(model, platform, training, nodes, plan)
     check_layout_mtp(chunks, model.mtp_layers, "--virtual-stage-layers")
     return plan

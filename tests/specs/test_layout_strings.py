@@ -2,6 +2,8 @@
 the loss and the MTP layers in Megatron-Core's order (NVIDIA/Megatron-LM 00caa53,
 pipeline_parallel_layer_layout.py ``validate_layer_layout``), else one error line."""
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -76,3 +78,15 @@ def test_a_layout_places_as_many_mtp_layers_as_the_model_trains(layout, flags, n
                                   "--seq", "128", "--global-batch", "8", "--dp", "1", "--pp", "2",
                                   "--schedule", "interleaved", "--virtual-stage-layers", "Et|t|t|tL"])
     assert ok.exit_code == 0, ok.output
+
+
+def test_the_layout_gives_the_virtual_stages_as_megatron_infers_them():
+    """pp 2 and 8 chunks: 4 virtual stages without --virtual-stages (before: refused against the default 2); a
+    --virtual-stages given is held to the layout."""
+    args = ["estimate", "--model", "mixtral-8x7b", "--platform", "dgx-h100", "--nodes", "1", "--dp", "4", "--pp",
+            "2", "--ep", "4", "--schedule", "interleaved", "--virtual-stage-layers", "E(tttt|)*7ttttL", "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["parallel"]["virtual_stages"] == 4
+    refused = CliRunner().invoke(cli, [*args, "--virtual-stages", "2"])
+    assert refused.exit_code == 2 and "pp x virtual_stages = 2 x 2 entries" in refused.stderr
