@@ -197,8 +197,9 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
         tuple(dict.fromkeys(m.strip() for m in recompute_modules.split(",")))
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
     if unknown:
-        raise PiperError(f"{recompute_modules!r} names {', '.join(map(repr, unknown))}; allowed: a comma-separated "
-                         f"list of {', '.join(RECOMPUTE_MODULES)}", field="--recompute-modules")
+        raise PiperError(f"{recompute_modules!r}: {', '.join(map(repr, unknown))} "
+                         f"{'is not a module' if len(unknown) == 1 else 'are not modules'} piper prices; allowed: a "
+                         f"comma-separated list of {', '.join(RECOMPUTE_MODULES)}", field="--recompute-modules")
     if piper_runtime and (dropout or modules != PIPER_RUNTIME_OPTIONS.recompute_modules):
         what, field = ("trains without dropout", "--dropout") if dropout else \
             (f"recomputes {', '.join(PIPER_RUNTIME_OPTIONS.recompute_modules)} only", "--recompute-modules")

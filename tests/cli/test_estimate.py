@@ -135,7 +135,8 @@ def test_recompute_modules_are_priced_and_the_runtime_keeps_its_own():
     assert more["options"]["recompute_modules"] == ["mla_up_proj", "mlp"]
     assert more["memory"]["peak_bytes"] < core["memory"]["peak_bytes"] and more["step_time_s"] > core["step_time_s"]
     for extra, needle in ((["--recompute-modules", "mlp,bogus"],
-                           "--recompute-modules: 'mlp,bogus' names 'bogus'; allowed: a comma-separated list of core_attn"),
+                           "--recompute-modules: 'mlp,bogus': 'bogus' is not a module piper prices; allowed: a "
+                           "comma-separated list of core_attn"),
                           (["--recompute-modules", "mlp", "--piper-runtime"], "recomputes core_attn only")):
         res = CliRunner().invoke(cli, args + extra)
         assert res.exit_code == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
