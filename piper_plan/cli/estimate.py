@@ -157,6 +157,11 @@ def render(result, model, platform, plan, training) -> None:
               + (" | some points EXTRAPOLATED beyond calibration" if result.sources.extrapolated else ""),
               markup=False)
     out.print(f"host time: {result.sources.host}", markup=False)
+    from piper_plan.cost.evaluate import host_warning
+
+    warning = host_warning(platform, result.time.breakdown.get("host/launch", 0.0), result.step_time_s)
+    if warning:
+        note(warning)
     out.print(f"expert all-to-all ({result.sources.a2a_algorithm}): {result.sources.a2a}", markup=False)
     if result.other_placement is not None:
         o = result.other_placement

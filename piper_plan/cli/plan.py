@@ -248,9 +248,22 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
     out.print(_counts_line(result.candidates_total, len(result.fields["dp"]), result.feasible, result.search_seconds,
                            runnable), markup=False)
     out.print(_sources_line(result.sources), markup=False)
+    _note_host_bound(result, platform)
     out.print(_reasons_table(result.reasons))
     if explain:
         out.print(_explain_table(result))
+
+
+def _note_host_bound(result, platform) -> None:
+    """The top plan's host-time warning (cost/evaluate.py host_warning), where it has one."""
+    from piper_plan.cost.evaluate import host_warning
+
+    if len(result.order):
+        best, ev = int(result.order[0]), result.evaluation
+        host = ev.breakdown["host/launch"][best] if "host/launch" in ev.breakdown else 0.0
+        warning = host_warning(platform, float(host), float(ev.step_time_s[best]))
+        if warning:
+            note(warning.replace("this step", "the top plan's step", 1))
 
 
 def _counts_line(candidates: int, evaluated: int, feasible: int, seconds: float, runnable: bool) -> str:

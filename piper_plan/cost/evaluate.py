@@ -155,6 +155,21 @@ def host_source(platform) -> str:
     return f"not priced: {platform.name} has no efficiency.host_s_per_gemm_call (host work assumed hidden)"
 
 
+HOST_DOMINATES = 0.5
+"""Share of a step above which host time, not the devices, sets it (host_warning)."""
+
+
+def host_warning(platform, host_s: float, step_s: float) -> str | None:
+    """A line when host time (cost/overhead.py host_floor_terms) is most of a step: the figure then rests on one
+    per-call constant (host_source), which a plan with many more GEMM calls per step (local experts, layers,
+    micro-batches) than the run it came from extrapolates; None otherwise."""
+    if step_s <= 0 or host_s / step_s < HOST_DOMINATES:
+        return None
+    return (f"warning: host time is {host_s / step_s:.0%} of this step ({host_source(platform)}, as "
+            f"{platform.name}'s efficiency.source says where it comes from): the step rests on that one constant; "
+            "fewer GEMM calls per step (fewer local experts, more tokens per micro-batch) or CUDA graphs shrink it")
+
+
 def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, per_stage, layers) -> Estimate:
     device_bytes = ctx.platform.device.memory_bytes
     peak = float(ev.peak_memory_bytes[0])
