@@ -302,6 +302,11 @@ RULES: tuple[Rule, ...] = (
          lambda s, p: f"tp={p.tp} must divide num_heads={_h(s)[0]} and num_kv_heads={_h(s)[1]}"),
     Rule("dense_model_expert_axes", lambda s, c: (c.ep * c.etp > 1) if s.model.moe is None else _none(c),
          lambda s, p: f"ep={p.ep}, etp={p.etp}: {s.model.name} is dense (no experts); use ep=1, etp=1"),
+    Rule("moe_tp_without_sp",
+         lambda s, c: ((c.tp > 1) & (c.sequence_parallel == 0)) if s.model.moe is not None else _none(c),
+         lambda s, p: f"tp={p.tp} with sequence_parallel off: an MoE model's tp > 1 runs with sequence parallelism "
+                      "only (Megatron-Core's moe_layer.py refuses it without; piper's runtime always shards the "
+                      "sequence; the experts' rows would otherwise be every token, tp times over)"),
     Rule("etp_not_divisor_tp", lambda s, c: c.tp % c.etp != 0,
          lambda s, p: f"etp={p.etp} must divide tp={p.tp} (expert tensor parallelism runs inside the tp group)"),
     Rule("etp_not_divisor_ffn", lambda s, c: (s.expert_ffn % c.etp != 0) if s.model.moe is not None else _none(c),

@@ -165,9 +165,9 @@ def host_warning(platform, host_s: float, step_s: float) -> str | None:
     micro-batches) than the run it came from extrapolates; None otherwise."""
     if step_s <= 0 or host_s / step_s < HOST_DOMINATES:
         return None
-    return (f"warning: host time is {host_s / step_s:.0%} of this step ({host_source(platform)}, as "
-            f"{platform.name}'s efficiency.source says where it comes from): the step rests on that one constant; "
-            "fewer GEMM calls per step (fewer local experts, more tokens per micro-batch) or CUDA graphs shrink it")
+    return (f"warning: host time is {host_s / step_s:.0%} of this step, priced at {host_source(platform)}, whose "
+            f"origin {platform.name}'s efficiency.source gives: the step rests on that one constant; fewer GEMM calls "
+            "per step (fewer local experts, more tokens per micro-batch) or CUDA graphs shrink it")
 
 
 def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, per_stage, layers) -> Estimate:

@@ -301,15 +301,12 @@ def flags(pf) -> list[str]:
 
 
 def check_runs_in_megatron(pf) -> None:
-    """What Megatron-LM refuses at start-up or in its first step (arguments.py at 000c4ac, validate_args; Megatron-Core
-    0.15.0 transformer/moe/moe_layer.py): one error line before a script is written."""
-    p = pf.parallel
+    """What Megatron-LM refuses at start-up (arguments.py at 000c4ac, validate_args): one error line before a script
+    is written. (MoE with tp > 1 but no sequence parallelism, which Megatron-Core 0.15.0's moe_layer.py refuses in
+    the first step, is no valid plan at all: plans.py moe_tp_without_sp.)"""
     if pf.model.moe is not None and pf.training.dtype == "fp16":
         raise PiperError("Megatron-LM trains MoE grouped GEMMs and expert parallelism in bf16 only: export a bf16 plan",
                          field="training.dtype")
-    if pf.model.moe is not None and p.tp > 1 and not p.sequence_parallel:
-        raise PiperError("Megatron-Core trains an MoE model with tp > 1 only with sequence parallelism: export a plan "
-                         "with it (drop --no-sequence-parallel)", field="parallel.sequence_parallel")
 
 
 def environment(pf) -> list[str]:

@@ -178,13 +178,14 @@ def test_the_header_and_json_name_every_degree_the_plan_sets():
     # dp tp pp ep only, and --json had no degrees at all)
     base = ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "4", "--seq", "256",
             "--global-batch", "16"]
-    hsdp = base + ["--dp", "2", "--cp", "2", "--tp", "2", "--ep", "2", "--zero", "3", "--dp-replicate", "2",
-                   "--no-sequence-parallel"]
+    hsdp = [*base[:2], "tiny-dense", *base[3:], "--dp", "2", "--cp", "2", "--tp", "2", "--zero", "3",
+            "--dp-replicate", "2", "--no-sequence-parallel"]      # dense: MoE with tp > 1 needs sequence parallelism
+    assert base[2] == "tiny-moe"
     def header(args):               # the first lines, before the memory table (the console may wrap them)
         return " ".join(_run(args).stdout.split("Memory per rank")[0].split())
 
     head = header(hsdp)
-    assert "dp=2 cp=2 tp=2 pp=1 ep=2" in head and "zero=3 dp_replicate=2" in head
+    assert "dp=2 cp=2 tp=2 pp=1 ep=1" in head and "zero=3 dp_replicate=2" in head
     assert "sequence_parallel=off" in head
     data = json.loads(_run(hsdp + ["--json"]).stdout)
     assert {k: data["parallel"][k] for k in ("dp", "cp", "tp", "zero", "dp_replicate")} == \
@@ -206,6 +207,6 @@ def test_a_step_that_is_mostly_host_time_says_so():
     args = ["estimate", "--model", "qwen3-30b-a3b", "--nodes", "4", "--dp", "8", "--tp", "4", "--ep", "8",
             "--global-batch", "256"]
     h100 = CliRunner().invoke(cli, [*args, "--platform", "dgx-h100"])
-    assert h100.exit_code == 0 and "warning: host time is 93% of this step (284.8 us per GEMM call" in h100.stderr
+    assert h100.exit_code == 0 and "warning: host time is 93% of this step, priced at 284.8 us per GEMM call" in h100.stderr
     a100 = CliRunner().invoke(cli, [*args, "--platform", "dgx-a100"])
     assert a100.exit_code == 0 and "host time is" not in a100.stderr

@@ -448,9 +448,11 @@ def test_megatron_gets_what_it_needs_to_start_and_route_as_the_model_does(plans,
     assert "--use-megatron-fsdp" in zero3 and words_of(zero3, "--ckpt-format") == ["fsdp_dtensor"]
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in megatron.script(read_plan_file(plans["qwen3-hsdp"]))     # tp 1
     qwen3 = ("--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--ep", "8")
-    for extra, needle in ((("--dp", "16", "--dtype", "fp16"), "bf16 only"),
-                          (("--dp", "8", "--tp", "2", "--no-sequence-parallel"), "sequence parallelism")):
-        path = saved_plan(tmp_path, "refused", *qwen3, *extra)
+    no_sp = json.loads(saved_plan(tmp_path, "sp", *qwen3, "--dp", "8", "--tp", "2").read_text())
+    no_sp["parallel"]["sequence_parallel"] = False                 # hand-edited: no valid plan (moe_tp_without_sp)
+    (tmp_path / "no_sp.json").write_text(json.dumps(no_sp))
+    for path, needle in ((saved_plan(tmp_path, "refused", *qwen3, "--dp", "16", "--dtype", "fp16"), "bf16 only"),
+                         (tmp_path / "no_sp.json", "moe_tp_without_sp: tp=2 with sequence_parallel off")):
         res = run("export", "--engine", "megatron", path, "-o", tmp_path / "job.sh")
         assert res.exit_code == 2 and res.stderr.count("\n") == 1 and needle in res.stderr, res.output
         assert not (tmp_path / "job.sh").exists()

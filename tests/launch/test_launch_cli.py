@@ -77,8 +77,8 @@ def test_dry_run_prints_and_writes_nothing(tmp_path, plan):
 
 
 def test_plan_outside_runtime_capability_is_refused(tmp_path):
-    plan = write_plan(tmp_path / "plan.json", "frontier", 2,
-                      {"pp": 2, "dp": 4, "tp": 2, "ep": 4, "sequence_parallel": False})
+    plan = write_plan(tmp_path / "plan.json", "frontier", 2, {"pp": 2, "dp": 4, "tp": 2, "sequence_parallel": False},
+                      model="tiny-dense")     # a dense model: MoE with tp > 1 and no sequence parallelism is no plan
     result = run("launch", "--plan", plan, "--out", tmp_path / "job")
     assert result.exit_code == 2 and "parallel.sequence_parallel=false with tp=2" in result.output
     assert not (tmp_path / "job").exists()

@@ -74,7 +74,8 @@ def test_every_rule_can_fire_and_names_its_values():
              ParallelPlan(tp=16, num_microbatches=8),
              ParallelPlan(dp=4, pp=2, num_microbatches=3, schedule="interleaved", virtual_stages=2),
              ParallelPlan(dp=4, pp=2, num_microbatches=2, schedule="interleaved", virtual_stages=2,
-                          virtual_stage_layers=[1, 1, 1, 0])]
+                          virtual_stage_layers=[1, 1, 1, 0]),
+             ParallelPlan(dp=4, tp=2, ep=2, num_microbatches=2, sequence_parallel=False)]
     for plan in cases:
         for line in plan_problems(model, FRONTIER, training, 1, plan):
             fired.add(line.split(":")[0])
