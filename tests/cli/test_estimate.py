@@ -210,3 +210,11 @@ def test_a_step_that_is_mostly_host_time_says_so():
     assert h100.exit_code == 0 and "warning: host time is 93% of this step, priced at 284.8 us per GEMM call" in h100.stderr
     a100 = CliRunner().invoke(cli, [*args, "--platform", "dgx-a100"])
     assert a100.exit_code == 0 and "host time is" not in a100.stderr
+
+
+def test_utilisation_names_the_peak_it_divides_by():
+    """An fp8 plan's MFU is of the fp8 peak (half the same TFLOPS read against bf16's): the output says which."""
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--platform", "dgx-h100", "--nodes", "2", "--dp", "16", "--ep", "8"]
+    fp8, bf16 = (CliRunner().invoke(cli, [*args, "--dtype", d]) for d in ("fp8", "bf16"))
+    assert "MFU and HFU against the fp8 peak, 1979 TFLOPS/device" in fp8.stdout
+    assert "MFU and HFU against the bf16 peak, 989 TFLOPS/device" in bf16.stdout
