@@ -259,12 +259,13 @@ def selective_dropped_bytes(model: ModelSpec, training: TrainingSpec, opts: Cost
     component they come out of, for the modules CostOptions.recompute_modules names (Megatron-Core's selective
     recompute keeps a module's input and discards what it saves inside): ``mla_up_proj`` the per-head q, k and v
     (from "attention"); ``layernorm`` the two norm outputs (attention's QKV input, the MLP's or router's input);
-    ``mlp`` the dense MLP's intermediates; ``moe_act`` the experts' activation output (their second GEMM's input)."""
+    ``mlp`` the dense MLP's intermediates; ``moe_act`` the experts' activation output (their second GEMM's input);
+    ``shared_experts`` all the shared experts save (their input is the router's, saved anyway)."""
     modules, d, ab = set(opts.recompute_modules), model.hidden_size, training.activation_bytes
     gb = gemm_input_bytes(training, opts)
     tokens = mbs * training.seq_len
     zero = 0.0 * (tp * mbs * sp)
-    out = {"attention": zero, "mlp": zero, "moe/moe_input": zero, "moe/experts": zero}
+    out = {"attention": zero, "mlp": zero, "moe/moe_input": zero, "moe/experts": zero, "moe/shared": zero}
     a = model.attention
     if "mla_up_proj" in modules and a.kind == "mla":
         out["attention"] = out["attention"] + tokens * a.num_heads / tp * (2 * (a.qk_nope_head_dim + a.qk_rope_head_dim)
@@ -278,6 +279,11 @@ def selective_dropped_bytes(model: ModelSpec, training: TrainingSpec, opts: Cost
     if "moe_act" in modules and model.moe is not None:
         _, received = routed_rows(model, training, tp, mbs, ep)
         out["moe/experts"] = out["moe/experts"] + received * model.moe.expert.intermediate_size * gb
+    if "shared_experts" in modules and model.moe is not None and model.moe.num_shared_experts:
+        moe = model.moe
+        out["moe/shared"] = out["moe/shared"] + moe.num_shared_experts * (
+            ffn_activation_bytes(moe.shared, tokens, ab, tp, opts.unfused_kernels, gb)
+            + gathered_input_bytes(tokens, d, ab, sp, opts) + _own_cast(tokens, d, ab, gb, sp))
     return out
 
 

@@ -13,7 +13,7 @@ Fraction = Annotated[float, Field(ge=0, le=1)]
 Count = Annotated[int, Field(ge=0)]
 
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm")
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm", "shared_experts")
 """The selective-recompute modules CostOptions.recompute_modules may name."""
 EP_DISPATCH = ("per_expert", "per_node")
 """The values CostOptions.ep_dispatch may take."""
@@ -72,7 +72,8 @@ class CostOptions:
     ``core_attn`` the attention core (its score matrices; nothing under flash attention), ``mla_up_proj`` MLA's
     up-projections (q, k, v of every head rebuilt from the compressed latents), ``mlp`` the dense MLP, ``moe_act``
     the experts' activation function (its output, the second GEMM's input), ``layernorm`` the norms before
-    attention and MLP (their outputs). A module's input stays saved; its forward runs again in backward."""
+    attention and MLP (their outputs), ``shared_experts`` a MoE layer's shared experts (everything they save; a
+    no-op without them, as in Megatron-Core). A module's input stays saved; its forward runs again in backward."""
     tp_overlap: Fraction = 0.0
     """Fraction of tensor-parallel collective time hidden behind compute."""
     a2a_overlap: Fraction = 0.0

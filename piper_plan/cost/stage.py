@@ -250,8 +250,8 @@ def layer_compute_seconds(ctx: Context, c) -> dict[str, tuple]:
 def selective_recompute_seconds(ctx: Context, c, comp, acts) -> tuple:
     """(dense layer, MoE layer) forward seconds that ``recompute: selective`` re-runs in backward per micro-batch,
     beyond the attention core, for the modules of CostOptions.recompute_modules (memory.selective_dropped_bytes):
-    MLA's up-projection GEMMs (q from its latent, k_nope and v from the kv latent), the dense MLP's forward, and
-    memory-bound kernels (the norms, the experts' activation) at HBM bandwidth: read their input, write their
+    MLA's up-projection GEMMs (q from its latent, k_nope and v from the kv latent), the dense MLP's and the shared
+    experts' forward, and memory-bound kernels (the norms, the experts' activation) at HBM bandwidth: read their input, write their
     output once more. ``comp``: layer_compute_seconds; ``acts``: layer_activations."""
     m, t, modules = ctx.model, ctx.training, set(ctx.opts.recompute_modules)
     tokens, d, ab = c.seq_share * t.seq_len, m.hidden_size, t.activation_bytes
@@ -271,6 +271,8 @@ def selective_recompute_seconds(ctx: Context, c, comp, acts) -> tuple:
     if "moe_act" in modules and m.moe is not None:
         _, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
         moe = moe + ctx.rates.memory_seconds(received * 3 * m.moe.expert.intermediate_size * ab)
+    if "shared_experts" in modules and m.moe is not None and m.moe.num_shared_experts:
+        moe = moe + _ffn_gemms(ctx, m.moe.shared, tokens, c.tp, count=m.moe.num_shared_experts)[0]
     return attn + dense, attn + moe
 
 

@@ -72,3 +72,17 @@ def test_mlp_on_a_model_without_dense_layers_is_megatrons_no_op():
                          for m in (("core_attn", "mlp"), ("core_attn",)))
     assert with_mlp.time.breakdown == without.time.breakdown and with_mlp.memory == without.memory
 
+
+
+def test_shared_experts_drop_all_they_save_and_run_again():
+    """Megatron-Core's shared_experts module: tiny-mla's one shared expert per MoE layer keeps nothing (its input
+    is the router's) and its forward runs again in backward; a no-op on a model without shared experts."""
+    default, t_default = _stage(("core_attn",))
+    shared, t_shared = _stage(("core_attn", "shared_experts"))
+    assert default["activations/moe/shared"] > 0 and shared["activations/moe/shared"] == 0
+    assert t_shared["compute/recompute"] > t_default["compute/recompute"]
+    plain = load_model("tiny-moe")              # no shared experts
+    plan = ParallelPlan(mbs=1, num_microbatches=1, recompute="selective")
+    with_it, without = (estimate(plain, H100, TRAINING, 1, plan, options=CostOptions(recompute_modules=m))
+                        for m in (("core_attn", "shared_experts"), ("core_attn",)))
+    assert with_it.memory == without.memory and with_it.time == without.time
