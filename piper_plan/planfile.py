@@ -30,11 +30,14 @@ from piper_plan.specs.estimate import Estimate
 from piper_plan.specs.model import MAX_EXPERTS, MoESpec
 from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES
 
-SCHEMA_VERSION = 4
-"""4 adds platform.efficiency.fp8_blockwise_runs_as_mxfp8; 3 added training.fp8_recipe and platform.efficiency.
+SCHEMA_VERSION = 5
+"""5 adds the FFN gate (model FFNs' activation, glu_linear_offset, activation_clamp); 4 added
+platform.efficiency.fp8_blockwise_runs_as_mxfp8; 3 added training.fp8_recipe and platform.efficiency.
 fp8_recipe_time (a piper that reads only older versions names the version instead of an unknown field); 2 added
 parallel.layers_split and the typed prediction."""
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+GATE_FIELDS = ("activation", "glu_linear_offset", "activation_clamp")
+"""FFNSpec's gate, which files before schema 5 could not state (upgraded_gates)."""
 
 MAX_STEPS = 10**9
 """The most steps a run (or a checkpoint interval, a warmup, a migration interval or window) may take: at one step a
@@ -223,6 +226,8 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
         edp = parallel.pop("edp", None)
         data["parallel"] = parallel
     plan_file = parse_spec(PlanFile, data, path)
+    if version < 5:
+        plan_file = plan_file.model_copy(update={"model": upgraded_gates(plan_file.model)})
     if edp is not None and edp != plan_file.parallel.edp:
         raise PiperError(f"edp={edp} but dp x cp x tp / (ep x etp) = {plan_file.parallel.edp}", path=path,
                          field="parallel.edp")
@@ -238,6 +243,28 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
     check_plan(plan_file.model, plan_file.platform, plan_file.training, plan_file.nodes, plan_file.parallel, path)
     check_prediction(plan_file, path)
     return plan_file
+
+
+def upgraded_gates(model: ModelSpec) -> ModelSpec:
+    """A model of a file before schema 5, which could not state an FFN's gate: the catalog model of its name where
+    the two differ in nothing else (gpt-oss's clamped quick-GELU, Grok-1's GELU gate), else itself (SwiGLU /
+    GELU, what those files meant)."""
+    from piper_plan.catalog import catalog_names, load_model, models_dir
+
+    if model.name not in catalog_names(models_dir()):
+        return model
+    catalog = load_model(model.name)
+    return catalog if _without_gates(catalog) == _without_gates(model) else model
+
+
+def _without_gates(model: ModelSpec) -> dict:
+    """``model`` as data with every FFN's gate fields removed."""
+    data = model.model_dump()
+    moe = data.get("moe") or {}
+    for ffn in (data.get("dense_ffn"), moe.get("expert"), moe.get("shared_expert"), moe.get("parallel_dense_ffn")):
+        for name in GATE_FIELDS if ffn else ():
+            ffn.pop(name, None)
+    return data
 
 
 def check_prediction(plan_file: PlanFile, path: str) -> None:

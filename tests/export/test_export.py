@@ -456,3 +456,22 @@ def test_megatron_gets_what_it_needs_to_start_and_route_as_the_model_does(plans,
         res = run("export", "--engine", "megatron", path, "-o", tmp_path / "job.sh")
         assert res.exit_code == 2 and res.stderr.count("\n") == 1 and needle in res.stderr, res.output
         assert not (tmp_path / "job.sh").exists()
+
+
+def test_a_plan_saved_before_the_gate_was_in_the_spec_gets_the_catalogs(plans, tmp_path):
+    """A schema 4 gpt-oss plan has no gate fields: it is the catalog's gpt-oss, so it reads with the clamped
+    quick-GELU gate (before: SwiGLU, which the Megatron export wrote and launch would train); a model that differs
+    in anything else keeps what the file says."""
+    import json
+
+    data = json.loads(plans["gpt-oss-pp"].read_text())
+    data["schema_version"] = 4
+    for name in ("activation", "glu_linear_offset", "activation_clamp"):
+        data["model"]["moe"]["expert"].pop(name, None)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    assert read_plan_file(old).model.moe.expert.activation == "quick_gelu"
+    assert "--quick-geglu" in megatron.script(read_plan_file(old))
+    data["model"]["vocab_size"] += 1                                    # not the catalog's model any more
+    old.write_text(json.dumps(data))
+    assert read_plan_file(old).model.moe.expert.activation is None
