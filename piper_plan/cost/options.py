@@ -111,19 +111,34 @@ class CostOptions:
 _ALLOWED = {"recompute_modules": RECOMPUTE_MODULES, "cuda_graph_scope": CUDA_GRAPH_SCOPES}
 
 
-def check_modules_exist(model, modules) -> None:
-    """One PiperError line when selective recompute names a module ``model`` does not have (it would be priced as
-    nothing, silently): mla_up_proj without MLA and moe_act without MoE layers, which Megatron-Core refuses too
-    (TransformerConfig.__post_init__, megatron/core/transformer/transformer_config.py at d2c5e8b). ``mlp`` on a
-    model without dense layers stays allowed: Megatron-Core recomputes no MoE layer for it (transformer_layer.py,
-    ``recompute_mlp`` only where the layer is not MoE), and piper prices it so (flops.py)."""
-    lacks = {"mla_up_proj": (model.attention.kind != "mla", f"its attention is {model.attention.kind}, not mla"),
-             "moe_act": (not model.is_moe, "it has no MoE layer")}
-    missing = [f"{name} ({why})" for name, (absent, why) in lacks.items() if name in modules and absent]
+def _module_absent(model) -> dict[str, str | None]:
+    """Why each recompute module has nothing to act on in ``model`` (None: it acts; flash attention aside)."""
+    moe = model.moe
+    return {"core_attn": None, "layernorm": None,
+            "mla_up_proj": None if model.attention.kind == "mla" else f"its attention is {model.attention.kind}, not mla",
+            "moe_act": None if moe is not None else "it has no MoE layer",
+            "mlp": None if model.num_dense_layers else "every layer is MoE",
+            "shared_experts": None if moe is not None and moe.num_shared_experts else "it has no shared experts"}
+
+
+def acting_modules(model, modules) -> tuple[str, ...]:
+    """The recompute ``modules`` that drop or re-run anything in ``model`` (the others price as nothing)."""
+    absent = _module_absent(model)
+    return tuple(m for m in modules if absent.get(m) is None)
+
+
+def check_modules_exist(model, modules, field: str = "--recompute-modules / options.recompute_modules") -> None:
+    """One PiperError line when selective recompute names a module ``model`` does not have where Megatron-Core
+    refuses it too (TransformerConfig.__post_init__, megatron/core/transformer/transformer_config.py at d2c5e8b):
+    mla_up_proj without multi_latent_attention; moe_act without moe_grouped_gemm, which a model without MoE layers
+    does not set. ``mlp`` on a model without dense layers and ``shared_experts`` without shared experts stay
+    allowed: Megatron-Core skips them there (transformer_layer.py sets ``recompute_mlp`` only where the layer is not
+    MoE), and piper prices them as nothing (acting_modules)."""
+    absent = _module_absent(model)
+    missing = [f"{name} ({absent[name]})" for name in ("mla_up_proj", "moe_act") if name in modules and absent[name]]
     if missing:
-        raise PiperError(f"names {', '.join(missing)}, which {model.name} does not have; allowed here: "
-                         f"{', '.join(m for m in RECOMPUTE_MODULES if m not in lacks or not lacks[m][0])}",
-                         field="recompute_modules")
+        raise PiperError(f"names {', '.join(missing)}, which {model.name} does not have; modules that act on it: "
+                         f"{', '.join(acting_modules(model, RECOMPUTE_MODULES))}", field=field)
 
 
 def _names_in(field: str, values, allowed: tuple[str, ...]):

@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field
 
+from piper_plan.cost.options import DEFAULT_OPTIONS, acting_modules
 from piper_plan.errors import CountRefused, PiperError
 from piper_plan.plans import (RULES, PlanBatch, array_fields, check_setting, cp_splits_sequence, problem_masks,
                               reason_counts)
@@ -130,7 +131,7 @@ def world_size(platform, nodes: int) -> int:
 
 
 def enumerate_space(model, platform, training, nodes: int, options: SearchOptions = SearchOptions(),
-                    recompute_modules: tuple[str, ...] = ("core_attn",)) -> Space:
+                    recompute_modules: tuple[str, ...] = DEFAULT_OPTIONS.recompute_modules) -> Space:
     """Every candidate of ``nodes`` nodes of ``platform``; the ones kept returned as arrays. ``recompute_modules``:
     what selective recompute re-runs (the cost options'), which decides whether it duplicates no recompute."""
     check_setting(model, platform, training, nodes)
@@ -235,17 +236,18 @@ def expand(valid: PlanBatch, training, options: SearchOptions) -> PlanBatch:
 
 
 def search_masks(model, platform, training, c: PlanBatch, options: SearchOptions,
-                 recompute_modules: tuple[str, ...] = ("core_attn",)) -> np.ndarray:
+                 recompute_modules: tuple[str, ...] = DEFAULT_OPTIONS.recompute_modules) -> np.ndarray:
     """[len(STRATEGY_REASONS) + len(DUPLICATE_REASONS), N]: what the search drops besides invalid plans. A
     duplicate rule applies only when the twin it keeps is in the space too; selective recompute duplicates none
-    only under flash attention with nothing but core_attn to re-run (other modules drop activations and add
-    time)."""
+    only under flash attention with nothing but core_attn acting on the model (other modules drop activations and
+    add time; cost/options.py acting_modules)."""
     dpn = platform.devices_per_node
     piper = options.strategy == "piper"
     gpipe, halo = c.schedule == Schedule.GPIPE.code, c.a2a == A2A.HALO.code
     groups_in_one_node = dpn % (c.ep * c.etp) == 0       # expert groups: ep x etp consecutive, aligned ranks
     halo_twin = "flat" in options.a2a_names()
-    selective_twin = "none" in options.recompute and training.flash_attention and set(recompute_modules) <= {"core_attn"}
+    acting = acting_modules(model, recompute_modules)
+    selective_twin = "none" in options.recompute and training.flash_attention and set(acting) <= {"core_attn"}
     return np.stack([
         (c.ep > dpn * platform.network.nodes_per_switch) if piper else np.zeros(len(c), dtype=bool),
         (c.pp == 1) & gpipe,

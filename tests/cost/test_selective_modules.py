@@ -59,7 +59,7 @@ def test_an_unknown_module_is_one_clear_error():
 def test_a_module_the_model_lacks_is_one_line(model, module, why):
     """Before: priced as nothing, silently (Megatron-Core refuses both: TransformerConfig.__post_init__)."""
     plan = ParallelPlan(dp=8, mbs=1, recompute="selective")
-    with pytest.raises(PiperError, match=rf"names {module} \({why}\), which {model} does not have; allowed here"):
+    with pytest.raises(PiperError, match=rf"names {module} \({why}\), which {model} does not have; modules that act on it"):
         estimate(load_model(model), H100, TrainingSpec(seq_len=2048, global_batch=64), 1, plan,
                  options=CostOptions(recompute_modules=("core_attn", module)))
 

@@ -179,3 +179,5 @@ def test_selective_recompute_of_more_than_core_attn_is_searched():
     assert not (default.fields["recompute"] == selective).any() and default.reasons["duplicate_selective_flash"] > 0
     assert (modules.fields["recompute"] == selective).sum() == default.reasons["duplicate_selective_flash"]
     assert "duplicate_selective_flash" not in modules.reasons
+    no_op = enumerate_space(model, FRONTIER, training, 1, recompute_modules=("core_attn", "mlp", "shared_experts"))
+    assert no_op.reasons == default.reasons       # tiny-moe has no dense layer and no shared expert: still twins
