@@ -236,19 +236,15 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOpt
         "router": tokens / tp * (2 * moe.num_experts * ROUTER_BYTES + moe.top_k * ROUTER_BYTES),
         "buffers": moe_saved_rows(opts) * sent * d * ab,
         "experts": received * etp * d * gb + ffn_activation_bytes(moe.expert, received * etp, ab, etp, unfused, gb),
-        "shared": 0.0 * tp,
+        "shared": shared_expert_bytes(model, training, opts, tp, mbs, sp),
     }
     if unfused:
         out["router"] = out["router"] + tokens / tp * moe.top_k * INDEX_BYTES   # top-k expert ids (int64)
         if getattr(moe, "normalize_top_k", False):    # top / top.sum(): the division keeps both (runtime/moe.py)
             out["router"] = out["router"] + tokens / tp * (moe.top_k + 1) * ROUTER_BYTES
-    gathered = gathered_input_bytes(tokens, d, ab, sp, opts)
-    if moe.num_shared_experts:
-        out["shared"] = moe.num_shared_experts * (ffn_activation_bytes(moe.shared, tokens, ab, tp, unfused, gb)
-                                                  + gathered + _own_cast(tokens, d, ab, gb, sp))
     if moe.parallel_dense_ffn is not None:
         out["shared"] = out["shared"] + ffn_activation_bytes(moe.parallel_dense_ffn, tokens, ab, tp, unfused, gb) \
-            + gathered + _own_cast(tokens, d, ab, gb, sp)
+            + gathered_input_bytes(tokens, d, ab, sp, opts) + _own_cast(tokens, d, ab, gb, sp)
     if opts.dropout:
         out["moe_input"] = out["moe_input"] + tokens * d / sp
     return out
@@ -279,12 +275,20 @@ def selective_dropped_bytes(model: ModelSpec, training: TrainingSpec, opts: Cost
     if "moe_act" in modules and model.moe is not None:
         _, received = routed_rows(model, training, tp, mbs, ep)
         out["moe/experts"] = out["moe/experts"] + received * model.moe.expert.intermediate_size * gb
-    if "shared_experts" in modules and model.moe is not None and model.moe.num_shared_experts:
-        moe = model.moe
-        out["moe/shared"] = out["moe/shared"] + moe.num_shared_experts * (
-            ffn_activation_bytes(moe.shared, tokens, ab, tp, opts.unfused_kernels, gb)
-            + gathered_input_bytes(tokens, d, ab, sp, opts) + _own_cast(tokens, d, ab, gb, sp))
+    if "shared_experts" in modules and model.moe is not None:
+        out["moe/shared"] = out["moe/shared"] + shared_expert_bytes(model, training, opts, tp, mbs, sp)
     return out
+
+
+def shared_expert_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, sp):
+    """What a MoE layer's shared experts save per micro-batch: each its intermediates, its gathered input (tp
+    with sequence parallelism) and its own 8-bit cast of the block input (0 without shared experts)."""
+    moe, d, ab = model.moe, model.hidden_size, training.activation_bytes
+    if not moe.num_shared_experts:
+        return 0.0 * (tp * mbs * sp)
+    gb, tokens = gemm_input_bytes(training, opts), mbs * training.seq_len
+    return moe.num_shared_experts * (ffn_activation_bytes(moe.shared, tokens, ab, tp, opts.unfused_kernels, gb)
+                                     + gathered_input_bytes(tokens, d, ab, sp, opts) + _own_cast(tokens, d, ab, gb, sp))
 
 
 def _own_cast(tokens, d, ab, gb, sp):

@@ -5,6 +5,7 @@ lists the ones piper may write, with the commit they were read from, and a test 
 
 from __future__ import annotations
 
+from piper_plan.cost.memory import moe_saved_rows
 from piper_plan.errors import PiperError
 from piper_plan.export.script import (capacity_note, job_script, option_notes, piper_only, prediction_options,
                                       recompute_modules, torchrun_launcher)
@@ -266,10 +267,9 @@ def training_arguments(pf) -> list[list[str]]:
 def setting_notes(pf) -> list[str]:
     """What of the prediction's options and the MoE block the flags leave out."""
     notes = option_notes(pf, OPTION_FLAGS)
-    options = prediction_options(pf)
-    if pf.model.moe is not None and not options.unfused_kernels and options.moe_saved_rows != 0:
-        rows = 2 if options.moe_saved_rows is None else options.moe_saved_rows
-        notes.append(f"the prediction priced {rows} token-row buffers per MoE layer (Megatron-Core before v0.13); "
+    rows = moe_saved_rows(prediction_options(pf))
+    if pf.model.moe is not None and rows:
+        notes.append(f"the prediction priced {rows} token-row buffer(s) per MoE layer (2: Megatron-Core before v0.13); "
                      "since v0.13 it keeps none: re-price with --cost-option moe_saved_rows=0 for a recent Megatron")
     if pf.training.optimizer != "adam":
         notes.append(f"not carried over: optimizer {pf.training.optimizer} (not written: Megatron's default is adam)")

@@ -214,7 +214,7 @@ def test_priced_overlaps_and_buffers_are_noted(tmp_path):
     notes = notes_of(megatron.script(pf))
     assert any("a2a_overlap=0.8" in n and "--overlap-moe-expert-parallel-comm" in n for n in notes), notes
     assert any("dp_overlap=0.5" in n and "--overlap-grad-reduce" in n for n in notes), notes
-    assert any(n.startswith("the prediction priced 2 token-row buffers per MoE layer") for n in notes), notes
+    assert any(n.startswith("the prediction priced 2 token-row buffer(s) per MoE layer") for n in notes), notes
     zero_rows = read_plan_file(saved_plan(tmp_path, "r0", *PLANS["qwen3-hsdp"], "--cost-option", "moe_saved_rows=0"))
     assert not any("token-row buffers" in n for n in notes_of(megatron.script(zero_rows)))
 
