@@ -99,20 +99,45 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
 
 
 def activation_arguments(ffn) -> list[list[str]]:
-    """The FFN's gate: SwiGLU (--swiglu), or gpt-oss's clamped quick-GELU GLU (--quick-geglu with its offset and
-    clamp: Megatron-LM arguments.py at 307dcf3, _add_network_size_args); a plain GELU is Megatron's default. A
-    gated GELU has no flag (model_notes says so)."""
+    """The FFN's gate: SwiGLU (--swiglu), or gpt-oss's clamped quick-GELU GLU (--quick-geglu), with a GLU's offset
+    and, for quick-GELU only, its clamp (Megatron-LM arguments.py at 307dcf3, _add_network_size_args: the clamp is
+    "only used when activation_func is quick_gelu"); a plain GELU is Megatron's default. What no flag states is
+    in gate_notes."""
     if not ffn.gated or ffn.activation_name in ("gelu", "gelu_tanh"):
         return []
-    if ffn.activation_name == "silu":
-        lines = [["--swiglu"]]
-    else:
-        lines = [["--quick-geglu"]]
+    quick = ffn.activation_name == "quick_gelu"
+    lines = [["--quick-geglu"] if quick else ["--swiglu"]]
     if ffn.glu_linear_offset:
         lines.append(["--glu-linear-offset", f"{ffn.glu_linear_offset:g}"])
-    if ffn.activation_clamp is not None:
+    if quick and ffn.activation_clamp is not None:
         lines.append(["--activation-func-clamp-value", f"{ffn.activation_clamp:g}"])
     return lines
+
+
+def gate_notes(model) -> list[str]:
+    """What of the model's FFN gates the flags (one gate for every FFN, activation_arguments) cannot state."""
+    ffn, notes = _ffn(model), []
+    if ffn.gated and ffn.activation_name in ("gelu", "gelu_tanh"):
+        notes.append(f"a GELU-gated FFN ({ffn.activation_name}) has no Megatron flag: not written, so Megatron "
+                     "builds a plain GELU MLP of 2 matrices; set gated_linear_unit and activation_func in its config")
+    if not ffn.gated and ffn.activation_name != "gelu":
+        notes.append(f"a plain {ffn.activation_name} FFN has no Megatron flag: not written, so Megatron uses GELU")
+    if ffn.gated and ffn.activation_name != "quick_gelu" and ffn.activation_clamp is not None:
+        notes.append(f"activation clamp {ffn.activation_clamp:g} not written: Megatron clamps quick-GELU gates only")
+    moe = model.moe
+    others = [f for f in (model.dense_ffn, moe and moe.expert, moe and moe.shared_expert) if f is not None]
+    if any(_gate(f) != _gate(ffn) for f in others):
+        which = "dense FFNs'" if model.dense_ffn is not None else "experts'"
+        notes.append(f"the model's FFNs do not share one gate: the flags state the {which} ({_gate(ffn)}) for all; "
+                     f"the others are {', '.join(sorted({_gate(f) for f in others} - {_gate(ffn)}))}")
+    return notes
+
+
+def _gate(ffn) -> str:
+    """An FFN's gate in words (its activation, offset and clamp)."""
+    extra = (f", offset {ffn.glu_linear_offset:g}" if ffn.glu_linear_offset else "") + \
+        (f", clamp {ffn.activation_clamp:g}" if ffn.activation_clamp is not None else "")
+    return f"{'gated ' if ffn.gated else ''}{ffn.activation_name}{extra}"
 
 
 def attention_variant_arguments(model) -> list[list[str]]:
@@ -145,11 +170,7 @@ def model_notes(model) -> list[str]:
     if not model.learned_position_embeddings:
         notes.append("not in piper's model spec, so Megatron's defaults apply: the rotary base and scaling "
                      "(--rotary-base 10000) and the norm epsilon (--norm-epsilon 1e-5); set the model's own")
-    ffn = _ffn(model)
-    if ffn.gated and ffn.activation_name in ("gelu", "gelu_tanh"):
-        notes.append(f"a GELU-gated FFN ({ffn.activation_name}) has no Megatron flag: not written, so Megatron "
-                     "builds a plain GELU MLP of 2 matrices; set gated_linear_unit and activation_func in its config")
-    return notes
+    return notes + gate_notes(model)
 
 
 def moe_arguments(model) -> list[list[str]]:

@@ -119,7 +119,7 @@ class FFNSpec(Spec):
     intermediate_size: Width
     """Inner width d_ffn."""
     gated: bool = True
-    """Gated (SwiGLU: 3 matrices) or plain (2 matrices, e.g. GELU)."""
+    """Gated (a GLU: 3 matrices, act(gate) x up; SwiGLU by default) or plain (2 matrices, act(up))."""
     bias: bool = False
     """Linear layers carry biases."""
     activation: Literal["silu", "gelu", "gelu_tanh", "quick_gelu"] | None = None

@@ -40,7 +40,7 @@ def test_estimate_save_writes_a_readable_plan(tmp_path):
     assert (plan.parallel.dp, plan.parallel.pp, plan.parallel.ep, plan.parallel.a2a) == (4, 2, 4, "halo")
     assert plan.parallel.layers_per_stage == [2, 2] and plan.parallel.num_microbatches == 4
     raw = json.loads(path.read_text())
-    assert raw["schema_version"] == 4 and raw["parallel"]["edp"] == 1
+    assert raw["schema_version"] == 5 and raw["parallel"]["edp"] == 1
     assert raw["migration"] == {"enabled": False, "threshold": 1.1, "interval": 50, "max_iters": 16,
                                 "window": None}                  # off unless --migration, as `piper plan -o` writes it
     assert raw["prediction"]["step_time_s"] > 0

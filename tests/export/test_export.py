@@ -252,6 +252,25 @@ def test_the_ffn_gate_reaches_megatron(plans, tmp_path):
     assert any(n.startswith("a GELU-gated FFN (gelu_tanh) has no Megatron flag") for n in notes_of(grok))
 
 
+def test_what_the_gate_flags_cannot_state_is_noted():
+    """One gate is written for every FFN: a model whose FFNs differ (GLaM: gated-GELU dense, plain-GELU experts)
+    says which one the flags state; a clamp on a SwiGLU gate (Megatron clamps quick-GELU only) and a plain SiLU
+    FFN (no flag) are noted, not silently dropped."""
+    from piper_plan.catalog import load_model
+
+    glam = megatron.gate_notes(load_model("glam"))
+    assert any("do not share one gate" in n and "(gated gelu)" in n and "others are gelu" in n for n in glam)
+    moe = load_model("tiny-moe")
+    clamped = moe.model_copy(update={"moe": moe.moe.model_copy(update={
+        "expert": moe.moe.expert.model_copy(update={"activation_clamp": 7.0})})})
+    assert megatron.activation_arguments(clamped.moe.expert) == [["--swiglu"]]
+    assert any(n.startswith("activation clamp 7 not written") for n in megatron.gate_notes(clamped))
+    plain = moe.model_copy(update={"moe": moe.moe.model_copy(update={
+        "expert": moe.moe.expert.model_copy(update={"gated": False, "activation": "silu"})})})
+    assert any(n.startswith("a plain silu FFN has no Megatron flag") for n in megatron.gate_notes(plain))
+    assert megatron.gate_notes(moe) == []
+
+
 def test_export_warns_when_the_stored_prediction_is_not_what_the_plan_costs_now(plans, tmp_path):
     """A hand-edited plan file (here the platform's host time) is priced again, as `piper launch` does, and the
     export says its stored figures are stale."""
