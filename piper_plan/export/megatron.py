@@ -19,8 +19,12 @@ INSTEAD = {
     "always": "the data (--mock-data with a NullTokenizer stands in: give --data-path and a tokenizer), piper's "
               "checkpoint-on-signal requeue and its metrics.jsonl for `piper compare`",
     "optimizer": "written as --lr, --lr-decay-style, --min-lr, --lr-warmup-iters / -init, --weight-decay, "
-                 "--clip-grad, --seed (and --moe-aux-loss-coeff); Adam's betas and epsilon are Megatron's defaults",
+                 "--clip-grad, --seed (and --moe-aux-loss-coeff; --optimizer sgd for SGD); Adam's betas and epsilon are "
+                 "Megatron's defaults",
 }
+SGD = [["--optimizer", "sgd"], ["--sgd-momentum", "0"]]
+"""Megatron-LM arguments.py at 307dcf3: --optimizer adam|sgd (_add_training_args, default adam) and --sgd-momentum
+(_add_regularization_args, default 0.9)."""
 PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": [], "fp8": ["--bf16"], "mxfp8": ["--bf16"]}
 FP8_FORMAT = {"delayed": "hybrid", "tensorwise": "hybrid", "blockwise": "e4m3", "mxfp8": "e4m3"}
 """Megatron's --fp8-recipe -> --fp8-format: each Transformer Engine recipe's own default format (DelayedScaling and
@@ -263,11 +267,13 @@ def optimizer_arguments(pf) -> list[list[str]]:
     RuntimeBlock), as Megatron-LM names them (arguments.py at 307dcf3: _add_learning_rate_args,
     _add_regularization_args, _add_initialization_args). Without --lr Megatron cannot build its scheduler (its
     default is None). Warmup starts at lr / (warmup + 1), as piper's runtime does; clipping off is --clip-grad 0."""
-    r = pf.runtime
+    r, sgd = pf.runtime, pf.training.optimizer == "sgd"
     lines = [["--lr", f"{r.lr:g}"], ["--lr-decay-style", r.lr_schedule], ["--min-lr", f"{r.lr * r.min_lr_ratio:g}"],
              ["--lr-warmup-iters", str(r.warmup_steps)], ["--lr-warmup-init", f"{r.lr / (r.warmup_steps + 1):g}"],
-             ["--weight-decay", f"{r.weight_decay:g}"], ["--clip-grad", f"{r.grad_clip_norm or 0:g}"],
+             ["--weight-decay", f"{0 if sgd else r.weight_decay:g}"], ["--clip-grad", f"{r.grad_clip_norm or 0:g}"],
              ["--seed", str(r.seed)]]
+    if sgd:
+        lines += SGD
     if pf.model.moe is not None:
         lines.append(["--moe-aux-loss-coeff", f"{r.aux_loss_coeff:g}"])
     return lines
@@ -292,8 +298,9 @@ def setting_notes(pf) -> list[str]:
     if pf.model.moe is not None and rows:
         notes.append(f"the prediction priced {rows} token-row buffer(s) per MoE layer (2: Megatron-Core before v0.13); "
                      "since v0.13 it keeps none: re-price with --cost-option moe_saved_rows=0 for a recent Megatron")
-    if pf.training.optimizer != "adam":
-        notes.append(f"not carried over: optimizer {pf.training.optimizer} (not written: Megatron's default is adam)")
+    if pf.training.optimizer == "sgd":
+        notes.append("SGD as piper's runtime runs it: no momentum (torch.optim.SGD's default; Megatron's is 0.9) and "
+                     "no weight decay (piper's runtime turns SGD's L2 term off)")
     return notes + capacity_note(pf, "not written: Megatron's --moe-expert-capacity-factor")
 
 

@@ -198,10 +198,11 @@ def test_the_learning_rate_schedule_reaches_megatron(plans):
     """Megatron's --lr defaults to None and its scheduler needs a number: the plan's runtime settings are written
     (before: a note, and a script that stopped at setup)."""
     pf = read_plan_file(plans["qwen3-hsdp"])
-    text, r = megatron.script(pf), pf.runtime
-    assert words_of(text, "--lr") == [f"{r.lr:g}"] and words_of(text, "--lr-decay-style") == ["cosine"]
-    assert words_of(text, "--min-lr") == [f"{r.lr * r.min_lr_ratio:g}"]
-    assert words_of(text, "--lr-warmup-iters") == [str(r.warmup_steps)]
+    text = megatron.script(pf)       # the runtime block's defaults: lr 1e-3, 10 warmup steps, min ratio 0.1
+    assert words_of(text, "--lr") == ["0.001"] and words_of(text, "--lr-decay-style") == ["cosine"]
+    assert words_of(text, "--min-lr") == ["0.0001"] and words_of(text, "--lr-warmup-iters") == ["10"]
+    assert words_of(text, "--lr-warmup-init") == ["9.09091e-05"]          # lr / 11: piper's first warmup step
+    assert words_of(text, "--weight-decay") == ["0.1"] and words_of(text, "--seed") == ["0"]
     assert words_of(text, "--clip-grad") == ["1"] and words_of(text, "--moe-aux-loss-coeff") == ["0.01"]
     assert not any(n.startswith("not carried over: piper's optimizer") for n in notes_of(text))
 
@@ -287,8 +288,10 @@ def test_export_warns_when_the_stored_prediction_is_not_what_the_plan_costs_now(
     assert json.loads(run("export", "--engine", "megatron", plans["qwen3-hsdp"], "--json").stdout)["warnings"] == []
 
 
-def test_the_optimizer_is_noted(plans, tmp_path):
-    """Neither engine's command line here takes piper's optimizer kind: its name is in a 'not carried over' note."""
+def test_the_optimizer_is_written_or_noted(plans, tmp_path):
+    """An SGD plan: Megatron gets --optimizer sgd as piper's runtime runs it (no momentum, no weight decay: before,
+    Adam with weight decay 0.1); torchtitan's command line takes no optimizer kind, so its name is in a 'not carried
+    over' note."""
     import json
 
     data = json.loads(plans["qwen3-hsdp"].read_text())
@@ -296,8 +299,12 @@ def test_the_optimizer_is_noted(plans, tmp_path):
     path = tmp_path / "sgd.json"
     path.write_text(json.dumps(data))
     pf = read_plan_file(path)
-    for text in (megatron.script(pf), torchtitan.script(pf)):
-        assert any(n.startswith("not carried over:") and "optimizer sgd" in n for n in notes_of(text))
+    text = megatron.script(pf)
+    assert set(megatron.flags(pf)) <= MEGATRON_FLAGS
+    assert words_of(text, "--optimizer") == ["sgd"] and words_of(text, "--sgd-momentum") == ["0"]
+    assert words_of(text, "--weight-decay") == ["0"]
+    assert any(n.startswith("not carried over:") and "optimizer sgd" in n for n in notes_of(torchtitan.script(pf)))
+    assert words_of(megatron.script(read_plan_file(plans["qwen3-hsdp"])), "--weight-decay") == ["0.1"]
 
 
 def test_a_bad_stored_option_is_one_error_line(plans, tmp_path):
