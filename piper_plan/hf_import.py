@@ -122,6 +122,27 @@ def _ffn(width: int, gated: bool = True, bias: bool = False) -> dict:
     return {"intermediate_size": width, "gated": gated, "bias": bias}
 
 
+HF_ACTIVATIONS = {"silu": None, "swish": None, "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                  "gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
+"""hidden_act -> FFNSpec.activation (None: the gated default, SiLU). transformers' ACT2FN (src/transformers/
+activations.py at 00e12e7): gelu is the erf form, gelu_new and gelu_fast its tanh approximation, quick_gelu
+x sigmoid(1.702 x), silu and swish one function; gelu_pytorch_tanh (a later ACT2FN entry, not in the stored
+versions) is torch's gelu(approximate="tanh"). Any other name is refused: piper's runtime and cost model have no
+other non-linearity."""
+
+
+def _with_activation(data: dict, c: _Config) -> dict:
+    """Every FFN the family converter left without an activation gets the config's hidden_act (absent: silu)."""
+    activation = HF_ACTIVATIONS[c.choice("hidden_act", tuple(HF_ACTIVATIONS), "silu")]
+    if activation is None:
+        return data
+    moe = data.get("moe") or {}
+    for ffn in (data.get("dense_ffn"), moe.get("expert"), moe.get("shared_expert"), moe.get("parallel_dense_ffn")):
+        if ffn is not None and "activation" not in ffn:
+            ffn["activation"] = activation
+    return data
+
+
 def _sparse_step_layers(c: _Config, num_layers: int) -> dict:
     """Qwen2/3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
     step = c.int_("decoder_sparse_step", 1)
@@ -391,7 +412,7 @@ def spec_from_hf_config(config: dict, path: str, name: str | None = None) -> Mod
         cfg = cfg.sub("text_config")
     data = {"name": default_name(config, path) if name is None else name,
             "source": f"Hugging Face config.json ({path}, model_type {model_type}), imported by piper model import",
-            **CONVERTERS[model_type](cfg)}
+            **_with_activation(CONVERTERS[model_type](cfg), cfg)}
     if model_type == "llama4":
         data["notes"] = "Text model only (vision encoder and projector not counted)."
     return parse_spec(ModelSpec, data, path)

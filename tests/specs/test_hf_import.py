@@ -266,3 +266,21 @@ def test_gpt_oss_experts_take_the_clamped_quick_gelu_gate():
         spec_from_hf_config({**GPT_OSS, "swiglu_alpha": 2.0}, "cfg.json")
     with pytest.raises(PiperError, match="must be a number > 0"):
         spec_from_hf_config({**GPT_OSS, "swiglu_limit": "7"}, "cfg.json")
+
+
+@pytest.mark.parametrize("hidden_act, activation", [("silu", "silu"), ("swish", "silu"), ("gelu", "gelu"),
+                                                    ("gelu_pytorch_tanh", "gelu_tanh"), ("gelu_new", "gelu_tanh"),
+                                                    ("quick_gelu", "quick_gelu")])
+def test_hidden_act_reaches_every_ffn(hidden_act, activation):
+    """A config's hidden_act is its FFNs' non-linearity (before: ignored, every import was SwiGLU)."""
+    config = json.loads((FIXTURES / "deepseek-v3.json").read_text())
+    spec = spec_from_hf_config({**config, "hidden_act": hidden_act}, "cfg.json")
+    ffns = (spec.dense_ffn, spec.moe.expert, spec.moe.shared_expert)
+    assert {f.activation_name for f in ffns if f is not None} == {activation}
+
+
+def test_an_unknown_hidden_act_is_refused_and_gpt_oss_keeps_its_gate():
+    config = json.loads((FIXTURES / "mixtral-8x7b.json").read_text())
+    with pytest.raises(PiperError, match=r"hidden_act: must be one of silu, swish, gelu.*got 'relu'"):
+        spec_from_hf_config({**config, "hidden_act": "relu"}, "cfg.json")
+    assert spec_from_hf_config({**GPT_OSS, "hidden_act": "silu"}, "cfg.json").moe.expert.activation == "quick_gelu"
