@@ -261,9 +261,9 @@ def _note_host_bound(result, platform) -> None:
     if len(result.order):
         best, ev = int(result.order[0]), result.evaluation
         host = ev.breakdown["host/launch"][best] if "host/launch" in ev.breakdown else 0.0
-        warning = host_warning(platform, float(host), float(ev.step_time_s[best]))
+        warning = host_warning(platform, float(host), float(ev.step_time_s[best]), "the top plan's step")
         if warning:
-            note(warning.replace("this step", "the top plan's step", 1))
+            note(warning)
 
 
 def _counts_line(candidates: int, evaluated: int, feasible: int, seconds: float, runnable: bool) -> str:

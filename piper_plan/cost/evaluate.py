@@ -159,13 +159,13 @@ HOST_DOMINATES = 0.5
 """Share of a step above which host time, not the devices, sets it (host_warning)."""
 
 
-def host_warning(platform, host_s: float, step_s: float) -> str | None:
+def host_warning(platform, host_s: float, step_s: float, subject: str = "this step") -> str | None:
     """A line when host time (cost/overhead.py host_floor_terms) is most of a step: the figure then rests on one
     per-call constant (host_source), which a plan with many more GEMM calls per step (local experts, layers,
     micro-batches) than the run it came from extrapolates; None otherwise."""
     if step_s <= 0 or host_s / step_s < HOST_DOMINATES:
         return None
-    return (f"warning: host time is {host_s / step_s:.0%} of this step, priced at {host_source(platform)}, whose "
+    return (f"warning: host time is {host_s / step_s:.0%} of {subject}, priced at {host_source(platform)}, whose "
             f"origin {platform.name}'s efficiency.source gives: the step rests on that one constant; fewer GEMM calls "
             "per step (fewer local experts, more tokens per micro-batch) or CUDA graphs shrink it")
 
