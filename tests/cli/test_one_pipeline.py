@@ -61,3 +61,12 @@ def test_a_plan_means_the_same_after_a_round_trip(tmp_path):
     assert again.memory.peak_bytes == direct["memory"]["peak_bytes"]
     no_sp = CliRunner().invoke(cli, [str(a) for a in (*args, "--no-sequence-parallel")])
     assert no_sp.exit_code == 2 and "moe_tp_without_sp: tp=2 with sequence_parallel off" in no_sp.stderr
+
+
+def test_sequence_parallelism_is_part_of_the_price_of_a_dense_plan():
+    """On a dense model --no-sequence-parallel is a valid plan: every rank then keeps the whole sequence's norm and
+    dropout activations, so its peak memory is higher than with sequence parallelism."""
+    args = ["estimate", "--model", "gpt-22b", "--platform", "frontier", "--nodes", 4, "--dp", 4, "--tp", 8,
+            "--pp", 1, "--no-calibration", "--json"]
+    with_sp, without_sp = _run(*args), _run(*args, "--no-sequence-parallel")
+    assert without_sp["memory"]["peak_bytes"] > with_sp["memory"]["peak_bytes"]
