@@ -87,7 +87,7 @@ def test_show_json_reports_ranges(swept):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     fp32 = next(c for c in data["gemm"] if c["dtype"] == "fp32")
-    assert fp32["range"]["m"] == [8, 1024] and fp32["kinds"] == {"measured": fp32["rows"]}
+    assert fp32["range"]["m"] == [8, 512] and fp32["kinds"] == {"measured": fp32["rows"]}
     a2a = next(c for c in data["collectives"] if c["op"] == "all_to_all" and c["scope"] == "switch")
     assert a2a["num_ranks"] == [4] and a2a["bytes_per_rank"] == [1024, 2**20]
 
