@@ -19,8 +19,8 @@ INSTEAD = {
     "always": "the data (--mock-data with a NullTokenizer stands in: give --data-path and a tokenizer), piper's "
               "checkpoint-on-signal requeue and its metrics.jsonl for `piper compare`",
     "optimizer": "written as --lr, --lr-decay-style, --min-lr, --lr-warmup-iters / -init, --weight-decay, "
-                 "--clip-grad, --seed (and --moe-aux-loss-coeff; --optimizer sgd for SGD); Adam's betas and epsilon are "
-                 "Megatron's defaults",
+                 "--clip-grad, --seed (and --moe-aux-loss-coeff; --optimizer sgd for SGD); Adam's betas and epsilon, "
+                 "where Adam runs, are Megatron's defaults",
 }
 SGD = [["--optimizer", "sgd"], ["--sgd-momentum", "0"]]
 """Megatron-LM arguments.py at 307dcf3: --optimizer adam|sgd (_add_training_args, default adam) and --sgd-momentum
@@ -57,9 +57,14 @@ ZERO = {0: [], 1: [["--use-distributed-optimizer"]],
 
 
 def _ffn(model):
-    """The FFN whose width and gate Megatron's --ffn-hidden-size / --swiglu describe: the dense one, else the
-    experts'."""
+    """The FFN whose width Megatron's --ffn-hidden-size describes: the dense one, else the experts'."""
     return model.dense_ffn or model.moe.expert
+
+
+def _gate_ffn(model):
+    """The FFN whose gate the flags state for every FFN: the first the model builds (ModelSpec.ffns: dense FFNs
+    where a dense layer has one, else the experts)."""
+    return next(iter(model.ffns.values()))
 
 
 def model_arguments(model, seq_len: int) -> list[list[str]]:
@@ -72,7 +77,7 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
              ["--vocab-size", str(model.vocab_size)],
              ["--normalization", "RMSNorm" if model.norm.kind == "rmsnorm" else "LayerNorm"],
              ["--position-embedding-type", "learned_absolute" if model.learned_position_embeddings else "rope"]]
-    lines += activation_arguments(ffn)
+    lines += activation_arguments(_gate_ffn(model))
     if not ffn.bias:
         lines.append(["--disable-bias-linear"])
     if a.qkv_bias:
@@ -103,37 +108,45 @@ def model_arguments(model, seq_len: int) -> list[list[str]]:
 
 
 def activation_arguments(ffn) -> list[list[str]]:
-    """The FFN's gate: SwiGLU (--swiglu), or gpt-oss's clamped quick-GELU GLU (--quick-geglu), with a GLU's offset
-    and, for quick-GELU only, its clamp (Megatron-LM arguments.py at 307dcf3, _add_network_size_args: the clamp is
-    "only used when activation_func is quick_gelu"); a plain GELU is Megatron's default. What no flag states is
-    in gate_notes."""
-    if not ffn.gated or ffn.activation_name in ("gelu", "gelu_tanh"):
+    """The FFN's gate: SwiGLU (--swiglu), or gpt-oss's clamped quick-GELU GLU (--quick-geglu with its offset and
+    clamp; Megatron-LM arguments.py at 307dcf3, _add_network_size_args); a plain GELU is Megatron's default. Only
+    these are written: what Megatron builds from them is built_gate, and gate_notes names what differs."""
+    if not ffn.gated or ffn.activation_name not in ("silu", "quick_gelu"):
         return []
-    quick = ffn.activation_name == "quick_gelu"
-    lines = [["--quick-geglu"] if quick else ["--swiglu"]]
+    if ffn.activation_name == "silu":
+        return [["--swiglu"]]
+    lines = [["--quick-geglu"]]
     if ffn.glu_linear_offset:
         lines.append(["--glu-linear-offset", f"{ffn.glu_linear_offset:g}"])
-    if quick and ffn.activation_clamp is not None:
+    if ffn.activation_clamp is not None:
         lines.append(["--activation-func-clamp-value", f"{ffn.activation_clamp:g}"])
     return lines
 
 
+def built_gate(ffn) -> str:
+    """The gate Megatron builds for every FFN from activation_arguments(ffn): --swiglu runs its fused SwiGLU, which
+    takes no offset or clamp (bias_swiglu_impl in megatron/core/transformer/mlp.py at 00caa53); --quick-geglu with
+    both; no flag, a plain GELU MLP."""
+    flags = {line[0] for line in activation_arguments(ffn)}
+    if "--swiglu" in flags:
+        return "gated silu"
+    return _gate(ffn) if "--quick-geglu" in flags else "gelu"
+
+
 def gate_notes(model) -> list[str]:
-    """What of the model's FFN gates the flags (one gate for every FFN, activation_arguments) cannot state."""
-    ffn, notes = _ffn(model), []
-    if ffn.gated and ffn.activation_name in ("gelu", "gelu_tanh"):
-        notes.append(f"a GELU-gated FFN ({ffn.activation_name}) has no Megatron flag: not written, so Megatron "
-                     "builds a plain GELU MLP of 2 matrices; set gated_linear_unit and activation_func in its config")
-    if not ffn.gated and ffn.activation_name != "gelu":
-        notes.append(f"a plain {ffn.activation_name} FFN has no Megatron flag: not written, so Megatron uses GELU")
-    if ffn.gated and ffn.activation_name != "quick_gelu" and ffn.activation_clamp is not None:
-        notes.append(f"activation clamp {ffn.activation_clamp:g} not written: Megatron clamps quick-GELU gates only")
-    moe = model.moe
-    others = [f for f in (model.dense_ffn, moe and moe.expert, moe and moe.shared_expert) if f is not None]
-    if any(_gate(f) != _gate(ffn) for f in others):
-        which = "dense FFNs'" if model.dense_ffn is not None else "experts'"
-        notes.append(f"the model's FFNs do not share one gate: the flags state the {which} ({_gate(ffn)}) for all; "
-                     f"the others are {', '.join(sorted({_gate(f) for f in others} - {_gate(ffn)}))}")
+    """Each of the model's FFNs (ModelSpec.ffns) whose gate is not the one Megatron builds from the flags."""
+    built, notes = built_gate(_gate_ffn(model)), []
+    for role, ffn in model.ffns.items():
+        gate = _gate(ffn)
+        if gate == built:
+            continue
+        hint = "set gated_linear_unit and activation_func in its config" if ffn.gated else \
+            "set activation_func in its config"
+        if ffn.gated and ffn.activation_name == "silu":
+            hint = ("--no-bias-swiglu-fusion with --glu-linear-offset / --activation-func-clamp-value runs its unfused "
+                    "GLU, which applies them to a dense MLP (mlp.py at 00caa53; the experts' path not checked)")
+        notes.append(f"the flags make Megatron build {built} FFNs; the model's {role} are {gate}, which no flag "
+                     f"written states: {hint}")
     return notes
 
 
@@ -270,7 +283,7 @@ def optimizer_arguments(pf) -> list[list[str]]:
     r, sgd = pf.runtime, pf.training.optimizer == "sgd"
     lines = [["--lr", f"{r.lr:g}"], ["--lr-decay-style", r.lr_schedule], ["--min-lr", f"{r.lr * r.min_lr_ratio:g}"],
              ["--lr-warmup-iters", str(r.warmup_steps)], ["--lr-warmup-init", f"{r.lr / (r.warmup_steps + 1):g}"],
-             ["--weight-decay", f"{0 if sgd else r.weight_decay:g}"], ["--clip-grad", f"{r.grad_clip_norm or 0:g}"],
+             ["--weight-decay", f"{r.weight_decay_for(pf.training.optimizer):g}"], ["--clip-grad", f"{r.grad_clip_norm or 0:g}"],
              ["--seed", str(r.seed)]]
     if sgd:
         lines += SGD
@@ -300,7 +313,7 @@ def setting_notes(pf) -> list[str]:
                      "since v0.13 it keeps none: re-price with --cost-option moe_saved_rows=0 for a recent Megatron")
     if pf.training.optimizer == "sgd":
         notes.append("SGD as piper's runtime runs it: no momentum (torch.optim.SGD's default; Megatron's is 0.9) and "
-                     "no weight decay (piper's runtime turns SGD's L2 term off)")
+                     "no weight decay (RuntimeBlock.weight_decay_for)")
     return notes + capacity_note(pf, "not written: Megatron's --moe-expert-capacity-factor")
 
 

@@ -344,6 +344,17 @@ class ModelSpec(Spec):
         return self.num_moe_layers > 0
 
     @property
+    def ffns(self) -> dict[str, FFNSpec]:
+        """The FFNs the model builds, by role: dense FFNs (in a dense layer or a dense MTP block), experts, shared
+        experts, residual MLPs beside the experts (Arctic)."""
+        moe, dense_built = self.moe, self.num_dense_layers > 0 or (self.mtp_layers > 0 and not self.mtp_is_moe)
+        built = {"dense FFNs": self.dense_ffn if dense_built else None}
+        if moe is not None and self.is_moe:
+            built.update({"experts": moe.expert, "shared experts": moe.shared if moe.num_shared_experts else None,
+                          "residual MLPs": moe.parallel_dense_ffn})
+        return {role: ffn for role, ffn in built.items() if ffn is not None}
+
+    @property
     def expert_layer_ids(self) -> tuple[int, ...]:
         """The layers whose router counts tokens (metrics.jsonl's expert_tokens keys): the MoE layers, then the MTP
         modules' MoE blocks as num_layers + k (runtime/model.py)."""

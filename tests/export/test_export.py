@@ -250,25 +250,35 @@ def test_the_ffn_gate_reaches_megatron(plans, tmp_path):
     grok = megatron.script(read_plan_file(saved_plan(tmp_path, "grok", "--model", "grok-1", "--platform", "dgx-h100",
                                                      "--nodes", "8", "--dp", "8", "--tp", "8", "--ep", "8")))
     assert "--swiglu" not in grok and "--quick-geglu" not in grok
-    assert any(n.startswith("a GELU-gated FFN (gelu_tanh) has no Megatron flag") for n in notes_of(grok))
+    assert "the flags make Megatron build gelu FFNs; the model's experts are gated gelu_tanh, which no flag " \
+        "written states: set gated_linear_unit and activation_func in its config" in notes_of(grok)
 
 
 def test_what_the_gate_flags_cannot_state_is_noted():
-    """One gate is written for every FFN: a model whose FFNs differ (GLaM: gated-GELU dense, plain-GELU experts)
-    says which one the flags state; a clamp on a SwiGLU gate (Megatron clamps quick-GELU only) and a plain SiLU
-    FFN (no flag) are noted, not silently dropped."""
+    """One set of gate flags for every FFN: each FFN whose gate differs from what Megatron builds from them is named
+    (GLaM: no flag for its gated-GELU dense FFNs, so Megatron builds plain GELU, the experts' own gate); a SwiGLU
+    offset or clamp is not written (Megatron's fused SwiGLU takes neither) but noted, as is a residual MLP's gate;
+    a shared-expert shape with no shared experts is no FFN the model builds."""
     from piper_plan.catalog import load_model
 
-    glam = megatron.gate_notes(load_model("glam"))
-    assert any("do not share one gate" in n and "(gated gelu)" in n and "others are gelu" in n for n in glam)
+    assert megatron.gate_notes(load_model("glam")) == [
+        "the flags make Megatron build gelu FFNs; the model's dense FFNs are gated gelu, which no flag written "
+        "states: set gated_linear_unit and activation_func in its config"]
     moe = load_model("tiny-moe")
-    clamped = moe.model_copy(update={"moe": moe.moe.model_copy(update={
-        "expert": moe.moe.expert.model_copy(update={"activation_clamp": 7.0})})})
+
+    def with_moe(**update):
+        return moe.model_copy(update={"moe": moe.moe.model_copy(update=update)})
+
+    clamped = with_moe(expert=moe.moe.expert.model_copy(update={"activation_clamp": 7.0, "glu_linear_offset": 1.0}))
     assert megatron.activation_arguments(clamped.moe.expert) == [["--swiglu"]]
-    assert any(n.startswith("activation clamp 7 not written") for n in megatron.gate_notes(clamped))
-    plain = moe.model_copy(update={"moe": moe.moe.model_copy(update={
-        "expert": moe.moe.expert.model_copy(update={"gated": False, "activation": "silu"})})})
-    assert any(n.startswith("a plain silu FFN has no Megatron flag") for n in megatron.gate_notes(plain))
+    (note,) = megatron.gate_notes(clamped)
+    assert note.startswith("the flags make Megatron build gated silu FFNs; the model's experts are gated silu, "
+                           "offset 1, clamp 7") and "--no-bias-swiglu-fusion" in note
+    residual = with_moe(parallel_dense_ffn=moe.moe.expert.model_copy(update={"activation": "gelu"}))
+    assert [n.split(",")[0] for n in megatron.gate_notes(residual)] == [
+        "the flags make Megatron build gated silu FFNs; the model's residual MLPs are gated gelu"]
+    unused = with_moe(shared_expert=moe.moe.expert.model_copy(update={"gated": False}))
+    assert unused.moe.num_shared_experts == 0 and megatron.gate_notes(unused) == []
     assert megatron.gate_notes(moe) == []
 
 
@@ -303,6 +313,8 @@ def test_the_optimizer_is_written_or_noted(plans, tmp_path):
     assert set(megatron.flags(pf)) <= MEGATRON_FLAGS
     assert words_of(text, "--optimizer") == ["sgd"] and words_of(text, "--sgd-momentum") == ["0"]
     assert words_of(text, "--weight-decay") == ["0"]
+    assert any(n.startswith("piper's optimizer and loss settings (optimizer sgd,") and "weight decay 0," in n
+               for n in notes_of(text))
     assert any(n.startswith("not carried over:") and "optimizer sgd" in n for n in notes_of(torchtitan.script(pf)))
     assert words_of(megatron.script(read_plan_file(plans["qwen3-hsdp"])), "--weight-decay") == ["0.1"]
 
