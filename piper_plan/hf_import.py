@@ -126,14 +126,19 @@ HF_ACTIVATIONS = {"silu": None, "swish": None, "gelu": "gelu", "gelu_new": "gelu
                   "gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
 """hidden_act -> FFNSpec.activation (None: the gated default, SiLU). transformers' ACT2FN (src/transformers/
 activations.py at 00e12e7): gelu is the erf form, gelu_new and gelu_fast its tanh approximation, quick_gelu
-x sigmoid(1.702 x), silu and swish one function; gelu_pytorch_tanh (a later ACT2FN entry, not in the stored
-versions) is torch's gelu(approximate="tanh"). Any other name is refused: piper's runtime and cost model have no
-other non-linearity."""
+x sigmoid(1.702 x), silu and swish one function; gelu_pytorch_tanh (a later entry of the same table) is torch's
+gelu(approximate="tanh"). Any other name is refused: piper's runtime and cost model have no other non-linearity."""
+
+
+def _activation(c: _Config, key: str = "hidden_act") -> dict:
+    """The FFN fields of the activation named by ``key`` (absent: silu, the gated default: no field)."""
+    activation = HF_ACTIVATIONS[c.choice(key, tuple(HF_ACTIVATIONS), "silu")]
+    return {} if activation is None else {"activation": activation}
 
 
 def _with_activation(data: dict, c: _Config) -> dict:
     """Every FFN the family converter left without an activation gets the config's hidden_act (absent: silu)."""
-    activation = HF_ACTIVATIONS[c.choice("hidden_act", tuple(HF_ACTIVATIONS), "silu")]
+    activation = _activation(c).get("activation")
     if activation is None:
         return data
     moe = data.get("moe") or {}
@@ -213,8 +218,16 @@ def _dbrx(c: _Config) -> dict:
     return {**_base(c, "d_model", "n_layers", "max_seq_len"),
             "attention": {"kind": "mha" if kv == heads else "gqa", "num_heads": heads, "num_kv_heads": kv},
             "moe": {"num_experts": ffn_c.int_("moe_num_experts", 4), "top_k": ffn_c.int_("moe_top_k", 1),
-                    "expert": _ffn(ffn_c.int_("ffn_hidden_size", 3584))},
+                    "expert": {**_ffn(ffn_c.int_("ffn_hidden_size", 3584)), **_dbrx_activation(ffn_c)}},
             "norm": {"kind": "layernorm", "bias": False}}
+
+
+def _dbrx_activation(ffn_c: _Config) -> dict:
+    """DBRX names its experts' activation in ffn_config.ffn_act_fn.name, not hidden_act (transformers
+    configuration_dbrx.py: DbrxFFNConfig, ffn_act_fn default {"name": "silu"})."""
+    if ffn_c.get("ffn_act_fn", None) is None:
+        return {"activation": "silu"}
+    return {"activation": _activation(ffn_c.sub("ffn_act_fn"), "name").get("activation", "silu")}
 
 
 def _olmoe(c: _Config) -> dict:

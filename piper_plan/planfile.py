@@ -150,6 +150,11 @@ class RuntimeBlock(Spec):
     (runtime/moe.py; Megatron-Core's ``moe_shared_expert_overlap``). The flat dispatcher overlaps; HALO's three
     phases run to completion first."""
 
+    def weight_decay_for(self, optimizer: str) -> float:
+        """The weight decay the runtime applies under ``optimizer``: AdamW's decoupled decay; none under SGD, whose
+        weight_decay would be an L2 term, not AdamW's decay."""
+        return self.weight_decay if optimizer == "adam" else 0.0
+
 
 class PlanFile(Spec):
     """The parsed plan.json."""

@@ -33,7 +33,7 @@ def runtime_note(plan_file, written: str | None) -> str:
     aux = f", aux loss {r.aux_loss_coeff:g}" if plan_file.model.moe is not None else ""
     settings = (f"piper's optimizer and loss settings (optimizer {plan_file.training.optimizer}, "
                 f"lr {r.lr:g}, {r.lr_schedule} to {r.min_lr_ratio:g} x lr after {r.warmup_steps} warmup steps, "
-                f"weight decay {r.weight_decay:g}, gradient clip {clip}{aux}, seed {r.seed})")
+                f"weight decay {r.weight_decay_for(plan_file.training.optimizer):g}, gradient clip {clip}{aux}, seed {r.seed})")
     return f"not carried over: {settings}: set the engine's own" if written is None else f"{settings}: {written}"
 
 

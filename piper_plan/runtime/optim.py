@@ -73,12 +73,9 @@ class Optimizers:
             cls, kw = torch.optim.SGD, {}
         self.optims, self.dtensor_of = [], []
         for named, group, size in groups:
-            pgroups = param_groups(named, rt.weight_decay)
+            pgroups = param_groups(named, rt.weight_decay_for(training.optimizer))
             if not pgroups:
                 continue
-            if training.optimizer != "adam":
-                for g in pgroups:
-                    g["weight_decay"] = 0.0           # SGD's weight_decay is an L2 term, not AdamW's decay
             leaves = {}
             if zero == 1 and size > 1:                # zero 2/3: FSDP2 shards the state (runtime/sharding.py)
                 for g in pgroups:

@@ -115,6 +115,21 @@ def test_adamw_is_fused_on_gpus_only():
     assert on_gpu.optims[0].defaults["fused"] is True and not on_cpu.optims[0].defaults["fused"]
 
 
+def test_sgd_applies_no_weight_decay_as_the_megatron_export_writes():
+    """The runtime's SGD has no weight decay and no momentum: the same rule (RuntimeBlock.weight_decay_for) the
+    Megatron export writes as --weight-decay 0."""
+    from piper_plan.runtime.optim import Optimizers
+
+    named = [("w", torch.nn.Parameter(torch.ones(4, 4)))]
+    training = _cfg().training
+    sgd = Optimizers([(named, None, 1)], training.model_copy(update={"optimizer": "sgd"}), RuntimeBlock(),
+                     torch.device("cpu"), 0).optims[0]
+    adam = Optimizers([(named, None, 1)], training, RuntimeBlock(), torch.device("cpu"), 0).optims[0]
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0
+    assert [g["weight_decay"] for g in sgd.param_groups] == [0.0]
+    assert [g["weight_decay"] for g in adam.param_groups] == [RuntimeBlock().weight_decay] == [0.1]
+
+
 # ---- attention and precision -----------------------------------------------------------------------
 def test_gqa_through_sdpa_equals_expanded_heads_and_expands_nothing():
     from piper_plan.runtime.model import attention_core

@@ -283,4 +283,18 @@ def test_an_unknown_hidden_act_is_refused_and_gpt_oss_keeps_its_gate():
     config = json.loads((FIXTURES / "mixtral-8x7b.json").read_text())
     with pytest.raises(PiperError, match=r"hidden_act: must be one of silu, swish, gelu.*got 'relu'"):
         spec_from_hf_config({**config, "hidden_act": "relu"}, "cfg.json")
-    assert spec_from_hf_config({**GPT_OSS, "hidden_act": "silu"}, "cfg.json").moe.expert.activation == "quick_gelu"
+    assert spec_from_hf_config({**GPT_OSS, "hidden_act": "gelu"}, "cfg.json").moe.expert.activation == "quick_gelu"
+
+
+def test_every_ffn_role_takes_the_activation_and_dbrx_reads_its_own_field():
+    """Qwen2-MoE's shared expert takes hidden_act like its experts; DBRX names its experts' activation in
+    ffn_config.ffn_act_fn (transformers DbrxFFNConfig), where hidden_act means nothing."""
+    qwen = json.loads((FIXTURES / "qwen1.5-moe-a2.7b.json").read_text())
+    spec = spec_from_hf_config({**qwen, "hidden_act": "gelu_new"}, "cfg.json")
+    assert (spec.moe.expert.activation, spec.moe.shared_expert.activation) == ("gelu_tanh", "gelu_tanh")
+    dbrx = json.loads((FIXTURES / "dbrx-base.json").read_text())
+    gelu = {**dbrx, "ffn_config": {**dbrx["ffn_config"], "ffn_act_fn": {"name": "gelu"}}}
+    assert spec_from_hf_config(gelu, "cfg.json").moe.expert.activation == "gelu"
+    assert spec_from_hf_config({**dbrx, "hidden_act": "gelu"}, "cfg.json").moe.expert.activation_name == "silu"
+    with pytest.raises(PiperError, match=r"ffn_config\.ffn_act_fn\.name: must be one of"):
+        spec_from_hf_config({**dbrx, "ffn_config": {**dbrx["ffn_config"], "ffn_act_fn": {"name": "relu"}}}, "cfg.json")
