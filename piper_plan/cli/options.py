@@ -284,13 +284,18 @@ def build_plan(model, platform, training, nodes: int, **options):
     try:
         plan = ParallelPlan(**{**options, "zero": int(options["zero"])}, layers_per_stage=layers,
                             virtual_stage_layers=chunks)
-        given = plan.virtual_stage_layers
-        if not vp_given and given is not None and plan.schedule == "interleaved" and len(given) % plan.pp == 0:
-            # the layout's chunks say how many virtual stages there are, as Megatron infers vp from its layout;
-            # validated again with that count (the chunks parsed once, above)
-            plan = ParallelPlan(**{**plan.model_dump(), "virtual_stages": len(given) // plan.pp})
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="parallel") from None
+    given = plan.virtual_stage_layers
+    if not vp_given and given is not None and plan.schedule == "interleaved" and len(given) % plan.pp == 0:
+        # the layout's chunks say how many virtual stages there are, as Megatron infers vp from its layout;
+        # validated again with that count (the chunks parsed once, above)
+        vp = len(given) // plan.pp
+        try:
+            plan = ParallelPlan(**{**plan.model_dump(), "virtual_stages": vp})
+        except ValidationError as exc:
+            raise PiperError(f"its {len(given)} chunks over pp={plan.pp} make virtual_stages {vp}, and then "
+                             f"{validation_message(exc)}", field="--virtual-stage-layers") from None
     check_plan(model, platform, training, nodes, plan)
     check_layout_mtp(chunks, model.mtp_layers, "--virtual-stage-layers")
     return plan
