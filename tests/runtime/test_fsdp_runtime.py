@@ -18,7 +18,7 @@ from plans import plan_dict
 from reference import assert_initial_weights_equal, reference_run, whole_model_name
 
 STEPS, LR, AUX = 2, 1e-2, 0.01
-RTOL, ATOL = 1e-4, 1e-6  # fp32, as tests/runtime/test_mesh_training.py
+RTOL, ATOL = 1e-4, 1e-5  # fp32, as tests/runtime/test_mesh_training.py
 BF16_LOSS_RTOL = 2e-2
 """bf16 compute (8 mantissa bits, relative rounding 2^-8 = 3.9e-3 per op) over fp32 master weights and fp32
 gradient reduction: the loss of each step within 2% of the fp32 run (measured: see the test's print)."""
@@ -101,7 +101,7 @@ def _compare(plan: dict, per_rank: list[dict]) -> None:
                 if ".experts." in name:
                     first = r["first_expert"][int(name.split(".")[1])]
                     want = want[first: first + grad.shape[0]]
-                torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL, msg=f"{name} step {step}")
+                torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} step {step}: {m}")
 
 
 def _sharded_as_planned(plan: dict, per_rank: list[dict]) -> None:
