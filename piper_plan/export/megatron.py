@@ -142,7 +142,7 @@ def gate_notes(model) -> list[str]:
             continue
         hint = "set gated_linear_unit and activation_func in its config" if ffn.gated else \
             "set activation_func in its config"
-        if ffn.gated and ffn.activation_name == "silu":
+        if built == "gated silu" and ffn.gated and ffn.activation_name == "silu":      # its offset or clamp differs
             hint = ("--no-bias-swiglu-fusion with --glu-linear-offset / --activation-func-clamp-value runs its unfused "
                     "GLU, which applies them to a dense MLP (mlp.py at 00caa53; the experts' path not checked)")
         notes.append(f"the flags make Megatron build {built} FFNs; the model's {role} are {gate}, which no flag "
@@ -280,12 +280,12 @@ def optimizer_arguments(pf) -> list[list[str]]:
     RuntimeBlock), as Megatron-LM names them (arguments.py at 307dcf3: _add_learning_rate_args,
     _add_regularization_args, _add_initialization_args). Without --lr Megatron cannot build its scheduler (its
     default is None). Warmup starts at lr / (warmup + 1), as piper's runtime does; clipping off is --clip-grad 0."""
-    r, sgd = pf.runtime, pf.training.optimizer == "sgd"
+    r, optimizer = pf.runtime, pf.training.optimizer
     lines = [["--lr", f"{r.lr:g}"], ["--lr-decay-style", r.lr_schedule], ["--min-lr", f"{r.lr * r.min_lr_ratio:g}"],
              ["--lr-warmup-iters", str(r.warmup_steps)], ["--lr-warmup-init", f"{r.lr / (r.warmup_steps + 1):g}"],
-             ["--weight-decay", f"{r.weight_decay_for(pf.training.optimizer):g}"], ["--clip-grad", f"{r.grad_clip_norm or 0:g}"],
+             ["--weight-decay", f"{r.weight_decay_for(optimizer):g}"], ["--clip-grad", f"{r.grad_clip_norm or 0:g}"],
              ["--seed", str(r.seed)]]
-    if sgd:
+    if optimizer == "sgd":
         lines += SGD
     if pf.model.moe is not None:
         lines.append(["--moe-aux-loss-coeff", f"{r.aux_loss_coeff:g}"])

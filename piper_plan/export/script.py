@@ -28,12 +28,12 @@ def piper_only(plan_file, instead: dict[str, str]) -> list[str]:
 def runtime_note(plan_file, written: str | None) -> str:
     """The plan's optimizer (training.optimizer) and the runtime block's optimizer and loss settings: ``written``
     says which flags carry them, None that none does."""
-    r = plan_file.runtime
+    r, decay = plan_file.runtime, plan_file.runtime.weight_decay_for(plan_file.training.optimizer)
     clip = "off" if r.grad_clip_norm is None else f"{r.grad_clip_norm:g}"
     aux = f", aux loss {r.aux_loss_coeff:g}" if plan_file.model.moe is not None else ""
     settings = (f"piper's optimizer and loss settings (optimizer {plan_file.training.optimizer}, "
                 f"lr {r.lr:g}, {r.lr_schedule} to {r.min_lr_ratio:g} x lr after {r.warmup_steps} warmup steps, "
-                f"weight decay {r.weight_decay_for(plan_file.training.optimizer):g}, gradient clip {clip}{aux}, seed {r.seed})")
+                f"weight decay {decay:g}, gradient clip {clip}{aux}, seed {r.seed})")
     return f"not carried over: {settings}: set the engine's own" if written is None else f"{settings}: {written}"
 
 

@@ -264,6 +264,12 @@ def test_what_the_gate_flags_cannot_state_is_noted():
     assert megatron.gate_notes(load_model("glam")) == [
         "the flags make Megatron build gelu FFNs; the model's dense FFNs are gated gelu, which no flag written "
         "states: set gated_linear_unit and activation_func in its config"]
+    glam = load_model("glam")
+    swiglu_experts = glam.model_copy(update={"moe": glam.moe.model_copy(update={
+        "expert": glam.moe.expert.model_copy(update={"gated": True})})})
+    experts_note = megatron.gate_notes(swiglu_experts)[-1]
+    assert experts_note.startswith("the flags make Megatron build gelu FFNs; the model's experts are gated silu")
+    assert "--no-bias-swiglu-fusion" not in experts_note            # that hint is for a SwiGLU's offset or clamp
     moe = load_model("tiny-moe")
 
     def with_moe(**update):
