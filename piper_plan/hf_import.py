@@ -15,6 +15,7 @@ from typing import Any, Callable
 from piper_plan.catalog import parse_spec, read_structured
 from piper_plan.errors import PiperError
 from piper_plan.specs import ModelSpec
+from piper_plan.specs.model import ffn_dicts
 
 _MISSING = object()
 
@@ -141,10 +142,8 @@ def _with_activation(data: dict, c: _Config) -> dict:
     activation = _activation(c).get("activation")
     if activation is None:
         return data
-    moe = data.get("moe") or {}
-    for ffn in (data.get("dense_ffn"), moe.get("expert"), moe.get("shared_expert"), moe.get("parallel_dense_ffn")):
-        if ffn is not None and "activation" not in ffn:
-            ffn["activation"] = activation
+    for ffn in ffn_dicts(data):
+        ffn.setdefault("activation", activation)
     return data
 
 

@@ -27,7 +27,7 @@ from piper_plan.plans import check_plan
 from piper_plan.specs import ModelSpec, ParallelPlan, PlatformSpec, TrainingSpec
 from piper_plan.specs.base import NotBool, Spec
 from piper_plan.specs.estimate import Estimate
-from piper_plan.specs.model import MAX_EXPERTS, MoESpec
+from piper_plan.specs.model import MAX_EXPERTS, MoESpec, ffn_dicts
 from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES
 
 SCHEMA_VERSION = 5
@@ -265,9 +265,8 @@ def upgraded_gates(model: ModelSpec) -> ModelSpec:
 def _without_gates(model: ModelSpec) -> dict:
     """``model`` as data with every FFN's gate fields removed."""
     data = model.model_dump()
-    moe = data.get("moe") or {}
-    for ffn in (data.get("dense_ffn"), moe.get("expert"), moe.get("shared_expert"), moe.get("parallel_dense_ffn")):
-        for name in GATE_FIELDS if ffn else ():
+    for ffn in ffn_dicts(data):
+        for name in GATE_FIELDS:
             ffn.pop(name, None)
     return data
 

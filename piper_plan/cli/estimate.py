@@ -133,6 +133,8 @@ def time_table(result):
 
 
 def render(result, model, platform, plan, training) -> None:
+    from piper_plan.cost.evaluate import host_warning
+
     out = console()
     device = platform.device.memory_bytes
     out.print(f"{model.name} on {result.nodes} x {platform.name} nodes ({result.placement}), "
@@ -159,8 +161,6 @@ def render(result, model, platform, plan, training) -> None:
               + (" | some points EXTRAPOLATED beyond calibration" if result.sources.extrapolated else ""),
               markup=False)
     out.print(f"host time: {result.sources.host}", markup=False)
-    from piper_plan.cost.evaluate import host_warning
-
     warning = host_warning(platform, result.time.breakdown.get("host/launch", 0.0), result.step_time_s)
     if warning:
         note(warning)

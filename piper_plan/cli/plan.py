@@ -31,9 +31,10 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
               help="piper: the paper's PP x EP mesh (tp=1, dp=ep, ep <= devices per switch group).")
 @click.option("--a2a", type=click.Choice(["flat", "halo", "any"]), default="any", show_default=True)
 @migration_option
-@click.option("--runnable", is_flag=True, help="Keep only plans the piper runtime can execute, priced as it runs them (unfused PyTorch "
-              "kernels, its chunked loss and shared-expert overlap: step times and memory differ from the default "
-              "Megatron-style pricing).")
+@click.option("--runnable", is_flag=True,
+              help="Keep only plans the piper runtime can execute, priced as it runs them (unfused PyTorch kernels, "
+                   "its chunked loss and shared-expert overlap: step times and memory differ from the default "
+                   "Megatron-style pricing).")
 @cost_knobs
 @placement_option
 @click.option("--memory-headroom", type=float, default=0.0, show_default=True,

@@ -251,8 +251,8 @@ def selective_recompute_seconds(ctx: Context, c, comp, acts) -> tuple:
     """(dense layer, MoE layer) forward seconds that ``recompute: selective`` re-runs in backward per micro-batch,
     beyond the attention core, for the modules of CostOptions.recompute_modules (memory.selective_dropped_bytes):
     MLA's up-projection GEMMs (q from its latent, k_nope and v from the kv latent), the dense MLP's and the shared
-    experts' forward, and memory-bound kernels (the norms, the experts' activation) at HBM bandwidth: read their input, write their
-    output once more. ``comp``: layer_compute_seconds; ``acts``: layer_activations."""
+    experts' forward, and memory-bound kernels (the norms, the experts' activation) at HBM bandwidth: read their
+    input, write their output once more. ``comp``: layer_compute_seconds; ``acts``: layer_activations."""
     m, t, modules = ctx.model, ctx.training, set(ctx.opts.recompute_modules)
     tokens, d, ab = c.seq_share * t.seq_len, m.hidden_size, t.activation_bytes
     zero = 0.0 * tokens

@@ -146,6 +146,14 @@ class FFNSpec(Spec):
         return self
 
 
+def ffn_dicts(data: dict) -> list[dict]:
+    """The FFN mappings of a model's data (a ModelSpec dump or a spec being built): dense_ffn and the MoE block's
+    expert, shared_expert and parallel_dense_ffn, where present."""
+    moe = data.get("moe") or {}
+    found = (data.get("dense_ffn"), moe.get("expert"), moe.get("shared_expert"), moe.get("parallel_dense_ffn"))
+    return [ffn for ffn in found if ffn is not None]
+
+
 class MoELayersSpec(Spec):
     """Which layers are MoE: layer i is MoE iff i >= first_k_dense and i % every == phase, or i in explicit."""
 
