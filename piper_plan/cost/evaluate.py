@@ -136,7 +136,8 @@ def estimate(model, platform, training, nodes, plan: ParallelPlan, calibration=N
                   "components": {k: float(v[i, 0]) for k, v in stage_memory.items() if k != "total"},
                   "time_per_microbatch_s": float(sum(v[i, 0] for v in stage_times.values()))}
                  for i in range(plan.pp)]
-    return _estimate(ctx, plan, c, nodes, placement, alloc, ev, per_stage, layers)
+    saved_per_rank = float(np.max(stg.stage_saved_state(ctx, c, st)))
+    return _estimate(ctx, plan, c, nodes, placement, alloc, ev, per_stage, layers, saved_per_rank)
 
 
 def pricing_sources(platform, training, calibration=None) -> dict[str, str]:
@@ -170,7 +171,8 @@ def host_warning(platform, host_s: float, step_s: float, subject: str = "this st
             "per step (fewer local experts, more tokens per micro-batch) or CUDA graphs shrink it")
 
 
-def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, per_stage, layers) -> Estimate:
+def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, per_stage, layers,
+              saved_per_rank: float) -> Estimate:
     device_bytes = ctx.platform.device.memory_bytes
     peak = float(ev.peak_memory_bytes[0])
     group_spans = spans(alloc, c)
@@ -190,9 +192,7 @@ def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, 
                    "per_stage": per_stage},
         "time": {"breakdown": {k: float(v[0]) for k, v in ev.breakdown.items()}},
         "training": {k: float(v) for k, v in totals.items()},
-        "checkpoint": {**checkpoint_bytes(ctx.model, ctx.training),
-                       "per_rank_bytes": max(s["components"]["weights"] + s["components"]["optimizer"]
-                                             for s in per_stage)},   # its weights + its (ZeRO) optimizer shard
+        "checkpoint": {**checkpoint_bytes(ctx.model, ctx.training, plan.zero, ctx.opts.unfused_kernels), "per_rank_bytes": saved_per_rank},
         "model_flops_per_token": model_flops_per_token(ctx.model, ctx.training.seq_len),
         "scopes": {k: SCOPES[int(v[0][0])] for k, v in group_spans.items()},
         "placement": placement,

@@ -98,6 +98,25 @@ def state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero, pp=1, one_
     }
 
 
+def saved_bytes_per_param(training: TrainingSpec, zero, fp32_replicas: bool = False):
+    """(weight bytes, master + optimizer bytes) per parameter that a checkpoint saves of the state ``state_bytes``
+    holds at rest: zero 0 / 1 the weights in their stored dtype (fp32 under ``fp32_replicas``, whose optimizer
+    keeps no separate master), zero 2 / 3 (FSDP2) the fp32 shard and its optimizer state. Not saved: gradients, an
+    fp8 recipe's 8-bit weight copies, FSDP's gathered compute-dtype weights, autocast's copies (all rebuilt)."""
+    fsdp = np.asarray(zero) >= 2
+    weight = FSDP_GRAD_BYTES if fp32_replicas else training.weight_bytes
+    keep = training.optimizer_bytes if fp32_replicas else training.master_bytes + training.optimizer_bytes
+    return np.where(fsdp, FSDP_GRAD_BYTES, weight), np.where(fsdp, training.optimizer_bytes, keep)
+
+
+def saved_state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero, fp32_replicas: bool = False) -> np.ndarray:
+    """Bytes of one rank's state that a checkpoint saves (``saved_bytes_per_param``): under zero 0 / 1 every
+    weight of the rank and its master + optimizer shard, under zero 2 / 3 its shard of both."""
+    local = dense / np.where(zero >= 1, dp, 1) + expert / np.where(zero >= 1, edp, 1)
+    weight, keep = saved_bytes_per_param(training, zero, fp32_replicas)
+    return np.where(zero >= 2, local, dense + expert) * weight + local * keep
+
+
 # ---- activations of one layer for one micro-batch ------------------------------------------------
 def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs, sp):
     """(kept, core): bytes of one attention block that stay through any recompute but full, and the

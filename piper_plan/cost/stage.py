@@ -127,6 +127,13 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts, loss_flight) -> 
     return out
 
 
+def stage_saved_state(ctx: Context, c, st: StageShape) -> np.ndarray:
+    """Bytes per rank of a stage's state that a checkpoint saves (memory.saved_state_bytes)."""
+    dense, expert = rank_stage_params(ctx.lp, st.layers, st.moe_layers, st.first, st.last, c.tp, c.ep, c.etp)
+    return mem.saved_state_bytes(ctx.training, dense, expert, c.dense_shard, c.edp, c.zero,
+                                 fp32_replicas=ctx.opts.unfused_kernels)
+
+
 def _largest_layer(ctx: Context, c, st: StageShape):
     """(params of the stage's largest layer, of its root: embedding / final norm / LM head) on one rank."""
     layer_d, layer_e = rank_stage_params(ctx.lp, np.minimum(st.layers, 1), np.minimum(st.moe_layers, 1), False,

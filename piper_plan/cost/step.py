@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from piper_plan.cost.memory import saved_bytes_per_param
+
 
 def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span, shard_span,
                     replica_span) -> tuple[np.ndarray, np.ndarray]:
@@ -57,9 +59,10 @@ def training_totals(training, step_s, nodes: int) -> dict[str, np.ndarray]:
     return {"steps": steps, "time_to_train_s": seconds, "node_hours": seconds / 3600 * nodes}
 
 
-def checkpoint_bytes(model, training) -> dict[str, float]:
-    """Checkpoint size: weights + master + optimizer state of every parameter (gradients are not saved)."""
-    per_param = training.weight_bytes + training.master_bytes + training.optimizer_bytes
+def checkpoint_bytes(model, training, zero: int, fp32_replicas: bool = False) -> dict[str, float]:
+    """Checkpoint size: the saved weights + master + optimizer state of every parameter (memory.
+    saved_bytes_per_param; gradients and rebuilt copies are not saved)."""
+    per_param = float(sum(saved_bytes_per_param(training, zero, fp32_replicas)))
     return {"total_bytes": float(model.total_params * per_param), "bytes_per_param": per_param}
 
 

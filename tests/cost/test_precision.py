@@ -37,6 +37,21 @@ def test_fp8_speeds_up_gemms_not_attention_and_keeps_weight_copies():
     assert fp8.step_time_s < bf16.step_time_s
     weights = [e.memory.per_stage[0].components["weights"] for e in (bf16, fp8)]
     assert weights[1] == pytest.approx(weights[0] * (2 + 2) / 2)        # + rowwise and columnwise 8-bit copies
+    assert fp8.checkpoint == bf16.checkpoint                              # the 8-bit copies are rebuilt, not saved
+
+
+def test_a_rank_saves_its_shard_of_the_checkpoint_under_fsdp():
+    """zero 3 on one stage with ep = dp: every rank holds 1/dp of the saved state (fp32 shard + Adam moments),
+    not the gathered bf16 weights; zero 1: its bf16 weights (the dense ones replicated) beside its master +
+    optimizer shard."""
+    platform, model = load_platform("dgx-h100"), load_model("mixtral-8x7b")
+    training = TrainingSpec(seq_len=4096, global_batch=128)
+    zero3 = estimate(model, platform, training, 1, PLAN.model_copy(update={"zero": 3})).checkpoint
+    assert zero3.bytes_per_param == 4 + 8
+    assert zero3.per_rank_bytes * PLAN.dp == pytest.approx(zero3.total_bytes)
+    zero1 = estimate(model, platform, training, 1, PLAN.model_copy(update={"zero": 1})).checkpoint
+    assert zero1.bytes_per_param == 2 + 4 + 8
+    assert zero1.total_bytes < zero1.per_rank_bytes * PLAN.dp < 1.1 * zero1.total_bytes  # dense weights replicated
 
 
 def _core_seconds(dtype: str, platform) -> float:

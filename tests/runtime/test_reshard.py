@@ -174,6 +174,36 @@ def test_checkpoint_layout_on_disk(runs):
     assert inter == keys  # interleaved chunks save the same keys as plain stages
 
 
+def _saved_tensor_bytes(step_dir) -> int:
+    """Bytes of the model and optimizer tensors a DCP checkpoint holds (its metadata: shape and dtype of each)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    return sum(m.size.numel() * torch.empty(0, dtype=m.properties.dtype).element_size() for k, m in meta.items()
+               if isinstance(m, TensorStorageMetadata) and k.split(".")[0] in ("model", "optim"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["pp2_dp1_ep1", "pp1_dp2_ep2_zero3", "pp1_dp2_tp2_zero1"])
+def test_checkpoint_size_equals_the_cost_model(runs, layout):
+    """estimate's checkpoint size (cost/step.checkpoint_bytes) within 1% of the model and optimizer tensors the
+    runtime saved (fp32 weights and AdamW's two fp32 moments: 12 bytes per parameter under zero 0, 1 and 3)."""
+    from piper_plan.catalog import load_platform
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+    from piper_plan.planfile import parse_plan_dict
+
+    cfg = parse_plan_dict(PLANS[layout], "test plan")
+    local = load_platform("local-cpu")
+    est = estimate(cfg.model, local, cfg.training, max(cfg.parallel.world // local.devices_per_node, 1), cfg.parallel,
+                   options=PIPER_RUNTIME_OPTIONS)
+    saved = _saved_tensor_bytes(runs["tmp"] / layout / "checkpoints" / "step_2")
+    assert est.checkpoint.total_bytes == pytest.approx(saved, rel=0.01)
+    assert est.checkpoint.bytes_per_param == 12
+
+
 @pytest.mark.distributed
 def test_same_layout_restores_each_ranks_rng_another_layout_reseeds(runs):
     saved = [r["rng"] for r in runs["train:pp2_dp1_ep1"]]
