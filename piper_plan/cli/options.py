@@ -208,13 +208,18 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
     flags = {"recompute_modules": "--recompute-modules" if recompute_modules is not None else None,
              "dropout": "--dropout" if dropout else None}
     result = with_cost_options(options, cost_option, piper_runtime, {k: v for k, v in flags.items() if v})
-    as_option = any(pair.partition("=")[0].strip() == "recompute_modules" for pair in cost_option)
-    if (recompute_modules is not None or as_option) and recompute not in (None, Recompute.SELECTIVE.value):
+    if modules_asked(recompute_modules, cost_option) and recompute not in (None, Recompute.SELECTIVE.value):
         field = "--recompute-modules" if recompute_modules is not None else "--cost-option"     # else unused
         raise PiperError(f"recompute_modules {list(result.recompute_modules)} says what --recompute selective "
                          f"re-runs; this plan has --recompute {recompute}: add --recompute selective or drop {field}",
                          field=field)
     return result
+
+
+def modules_asked(recompute_modules: str | None, cost_option: tuple[str, ...]) -> bool:
+    """Whether the selective-recompute modules were given (--recompute-modules or --cost-option recompute_modules=)."""
+    return recompute_modules is not None or any(pair.partition("=")[0].strip() == "recompute_modules"
+                                                for pair in cost_option)
 
 
 def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = False, flags: dict | None = None):
