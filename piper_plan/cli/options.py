@@ -10,6 +10,7 @@ import typing
 
 import click
 
+from piper_plan.cli.common import note
 from piper_plan.errors import PiperError
 from piper_plan.fileio import ascii_int
 from piper_plan.specs.parallel import ParallelPlan, check_layout_mtp
@@ -186,8 +187,8 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
                  recompute: str | None = None, cost_option: tuple[str, ...] = ()):
     """The CostOptions of a plan or an estimate: piper's runtime's (unfused kernels, ...) or the default
     (Megatron's fused kernels), with dropout layers and the selective-recompute modules where asked; what the
-    runtime does not do is one error line. ``recompute``: the estimated plan's --recompute, where the modules
-    would otherwise be silently unused (plan searches selective among the others)."""
+    runtime does not do is one error line. ``recompute``: the estimated plan's --recompute; modules given beside
+    none or full are noted as unused, not refused, as plan ranks such plans beside selective ones."""
     from dataclasses import replace
 
     from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS, RECOMPUTE_MODULES
@@ -209,10 +210,8 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
              "dropout": "--dropout" if dropout else None}
     result = with_cost_options(options, cost_option, piper_runtime, {k: v for k, v in flags.items() if v})
     if modules_asked(recompute_modules, cost_option) and recompute not in (None, Recompute.SELECTIVE.value):
-        field = "--recompute-modules" if recompute_modules is not None else "--cost-option"     # else unused
-        raise PiperError(f"recompute_modules {list(result.recompute_modules)} says what --recompute selective "
-                         f"re-runs; this plan has --recompute {recompute}: add --recompute selective or drop {field}",
-                         field=field)
+        note(f"recompute modules {', '.join(result.recompute_modules)}: what --recompute selective re-runs; this "
+             f"plan has --recompute {recompute}, so they change nothing in it")
     return result
 
 

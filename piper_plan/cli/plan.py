@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import replace
 
 import click
 
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
                                    platform_calibration, plot_option, print_json)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
-                                    modules_asked, placement_option, precision_text, training_options)
+                                    placement_option, precision_text, training_options)
 from piper_plan.errors import PiperError
 from piper_plan.fileio import ascii_int, check_writable
 from piper_plan.plots import check_plot_path
 from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows, result_json
-from piper_plan.specs.vocab import Recompute
 
 
 @click.command("plan", epilog=exit_codes({EXIT_NOTHING_FITS: "nothing fits (the closest candidates are shown)"}))
@@ -76,10 +74,6 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
                                              dtype=dtypes[0], grad_bytes=grad_bytes, fp8_recipe=recipe.get(dtypes[0]))
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
-    if modules_asked(recompute_modules, cost_option):      # the modules say what selective recompute re-runs
-        options = replace(options, recompute=(Recompute.SELECTIVE.value,))
-        note(f"recompute modules {', '.join(kwargs['cost_options'].recompute_modules)}: only selective recompute "
-             "of them is searched (estimate a plan with --recompute selective and the same modules)")
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
     if len(dtypes) > 1:

@@ -72,15 +72,16 @@ def test_sequence_parallelism_is_part_of_the_price_of_a_dense_plan():
     assert without_sp["memory"]["peak_bytes"] > with_sp["memory"]["peak_bytes"]
 
 
-def test_plan_with_recompute_modules_ranks_selective_plans_that_estimate_prices_alike():
-    """--recompute-modules says what selective recompute re-runs, so plan searches selective recompute only: every
-    ranked plan estimates the same with the same flags (before, plan also ranked plans without recompute or with
-    full recompute, which estimate refuses beside --recompute-modules)."""
+
+def test_plan_with_recompute_modules_ranks_plans_estimate_prices_alike_with_the_same_flags():
+    """--recompute-modules says what selective recompute re-runs; plan still ranks plans without recompute or with
+    full recompute (excluding them hid faster plans), and estimate prices every ranked plan alike with the same
+    flags, noting the modules where the plan does not recompute selectively (it used to refuse those)."""
     common = ["--model", "mixtral-8x7b", "--platform", "dgx-h100", "--nodes", 4, "--recompute-modules",
               "moe_act,layernorm"]
-    ranked = _run("plan", *common, "--json", "--top", 6)
-    assert {row["recompute"] for row in ranked["plans"]} == {"selective"}
-    for row in ranked["plans"][::2]:
+    ranked = _run("plan", *common, "--json", "--top", 12)
+    assert {"none", "selective"} <= {row["recompute"] for row in ranked["plans"]}
+    for row in ranked["plans"][:6]:
         direct = _run(*_estimate_args("mixtral-8x7b", "dgx-h100", 4, row), *common[6:])
         assert direct["step_time_s"] == pytest.approx(row["step_time_s"], rel=1e-9), row
         assert direct["memory"]["peak_bytes"] == pytest.approx(row["peak_memory_bytes"], rel=1e-9, abs=1.0), row
