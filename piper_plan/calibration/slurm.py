@@ -36,9 +36,10 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
         settings = checked_launch_block(launch)                   # as `piper launch` checks them
     except PiperError as exc:
         raise PiperError(f"platform {platform.name}: {exc.message}", field=exc.field) from None
-    lines = ["#!/bin/bash", f"#SBATCH --job-name=piper-calibrate-{platform.name}", f"#SBATCH --nodes={num_nodes}",
+    tag = "piper-calibrate-" + v.name_token(platform.name, "platform")[:100]
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={tag}", f"#SBATCH --nodes={num_nodes}",
              f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --time={time_limit}",
-             f"#SBATCH --output={out_dir}/piper-calibrate-{platform.name}-%j.out"]    # beside its rows, not in the cwd
+             f"#SBATCH --output={out_dir}/{tag}-%j.out"]    # beside its rows, not in the cwd
     lines += [f"#SBATCH --partition={settings['partition']}"] if settings["partition"] else []
     lines += [f"#SBATCH --account={account}"] if account else []
     lines += [f"#SBATCH {opt}" for opt in settings["sbatch_extra"]]

@@ -116,7 +116,15 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
     from piper_plan.calibration.nccl_tests import import_file
     from piper_plan.calibration.schema import COLLECTIVES
 
+    from piper_plan.calibration.slurm import check_nodes
+    from piper_plan.catalog import load_platform
+
     directory = _out_dir(platform_name, out_dir)        # the platform first: a typo is named before the log
+    platform = load_platform(platform_name)
+    check_nodes(platform, num_nodes)                   # rows of a run the platform cannot hold would price nothing
+    if ranks_per_node > platform.devices_per_node:
+        raise PiperError(f"ranks_per_node={ranks_per_node}; {platform.name} has {platform.devices_per_node} devices "
+                         f"per node: allowed 1 to {platform.devices_per_node}", field="--ranks-per-node")
     rows = import_file(file, op, scope, num_nodes, ranks_per_node)
     path = merge_rows(directory, COLLECTIVES, rows)
     if as_json:

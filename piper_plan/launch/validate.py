@@ -64,8 +64,13 @@ def job_name(value: str) -> str:
 def default_job_name(model_name: str, nodes: int) -> str:
     """The job name piper picks when none is given: ``piper-<model>-<nodes>n``, each run of characters a job name
     may not hold (a model's name may be any printable line) as one '-', cut to NAME_RE's 128 characters."""
-    model = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-") or "model"
-    return f"piper-{model}"[:128 - len(f"-{nodes}n")] + f"-{nodes}n"
+    return f"piper-{name_token(model_name, 'model')}"[:128 - len(f"-{nodes}n")] + f"-{nodes}n"
+
+
+def name_token(name: str, fallback: str) -> str:
+    """``name`` (a model's or platform's: any printable line) as a job-name and file-name token: each run of
+    characters NAME_RE does not allow as one '-' (sbatch splits an unquoted option at a space; '%' is a pattern)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or fallback
 
 
 def slurm_name(value: str, field: str) -> str:

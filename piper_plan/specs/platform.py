@@ -316,6 +316,9 @@ class PlatformSpec(Spec):
             raise ValueError(f"node.num_nics={self.node.num_nics}, node.nic_bandwidth_GBps="
                              f"{self.node.nic_bandwidth_GBps:g}: a platform of {self.node_limit:,} nodes needs "
                              "NICs with bandwidth (set max_nodes: 1 for a single-node machine)")
+        if self.launch.gpus_per_task > self.devices_per_node:
+            raise ValueError(f"launch.gpus_per_task={self.launch.gpus_per_task} exceeds node.devices_per_node="
+                             f"{self.devices_per_node}: one task per device; allowed: 0 to {self.devices_per_node}")
         if self.efficiency.fp8_blockwise_runs_as_mxfp8 and self.peak_dtype("mxfp8") is None:
             raise ValueError("efficiency.fp8_blockwise_runs_as_mxfp8=true prices fp8 blockwise GEMMs at mxfp8's "
                              "rate: device.peak_flops needs an mxfp8 entry")

@@ -65,6 +65,23 @@ def test_slurm_script_cpu_platform_has_no_gpus(tmp_path):
     assert as_json.stderr == f"wrote {script}\n"
 
 
+def test_slurm_script_names_a_platform_whose_name_has_spaces_as_one_token(tmp_path):
+    """A platform's name may be any printable line; sbatch reads #SBATCH options unquoted (a space splits one,
+    '%j' is its pattern), so the job and output names carry the name as one token."""
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).parents[2] / "platforms" / "local-cpu.yaml").read_text())
+    data["name"] = "my cluster %j"
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
+    script = tmp_path / "c.sbatch"
+    result = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", str(tmp_path / "p.yaml"), "--nodes", "1",
+                                      "--out-dir", str(tmp_path / "rows"), "--output", str(script)])
+    assert result.exit_code == 0, result.output
+    lines = script.read_text().splitlines()
+    assert "#SBATCH --job-name=piper-calibrate-my-cluster-j" in lines
+    assert f"#SBATCH --output={tmp_path / 'rows'}/piper-calibrate-my-cluster-j-%j.out" in lines
+
+
 def _one_error_line(result) -> str:
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line]

@@ -175,6 +175,7 @@ PLATFORM_MUTATIONS = {
     "template-dotdot": ("launch.template", "../../tests/fuzz/corpus/templates/evil.sbatch"),
     "template-number": ("launch.template", 5),
     "cpus-zero": ("launch.cpus_per_task", 0),
+    "gpus-per-task-over-node": ("launch.gpus_per_task", 9),
     "backend-bogus": ("launch.backend", "mpi"),
     "max_nodes-zero": ("max_nodes", 0),
     "name-empty": ("name", ""),
