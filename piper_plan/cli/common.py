@@ -126,6 +126,8 @@ def not_an_input(dest: str, flag: str, option):
     would have replaced the model with a plan."""
     from functools import wraps
 
+    OUTPUT_FLAGS[dest] = flag
+
     def decorate(fn):
         @wraps(fn)
         def checked(*args, **params):
@@ -133,6 +135,14 @@ def not_an_input(dest: str, flag: str, option):
             return fn(*args, **params)
         return option(checked)
     return decorate
+
+
+OUTPUT_FLAGS: dict[str, str] = {}
+"""Parameter name -> flag of every option that writes a file (``not_an_input``): two of them may not name one file."""
+
+CATALOG_INPUTS = {"model": "models", "model_name": "models", "platform": "platforms", "platform_name": "platforms",
+                  "datasets": "validation"}
+"""Parameters that may name a catalog file (models/<name>.yaml, ...) rather than give its path."""
 
 
 def _refuse_overwriting_inputs(params: dict, dest: str, flag: str) -> None:
@@ -143,13 +153,36 @@ def _refuse_overwriting_inputs(params: dict, dest: str, flag: str) -> None:
     if out is not None and (not str(out).strip() or str(out).endswith(("/", "\\"))):
         raise PiperError(f"{out!r} names no file (empty, or a folder's path ending in a separator); give a file name",
                          field=flag)
-    if not out or not Path(out).is_file():
+    if not out:
+        return
+    for name, other in OUTPUT_FLAGS.items():
+        if name != dest and params.get(name) and Path(params[name]).resolve() == Path(out).resolve():
+            raise PiperError(f"is also this command's {other} output: one would replace the other; give two files",
+                             path=str(out), field=flag)
+    if not Path(out).is_file():
         return
     for name, value in params.items():
-        if (name != dest and isinstance(value, (str, os.PathLike)) and str(value) and Path(value).is_file()
-                and os.path.samefile(value, out)):
+        if name != dest and any(os.path.samefile(path, out) for path in _input_files(name, value)):
             raise PiperError(f"is also this command's {name} input: writing would replace it; give another file",
                              path=str(out), field=flag)
+
+
+def _input_files(name: str, value) -> list:
+    """The existing files a parameter's value names: paths, and for CATALOG_INPUTS catalog names."""
+    import os
+    from pathlib import Path
+
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    files = []
+    for text in (v for v in values if isinstance(v, (str, os.PathLike)) and str(v)):
+        path = Path(text)
+        if not path.is_file() and name in CATALOG_INPUTS and not path.suffix and os.sep not in str(text):
+            from piper_plan.catalog import project_root
+
+            path = project_root() / CATALOG_INPUTS[name] / f"{text}.yaml"
+        if path.is_file():
+            files.append(path)
+    return files
 
 
 def out_dir_option(dest: str, help: str, old: tuple[str, ...] = (), **kwargs):
