@@ -124,14 +124,34 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
 
 
 def write_job(prepared: PreparedJob) -> None:
-    """Write plan.json, job.sbatch (executable) and README.md, each atomically, once all three can be written (a
-    blocked one leaves none of them behind)."""
+    """Write plan.json, job.sbatch (executable) and README.md, each atomically, once all three can be written; a
+    write that fails on the way (a full disk) takes back the ones before it: each file as it was (none of them
+    behind where there was none), so the folder is not left half a job."""
     out = prepared.out_dir
-    for path in (out / "plan.json", prepared.script_path, out / "README.md"):
+    files = {out / "plan.json": prepared.plan_text, prepared.script_path: prepared.script,
+             out / "README.md": prepared.readme}
+    for path in files:
         check_writable(path)
-    atomic_write_text(out / "plan.json", prepared.plan_text)
-    atomic_write_text(prepared.script_path, prepared.script).chmod(0o755)
-    atomic_write_text(out / "README.md", prepared.readme)
+    before = {path: path.read_bytes() if path.is_file() else None for path in files}
+    try:
+        for path, text in files.items():
+            atomic_write_text(path, text)
+        prepared.script_path.chmod(0o755)
+    except BaseException:
+        _restore(before)
+        raise
+
+
+def _restore(before: dict) -> None:
+    """Each file as it was (bytes), or gone where it was not; best effort (the disk that failed a write may refuse)."""
+    for path, content in before.items():
+        try:
+            if content is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_bytes(content)
+        except OSError:
+            pass
 
 
 def submit_job(prepared: PreparedJob) -> str:

@@ -285,6 +285,28 @@ def test_an_output_that_is_one_of_the_inputs_is_refused(tmp_path):
     assert model.read_text() == before
 
 
+def test_an_output_that_is_a_catalog_input_or_another_output_is_refused(tmp_path, monkeypatch):
+    """Inputs given by catalog name (models/<name>.yaml under PIPER_HOME), every --dataset of validate, and two
+    outputs of one command naming one file: each one line, nothing written (before: each silently replaced)."""
+    import shutil
+
+    root = Path(__file__).parents[2]
+    for folder in ("models", "platforms", "validation"):
+        shutil.copytree(root / folder, tmp_path / folder)
+    monkeypatch.setenv("PIPER_HOME", str(tmp_path))
+    model, dataset = tmp_path / "models" / "tiny-moe.yaml", tmp_path / "validation" / "piper-migration-table4.yaml"
+    before = model.read_text(), dataset.read_text()
+    args = ("estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", 1, "--dp", 2, "--ep", 2)
+    assert_one_line_error(run(*args, "-o", model), f"{model}: -o: is also this command's model_name input")
+    assert_one_line_error(run("validate", "--dataset", "korthikanti-a100", "--dataset", "piper-migration-table4",
+                              "-o", dataset), f"{dataset}: -o: is also this command's datasets input")
+    assert (model.read_text(), dataset.read_text()) == before
+    both = tmp_path / "both.png"
+    assert_one_line_error(run(*args, "-o", both, "--plot", both),
+                          f"{both}: -o: is also this command's --plot output: one would replace the other")
+    assert not both.exists()
+
+
 def test_launch_writes_none_of_its_files_when_one_is_blocked(tmp_path):
     out = tmp_path / "job"
     (out / "README.md").mkdir(parents=True)
@@ -292,6 +314,29 @@ def test_launch_writes_none_of_its_files_when_one_is_blocked(tmp_path):
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert result.stderr.strip().splitlines()[-1].endswith("README.md: cannot write: is a directory; give a file name")
     assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+
+
+def test_launch_takes_back_its_files_when_a_write_fails_on_the_way(tmp_path, monkeypatch):
+    """A write that fails after the checks (the disk fills up between files): the files written before it are
+    taken back, an earlier plan.json restored under --force, so the folder is as it was, not half a job."""
+    import piper_plan.launch.job as job
+    from piper_plan.errors import PiperError
+
+    out = tmp_path / "job"
+    out.mkdir()
+    (out / "plan.json").write_text("an earlier plan")
+    real = job.atomic_write_text
+
+    def full_disk(path, text):
+        if Path(path).name == "README.md":
+            raise PiperError("cannot write: No space left on device", path=str(path))
+        return real(path, text)
+
+    monkeypatch.setattr(job, "atomic_write_text", full_disk)
+    result = run("launch", *TINY, "--nodes", 1, "--out-dir", out, "--force")
+    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1].endswith("No space left on device")
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json"]
+    assert (out / "plan.json").read_text() == "an earlier plan"
 
 
 @pytest.mark.parametrize("args, needle", [
