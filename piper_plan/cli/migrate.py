@@ -14,6 +14,10 @@ MAX_EXPERTS = 16_384
 published MoE models have at most 384 routed experts (Kimi K2)."""
 MAX_LOAD_CELLS = 2**20
 """Largest layers x experts simulated (measured: 1,024 x 1,000 took ~10 s on a 2-core CPU)."""
+MAX_SWAP_CELLS = 2**30
+"""Largest hill-climbing work: layers x swaps x (experts per rank)^2 load pairs, swaps counted as min(--max-iters,
+E) per layer (each swap compares every expert of the most loaded rank with every one of the least loaded; measured:
+16 swaps of 8,192 experts per rank, 2^30 pairs, took 5.7 s on a 2-core CPU)."""
 OPTIMAL_MAX_PARTITIONS = 20_000
 """The exact optimum is added when one layer has at most this many equal partitions (milliseconds each)."""
 
@@ -51,6 +55,7 @@ def simulate_cmd(num_experts, ep, num_layers, skew, threshold, max_iters, seed, 
     loads_LE, skew_spec = _loads(skew, num_experts, num_layers, seed, model_spec, model)
     if loads_LE.shape[1] % ep:
         raise PiperError(f"--ep {ep} must divide the number of experts {loads_LE.shape[1]}")
+    _check_swap_work(*loads_LE.shape, ep, max_iters)
     pricing = _pricing(model_spec, platform, ep, with_grads, placement)
     placement = migration.contiguous_placement(loads_LE.shape[1], ep)
     results = _run_planners(loads_LE, placement, ep, threshold, max_iters)
@@ -102,6 +107,15 @@ def _loads(skew: str, num_experts, num_layers, seed: int, model_spec, model: str
         raise PiperError(f"experts {num_experts} x --layers {num_layers} = {num_experts * num_layers} load cells; "
                          f"allowed at most {MAX_LOAD_CELLS}")
     return synthetic_loads(spec, num_experts, num_layers or 1, seed), spec
+
+
+def _check_swap_work(num_layers: int, num_experts: int, ep: int, max_iters: int) -> None:
+    """One line when the hill climb would compare more load pairs than MAX_SWAP_CELLS (minutes and GBs)."""
+    swaps, per_rank = min(max_iters, num_experts), num_experts // ep
+    if num_layers * swaps * per_rank**2 > MAX_SWAP_CELLS:
+        raise PiperError(f"{num_layers:,} layers x {swaps:,} swaps x ({per_rank:,} experts per rank)^2 = "
+                         f"{num_layers * swaps * per_rank**2:,} load pairs to compare; allowed at most "
+                         f"{MAX_SWAP_CELLS:,}: fewer --layers or --max-iters, or a larger --ep", field="--ep")
 
 
 def _check_file_shape(loads, num_experts, num_layers, spec) -> None:

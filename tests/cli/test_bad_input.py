@@ -124,6 +124,9 @@ def test_migrate_simulate_refuses_sizes_that_would_exhaust_memory():
     assert_one_line_error(run("migrate", "simulate", "--ep", "2", "--experts", "1024", "--layers", "100000"),
                           "load cells")
     assert_one_line_error(run("migrate", "simulate", "--ep", "2", "--experts", "8", "--threshold", "nan"), "--threshold")
+    # within both limits above, yet minutes of hill climbing (8,192 experts per rank compared pairwise per swap)
+    assert_one_line_error(run("migrate", "simulate", "--ep", "2", "--experts", "16384", "--layers", "64"),
+                          "64 layers x 16 swaps x (8,192 experts per rank)^2")
 
 
 def test_calibrate_bad_arguments_fail_before_measuring(tmp_path):
