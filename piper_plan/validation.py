@@ -158,7 +158,7 @@ class MigrationArgs(Spec):
     bytes_per_param: int | None = Field(default=None, ge=1, le=64)
     matrices: int | None = Field(default=None, ge=1, le=8)
     gpus: int | None = Field(default=None, ge=1, le=MAX_RANKS)
-    bandwidth_Bps: float | None = Field(default=None, gt=0, le=1e15)
+    bandwidth_Bps: float | None = Field(default=None, ge=1.0, le=1e15)   # B/s; below 1, a time of inf s
 
 
 # ---- results -----------------------------------------------------------------------------------------

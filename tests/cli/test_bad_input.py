@@ -394,6 +394,8 @@ def changed_dataset(tmp_path: Path, name: str, change) -> Path:
 
 @pytest.mark.parametrize("change, needle", [
     (lambda d: d["migration"].update(gpus=0), ": migration: gpus: Input should be greater than or equal to 1"),
+    (lambda d: d["migration"].update(bandwidth_Bps=1e-300),    # before: predicted inf, exit 1, JSON 'Infinity'
+     ": migration: bandwidth_Bps: Input should be greater than or equal to 1"),
     (lambda d: d["rows"][0].update(migration={"gpus": "8"}), "rows[switch-base].migration: gpus: Input should be a"),
     (lambda d: d["rows"][0].update(facts={}), "rows[switch-base].facts: num_experts: Field required"),
     (lambda d: d["rows"][0]["facts"].update(hidden_size="big"), "facts: hidden_size: Input should be a valid integer"),
