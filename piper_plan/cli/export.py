@@ -28,8 +28,11 @@ def export_cmd(plan, engine, out_path, as_json) -> None:
         check_writable(out_path)
     plan_file = read_plan_file(plan)
     try:                                        # all that can fail, before anything is written
-        text = render(plan_file, engine)
-        warnings = export_warnings(plan_file)
+        from piper_plan.launch.job import repriced
+
+        fresh, changed = repriced(plan_file)    # as `piper launch` sizes and checks it
+        text = render(fresh, engine)
+        warnings = export_warnings(plan_file, fresh, changed)
     except PiperError as exc:                   # what the engine cannot take names the plan file and its field
         raise in_plan_file(exc, plan) from None
     if out_path:
@@ -43,12 +46,12 @@ def export_cmd(plan, engine, out_path, as_json) -> None:
         click.echo(text, nl=False)
 
 
-def export_warnings(plan_file) -> list[str]:
-    """What a reader of the exported job should know of its plan file: its own prediction does not fit, or is not
-    what the plan costs now (a hand-edited recipe, batch or platform; the check `piper launch` makes)."""
+def export_warnings(plan_file, fresh, changed: bool) -> list[str]:
+    """What a reader of the exported job should know of its plan file: its plan, priced again as `piper launch`
+    prices it (``fresh``), does not fit, or the stored prediction is not what the plan costs now (``changed``: a
+    hand-edited recipe, batch or platform)."""
     from piper_plan.export.script import fit_warning
-    from piper_plan.launch.job import repriced, stale_note
+    from piper_plan.launch.job import stale_note
 
-    fresh, changed = repriced(plan_file)
-    found = [fit_warning(plan_file), stale_note(plan_file.prediction, fresh.prediction) if changed else None]
+    found = [fit_warning(fresh), stale_note(plan_file.prediction, fresh.prediction) if changed else None]
     return [w for w in found if w]

@@ -350,6 +350,14 @@ def test_export_warns_when_the_plan_does_not_fit(plans, tmp_path):
     assert "# warning: the plan's own prediction does not fit" in (tmp_path / "job.sh").read_text()
     fits = run("export", "--engine", "torchtitan", plans["qwen3-hsdp"], "-o", tmp_path / "fits.sh")
     assert fits.exit_code == 0 and "warning" not in fits.stderr, fits.stderr
+    import json
+
+    edited = json.loads(plans["qwen3-hsdp"].read_text())   # a fitting plan whose stored verdict was edited: export
+    edited["prediction"]["fits"] = False                    # judges it as `piper launch` does, priced again
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    res = run("export", "--engine", "torchtitan", tmp_path / "edited.json", "-o", tmp_path / "edited.sh")
+    assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
+    assert "# warning" not in (tmp_path / "edited.sh").read_text()
 
 
 def test_export_cli_writes_an_executable_script(plans, tmp_path):
