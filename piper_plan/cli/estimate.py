@@ -13,7 +13,7 @@ from piper_plan.cli.common import (console, exit_codes, json_option, note, outpu
                                    plot_option, print_json)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options,
                                     migration_option, parallel_options, placement_option, precision_text,
-                                    training_options)
+                                    training_options, unused_modules_note)
 
 GiB = 2**30
 
@@ -48,12 +48,15 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew,
                                              mtp_layers, dtype, grad_bytes, fp8_recipe)
     plan = build_plan(model, platform, training, nodes, **parallel)
-    _note_capped_skew(model, training, plan)
     calibration = None if no_calibration else platform_calibration(platform.name)
-    options = cost_options(piper_runtime, dropout, recompute_modules, parallel["recompute"], cost_option)
+    options = cost_options(piper_runtime, dropout, recompute_modules, cost_option)
     result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement,
                       options=options)
     result = with_other_placement(result, model, platform, training, nodes, plan, calibration, options)
+    _note_capped_skew(model, training, plan)               # notes once priced: an error stays the one line
+    unused = unused_modules_note(options, recompute_modules, cost_option, parallel["recompute"])
+    if unused:
+        note(unused)
     if save_path:
         from piper_plan.planfile import MigrationBlock, write_plan_file
 

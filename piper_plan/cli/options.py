@@ -10,7 +10,6 @@ import typing
 
 import click
 
-from piper_plan.cli.common import note
 from piper_plan.errors import PiperError
 from piper_plan.fileio import ascii_int
 from piper_plan.specs.parallel import ParallelPlan, check_layout_mtp
@@ -184,11 +183,10 @@ def with_mtp_layers(model, mtp_layers: int | None):
 
 
 def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: str | None = None,
-                 recompute: str | None = None, cost_option: tuple[str, ...] = ()):
+                 cost_option: tuple[str, ...] = ()):
     """The CostOptions of a plan or an estimate: piper's runtime's (unfused kernels, ...) or the default
     (Megatron's fused kernels), with dropout layers and the selective-recompute modules where asked; what the
-    runtime does not do is one error line. ``recompute``: the estimated plan's --recompute; modules given beside
-    none or full are noted as unused, not refused, as plan ranks such plans beside selective ones."""
+    runtime does not do is one error line (modules beside another --recompute: ``unused_modules_note``)."""
     from dataclasses import replace
 
     from piper_plan.cost.options import DEFAULT_OPTIONS, PIPER_RUNTIME_OPTIONS, RECOMPUTE_MODULES
@@ -209,10 +207,17 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
     flags = {"recompute_modules": "--recompute-modules" if recompute_modules is not None else None,
              "dropout": "--dropout" if dropout else None}
     result = with_cost_options(options, cost_option, piper_runtime, {k: v for k, v in flags.items() if v})
-    if modules_asked(recompute_modules, cost_option) and recompute not in (None, Recompute.SELECTIVE.value):
-        note(f"recompute modules {', '.join(result.recompute_modules)}: what --recompute selective re-runs; this "
-             f"plan has --recompute {recompute}, so they change nothing in it")
     return result
+
+
+def unused_modules_note(options, recompute_modules: str | None, cost_option: tuple[str, ...],
+                        recompute: str | None) -> str | None:
+    """A note where selective-recompute modules were given to a plan that does not recompute selectively (plan
+    ranks such plans beside selective ones, so estimate prices them alike rather than refusing), or None."""
+    if not modules_asked(recompute_modules, cost_option) or recompute in (None, Recompute.SELECTIVE.value):
+        return None
+    return (f"recompute modules {', '.join(options.recompute_modules)}: what --recompute selective re-runs; this plan "
+            f"has --recompute {recompute}, so they change nothing in it")
 
 
 def modules_asked(recompute_modules: str | None, cost_option: tuple[str, ...]) -> bool:

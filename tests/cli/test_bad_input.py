@@ -319,6 +319,14 @@ def test_launch_writes_none_of_its_files_when_one_is_blocked(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["README.md"]
 
 
+def test_notes_wait_for_the_estimate_so_an_error_stays_one_line():
+    """A routing-skew note and an unused-modules note used to print before a later error: three lines, exit 2."""
+    args = ("estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", 1, "--dp", 2, "--routing-skew", 8)
+    assert_one_line_error(run(*args, "--recompute-modules", "mla_up_proj"), "names mla_up_proj")
+    ok = run(*args, "--ep", 2, "--recompute-modules", "moe_act")
+    assert ok.exit_code == 0 and "priced as 2" in ok.stderr and "change nothing in it" in ok.stderr, ok.stderr
+
+
 def test_launch_takes_back_its_files_when_a_write_fails_on_the_way(tmp_path, monkeypatch):
     """A write that fails after the checks (the disk fills up between files): the files written before it are
     taken back, an earlier plan.json restored under --force, so the folder is as it was, not half a job."""
