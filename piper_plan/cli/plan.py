@@ -450,7 +450,8 @@ def _emit_sweep(results, training, as_json) -> None:
     for row in rows:
         b = row["best"]
         if b is None:
-            table.add_row(str(row["nodes"]), str(row["world"]), *["-"] * 8, "nothing fits")
+            table.add_row(str(row["nodes"]), str(row["world"]), *["-"] * 8,
+                          "no valid plan (--json: why)" if row["refused"] else "nothing fits")
             continue
         table.add_row(str(row["nodes"]), str(row["world"]), *(str(b[k]) for k in ("dp", "tp", "pp", "ep")),
                       f"{b['tokens_per_s']:,.0f}", f"{b['tflops_per_device']:.1f}", f"{100 * b['mfu']:.1f}%",

@@ -136,10 +136,30 @@ def _narrow(mask: np.ndarray, ok_of_selected: np.ndarray) -> np.ndarray:
 
 
 # ---- node counts ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RefusedCount:
+    """A node count of a sweep whose whole space was refused (errors.CountRefused): no plan, and why."""
+
+    nodes: int
+    world: int
+    reason: str
+    feasible: bool = False
+    search_seconds: float = 0.0
+    candidates_total: int = 0
+
+
 def sweep(model, platform, training, node_counts: list[int], options: SearchOptions = SearchOptions(),
-          **kwargs) -> list[SearchResult]:
-    """One search per node count (ascending)."""
-    return [search(model, platform, training, n, options, **kwargs) for n in sorted(set(node_counts))]
+          **kwargs) -> list[SearchResult | RefusedCount]:
+    """One search per node count (ascending); a count whose whole space is refused (no dp divides the global
+    batch there) is a RefusedCount, unless every count is: then the first refusal is the input's error."""
+    results, refusals = [], []
+    for n in sorted(set(node_counts)):
+        r, refused = _search_or_refusal(model, platform, training, n, options, **kwargs)
+        results.append(r if refused is None else RefusedCount(n, n * platform.devices_per_node, refused.message))
+        refusals += [refused] if refused is not None else []
+    if refusals and len(refusals) == len(results):
+        raise refusals[0]
+    return results
 
 
 def scaling_rows(results: list[SearchResult]) -> list[dict]:
@@ -152,7 +172,7 @@ def scaling_rows(results: list[SearchResult]) -> list[dict]:
     rows = []
     for r in results:
         row = {"nodes": r.nodes, "world": r.world, "feasible": r.feasible, "best": None, "speedup": None,
-               "efficiency": None}
+               "efficiency": None, "refused": r.reason if isinstance(r, RefusedCount) else None}
         if r.feasible:
             best = r.row(r.best)
             per_device = best["tokens_per_s"] / r.world

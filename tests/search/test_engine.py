@@ -86,6 +86,17 @@ def test_scaling_rows_efficiency():
         assert r["efficiency"] == pytest.approx(per_dev / base)
 
 
+def test_a_sweep_reports_a_count_no_dp_admits_and_refuses_only_when_every_count_is():
+    """DeepSeek-V3 on Frontier, global batch 1024: at 9,856 nodes (78,848 GCDs) no valid dp divides the batch. In a
+    sweep that count is a row with the reason (it used to fail the whole sweep); alone it is the input's error."""
+    model, training = load_model("deepseek-v3"), TrainingSpec(global_batch=1024)
+    rows = engine.scaling_rows(engine.sweep(model, FRONTIER, training, [4096, 9856]))
+    assert [r["nodes"] for r in rows] == [4096, 9856] and rows[0]["refused"] is None and rows[0]["feasible"]
+    assert not rows[1]["feasible"] and "global_batch=1024 is not divisible" in rows[1]["refused"]
+    with pytest.raises(PiperError, match="is not divisible by dp x mbs"):
+        engine.sweep(model, FRONTIER, training, [9856])
+
+
 def test_bad_inputs_are_user_errors():
     model = load_model("mixtral-8x7b")
     with pytest.raises(PiperError, match="nodes=0"):
