@@ -17,6 +17,7 @@ Pure numpy and specs: no torch, no I/O.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -146,14 +147,21 @@ class PlanBatch:
 
     def describe(self, i: int) -> dict:
         """Plan i as plain Python values, enum axes by name, with its derived ``edp``."""
-        out = {name: int(getattr(self, name)[i]) for name in array_fields()}
-        out["sequence_parallel"] = bool(out["sequence_parallel"])     # a flag, as in ParallelPlan and plan.json
-        for name, vocab in ENUM_FIELDS.items():
-            out[name] = vocab.of_code(out[name]).value
-        out["edp"] = int(self.edp[i])
-        return out
+        return described({name: int(getattr(self, name)[i]) for name in array_fields()})
 
 
+def described(codes: dict[str, int]) -> dict:
+    """One plan's array fields (ints, enum axes as codes) as plain Python values, enum axes by name, with its
+    derived ``edp`` (PlanBatch's rule)."""
+    out = dict(codes)
+    out["sequence_parallel"] = bool(out["sequence_parallel"])     # a flag, as in ParallelPlan and plan.json
+    for name, vocab in ENUM_FIELDS.items():
+        out[name] = vocab.of_code(out[name]).value
+    out["edp"] = out["dp"] * out["cp"] * out["tp"] // (out["ep"] * out["etp"])
+    return out
+
+
+@functools.cache
 def array_fields() -> tuple[str, ...]:
     """PlanBatch's array fields, in declaration order."""
     return tuple(f.name for f in fields(PlanBatch) if f.name not in ("explicit_layers", "explicit_chunks"))

@@ -80,7 +80,7 @@ def runnable_mask(fields: dict[str, np.ndarray], model, training=None) -> tuple[
     (``too_few_microbatches``). Returns (mask, feature -> rejected count).
     """
     from piper_plan.capability import FEWER_MICROBATCHES_THAN_STAGES, too_few_microbatches, unsupported_features
-    from piper_plan.search.space import describe
+    from piper_plan.plans import described
     from piper_plan.specs import ParallelPlan
 
     shape_fields = [k for k in CANDIDATE_FIELDS if k not in ("mbs", "num_microbatches")]
@@ -92,8 +92,9 @@ def runnable_mask(fields: dict[str, np.ndarray], model, training=None) -> tuple[
     sizes = np.bincount(inverse, minlength=len(uniq))
     first_of = np.zeros(len(uniq), dtype=np.int64)
     first_of[inverse[::-1]] = np.arange(len(inverse))[::-1]
-    for u, i in enumerate(first_of):
-        d = describe(fields, int(i))
+    columns = {k: np.broadcast_to(np.atleast_1d(fields[k]), inverse.shape)[first_of].tolist() for k in CANDIDATE_FIELDS}
+    for u in range(len(uniq)):
+        d = described({k: int(columns[k][u]) for k in CANDIDATE_FIELDS})
         plan = ParallelPlan(**{k: d[k] for k in CANDIDATE_FIELDS})
         missing = unsupported_features(plan, model, training)
         if missing:

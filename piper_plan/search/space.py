@@ -30,8 +30,8 @@ from pydantic import Field
 
 from piper_plan.cost.options import DEFAULT_OPTIONS, acting_modules
 from piper_plan.errors import CountRefused, PiperError
-from piper_plan.plans import (RULES, PlanBatch, array_fields, check_setting, cp_splits_sequence, problem_masks,
-                              reason_counts)
+from piper_plan.plans import (RULES, PlanBatch, array_fields, check_setting, cp_splits_sequence, described,
+                              problem_masks, reason_counts)
 from piper_plan.specs.parallel import Degree
 from piper_plan.specs.vocab import A2A, LayerSplit, Recompute, Schedule
 
@@ -266,4 +266,8 @@ def take(fields: dict[str, np.ndarray], index) -> dict[str, np.ndarray]:
 
 def describe(fields: dict[str, np.ndarray], i: int) -> dict:
     """Candidate ``i`` as plain Python values with names instead of codes (for output and ParallelPlan)."""
-    return PlanBatch.from_arrays(fields).take(np.array([i])).describe(0)
+    codes = {}
+    for name in array_fields():                    # candidate i alone: a batch of every candidate per call was O(n^2)
+        values = np.atleast_1d(fields[name])
+        codes[name] = int(values[i if len(values) > 1 else 0])
+    return described(codes)
