@@ -291,6 +291,25 @@ def check_prediction(plan_file: PlanFile, path: str) -> None:
                              "(it counts the same FLOPs plus what recomputation repeats)", path=path,
                              field=f"prediction.{hardware_name}")
     _check_derived_figures(pred, plan_file.platform.devices_per_node, path)
+    _check_prediction_shape(pred, plan_file.parallel, path)
+
+
+def _check_prediction_shape(pred: Estimate, plan: ParallelPlan, path: str) -> None:
+    """A prediction of this plan has one memory row per pipeline stage, the plan's own layer split where the plan
+    states one, and a known scope for each group (a hand-edited prediction was shown as the plan's)."""
+    from piper_plan.specs.platform import SCOPES
+
+    if len(pred.memory.per_stage) != plan.pp:
+        raise PiperError(f"{len(pred.memory.per_stage)} stages, but parallel.pp is {plan.pp}; allowed: one row per "
+                         "pipeline stage", path=path, field="prediction.memory.per_stage")
+    if pred.layers_per_stage and plan.layers_per_stage and list(pred.layers_per_stage) != list(plan.layers_per_stage):
+        raise PiperError(f"{list(pred.layers_per_stage)}, but parallel.layers_per_stage is "
+                         f"{list(plan.layers_per_stage)}; allowed: the split the plan states", path=path,
+                         field="prediction.layers_per_stage")
+    for group, scope in pred.scopes.items():
+        if scope not in SCOPES:
+            raise PiperError(f"{scope!r} is not a scope; allowed: {', '.join(SCOPES)}", path=path,
+                             field=f"prediction.scopes.{group}")
 
 
 def _check_derived_figures(pred: Estimate, devices_per_node: int, path: str) -> None:

@@ -375,6 +375,9 @@ PLAN_PATCHES = {
     "prediction-breakdown-string": {"prediction.time.breakdown": "x"},
     "prediction-a2a-share-string": {"prediction.a2a_share": "x"},
     "prediction-list": {"prediction": [1, 2]},
+    "prediction-per-stage-empty": {"prediction.memory.per_stage": []},        # read silently, as the plan's, before
+    "prediction-layers-other": {"prediction.layers_per_stage": [1, 2, 1]},
+    "prediction-scope-galaxy": {"prediction.scopes.tp": "galaxy"},
     # runtime / launch values
     "steps-1e15": {"runtime.steps": 10**15},
     "steps-zero": {"runtime.steps": 0},
