@@ -241,7 +241,7 @@ def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = Fal
     if piper_runtime:
         raise PiperError(f"{pairs[0]!r}: piper's runtime prices its own kernels: drop --cost-option, or drop "
                          "--runnable / --piper-runtime", field="--cost-option")
-    values = asdict(options)
+    values, given = asdict(options), set()
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or not name.strip():
@@ -252,6 +252,9 @@ def with_cost_options(options, pairs: tuple[str, ...], piper_runtime: bool = Fal
         if name.strip() in (flags or {}):
             raise PiperError(f"{pair!r} sets what {flags[name.strip()]} already sets: give it once",
                              field="--cost-option")
+        if name.strip() in given:
+            raise PiperError(f"{pair!r} sets {name.strip()} a second time: give it once", field="--cost-option")
+        given.add(name.strip())
         where = f"--cost-option {pair!r}"     # read as files' values are (010, on, 1:0 refused, not 8, true, 60)
         values[name.strip()] = parse_yaml(text, where) if text.strip() else None
     return parsed_options(values, field="--cost-option")

@@ -583,6 +583,8 @@ def test_link_device_pairs_outside_the_node_are_refused(tmp_path, pairs):
     (("--recompute", "selective", "--recompute-modules", "moe_act", "--cost-option", "recompute_modules=[mlp]"),
      ["--cost-option: 'recompute_modules=[mlp]' sets what --recompute-modules already sets: give it once"]),
     (("--dropout", "--cost-option", "dropout=false"), ["'dropout=false' sets what --dropout already sets"]),
+    (("--cost-option", "dropout=true", "--cost-option", "dropout=false"),     # before: the last one won, silently
+     ["--cost-option: 'dropout=false' sets dropout a second time: give it once"]),
     (("--cost-option", "ep_dispatch=PER_NODE"), ["--cost-option ep_dispatch: ep_dispatch names 'PER_NODE'"]),
 ])
 def test_a_cost_option_given_twice_or_out_of_its_choices_names_the_flag(args, needles):
