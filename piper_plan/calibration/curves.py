@@ -385,7 +385,10 @@ class Calibration:
 def _no_rows(directory: Path, filename: str, what: str = ""):
     from piper_plan.errors import PiperError
 
-    return PiperError(f"no calibration rows{what}", path=str(directory / filename))
+    path = directory / filename
+    if not path.is_file():        # a calibration folder without the file: not a file without rows
+        return PiperError(f"no such file in the calibration folder{what} (piper calibrate measures it)", path=str(path))
+    return PiperError(f"no calibration rows{what}", path=str(path))
 
 
 def _sources(directory: Path, tables) -> list[str]:

@@ -208,3 +208,19 @@ def test_slurm_job_names_a_platform_file_by_its_path(tmp_path):
     assert result.exit_code == 0, result.output
     srun = [line for line in script.read_text().splitlines() if line.startswith("srun ")]
     assert len(srun) == 2 and all(f"--platform {tmp_path / 'mysite.yaml'} " in line for line in srun)
+
+
+def test_a_calibration_folder_without_attention_csv_says_the_file_is_missing(tmp_path, monkeypatch):
+    """Before: 'attention.csv: no calibration rows', as if the file were there and empty."""
+    import shutil
+
+    root = Path(__file__).parents[2]
+    for folder in ("models", "platforms"):
+        shutil.copytree(root / folder, tmp_path / folder)
+    shutil.copytree(root / "calibration" / "local-cpu", tmp_path / "calibration" / "local-cpu")
+    (tmp_path / "calibration" / "local-cpu" / "attention.csv").unlink()
+    monkeypatch.setenv("PIPER_HOME", str(tmp_path))
+    result = CliRunner().invoke(cli, ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                                      "--dp", "2", "--ep", "2"])
+    assert _one_error_line(result).endswith("local-cpu/attention.csv: no such file in the calibration folder "
+                                            "(piper calibrate measures it)")
