@@ -173,8 +173,8 @@ def check_same_model(model, records: list[dict], metrics_path: str, plan_path: s
         for key, counts in entries:
             plain = isinstance(key, int) or (isinstance(key, str) and key.isascii() and key.isdecimal())
             layer = int(key) if plain else None
-            named = layer in layers if isinstance(tokens, dict) else layer < len(layers)
-            if not layers or (layer is not None and not named) or (isinstance(counts, list) and len(counts) != experts):
+            named = layer is not None and (layer in layers if isinstance(tokens, dict) else layer < len(layers))
+            if not layers or not named or not isinstance(counts, list) or len(counts) != experts:
                 raise PiperError(f"step {record['step']}: expert_tokens has layer {key} with "
                                  f"{len(counts) if isinstance(counts, list) else '?'} experts, but {plan_path}'s model "
                                  f"{model.name} routes {experts} experts in layers {sorted(layers) or 'none'}: the "

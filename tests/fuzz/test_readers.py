@@ -261,6 +261,7 @@ def test_fit_refuses_runs_of_two_platforms(tmp_path):
     ({"0": [1] * 8, "7": [1] * 8}, "layer 7 with 8 experts"),         # tiny-moe's MoE layers are 0..3
     ({"0": [1] * 64}, "layer 0 with 64 experts"),                     # it routes 8
     ([[1] * 8] * 5, "layer 4 with 8 experts"),                        # 5 layers in list form
+    ({"x": "y"}, "layer x with ? experts"),                            # before: compared as tiny-moe's
 ])
 def test_compare_and_fit_refuse_metrics_of_another_model(tmp_path, expert_tokens, needle):
     """Before: a dense or other-sized plan.json beside a tiny-moe run's metrics (same tokens and layout) compared
