@@ -242,10 +242,6 @@ def test_the_dsv3_h100_row_is_one_estimate_command_away():
     (["--cost-option", "loss_chunk_rows=010"], "YAML 1.1 integer spelling"),
     (["--cost-option", "dropout=on"], "YAML 1.1 boolean spelling"),
     (["--cost-option", "moe_saved_rows=1:0"], "YAML 1.1 integer spelling"),
-    # selective recompute's modules under another --recompute were silently unused when given as a cost option
-    (["--recompute", "full", "--cost-option", "recompute_modules=[mlp]"], "--cost-option: recompute_modules ['mlp']"),
-    (["--recompute", "full", "--recompute-modules", "mlp"], "--recompute-modules: recompute_modules ['mlp']"),
-    (["--recompute", "full", "--cost-option", "recompute_modules=[core_attn]"], "--cost-option: recompute_modules"),
     (["--cost-option", "a2a_overlap=0.5", "--piper-runtime"], "piper's runtime prices its own kernels"),
 ])
 def test_cost_option_bad_input_is_one_line(extra, needle):
@@ -253,6 +249,18 @@ def test_cost_option_bad_input_is_one_line(extra, needle):
             "--no-calibration"]
     result = CliRunner().invoke(cli, args + extra)
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("extra", [["--cost-option", "recompute_modules=[mlp]"], ["--recompute-modules", "mlp"]])
+def test_recompute_modules_beside_full_recompute_are_noted_not_silently_unused(extra):
+    """plan ranks full-recompute plans beside selective ones whatever the modules, so estimate prices them alike
+    and says the modules change nothing (it refused them; before that they were silently unused)."""
+    args = ["estimate", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--dp", "8", "--ep", "8",
+            "--no-calibration", "--recompute", "full"]
+    result = CliRunner().invoke(cli, args + extra)
+    assert result.exit_code == 0, result.stderr
+    assert "recompute modules mlp: what --recompute selective re-runs; this plan has --recompute full, so they " \
+           "change nothing in it" in result.stderr
 
 
 @pytest.mark.parametrize("change, needle", [
