@@ -115,7 +115,6 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
     from piper_plan.calibration.io import merge_rows
     from piper_plan.calibration.nccl_tests import import_file
     from piper_plan.calibration.schema import COLLECTIVES
-
     from piper_plan.calibration.slurm import check_nodes
     from piper_plan.catalog import load_platform
 

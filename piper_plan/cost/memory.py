@@ -109,7 +109,8 @@ def saved_bytes_per_param(training: TrainingSpec, zero, fp32_replicas: bool = Fa
     return np.where(fsdp, FSDP_GRAD_BYTES, weight), np.where(fsdp, training.optimizer_bytes, keep)
 
 
-def saved_state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero, fp32_replicas: bool = False) -> np.ndarray:
+def saved_state_bytes(training: TrainingSpec, dense, expert, dp, edp, zero,
+                      fp32_replicas: bool = False) -> np.ndarray:
     """Bytes of one rank's state that a checkpoint saves (``saved_bytes_per_param``): under zero 0 / 1 every
     weight of the rank and its master + optimizer shard, under zero 2 / 3 its shard of both."""
     local = dense / np.where(zero >= 1, dp, 1) + expert / np.where(zero >= 1, edp, 1)

@@ -92,7 +92,8 @@ def runnable_mask(fields: dict[str, np.ndarray], model, training=None) -> tuple[
     sizes = np.bincount(inverse, minlength=len(uniq))
     first_of = np.zeros(len(uniq), dtype=np.int64)
     first_of[inverse[::-1]] = np.arange(len(inverse))[::-1]
-    columns = {k: np.broadcast_to(np.atleast_1d(fields[k]), inverse.shape)[first_of].tolist() for k in CANDIDATE_FIELDS}
+    columns = {k: np.broadcast_to(np.atleast_1d(fields[k]), inverse.shape)[first_of].tolist()
+               for k in CANDIDATE_FIELDS}             # each shape's first candidate, as Python ints
     for u in range(len(uniq)):
         d = described({k: int(columns[k][u]) for k in CANDIDATE_FIELDS})
         plan = ParallelPlan(**{k: d[k] for k in CANDIDATE_FIELDS})
