@@ -146,8 +146,8 @@ def recompute_flops_per_token(model: ModelSpec, seq_len: int, lf: LayerFlops, re
 def selective_gemm_flops_per_token(model: ModelSpec, lf: LayerFlops, modules) -> float:
     """Forward GEMM FLOPs per token that selective recompute of ``modules`` re-runs, as its time is priced
     (cost/stage.py selective_recompute_seconds): mla_up_proj = MLA's q and kv up-projections in every layer, mlp =
-    the dense layers' MLP, shared_experts = the MoE layers' shared experts; the other modules (norms, the experts'
-    activation, the attention core) hold no GEMM."""
+    the dense layers' MLP, shared_experts = the MoE layers' shared experts, moe = the MoE layers' router, routed
+    and shared experts; the other modules (norms, the experts' activation, the attention core) hold no GEMM."""
     flops = 0.0
     a = model.attention
     if "mla_up_proj" in modules and a.kind == "mla":
@@ -156,6 +156,8 @@ def selective_gemm_flops_per_token(model: ModelSpec, lf: LayerFlops, modules) ->
         flops += model.num_layers * 2.0 * (q_up + kv_up)
     if "mlp" in modules:
         flops += model.num_dense_layers * lf.dense_mlp
-    if "shared_experts" in modules and model.moe is not None:
+    if "moe" in modules and model.moe is not None:               # the whole block, its shared experts included
+        flops += model.num_moe_layers * (lf.router + lf.experts + lf.shared)
+    elif "shared_experts" in modules and model.moe is not None:
         flops += model.num_moe_layers * 2.0 * layer_params(model).shared
     return flops

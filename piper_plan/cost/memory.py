@@ -276,7 +276,9 @@ def selective_dropped_bytes(model: ModelSpec, training: TrainingSpec, opts: Cost
     recompute keeps a module's input and discards what it saves inside): ``mla_up_proj`` the per-head q, k and v
     (from "attention"); ``layernorm`` the two norm outputs (attention's QKV input, the MLP's or router's input);
     ``mlp`` the dense MLP's intermediates; ``moe_act`` the experts' activation output (their second GEMM's input);
-    ``shared_experts`` all the shared experts save (their input is the router's, saved anyway)."""
+    ``shared_experts`` all the shared experts save (their input is the router's, saved anyway); ``moe`` all the MoE
+    block saves but its input (router, token buffers, experts, shared experts: moe_activation_bytes), which covers
+    ``moe_act`` and ``shared_experts``."""
     modules, d, ab = set(opts.recompute_modules), model.hidden_size, training.activation_bytes
     gb = gemm_input_bytes(training, opts)
     tokens = mbs * training.seq_len
@@ -297,6 +299,9 @@ def selective_dropped_bytes(model: ModelSpec, training: TrainingSpec, opts: Cost
         out["moe/experts"] = out["moe/experts"] + received * model.moe.expert.intermediate_size * gb
     if "shared_experts" in modules and model.moe is not None:
         out["moe/shared"] = out["moe/shared"] + shared_expert_bytes(model, training, opts, tp, mbs, sp)
+    if "moe" in modules and model.moe is not None:
+        block = moe_activation_bytes(model, training, opts, tp, mbs, ep, etp, sp)
+        out.update({f"moe/{name}": block[name] + zero for name in ("router", "buffers", "experts", "shared")})
     return out
 
 

@@ -13,7 +13,7 @@ Fraction = Annotated[float, Field(ge=0, le=1)]
 Count = Annotated[int, Field(ge=0)]
 
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm", "shared_experts")
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm", "shared_experts", "moe")
 """The selective-recompute modules CostOptions.recompute_modules may name."""
 EP_DISPATCH = ("per_expert", "per_node")
 """The values CostOptions.ep_dispatch may take."""
@@ -73,7 +73,10 @@ class CostOptions:
     up-projections (q, k, v of every head rebuilt from the compressed latents), ``mlp`` the dense MLP, ``moe_act``
     the experts' activation function (its output, the second GEMM's input), ``layernorm`` the norms before
     attention and MLP (their outputs), ``shared_experts`` a MoE layer's shared experts (everything they save; a
-    no-op without them, as in Megatron-Core). A module's input stays saved; its forward runs again in backward."""
+    no-op without them, as in Megatron-Core), ``moe`` the whole MoE block: router, dispatch all-to-all, experts,
+    combine all-to-all and shared experts run again in backward from its saved input (MoELayer.forward's
+    checkpoint of ``custom_forward``, megatron/core/transformer/moe/moe_layer.py at 0011998; it subsumes
+    ``moe_act`` and ``shared_experts`` there). A module's input stays saved; its forward runs again in backward."""
     tp_overlap: Fraction = 0.0
     """Fraction of tensor-parallel collective time hidden behind compute."""
     a2a_overlap: Fraction = 0.0
@@ -117,6 +120,7 @@ def _module_absent(model) -> dict[str, str | None]:
     return {"core_attn": None, "layernorm": None,
             "mla_up_proj": None if model.attention.kind == "mla" else f"its attention is {model.attention.kind}, not mla",
             "moe_act": None if moe is not None else "it has no MoE layer",
+            "moe": None if moe is not None else "it has no MoE layer",
             "mlp": None if model.num_dense_layers else "every layer is MoE",
             "shared_experts": None if moe is not None and moe.num_shared_experts else "it has no shared experts"}
 
@@ -131,9 +135,10 @@ def check_modules_exist(model, modules, field: str = "--recompute-modules / opti
     """One PiperError line when selective recompute names a module ``model`` does not have where Megatron-Core
     refuses it too (TransformerConfig.__post_init__, megatron/core/transformer/transformer_config.py at d2c5e8b):
     mla_up_proj without multi_latent_attention; moe_act without moe_grouped_gemm, which a model without MoE layers
-    does not set. ``mlp`` on a model without dense layers and ``shared_experts`` without shared experts stay
-    allowed: Megatron-Core skips them there (transformer_layer.py sets ``recompute_mlp`` only where the layer is not
-    MoE), and piper prices them as nothing (acting_modules)."""
+    does not set. ``mlp`` on a model without dense layers, ``shared_experts`` without shared experts and ``moe``
+    without MoE layers stay allowed: Megatron-Core skips them there (transformer_layer.py sets ``recompute_mlp``
+    only where the layer is not MoE; only a MoELayer reads ``moe``), and piper prices them as nothing
+    (acting_modules)."""
     absent = _module_absent(model)
     missing = [f"{name} ({absent[name]})" for name in ("mla_up_proj", "moe_act") if name in modules and absent[name]]
     if missing:

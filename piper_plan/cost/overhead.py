@@ -217,6 +217,13 @@ def linears_per_layer(model, local_experts, graphed: tuple[str, ...]):
     return dense, attn + router + parallel + 2.0 * np.asarray(local_experts, float)
 
 
+def moe_block_rerun(ctx, c) -> np.ndarray:
+    """1 where selective recompute re-runs the whole MoE block (recompute module ``moe``: its GEMM calls and its
+    all-to-alls too), else 0 (arrays [N])."""
+    rerun = "moe" in ctx.opts.recompute_modules and ctx.model.moe is not None
+    return ((c.recompute == Recompute.SELECTIVE.code) & rerun).astype(int)
+
+
 def host_floor_terms(ctx, c, per_layer: dict) -> dict:
     """{"host/launch": (per dense layer, per MoE layer)}: the host time of a layer's GEMM calls beyond what the
     device spends on that layer (its compute and communication terms in ``per_layer``), per micro-batch.
@@ -226,8 +233,9 @@ def host_floor_terms(ctx, c, per_layer: dict) -> dict:
     dropless MoE the host cannot bank that time ahead: every MoE layer synchronises it on the tokens-per-expert
     counts (the GB200 guide's future work: "eliminate the device-host sync in the MoE model (its purpose is to get
     the tokens per expert information)"), so the floor holds layer by layer:
-    ``max(device, host) = device + max(host - device, 0)``. Full recompute adds its forward calls; selective
-    recompute's few re-run linears are not counted. Empty when the platform prices no host time."""
+    ``max(device, host) = device + max(host - device, 0)``. Full recompute adds its forward calls, and so does
+    the ``moe`` module for the MoE block's linears; the other selective modules' few re-run linears are not
+    counted. Empty when the platform prices no host time."""
     per_call = ctx.platform.efficiency.host_s_per_gemm_call
     if per_call <= 0:
         return {}
@@ -237,5 +245,6 @@ def host_floor_terms(ctx, c, per_layer: dict) -> dict:
     gemms = GEMMS_PER_LINEAR + np.where(c.recompute == Recompute.FULL.code, 1, 0)     # + the recomputed forward
     device_d = sum(d for d, _ in per_layer.values())
     device_m = sum(m for _, m in per_layer.values())
-    host_d, host_m = per_call * gemms * dense_n, per_call * gemms * moe_n
+    block_n = moe_n - (0 if "attn" in ctx.opts.cuda_graph_scope else attention_linears(model))
+    host_d, host_m = per_call * gemms * dense_n, per_call * (gemms * moe_n + moe_block_rerun(ctx, c) * block_n)
     return {"host/launch": (np.maximum(host_d - device_d, 0.0), np.maximum(host_m - device_m, 0.0))}

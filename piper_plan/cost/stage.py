@@ -118,7 +118,8 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts, loss_flight) -> 
     for k in _moe_names(acts):
         out[f"activations/{k}"] = layer_sum(kept(k), st.moe_layers)
     out["activations/recompute_inputs"] = np.where(keep_all, 0.0, acts["input"] * st.layers * flight)
-    out["activations/recompute_working"] = np.where(keep_all, 0.0, _working(st, acts))
+    out["activations/recompute_working"] = np.where(keep_all, np.where(selective, _selective_working(st, acts), 0.0),
+                                                    _working(st, acts))
     out.update(_end_activations(ctx, c, st, flight, loss_flight))
     tensors = sum(out.values())
     out["fragmentation"] = tensors * ctx.platform.memory.fragmentation
@@ -156,6 +157,16 @@ def _layer_totals(acts):
 def _working(st: StageShape, acts):
     """Full recompute rebuilds one layer's activations at a time: the largest layer of the stage."""
     per_dense, per_moe = _layer_totals(acts)
+    return np.maximum(np.where(st.dense_layers > 0, per_dense, 0), np.where(st.moe_layers > 0, per_moe, 0))
+
+
+def _selective_working(st: StageShape, acts):
+    """Selective recompute rebuilds what it dropped one layer at a time, in that layer's backward: the largest
+    layer's dropped bytes (memory.selective_dropped_bytes; the whole MoE block under ``moe``)."""
+    dropped = acts["selective"]
+    attn = dropped.get("attention", 0.0)
+    per_dense = attn + dropped.get("mlp", 0.0)
+    per_moe = attn + sum((v for k, v in dropped.items() if k.startswith("moe/")), 0.0)
     return np.maximum(np.where(st.dense_layers > 0, per_dense, 0), np.where(st.moe_layers > 0, per_moe, 0))
 
 
@@ -259,7 +270,8 @@ def selective_recompute_seconds(ctx: Context, c, comp, acts) -> tuple:
     beyond the attention core, for the modules of CostOptions.recompute_modules (memory.selective_dropped_bytes):
     MLA's up-projection GEMMs (q from its latent, k_nope and v from the kv latent), the dense MLP's and the shared
     experts' forward, and memory-bound kernels (the norms, the experts' activation) at HBM bandwidth: read their
-    input, write their output once more. ``comp``: layer_compute_seconds; ``acts``: layer_activations."""
+    input, write their output once more; ``moe``, the MoE block's GEMMs and memory-bound kernels (its all-to-alls:
+    terms.py). ``comp``: layer_compute_seconds; ``acts``: layer_activations."""
     m, t, modules = ctx.model, ctx.training, set(ctx.opts.recompute_modules)
     tokens, d, ab = c.seq_share * t.seq_len, m.hidden_size, t.activation_bytes
     zero = 0.0 * tokens
@@ -275,10 +287,14 @@ def selective_recompute_seconds(ctx: Context, c, comp, acts) -> tuple:
         attn, dense, moe = attn + norm, dense + norm, moe + norm
     if "mlp" in modules and "mlp" in comp:
         dense = dense + comp["mlp"][0]
-    if "moe_act" in modules and m.moe is not None:
+    whole_block = "moe" in modules and m.moe is not None          # covers moe_act and shared_experts
+    if whole_block:
+        moe = moe + comp["router"][0] + comp["experts"][0] + comp["shared_experts"][0] \
+            + ctx.rates.memory_seconds(moe_block_streamed_bytes(ctx, c, acts))
+    if "moe_act" in modules and m.moe is not None and not whole_block:
         _, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
         moe = moe + ctx.rates.memory_seconds(received * 3 * m.moe.expert.intermediate_size * ab)
-    if "shared_experts" in modules and m.moe is not None and m.moe.num_shared_experts:
+    if "shared_experts" in modules and m.moe is not None and m.moe.num_shared_experts and not whole_block:
         moe = moe + _ffn_gemms(ctx, m.moe.shared, tokens, c.tp, count=m.moe.num_shared_experts)[0]
     return attn + dense, attn + moe
 
@@ -362,9 +378,20 @@ def elementwise_bytes_per_layer(ctx: Context, c, acts) -> tuple:
         acts = layer_activations(ctx, c, streamed=True)
     core = acts["attention_core"]
     dense = 2 * (acts["attention"] + core + acts["mlp"])
-    moe = 2 * (acts["attention"] + core + sum((v for k, v in acts.items() if k.startswith("moe/")), 0.0))
+    return dense, 2 * (acts["attention"] + core) + moe_block_streamed_bytes(ctx, c, acts, streamed=True)
+
+
+def moe_block_streamed_bytes(ctx: Context, c, acts, streamed: bool = False):
+    """The MoE block's share of elementwise_bytes_per_layer: its saved activations written and read, and the
+    dispatch and combine token rows it does not save (0 without MoE). ``acts``: layer_activations, ``streamed``
+    when already in the activation dtype."""
+    if ctx.model.moe is None:
+        return 0.0 * acts["attention"]
+    if not streamed and mem.gemm_input_bytes(ctx.training, ctx.opts) != ctx.training.activation_bytes:
+        acts = layer_activations(ctx, c, streamed=True)
+    out = 2 * sum((v for k, v in acts.items() if k.startswith("moe/")), 0.0)
     unsaved = 2 - mem.moe_saved_rows(ctx.opts)
-    if ctx.model.moe is not None and unsaved > 0:
+    if unsaved > 0:
         sent, _ = mem.routed_rows(ctx.model, ctx.training, c.tp, c.seq_share, c.ep)
-        moe = moe + 2 * unsaved * sent * ctx.model.hidden_size * ctx.training.activation_bytes
-    return dense, moe
+        out = out + 2 * unsaved * sent * ctx.model.hidden_size * ctx.training.activation_bytes
+    return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from piper_plan.cost import stage as stg
-from piper_plan.cost.overhead import host_floor_terms
+from piper_plan.cost.overhead import host_floor_terms, moe_block_rerun
 from piper_plan.placement.layout import span_arrays, stage_pair_scope
 from piper_plan.plans import PlanBatch
 from piper_plan.specs.vocab import A2A, Recompute
@@ -28,15 +28,16 @@ def spans(alloc, c: PlanBatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def _hide_dispatch_behind_shared_experts(per_layer: dict, shared_fb, c: PlanBatch, full) -> None:
+def _hide_dispatch_behind_shared_experts(per_layer: dict, shared_fb, c: PlanBatch, reruns) -> None:
     """The runtime's shared-expert overlap (planfile.RuntimeBlock.shared_expert_overlap; flat all-to-all only):
     in each pass the dispatch exchange is exposed only where it outlasts the shared experts of that pass
-    (forward, its recompute under full recompute, backward). Scales the moe/dispatch terms in place.
+    (forward, its re-runs under full recompute or the ``moe`` module, backward). Scales the moe/dispatch terms in
+    place.
     ``shared_fb``: stage.py's "shared_experts" (fwd, bwd), which includes a parallel dense FFN where a model has
     both (none in the catalog; the runtime runs that FFN outside the overlap)."""
     names = [n for n in per_layer if n.startswith("moe/dispatch/")]
     dispatch = sum(per_layer[n][1] for n in names)                   # all passes
-    passes = 2 + full
+    passes = 2 + reruns
     per_pass = dispatch / passes
     shared_f, shared_b = shared_fb
     exposed = (np.maximum(per_pass - shared_f, 0) * (passes - 1) + np.maximum(per_pass - shared_b, 0))
@@ -109,12 +110,13 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
     if "a2a_intra" in comm:
         if o.ep_dispatch == "per_node":
             comm["a2a_inter"] = comm["a2a_inter"] * node_copy_fraction(ctx.model.moe, group_spans["ep"][1])
-        per_layer["comm/etp"] = (zero, comm["etp"] * passes * (1 - o.tp_overlap))
+        reruns = full + moe_block_rerun(ctx, c)                   # forwards beyond the first: the block's exchanges too
+        per_layer["comm/etp"] = (zero, comm["etp"] * (2 + reruns) * (1 - o.tp_overlap))
         for part in ("dispatch", "combine"):
             for where, key in (("intra_node", "a2a_intra"), ("inter_node", "a2a_inter")):
-                per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * passes * (1 - o.a2a_overlap))
+                per_layer[f"moe/{part}/{where}"] = (zero, comm[key] / 2 * (2 + reruns) * (1 - o.a2a_overlap))
         if o.shared_expert_overlap and ctx.model.moe.num_shared_experts:
-            _hide_dispatch_behind_shared_experts(per_layer, comp["shared_experts"], c, full)
+            _hide_dispatch_behind_shared_experts(per_layer, comp["shared_experts"], c, reruns)
     head_f, head_b = stg.gemm_16bit(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                     ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms

@@ -249,10 +249,11 @@ def test_hfu_at_least_mfu_in_both_conventions(name):
 
 @pytest.mark.parametrize("modules, rises", [(("mla_up_proj",), True), (("mla_up_proj", "mlp", "moe_act"), True),
                                              (("layernorm", "moe_act"), False), (("core_attn",), False),
-                                             (("shared_experts",), True)])
+                                             (("shared_experts",), True), (("moe",), True)])
 def test_selective_recompute_of_gemm_modules_raises_hfu(modules, rises):
-    """DeepSeek-V3 (MLA, 3 dense layers): re-running the up-projections or the dense MLPs is GEMM work HFU counts;
-    norms, the experts' activation and (under flash attention) the core hold none. Before: HFU == MFU for all."""
+    """DeepSeek-V3 (MLA, 3 dense layers): re-running the up-projections, the dense MLPs or the MoE block is GEMM
+    work HFU counts; norms, the experts' activation and (under flash attention) the core hold none. Before: HFU ==
+    MFU for all."""
     from piper_plan.cost.options import CostOptions
 
     model = load_model("deepseek-v3")

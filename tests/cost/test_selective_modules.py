@@ -86,3 +86,42 @@ def test_shared_experts_drop_all_they_save_and_run_again():
     with_it, without = (estimate(plain, H100, TRAINING, 1, plan, options=CostOptions(recompute_modules=m))
                         for m in (("core_attn", "shared_experts"), ("core_attn",)))
     assert with_it.memory == without.memory and with_it.time == without.time
+
+
+MOE_BLOCK = ("activations/moe/router", "activations/moe/buffers", "activations/moe/experts", "activations/moe/shared")
+
+
+def test_moe_keeps_only_the_blocks_input_and_rebuilds_one_layer_at_a_time():
+    """Megatron-Core's ``moe`` module checkpoints the whole MoELayer forward (moe_layer.py at 0011998): nothing of
+    router, token buffers, routed or shared experts stays saved, the block's input does; in backward one layer's
+    block is rebuilt at a time (recompute_working: 1 of the 3 MoE layers, one micro-batch in flight)."""
+    default, _ = _stage(("core_attn",))
+    block, _ = _stage(("core_attn", "moe"))
+    assert sum(default[k] for k in MOE_BLOCK) > 0 and all(block[k] == 0 for k in MOE_BLOCK)
+    assert block["activations/moe/moe_input"] == default["activations/moe/moe_input"] > 0
+    assert default["activations/recompute_working"] == 0
+    assert block["activations/recompute_working"] == pytest.approx(sum(default[k] for k in MOE_BLOCK) / 3)
+
+
+def test_moe_runs_the_blocks_gemms_and_both_exchanges_again():
+    """On 2 ranks (ep 2) the dispatch and combine all-to-alls run in the forward, the backward and once more in
+    the recompute: 3/2 of their time without it; the recompute adds router, routed and shared experts' forward.
+    moe_act and shared_experts beside it add nothing more (the block's re-run covers them)."""
+    training, plan = TrainingSpec(seq_len=32, global_batch=2), ParallelPlan(dp=2, ep=2, mbs=1, recompute="selective")
+    t_default, t_block, t_all = (
+        estimate(MODEL, H100, training, 1, plan, options=CostOptions(recompute_modules=m)).time.breakdown
+        for m in (("core_attn",), ("core_attn", "moe"), ("core_attn", "moe", "moe_act", "shared_experts")))
+    for name in ("moe/dispatch/intra_node", "moe/combine/intra_node"):
+        assert t_default[name] > 0 and t_block[name] == pytest.approx(1.5 * t_default[name])
+    forward = sum(t_default[f"compute/{k}"] for k in ("router", "experts", "shared_experts")) / 3   # fwd = 1/3 of f + b
+    assert t_block["compute/recompute"] - t_default["compute/recompute"] > 0.9 * forward
+    assert t_all == t_block
+
+
+def test_moe_on_a_dense_model_is_megatrons_no_op():
+    """Only a MoELayer reads ``moe``: a dense model prices it as nothing, and the search treats it so."""
+    model, plan = load_model("gpt-22b"), ParallelPlan(dp=8, mbs=1, recompute="selective")
+    training = TrainingSpec(seq_len=2048, global_batch=64)
+    with_it, without = (estimate(model, H100, training, 1, plan, options=CostOptions(recompute_modules=m))
+                        for m in (("core_attn", "moe"), ("core_attn",)))
+    assert with_it.time.breakdown == without.time.breakdown and with_it.memory == without.memory
