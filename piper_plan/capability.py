@@ -167,6 +167,19 @@ def unsupported_features(plan, model, training=None) -> list[str]:
             + _tp_problems(model, plan, training) + _fsdp_problems(model, plan))
 
 
+def options_problems(options, plan) -> list[str]:
+    """What a plan's cost options ask of the training itself that the runtime does not do: dropout layers, and
+    selective recompute of modules other than its own (CostOptions; ``options`` a CostOptions)."""
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+
+    out = ["options.dropout=true (the runtime trains without dropout)"] if options.dropout else []
+    own = PIPER_RUNTIME_OPTIONS.recompute_modules
+    if plan.recompute == "selective" and tuple(options.recompute_modules) != own:
+        out.append(f"options.recompute_modules={','.join(options.recompute_modules)} with recompute=selective (the "
+                   f"runtime recomputes {', '.join(own)} only)")
+    return out
+
+
 def runtime_missing(plan, model, training=None) -> list[str]:
     """``unsupported_features`` and what the plan's batch split asks of torch's schedules (``_microbatch_problems``):
     everything a whole plan (its micro-batches set) needs that the runtime lacks."""

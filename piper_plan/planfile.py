@@ -348,12 +348,13 @@ def in_plan_file(exc: PiperError, path) -> PiperError:
     return PiperError(exc.message, path=str(path), field=field)
 
 
-def does_not_fit(prediction: Estimate | None) -> str | None:
-    """Why the plan's own prediction does not fit the device (launch refuses it, export warns), or None."""
+def does_not_fit(prediction: Estimate | None, whose: str = "the plan's own prediction") -> str | None:
+    """Why the plan's own prediction (or ``whose``) does not fit the device (launch refuses it, export warns), or
+    None."""
     if prediction is None or prediction.fits:
         return None
     mem = prediction.memory
-    return (f"the plan's own prediction does not fit: peak {mem.peak_bytes / 2**30:.2f} GiB of "
+    return (f"{whose} does not fit: peak {mem.peak_bytes / 2**30:.2f} GiB of "
             f"{mem.device_bytes / 2**30:.2f} GiB per device")
 
 

@@ -30,18 +30,57 @@ class PreparedJob:
 
 
 def check_runnable(plan_file: PlanFile, path: Path) -> None:
-    """Refuse a plan the runtime cannot run (invalid, or outside its capability list: each problem named) and a
-    plan whose own prediction says it does not fit."""
-    from piper_plan.capability import runnable_problems
+    """Refuse a plan the runtime cannot run (invalid, outside its capability list, or with cost options that
+    change the training the runtime does not do: each problem named), a plan whose own prediction says it does not
+    fit, and one priced for another engine's kernels that does not fit as piper's runtime runs it."""
+    from piper_plan.capability import options_problems, runnable_problems
+    from piper_plan.cost.options import cost_options
 
     pf = plan_file
     problems = runnable_problems(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel)
+    if not problems and pf.prediction is not None:
+        problems = options_problems(cost_options(dict(pf.prediction.options)), pf.parallel)
     if problems:
         raise PiperError(f"the runtime cannot run this plan: {'; '.join(problems)} "
                          f"(re-plan with `piper plan --runnable`)", path=str(path))
     overflow = does_not_fit(pf.prediction)
     if overflow:
         raise PiperError(f"{overflow} (re-plan with `piper plan`)", path=str(path), field="prediction.fits")
+    overflow = does_not_fit(_as_the_runtime_runs_it(pf), "priced as piper's runtime runs it (its unfused kernels, "
+                            "as `estimate --piper-runtime` prices it), the plan")
+    if overflow:
+        raise PiperError(f"{overflow} (re-plan with `piper plan --runnable`)", path=str(path), field="prediction.fits")
+
+
+def _as_the_runtime_runs_it(pf: PlanFile):
+    """The plan priced with piper's runtime's kernels (cost/options.PIPER_RUNTIME_OPTIONS, with the file's runtime
+    block and migration share) where its prediction assumed another engine's; None where it already is, or is not
+    priced."""
+    from dataclasses import replace
+
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS, cost_options
+
+    stored = pf.prediction
+    if stored is None:
+        return None
+    options = cost_options(dict(stored.options))
+    if options.unfused_kernels:
+        return None
+    runtime = replace(PIPER_RUNTIME_OPTIONS, loss_chunk_rows=pf.runtime.loss_chunk_rows,
+                      shared_expert_overlap=pf.runtime.shared_expert_overlap,
+                      migration_fraction=options.migration_fraction)
+    return _priced(pf, runtime)
+
+
+def _priced(pf: PlanFile, options):
+    """The plan file's plan priced with ``options`` (calibration where its prediction used one)."""
+    from piper_plan.calibration.curves import load_calibration
+    from piper_plan.cost.evaluate import estimate
+
+    calibrated = pf.prediction is not None and pf.prediction.sources.compute.startswith("calibration")
+    calibration = load_calibration(pf.platform.name) if calibrated else None
+    return estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
+                    placement=pf.placement, options=options)
 
 
 def repriced(plan_file: PlanFile) -> tuple[PlanFile, bool]:
@@ -49,16 +88,12 @@ def repriced(plan_file: PlanFile) -> tuple[PlanFile, bool]:
     placement, the stored cost options and calibration use), and whether its step time or peak memory changed at
     the precision the launch note prints (``_figures``): a hand-edited file, or one saved by another piper, is sized
     by what its plan costs now, not by the figures written beside it."""
-    from piper_plan.calibration.curves import load_calibration
-    from piper_plan.cost.evaluate import estimate
     from piper_plan.cost.options import cost_options
 
     pf, stored = plan_file, plan_file.prediction
     if stored is None:
         return pf, False
-    calibration = load_calibration(pf.platform.name) if stored.sources.compute.startswith("calibration") else None
-    fresh = estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
-                     placement=pf.placement, options=cost_options(dict(stored.options)))
+    fresh = _priced(pf, cost_options(dict(stored.options)))
     return pf.model_copy(update={"prediction": fresh}), _figures(stored) != _figures(fresh)
 
 

@@ -116,7 +116,8 @@ def test_runnable_and_explain_json():
 def test_each_ranked_plan_says_whether_piper_runs_it_and_launch_agrees(tmp_path):
     """Context parallelism is an axis the runtime does not run: with --cp 2 every ranked plan is marked (JSON,
     table) and `launch` refuses the saved one naming it. DeepSeek-V3 with its MTP module (the runtime builds it)
-    is runnable, and `launch` writes its job."""
+    is runnable; `launch` refuses the plan ranked with Megatron's fused kernels, which does not fit as the runtime
+    runs it, and writes the job of the one `--runnable` ranked."""
     args = ("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "32", "--top", "3")
     with_cp = json.loads(_run(*args, "--cp", "2", "--json").stdout)["plans"]
     assert all(not p["runnable_by_piper"] and any("parallel.cp=2" in m for m in p["runtime_missing"])
@@ -129,8 +130,12 @@ def test_each_ranked_plan_says_whether_piper_runs_it_and_launch_agrees(tmp_path)
     assert refused.exit_code == 2 and "parallel.cp=2" in refused.stderr
     with_mtp = json.loads(_run(*args, "--json").stdout)["plans"]
     assert all(p["runnable_by_piper"] and p["runtime_missing"] == [] for p in with_mtp)
+    fused = tmp_path / "fused.json"                # ranked with Megatron's fused kernels: too big for the runtime's
+    assert _run(*args, "-o", str(fused)).exit_code == 0
+    refused = CliRunner().invoke(cli, ["launch", "--plan", str(fused), "--out-dir", str(tmp_path / "job2"), "--dry-run"])
+    assert refused.exit_code == 2 and "priced as piper's runtime runs it" in refused.stderr
     mtp_plan = tmp_path / "mtp.json"
-    assert _run(*args, "-o", str(mtp_plan)).exit_code == 0
+    assert _run(*args, "--runnable", "-o", str(mtp_plan)).exit_code == 0
     launched = CliRunner().invoke(cli, ["launch", "--plan", str(mtp_plan), "--out-dir", str(tmp_path / "mtp_job"),
                                         "--dry-run"])
     assert launched.exit_code == 0, launched.stderr

@@ -240,3 +240,19 @@ def test_platform_errors_of_a_plan_file_name_it(tmp_path, plan):
     res = run("launch", "--plan", no_peak, "--out-dir", tmp_path / "job", "--dry-run")
     assert res.exit_code == 2 and res.stderr.startswith(f"error: {no_peak}: training.dtype: platform frontier has no "
                                                         "peak for dtype=fp8"), res.stderr
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--dropout"], "options.dropout=true (the runtime trains without dropout)"),
+    (["--recompute", "selective", "--recompute-modules", "core_attn,moe"],
+     "options.recompute_modules=core_attn,moe with recompute=selective (the runtime recomputes core_attn only)")])
+def test_options_that_change_the_training_are_refused(tmp_path, flags, said):
+    """A plan saved with dropout layers or selective recompute beyond the runtime's own: the runtime would train
+    something else than the plan, so launch says what in one line and writes nothing (before: launched)."""
+    saved, out = tmp_path / "plan.json", tmp_path / "job"
+    made = run("estimate", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--dp", "8", "--ep", "8",
+               *flags, "-o", saved)
+    assert made.exit_code == 0, made.output
+    result = run("launch", "--plan", saved, "--out", out, "--dry-run")
+    assert result.exit_code == 2 and said in result.stderr and result.stderr.count("\n") == 1
+    assert not out.exists()
