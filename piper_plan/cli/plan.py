@@ -75,6 +75,8 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
+    if len(counts) == 1 and not min_nodes:
+        _note_cp_left_out(options, counts[0] * platform.devices_per_node, training.seq_len)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
     if len(dtypes) > 1:
         if len(counts) > 1 or min_nodes or plot_path or explain:
@@ -121,6 +123,15 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     if save_path:
         path, plan = save_best(save_path, model, platform, training, result, kwargs, migration)
         note(f"saved {path} (layers per stage: {plan.layers_per_stage})")
+
+
+def _note_cp_left_out(options, world: int, seq_len: int) -> None:
+    """A note per --cp degree no plan can have, where others are left to search (none left: the search refuses)."""
+    from piper_plan.search.space import cp_left_out
+
+    left_out = cp_left_out(options, world, seq_len)
+    if left_out and len(left_out) < len(options.cp):
+        note(f"--cp: {'; '.join(left_out)}: not searched")
 
 
 def _plot(path, result, model, platform):

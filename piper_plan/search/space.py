@@ -207,6 +207,18 @@ def _check_cp_divides_sequence(options: SearchOptions, seq_len: int) -> None:
                          f"seq_len divisible by 2 x cp", field="--cp")
 
 
+def cp_left_out(options: SearchOptions, world: int, seq_len: int) -> list[str]:
+    """The asked-for context-parallel degrees (--cp) that no plan of ``world`` devices at ``seq_len`` tokens can
+    have, each with why (the checks above refuse the list only when no degree is left)."""
+    out = []
+    for cp in options.cp or ():
+        if world % cp:
+            out.append(f"cp {cp} does not divide the world of {world} devices")
+        elif not cp_splits_sequence([cp], seq_len).any():
+            out.append(f"cp {cp} does not split the sequence of {seq_len} tokens into 2 x cp equal chunks")
+    return out
+
+
 def _check_batch_admits_some_dp(training, grid: PlanBatch, masks: np.ndarray, world: int) -> None:
     """A global batch that no otherwise-valid dp (with any mbs) divides is a user error, not an empty result."""
     batch_row = [r.name for r in STRUCTURAL_RULES].index("batch_not_divisible")

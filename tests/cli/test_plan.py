@@ -327,3 +327,11 @@ def test_probe_counts_take_the_starts_multiples_and_the_powers_of_two():
     assert probe_counts(1, 64) == [1, 2, 4, 8, 16, 32, 64]
     assert probe_counts(33, 300) == [33, 64, 66, 128, 132, 256, 264, 300]
     assert probe_counts(5, 5) == [5] and probe_counts(6, 5) == []
+
+
+def test_a_cp_degree_no_plan_can_have_is_named_beside_the_others():
+    """--cp 1,3 on 1,024 devices: 3 divides no world of that size; it is named on stderr, the rest searched
+    (before: dropped without a word; --cp 3 alone is an error)."""
+    res = _run("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "128", "--cp", "1,3", "--top", "1")
+    assert res.exit_code == 0
+    assert "--cp: cp 3 does not divide the world of 1024 devices: not searched" in res.stderr
