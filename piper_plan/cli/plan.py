@@ -96,7 +96,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
                 raise PiperError(f"{option} needs one node count (use --nodes N or --min-nodes)", field=option)
         with searching:
             results = engine.sweep(model, platform, training, counts, options, **kwargs)
-        _emit_sweep(results, training, as_json)
+        _emit_sweep(results, model, training, as_json)
         return
     if min_nodes:
         from piper_plan.plans import check_setting
@@ -324,7 +324,7 @@ def _plans_table(result, platform, rows: list[dict]):
                   pad_edge=False)
     with_dtype = any("dtype" in row for row in rows)
     for label in ("#", *(("dtype",) if with_dtype else ()), "dp tp pp ep etp", "mbs x M", "sched", "recomp", "z",
-                  "a2a", f"GiB/{cap_GiB:.0f}", "step s", "tokens/s", "TF/dev", "MFU", "a2a%", "node-h"):
+                  "a2a", f"GiB/{cap_GiB:.0f}", "step s", "tokens/s", "TF/dev", "MFU", "HFU", "a2a%", "node-h"):
         table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a", "dtype") else "right",
                          no_wrap=True)
     for row in rows:
@@ -337,8 +337,11 @@ def _plans_table(result, platform, rows: list[dict]):
                       row["recompute"][:4],
                       str(row["zero"]), row["a2a"], f"{row['peak_memory_bytes'] / 2**30:.1f}",
                       f"{row['step_time_s']:.2f}", f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.1f}",
-                      f"{100 * row['mfu']:.1f}%", f"{100 * row['a2a_share']:.0f}%", f"{row['node_hours_to_train']:,.0f}")
-    notes = []
+                      f"{100 * row['mfu']:.1f}%", f"{100 * row['hfu']:.1f}%", f"{100 * row['a2a_share']:.0f}%",
+                      f"{row['node_hours_to_train']:,.0f}")
+    notes = ["MFU, HFU: PaLM's FLOP count (attention non-causal, no MTP), of the peak of "
+             + ("each plan's dtype" if with_dtype else "the training dtype")
+             + "; --json and `piper estimate` add Megatron's (causal attention, MTP counted)"]
     if any(row.get("layers_split") == "balanced" for row in rows):
         notes.append("'bal' after the schedule: FLOP-balanced layers per stage (the split -o writes); else even")
     missing = sorted({m for row in rows for m in row["runtime_missing"]})
@@ -444,27 +447,39 @@ def _emit_nothing_at_any_size(model, platform, as_json) -> None:
 
 
 # ---- sweep ----------------------------------------------------------------------------------------------
-def _emit_sweep(results, training, as_json) -> None:
-    from piper_plan.search.engine import scaling_rows
+def _emit_sweep(results, model, training, as_json) -> None:
+    from piper_plan.search.engine import RefusedCount, scaling_rows
+    from piper_plan.search.report import with_runtime_marks
 
     rows = scaling_rows(results)
+    for row, result in zip(rows, results):
+        if row["best"] is not None:
+            row["best"] = with_runtime_marks(row["best"], model, training, result.options)
     if as_json:
         print_json({"sweep": rows, "search_seconds": sum(r.search_seconds for r in results),
                     "candidates_enumerated": sum(r.candidates_total for r in results),
+                    "cost_model_evaluations": sum(len(r.fields["dp"]) for r in results
+                                                  if not isinstance(r, RefusedCount)),
                     "feasible": sum(r.feasible for r in results)})
         return
     from rich.table import Table
 
     table = Table(title="scaling: best plan per node count (efficiency = tokens/s per device vs the first that fits)")
-    for label in ("nodes", "devices", "dp", "tp", "pp", "ep", "tokens/s", "TFLOPS/dev", "MFU", "speedup", "efficiency"):
+    labels = ("nodes", "devices", "dp", "cp", "tp", "pp", "ep", "tokens/s", "TFLOPS/dev", "MFU", "HFU", "speedup",
+              "efficiency")
+    for label in labels:
         table.add_column(label, justify="right")
     for row in rows:
         b = row["best"]
         if b is None:
-            table.add_row(str(row["nodes"]), str(row["world"]), *["-"] * 8,
+            table.add_row(str(row["nodes"]), str(row["world"]), *["-"] * (len(labels) - 3),
                           "no valid plan (--json: why)" if row["refused"] else "nothing fits")
             continue
-        table.add_row(str(row["nodes"]), str(row["world"]), *(str(b[k]) for k in ("dp", "tp", "pp", "ep")),
+        table.add_row(str(row["nodes"]) + ("" if b["runnable_by_piper"] else "*"), str(row["world"]),
+                      *(str(b[k]) for k in ("dp", "cp", "tp", "pp", "ep")),
                       f"{b['tokens_per_s']:,.0f}", f"{b['tflops_per_device']:.1f}", f"{100 * b['mfu']:.1f}%",
-                      f"{row['speedup']:.2f}x", f"{100 * row['efficiency']:.0f}%")
+                      f"{100 * b['hfu']:.1f}%", f"{row['speedup']:.2f}x", f"{100 * row['efficiency']:.0f}%")
+    missing = sorted({m for row in rows if row["best"] for m in row["best"]["runtime_missing"]})
+    if missing:
+        table.caption = "* piper's runtime cannot run it (`piper launch` refuses): " + "; ".join(missing)
     console().print(table, width=_table_width(console()))

@@ -45,6 +45,8 @@ class SearchResult:
     """runnable=True: runtime feature the rejected candidates need -> count."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where the compute rates and the host time came from (cost/evaluate.py pricing_sources)."""
+    options: Any = None
+    """The CostOptions the candidates were priced with (None: the defaults)."""
 
     @property
     def batch(self) -> PlanBatch:
@@ -105,7 +107,7 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     return SearchResult(nodes=nodes, world=world_size(platform, nodes), fields=space.fields, evaluation=ev,
                         candidates_total=space.total, reasons=merged, order=order, pareto=pareto,
                         memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features,
-                        sources=pricing_sources(platform, training, calibration))
+                        sources=pricing_sources(platform, training, calibration), options=cost_options)
 
 
 def _check_figures(ev, fits: np.ndarray) -> None:

@@ -17,19 +17,24 @@ COMPARED_FIELDS = ("dp", "cp", "tp", "pp", "ep", "etp", "mbs", "num_microbatches
 def plan_rows(result, model, training, top: int) -> list[dict]:
     """The best ``top`` plans as dicts (degrees, figures, node-hours to train, and whether piper's runtime runs
     them: ``runtime_missing`` lists what it lacks, capability.py)."""
-    from piper_plan.capability import runtime_missing
-    from piper_plan.search.space import CANDIDATE_FIELDS
-    from piper_plan.specs import ParallelPlan
-
     rows = []
     for rank_index, i in enumerate(result.order[:top] if top > 0 else result.order, start=1):
         row = {"rank": rank_index, **result.row(int(i))}
         row["node_hours_to_train"] = training.tokens_to_train / row["tokens_per_s"] / 3600.0 * result.nodes
-        plan = ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS})
-        row["runtime_missing"] = runtime_missing(plan, model, training)
-        row["runnable_by_piper"] = not row["runtime_missing"]
-        rows.append(row)
+        rows.append(with_runtime_marks(row, model, training, result.options))
     return rows
+
+
+def with_runtime_marks(row: dict, model, training, options=None) -> dict:
+    """A ranked plan's row with ``runtime_missing`` (what piper's runtime lacks for it: capability.py, the cost
+    options that change the training included) and ``runnable_by_piper``."""
+    from piper_plan.capability import options_problems, runtime_missing
+    from piper_plan.search.space import CANDIDATE_FIELDS
+    from piper_plan.specs import ParallelPlan
+
+    plan = ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS})
+    missing = runtime_missing(plan, model, training) + ([] if options is None else options_problems(options, plan))
+    return {**row, "runtime_missing": missing, "runnable_by_piper": not missing}
 
 
 def result_json(result, model, platform, training, top: int) -> dict:

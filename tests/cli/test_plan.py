@@ -335,3 +335,29 @@ def test_a_cp_degree_no_plan_can_have_is_named_beside_the_others():
     res = _run("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "128", "--cp", "1,3", "--top", "1")
     assert res.exit_code == 0
     assert "--cp: cp 3 does not divide the world of 1024 devices: not searched" in res.stderr
+
+
+def test_a_sweep_says_what_one_search_says():
+    """A node sweep: cost-model evaluations beside the enumerated candidates, and each count's best plan marked
+    runnable or not with what the runtime lacks (JSON), cp, HFU and the mark in the table (before: none of them)."""
+    args = ("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "64..128", "--cp", "2", "--seq", "16384",
+            "--global-batch", "256")
+    obj = json.loads(_run(*args, "--json").stdout)
+    assert 0 < obj["cost_model_evaluations"] < obj["candidates_enumerated"]
+    bests = [row["best"] for row in obj["sweep"]]
+    assert bests and all(not b["runnable_by_piper"] and any("parallel.cp=2" in m for m in b["runtime_missing"])
+                         for b in bests)
+    table = _run(*args).stdout
+    assert all(h in table for h in ("cp", "HFU")) and "64*" in table and "piper's runtime cannot run it" in table
+
+
+def test_options_that_change_the_training_mark_every_plan_and_the_table_names_hfu():
+    """--dropout: the runtime trains without dropout, so no ranked plan is runnable by it (before: marked
+    runnable, which launch then ran without dropout); the table's MFU and HFU say their convention."""
+    args = ("--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--top", "3")
+    plans = json.loads(_run(*args, "--dropout", "--json").stdout)["plans"]
+    assert plans and all(not p["runnable_by_piper"] and "options.dropout=true" in p["runtime_missing"][0]
+                         for p in plans)
+    assert all(p["runnable_by_piper"] for p in json.loads(_run(*args, "--json").stdout)["plans"])
+    table = _run(*args).stdout
+    assert "HFU" in table and "PaLM's FLOP count" in table
