@@ -86,14 +86,17 @@ class Rates:
         peaks = "".join(f"; the {d} peak is device.peak_flops' {self.platform.peak_dtype(d)} (no {d} entry)"
                         for d in dict.fromkeys((self.gemm_dtype, self.attention_dtype))
                         if self.platform.peak_dtype(d) != d)
+        eff = self.platform.efficiency
+        borrowed = f"; no {self.gemm_dtype} GEMM efficiency measured (efficiency.gemm_by_dtype): the 16-bit " \
+            f"efficiency.gemm is taken for {self.gemm_dtype}" \
+            if self.gemm_dtype in ("fp8", "mxfp8") and self.gemm_dtype not in eff.gemm_by_dtype else ""
         if self.calibration is None:
             return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.gemm_dtype}, " \
-                   f"attention={self.platform.efficiency.attention}: {self.platform.efficiency.source}){peaks}" \
-                   + self.recipe_source
+                   f"attention={eff.attention}: {eff.source}){peaks}{borrowed}" + self.recipe_source
         listed = getattr(self.calibration, "sources", []) or ["(no sources listed)"]
         gemm = "" if self.gemm_calibration is not None else \
             f"; GEMMs in {self.gemm_dtype}: roofline fallback (efficiency.gemm={self.gemm_efficiency}: gemm.csv " \
-            f"has no {self.gemm_dtype} rows)"
+            f"has no {self.gemm_dtype} rows){borrowed}"
         return "calibration: " + "; ".join(listed) + gemm + peaks + self.recipe_source
 
     @property

@@ -215,3 +215,13 @@ def test_a_recipe_time_below_one_is_refused():
     data["efficiency"]["fp8_recipe_time"]["delayed"] = 0.9            # faster than the kernel it runs: impossible
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         type(load_platform("dgx-h100")).model_validate(data)
+
+
+def test_an_8_bit_gemm_rate_borrowed_from_the_16_bit_one_is_said():
+    """mi355x has no fp8 GEMM measurement (efficiency.gemm_by_dtype): its 16-bit efficiency prices fp8, and the
+    sources say so; dgx-h100 has one (MAMF fp8) and says nothing of the kind."""
+    from piper_plan.cost.compute import Rates
+
+    said = "no fp8 GEMM efficiency measured (efficiency.gemm_by_dtype): the 16-bit efficiency.gemm is taken for fp8"
+    assert said in Rates(load_platform("mi355x"), "fp8").source
+    assert said not in Rates(load_platform("dgx-h100"), "fp8").source
