@@ -13,7 +13,7 @@ from piper_plan.cli.common import (console, exit_codes, json_option, note, outpu
                                    plot_option, print_json)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options,
                                     migration_option, parallel_options, placement_option, precision_text,
-                                    training_options, unused_modules_note)
+                                    training_options, unused_modules_note, capacity_note)
 
 GiB = 2**30
 
@@ -34,7 +34,7 @@ GiB = 2**30
 @json_option
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
-def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_batch, dtype, fp8_recipe, grad_bytes,
+def estimate_cmd(model_name, platform_name, mtp_layers, capacity_factor, nodes, seq_len, global_batch, dtype, fp8_recipe, grad_bytes,
                  routing_skew,
                  placement, migration, no_calibration, piper_runtime, dropout, recompute_modules, cost_option, as_json, save_path, plot_path,
                  **parallel):
@@ -46,7 +46,7 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
         check_plot_path(plot_path)
 
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew,
-                                             mtp_layers, dtype, grad_bytes, fp8_recipe)
+                                             mtp_layers, dtype, grad_bytes, fp8_recipe, capacity_factor)
     plan = build_plan(model, platform, training, nodes, **parallel)
     calibration = None if no_calibration else platform_calibration(platform.name)
     options = cost_options(piper_runtime, dropout, recompute_modules, cost_option)
@@ -54,9 +54,10 @@ def estimate_cmd(model_name, platform_name, mtp_layers, nodes, seq_len, global_b
                       options=options)
     result = with_other_placement(result, model, platform, training, nodes, plan, calibration, options)
     _note_capped_skew(model, training, plan)               # notes once priced: an error stays the one line
-    unused = unused_modules_note(options, recompute_modules, cost_option, parallel["recompute"])
-    if unused:
-        note(unused)
+    for line in (unused_modules_note(options, recompute_modules, cost_option, parallel["recompute"]),
+                 capacity_note(model)):
+        if line:
+            note(line)
     if save_path:
         from piper_plan.planfile import MigrationBlock, write_plan_file
 

@@ -45,6 +45,10 @@ model_options = _bundle(
     click.option("--platform", "platform_name", required=True, help="Catalog name or YAML/JSON path."),
     click.option("--mtp-layers", type=int, default=None,
                  help="Multi-token-prediction modules to train, 0 to the model's own count (default: all of them)."),
+    click.option("--capacity-factor", default=None, metavar="FACTOR|none",
+                 help="MoE token dropping: each expert takes at most FACTOR x its balanced share of tokens (padded to "
+                      "it, the rest dropped; Megatron-Core's --moe-expert-capacity-factor with padding), 0.01-1000; "
+                      "'none' = dropless (default: the model's moe.capacity_factor)."),
 )
 
 training_options = _bundle(
@@ -141,7 +145,7 @@ def check_dtype(dtype: str | None) -> str | None:
 
 def load_setting(model_name: str, platform_name: str, seq_len: int | None, global_batch: int,
                  routing_skew: float = 1.0, mtp_layers: int | None = None, dtype: str | None = None,
-                 grad_bytes: str | None = None, fp8_recipe: str | None = None):
+                 grad_bytes: str | None = None, fp8_recipe: str | None = None, capacity_factor: str | None = None):
     """(model, platform, training) from the shared options; --seq defaults to min(4096, max_seq_len); --dtype,
     --grad-bytes and --fp8-recipe replace the device's defaults (TrainingSpec.for_device) when given."""
     from pydantic import ValidationError
@@ -150,7 +154,8 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
     from piper_plan.specs import TrainingSpec
 
     check_dtype(dtype)
-    model, platform = with_mtp_layers(load_model(model_name), mtp_layers), load_platform(platform_name)
+    model = with_capacity_factor(with_mtp_layers(load_model(model_name), mtp_layers), capacity_factor)
+    platform = load_platform(platform_name)
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, model.max_seq_len or DEFAULT_SEQ_LEN)
     if fp8_recipe is not None and dtype != "fp8":
@@ -169,6 +174,36 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
         where = resolve(platform_name, platforms_dir(), "platform")
         raise PiperError(f"{exc.message} ({where}, device.peak_flops)", field="--dtype") from None
     return model, platform, training
+
+
+def with_capacity_factor(model, text: str | None):
+    """``model`` with its MoE layers' capacity factor replaced (--capacity-factor: a number, or 'none' for
+    dropless); None keeps the model's. A model without MoE layers or a value out of range is one error line."""
+    if text is None:
+        return model
+    if model.moe is None:
+        raise PiperError(f"{text}: {model.name} has no MoE layer to drop tokens in", field="--capacity-factor")
+    factor = None
+    if text.strip().lower() != "none":
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = float("nan")
+        if not 0.01 <= factor <= 1000:       # NaN fails too
+            raise PiperError(f"{text!r}; allowed: a number from 0.01 to 1000, or 'none' (dropless)",
+                             field="--capacity-factor")
+    data = model.model_dump()
+    data["moe"] = {**data["moe"], "capacity_factor": factor}
+    return type(model).model_validate(data)
+
+
+def capacity_note(model) -> str | None:
+    """What a capacity factor does to the prediction (None when dropless)."""
+    factor = model.moe.capacity_factor if model.moe is not None else None
+    if factor is None:
+        return None
+    return (f"moe capacity factor {factor:g}: each expert computes {factor:g} x its balanced share of tokens (padding "
+            f"counted as work, tokens over it dropped); MFU and HFU count every token's top_k experts")
 
 
 def with_mtp_layers(model, mtp_layers: int | None):

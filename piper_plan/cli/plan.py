@@ -15,7 +15,7 @@ import click
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
                                    platform_calibration, plot_option, print_json)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
-                                    placement_option, precision_text, training_options)
+                                    placement_option, precision_text, training_options, capacity_note)
 from piper_plan.errors import PiperError
 from piper_plan.fileio import ascii_int, check_writable
 from piper_plan.plots import check_plot_path
@@ -51,7 +51,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @plot_option("Write tokens/s vs peak memory of every evaluated plan (Pareto set and chosen plan marked, rejected "
              "ones coloured by reason) as a PNG")
 @click.pass_context
-def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, seq_len, global_batch, dtype,
+def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_text, min_nodes, seq_len, global_batch, dtype,
              fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option, placement,
              memory_headroom,
              cp_text, expert_tp, top,
@@ -71,7 +71,8 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     check_fp8_recipe(fp8_recipe, dtypes)
     recipe = {"fp8": fp8_recipe}                  # the recipe of each searched precision (fp8's only)
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
-                                             dtype=dtypes[0], grad_bytes=grad_bytes, fp8_recipe=recipe.get(dtypes[0]))
+                                             dtype=dtypes[0], grad_bytes=grad_bytes, fp8_recipe=recipe.get(dtypes[0]),
+                                             capacity_factor=capacity_factor)
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
@@ -87,6 +88,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
                                   for d in dtypes[1:]]
         with searching:
             searches = [(t, engine.search(model, platform, t, counts[0], options, **kwargs)) for t in trainings]
+        _note_capacity(model)
         _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_json, as_csv, runnable, save_path,
                          migration)
         return
@@ -96,6 +98,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
                 raise PiperError(f"{option} needs one node count (use --nodes N or --min-nodes)", field=option)
         with searching:
             results = engine.sweep(model, platform, training, counts, options, **kwargs)
+        _note_capacity(model)
         _emit_sweep(results, model, training, as_json)
         return
     if min_nodes:
@@ -110,6 +113,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     else:
         with searching:
             result = engine.search(model, platform, training, counts[0], options, **kwargs)
+    _note_capacity(model)
     if plot_path:
         note(f"wrote {_plot(plot_path, result, model, platform)}")
     if not result.feasible:
@@ -123,6 +127,12 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, nodes_text, min_nodes, 
     if save_path:
         path, plan = save_best(save_path, model, platform, training, result, kwargs, migration)
         note(f"saved {path} (layers per stage: {plan.layers_per_stage})")
+
+
+def _note_capacity(model) -> None:
+    """Once searched (an error stays the one line): what the model's capacity factor does to the figures."""
+    if capacity_note(model):
+        note(capacity_note(model))
 
 
 def _note_cp_left_out(options, world: int, seq_len: int) -> None:

@@ -220,3 +220,26 @@ def test_utilisation_names_the_peak_it_divides_by():
     fp8, bf16 = (CliRunner().invoke(cli, [*args, "--dtype", d]) for d in ("fp8", "bf16"))
     assert "MFU and HFU against the fp8 peak, 1979 TFLOPS/device" in fp8.stdout
     assert "MFU and HFU against the bf16 peak, 989 TFLOPS/device" in bf16.stdout
+
+
+def test_capacity_factor_from_the_command_line():
+    """--capacity-factor: token dropping without a model file. 2.0 pads every expert to twice its balanced share
+    (slower than dropless at forced balance), 'none' is dropless again, the note says what the factor does, and
+    a dense model or a value out of range is one line."""
+    base = ["estimate", "--model", "mixtral-8x7b", "--platform", "dgx-h100", "--nodes", "8", "--dp", "64", "--ep", "8",
+            "--zero", "1", "--json"]
+    runner = CliRunner()
+    dropless, padded, none = (runner.invoke(cli, base + extra) for extra in
+                              ([], ["--capacity-factor", "2"], ["--capacity-factor", "none"]))
+    assert all(r.exit_code == 0 for r in (dropless, padded, none)), padded.output
+    step = {name: json.loads(r.stdout)["step_time_s"] for name, r in (("dropless", dropless), ("padded", padded),
+                                                                       ("none", none))}
+    assert step["padded"] > step["dropless"] == step["none"]
+    assert "moe capacity factor 2: each expert computes 2 x its balanced share" in padded.stderr
+    for extra, said in ((["--capacity-factor", "0"], "allowed: a number from 0.01 to 1000, or 'none'"),
+                        (["--capacity-factor", "x"], "allowed: a number from 0.01 to 1000, or 'none'")):
+        bad = runner.invoke(cli, base + extra)
+        assert bad.exit_code == 2 and said in bad.stderr and bad.stderr.count("\n") == 1
+    dense = runner.invoke(cli, ["estimate", "--model", "gpt-22b", "--platform", "dgx-h100", "--nodes", "8", "--dp",
+                                "64", "--capacity-factor", "1"])
+    assert dense.exit_code == 2 and "gpt-22b has no MoE layer to drop tokens in" in dense.stderr

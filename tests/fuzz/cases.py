@@ -372,6 +372,9 @@ def option_cases() -> list[Case]:
         ["--nodes", "1", "--dp", "2", "--virtual-stages", "0"], ["--nodes", "1", "--dp", "2", "--etp", "2"],
         ["--nodes", "1", "--dp", "2", "--schedule", "interleaved"], ["--nodes", "1", "--dp", "2", "--seq", "4096"],
         ["--nodes", "1", "--dp", "2", "--tp", "2", "--etp", "2", "--ep", "1"], ["--nodes", "20000", "--dp", "40000"],
+        ["--nodes", "1", "--dp", "2", "--capacity-factor", "nan"], ["--nodes", "1", "--dp", "2", "--capacity-factor",
+                                                                    "1e400"],
+        ["--nodes", "1", "--dp", "2", "--capacity-factor", "-1"], ["--nodes", "1", "--dp", "2", "--capacity-factor", ""],
     )]
     cases += [
         Case("estimate-opt/save-directory", [*ESTIMATE, "--save", "{tmp}"]),
