@@ -174,7 +174,7 @@ def options_problems(options, plan) -> list[str]:
 
     out = ["options.dropout=true (the runtime trains without dropout)"] if options.dropout else []
     own = PIPER_RUNTIME_OPTIONS.recompute_modules
-    if plan.recompute == "selective" and tuple(options.recompute_modules) != own:
+    if plan.recompute == "selective" and set(options.recompute_modules) != set(own):
         out.append(f"options.recompute_modules={','.join(options.recompute_modules)} with recompute=selective (the "
                    f"runtime recomputes {', '.join(own)} only)")
     return out

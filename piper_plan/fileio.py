@@ -149,6 +149,18 @@ def ascii_int(text: str) -> int:
     return int(stripped)
 
 
+def ascii_float(text: str) -> float:
+    """A decimal number typed on a command line: ASCII digits, an optional fraction and exponent (``float`` also
+    takes '1_0', '１', 'nan' and 'inf'), finite; ValueError else."""
+    stripped = text.strip()
+    if not re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?", stripped):
+        raise ValueError(f"not a number: {text!r}")
+    value = float(stripped)
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text!r}")
+    return value
+
+
 def _parse_int(digits: str) -> int:
     if len(digits.lstrip("-")) > MAX_INT_DIGITS:
         raise _Refused(f"an integer of {len(digits.lstrip('-')):,} digits; at most {MAX_INT_DIGITS} are accepted")

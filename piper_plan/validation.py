@@ -495,7 +495,9 @@ def plan_quantity(quantity: str, est, stage: int | None = None) -> float:
     comp = chosen.components
     if quantity == "memory.state_GiB":
         return sum(comp.get(k, 0.0) for k in ("weights", "gradients", "optimizer")) / GiB
-    return sum(v for k, v in comp.items() if k.startswith("activations/")) / GiB
+    # what the layers save for backward (Korthikanti et al.'s figures), not the one layer a recompute rebuilds
+    return sum(v for k, v in comp.items() if k.startswith("activations/") and k != "activations/recompute_working") \
+        / GiB
 
 
 def plan_summary(plan) -> dict:

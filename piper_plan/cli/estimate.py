@@ -34,8 +34,8 @@ GiB = 2**30
 @json_option
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
-def estimate_cmd(model_name, platform_name, mtp_layers, capacity_factor, nodes, seq_len, global_batch, dtype, fp8_recipe, grad_bytes,
-                 routing_skew,
+def estimate_cmd(model_name, platform_name, mtp_layers, capacity_factor, nodes, seq_len, global_batch, dtype,
+                 fp8_recipe, grad_bytes, routing_skew,
                  placement, migration, no_calibration, piper_runtime, dropout, recompute_modules, cost_option, as_json, save_path, plot_path,
                  **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""

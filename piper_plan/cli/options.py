@@ -47,8 +47,8 @@ model_options = _bundle(
                  help="Multi-token-prediction modules to train, 0 to the model's own count (default: all of them)."),
     click.option("--capacity-factor", default=None, metavar="FACTOR|none",
                  help="MoE token dropping: each expert takes at most FACTOR x its balanced share of tokens (padded to "
-                      "it, the rest dropped; Megatron-Core's --moe-expert-capacity-factor with padding), 0.01-1000; "
-                      "'none' = dropless (default: the model's moe.capacity_factor)."),
+                      "it, the rest dropped; Megatron-Core's --moe-expert-capacity-factor with padding); 'none' = "
+                      "dropless (default: the model's moe.capacity_factor)."),
 )
 
 training_options = _bundle(
@@ -179,18 +179,23 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
 def with_capacity_factor(model, text: str | None):
     """``model`` with its MoE layers' capacity factor replaced (--capacity-factor: a number, or 'none' for
     dropless); None keeps the model's. A model without MoE layers or a value out of range is one error line."""
+    from piper_plan.fileio import ascii_float
+    from piper_plan.specs.model import MoESpec
+
     if text is None:
         return model
     if model.moe is None:
         raise PiperError(f"{text}: {model.name} has no MoE layer to drop tokens in", field="--capacity-factor")
     factor = None
     if text.strip().lower() != "none":
+        low, high = (next(getattr(m, bound) for m in MoESpec.model_fields["capacity_factor"].metadata
+                          if hasattr(m, bound)) for bound in ("ge", "le"))
         try:
-            factor = float(text)
+            factor = ascii_float(text)
         except ValueError:
-            factor = float("nan")
-        if not 0.01 <= factor <= 1000:       # NaN fails too
-            raise PiperError(f"{text!r}; allowed: a number from 0.01 to 1000, or 'none' (dropless)",
+            factor = None
+        if factor is None or not low <= factor <= high:
+            raise PiperError(f"{text!r}; allowed: a number from {low:g} to {high:g}, or 'none' (dropless)",
                              field="--capacity-factor")
     data = model.model_dump()
     data["moe"] = {**data["moe"], "capacity_factor": factor}
@@ -203,7 +208,8 @@ def capacity_note(model) -> str | None:
     if factor is None:
         return None
     return (f"moe capacity factor {factor:g}: each expert computes {factor:g} x its balanced share of tokens (padding "
-            f"counted as work, tokens over it dropped); MFU and HFU count every token's top_k experts")
+            f"counted as work, tokens over it dropped; --routing-skew does not apply); MFU and HFU count every "
+            f"token's top_k experts")
 
 
 def with_mtp_layers(model, mtp_layers: int | None):
@@ -234,7 +240,7 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
         raise PiperError(f"{recompute_modules!r}: {', '.join(map(repr, unknown))} "
                          f"{'is not a module' if len(unknown) == 1 else 'are not modules'} piper prices; allowed: a "
                          f"comma-separated list of {', '.join(RECOMPUTE_MODULES)}", field="--recompute-modules")
-    if piper_runtime and (dropout or modules != PIPER_RUNTIME_OPTIONS.recompute_modules):
+    if piper_runtime and (dropout or set(modules) != set(PIPER_RUNTIME_OPTIONS.recompute_modules)):
         what, field = ("trains without dropout", "--dropout") if dropout else \
             (f"recomputes {', '.join(PIPER_RUNTIME_OPTIONS.recompute_modules)} only", "--recompute-modules")
         raise PiperError(f"piper's runtime {what}: drop {field}, or drop --runnable / --piper-runtime", field=field)

@@ -51,8 +51,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @plot_option("Write tokens/s vs peak memory of every evaluated plan (Pareto set and chosen plan marked, rejected "
              "ones coloured by reason) as a PNG")
 @click.pass_context
-def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_text, min_nodes, seq_len, global_batch, dtype,
-             fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option, placement,
+def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_text, min_nodes, seq_len, global_batch,
+             dtype, fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option, placement,
              memory_headroom,
              cp_text, expert_tp, top,
              as_json, as_csv, save_path, explain, plot_path):
@@ -76,8 +76,6 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
-    if len(counts) == 1 and not min_nodes:
-        _note_cp_left_out(options, counts[0] * platform.devices_per_node, training.seq_len)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
     if len(dtypes) > 1:
         if len(counts) > 1 or min_nodes or plot_path or explain:
@@ -88,7 +86,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
                                   for d in dtypes[1:]]
         with searching:
             searches = [(t, engine.search(model, platform, t, counts[0], options, **kwargs)) for t in trainings]
-        _note_capacity(model)
+        _notes_once_searched(model, platform, training, options, counts[0])
         _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_json, as_csv, runnable, save_path,
                          migration)
         return
@@ -98,7 +96,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
                 raise PiperError(f"{option} needs one node count (use --nodes N or --min-nodes)", field=option)
         with searching:
             results = engine.sweep(model, platform, training, counts, options, **kwargs)
-        _note_capacity(model)
+        _notes_once_searched(model, platform, training, options, None)
         _emit_sweep(results, model, training, as_json)
         return
     if min_nodes:
@@ -113,7 +111,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
     else:
         with searching:
             result = engine.search(model, platform, training, counts[0], options, **kwargs)
-    _note_capacity(model)
+    _notes_once_searched(model, platform, training, options, None if min_nodes else counts[0])
     if plot_path:
         note(f"wrote {_plot(plot_path, result, model, platform)}")
     if not result.feasible:
@@ -129,19 +127,19 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
         note(f"saved {path} (layers per stage: {plan.layers_per_stage})")
 
 
-def _note_capacity(model) -> None:
-    """Once searched (an error stays the one line): what the model's capacity factor does to the figures."""
-    if capacity_note(model):
-        note(capacity_note(model))
-
-
-def _note_cp_left_out(options, world: int, seq_len: int) -> None:
-    """A note per --cp degree no plan can have, where others are left to search (none left: the search refuses)."""
+def _notes_once_searched(model, platform, training, options, nodes: int | None) -> None:
+    """Notes printed once the search ran (an error before them stays the one stderr line): what the model's
+    capacity factor does to the figures, and at one node count (``nodes``) the --cp degrees no plan can have where
+    others were searched (none left: the search refused)."""
     from piper_plan.search.space import cp_left_out
 
-    left_out = cp_left_out(options, world, seq_len)
-    if left_out and len(left_out) < len(options.cp):
-        note(f"--cp: {'; '.join(left_out)}: not searched")
+    lines = [capacity_note(model)]
+    if nodes is not None:
+        left_out = cp_left_out(options, nodes * platform.devices_per_node, training.seq_len)
+        if left_out and len(left_out) < len(options.cp):
+            lines.append(f"--cp: {'; '.join(left_out)}: not searched")
+    for line in filter(None, lines):
+        note(line)
 
 
 def _plot(path, result, model, platform):
@@ -150,7 +148,7 @@ def _plot(path, result, model, platform):
 
     ev = result.evaluation
     title = (f"{model.name} on {result.nodes} {platform.name} nodes ({result.world} devices): "
-             f"{len(result.fields['dp']):,} plans evaluated, {result.feasible:,} fit\n"
+             f"{result.evaluated:,} plans evaluated, {result.feasible:,} fit\n"
              f"({result.candidates_total - len(result.fields['dp']):,} more refused by the structural rules before "
              "pricing: not shown)")
     return plan_plot(path, ev.tokens_per_s, ev.peak_memory_bytes, candidate_status(result), result.pareto, result.best,
@@ -267,7 +265,7 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
         return
     out = console()
     out.print(_plans_table(result, platform, plan_rows(result, model, training, top)), width=_table_width(out))
-    out.print(_counts_line(result.candidates_total, len(result.fields["dp"]), result.feasible, result.search_seconds,
+    out.print(_counts_line(result.candidates_total, result.evaluated, result.feasible, result.search_seconds,
                            runnable), markup=False)
     out.print(_sources_line(result.sources), markup=False)
     _note_host_bound(result, platform)
@@ -315,7 +313,7 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
         out = console()
         out.print(_plans_table(winner[1], platform, precision_rows(searches, model, top)), width=_table_width(out))
         for training, result in searches:
-            counts = _counts_line(result.candidates_total, len(result.fields["dp"]), result.feasible,
+            counts = _counts_line(result.candidates_total, result.evaluated, result.feasible,
                                   result.search_seconds, runnable)
             out.print(f"{precision_text(training)}: {counts}", markup=False)
             out.print(f"{precision_text(training)}: " + _sources_line(result.sources), markup=False)
@@ -468,7 +466,7 @@ def _emit_sweep(results, model, training, as_json) -> None:
     if as_json:
         print_json({"sweep": rows, "search_seconds": sum(r.search_seconds for r in results),
                     "candidates_enumerated": sum(r.candidates_total for r in results),
-                    "cost_model_evaluations": sum(len(r.fields["dp"]) for r in results
+                    "cost_model_evaluations": sum(r.evaluated for r in results
                                                   if not isinstance(r, RefusedCount)),
                     "feasible": sum(r.feasible for r in results)})
         return

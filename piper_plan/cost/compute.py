@@ -86,10 +86,12 @@ class Rates:
         peaks = "".join(f"; the {d} peak is device.peak_flops' {self.platform.peak_dtype(d)} (no {d} entry)"
                         for d in dict.fromkeys((self.gemm_dtype, self.attention_dtype))
                         if self.platform.peak_dtype(d) != d)
+        from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES
+
         eff = self.platform.efficiency
         borrowed = f"; no {self.gemm_dtype} GEMM efficiency measured (efficiency.gemm_by_dtype): the 16-bit " \
             f"efficiency.gemm is taken for {self.gemm_dtype}" \
-            if self.gemm_dtype in ("fp8", "mxfp8") and self.gemm_dtype not in eff.gemm_by_dtype else ""
+            if self.gemm_dtype in LOW_PRECISION_GEMM_DTYPES and self.gemm_dtype not in eff.gemm_by_dtype else ""
         if self.calibration is None:
             return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.gemm_dtype}, " \
                    f"attention={eff.attention}: {eff.source}){peaks}{borrowed}" + self.recipe_source

@@ -124,9 +124,9 @@ def recompute_flops_per_token(model: ModelSpec, seq_len: int, lf: LayerFlops, re
                               convention: str = "palm", modules: tuple[str, ...] = ("core_attn",)):
     """Forward FLOPs per token that recomputation repeats (arrays broadcast over ``recompute`` codes): full = every
     layer's forward (GEMMs and scores; megatron: the MTP blocks' too, their shared-head logits excluded),
-    selective = the GEMMs of the ``modules`` it re-runs (selective_gemm_flops_per_token) and, with core_attn, the
-    attention scores (none under flash attention, whose backward recomputes them anyway and is counted as the
-    model's backward)."""
+    selective = the GEMMs of the ``modules`` it re-runs (selective_gemm_flops_per_token; megatron: ``moe`` re-runs
+    the MTP blocks' MoE too) and, with core_attn, the attention scores (none under flash attention, whose backward
+    recomputes them anyway and is counted as the model's backward)."""
     import numpy as np
 
     from piper_plan.specs.vocab import Recompute
@@ -139,6 +139,8 @@ def recompute_flops_per_token(model: ModelSpec, seq_len: int, lf: LayerFlops, re
             - model.mtp_layers * 2.0 * (model.vocab_size or 0) * model.hidden_size
     selective = selective_gemm_flops_per_token(model, lf, modules) \
         + (0.0 if flash or "core_attn" not in modules else scores)
+    if convention == "megatron" and "moe" in modules and model.moe is not None and model.mtp_is_moe:
+        selective = selective + model.mtp_layers * (lf.router + lf.experts + lf.shared)   # the MTP blocks' MoE
     return np.where(recompute == Recompute.FULL.code, gemm_fwd + scores,
                     np.where(recompute == Recompute.SELECTIVE.code, selective, 0.0))
 

@@ -177,3 +177,14 @@ DEFAULT_OPTIONS = CostOptions()
 PIPER_RUNTIME_OPTIONS = CostOptions(unfused_kernels=True, loss_chunk_rows=1024, shared_expert_overlap=True)   # planfile.RuntimeBlock's default
 """How piper's own torch runtime runs (plans it will execute: `plan --runnable`, `launch`, `estimate
 --piper-runtime`): unfused PyTorch kernels; every other assumption as the defaults."""
+
+
+def as_the_runtime_runs(options: CostOptions, loss_chunk_rows=PIPER_RUNTIME_OPTIONS.loss_chunk_rows,
+                        shared_expert_overlap=PIPER_RUNTIME_OPTIONS.shared_expert_overlap) -> CostOptions:
+    """``options`` as piper's runtime would run the plan: its kernels (PIPER_RUNTIME_OPTIONS, with a plan file's
+    runtime block where given) and the options' migration share; what changes the training (dropout, recompute
+    modules) is capability.options_problems' to refuse, not this to price."""
+    from dataclasses import replace
+
+    return replace(PIPER_RUNTIME_OPTIONS, loss_chunk_rows=loss_chunk_rows, shared_expert_overlap=shared_expert_overlap,
+                   migration_fraction=options.migration_fraction)

@@ -118,8 +118,9 @@ def stage_memory(ctx: Context, c, st: StageShape, flight, acts, loss_flight) -> 
     for k in _moe_names(acts):
         out[f"activations/{k}"] = layer_sum(kept(k), st.moe_layers)
     out["activations/recompute_inputs"] = np.where(keep_all, 0.0, acts["input"] * st.layers * flight)
-    out["activations/recompute_working"] = np.where(keep_all, np.where(selective, _selective_working(st, acts), 0.0),
-                                                    _working(st, acts))
+    rebuilt_core = np.where(drops_core, acts["attention_core"], 0.0)
+    out["activations/recompute_working"] = np.where(
+        keep_all, np.where(selective, _selective_working(st, acts, rebuilt_core), 0.0), _working(st, acts))
     out.update(_end_activations(ctx, c, st, flight, loss_flight))
     tensors = sum(out.values())
     out["fragmentation"] = tensors * ctx.platform.memory.fragmentation
@@ -160,11 +161,12 @@ def _working(st: StageShape, acts):
     return np.maximum(np.where(st.dense_layers > 0, per_dense, 0), np.where(st.moe_layers > 0, per_moe, 0))
 
 
-def _selective_working(st: StageShape, acts):
+def _selective_working(st: StageShape, acts, core):
     """Selective recompute rebuilds what it dropped one layer at a time, in that layer's backward: the largest
-    layer's dropped bytes (memory.selective_dropped_bytes; the whole MoE block under ``moe``)."""
+    layer's dropped bytes (memory.selective_dropped_bytes; the whole MoE block under ``moe``) and ``core``, the
+    attention core's saved tensors where ``core_attn`` dropped them (nothing under flash attention)."""
     dropped = acts["selective"]
-    attn = dropped.get("attention", 0.0)
+    attn = dropped.get("attention", 0.0) + core
     per_dense = attn + dropped.get("mlp", 0.0)
     per_moe = attn + sum((v for k, v in dropped.items() if k.startswith("moe/")), 0.0)
     return np.maximum(np.where(st.dense_layers > 0, per_dense, 0), np.where(st.moe_layers > 0, per_moe, 0))
@@ -290,7 +292,7 @@ def selective_recompute_seconds(ctx: Context, c, comp, acts) -> tuple:
     whole_block = "moe" in modules and m.moe is not None          # covers moe_act and shared_experts
     if whole_block:
         moe = moe + comp["router"][0] + comp["experts"][0] + comp["shared_experts"][0] \
-            + ctx.rates.memory_seconds(moe_block_streamed_bytes(ctx, c, acts))
+            + ctx.rates.memory_seconds(moe_block_streamed_bytes(ctx, c, acts, with_input=False))
     if "moe_act" in modules and m.moe is not None and not whole_block:
         _, received = mem.routed_rows(m, t, c.tp, c.seq_share, c.ep)
         moe = moe + ctx.rates.memory_seconds(received * 3 * m.moe.expert.intermediate_size * ab)
@@ -381,15 +383,16 @@ def elementwise_bytes_per_layer(ctx: Context, c, acts) -> tuple:
     return dense, 2 * (acts["attention"] + core) + moe_block_streamed_bytes(ctx, c, acts, streamed=True)
 
 
-def moe_block_streamed_bytes(ctx: Context, c, acts, streamed: bool = False):
+def moe_block_streamed_bytes(ctx: Context, c, acts, streamed: bool = False, with_input: bool = True):
     """The MoE block's share of elementwise_bytes_per_layer: its saved activations written and read, and the
     dispatch and combine token rows it does not save (0 without MoE). ``acts``: layer_activations, ``streamed``
-    when already in the activation dtype."""
+    when already in the activation dtype; ``with_input`` False leaves out the pre-MoE norm's input and output
+    (moe/moe_input), which the ``moe`` recompute module does not re-run."""
     if ctx.model.moe is None:
         return 0.0 * acts["attention"]
     if not streamed and mem.gemm_input_bytes(ctx.training, ctx.opts) != ctx.training.activation_bytes:
         acts = layer_activations(ctx, c, streamed=True)
-    out = 2 * sum((v for k, v in acts.items() if k.startswith("moe/")), 0.0)
+    out = 2 * sum((v for k, v in acts.items() if k.startswith("moe/") and (with_input or k != "moe/moe_input")), 0.0)
     unsaved = 2 - mem.moe_saved_rows(ctx.opts)
     if unsaved > 0:
         sent, _ = mem.routed_rows(ctx.model, ctx.training, c.tp, c.seq_share, c.ep)

@@ -98,19 +98,20 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
     rec_m = np.where(full, attn_fwd + fwd("router") + fwd("experts") + fwd("shared_experts") + elem_m,
                      sel + np.where(selective, sel_m, 0.0))
     passes = 2 + full                                         # forward, backward, + recompute forward
+    reruns = full + moe_block_rerun(ctx, c)                   # forwards of the MoE block beyond the first
     tp = comm["tp"] * passes * (1 - o.tp_overlap)
+    tp_moe = comm["tp"] * (passes + (reruns - full) / 2) * (1 - o.tp_overlap)   # the block's half of the pair
     cp = stg.cp_exchange_seconds(c, comm["cp_step"], fwd("attention_core"), comp["attention_core"][1], 1 + full)
     per_layer = {
         "compute/attention": (attn, attn), "compute/mlp": (fb("mlp"), zero),
         "compute/router": (zero, fb("router")), "compute/experts": (zero, fb("experts")),
         "compute/shared_experts": (zero, fb("shared_experts")),
         "compute/elementwise": (3 * elem_d, 3 * elem_m), "compute/recompute": (rec_d, rec_m),
-        "comm/tp": (tp, tp), "comm/cp": (cp, cp),
+        "comm/tp": (tp, tp_moe), "comm/cp": (cp, cp),
     }
     if "a2a_intra" in comm:
         if o.ep_dispatch == "per_node":
             comm["a2a_inter"] = comm["a2a_inter"] * node_copy_fraction(ctx.model.moe, group_spans["ep"][1])
-        reruns = full + moe_block_rerun(ctx, c)                   # forwards beyond the first: the block's exchanges too
         per_layer["comm/etp"] = (zero, comm["etp"] * (2 + reruns) * (1 - o.tp_overlap))
         for part in ("dispatch", "combine"):
             for where, key in (("intra_node", "a2a_intra"), ("inter_node", "a2a_inter")):

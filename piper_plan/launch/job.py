@@ -38,8 +38,8 @@ def check_runnable(plan_file: PlanFile, path: Path) -> None:
 
     pf = plan_file
     problems = runnable_problems(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel)
-    if not problems and pf.prediction is not None:
-        problems = options_problems(cost_options(dict(pf.prediction.options)), pf.parallel)
+    if pf.prediction is not None:
+        problems = problems + options_problems(cost_options(dict(pf.prediction.options)), pf.parallel)
     if problems:
         raise PiperError(f"the runtime cannot run this plan: {'; '.join(problems)} "
                          f"(re-plan with `piper plan --runnable`)", path=str(path))
@@ -56,9 +56,7 @@ def _as_the_runtime_runs_it(pf: PlanFile):
     """The plan priced with piper's runtime's kernels (cost/options.PIPER_RUNTIME_OPTIONS, with the file's runtime
     block and migration share) where its prediction assumed another engine's; None where it already is, or is not
     priced."""
-    from dataclasses import replace
-
-    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS, cost_options
+    from piper_plan.cost.options import as_the_runtime_runs, cost_options
 
     stored = pf.prediction
     if stored is None:
@@ -66,10 +64,7 @@ def _as_the_runtime_runs_it(pf: PlanFile):
     options = cost_options(dict(stored.options))
     if options.unfused_kernels:
         return None
-    runtime = replace(PIPER_RUNTIME_OPTIONS, loss_chunk_rows=pf.runtime.loss_chunk_rows,
-                      shared_expert_overlap=pf.runtime.shared_expert_overlap,
-                      migration_fraction=options.migration_fraction)
-    return _priced(pf, runtime)
+    return _priced(pf, as_the_runtime_runs(options, pf.runtime.loss_chunk_rows, pf.runtime.shared_expert_overlap))
 
 
 def _priced(pf: PlanFile, options):

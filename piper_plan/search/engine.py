@@ -47,6 +47,11 @@ class SearchResult:
     """Where the compute rates and the host time came from (cost/evaluate.py pricing_sources)."""
     options: Any = None
     """The CostOptions the candidates were priced with (None: the defaults)."""
+    runtime_peak_bytes: np.ndarray | None = None
+    """Where the options are not piper's runtime's kernels: each fitting candidate's peak memory per device as the
+    runtime runs it (cost/options.as_the_runtime_runs; NaN elsewhere), which `launch` checks; None otherwise."""
+    device_bytes: float = 0.0
+    """The device's memory (platform device.memory_bytes), which the runtime peak must fit."""
 
     @property
     def batch(self) -> PlanBatch:
@@ -70,7 +75,15 @@ class SearchResult:
         out["peak_memory_bytes"] = int(round(out["peak_memory_bytes"]))
         out["fits"] = bool(np.asarray(ev.fits)[i]) and out["peak_memory_bytes"] <= self.memory_limit_bytes
         out["layers_split"] = "balanced" if int(ev.layers_split[i]) == 1 else "even"   # the split it was priced with
+        if self.runtime_peak_bytes is not None and not np.isnan(self.runtime_peak_bytes[i]):
+            out["peak_memory_bytes_piper_runtime"] = int(round(float(self.runtime_peak_bytes[i])))
+            out["fits_piper_runtime"] = float(self.runtime_peak_bytes[i]) <= self.device_bytes
         return out
+
+    @property
+    def evaluated(self) -> int:
+        """Candidates the cost model priced (the enumerated ones less those the rules refused)."""
+        return len(self.fields["dp"])
 
     def plan(self, model, training, i: int):
         """Candidate ``i`` as the ParallelPlan the cost model priced (its layer split resolved into an explicit
@@ -104,10 +117,26 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     order = rank.rank_order(space.fields, ev, fits)
     pareto = rank.pareto_front(ev.tokens_per_s, ev.peak_memory_bytes, order)
     merged = {k: v for k, v in rank.merge_reasons(*reasons).items() if v}
+    priced = DEFAULT_OPTIONS if cost_options is None else cost_options
+    runtime_peak = None if runnable or priced.unfused_kernels or not fits.any() else \
+        _runtime_peaks(model, platform, training, nodes, space.fields, fits, calibration, placement, priced)
     return SearchResult(nodes=nodes, world=world_size(platform, nodes), fields=space.fields, evaluation=ev,
                         candidates_total=space.total, reasons=merged, order=order, pareto=pareto,
                         memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features,
-                        sources=pricing_sources(platform, training, calibration), options=cost_options)
+                        sources=pricing_sources(platform, training, calibration), options=cost_options,
+                        runtime_peak_bytes=runtime_peak, device_bytes=float(platform.device.memory_bytes))
+
+
+def _runtime_peaks(model, platform, training, nodes, fields, fits, calibration, placement, priced) -> np.ndarray:
+    """Peak memory per device of the fitting candidates as piper's runtime runs them (NaN for the others)."""
+    from piper_plan.cost.evaluate import evaluate
+    from piper_plan.cost.options import as_the_runtime_runs
+
+    out = np.full(len(fits), np.nan)
+    ev = evaluate(model, platform, training, nodes, PlanBatch.from_arrays(rank_subset(fields, fits)),
+                  calibration=calibration, placement=placement, options=as_the_runtime_runs(priced))
+    out[fits] = np.asarray(ev.peak_memory_bytes, float)
+    return out
 
 
 def _check_figures(ev, fits: np.ndarray) -> None:

@@ -25,15 +25,23 @@ def plan_rows(result, model, training, top: int) -> list[dict]:
     return rows
 
 
+RUNTIME_MEMORY = ("memory: does not fit as the runtime runs it (its unfused kernels: peak_memory_bytes_piper_runtime; "
+                  "`piper plan --runnable` ranks by that)")
+"""What a ranked plan that fits only under fused kernels lacks for piper's runtime."""
+
+
 def with_runtime_marks(row: dict, model, training, options=None) -> dict:
     """A ranked plan's row with ``runtime_missing`` (what piper's runtime lacks for it: capability.py, the cost
-    options that change the training included) and ``runnable_by_piper``."""
+    options that change the training, and a fit as the runtime runs it, SearchResult.runtime_peak_bytes) and
+    ``runnable_by_piper``."""
     from piper_plan.capability import options_problems, runtime_missing
     from piper_plan.search.space import CANDIDATE_FIELDS
     from piper_plan.specs import ParallelPlan
 
     plan = ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS})
     missing = runtime_missing(plan, model, training) + ([] if options is None else options_problems(options, plan))
+    if not row.get("fits_piper_runtime", True):
+        missing.append(RUNTIME_MEMORY)
     return {**row, "runtime_missing": missing, "runnable_by_piper": not missing}
 
 
@@ -43,7 +51,7 @@ def result_json(result, model, platform, training, top: int) -> dict:
         "seq_len": training.seq_len, "global_batch": training.global_batch,
         "dtype": training.dtype, "fp8_recipe": training.fp8_recipe,
         "candidates_enumerated": result.candidates_total,
-        "cost_model_evaluations": len(result.fields["dp"]),
+        "cost_model_evaluations": result.evaluated,
         "feasible": result.feasible,
         "infeasible_reasons": result.reasons,
         "unsupported_features": result.unsupported,
@@ -86,11 +94,11 @@ def precisions_json(searches, model, platform, top: int) -> dict:
     obj.update(dtype=training.dtype, fp8_recipe=training.fp8_recipe, plans=precision_rows(searches, model, top),
                infeasible_reasons=reasons,
                candidates_enumerated=sum(r.candidates_total for _, r in searches),
-               cost_model_evaluations=sum(len(r.fields["dp"]) for _, r in searches),
+               cost_model_evaluations=sum(r.evaluated for _, r in searches),
                feasible=sum(r.feasible for _, r in searches),
                search_seconds=sum(r.search_seconds for _, r in searches),
                precisions=[{"dtype": t.dtype, "fp8_recipe": t.fp8_recipe, "candidates_enumerated": r.candidates_total,
-                            "cost_model_evaluations": len(r.fields["dp"]), "feasible": r.feasible, "sources": r.sources,
+                            "cost_model_evaluations": r.evaluated, "feasible": r.feasible, "sources": r.sources,
                             "best_tokens_per_s": float(r.evaluation.tokens_per_s[r.best]) if r.feasible else None}
                            for t, r in searches])
     return obj

@@ -12,6 +12,7 @@ from piper_plan.specs import even_split
 from click.testing import CliRunner
 
 from piper_plan.cli.main import cli
+from piper_plan.search.report import RUNTIME_MEMORY
 from piper_plan.catalog import project_root
 
 ROOT = project_root()
@@ -116,8 +117,8 @@ def test_runnable_and_explain_json():
 def test_each_ranked_plan_says_whether_piper_runs_it_and_launch_agrees(tmp_path):
     """Context parallelism is an axis the runtime does not run: with --cp 2 every ranked plan is marked (JSON,
     table) and `launch` refuses the saved one naming it. DeepSeek-V3 with its MTP module (the runtime builds it)
-    is runnable; `launch` refuses the plan ranked with Megatron's fused kernels, which does not fit as the runtime
-    runs it, and writes the job of the one `--runnable` ranked."""
+    is runnable where it fits as the runtime runs it: the plans ranked with Megatron's fused kernels do not (marked,
+    and `launch` refuses the saved one); `launch` writes the job of the one `--runnable` ranked."""
     args = ("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "32", "--top", "3")
     with_cp = json.loads(_run(*args, "--cp", "2", "--json").stdout)["plans"]
     assert all(not p["runnable_by_piper"] and any("parallel.cp=2" in m for m in p["runtime_missing"])
@@ -128,9 +129,12 @@ def test_each_ranked_plan_says_whether_piper_runs_it_and_launch_agrees(tmp_path)
     assert _run(*args, "--cp", "2", "-o", str(saved)).exit_code == 0
     refused = CliRunner().invoke(cli, ["launch", "--plan", str(saved), "--out-dir", str(tmp_path / "job"), "--dry-run"])
     assert refused.exit_code == 2 and "parallel.cp=2" in refused.stderr
-    with_mtp = json.loads(_run(*args, "--json").stdout)["plans"]
+    with_mtp = json.loads(_run(*args, "--runnable", "--json").stdout)["plans"]
     assert all(p["runnable_by_piper"] and p["runtime_missing"] == [] for p in with_mtp)
-    fused = tmp_path / "fused.json"                # ranked with Megatron's fused kernels: too big for the runtime's
+    fused_rows = json.loads(_run(*args, "--json").stdout)["plans"]   # ranked with Megatron's fused kernels
+    assert all(not p["runnable_by_piper"] and p["runtime_missing"] == [RUNTIME_MEMORY]
+               and p["peak_memory_bytes_piper_runtime"] > p["peak_memory_bytes"] for p in fused_rows)
+    fused = tmp_path / "fused.json"
     assert _run(*args, "-o", str(fused)).exit_code == 0
     refused = CliRunner().invoke(cli, ["launch", "--plan", str(fused), "--out-dir", str(tmp_path / "job2"), "--dry-run"])
     assert refused.exit_code == 2 and "priced as piper's runtime runs it" in refused.stderr
