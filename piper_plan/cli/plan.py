@@ -52,10 +52,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
              "ones coloured by reason) as a PNG")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_text, min_nodes, seq_len, global_batch,
-             dtype, fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option, placement,
-             memory_headroom,
-             cp_text, expert_tp, top,
-             as_json, as_csv, save_path, explain, plot_path):
+             dtype, fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option,
+             placement, memory_headroom, cp_text, expert_tp, top, as_json, as_csv, save_path, explain, plot_path):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
 
