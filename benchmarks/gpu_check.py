@@ -116,10 +116,12 @@ def calibrate(device, platform_name: str, out_dir: Path, models, seq_len: int) -
     from piper_plan.calibration.timing import device_name
 
     start = time.perf_counter()
+    dtype = "bf16" if device.type == "cuda" else "fp32"     # the precision the runs below train in
     opts = SweepOptions(platform=platform_name, out_dir=out_dir, quick=True, only=("gemm", "attention"),
-                        command=f"piper calibrate --platform {platform_name} --quick --only gemm,attention")
+                        dtypes=(dtype,),
+                        command=f"piper calibrate --platform {platform_name} --quick --only gemm,attention "
+                                f"--dtype {dtype}")
     result = run_calibration(opts)
-    dtype = "bf16" if device.type == "cuda" else "fp32"
     name, rows = device_name(device), []
     for p in {q for _, spec in models for q in model_gemm_points(spec, dtype, seq_len)}:
         seconds, _ = measure_gemm(p, device, repeats=5, warmup=2)

@@ -44,6 +44,8 @@ class SweepOptions:
     quick: bool = False
     resume: bool = False
     only: tuple[str, ...] = KINDS
+    dtypes: tuple[str, ...] | None = None
+    """The GEMM and attention sweeps measure only these precisions (None: every one the device's sweep has)."""
     command: str = "piper calibrate"
     collective_timeout_s: float = 1800.0
 
@@ -67,6 +69,44 @@ def parse_only(text: str | None) -> tuple[str, ...]:
     return kinds
 
 
+def parse_dtypes(text: str | None) -> tuple[str, ...] | None:
+    """``--dtype bf16,fp32`` as a tuple (None: every precision the sweep has); checked against the device later."""
+    if text is None:
+        return None
+    dtypes = tuple(dict.fromkeys(d.strip() for d in text.split(",") if d.strip()))
+    if not dtypes:
+        raise PiperError(f"--dtype {text!r} names nothing; allowed a comma list of the precisions the sweep measures")
+    return dtypes
+
+
+def _device_points(kind: str, device_type: str, quick: bool) -> list:
+    """Every GEMM or attention point of the sweep on a ``device_type`` device."""
+    from piper_plan.calibration.bench_attention import attention_points
+    from piper_plan.calibration.bench_gemm import gemm_points
+
+    return (gemm_points if kind == "gemm" else attention_points)(device_type, quick)
+
+
+def compute_points(kind: str, device_type: str, opts: SweepOptions) -> list:
+    """The GEMM or attention points the sweep measures on a ``device_type`` device, kept to ``opts.dtypes``."""
+    return [p for p in _device_points(kind, device_type, opts.quick) if opts.dtypes is None or p.dtype in opts.dtypes]
+
+
+def check_dtypes(opts: SweepOptions, device_type: str) -> None:
+    """Every ``--dtype`` is measured by at least one selected GEMM or attention sweep on this device type."""
+    if opts.dtypes is None:
+        return
+    kinds = [k for k in ("gemm", "attention") if k in opts.only]
+    if not kinds:
+        raise PiperError(f"--dtype {','.join(opts.dtypes)}: only the gemm and attention sweeps have a precision; "
+                         f"--only {','.join(opts.only)} selects neither")
+    measured = {p.dtype: None for k in kinds for p in _device_points(k, device_type, opts.quick)}
+    bad = [d for d in opts.dtypes if d not in measured]
+    if bad:
+        raise PiperError(f"--dtype {','.join(bad)}: the {' and '.join(kinds)} sweep on a {device_type} device "
+                         f"measures {', '.join(measured)}")
+
+
 def check_existing_files(out_dir: Path, kinds: tuple[str, ...]) -> None:
     """The CSVs the sweep will merge into (and metadata.json) read as they are before anything is measured: a
     malformed one is one error line before minutes of measurement, not after them (their rows then lost)."""
@@ -84,6 +124,7 @@ def run_calibration(opts: SweepOptions, reporter: Reporter | None = None) -> Swe
 
     reporter = reporter or Reporter()
     platform = load_platform(opts.platform)
+    check_dtypes(opts, platform.launch.device)
     check_existing_files(opts.out_dir, opts.only)
     result = SweepResult()
     source = f"measured: {opts.command} on {socket.gethostname()} {_today()}"
@@ -131,10 +172,10 @@ def _pending(task: str, table, points: list, name: str, opts, result) -> list:
 
 
 def _sweep_gemm(opts, device, name, source, reporter, result) -> None:
-    from piper_plan.calibration.bench_gemm import gemm_points, measure_gemm
+    from piper_plan.calibration.bench_gemm import measure_gemm
     from piper_plan.calibration.schema import GEMM, gemm_flops
 
-    todo = _pending("gemm", GEMM, gemm_points(device.type, opts.quick), name, opts, result)
+    todo = _pending("gemm", GEMM, compute_points("gemm", device.type, opts), name, opts, result)
     repeats, warmup = _repeats(opts.quick)
 
     def measure(p):
@@ -146,10 +187,10 @@ def _sweep_gemm(opts, device, name, source, reporter, result) -> None:
 
 
 def _sweep_attention(opts, device, name, source, reporter, result) -> None:
-    from piper_plan.calibration.bench_attention import attention_points, measure_attention
+    from piper_plan.calibration.bench_attention import measure_attention
     from piper_plan.calibration.schema import ATTENTION, attention_flops
 
-    todo = _pending("attention", ATTENTION, attention_points(device.type, opts.quick), name, opts, result)
+    todo = _pending("attention", ATTENTION, compute_points("attention", device.type, opts), name, opts, result)
     repeats, warmup = _repeats(opts.quick)
 
     def measure(p):

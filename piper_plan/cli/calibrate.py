@@ -21,19 +21,23 @@ from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 @click.option("--quick", is_flag=True, help="A small sweep (well under 2 minutes on a 2-core machine).")
 @click.option("--resume", is_flag=True, help="Skip points already in the CSVs.")
 @click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all).")
+@click.option("--dtype", "dtypes", default=None,
+              help="Comma list of the precisions the GEMM and attention sweeps measure (default: every one the "
+                   "device's sweep has: fp32,bf16 on a CPU, bf16 on a GPU).")
 @out_dir_option("out_dir", "Output directory (default calibration/<platform>/).", old=("--out",))
 @json_option(help="What the sweep wrote (directory, rows per CSV, skipped points, seconds) as JSON on stdout.")
 @click.pass_context
-def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, out_dir, as_json) -> None:
+def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtypes, out_dir, as_json) -> None:
     """Measure GEMM, attention and collectives on this machine; write calibration/<platform>/*.csv."""
     if ctx.invoked_subcommand is not None:
         return
     if platform_name is None:
         raise PiperError("--platform is required (for example: piper calibrate --platform local-cpu --quick)")
-    from piper_plan.calibration.sweep import SweepOptions, parse_only, run_calibration
+    from piper_plan.calibration.sweep import SweepOptions, parse_dtypes, parse_only, run_calibration
 
     opts = SweepOptions(platform=platform_name, out_dir=_out_dir(platform_name, out_dir), quick=quick, resume=resume,
-                        only=parse_only(only), command=_command_line(platform_name, quick, resume, only, out_dir))
+                        only=parse_only(only), dtypes=parse_dtypes(dtypes),
+                        command=_command_line(platform_name, quick, resume, only, dtypes, out_dir))
     t0 = time.perf_counter()
     with _RichReporter() as reporter:
         result = run_calibration(opts, reporter)
@@ -50,10 +54,11 @@ def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, out_
                     "messages": result.messages})
 
 
-def _command_line(platform_name, quick, resume, only, out_dir) -> str:
+def _command_line(platform_name, quick, resume, only, dtypes, out_dir) -> str:
     """The command as a user would retype it (recorded in every row's source and in metadata.json)."""
     args = ["piper", "calibrate", "--platform", platform_name] + ["--quick"] * quick + ["--resume"] * resume
     args += ["--only", only] if only else []
+    args += ["--dtype", dtypes] if dtypes else []
     args += ["--out-dir", out_dir] if out_dir else []
     return shlex.join(args)
 

@@ -18,6 +18,26 @@ def test_missing_platform_and_bad_only_exit_2(tmp_path):
     assert bad.exit_code == 2 and "unknown ['fft']" in bad.output
 
 
+def test_dtype_keeps_the_compute_sweeps_to_the_precisions_named(tmp_path):
+    """``--dtype fp32`` on a CPU measures no bf16 GEMM (50x slower there without bf16 instructions) and says so in
+    every row's source; a precision the device's sweep lacks, or ``--dtype`` without a compute sweep, is one line."""
+    import pandas as pd
+
+    ok = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--quick", "--only", "gemm", "--dtype", "fp32",
+                                  "--out", str(tmp_path)])
+    assert ok.exit_code == 0, ok.output
+    rows = pd.read_csv(tmp_path / "gemm.csv")
+    assert set(rows["dtype"]) == {"fp32"} and len(rows) == 13
+    assert rows["source"].str.contains("--dtype fp32").all()
+    for args, needle in ((["--only", "gemm,attention", "--dtype", "fp32,fp16"],
+                          "--dtype fp16: the gemm and attention sweep on a cpu device measures fp32, bf16"),
+                         (["--only", "collectives", "--dtype", "bf16"], "--only collectives selects neither"),
+                         (["--dtype", " , "], "names nothing")):
+        bad = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", *args, "--out", str(tmp_path / "bad")])
+        assert bad.exit_code == 2 and needle in bad.stderr and bad.stderr.count("\n") == 1, bad.output
+        assert not (tmp_path / "bad").exists()
+
+
 def test_nccl_platform_without_distributed_env_explains_how_to_launch(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
