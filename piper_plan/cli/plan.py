@@ -13,7 +13,7 @@ import io
 import click
 
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
-                                   platform_calibration, plot_option, print_json)
+                                   platform_calibration, plot_option, print_json, print_table)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
                                     placement_option, precision_text, training_options, capacity_note)
 from piper_plan.errors import PiperError
@@ -262,7 +262,7 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
         click.echo(_csv(plan_rows(result, model, training, top)), nl=False)
         return
     out = console()
-    out.print(_plans_table(result, platform, plan_rows(result, model, training, top)), width=_table_width(out))
+    print_table(_plans_table(result, platform, plan_rows(result, model, training, top)), width=_table_width(out))
     out.print(_counts_line(result.candidates_total, result.evaluated, result.feasible, result.search_seconds,
                            runnable), markup=False)
     out.print(_sources_line(result.sources), markup=False)
@@ -309,7 +309,7 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
         click.echo(_csv(precision_rows(searches, model, top)), nl=False)
     else:
         out = console()
-        out.print(_plans_table(winner[1], platform, precision_rows(searches, model, top)), width=_table_width(out))
+        print_table(_plans_table(winner[1], platform, precision_rows(searches, model, top)), width=_table_width(out))
         for training, result in searches:
             counts = _counts_line(result.candidates_total, result.evaluated, result.feasible,
                                   result.search_seconds, runnable)
@@ -488,4 +488,4 @@ def _emit_sweep(results, model, training, as_json) -> None:
     missing = sorted({m for row in rows if row["best"] for m in row["best"]["runtime_missing"]})
     if missing:
         table.caption = "* piper's runtime cannot run it (`piper launch` refuses): " + "; ".join(missing)
-    console().print(table, width=_table_width(console()))
+    print_table(table, width=_table_width(console()))
