@@ -13,6 +13,7 @@ import yaml
 from piper_plan import fileio
 from piper_plan.calibration import io as calibration_io
 from piper_plan.calibration.schema import GEMM
+from piper_plan.errors import PiperError
 from test_bad_input import ESTIMATE, assert_one_line_error, run
 
 FIXTURES = Path(__file__).resolve().parents[1] / "specs" / "fixtures"
@@ -173,6 +174,28 @@ def test_status_says_slurm_did_not_answer_not_that_the_job_is_unknown(tmp_path, 
     line = assert_one_line_error(run("status", "12345"), "Unable to contact slurm controller")
     assert "does not know" not in line
     assert_one_line_error(run("status", "12345", "--dir", tmp_path), "Unable to contact slurm controller")
+
+
+def test_a_controller_that_is_down_is_said_at_once_not_after_slurms_retries(tmp_path, monkeypatch):
+    """squeue, sbatch and scontrol show retry an unreachable controller for about 18 s each; ``scontrol ping`` says
+    DOWN at once, and then none of them is run."""
+    bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
+    bin_dir.mkdir()
+    ping = ('if [ "$1" = ping ]; then echo "Slurmctld(primary) at head is DOWN"; echo "** RESTORE SLURMCTLD DAEMON '
+            'TO SERVICE **"; exit 1; fi\n')
+    for tool in ("squeue", "scontrol", "sbatch"):
+        script = bin_dir / tool
+        script.write_text("#!/bin/sh\n" + (ping if tool == "scontrol" else "") + f"echo {tool} >> {asked}\nexit 1\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert_one_line_error(run("status", "12345"), "the Slurm controller does not answer",
+                          "scontrol ping: Slurmctld(primary) at head is DOWN")
+    from piper_plan.launch import submit
+
+    (tmp_path / "job.sbatch").write_text("#!/bin/bash\n")
+    with pytest.raises(PiperError, match="sbatch not run: the Slurm controller does not answer"):
+        submit.submit(tmp_path / "job.sbatch")
+    assert not asked.exists()
 
 
 def test_a_job_id_is_ascii_digits_and_a_long_one_is_not_echoed_whole():
