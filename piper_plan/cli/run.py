@@ -57,7 +57,7 @@ def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> N
         if as_json and env.rank == 0:
             print_run_summary(Path(out), code)
         sys.exit(code)
-    cfg, layout = _checked_plan(args)
+    cfg, layout = _checked_plan(args, Path(plan))
     if not layout.runs_here:
         absolute = runtime_args(str(Path(plan).resolve()), str(Path(out).resolve()), steps, resume, profile, lr,
                                 aux_loss_coeff)            # the nodes need not share this working directory
@@ -82,12 +82,15 @@ def _check_file(plan: str) -> None:
         raise PiperError("is not a file", path=plan)
 
 
-def _checked_plan(args: list[str]):
+def _checked_plan(args: list[str], plan: Path):
     """(the plan with the options applied, its layout) after every check the ranks would make before any
-    collective (runtime/train.py preflight) but the GPU one: here, and without torch."""
+    collective (runtime/train.py preflight) but the GPU one, and `piper launch`'s (launch/job.py check_runnable:
+    a plan that does not fit as the runtime runs it is refused here too, not handed out as torchrun / srun lines):
+    here, and without torch."""
     from pydantic import ValidationError
 
     from piper_plan.catalog import validation_message
+    from piper_plan.launch.job import check_runnable
     from piper_plan.launch.local import layout_of
     from piper_plan.runtime.train import load_plan, parse_args, preflight
 
@@ -96,6 +99,7 @@ def _checked_plan(args: list[str]):
     except ValidationError as exc:      # an option out of range (--lr nan): with_runtime validates the block
         raise PiperError(validation_message(exc), field="runtime options") from None
     preflight(cfg, cfg.parallel.world, cuda_available=True)
+    check_runnable(cfg, plan)
     return cfg, layout_of(cfg)
 
 

@@ -61,6 +61,18 @@ def test_a_multi_node_plan_prints_the_torchrun_and_srun_lines(tmp_path):
     assert human.stderr.startswith("piper run: not started here: the plan needs 2 nodes x 8 cuda ranks")
 
 
+def test_run_refuses_what_launch_refuses_instead_of_printing_its_commands(tmp_path):
+    """The README's first plan (Mixtral on 8 Frontier nodes, not --runnable) does not fit as piper's runtime runs it:
+    `launch` refused it while `run` printed torchrun / srun lines that would run out of memory. Both refuse it now,
+    in the same line."""
+    plan = saved_plan(tmp_path, "--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8")
+    ran = CliRunner().invoke(cli, ["run", "--plan", str(plan)])
+    launched = CliRunner().invoke(cli, ["launch", "--plan", str(plan), "--out-dir", str(tmp_path / "job")])
+    assert ran.exit_code == launched.exit_code == 2 and "torchrun" not in ran.stdout
+    assert "priced as piper's runtime runs it" in ran.stderr and ran.stderr == launched.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_where_a_layout_runs():
     assert Layout(1, 8, "cuda", 7, 1).runs_here                      # one node: its devices are here
     assert not Layout(2, 8, "cuda", 7, 1).runs_here                  # GPU nodes are real nodes
