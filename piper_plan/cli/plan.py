@@ -329,15 +329,15 @@ def _plans_table(result, platform, rows: list[dict]):
     table = Table(title=f"top plans: {result.nodes} nodes, {result.world} devices", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_dtype = any("dtype" in row for row in rows)
-    for label in ("#", *(("dtype",) if with_dtype else ()), "dp tp pp ep etp", "mbs x M", "sched", "recomp", "z",
+    degrees = ("dp", *(("cp",) if any(row.get("cp", 1) > 1 for row in rows) else ()), "tp", "pp", "ep", "etp")
+    for label in ("#", *(("dtype",) if with_dtype else ()), *degrees, "mbs x M", "sched", "recomp", "z",
                   "a2a", f"GiB/{cap_GiB:.0f}", "step s", "tokens/s", "TF/dev", "MFU", "HFU", "a2a%", "node-h"):
         table.add_column(label, justify="left" if label in ("sched", "recomp", "a2a", "dtype") else "right",
                          no_wrap=True)
     for row in rows:
         table.add_row(str(row["rank"]) + ("" if row["runnable_by_piper"] else "*"),
                       *((row["dtype"],) if with_dtype else ()),
-                      " ".join(str(row[k]) for k in ("dp", "tp", "pp", "ep", "etp"))
-                      + (f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""),
+                      *(str(row.get(k, 1)) for k in degrees),
                       f"{row['mbs']} x {row['num_microbatches']}",
                       _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),
                       row["recompute"][:4],

@@ -88,7 +88,8 @@ def test_a_long_plan_table_prints_as_plain_text_with_the_same_rows_as_rich():
     plain = run("plan", "--model", "deepseek-v3", "--platform", "frontier", "--nodes", "64", "--top", shown)
     assert plain.exit_code == 0, plain.output
     lines = plain.stdout.splitlines()
-    assert lines[0] == "top plans: 64 nodes, 512 devices" and lines[1].split()[:2] == ["#", "dp"]
+    assert lines[0] == "top plans: 64 nodes, 512 devices"
+    assert lines[1].split()[:6] == ["#", "dp", "tp", "pp", "ep", "etp"]
     rows = lines[3:3 + shown]
     assert [r.split()[0].rstrip("*") for r in rows] == [str(i) for i in range(1, shown + 1)]
     assert lines[3 + shown].startswith("MFU, HFU: PaLM's FLOP count")
@@ -107,3 +108,15 @@ def test_a_long_plan_table_prints_as_plain_text_with_the_same_rows_as_rich():
     recorded.print(table)
     rich_rows = [ln.strip("│ ").split() for ln in recorded.export_text().splitlines() if "1" in ln]
     assert [ln.split() for ln in text.splitlines()[3:]] == [[c for c in r if c != "│"] for r in rich_rows]
+
+
+def test_each_degree_sits_under_its_own_label():
+    """The degrees were one column "dp tp pp ep etp" of right-aligned "32 1 2 8 1": dp's value sat under "pp"."""
+    done = run("plan", "--model", "deepseek-v3", "--platform", "h200", "--nodes", "16", "--cp", "2", "--top", "3",
+               "--json")
+    best = json.loads(done.stdout)["plans"][0]
+    shown = run("plan", "--model", "deepseek-v3", "--platform", "h200", "--nodes", "16", "--cp", "2", "--top", "3")
+    header, first = (ln for ln in shown.stdout.splitlines() if ln.strip().startswith(("#", "1")))
+    for label in ("dp", "cp", "tp", "pp", "ep", "etp"):
+        end = header.index(f" {label} ") + 1 + len(label)            # right-aligned: the value ends where its label does
+        assert first[:end].split()[-1] == str(best[label]), (label, header, first)
