@@ -151,11 +151,11 @@ def render(result, model, platform, plan, training) -> None:
     out.print(f"peak memory {_gib(mem.peak_bytes)} of {_gib(device)} GiB per device: {verdict}", markup=False)
     tr = result.training
     out.print(f"step {result.step_time_s:.4g} s | {result.tokens_per_s:.4g} tokens/s | "
-              f"{result.tflops_per_device:.1f} TFLOPS/device | MFU {result.mfu:.1%} | HFU {result.hfu:.1%} (PaLM) | "
+              f"{result.tflops_per_device:.4g} TFLOPS/device | MFU {result.mfu:.1%} | HFU {result.hfu:.1%} (PaLM) | "
               f"MFU {result.mfu_megatron:.1%} | HFU {result.hfu_megatron:.1%} (Megatron: causal attention) | "
               f"all-to-all {result.a2a_share:.1%} of the step", markup=False)
     out.print(f"MFU and HFU against the {platform.peak_dtype(training.dtype)} peak, "
-              f"{platform.peak_flops(training.dtype) / 1e12:.0f} TFLOPS/device (device.peak_flops)", markup=False)
+              f"{platform.peak_flops(training.dtype) / 1e12:.4g} TFLOPS/device (device.peak_flops)", markup=False)
     out.print(f"to train {model.name} on {training.tokens_to_train:.3g} tokens (training.tokens_to_train; "
               f"{tr.steps:.4g} steps): {tr.time_to_train_s / 86400:.2f} days, "
               f"{tr.node_hours:.4g} node-hours | checkpoint {result.checkpoint.total_bytes / 1e9:.1f} GB "

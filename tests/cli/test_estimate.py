@@ -220,6 +220,9 @@ def test_utilisation_names_the_peak_it_divides_by():
     fp8, bf16 = (CliRunner().invoke(cli, [*args, "--dtype", d]) for d in ("fp8", "bf16"))
     assert "MFU and HFU against the fp8 peak, 1979 TFLOPS/device" in fp8.stdout
     assert "MFU and HFU against the bf16 peak, 989 TFLOPS/device" in bf16.stdout
+    cpu = CliRunner().invoke(cli, ["estimate", "--model", "mixtral-8x7b", "--platform", "local-cpu", "--nodes", "1",
+                                   "--dp", "2", "--ep", "2"])
+    assert "MFU and HFU against the fp32 peak, 0.1111 TFLOPS/device" in cpu.stdout     # was "0 TFLOPS/device"
 
 
 def test_capacity_factor_from_the_command_line():
