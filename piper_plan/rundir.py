@@ -44,6 +44,17 @@ def check_run_dir(run_dir: Path) -> None:
                 from None
 
 
+def check_holds_no_run(run_dir: Path) -> None:
+    """A run started without --resume replaces the metrics and checkpoints ``run_dir`` holds: refused unless asked
+    (``piper run --force``), as ``piper launch`` refuses a non-empty --out-dir."""
+    step = latest_step(run_dir)
+    held = [f"checkpoints to step {step}"] if step is not None else []
+    held += ["metrics.jsonl"] if (run_dir / "metrics.jsonl").is_file() else []
+    if held:
+        raise PiperError(f"holds a run ({' and '.join(held)}); --resume continues it, --force starts over and "
+                         "replaces them, or use another --out-dir", path=str(run_dir))
+
+
 LATEST_ALLOWED = "a decimal step number (ASCII digits) naming a checkpoints/step_<N> folder, as piper writes it"
 LATEST_MAX_BYTES = 4096
 

@@ -34,6 +34,8 @@ EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' l
 @out_dir_option("out", "Run directory (metrics.jsonl, summary.json, checkpoints/).", old=("--out",), default="run",
                 show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from RUN_DIR/checkpoints/latest.")
+@click.option("--force", is_flag=True, help="Start over in a run directory that holds a run (its metrics and "
+              "checkpoints are replaced); without it, or --resume, such a directory is refused.")
 @click.option("--profile", type=click.IntRange(min=0), default=0, metavar="STEPS",
               help="Chrome trace of STEPS steps after the first.")
 @click.option("--lr", type=float, default=None,
@@ -42,7 +44,7 @@ EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' l
               help="Balance-loss coefficient, 0 (off) to 1e4 (default: the plan's runtime.aux_loss_coeff).")
 @json_option(help="The run's summary (summary.json with the run directory), or the commands for a plan that does "
                   "not fit here, as JSON on stdout.")
-def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> None:
+def run_cmd(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_json) -> None:
     """Train a plan.json: on this machine's own ranks when they fit, else print the torchrun / srun lines."""
     from piper_plan.launch.local import runtime_args
     from piper_plan.launchenv import read_launch_env
@@ -63,7 +65,7 @@ def run_cmd(plan, steps, out, resume, profile, lr, aux_loss_coeff, as_json) -> N
                                 aux_loss_coeff)            # the nodes need not share this working directory
         _print_commands(layout, absolute, as_json)
         return
-    _check_run_dir(out, plan)
+    _check_run_dir(out, plan, resume or force)
     _check_devices(cfg, layout)
     note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
                                                      if layout.emulated_topology else "") + f", run directory {out}")
@@ -260,13 +262,16 @@ def _latest_checkpoint(run_dir: Path) -> int | None:
         return None
 
 
-def _check_run_dir(out: str, plan: str) -> None:
+def _check_run_dir(out: str, plan: str, may_hold_a_run: bool) -> None:
     """The run directory, before any rank starts (the ranks check it again: rundir.py): a path that cannot be a
-    directory, an entry of the wrong kind, or another model's or training's run is one line, exit 2."""
-    from piper_plan.rundir import check_run_dir, plan_change
+    directory, an entry of the wrong kind, another model's or training's run, or (without --resume or --force) a
+    run it would replace is one line, exit 2."""
+    from piper_plan.rundir import check_holds_no_run, check_run_dir, plan_change
 
     check_run_dir(Path(out))
     plan_change(Path(plan), Path(out))      # its note, where the layout changed, is the ranks' to print
+    if not may_hold_a_run:
+        check_holds_no_run(Path(out))
 
 
 def _print_commands(layout, args: list[str], as_json: bool) -> None:

@@ -64,6 +64,26 @@ def test_an_out_dir_that_cannot_be_a_directory_is_one_line(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "plan.json"]    # nothing written here
 
 
+def test_a_run_directory_that_holds_a_run_needs_resume_or_force(tmp_path, monkeypatch):
+    """A second `piper run` into the same --out-dir replaced metrics.jsonl and the checkpoints without a word (launch
+    refuses a non-empty --out-dir without --force): refused now, and --resume or --force pass the check."""
+    plan = two_rank_plan(tmp_path)
+    run = tmp_path / "rx"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("5\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "plan.json").write_text(plan.read_text())
+    line = one_error_line(run_here(plan, str(run)))
+    assert line == (f"error: {run}: holds a run (checkpoints to step 5 and metrics.jsonl); --resume continues it, "
+                    "--force starts over and replaces them, or use another --out-dir"), line
+    started = []
+    monkeypatch.setattr(run_module, "launch_local", lambda layout, args, run_dir: started.append(args) or 0)
+    for flag in ("--resume", "--force"):
+        assert run_here(plan, str(run), flag).exit_code == 0
+    assert [args[-1] for args in started] == ["--resume", "1"]       # --force is not a rank option: args end "--steps 1"
+    assert (run / "metrics.jsonl").read_text() == "{}\n"
+
+
 @pytest.mark.parametrize("entry, needle", [("metrics.jsonl", "is a folder"), ("summary.json", "is a folder"),
                                            ("plan.json", "is a folder"), ("checkpoints", "is not a folder")])
 def test_a_run_directory_entry_of_the_wrong_kind_is_one_line(tmp_path, entry, needle):
