@@ -63,10 +63,36 @@ def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     result = {"run_dir": str(metrics_path.parent), "plan": str(plan_path), **result}
     if plot_path:
         note(f"wrote {_plot(plot_path, result, records)}")
+    hint = _calibration_hint(plan_file, result["step_time_s"]["rel_error"])
+    if hint:
+        note(hint)
     if as_json:
         print_json(result)
     else:
         _table(result)
+
+
+RECALIBRATE_ABOVE = 0.25
+"""A step-time error beyond this (either way) names the calibration the prediction used and how to measure anew."""
+
+
+def _calibration_hint(plan_file, step_error: float | None) -> str | None:
+    """Where the step time is far off and the prediction was priced from a calibration folder: which one and when it
+    was measured (its metadata.json), and the commands that measure this machine. A calibration measured on another
+    machine (the committed local-cpu one, say) prices this one's GEMMs and framework overhead wrongly."""
+    from piper_plan.calibration.io import read_metadata
+    from piper_plan.catalog import calibration_dir
+
+    stored = plan_file.prediction
+    if step_error is None or abs(step_error) <= RECALIBRATE_ABOVE or stored is None \
+            or not stored.sources.compute.startswith("calibration"):
+        return None
+    name = plan_file.platform.name
+    folder = calibration_dir(name)
+    when = read_metadata(folder).get("date", "an unrecorded date") if folder.is_dir() else "an unrecorded date"
+    return (f"note: the step time is {step_error:+.0%} off; it was priced from {folder} (measured {when}). If that "
+            f"was another machine, measure this one (`piper calibrate --platform {name} --quick`, then `piper "
+            f"calibrate overhead --platform {name}`), re-plan, and run again")
 
 
 def _plot(path, result: dict, records: list[dict]):
