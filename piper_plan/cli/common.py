@@ -74,6 +74,13 @@ def _console(stderr: bool):
     return PiperConsole(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped)
 
 
+def short_compute_source(text: str, platform) -> str:
+    """The compute-rate provenance for a human reader: the platform's efficiency citation (hundreds of characters,
+    quoted whole in --json and plan files) replaced by where to read it."""
+    cited = platform.efficiency.source
+    return text.replace(cited, f"cited: `piper platform show {platform.name}`") if cited else text
+
+
 PLAIN_TABLE_ROWS = 200
 """A result table with more rows than this prints as plain aligned text (``print_table``): rich lays out every cell
 as a renderable, about 2 ms a row for the plan table, so ``piper plan --top 0`` on 2,048 Frontier nodes (4,500

@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
-                                   plot_option, print_json)
+                                   plot_option, print_json, short_compute_source)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options,
                                     migration_option, parallel_options, placement_option, precision_text,
                                     training_options, unused_modules_note, capacity_note)
@@ -161,7 +161,7 @@ def render(result, model, platform, plan, training) -> None:
               f"{tr.node_hours:.4g} node-hours | checkpoint {result.checkpoint.total_bytes / 1e9:.1f} GB "
               f"total, {result.checkpoint.per_rank_bytes / 1e9:.2f} GB per rank (max)", markup=False)
     scopes = ", ".join(f"{k} {v}" for k, v in result.scopes.items())
-    out.print(f"scopes: {scopes} | compute: {result.sources.compute}"
+    out.print(f"scopes: {scopes} | compute: {short_compute_source(result.sources.compute, platform)}"
               + (" | some points EXTRAPOLATED beyond calibration" if result.sources.extrapolated else ""),
               markup=False)
     out.print(f"host time: {result.sources.host}", markup=False)

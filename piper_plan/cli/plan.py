@@ -13,7 +13,8 @@ import io
 import click
 
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
-                                   platform_calibration, plot_option, print_json, print_table)
+                                   platform_calibration, plot_option, print_json, print_table,
+                                   short_compute_source)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
                                     placement_option, precision_text, training_options, capacity_note)
 from piper_plan.errors import PiperError
@@ -265,7 +266,7 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
     print_table(_plans_table(result, platform, plan_rows(result, model, training, top)), width=_table_width(out))
     out.print(_counts_line(result.candidates_total, result.evaluated, result.feasible, result.search_seconds,
                            runnable), markup=False)
-    out.print(_sources_line(result.sources), markup=False)
+    out.print(_sources_line(result.sources, platform), markup=False)
     _note_host_bound(result, platform)
     out.print(_reasons_table(result.reasons))
     if explain:
@@ -289,8 +290,8 @@ def _counts_line(candidates: int, evaluated: int, feasible: int, seconds: float,
             f"{seconds:.3f} s" + (" (runnable by the piper runtime only)" if runnable else ""))
 
 
-def _sources_line(sources: dict[str, str]) -> str:
-    return f"compute: {sources['compute']} | host time: {sources['host']}"
+def _sources_line(sources: dict[str, str], platform) -> str:
+    return f"compute: {short_compute_source(sources['compute'], platform)} | host time: {sources['host']}"
 
 
 # ---- output: one search per precision (--dtype LIST|any) -------------------------------------------------
@@ -314,7 +315,7 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
             counts = _counts_line(result.candidates_total, result.evaluated, result.feasible,
                                   result.search_seconds, runnable)
             out.print(f"{precision_text(training)}: {counts}", markup=False)
-            out.print(f"{precision_text(training)}: " + _sources_line(result.sources), markup=False)
+            out.print(f"{precision_text(training)}: " + _sources_line(result.sources, platform), markup=False)
     if save_path:
         path, plan = save_best(save_path, model, platform, winner[0], winner[1], kwargs, migration)
         note(f"saved {path} ({precision_text(winner[0])}; layers per stage: {plan.layers_per_stage})")

@@ -120,3 +120,15 @@ def test_each_degree_sits_under_its_own_label():
     for label in ("dp", "cp", "tp", "pp", "ep", "etp"):
         end = header.index(f" {label} ") + 1 + len(label)            # right-aligned: the value ends where its label does
         assert first[:end].split()[-1] == str(best[label]), (label, header, first)
+
+
+def test_the_human_provenance_line_points_at_the_citation_instead_of_quoting_it():
+    """The compute line quoted the platform's whole efficiency citation (1,767 characters on gb200-nvl72) under
+    every table; --json keeps it whole."""
+    from piper_plan.catalog import load_platform
+
+    args = ["plan", "--model", "deepseek-v3", "--platform", "gb200-nvl72", "--nodes", "18", "--top", "1"]
+    line = next(ln for ln in run(*args).stdout.splitlines() if ln.startswith("compute: "))
+    assert "cited: `piper platform show gb200-nvl72`" in line and len(line) < 300, line
+    cited = load_platform("gb200-nvl72").efficiency.source
+    assert cited in json.loads(run(*args, "--json").stdout)["sources"]["compute"]
