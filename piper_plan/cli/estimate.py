@@ -11,7 +11,7 @@ import click
 
 from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
                                    plot_option, print_json, short_compute_source)
-from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options,
+from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options_or_plan,
                                     migration_option, parallel_options, placement_option, precision_text,
                                     training_options, unused_modules_note, capacity_note)
 
@@ -19,8 +19,12 @@ GiB = 2**30
 
 
 @click.command("estimate", epilog=exit_codes())
-@model_options
-@click.option("--nodes", type=int, required=True, help="Nodes of the allocation.")
+@click.option("--plan", "plan_path", type=click.Path(), default=None,
+              help="A saved plan.json, priced again as it states itself (model, platform, training, degrees, "
+                   "placement, cost options; the calibration where its prediction used one); takes no setting "
+                   "option beside it. Says where the stored prediction differs.")
+@model_options_or_plan
+@click.option("--nodes", type=int, default=None, help="Nodes of the allocation (required without --plan).")
 @parallel_options
 @training_options
 @click.option("--routing-skew", type=float, default=1.0, show_default=True,
@@ -34,8 +38,9 @@ GiB = 2**30
 @json_option
 @output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
-def estimate_cmd(model_name, platform_name, mtp_layers, capacity_factor, nodes, seq_len, global_batch, dtype,
-                 fp8_recipe, grad_bytes, routing_skew,
+@click.pass_context
+def estimate_cmd(ctx, plan_path, model_name, platform_name, mtp_layers, capacity_factor, nodes, seq_len, global_batch,
+                 dtype, fp8_recipe, grad_bytes, routing_skew,
                  placement, migration, no_calibration, piper_runtime, dropout, recompute_modules, cost_option, as_json, save_path, plot_path,
                  **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
@@ -44,6 +49,12 @@ def estimate_cmd(model_name, platform_name, mtp_layers, capacity_factor, nodes, 
 
     if plot_path:
         check_plot_path(plot_path)
+    if plan_path is not None:
+        _estimate_saved(ctx, plan_path, as_json, save_path, plot_path)
+        return
+    for value, flag in ((model_name, "--model"), (platform_name, "--platform"), (nodes, "--nodes")):
+        if value is None:
+            raise click.UsageError(f"Missing option '{flag}' (or give a saved plan: --plan plan.json).")
 
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew,
                                              mtp_layers, dtype, grad_bytes, fp8_recipe, capacity_factor)
@@ -74,6 +85,43 @@ def estimate_cmd(model_name, platform_name, mtp_layers, capacity_factor, nodes, 
                     "dtype": training.dtype, "fp8_recipe": training.fp8_recipe})
         return
     render(result, model, platform, plan, training)
+
+
+SAVED_PLAN_OUTPUTS = ("plan_path", "as_json", "save_path", "plot_path")
+"""What `estimate --plan` takes beside the file: how to show the result and where to write it."""
+
+
+def _estimate_saved(ctx, plan_path: str, as_json: bool, save_path: str | None, plot_path: str | None) -> None:
+    """A saved plan.json priced again as `piper launch` and `piper export` price it (launch/job.py repriced), shown
+    as any estimate is; where its stored prediction differs, a note says so."""
+    from click.core import ParameterSource
+
+    from piper_plan.errors import PiperError
+    from piper_plan.launch.job import repriced, stale_note
+    from piper_plan.planfile import read_plan_file, write_plan_file
+
+    given = [p.opts[0] for p in ctx.command.params if p.name not in SAVED_PLAN_OUTPUTS
+             and ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE]
+    if given:
+        raise PiperError(f"{', '.join(given)} with --plan: the plan file states its own setting; allowed beside "
+                         "--plan: --json, -o/--output, --plot (or drop --plan and state the plan as options)")
+    stored = read_plan_file(plan_path)
+    if stored.prediction is None:
+        raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
+                         path=plan_path)
+    pf, changed = repriced(stored)
+    if changed:
+        note(f"note: {plan_path}: {stale_note(stored.prediction, pf.prediction)}")
+    result = pf.prediction
+    if save_path:
+        note(f"wrote {write_plan_file(save_path, pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, pf.placement, result, migration=pf.migration, runtime=pf.runtime)}")
+    if plot_path:
+        note(f"wrote {_plot(plot_path, result, pf.model, pf.platform, pf.parallel)}")
+    if as_json:
+        print_json({**result.to_json(), "parallel": pf.parallel.model_dump(mode="json", exclude_none=True),
+                    "dtype": pf.training.dtype, "fp8_recipe": pf.training.fp8_recipe})
+        return
+    render(result, pf.model, pf.platform, pf.parallel, pf.training)
 
 
 def _plot(path, result, model, platform, plan):

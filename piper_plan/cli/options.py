@@ -40,9 +40,14 @@ def _bundle(*options):
     return decorate
 
 
-model_options = _bundle(
-    click.option("--model", "model_name", required=True, help="Catalog name or YAML/JSON path."),
-    click.option("--platform", "platform_name", required=True, help="Catalog name or YAML/JSON path."),
+def _model_options(required: bool):
+    return _bundle(
+        click.option("--model", "model_name", required=required, help="Catalog name or YAML/JSON path."),
+        click.option("--platform", "platform_name", required=required, help="Catalog name or YAML/JSON path."),
+        *_MODEL_KNOBS)
+
+
+_MODEL_KNOBS = (
     click.option("--mtp-layers", type=int, default=None,
                  help="Multi-token-prediction modules to train, 0 to the model's own count (default: all of them)."),
     click.option("--capacity-factor", default=None, metavar="FACTOR|none",
@@ -50,6 +55,9 @@ model_options = _bundle(
                       "it, the rest dropped; Megatron-Core's --moe-expert-capacity-factor with padding); 'none' = "
                       "dropless (default: the model's moe.capacity_factor)."),
 )
+model_options = _model_options(required=True)
+model_options_or_plan = _model_options(required=False)
+"""`estimate`'s: --model and --platform are required unless a saved plan (--plan) states them."""
 
 training_options = _bundle(
     click.option("--seq", "seq_len", type=int, default=None,

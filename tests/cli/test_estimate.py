@@ -246,3 +246,26 @@ def test_capacity_factor_from_the_command_line():
     dense = runner.invoke(cli, ["estimate", "--model", "gpt-22b", "--platform", "dgx-h100", "--nodes", "8", "--dp",
                                 "64", "--capacity-factor", "1"])
     assert dense.exit_code == 2 and "gpt-22b has no MoE layer to drop tokens in" in dense.stderr
+
+
+def test_a_saved_plan_is_priced_again_from_the_file_alone(tmp_path):
+    """`estimate --plan plan.json` prices a saved plan as it states itself (as launch and export do), with the same
+    figures `plan -o` stored; a setting option beside it, or no --model / --platform / --nodes without it, is one
+    line."""
+    path = tmp_path / "plan.json"
+    saved = CliRunner().invoke(cli, ["plan", "--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8",
+                                     "-o", str(path)])
+    assert saved.exit_code == 0, saved.output
+    stored = json.loads(path.read_text())["prediction"]
+    again = CliRunner().invoke(cli, ["estimate", "--plan", str(path), "--json"])
+    assert again.exit_code == 0 and again.stderr == "", again.output
+    fresh = json.loads(again.stdout)
+    assert fresh["step_time_s"] == stored["step_time_s"] and fresh["parallel"]["dp"] == 32
+    assert fresh["memory"]["peak_bytes"] == stored["memory"]["peak_bytes"]
+    human = CliRunner().invoke(cli, ["estimate", "--plan", str(path), "-o", str(tmp_path / "copy.json")])
+    assert human.exit_code == 0 and f"step {stored['step_time_s']:.4g} s" in human.stdout, human.output
+    assert json.loads((tmp_path / "copy.json").read_text())["prediction"]["step_time_s"] == stored["step_time_s"]
+    for args, needle in ((["--plan", str(path), "--dp", "4", "--model", "x"], "--model, --dp with --plan"),
+                         (["--nodes", "8", "--platform", "frontier"], "Missing option '--model'")):
+        bad = CliRunner().invoke(cli, ["estimate", *args])
+        assert bad.exit_code == 2 and needle in bad.stderr and bad.stderr.count("\n") == 1, bad.output
