@@ -114,7 +114,9 @@ def _estimate_saved(ctx, plan_path: str, as_json: bool, save_path: str | None, p
         note(f"note: {plan_path}: {stale_note(stored.prediction, pf.prediction)}")
     result = pf.prediction
     if save_path:
-        note(f"wrote {write_plan_file(save_path, pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, pf.placement, result, migration=pf.migration, runtime=pf.runtime)}")
+        written = write_plan_file(save_path, pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, pf.placement,
+                                  result, moe=pf.moe, migration=pf.migration, runtime=pf.runtime)
+        note(f"wrote {written}")
     if plot_path:
         note(f"wrote {_plot(plot_path, result, pf.model, pf.platform, pf.parallel)}")
     if as_json:
