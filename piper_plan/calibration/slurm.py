@@ -13,17 +13,21 @@ from piper_plan.fileio import atomic_write_text
 def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool = False, account: str | None = None,
                         time_limit: str = "00:30:00", python_cmd: str = "python3",
                         only: tuple[str, ...] = ("gemm", "attention", "collectives"),
-                        platform_ref: str | None = None) -> str:
+                        platform_ref: str | None = None, dtypes: tuple[str, ...] | None = None) -> str:
     """``only``'s GEMM and attention sweeps as one srun task on one device (``piper calibrate --only``), then its
     collective sweep as one srun task per device, RANK/WORLD_SIZE from SLURM_* (bench_collectives reads them; OLCF
     advises srun over torchrun on Frontier), MASTER_ADDR = the job's first node; each resumes (points already in the
     CSVs are skipped). --time and --account are checked like `piper launch`'s (launch/validate.py): no shell
     characters reach the script; --nodes is held to the platform's size as `piper estimate` holds it (plans.py
     nodes_out_of_range). ``platform_ref``: what the job passes as --platform (a platform file's absolute path: the
-    nodes know no catalog entry of its name); the platform's name by default."""
+    nodes know no catalog entry of its name); the platform's name by default. ``dtypes``: the precisions the GEMM and
+    attention sweep keeps to (``piper calibrate --dtype``), checked here, not when the job runs."""
+    from piper_plan.calibration.sweep import SweepOptions, check_dtypes
     from piper_plan.launch import validate as v
 
     check_nodes(platform, num_nodes)
+    check_dtypes(SweepOptions(platform=platform.name, out_dir=out_dir, quick=quick, only=only, dtypes=dtypes),
+                 platform.launch.device)
     check_python(python_cmd)
     v.abs_path(str(out_dir), "--out-dir")       # it is the job's #SBATCH --output folder, which sbatch reads unquoted
     v.wall_time(time_limit)
@@ -52,7 +56,7 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     compute = [k for k in only if k != "collectives"]
     if compute:
         cmd = [python_cmd, "-m", "piper_plan.cli.main", "calibrate", "--platform", ref, "--only", ",".join(compute),
-               "--out-dir", str(out_dir), "--resume"] + quick_flag
+               "--out-dir", str(out_dir), "--resume"] + quick_flag + (["--dtype", ",".join(dtypes)] if dtypes else [])
         lines.append(shlex.join(_srun(platform, settings, 1, 1) + cmd))
     if "collectives" in only:
         cmd = [python_cmd, "-m", "piper_plan.calibration.bench_collectives", "--platform", ref, "--out", str(out_dir),

@@ -170,6 +170,9 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
 @click.option("--quick", is_flag=True, help="The small sweep.")
 @click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all; GEMM and attention "
               "run on one device of the first node).")
+@click.option("--dtype", "dtypes", default=None,
+              help="Comma list of the precisions the GEMM and attention sweeps measure (default: every one the "
+                   "device's sweep has).")
 @out_dir_option("out_dir", "Directory the job writes its rows into (default calibration/<platform>/).")
 @click.option("--account", default=None, help="#SBATCH -A (project account).")
 @click.option("--time", "time_limit", default="00:30:00", show_default=True, help="#SBATCH -t.")
@@ -177,12 +180,12 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
 @output_option("script_path", "Script path (default calibration/<platform>/calibrate-<N>n.sbatch).")
 @click.option("--submit", is_flag=True, help="Submit it with sbatch.")
 @json_option(help="The script path, its rows' directory and the job id (with --submit) as JSON on stdout.")
-def slurm_cmd(platform_name, num_nodes, quick, only, out_dir, account, time_limit, python_cmd, script_path, submit,
-              as_json) -> None:
+def slurm_cmd(platform_name, num_nodes, quick, only, dtypes, out_dir, account, time_limit, python_cmd, script_path,
+              submit, as_json) -> None:
     """Write (and submit) the sbatch script that calibrates on N nodes: GEMM and attention on one device, then the
     collective sweep across the N nodes."""
     from piper_plan.calibration.slurm import render_sweep_script, write_script
-    from piper_plan.calibration.sweep import parse_only
+    from piper_plan.calibration.sweep import parse_dtypes, parse_only
     from piper_plan.catalog import load_platform
     from piper_plan.fileio import check_folder_path
 
@@ -191,7 +194,7 @@ def slurm_cmd(platform_name, num_nodes, quick, only, out_dir, account, time_limi
     path = Path(script_path) if script_path else directory / f"calibrate-{num_nodes}n.sbatch"
     text = render_sweep_script(platform, num_nodes, directory, quick=quick, account=account,
                                time_limit=time_limit, python_cmd=python_cmd, only=parse_only(only),
-                               platform_ref=_platform_ref(platform_name))
+                               platform_ref=_platform_ref(platform_name), dtypes=parse_dtypes(dtypes))
     check_folder_path(directory, "--out-dir")
     directory.mkdir(parents=True, exist_ok=True)          # Slurm opens the job's log there and creates no folder
     write_script(path, text)

@@ -38,6 +38,18 @@ def test_dtype_keeps_the_compute_sweeps_to_the_precisions_named(tmp_path):
         assert not (tmp_path / "bad").exists()
 
 
+def test_the_slurm_sweep_passes_dtype_on_and_checks_it_before_writing(tmp_path):
+    ok = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--dtype", "bf16",
+                                  "--out-dir", str(tmp_path), "-o", str(tmp_path / "job.sbatch")])
+    assert ok.exit_code == 0, ok.output
+    assert "--only gemm,attention --out-dir" in (tmp_path / "job.sbatch").read_text()
+    assert "--resume --dtype bf16" in (tmp_path / "job.sbatch").read_text()
+    bad = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--dtype", "fp32",
+                                   "--out-dir", str(tmp_path), "-o", str(tmp_path / "bad.sbatch")])
+    assert bad.exit_code == 2 and "--dtype fp32: the gemm and attention sweep on a cuda device measures bf16" in \
+        bad.stderr and not (tmp_path / "bad.sbatch").exists()
+
+
 def test_nccl_platform_without_distributed_env_explains_how_to_launch(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
