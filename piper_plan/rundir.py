@@ -44,15 +44,21 @@ def check_run_dir(run_dir: Path) -> None:
                 from None
 
 
-def check_holds_no_run(run_dir: Path) -> None:
-    """A run started without --resume replaces the metrics and checkpoints ``run_dir`` holds: refused unless asked
-    (``piper run --force``), as ``piper launch`` refuses a non-empty --out-dir."""
+def check_replaces_no_run(run_dir: Path, resume: bool) -> None:
+    """A run that starts from step 0 replaces the metrics and checkpoints ``run_dir`` holds: refused unless asked
+    (``piper run --force``), as ``piper launch`` refuses a non-empty --out-dir. With --resume it starts from step 0
+    where no checkpoint is left, so metrics without one are refused then too."""
     step = latest_step(run_dir)
-    held = [f"checkpoints to step {step}"] if step is not None else []
-    held += ["metrics.jsonl"] if (run_dir / "metrics.jsonl").is_file() else []
-    if held:
-        raise PiperError(f"holds a run ({' and '.join(held)}); --resume continues it, --force starts over and "
-                         "replaces them, or use another --out-dir", path=str(run_dir))
+    metrics = (run_dir / "metrics.jsonl").is_file()
+    if resume and (step is not None or not metrics):
+        return
+    if step is None and metrics:
+        raise PiperError("holds a run's metrics.jsonl and no checkpoint to continue from: a run here starts from "
+                         "step 0 and replaces them; --force does so, or use another --out-dir", path=str(run_dir))
+    if step is not None:
+        held = f"checkpoints to step {step}" + (" and metrics.jsonl" if metrics else "")
+        raise PiperError(f"holds a run ({held}); --resume continues it, --force starts over and replaces them, or "
+                         "use another --out-dir", path=str(run_dir))
 
 
 LATEST_ALLOWED = "a decimal step number (ASCII digits) naming a checkpoints/step_<N> folder, as piper writes it"

@@ -50,6 +50,8 @@ def run_cmd(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_jso
     from piper_plan.launchenv import read_launch_env
 
     _check_file(plan)
+    if resume and force:
+        raise PiperError("--resume continues the run in --out-dir and --force starts it over: give one of them")
     args = runtime_args(plan, out, steps, resume, profile, lr, aux_loss_coeff)
     env = read_launch_env()
     if env.launched:                     # one rank of a job torchrun or srun started
@@ -65,7 +67,7 @@ def run_cmd(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_jso
                                 aux_loss_coeff)            # the nodes need not share this working directory
         _print_commands(layout, absolute, as_json)
         return
-    _check_run_dir(out, plan, resume or force)
+    _check_run_dir(out, plan, resume, force)
     _check_devices(cfg, layout)
     note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
                                                      if layout.emulated_topology else "") + f", run directory {out}")
@@ -86,13 +88,13 @@ def _check_file(plan: str) -> None:
 
 def _checked_plan(args: list[str], plan: Path):
     """(the plan with the options applied, its layout) after every check the ranks would make before any
-    collective (runtime/train.py preflight) but the GPU one, and `piper launch`'s (launch/job.py check_runnable:
-    a plan that does not fit as the runtime runs it is refused here too, not handed out as torchrun / srun lines):
-    here, and without torch."""
+    collective (runtime/train.py preflight) but the GPU one, and `piper launch`'s (launch/job.py
+    checked_as_priced_now: a plan that does not fit as the runtime runs it, priced again from the file, is refused
+    here too, not handed out as torchrun / srun lines): here, and without torch."""
     from pydantic import ValidationError
 
     from piper_plan.catalog import validation_message
-    from piper_plan.launch.job import check_runnable
+    from piper_plan.launch.job import checked_as_priced_now
     from piper_plan.launch.local import layout_of
     from piper_plan.runtime.train import load_plan, parse_args, preflight
 
@@ -101,7 +103,7 @@ def _checked_plan(args: list[str], plan: Path):
     except ValidationError as exc:      # an option out of range (--lr nan): with_runtime validates the block
         raise PiperError(validation_message(exc), field="runtime options") from None
     preflight(cfg, cfg.parallel.world, cuda_available=True)
-    check_runnable(cfg, plan)
+    checked_as_priced_now(cfg, plan)        # `piper launch`'s check, on the plan priced again from the file
     return cfg, layout_of(cfg)
 
 
@@ -262,16 +264,16 @@ def _latest_checkpoint(run_dir: Path) -> int | None:
         return None
 
 
-def _check_run_dir(out: str, plan: str, may_hold_a_run: bool) -> None:
+def _check_run_dir(out: str, plan: str, resume: bool, force: bool) -> None:
     """The run directory, before any rank starts (the ranks check it again: rundir.py): a path that cannot be a
-    directory, an entry of the wrong kind, another model's or training's run, or (without --resume or --force) a
-    run it would replace is one line, exit 2."""
-    from piper_plan.rundir import check_holds_no_run, check_run_dir, plan_change
+    directory, an entry of the wrong kind, another model's or training's run, or (without --force) a run it would
+    replace is one line, exit 2."""
+    from piper_plan.rundir import check_replaces_no_run, check_run_dir, plan_change
 
     check_run_dir(Path(out))
     plan_change(Path(plan), Path(out))      # its note, where the layout changed, is the ranks' to print
-    if not may_hold_a_run:
-        check_holds_no_run(Path(out))
+    if not force:
+        check_replaces_no_run(Path(out), resume)
 
 
 def _print_commands(layout, args: list[str], as_json: bool) -> None:

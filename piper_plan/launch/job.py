@@ -78,6 +78,23 @@ def _priced(pf: PlanFile, options):
                     placement=pf.placement, options=options)
 
 
+def checked_as_priced_now(stored: PlanFile, plan_path: Path) -> tuple[PlanFile, bool]:
+    """``stored`` priced again (repriced) and checked (check_runnable): what `piper launch` and `piper run` both
+    refuse, in the same line; returns the repriced plan file and whether its figures changed."""
+    try:
+        plan_file, changed = repriced(stored)
+    except PiperError as exc:        # a check of the plan's platform or options, which knows no file
+        raise in_plan_file(exc, plan_path) from None
+    try:
+        check_runnable(plan_file, plan_path)
+    except PiperError as exc:         # one line: why, and that the file's own figures said otherwise
+        if not changed:
+            raise
+        raise PiperError(f"{exc.message} ({stale_note(stored.prediction, plan_file.prediction)})", path=exc.path,
+                         field=exc.field) from None
+    return plan_file, changed
+
+
 def repriced(plan_file: PlanFile) -> tuple[PlanFile, bool]:
     """``plan_file`` with its prediction priced again from what the file holds (model, platform, training, plan,
     placement, the stored cost options and calibration use), and whether its step time or peak memory changed at
@@ -106,17 +123,7 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
             command: tuple[str, ...] | None = None) -> PreparedJob:
     """Read the plan, price it again (repriced), check it, render the script; nothing is written."""
     stored = read_plan_file(plan_path)
-    try:
-        plan_file, changed = repriced(stored)
-    except PiperError as exc:        # a check of the plan's platform or options, which knows no file
-        raise in_plan_file(exc, plan_path) from None
-    try:
-        check_runnable(plan_file, plan_path)
-    except PiperError as exc:         # one line: why, and that the file's own figures said otherwise
-        if not changed:
-            raise
-        raise PiperError(f"{exc.message} ({stale_note(stored.prediction, plan_file.prediction)})", path=exc.path,
-                         field=exc.field) from None
+    plan_file, changed = checked_as_priced_now(stored, plan_path)
     out_dir = out_dir.expanduser().absolute()
     job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))

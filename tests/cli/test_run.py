@@ -73,6 +73,19 @@ def test_run_refuses_what_launch_refuses_instead_of_printing_its_commands(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+def test_run_prices_the_file_again_before_its_check_as_launch_does(tmp_path):
+    """A runnable plan whose sequence was edited to 8192: launch priced it again and refused it; run checked the
+    stored prediction and printed torchrun / srun lines."""
+    plan = saved_plan(tmp_path, "--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--runnable")
+    data = json.loads(plan.read_text())
+    data["training"]["seq_len"] = 8192
+    plan.write_text(json.dumps(data))
+    ran = CliRunner().invoke(cli, ["run", "--plan", str(plan)])
+    launched = CliRunner().invoke(cli, ["launch", "--plan", str(plan), "--out-dir", str(tmp_path / "job")])
+    assert ran.exit_code == launched.exit_code == 2 and ran.stderr == launched.stderr, ran.output
+    assert "does not fit" in ran.stderr and "is not what its plan costs now" in ran.stderr
+
+
 def test_where_a_layout_runs():
     assert Layout(1, 8, "cuda", 7, 1).runs_here                      # one node: its devices are here
     assert not Layout(2, 8, "cuda", 7, 1).runs_here                  # GPU nodes are real nodes

@@ -66,7 +66,8 @@ def test_an_out_dir_that_cannot_be_a_directory_is_one_line(tmp_path, monkeypatch
 
 def test_a_run_directory_that_holds_a_run_needs_resume_or_force(tmp_path, monkeypatch):
     """A second `piper run` into the same --out-dir replaced metrics.jsonl and the checkpoints without a word (launch
-    refuses a non-empty --out-dir without --force): refused now, and --resume or --force pass the check."""
+    refuses a non-empty --out-dir without --force): refused now; --resume continues a checkpoint, --force starts
+    over, and --resume where no checkpoint is left (it would start from step 0) is refused too."""
     plan = two_rank_plan(tmp_path)
     run = tmp_path / "rx"
     (run / "checkpoints").mkdir(parents=True)
@@ -76,11 +77,16 @@ def test_a_run_directory_that_holds_a_run_needs_resume_or_force(tmp_path, monkey
     line = one_error_line(run_here(plan, str(run)))
     assert line == (f"error: {run}: holds a run (checkpoints to step 5 and metrics.jsonl); --resume continues it, "
                     "--force starts over and replaces them, or use another --out-dir"), line
+    assert "give one of them" in one_error_line(run_here(plan, str(run), "--resume", "--force"))
     started = []
     monkeypatch.setattr(run_module, "launch_local", lambda layout, args, run_dir: started.append(args) or 0)
     for flag in ("--resume", "--force"):
         assert run_here(plan, str(run), flag).exit_code == 0
     assert [args[-1] for args in started] == ["--resume", "1"]       # --force is not a rank option: args end "--steps 1"
+    (run / "checkpoints" / "latest").unlink()
+    for extra in ((), ("--resume",)):
+        line = one_error_line(run_here(plan, str(run), *extra))
+        assert "holds a run's metrics.jsonl and no checkpoint to continue from" in line, line
     assert (run / "metrics.jsonl").read_text() == "{}\n"
 
 
