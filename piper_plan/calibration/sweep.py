@@ -92,10 +92,11 @@ def compute_points(kind: str, device_type: str, opts: SweepOptions) -> list:
     return [p for p in _device_points(kind, device_type, opts.quick) if opts.dtypes is None or p.dtype in opts.dtypes]
 
 
-def check_dtypes(opts: SweepOptions, device_type: str) -> None:
-    """Every ``--dtype`` is measured by at least one selected GEMM or attention sweep on this device type."""
+def check_dtypes(opts: SweepOptions, device_type: str) -> list[str]:
+    """Every ``--dtype`` is measured by at least one selected GEMM or attention sweep on this device type; returns
+    a message for each selected sweep that measures none of them."""
     if opts.dtypes is None:
-        return
+        return []
     kinds = [k for k in ("gemm", "attention") if k in opts.only]
     if not kinds:
         raise PiperError(f"--dtype {','.join(opts.dtypes)}: only the gemm and attention sweeps have a precision; "
@@ -105,6 +106,9 @@ def check_dtypes(opts: SweepOptions, device_type: str) -> None:
     if bad:
         raise PiperError(f"--dtype {','.join(bad)}: the {' and '.join(kinds)} sweep on a {device_type} device "
                          f"measures {', '.join(measured)}")
+    return [f"{kind}: nothing measured, its sweep on a {device_type} device has no {','.join(opts.dtypes)} point "
+            f"(it measures {', '.join(dict.fromkeys(p.dtype for p in _device_points(kind, device_type, opts.quick)))})"
+            for kind in kinds if not compute_points(kind, device_type, opts)]
 
 
 def check_existing_files(out_dir: Path, kinds: tuple[str, ...]) -> None:
@@ -124,9 +128,9 @@ def run_calibration(opts: SweepOptions, reporter: Reporter | None = None) -> Swe
 
     reporter = reporter or Reporter()
     platform = load_platform(opts.platform)
-    check_dtypes(opts, platform.launch.device)
+    skipped = check_dtypes(opts, platform.launch.device)
     check_existing_files(opts.out_dir, opts.only)
-    result = SweepResult()
+    result = SweepResult(messages=skipped)
     source = f"measured: {opts.command} on {socket.gethostname()} {_today()}"
     if "gemm" in opts.only or "attention" in opts.only:
         _compute_sweeps(opts, platform, source, reporter, result)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import subprocess
 import time
 from pathlib import Path
 
@@ -23,13 +22,14 @@ from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 @click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all).")
 @click.option("--dtype", "dtypes", default=None,
               help="Comma list of the precisions the GEMM and attention sweeps measure (default: every one the "
-                   "device's sweep has: fp32,bf16 on a CPU, bf16 on a GPU).")
+                   "device's sweep has: on a CPU GEMMs fp32,bf16 and attention fp32; on a GPU bf16).")
 @out_dir_option("out_dir", "Output directory (default calibration/<platform>/).", old=("--out",))
 @json_option(help="What the sweep wrote (directory, rows per CSV, skipped points, seconds) as JSON on stdout.")
 @click.pass_context
 def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtypes, out_dir, as_json) -> None:
     """Measure GEMM, attention and collectives on this machine; write calibration/<platform>/*.csv."""
     if ctx.invoked_subcommand is not None:
+        _check_no_sweep_options(ctx)
         return
     if platform_name is None:
         raise PiperError("--platform is required (for example: piper calibrate --platform local-cpu --quick)")
@@ -49,9 +49,23 @@ def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtyp
     note(f"wrote {written} to {opts.out_dir}" + (f" (skipped already measured: {skipped})" if skipped else "")
          + f" in {seconds:.1f} s")
     if as_json:
-        print_json({"platform": platform_name, "out_dir": str(opts.out_dir), "rows_written": result.rows_written,
+        print_json({"platform": platform_name, "out_dir": str(opts.out_dir), "dtypes": opts.dtypes,
+                    "rows_written": result.rows_written,
                     "skipped": result.skipped, "seconds": seconds, "seconds_by_kind": result.seconds,
                     "messages": result.messages})
+
+
+def _check_no_sweep_options(ctx: click.Context) -> None:
+    """The sweep's own options before a subcommand (`piper calibrate --dtype bf16 slurm ...`) were dropped without a
+    word: one line naming them and where they go."""
+    from click.core import ParameterSource
+
+    given = [p.opts[0] for p in ctx.command.params if ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE]
+    if given:
+        raise PiperError(f"{', '.join(given)} before `{ctx.invoked_subcommand}` is an option of `piper calibrate` "
+                         f"itself, which `{ctx.invoked_subcommand}` does not read; give it after "
+                         f"`{ctx.invoked_subcommand}` where that takes it (`piper calibrate {ctx.invoked_subcommand} "
+                         "--help`)")
 
 
 def _command_line(platform_name, quick, resume, only, dtypes, out_dir) -> str:
@@ -216,15 +230,11 @@ def _platform_ref(platform_name: str) -> str:
 
 
 def _submit(path: Path) -> str:
-    """sbatch the script; its job id (sbatch's whole answer when it is not the usual one)."""
-    try:
-        done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True, check=False)
-    except FileNotFoundError:
-        raise PiperError("sbatch not found: run this on a Slurm login node, or submit the script yourself") from None
-    if done.returncode != 0:
-        raise PiperError(f"sbatch failed: {done.stderr.strip() or done.stdout.strip()}", path=str(path))
-    answer = done.stdout.strip()
-    return answer.split()[-1] if answer.startswith("Submitted batch job") else answer
+    """sbatch the script as `piper launch` does (launch/submit.py: the controller asked first, a timeout, Slurm's
+    refusal in one line); its job id."""
+    from piper_plan.launch.submit import submit
+
+    return submit(path)
 
 
 @calibrate_group.command("fit", epilog=exit_codes())

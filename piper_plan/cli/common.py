@@ -74,11 +74,18 @@ def _console(stderr: bool):
     return PiperConsole(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped)
 
 
-def short_compute_source(text: str, platform) -> str:
+def platform_show_command(platform_ref: str) -> str:
+    """`piper platform show REF` for the --platform the user gave (a catalog name or a file's path), quoted."""
+    import shlex
+
+    return f"`piper platform show {shlex.quote(platform_ref)}`"
+
+
+def short_compute_source(text: str, platform, cited_at: str) -> str:
     """The compute-rate provenance for a human reader: the platform's efficiency citation (hundreds of characters,
-    quoted whole in --json and plan files) replaced by where to read it."""
+    quoted whole in --json and plan files) replaced by where to read it (``cited_at``: the command or file)."""
     cited = platform.efficiency.source
-    return text.replace(cited, f"cited: `piper platform show {platform.name}`") if cited else text
+    return text.replace(cited, f"cited: {cited_at}") if cited else text
 
 
 PLAIN_TABLE_ROWS = 200

@@ -64,8 +64,9 @@ def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     if plot_path:
         note(f"wrote {_plot(plot_path, result, records)}")
     hint = _calibration_hint(plan_file, result["step_time_s"]["rel_error"])
+    result["calibration_note"] = hint
     if hint:
-        note(hint)
+        note(f"note: {hint}")
     if as_json:
         print_json(result)
     else:
@@ -80,8 +81,10 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
     """Where the step time is far off and the prediction was priced from a calibration folder: which one and when it
     was measured (its metadata.json), and the commands that measure this machine. A calibration measured on another
     machine (the committed local-cpu one, say) prices this one's GEMMs and framework overhead wrongly."""
+    import shlex
+
     from piper_plan.calibration.io import read_metadata
-    from piper_plan.catalog import calibration_dir
+    from piper_plan.catalog import calibration_dir, catalog_names, platforms_dir
 
     stored = plan_file.prediction
     if step_error is None or abs(step_error) <= RECALIBRATE_ABOVE or stored is None \
@@ -89,10 +92,12 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
         return None
     name = plan_file.platform.name
     folder = calibration_dir(name)
-    when = read_metadata(folder).get("date", "an unrecorded date") if folder.is_dir() else "an unrecorded date"
-    return (f"note: the step time is {step_error:+.0%} off; it was priced from {folder} (measured {when}). If that "
-            f"was another machine, measure this one (`piper calibrate --platform {name} --quick`, then `piper "
-            f"calibrate overhead --platform {name}`), re-plan, and run again")
+    when = read_metadata(folder).get("date") if folder.is_dir() else None
+    ref = shlex.quote(name) if name in catalog_names(platforms_dir()) else "PLATFORM.yaml"
+    return (f"the step time is {step_error:+.0%} off; the plan was priced from {folder} when it was saved"
+            + (f" (its metadata.json now says measured {when})" if when else "")
+            + f". If that calibration is another machine's, measure this one (`piper calibrate --platform {ref} "
+            f"--quick`, then `piper calibrate overhead --platform {ref}`), re-plan, and run again")
 
 
 def _plot(path, result: dict, records: list[dict]):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import click
 
 from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
-                                   plot_option, print_json, short_compute_source)
+                                   platform_show_command, plot_option, print_json,
+                                   short_compute_source)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options_or_plan,
                                     migration_option, parallel_options, placement_option, precision_text,
                                     training_options, unused_modules_note, capacity_note)
@@ -45,6 +46,7 @@ def estimate_cmd(ctx, plan_path, model_name, platform_name, mtp_layers, capacity
                  **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
     from piper_plan.cost.evaluate import estimate
+    from piper_plan.planfile import MigrationBlock
     from piper_plan.plots import check_plot_path
 
     if plot_path:
@@ -64,16 +66,24 @@ def estimate_cmd(ctx, plan_path, model_name, platform_name, mtp_layers, capacity
     result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement,
                       options=options)
     result = with_other_placement(result, model, platform, training, nodes, plan, calibration, options)
+    unused = unused_modules_note(options, recompute_modules, cost_option, parallel["recompute"])
+    _show(result, model, platform, training, plan, save_path, plot_path, as_json,
+          platform_show_command(platform_name), [unused], {"migration": MigrationBlock(enabled=migration)})
+
+
+def _show(result, model, platform, training, plan, save_path, plot_path, as_json, cited_at: str, notes: list,
+          blocks: dict) -> None:
+    """What every estimate prints and writes once priced: its notes, plan.json (``blocks``: the file's moe,
+    migration and runtime blocks), the plot, then --json or the tables."""
     _note_capped_skew(model, training, plan)               # notes once priced: an error stays the one line
-    for line in (unused_modules_note(options, recompute_modules, cost_option, parallel["recompute"]),
-                 capacity_note(model)):
+    for line in (*notes, capacity_note(model)):
         if line:
             note(line)
     if save_path:
-        from piper_plan.planfile import MigrationBlock, write_plan_file
+        from piper_plan.planfile import write_plan_file
 
-        written = write_plan_file(save_path, model, platform, training, nodes, plan, placement, result,
-                                  migration=MigrationBlock(enabled=migration))
+        written = write_plan_file(save_path, model, platform, training, result.nodes, plan, result.placement, result,
+                                  **blocks)
         note(f"wrote {written}")
         if not result.fits:
             note(f"warning: the saved plan does not fit: peak {_gib(result.memory.peak_bytes)} of "
@@ -84,7 +94,7 @@ def estimate_cmd(ctx, plan_path, model_name, platform_name, mtp_layers, capacity
         print_json({**result.to_json(), "parallel": plan.model_dump(mode="json", exclude_none=True),
                     "dtype": training.dtype, "fp8_recipe": training.fp8_recipe})
         return
-    render(result, model, platform, plan, training)
+    render(result, model, platform, plan, training, cited_at)
 
 
 SAVED_PLAN_OUTPUTS = ("plan_path", "as_json", "save_path", "plot_path")
@@ -96,15 +106,18 @@ def _estimate_saved(ctx, plan_path: str, as_json: bool, save_path: str | None, p
     as any estimate is; where its stored prediction differs, a note says so."""
     from click.core import ParameterSource
 
+    from piper_plan.cost.options import cost_options as saved_cost_options
     from piper_plan.errors import PiperError
-    from piper_plan.launch.job import repriced, stale_note
-    from piper_plan.planfile import read_plan_file, write_plan_file
+    from piper_plan.launch.job import repriced, saved_calibration, stale_note
+    from piper_plan.planfile import read_plan_file
 
-    given = [p.opts[0] for p in ctx.command.params if p.name not in SAVED_PLAN_OUTPUTS
+    given = ["/".join(p.opts + p.secondary_opts) for p in ctx.command.params if p.name not in SAVED_PLAN_OUTPUTS
              and ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE]
     if given:
         raise PiperError(f"{', '.join(given)} with --plan: the plan file states its own setting; allowed beside "
                          "--plan: --json, -o/--output, --plot (or drop --plan and state the plan as options)")
+    if not plan_path.strip():
+        raise PiperError("--plan names no file; give a plan.json (`piper plan -o` / `estimate -o` write one)")
     stored = read_plan_file(plan_path)
     if stored.prediction is None:
         raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
@@ -112,18 +125,11 @@ def _estimate_saved(ctx, plan_path: str, as_json: bool, save_path: str | None, p
     pf, changed = repriced(stored)
     if changed:
         note(f"note: {plan_path}: {stale_note(stored.prediction, pf.prediction)}")
-    result = pf.prediction
-    if save_path:
-        written = write_plan_file(save_path, pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, pf.placement,
-                                  result, moe=pf.moe, migration=pf.migration, runtime=pf.runtime)
-        note(f"wrote {written}")
-    if plot_path:
-        note(f"wrote {_plot(plot_path, result, pf.model, pf.platform, pf.parallel)}")
-    if as_json:
-        print_json({**result.to_json(), "parallel": pf.parallel.model_dump(mode="json", exclude_none=True),
-                    "dtype": pf.training.dtype, "fp8_recipe": pf.training.fp8_recipe})
-        return
-    render(result, pf.model, pf.platform, pf.parallel, pf.training)
+    result = with_other_placement(pf.prediction, pf.model, pf.platform, pf.training, pf.nodes, pf.parallel,
+                                  saved_calibration(pf), saved_cost_options(dict(stored.prediction.options)))
+    _show(result, pf.model, pf.platform, pf.training, pf.parallel, save_path, plot_path, as_json,
+          f"the plan file's platform.efficiency.source ({plan_path})", [],
+          {"moe": pf.moe, "migration": pf.migration, "runtime": pf.runtime})
 
 
 def _plot(path, result, model, platform, plan):
@@ -186,7 +192,8 @@ def time_table(result):
     return table
 
 
-def render(result, model, platform, plan, training) -> None:
+def render(result, model, platform, plan, training, cited_at: str) -> None:
+    """The estimate's tables and lines; ``cited_at``: where a reader finds the platform's efficiency citation."""
     from piper_plan.cost.evaluate import host_warning
 
     out = console()
@@ -211,7 +218,7 @@ def render(result, model, platform, plan, training) -> None:
               f"{tr.node_hours:.4g} node-hours | checkpoint {result.checkpoint.total_bytes / 1e9:.1f} GB "
               f"total, {result.checkpoint.per_rank_bytes / 1e9:.2f} GB per rank (max)", markup=False)
     scopes = ", ".join(f"{k} {v}" for k, v in result.scopes.items())
-    out.print(f"scopes: {scopes} | compute: {short_compute_source(result.sources.compute, platform)}"
+    out.print(f"scopes: {scopes} | compute: {short_compute_source(result.sources.compute, platform, cited_at)}"
               + (" | some points EXTRAPOLATED beyond calibration" if result.sources.extrapolated else ""),
               markup=False)
     out.print(f"host time: {result.sources.host}", markup=False)

@@ -13,8 +13,8 @@ import io
 import click
 
 from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
-                                   platform_calibration, plot_option, print_json, print_table,
-                                   short_compute_source)
+                                   platform_calibration, platform_show_command, plot_option, print_json,
+                                   print_table, short_compute_source)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
                                     placement_option, precision_text, training_options, capacity_note)
 from piper_plan.errors import PiperError
@@ -87,7 +87,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
             searches = [(t, engine.search(model, platform, t, counts[0], options, **kwargs)) for t in trainings]
         _notes_once_searched(model, platform, training, options, counts[0])
         _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_json, as_csv, runnable, save_path,
-                         migration)
+                         migration, platform_show_command(platform_name))
         return
     if len(counts) > 1:
         for given, option in ((save_path, "--output"), (plot_path, "--plot"), (as_csv, "--csv"), (explain, "--explain")):
@@ -120,7 +120,8 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
         else:
             _emit_nothing_fits(model, platform, training, result, options, kwargs, as_json)
         ctx.exit(EXIT_NOTHING_FITS)
-    _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable)
+    _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable,
+                 platform_show_command(platform_name))
     if save_path:
         path, plan = save_best(save_path, model, platform, training, result, kwargs, migration)
         note(f"saved {path} (layers per stage: {plan.layers_per_stage})")
@@ -252,7 +253,8 @@ def within_platform(counts: list[int], nodes_text: str | None, platform) -> list
 
 
 # ---- output: one search -------------------------------------------------------------------------------
-def _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable) -> None:
+def _emit_result(result, model, platform, training, top, as_json, as_csv, explain, runnable,
+                 cited_at: str) -> None:
     if as_json:
         obj = result_json(result, model, platform, training, top)
         if explain:
@@ -266,7 +268,7 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
     print_table(_plans_table(result, platform, plan_rows(result, model, training, top)), width=_table_width(out))
     out.print(_counts_line(result.candidates_total, result.evaluated, result.feasible, result.search_seconds,
                            runnable), markup=False)
-    out.print(_sources_line(result.sources, platform), markup=False)
+    out.print(_sources_line(result.sources, platform, cited_at), markup=False)
     _note_host_bound(result, platform)
     out.print(_reasons_table(result.reasons))
     if explain:
@@ -290,13 +292,13 @@ def _counts_line(candidates: int, evaluated: int, feasible: int, seconds: float,
             f"{seconds:.3f} s" + (" (runnable by the piper runtime only)" if runnable else ""))
 
 
-def _sources_line(sources: dict[str, str], platform) -> str:
-    return f"compute: {short_compute_source(sources['compute'], platform)} | host time: {sources['host']}"
+def _sources_line(sources: dict[str, str], platform, cited_at: str) -> str:
+    return f"compute: {short_compute_source(sources['compute'], platform, cited_at)} | host time: {sources['host']}"
 
 
 # ---- output: one search per precision (--dtype LIST|any) -------------------------------------------------
 def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_json, as_csv, runnable, save_path,
-                     migration) -> None:
+                     migration, cited_at: str) -> None:
     from piper_plan.search.report import best_search, precision_rows, precisions_json
 
     winner = best_search(searches)
@@ -315,7 +317,8 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
             counts = _counts_line(result.candidates_total, result.evaluated, result.feasible,
                                   result.search_seconds, runnable)
             out.print(f"{precision_text(training)}: {counts}", markup=False)
-            out.print(f"{precision_text(training)}: " + _sources_line(result.sources, platform), markup=False)
+            out.print(f"{precision_text(training)}: " + _sources_line(result.sources, platform, cited_at),
+                      markup=False)
     if save_path:
         path, plan = save_best(save_path, model, platform, winner[0], winner[1], kwargs, migration)
         note(f"saved {path} ({precision_text(winner[0])}; layers per stage: {plan.layers_per_stage})")

@@ -67,14 +67,19 @@ def _as_the_runtime_runs_it(pf: PlanFile):
     return _priced(pf, as_the_runtime_runs(options, pf.runtime.loss_chunk_rows, pf.runtime.shared_expert_overlap))
 
 
-def _priced(pf: PlanFile, options):
-    """The plan file's plan priced with ``options`` (calibration where its prediction used one)."""
+def saved_calibration(pf: PlanFile):
+    """calibration/<platform>/ where the file's prediction was priced from a calibration, else None."""
     from piper_plan.calibration.curves import load_calibration
-    from piper_plan.cost.evaluate import estimate
 
     calibrated = pf.prediction is not None and pf.prediction.sources.compute.startswith("calibration")
-    calibration = load_calibration(pf.platform.name) if calibrated else None
-    return estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, calibration=calibration,
+    return load_calibration(pf.platform.name) if calibrated else None
+
+
+def _priced(pf: PlanFile, options):
+    """The plan file's plan priced with ``options`` (calibration where its prediction used one)."""
+    from piper_plan.cost.evaluate import estimate
+
+    return estimate(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel, calibration=saved_calibration(pf),
                     placement=pf.placement, options=options)
 
 

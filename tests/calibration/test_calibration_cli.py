@@ -36,6 +36,11 @@ def test_dtype_keeps_the_compute_sweeps_to_the_precisions_named(tmp_path):
         bad = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", *args, "--out", str(tmp_path / "bad")])
         assert bad.exit_code == 2 and needle in bad.stderr and bad.stderr.count("\n") == 1, bad.output
         assert not (tmp_path / "bad").exists()
+    from piper_plan.calibration.sweep import SweepOptions, check_dtypes
+
+    both = SweepOptions(platform="local-cpu", out_dir=tmp_path, quick=True, only=("gemm", "attention"), dtypes=("bf16",))
+    assert check_dtypes(both, "cpu") == ["attention: nothing measured, its sweep on a cpu device has no bf16 point "
+                                         "(it measures fp32)"]
 
 
 def test_the_slurm_sweep_passes_dtype_on_and_checks_it_before_writing(tmp_path):
@@ -48,6 +53,15 @@ def test_the_slurm_sweep_passes_dtype_on_and_checks_it_before_writing(tmp_path):
                                    "--out-dir", str(tmp_path), "-o", str(tmp_path / "bad.sbatch")])
     assert bad.exit_code == 2 and "--dtype fp32: the gemm and attention sweep on a cuda device measures bf16" in \
         bad.stderr and not (tmp_path / "bad.sbatch").exists()
+
+
+def test_a_sweep_option_before_a_subcommand_is_one_line_not_dropped(tmp_path):
+    """`piper calibrate --dtype fp8 slurm ...` wrote a script without --dtype (the group's options were ignored)."""
+    done = CliRunner().invoke(cli, ["calibrate", "--dtype", "fp8", "--quick", "slurm", "--platform", "frontier",
+                                    "--nodes", "2", "--out-dir", str(tmp_path / "cal")])
+    assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
+    assert "--quick, --dtype before `slurm` is an option of `piper calibrate` itself" in done.stderr
+    assert not (tmp_path / "cal").exists()
 
 
 def test_nccl_platform_without_distributed_env_explains_how_to_launch(tmp_path, monkeypatch):

@@ -85,6 +85,8 @@ def test_a_step_time_far_off_names_the_calibration_and_how_to_measure_this_machi
         (plan.parent / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         result = CliRunner().invoke(cli, ["compare", str(plan.parent)])
         assert result.exit_code == 0, result.output
-        said = "-75% off; it was priced from" in result.stderr and "piper calibrate overhead --platform local-cpu" \
-            in result.stderr and "(measured 20" in result.stderr
+        said = "-75% off; the plan was priced from" in result.stderr and "piper calibrate overhead --platform " \
+            "local-cpu" in result.stderr and "(its metadata.json now says measured 20" in result.stderr
         assert said == hinted, result.stderr
+        as_json = CliRunner().invoke(cli, ["compare", str(plan.parent), "--json"])
+        assert (json.loads(as_json.stdout)["calibration_note"] is not None) == hinted

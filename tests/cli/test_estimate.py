@@ -265,7 +265,11 @@ def test_a_saved_plan_is_priced_again_from_the_file_alone(tmp_path):
     human = CliRunner().invoke(cli, ["estimate", "--plan", str(path), "-o", str(tmp_path / "copy.json")])
     assert human.exit_code == 0 and f"step {stored['step_time_s']:.4g} s" in human.stdout, human.output
     assert json.loads((tmp_path / "copy.json").read_text())["prediction"]["step_time_s"] == stored["step_time_s"]
+    assert "with a spread allocation: step" in human.stdout and "other_placement" in fresh
+    assert json.loads((tmp_path / "copy.json").read_text())["prediction"]["other_placement"] is not None
     for args, needle in ((["--plan", str(path), "--dp", "4", "--model", "x"], "--model, --dp with --plan"),
+                         (["--plan", ""], "--plan names no file"),
+                         (["--plan", str(path), "--no-sequence-parallel"], "--sequence-parallel/--no-sequence-parallel"),
                          (["--nodes", "8", "--platform", "frontier"], "Missing option '--model'")):
         bad = CliRunner().invoke(cli, ["estimate", *args])
         assert bad.exit_code == 2 and needle in bad.stderr and bad.stderr.count("\n") == 1, bad.output

@@ -195,6 +195,9 @@ def test_a_controller_that_is_down_is_said_at_once_not_after_slurms_retries(tmp_
     (tmp_path / "job.sbatch").write_text("#!/bin/bash\n")
     with pytest.raises(PiperError, match="sbatch not run: the Slurm controller does not answer"):
         submit.submit(tmp_path / "job.sbatch")
+    cal = run("calibrate", "slurm", "--platform", "local-cpu", "--nodes", 1, "--out-dir", tmp_path / "cal", "--submit")
+    assert cal.exit_code == 2 and cal.stderr.splitlines()[-1].startswith("error: sbatch not run: the Slurm "
+                                                                         "controller does not answer"), cal.output
     assert not asked.exists()
 
 

@@ -4,11 +4,13 @@ saved plan does not fit, and a note when a node range is cut at the platform's s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 
 from piper_plan.cli.main import cli
 
+PLATFORMS = Path(__file__).resolve().parents[2] / "platforms"
 TINY = ["--model", "tiny-moe", "--platform", "local-cpu", "--seq", "256", "--global-batch", "8"]
 
 
@@ -122,7 +124,7 @@ def test_each_degree_sits_under_its_own_label():
         assert first[:end].split()[-1] == str(best[label]), (label, header, first)
 
 
-def test_the_human_provenance_line_points_at_the_citation_instead_of_quoting_it():
+def test_the_human_provenance_line_points_at_the_citation_instead_of_quoting_it(tmp_path):
     """The compute line quoted the platform's whole efficiency citation (1,767 characters on gb200-nvl72) under
     every table; --json keeps it whole."""
     from piper_plan.catalog import load_platform
@@ -132,3 +134,10 @@ def test_the_human_provenance_line_points_at_the_citation_instead_of_quoting_it(
     assert "cited: `piper platform show gb200-nvl72`" in line and len(line) < 300, line
     cited = load_platform("gb200-nvl72").efficiency.source
     assert cited in json.loads(run(*args, "--json").stdout)["sources"]["compute"]
+    saved = tmp_path / "gb.json"
+    assert run(*args, "-o", saved).exit_code == 0
+    again = run("estimate", "--plan", saved).stdout
+    assert f"cited: the plan file's platform.efficiency.source ({saved})" in again, again
+    as_file = run("plan", "--model", "deepseek-v3", "--platform", PLATFORMS / "gb200-nvl72.yaml", "--nodes", "18",
+                  "--top", "1").stdout
+    assert f"cited: `piper platform show {PLATFORMS / 'gb200-nvl72.yaml'}`" in as_file
