@@ -136,8 +136,8 @@ def test_the_human_provenance_line_points_at_the_citation_instead_of_quoting_it(
     assert cited in json.loads(run(*args, "--json").stdout)["sources"]["compute"]
     saved = tmp_path / "gb.json"
     assert run(*args, "-o", saved).exit_code == 0
-    again = run("estimate", "--plan", saved).stdout
+    again = " ".join(run("estimate", "--plan", saved).stdout.split())    # a terminal's width may wrap the line
     assert f"cited: the plan file's platform.efficiency.source ({saved})" in again, again
-    as_file = run("plan", "--model", "deepseek-v3", "--platform", PLATFORMS / "gb200-nvl72.yaml", "--nodes", "18",
-                  "--top", "1").stdout
+    as_file = " ".join(run("plan", "--model", "deepseek-v3", "--platform", PLATFORMS / "gb200-nvl72.yaml", "--nodes",
+                           "18", "--top", "1").stdout.split())
     assert f"cited: `piper platform show {PLATFORMS / 'gb200-nvl72.yaml'}`" in as_file
