@@ -51,7 +51,8 @@ def stdout_closed() -> None:
     import sys
 
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    if sys.stdout is not None:
+        os.dup2(devnull, sys.stdout.fileno())
     sys.exit(EXIT_STDOUT_CLOSED)
 
 
@@ -70,6 +71,10 @@ def _console(stderr: bool):
     # left unwrapped so that commands in messages stay copy-pasteable. Colour and live progress only on a terminal
     # (rich's own rule for a stream that is not one).
     stream = sys.stderr if stderr else sys.stdout
+    if stream is None:                 # the descriptor was closed before piper started (`piper models >&-`)
+        if not stderr:
+            stdout_closed()
+        return PiperConsole(file=open(os.devnull, "w"), highlight=False)
     piped = not stream.isatty() and "COLUMNS" not in os.environ
     return PiperConsole(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped)
 

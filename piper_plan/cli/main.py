@@ -63,6 +63,10 @@ class LazyGroup(click.Group):
             stdout_closed()
         except PiperError as exc:
             raise UserError(str(exc)) from None
+        except KeyboardInterrupt:          # click's own handler says "Aborted!" and exits 1 (a failed check here)
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        except OSError as exc:             # what the system refuses (a name over 255 bytes, stdout on a full disk)
+            raise UserError(os_error_line(exc)) from None
         except click.UsageError as exc:
             raise _one_line(exc) from None
         except ModuleNotFoundError as exc:
@@ -76,6 +80,19 @@ class LazyGroup(click.Group):
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
+
+
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (SIGINT): 128 + 2, as a shell reports a program the signal stopped."""
+
+
+def os_error_line(exc: OSError) -> str:
+    """An OSError as one line: the path it names (cut to 120 characters) and the system's reason."""
+    name = exc.filename
+    if name is None:
+        return f"the system refused a read or write: {exc.strerror or exc}"
+    shown = str(name) if len(str(name)) <= 120 else str(name)[:117] + "..."
+    return f"{shown}: {exc.strerror or exc}"
 
 
 def _one_line(exc: click.UsageError) -> click.UsageError:
@@ -114,8 +131,9 @@ EPILOG = ("Output: a command's result (table, report) on stdout; progress and di
           "--json (every command) replaces the result on stdout with one JSON document. "
           "Exit codes: 0 ok; 1 a check failed (validate: a row outside its tolerance; bench a2a --verify; run: the loss "
           "went nan / inf); "
-          "2 bad input (one 'error:' line on stderr); 3 nothing fits (plan); 75 run checkpointed on SIGTERM / "
-          "SIGUSR1 (requeue); 141 stdout closed early (| head).")
+          "2 bad input or a path or output the system refuses (one 'error:' line on stderr); 3 nothing fits "
+          "(plan); 75 run checkpointed on SIGTERM / SIGUSR1 (requeue); 130 interrupted (Ctrl-C); 141 stdout closed "
+          "early (| head).")
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)

@@ -867,3 +867,32 @@ def test_launch_names_the_platform_file_whose_launch_block_is_bad(tmp_path):
     line = assert_one_line_error(run("launch", "--model", "tiny-moe", "--platform", platform, "--nodes", 1,
                                      "--out-dir", tmp_path / "job"), str(platform), "partition")
     assert "piper-launch-" not in line and not (tmp_path / "job").exists()
+
+
+def test_what_the_system_refuses_is_one_line_not_a_traceback(tmp_path):
+    """A path component over 255 bytes (any command, any file argument), stdout on a full device and a closed stdout
+    were tracebacks (OSError, AttributeError on sys.stdout None); Ctrl-C said "Aborted!" and exited 1, a failed
+    check's code."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    piper = Path(sys.executable).parent / "piper"
+    long_name = tmp_path / ("a" * 300 + ".json")
+    for args in (["export", str(long_name), "--engine", "megatron"],
+                 ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "-o", str(long_name)]):
+        done = run(*args)
+        assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
+        assert done.stderr.startswith(f"error: {str(long_name)[:117]}...: File name too long"), done.stderr
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([str(piper), "models"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == "error: the system refused a read or write: No space left on " \
+                                                   "device\n", done.stderr
+    closed = subprocess.run(f"{piper} models >&-", shell=True, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert closed.returncode == 141 and closed.stderr == "", closed.stderr
+    slow = subprocess.Popen([str(piper), "migrate", "simulate", "--ep", "2", "--experts", "8", "--layers", "131072",
+                             "--max-iters", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    slow.send_signal(signal.SIGINT)
+    assert slow.wait(timeout=60) == 130 and "Traceback" not in slow.stderr.read()
