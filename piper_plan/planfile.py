@@ -358,6 +358,12 @@ def does_not_fit(prediction: Estimate | None, whose: str = "the plan's own predi
             f"{mem.device_bytes / 2**30:.2f} GiB per device")
 
 
+def priced_from_calibration(plan_file: PlanFile) -> bool:
+    """Whether the file's prediction took its compute rates from calibration/<platform>/ (its sources say so)."""
+    stored = plan_file.prediction
+    return stored is not None and stored.sources.compute.startswith("calibration")
+
+
 def read_plan_file(path) -> PlanFile:
     """Read and validate plan.json."""
     return parse_plan_dict(read_structured(Path(path)), str(path))

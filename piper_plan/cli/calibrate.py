@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import (console, diagnostics, exit_codes, json_option, note, out_dir_option, output_option,
-                                   plot_option, print_json)
+from piper_plan.cli.common import (console, diagnostics, exit_codes, json_option, note, options_given, out_dir_option,
+                                   output_option, plot_option, print_json)
 from piper_plan.errors import PiperError
 from piper_plan.plots import check_plot_path
 from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
@@ -58,9 +58,7 @@ def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtyp
 def _check_no_sweep_options(ctx: click.Context) -> None:
     """The sweep's own options before a subcommand (`piper calibrate --dtype bf16 slurm ...`) were dropped without a
     word: one line naming them and where they go."""
-    from click.core import ParameterSource
-
-    given = [p.opts[0] for p in ctx.command.params if ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE]
+    given = options_given(ctx)
     if given:
         raise PiperError(f"{', '.join(given)} before `{ctx.invoked_subcommand}` is an option of `piper calibrate` "
                          f"itself, which `{ctx.invoked_subcommand}` does not read; give it after "

@@ -86,6 +86,15 @@ def platform_show_command(platform_ref: str) -> str:
     return f"`piper platform show {shlex.quote(platform_ref)}`"
 
 
+def options_given(ctx: click.Context, but: tuple[str, ...] = ()) -> list[str]:
+    """The options of ``ctx``'s command the user typed (not defaults), as flags, except the parameters named in
+    ``but``: for a refusal that names them."""
+    from click.core import ParameterSource
+
+    return ["/".join(p.opts + p.secondary_opts) for p in ctx.command.params if p.name not in but
+            and ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE]
+
+
 def short_compute_source(text: str, platform, cited_at: str) -> str:
     """The compute-rate provenance for a human reader: the platform's efficiency citation (hundreds of characters,
     quoted whole in --json and plan files) replaced by where to read it (``cited_at``: the command or file)."""

@@ -85,10 +85,9 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
 
     from piper_plan.calibration.io import read_metadata
     from piper_plan.catalog import calibration_dir, catalog_names, platforms_dir
+    from piper_plan.planfile import priced_from_calibration
 
-    stored = plan_file.prediction
-    if step_error is None or abs(step_error) <= RECALIBRATE_ABOVE or stored is None \
-            or not stored.sources.compute.startswith("calibration"):
+    if step_error is None or abs(step_error) <= RECALIBRATE_ABOVE or not priced_from_calibration(plan_file):
         return None
     name = plan_file.platform.name
     folder = calibration_dir(name)

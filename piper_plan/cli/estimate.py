@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import (console, exit_codes, json_option, note, output_option, platform_calibration,
-                                   platform_show_command, plot_option, print_json,
+from piper_plan.cli.common import (console, exit_codes, json_option, note, options_given, output_option,
+                                   platform_calibration, platform_show_command, plot_option, print_json,
                                    short_compute_source)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options_or_plan,
                                     migration_option, parallel_options, placement_option, precision_text,
@@ -104,15 +104,12 @@ SAVED_PLAN_OUTPUTS = ("plan_path", "as_json", "save_path", "plot_path")
 def _estimate_saved(ctx, plan_path: str, as_json: bool, save_path: str | None, plot_path: str | None) -> None:
     """A saved plan.json priced again as `piper launch` and `piper export` price it (launch/job.py repriced), shown
     as any estimate is; where its stored prediction differs, a note says so."""
-    from click.core import ParameterSource
-
     from piper_plan.cost.options import cost_options as saved_cost_options
     from piper_plan.errors import PiperError
     from piper_plan.launch.job import repriced, saved_calibration, stale_note
     from piper_plan.planfile import read_plan_file
 
-    given = ["/".join(p.opts + p.secondary_opts) for p in ctx.command.params if p.name not in SAVED_PLAN_OUTPUTS
-             and ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE]
+    given = options_given(ctx, but=SAVED_PLAN_OUTPUTS)
     if given:
         raise PiperError(f"{', '.join(given)} with --plan: the plan file states its own setting; allowed beside "
                          "--plan: --json, -o/--output, --plot (or drop --plan and state the plan as options)")

@@ -9,7 +9,7 @@ from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_text, check_writable, read_text
 from piper_plan.launch import render, submit
 from piper_plan.launch.render import JobSpec, LaunchOptions
-from piper_plan.planfile import PlanFile, does_not_fit, in_plan_file, read_plan_file
+from piper_plan.planfile import PlanFile, does_not_fit, in_plan_file, priced_from_calibration, read_plan_file
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,7 @@ def saved_calibration(pf: PlanFile):
     """calibration/<platform>/ where the file's prediction was priced from a calibration, else None."""
     from piper_plan.calibration.curves import load_calibration
 
-    calibrated = pf.prediction is not None and pf.prediction.sources.compute.startswith("calibration")
-    return load_calibration(pf.platform.name) if calibrated else None
+    return load_calibration(pf.platform.name) if priced_from_calibration(pf) else None
 
 
 def _priced(pf: PlanFile, options):
