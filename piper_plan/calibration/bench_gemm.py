@@ -2,6 +2,10 @@
 
 A point is one forward GEMM [m x k] @ [k x n] (m = tokens), or ``groups`` of them as one grouped call
 (``torch._grouped_mm`` where the installed torch has it, else ``torch.bmm`` over equal groups).
+An fp8 point (GPUs with 8-bit GEMMs) is torch's scaled GEMM with E4M3 inputs, one fp32 scale per tensor and bf16
+output (``torch._scaled_mm``: the kernel of per-tensor "current" scaling); grouped, ``torch._scaled_grouped_mm``
+with row-wise scales where the device runs it, else one ``torch._scaled_mm`` call per group (what Transformer
+Engine's grouped linear does: one cuBLAS GEMM per expert).
 Expert shapes run from a handful of tokens per expert to many thousands: the paper's observation that
 fine-grained MoE with few tokens per expert gives slow tall-and-skinny GEMMs is what these rows calibrate.
 """
@@ -38,8 +42,8 @@ _CPU_FEATURES_QUICK = ((512, 256), (256, 512))
 
 def gemm_points(device_type: str, quick: bool) -> list[GemmPoint]:
     """The sweep: tokens m over powers of 4, feature pairs, plain and grouped calls, per dtype."""
-    if device_type == "cuda":
-        dtypes, feats = ("bf16",), _GPU_FEATURES[:4] if quick else _GPU_FEATURES
+    if device_type == "cuda":   # fp8: measured where the device has 8-bit GEMMs (fp8_gemm_error)
+        dtypes, feats = ("bf16", "fp8"), _GPU_FEATURES[:4] if quick else _GPU_FEATURES
         ms = (16, 256, 4096) if quick else tuple(4**i for i in range(1, 8))  # 4 .. 16384 tokens
         groups = (1, 8) if quick else (1, 4, 16)
     else:
@@ -58,13 +62,65 @@ def measure_gemm(point: GemmPoint, device, repeats: int, warmup: int) -> tuple[f
 
     from piper_plan.calibration.timing import median_seconds, torch_dtype
 
-    dtype = torch_dtype(point.dtype)
     g, m, n, k = point.groups, point.m, point.n, point.k
-    a = torch.randn(g * m, k, device=device, dtype=dtype)
-    b = torch.randn(g, k, n, device=device, dtype=dtype)
-    fn, how = _grouped_call(a, b, g, m) if g > 1 else ((lambda: a @ b[0]), "matmul")
+    if point.dtype == "fp8":
+        fn, how = _fp8_call(g, m, n, k, device)
+    else:
+        dtype = torch_dtype(point.dtype)
+        a = torch.randn(g * m, k, device=device, dtype=dtype)
+        b = torch.randn(g, k, n, device=device, dtype=dtype)
+        fn, how = _grouped_call(a, b, g, m) if g > 1 else ((lambda: a @ b[0]), "matmul")
     with torch.no_grad():
         return median_seconds(fn, device, warmup, repeats), how
+
+
+def fp8_torch_dtype(device):
+    """The E4M3 format the device's fp8 GEMMs take: torch's fnuz variant on MI300 (gfx94x), else the OCP one."""
+    import torch
+
+    hip = device.type == "cuda" and torch.version.hip is not None
+    if hip and "gfx94" in torch.cuda.get_device_properties(device).gcnArchName:
+        return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def fp8_gemm_error(device) -> str | None:
+    """None where one small fp8 GEMM runs on ``device``, else why not (first line of torch's error)."""
+    try:
+        fn, _how = _fp8_call(1, 16, 32, 32, device)
+        fn()
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError) as err:
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return None
+
+
+def _fp8_call(g: int, m: int, n: int, k: int, device):
+    """A timed fp8 GEMM call of ``g`` groups and how it is made (module docstring). B is column-major, as torch's
+    scaled GEMMs require."""
+    import torch
+
+    f8 = fp8_torch_dtype(device)
+    a = torch.randn(g * m, k, device=device).to(f8)
+    b = torch.randn(g, n, k, device=device).to(f8).transpose(-2, -1)
+    one = torch.ones((), device=device)
+
+    def scaled(x, w):
+        return torch._scaled_mm(x, w, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    if g == 1:
+        return (lambda: scaled(a, b[0])), "torch._scaled_mm"
+    grouped = getattr(torch, "_scaled_grouped_mm", None)
+    if grouped is not None:
+        offs = torch.arange(1, g + 1, device=device, dtype=torch.int32) * m
+        scale_a, scale_b = torch.ones(g * m, device=device), torch.ones(g, n, device=device)
+        try:
+            grouped(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+            return (lambda: grouped(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)), \
+                "torch._scaled_grouped_mm"
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass  # this torch or device has no grouped fp8 kernel: one scaled GEMM per group
+    rows = a.view(g, m, k)
+    return (lambda: [scaled(rows[i], b[i]) for i in range(g)]), "torch._scaled_mm per group"
 
 
 def _grouped_call(a, b, g: int, m: int):

@@ -22,12 +22,13 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     nodes_out_of_range). ``platform_ref``: what the job passes as --platform (a platform file's absolute path: the
     nodes know no catalog entry of its name); the platform's name by default. ``dtypes``: the precisions the GEMM and
     attention sweep keeps to (``piper calibrate --dtype``), checked here, not when the job runs."""
-    from piper_plan.calibration.sweep import SweepOptions, check_dtypes
+    from piper_plan.calibration.sweep import SweepOptions, check_dtypes, check_fp8_peak
     from piper_plan.launch import validate as v
 
     check_nodes(platform, num_nodes)
-    check_dtypes(SweepOptions(platform=platform.name, out_dir=out_dir, quick=quick, only=only, dtypes=dtypes),
-                 platform.launch.device)
+    opts = SweepOptions(platform=platform.name, out_dir=out_dir, quick=quick, only=only, dtypes=dtypes)
+    check_dtypes(opts, platform.launch.device)
+    check_fp8_peak(opts, platform)
     check_python(python_cmd)
     v.abs_path(str(out_dir), "--out-dir")       # it is the job's #SBATCH --output folder, which sbatch reads unquoted
     v.wall_time(time_limit)

@@ -111,6 +111,14 @@ def check_dtypes(opts: SweepOptions, device_type: str) -> list[str]:
             for kind in kinds if not compute_points(kind, device_type, opts)]
 
 
+def check_fp8_peak(opts: SweepOptions, platform) -> None:
+    """``--dtype fp8`` on a platform whose device has no fp8 peak (MI250X, A100) is one line before anything is
+    measured or a job script written."""
+    if opts.dtypes is not None and "fp8" in opts.dtypes and "fp8" not in platform.device.peak_flops:
+        raise PiperError(f"--dtype fp8: platform {platform.name}'s device has no 8-bit GEMMs (device.peak_flops has "
+                         f"{', '.join(platform.device.peak_flops)})")
+
+
 def check_existing_files(out_dir: Path, kinds: tuple[str, ...]) -> None:
     """The CSVs the sweep will merge into (and metadata.json) read as they are before anything is measured: a
     malformed one is one error line before minutes of measurement, not after them (their rows then lost)."""
@@ -129,6 +137,7 @@ def run_calibration(opts: SweepOptions, reporter: Reporter | None = None) -> Swe
     reporter = reporter or Reporter()
     platform = load_platform(opts.platform)
     skipped = check_dtypes(opts, platform.launch.device)
+    check_fp8_peak(opts, platform)
     check_existing_files(opts.out_dir, opts.only)
     result = SweepResult(messages=skipped)
     source = f"measured: {opts.command} on {socket.gethostname()} {_today()}"
@@ -155,7 +164,7 @@ def _compute_sweeps(opts, platform, source, reporter, result) -> None:
     device = torch.device("cuda", 0) if platform.launch.device == "cuda" else torch.device("cpu")
     name = device_name(device)
     if "gemm" in opts.only:
-        _sweep_gemm(opts, device, name, source, reporter, result)
+        _sweep_gemm(opts, platform, device, name, source, reporter, result)
     if "attention" in opts.only:
         _sweep_attention(opts, device, name, source, reporter, result)
     _device_metadata(opts.out_dir, device, name, platform)
@@ -175,11 +184,11 @@ def _pending(task: str, table, points: list, name: str, opts, result) -> list:
     return todo
 
 
-def _sweep_gemm(opts, device, name, source, reporter, result) -> None:
+def _sweep_gemm(opts, platform, device, name, source, reporter, result) -> None:
     from piper_plan.calibration.bench_gemm import measure_gemm
     from piper_plan.calibration.schema import GEMM, gemm_flops
 
-    todo = _pending("gemm", GEMM, compute_points("gemm", device.type, opts), name, opts, result)
+    todo = _pending("gemm", GEMM, _runnable_gemm_points(opts, platform, device, name, result), name, opts, result)
     repeats, warmup = _repeats(opts.quick)
 
     def measure(p):
@@ -188,6 +197,27 @@ def _sweep_gemm(opts, device, name, source, reporter, result) -> None:
                 "seconds": seconds, "tflops": gemm_flops(p.m, p.n, p.k, p.groups) / seconds / 1e12, "source": source}
 
     _measure_all("gemm", GEMM, todo, measure, opts, reporter, result)
+
+
+def _runnable_gemm_points(opts, platform, device, name: str, result) -> list:
+    """The GEMM points of this sweep less fp8's where the device has no 8-bit GEMM (none in the platform's
+    device.peak_flops, or torch cannot run one here): asked for with --dtype, that is one error line before anything
+    is measured (check_fp8_peak refused the first case earlier); by default, a message says fp8 was not measured."""
+    from piper_plan.calibration.bench_gemm import fp8_gemm_error
+
+    points = compute_points("gemm", device.type, opts)
+    if not any(p.dtype == "fp8" for p in points):
+        return points
+    why = fp8_gemm_error(device) if "fp8" in platform.device.peak_flops else \
+        f"platform {platform.name} has no fp8 peak in device.peak_flops"
+    if why is None:
+        return points
+    if opts.dtypes is not None:
+        others = dict.fromkeys(p.dtype for p in _device_points("gemm", device.type, opts.quick) if p.dtype != "fp8")
+        raise PiperError(f"--dtype fp8: {name} runs no fp8 GEMM with this torch (torch._scaled_mm: {why}); "
+                         f"allowed here: {', '.join(others)}")
+    result.messages.append(f"gemm: fp8 not measured, {name} runs no fp8 GEMM with this torch ({why})")
+    return [p for p in points if p.dtype != "fp8"]
 
 
 def _sweep_attention(opts, device, name, source, reporter, result) -> None:

@@ -51,8 +51,16 @@ def test_the_slurm_sweep_passes_dtype_on_and_checks_it_before_writing(tmp_path):
     assert "--resume --dtype bf16" in (tmp_path / "job.sbatch").read_text()
     bad = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--dtype", "fp32",
                                    "--out-dir", str(tmp_path), "-o", str(tmp_path / "bad.sbatch")])
-    assert bad.exit_code == 2 and "--dtype fp32: the gemm and attention sweep on a cuda device measures bf16" in \
-        bad.stderr and not (tmp_path / "bad.sbatch").exists()
+    assert bad.exit_code == 2 and "--dtype fp32: the gemm and attention sweep on a cuda device measures bf16, fp8" \
+        in bad.stderr and not (tmp_path / "bad.sbatch").exists()
+    no_fp8 = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--dtype", "fp8",
+                                      "--out-dir", str(tmp_path), "-o", str(tmp_path / "fp8.sbatch")])
+    assert no_fp8.exit_code == 2 and no_fp8.stderr.count("\n") == 1, no_fp8.output
+    assert "--dtype fp8: platform frontier's device has no 8-bit GEMMs (device.peak_flops has bf16, fp16)" in \
+        no_fp8.stderr and not (tmp_path / "fp8.sbatch").exists()
+    h200 = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "h200", "--nodes", "2", "--dtype", "bf16,fp8",
+                                    "--out-dir", str(tmp_path), "-o", str(tmp_path / "h200.sbatch")])
+    assert h200.exit_code == 0 and "--dtype bf16,fp8" in (tmp_path / "h200.sbatch").read_text(), h200.output
 
 
 def test_a_sweep_option_before_a_subcommand_is_one_line_not_dropped(tmp_path):
