@@ -58,9 +58,22 @@ RECOMPUTE = Recompute.values()
 NORM_EPS = 1e-5
 
 
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm, its weight cast to the input's dtype where they differ (16-bit activations under autocast,
+    fp32 weights): torch runs rms_norm's fused kernel only when the two match, else a chain of elementwise kernels
+    (torch 2.11 on an H200: "Mismatch dtype between input and weight ... Cannot dispatch to fused implementation",
+    docs/gpu-check.md). Megatron-Core's norms take 16-bit weights too. Unchanged in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if weight is not None and weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 def make_norm(norm, width: int) -> nn.Module:
     if norm.kind == "rmsnorm":
-        return nn.RMSNorm(width, eps=NORM_EPS)
+        return RMSNorm(width, eps=NORM_EPS)
     return nn.LayerNorm(width, eps=NORM_EPS, bias=norm.bias)
 
 
@@ -137,12 +150,12 @@ class Attention(nn.Module):
     def _qk_norms(self, spec):
         kind = spec.attention.qk_norm
         if kind == "per_head":
-            return nn.RMSNorm(self.hd, eps=NORM_EPS), nn.RMSNorm(self.hd, eps=NORM_EPS)
+            return RMSNorm(self.hd, eps=NORM_EPS), RMSNorm(self.hd, eps=NORM_EPS)
         if kind == "full":
-            return nn.RMSNorm(self.h * self.hd, eps=NORM_EPS), nn.RMSNorm(self.g * self.hd, eps=NORM_EPS)
+            return RMSNorm(self.h * self.hd, eps=NORM_EPS), RMSNorm(self.g * self.hd, eps=NORM_EPS)
         if kind == "weightless":
-            return (nn.RMSNorm(self.hd, eps=NORM_EPS, elementwise_affine=False),
-                    nn.RMSNorm(self.hd, eps=NORM_EPS, elementwise_affine=False))
+            return (RMSNorm(self.hd, eps=NORM_EPS, elementwise_affine=False),
+                    RMSNorm(self.hd, eps=NORM_EPS, elementwise_affine=False))
         return None, None
 
     def _heads(self, x_BSD):
@@ -181,10 +194,10 @@ class MLAttention(nn.Module):
             self.q = nn.Linear(d, self.h * qk, bias=False)
         else:
             self.q_a = nn.Linear(d, a.q_lora_rank, bias=a.qkv_bias)
-            self.q_a_norm = nn.RMSNorm(a.q_lora_rank, eps=NORM_EPS)
+            self.q_a_norm = RMSNorm(a.q_lora_rank, eps=NORM_EPS)
             self.q_b = nn.Linear(a.q_lora_rank, self.h * qk, bias=False)
         self.kv_a = nn.Linear(d, self.c + self.r, bias=a.qkv_bias)
-        self.kv_a_norm = nn.RMSNorm(self.c, eps=NORM_EPS)
+        self.kv_a_norm = RMSNorm(self.c, eps=NORM_EPS)
         self.kv_b = nn.Linear(self.c, self.h * (self.n + self.dv), bias=False)
         self.o = nn.Linear(self.h * self.dv, d, bias=a.o_bias)
         self.core = _Core(selective, window)

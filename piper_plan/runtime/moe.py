@@ -8,6 +8,7 @@ the router's logical expert to its slot (the identity until expert migration per
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -92,6 +93,38 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+_step_casts: dict | None = None
+"""The compute-dtype copies of expert weights made in this step, inside ``expert_casts_once`` (None outside)."""
+
+
+@contextlib.contextmanager
+def expert_casts_once():
+    """Inside, each expert weight is cast to the compute dtype once and the copy reused by every later micro-batch
+    and recomputation, as torch.autocast caches its own weight casts inside its region (grouped GEMMs are not on its
+    cast lists, so LocalExperts casts its own). Without it, every micro-batch cast all local experts again: on an
+    H200 that took as long as their GEMMs (docs/gpu-check.md). Train.Trainer.forward_backward wraps a step in it."""
+    global _step_casts
+    outer, _step_casts = _step_casts, {}
+    try:
+        yield
+    finally:
+        _step_casts = outer
+
+
+def _cast(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``p`` in ``dtype``: the step's copy inside ``expert_casts_once`` (a new one once the parameter changed in
+    place, or under another grad mode), else a fresh cast."""
+    if p is None or p.dtype == dtype:
+        return p
+    if _step_casts is None:
+        return p.to(dtype)
+    key = (id(p), dtype, torch.is_grad_enabled())
+    held = _step_casts.get(key)
+    if held is None or held[0] is not p or held[1] != p._version:
+        held = _step_casts[key] = (p, p._version, p.to(dtype))
+    return held[2]
+
+
 def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
     """_grouped_mm's backward fails on a zero-stride incoming gradient (``y.sum().backward()``): densify it."""
     if y.requires_grad:
@@ -128,8 +161,7 @@ class LocalExperts(nn.Module):
     def forward(self, x_XD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x_XD rows grouped by local expert, ``counts_E[e]`` (int64 [El], on x's device) rows for expert e."""
         dtype = _compute_dtype(x_XD)
-        weights = [None if p is None else p.to(dtype)
-                   for p in (self.w_in, self.w_gate, self.w_out, self.b_in, self.b_gate, self.b_out)]
+        weights = [_cast(p, dtype) for p in (self.w_in, self.w_gate, self.w_out, self.b_in, self.b_gate, self.b_out)]
         if self.use_grouped and grouped_mm_usable(x_XD.to(dtype), *weights[:3]):
             return self._grouped(x_XD.to(dtype), counts_E, *weights)
         return self._loop(x_XD, counts_E.tolist())

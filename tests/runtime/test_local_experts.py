@@ -161,3 +161,50 @@ def test_gpt_oss_gate_by_hand():
     torch.testing.assert_close(got, torch.tensor([-41.99972, -0.46261]), rtol=1e-5, atol=1e-5)
     swiglu = moe_module.activate(FFNSpec(intermediate_size=2), up, gate)
     torch.testing.assert_close(swiglu[0], torch.tensor(-99.99546), rtol=1e-6, atol=1e-4)
+
+
+def _micro_batches(experts, xs, counts, cache: bool):
+    """Forward + backward of each micro-batch under bf16 autocast, inside one expert_casts_once region or not; the
+    parameter gradients accumulated over them and the bf16 copies each forward used."""
+    import contextlib
+
+    experts.zero_grad()
+    used, real = [], moe_module._cast
+    region = moe_module.expert_casts_once() if cache else contextlib.nullcontext()
+    with torch.autocast("cpu", dtype=torch.bfloat16), region:
+        for x in xs:
+            moe_module._cast = lambda p, d: used.append(real(p, d)) or used[-1]
+            try:
+                out = experts(x, torch.tensor(counts))
+            finally:
+                moe_module._cast = real
+            (out.float().square().sum()).backward()
+    return [p.grad.clone() for p in experts.parameters()], used
+
+
+def test_expert_weights_are_cast_once_per_step_and_the_gradients_are_unchanged():
+    """On an H200 each micro-batch's cast of all local experts to bf16 took as long as their GEMMs
+    (docs/gpu-check.md); inside expert_casts_once the first micro-batch's copies serve the others, and every
+    micro-batch's gradient still reaches the fp32 parameters, equal to casting afresh each time."""
+    experts = LocalExperts(4, 16, FFNSpec(intermediate_size=32, gated=True, bias=True))
+    torch.manual_seed(0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    xs = [torch.randn(12, 16) for _ in range(3)]
+    counts = [3, 0, 5, 4]
+    fresh, fresh_used = _micro_batches(experts, xs, counts, cache=False)
+    cached, cached_used = _micro_batches(experts, xs, counts, cache=True)
+    for g, r in zip(cached, fresh):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    per_batch = len(list(experts.parameters()))
+    assert len({id(t) for t in fresh_used}) == 3 * per_batch     # a new copy of each weight per micro-batch
+    assert len({id(t) for t in cached_used}) == per_batch        # one copy of each for the step
+    assert all(t.dtype == torch.bfloat16 for t in cached_used)
+    with torch.no_grad():
+        experts.w_in.add_(1.0)                                   # changed in place: the next cast is new
+    with torch.autocast("cpu", dtype=torch.bfloat16), moe_module.expert_casts_once():
+        first = moe_module._cast(experts.w_in, torch.bfloat16)
+        with torch.no_grad():
+            experts.w_in.mul_(2.0)
+        assert moe_module._cast(experts.w_in, torch.bfloat16) is not first
+    assert moe_module._step_casts is None

@@ -205,3 +205,21 @@ def test_a_bad_runtime_override_is_one_line():
         with pytest.raises(PiperError, match=field) as err:
             with_runtime(cfg, **override)
         assert "\n" not in str(err.value)
+
+
+def test_rms_norm_takes_the_inputs_dtype_for_its_weight():
+    """Under autocast the activations are bf16 and the norm's weight fp32; torch then skips its fused rms_norm
+    kernel (a warning on an H200, docs/gpu-check.md). The runtime's RMSNorm casts the weight: bf16 out, equal to
+    torch's rms_norm with a bf16 weight; fp32 unchanged."""
+    import torch
+    import torch.nn.functional as F
+
+    from piper_plan.runtime.model import RMSNorm
+
+    norm = RMSNorm(8, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, 1e-5), rtol=0, atol=0)
+    half = norm(x.bfloat16())
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half, F.rms_norm(x.bfloat16(), (8,), norm.weight.bfloat16(), 1e-5), rtol=0, atol=0)
