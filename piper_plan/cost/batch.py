@@ -31,7 +31,7 @@ from piper_plan.cost.pipeline import (CHUNK_SLOT, bubble_microbatches, chunk_in_
                                       explicit_stage_rows, rank_chunk_table, stage_layers, stage_rows,
                                       uneven_bubble_seconds, uneven_chunks)
 from piper_plan.cost.params import moe_prefix, rank_stage_params
-from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds
+from piper_plan.cost.step import autocast_copy_seconds, dp_sync_seconds, optimizer_seconds
 from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
 
@@ -263,7 +263,8 @@ def memory_at(term, cols, flight, loss, last_rows) -> np.ndarray:
 
 
 def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
-    """Per KEY_SYNC row and split: dense / expert gradient sync and the optimizer step, seconds [2, U]. What
+    """Per KEY_SYNC row and split: dense / expert gradient sync, the optimizer step and the runtime's autocast
+    copies (step.autocast_copy_seconds), seconds [2, U]. What
     does not depend on the micro-batch count (the stages' parameters, the optimizer's overhead, the groups'
     spans) is computed once per KEY_PARAMS row."""
     rows_q, inv_q = keys.factorize(KEY_PARAMS)
@@ -279,7 +280,7 @@ def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
     group_spans = {k: spans_q[0][q] for k, spans_q in spans(alloc, sub_q).items() if k in SYNC_GROUPS}
     sub = c.take(rows_y)
     o = ctx.opts
-    out = {"dp/sync/dense": [], "dp/sync/expert": [], "optimizer/step": []}
+    out = {"dp/sync/dense": [], "dp/sync/expert": [], "optimizer/step": [], "precision/copies": []}
     for v in SPLITS:
         sync_d, sync_e = dp_sync_seconds(ctx.net, ctx.training, dense[v], expert[v], sub,
                                          *(group_spans[k] for k in SYNC_GROUPS))
@@ -287,6 +288,8 @@ def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
         out["dp/sync/expert"].append(sync_e * (1 - o.dp_overlap))
         out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub)
                                      + np.maximum(overhead[v], 0.0))
+        out["precision/copies"].append(autocast_copy_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub,
+                                                             ctx.platform.launch.device, o))
     return {k: np.stack(v) for k, v in out.items()}
 
 
@@ -342,7 +345,7 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
         breakdown["pipeline/bubble"] = np.where(uneven, bubble, breakdown["pipeline/bubble"])
     breakdown.update(_gather_split(sync, split, inv_s))
     step = t_mb * m + breakdown["pipeline/bubble"] + breakdown["dp/sync/dense"] + breakdown["dp/sync/expert"] \
-        + breakdown["optimizer/step"]
+        + breakdown["optimizer/step"] + breakdown["precision/copies"]
     breakdown["migration"] = step * ctx.opts.migration_fraction
     step = step + breakdown["migration"]
     return breakdown, step, _gather_split(memory_m, split, inv_m), split

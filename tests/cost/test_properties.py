@@ -469,3 +469,30 @@ def test_a_dense_model_syncs_no_expert_gradients():
     est = estimate(load_model("tiny-dense"), load_platform("dgx-h100"), TrainingSpec(global_batch=64), 1,
                    ParallelPlan(dp=8, num_microbatches=8))
     assert est.time.breakdown["dp/sync/expert"] == 0.0 and est.time.breakdown["dp/sync/dense"] > 0.0
+
+
+def test_the_runtimes_autocast_copies_are_priced_by_hand_and_only_where_it_makes_them():
+    """piper's runtime under bf16 autocast (zero 0 / 1 on a GPU) casts its fp32 weights once per step, each
+    micro-batch's 16-bit weight gradient to fp32, and adds it to the held gradient from the second micro-batch on:
+    (4 + 2) (1 + m) + 3 x 4 (m - 1) bytes per parameter of the rank at the device's bandwidth (on an H200, 38.7 of
+    121 ms a step, docs/gpu-check.md). Megatron's kernels, FSDP2 (zero 2 / 3) and CPU runs (fp32 there) have none."""
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS, CostOptions
+
+    model, h200 = load_model("tiny-moe"), load_platform("h200")
+    plan = ParallelPlan(dp=8, ep=8, num_microbatches=4)
+    training = TrainingSpec(seq_len=64, global_batch=32)
+
+    def copies(platform=h200, training=training, plan=plan, options=PIPER_RUNTIME_OPTIONS):
+        return estimate(model, platform, training, 1, plan, options=options).time.breakdown["precision/copies"]
+
+    (rank,) = rank_param_counts(model, plan)
+    by_hand = (rank["dense"] + rank["expert"]) * ((4 + 2) * (1 + 4) + 3 * 4 * 3) / (4800e9)
+    assert copies() == pytest.approx(by_hand, rel=1e-12) and by_hand > 0
+    whole = estimate(model, h200, training, 1, plan, options=PIPER_RUNTIME_OPTIONS)
+    assert whole.step_time_s == pytest.approx(sum(whole.time.breakdown.values()), rel=1e-9)
+    assert copies(options=CostOptions()) == 0.0                                # Megatron-Core's kernels
+    assert copies(plan=plan.model_copy(update={"zero": 2})) == 0.0           # FSDP2 casts per gather
+    assert copies(training=training.model_copy(update={"dtype": "fp16"})) == pytest.approx(by_hand, rel=1e-12)
+    cpu = TrainingSpec.for_device("cpu", seq_len=64, global_batch=32)
+    assert copies(platform=load_platform("local-cpu"), training=cpu, plan=plan.model_copy(update={"dp": 1,
+                                                                                                   "ep": 1})) == 0.0
