@@ -13,11 +13,13 @@ def test_cpu_run_writes_every_section(tmp_path, world1):
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     out = tmp_path / "gpu-check.md"
-    assert gpu_check.main(["--device", "cpu", "--steps", "3", "--out", str(out)]) == 0
+    assert gpu_check.main(["--device", "cpu", "--steps", "3", "--profile", "--out", str(out)]) == 0
     text = out.read_text()
     assert "This is the CPU run: no GPU was available" in text
     for heading in ("## 1. Calibration", "## 2. Mixtral-style", "## 3. DeepSeek-V3-style"):
         assert heading in text
     assert text.count("| step time (s) |") == 2 and text.count("Grouped expert GEMMs") == 2
     assert "torch._grouped_mm, gate/up/down" in text          # the runtime ran grouped GEMMs, not the loop
+    assert text.count("Predicted step by component (ms): ") == 2
+    assert text.count("Where 2 more steps spent their CPU time (torch.profiler") == 2 and "aten::mm" in text
     assert "skipped" not in text and text.rstrip().endswith("s.")
