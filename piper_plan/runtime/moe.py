@@ -14,6 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 
@@ -100,9 +101,9 @@ _step_casts: dict | None = None
 @contextlib.contextmanager
 def expert_casts_once():
     """Inside, each expert weight is cast to the compute dtype once and the copy reused by every later micro-batch
-    and recomputation, as torch.autocast caches its own weight casts inside its region (grouped GEMMs are not on its
-    cast lists, so LocalExperts casts its own). Without it, every micro-batch cast all local experts again: on an
-    H200 that took as long as their GEMMs (docs/gpu-check.md). Train.Trainer.forward_backward wraps a step in it."""
+    and recomputation (grouped GEMMs are not on torch.autocast's cast lists, so LocalExperts casts its own). Without
+    it, every micro-batch cast all local experts again: on an H200 that took as long as their GEMMs
+    (docs/gpu-check.md). Train.Trainer.forward_backward wraps a step in it."""
     global _step_casts
     outer, _step_casts = _step_casts, {}
     try:
@@ -111,18 +112,36 @@ def expert_casts_once():
         _step_casts = outer
 
 
+class _FromStepCopy(torch.autograd.Function):
+    """A parameter in a lower precision, from the step's copy: forward hands out a view of the copy, backward casts
+    the gradient back to the parameter's dtype. One node per use: autograd runs its backward where the layer's
+    backward produces that gradient. Sharing one cast node across micro-batches (torch.autocast's own cache does)
+    leaves it with the step's first sequence number, so autograd runs it after every other node of each later
+    micro-batch's backward, and every layer's 16-bit weight gradient waits until then (on an H200, +2.06 GiB for
+    two Mixtral layers; switch-base ran out of memory, docs/gpu-check.md)."""
+
+    @staticmethod
+    def forward(ctx, param, copy):
+        ctx.dtype = param.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
 def _cast(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """``p`` in ``dtype``: the step's copy inside ``expert_casts_once`` (a new one once the parameter changed in
-    place, or under another grad mode), else a fresh cast."""
+    """``p`` in ``dtype``: inside ``expert_casts_once``, from the step's copy (a new one once the parameter changed
+    in place); else (and for DTensor parameters) a fresh cast."""
     if p is None or p.dtype == dtype:
         return p
-    if _step_casts is None:
+    if _step_casts is None or isinstance(p, DTensor):
         return p.to(dtype)
-    key = (id(p), dtype, torch.is_grad_enabled())
-    held = _step_casts.get(key)
+    held = _step_casts.get((id(p), dtype))
     if held is None or held[0] is not p or held[1] != p._version:
-        held = _step_casts[key] = (p, p._version, p.to(dtype))
-    return held[2]
+        with torch.no_grad():
+            held = _step_casts[(id(p), dtype)] = (p, p._version, p.detach().to(dtype))
+    return _FromStepCopy.apply(p, held[2]) if torch.is_grad_enabled() and p.requires_grad else held[2]
 
 
 def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
@@ -279,7 +298,7 @@ class MoE(nn.Module):
         """Switch Transformer's auxiliary loss E x sum_e f_e P_e (Fedus et al. 2021, eq. 4), f over the k choices."""
         E, T, prob_sum_E = self.spec.num_experts, probs_TE.shape[0], probs_TE.sum(0)
         if self.seq_mesh is not None:  # sums over the whole sequence: a replicated loss, counted once
-            from torch.distributed.tensor import DTensor, Partial
+            from torch.distributed.tensor import Partial
 
             tokens_E = DTensor.from_local(tokens_E, self.seq_mesh, [Partial()]).full_tensor()
             prob_sum_E = DTensor.from_local(prob_sum_E, self.seq_mesh, [Partial()]).full_tensor()
