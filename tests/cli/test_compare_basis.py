@@ -90,3 +90,19 @@ def test_a_step_time_far_off_names_the_calibration_and_how_to_measure_this_machi
         assert said == hinted, result.stderr
         as_json = CliRunner().invoke(cli, ["compare", str(plan.parent), "--json"])
         assert (json.loads(as_json.stdout)["calibration_note"] is not None) == hinted
+
+
+def test_on_a_gpu_platform_the_note_names_no_overhead_command_that_refuses_it(tmp_path):
+    """`piper calibrate overhead` times the runtime on a CPU and refuses GPU platforms: tiny-moe on one H200 ran
+    -98% off and the note sent the user to a command that answers with an error."""
+    from piper_plan.cli.compare import _calibration_hint
+
+    out = tmp_path / "plan.json"
+    done = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "h200", "--nodes", "1", "--runnable",
+                                    "--global-batch", "64", "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    note = _calibration_hint(read_plan_file(out), -0.98)
+    assert "`piper calibrate --platform h200 --quick`), re-plan" in note and "calibrate overhead --platform" not in note
+    assert "on a GPU a step that waits on the host is not priced" in note
+    refused = CliRunner().invoke(cli, ["calibrate", "overhead", "--platform", "h200"])
+    assert refused.exit_code == 2 and "measure it for a CPU platform" in refused.stderr
