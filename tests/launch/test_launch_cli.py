@@ -170,11 +170,11 @@ def test_launch_prices_the_plan_again_not_the_figures_written_beside_it(tmp_path
 
 
 def test_stale_note_only_when_its_figures_differ(tmp_path, plan):
-    """A stored step time off by less than the note's 4 significant digits: no note that would print the same
-    figures twice; the job's plan.json still carries the prediction piper computes now."""
+    """A stored step time off by 0.2% (the same plan priced on another machine's numpy and scipy came out 0.15%
+    apart): no note that the file was edited; the job's plan.json still carries the prediction piper computes now."""
     data = json.loads(plan.read_text())
     fresh_step = data["prediction"]["step_time_s"]
-    data["prediction"]["step_time_s"] *= 1 + 1e-5
+    data["prediction"]["step_time_s"] *= 1 + 2e-3
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(data))
     res = run("launch", "--plan", edited, "--out-dir", tmp_path / "job")
