@@ -206,7 +206,7 @@ def grouped_rates(trainer, spec, device, seq_len: int) -> dict:
     from piper_plan.calibration.bench_gemm import GemmPoint, measure_gemm
     from piper_plan.calibration.schema import gemm_flops
     from piper_plan.calibration.timing import median_seconds
-    from piper_plan.runtime.moe import expert_casts_once
+    from piper_plan.runtime.casts import casts_once_per_step
 
     moe = next(iter(trainer.module.moe_layers().values()))
     m, d = spec.moe, spec.hidden_size
@@ -220,7 +220,7 @@ def grouped_rates(trainer, spec, device, seq_len: int) -> dict:
         with cast:
             moe.experts(x, counts)
 
-    with torch.no_grad(), expert_casts_once():      # the weights' 16-bit copies made once, as a training step does
+    with torch.no_grad(), casts_once_per_step():      # the weights' 16-bit copies made once, as a training step does
         runtime_s = median_seconds(forward, device, warmup=3, repeats=10)
     gemms = 3 if m.expert.gated else 2
     flops = gemms * gemm_flops(per_expert, f, d, experts)

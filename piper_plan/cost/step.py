@@ -55,11 +55,11 @@ def optimizer_seconds(rates, training, dense, expert, c) -> np.ndarray:
 def autocast_copy_seconds(rates, training, dense, expert, c, launch_device: str, opts) -> np.ndarray:
     """Weight and gradient copies of piper's runtime under 16-bit autocast (zero 0 / 1 on a GPU: runtime/train.py
     precision_path), memory-bound, for every parameter of the rank's stage. Its weights and gradients are fp32:
-    each weight is cast to the compute dtype once per step (autocast's cache; runtime/moe.py expert_casts_once for
-    the experts), each micro-batch's weight gradient comes back in 16 bits and is cast to fp32 (torch's
-    ToCopyBackward: 16-bit read, fp32 written), and from the second micro-batch on it is added to the held fp32
-    gradient (AccumulateGrad: two fp32 reads, one write; the first micro-batch's is taken as it is). The embedding
-    table is looked up, not cast, and is priced as the rest (a bound by its share of the parameters). On an H200
+    each weight is cast to the compute dtype once per step (runtime/casts.py casts_once_per_step), each
+    micro-batch's weight gradient comes back in 16 bits and is cast to fp32 (16-bit read, fp32 written), and from the
+    second micro-batch on it is added to the held fp32 gradient (AccumulateGrad: two fp32 reads, one write; the
+    first micro-batch's is taken as it is). An untied embedding table is looked up, not cast, and is priced as the
+    rest (a bound by its share of the parameters). On an H200
     these copies and adds took 38.7 of a 121 ms step (benchmarks/gpu_check.py --profile, docs/gpu-check.md).
     Megatron-Core keeps 16-bit weights and fp32 main gradients instead: 0 outside piper's runtime."""
     from piper_plan.cost.memory import FSDP_GRAD_BYTES

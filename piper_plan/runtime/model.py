@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from piper_plan.errors import PiperError
+from piper_plan.runtime.casts import Linear, compute_dtype, step_cast
 from piper_plan.runtime.moe import FFN, MoE
 from piper_plan.runtime.tensor_parallel import local_tensor
 from piper_plan.specs.vocab import Recompute
@@ -139,10 +140,10 @@ class Attention(nn.Module):
         super().__init__()
         a, d, hd = spec.attention, spec.hidden_size, spec.head_dim
         self.h, self.g, self.hd, self.qk_norm = a.num_heads, a.kv_heads, hd, a.qk_norm
-        self.q = nn.Linear(d, self.h * hd, bias=a.qkv_bias)
-        self.k = nn.Linear(d, self.g * hd, bias=a.qkv_bias)
-        self.v = nn.Linear(d, self.g * hd, bias=a.qkv_bias)
-        self.o = nn.Linear(self.h * hd, d, bias=a.o_bias)
+        self.q = Linear(d, self.h * hd, bias=a.qkv_bias)
+        self.k = Linear(d, self.g * hd, bias=a.qkv_bias)
+        self.v = Linear(d, self.g * hd, bias=a.qkv_bias)
+        self.o = Linear(self.h * hd, d, bias=a.o_bias)
         self.q_norm, self.k_norm = self._qk_norms(spec)
         self.sinks = nn.Parameter(torch.zeros(self.h)) if a.sinks else None
         self.core = _Core(selective, window)
@@ -191,15 +192,15 @@ class MLAttention(nn.Module):
                                                    a.v_head_dim, a.kv_lora_rank)
         qk = self.n + self.r
         if a.q_lora_rank is None:
-            self.q = nn.Linear(d, self.h * qk, bias=False)
+            self.q = Linear(d, self.h * qk, bias=False)
         else:
-            self.q_a = nn.Linear(d, a.q_lora_rank, bias=a.qkv_bias)
+            self.q_a = Linear(d, a.q_lora_rank, bias=a.qkv_bias)
             self.q_a_norm = RMSNorm(a.q_lora_rank, eps=NORM_EPS)
-            self.q_b = nn.Linear(a.q_lora_rank, self.h * qk, bias=False)
-        self.kv_a = nn.Linear(d, self.c + self.r, bias=a.qkv_bias)
+            self.q_b = Linear(a.q_lora_rank, self.h * qk, bias=False)
+        self.kv_a = Linear(d, self.c + self.r, bias=a.qkv_bias)
         self.kv_a_norm = RMSNorm(self.c, eps=NORM_EPS)
-        self.kv_b = nn.Linear(self.c, self.h * (self.n + self.dv), bias=False)
-        self.o = nn.Linear(self.h * self.dv, d, bias=a.o_bias)
+        self.kv_b = Linear(self.c, self.h * (self.n + self.dv), bias=False)
+        self.o = Linear(self.h * self.dv, d, bias=a.o_bias)
         self.core = _Core(selective, window)
 
     def _query(self, x_BSD):
@@ -306,7 +307,7 @@ class MTPModule(nn.Module):
         super().__init__()
         d = spec.hidden_size
         self.hnorm, self.enorm = make_norm(spec.norm, d), make_norm(spec.norm, d)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.eh_proj = Linear(2 * d, d, bias=False)
         self.block = Block(spec, layer, moe_kwargs, recompute, is_moe=spec.mtp_is_moe)
         self.final_norm = make_norm(spec.norm, d)
 
@@ -334,7 +335,7 @@ class StageModel(nn.Module):
                                      for i in range(first_layer, first_layer + num_layers)})
         self.final_norm = make_norm(spec.norm, d) if self.is_last and spec.norm.final else None
         tied = spec.tie_embeddings and self.is_first
-        self.lm_head = nn.Linear(d, spec.vocab_size, bias=False) if self.is_last and not tied else None
+        self.lm_head = Linear(d, spec.vocab_size, bias=False) if self.is_last and not tied else None
         self.mtp = nn.ModuleDict({str(spec.num_layers + k): MTPModule(spec, spec.num_layers + k, moe_kwargs or {},
                                                                       recompute) for k in range(mtp)})
         """The MTP modules (last stage), run by the loss (pipeline.MTPLoss) on this stage's final hidden states."""
@@ -357,7 +358,8 @@ class StageModel(nn.Module):
 
     def logits(self, h_BSD):
         """fp32 logits [B, S, V] of final hidden states: the LM head, or the tied embedding."""
-        logits = self.lm_head(h_BSD) if self.lm_head is not None else F.linear(h_BSD, self.embed.weight)
+        logits = self.lm_head(h_BSD) if self.lm_head is not None else \
+            F.linear(h_BSD, step_cast(self.embed.weight, compute_dtype(h_BSD)))
         return logits.float()
 
     def moe_layers(self) -> dict[int, MoE]:

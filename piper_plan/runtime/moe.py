@@ -8,13 +8,13 @@ the router's logical expert to its slot (the identity until expert migration per
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from piper_plan.runtime.casts import Linear, compute_dtype, step_cast
 
 
 
@@ -49,9 +49,9 @@ class FFN(nn.Module):
     def __init__(self, hidden: int, ffn) -> None:
         super().__init__()
         self.spec = ffn
-        self.up = nn.Linear(hidden, ffn.intermediate_size, bias=ffn.bias)
-        self.gate = nn.Linear(hidden, ffn.intermediate_size, bias=ffn.bias) if ffn.gated else None
-        self.down = nn.Linear(ffn.intermediate_size, hidden, bias=ffn.bias)
+        self.up = Linear(hidden, ffn.intermediate_size, bias=ffn.bias)
+        self.gate = Linear(hidden, ffn.intermediate_size, bias=ffn.bias) if ffn.gated else None
+        self.down = Linear(ffn.intermediate_size, hidden, bias=ffn.bias)
 
     def forward(self, x):
         return self.down(activate(self.spec, self.up(x), None if self.gate is None else self.gate(x)))
@@ -84,64 +84,6 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return True
     except (RuntimeError, NotImplementedError):
         return False
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """autocast's dtype where autocast is on for x's device (grouped GEMMs are not on its cast lists), else x's."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
-
-
-_step_casts: dict | None = None
-"""The compute-dtype copies of expert weights made in this step, inside ``expert_casts_once`` (None outside)."""
-
-
-@contextlib.contextmanager
-def expert_casts_once():
-    """Inside, each expert weight is cast to the compute dtype once and the copy reused by every later micro-batch
-    and recomputation (grouped GEMMs are not on torch.autocast's cast lists, so LocalExperts casts its own). Without
-    it, every micro-batch cast all local experts again: on an H200 that took as long as their GEMMs
-    (docs/gpu-check.md). Train.Trainer.forward_backward wraps a step in it."""
-    global _step_casts
-    outer, _step_casts = _step_casts, {}
-    try:
-        yield
-    finally:
-        _step_casts = outer
-
-
-class _FromStepCopy(torch.autograd.Function):
-    """A parameter in a lower precision, from the step's copy: forward hands out a view of the copy, backward casts
-    the gradient back to the parameter's dtype. One node per use: autograd runs its backward where the layer's
-    backward produces that gradient. Sharing one cast node across micro-batches (torch.autocast's own cache does)
-    leaves it with the step's first sequence number, so autograd runs it after every other node of each later
-    micro-batch's backward, and every layer's 16-bit weight gradient waits until then (on an H200, +2.06 GiB for
-    two Mixtral layers; switch-base ran out of memory, docs/gpu-check.md)."""
-
-    @staticmethod
-    def forward(ctx, param, copy):
-        ctx.dtype = param.dtype
-        return copy.view_as(copy)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
-
-
-def _cast(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """``p`` in ``dtype``: inside ``expert_casts_once``, from the step's copy (a new one once the parameter changed
-    in place); else (and for DTensor parameters) a fresh cast."""
-    if p is None or p.dtype == dtype:
-        return p
-    if _step_casts is None or isinstance(p, DTensor):
-        return p.to(dtype)
-    held = _step_casts.get((id(p), dtype))
-    if held is None or held[0] is not p or held[1] != p._version:
-        with torch.no_grad():
-            held = _step_casts[(id(p), dtype)] = (p, p._version, p.detach().to(dtype))
-    return _FromStepCopy.apply(p, held[2]) if torch.is_grad_enabled() and p.requires_grad else held[2]
 
 
 def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
@@ -179,8 +121,8 @@ class LocalExperts(nn.Module):
 
     def forward(self, x_XD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x_XD rows grouped by local expert, ``counts_E[e]`` (int64 [El], on x's device) rows for expert e."""
-        dtype = _compute_dtype(x_XD)
-        weights = [_cast(p, dtype) for p in (self.w_in, self.w_gate, self.w_out, self.b_in, self.b_gate, self.b_out)]
+        dtype = compute_dtype(x_XD)
+        weights = [step_cast(p, dtype) for p in (self.w_in, self.w_gate, self.w_out, self.b_in, self.b_gate, self.b_out)]
         if self.use_grouped and grouped_mm_usable(x_XD.to(dtype), *weights[:3]):
             return self._grouped(x_XD.to(dtype), counts_E, *weights)
         return self._loop(x_XD, counts_E.tolist())
@@ -256,10 +198,10 @@ class MoE(nn.Module):
         self.num_local = moe.num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
         self.aux_loss_coeff = aux_loss_coeff
-        self.router = nn.Linear(hidden, moe.num_experts, bias=moe.router_bias)
+        self.router = Linear(hidden, moe.num_experts, bias=moe.router_bias)
         self.experts = LocalExperts(self.num_local, hidden, moe.expert)
         self.shared = nn.ModuleList(FFN(hidden, moe.shared) for _ in range(moe.num_shared_experts))
-        self.shared_gate = nn.Linear(hidden, 1, bias=False) if moe.shared_expert_gate else None
+        self.shared_gate = Linear(hidden, 1, bias=False) if moe.shared_expert_gate else None
         self.parallel_dense = FFN(hidden, moe.parallel_dense_ffn) if moe.parallel_dense_ffn else None
         self.register_buffer("slot_of_expert", torch.arange(moe.num_experts, dtype=torch.int64))
         """Logical expert (router output) -> slot: slot s is local expert s % El of EP rank s // El.
@@ -298,7 +240,7 @@ class MoE(nn.Module):
         """Switch Transformer's auxiliary loss E x sum_e f_e P_e (Fedus et al. 2021, eq. 4), f over the k choices."""
         E, T, prob_sum_E = self.spec.num_experts, probs_TE.shape[0], probs_TE.sum(0)
         if self.seq_mesh is not None:  # sums over the whole sequence: a replicated loss, counted once
-            from torch.distributed.tensor import Partial
+            from torch.distributed.tensor import DTensor, Partial
 
             tokens_E = DTensor.from_local(tokens_E, self.seq_mesh, [Partial()]).full_tensor()
             prob_sum_E = DTensor.from_local(prob_sum_E, self.seq_mesh, [Partial()]).full_tensor()
@@ -329,7 +271,7 @@ class MoE(nn.Module):
         if pending is None:
             y_RD, shared_TD = self.experts(x_RD, counts_S), self._shared(x_TD)
         else:  # bf16 rows under autocast
-            y_RD, shared_TD = self._exchange_and_compute(x_RD.to(_compute_dtype(x_RD)), pending, x_TD)
+            y_RD, shared_TD = self._exchange_and_compute(x_RD.to(compute_dtype(x_RD)), pending, x_TD)
         y_TkD = y_RD.index_select(0, torch.argsort(order_R)).view(T, k, -1)
         return (y_TkD.to(weights_Tk.dtype) * weights_Tk.unsqueeze(-1)).sum(1), shared_TD
 

@@ -226,7 +226,7 @@ class Trainer:
 
     def forward_backward(self, step: int) -> list:
         """Zero grads, run every micro-batch of this dp rank through the pipeline; last-stage losses."""
-        from piper_plan.runtime.moe import expert_casts_once
+        from piper_plan.runtime.casts import casts_once_per_step
         from piper_plan.runtime.pipeline import run_local, run_pipeline
         from piper_plan.runtime.tensor_parallel import loss_context
 
@@ -235,7 +235,7 @@ class Trainer:
         if hasattr(self.loss_fn, "parts"):
             self.loss_fn.parts.clear()
         x, y = self.batch(step)
-        with self._autocast(), expert_casts_once(), self._accounting(), loss_context(self.cfg.parallel.tp):
+        with self._autocast(), casts_once_per_step(), self._accounting(), loss_context(self.cfg.parallel.tp):
             if self.schedule is None:
                 return run_local(self.module, x, y, self.cfg.parallel.num_microbatches, self.loss_fn)
             return run_pipeline(self.schedule, self.module.is_first, self.module.is_last, x, y)

@@ -5,6 +5,7 @@ per stacked weight, not one per expert."""
 import pytest
 import torch
 
+from piper_plan.runtime import casts
 from piper_plan.runtime import moe as moe_module
 from piper_plan.runtime.moe import LocalExperts
 from piper_plan.specs.model import FFNSpec
@@ -164,27 +165,27 @@ def test_gpt_oss_gate_by_hand():
 
 
 def _micro_batches(experts, xs, counts, cache: bool):
-    """Forward + backward of each micro-batch under bf16 autocast, inside one expert_casts_once region or not; the
+    """Forward + backward of each micro-batch under bf16 autocast, inside one casts_once_per_step region or not; the
     parameter gradients accumulated over them and the bf16 copies each forward used."""
     import contextlib
 
     experts.zero_grad()
-    used, real = [], moe_module._cast
-    region = moe_module.expert_casts_once() if cache else contextlib.nullcontext()
+    used, real = [], moe_module.step_cast
+    region = casts.casts_once_per_step() if cache else contextlib.nullcontext()
     with torch.autocast("cpu", dtype=torch.bfloat16), region:
         for x in xs:
-            moe_module._cast = lambda p, d: used.append(real(p, d)) or used[-1]
+            moe_module.step_cast = lambda p, d: used.append(real(p, d)) or used[-1]
             try:
                 out = experts(x, torch.tensor(counts))
             finally:
-                moe_module._cast = real
+                moe_module.step_cast = real
             (out.float().square().sum()).backward()
     return [p.grad.clone() for p in experts.parameters()], used
 
 
 def test_expert_weights_are_cast_once_per_step_and_the_gradients_are_unchanged():
     """On an H200 each micro-batch's cast of all local experts to bf16 took as long as their GEMMs
-    (docs/gpu-check.md); inside expert_casts_once the first micro-batch's copies serve the others, and every
+    (docs/gpu-check.md); inside casts_once_per_step the first micro-batch's copies serve the others, and every
     micro-batch's gradient still reaches the fp32 parameters, equal to casting afresh each time."""
     experts = LocalExperts(4, 16, FFNSpec(intermediate_size=32, gated=True, bias=True))
     torch.manual_seed(0)
@@ -203,13 +204,13 @@ def test_expert_weights_are_cast_once_per_step_and_the_gradients_are_unchanged()
     assert all(t.dtype == torch.bfloat16 for t in cached_used)
     with torch.no_grad():
         experts.w_in.add_(1.0)                                   # changed in place: the next cast is new
-    with torch.autocast("cpu", dtype=torch.bfloat16), moe_module.expert_casts_once():
-        first = moe_module._cast(experts.w_in, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), casts.casts_once_per_step():
+        first = moe_module.step_cast(experts.w_in, torch.bfloat16)
         with torch.no_grad():
             experts.w_in.mul_(2.0)
-        again = moe_module._cast(experts.w_in, torch.bfloat16)
+        again = moe_module.step_cast(experts.w_in, torch.bfloat16)
         assert again.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-    assert moe_module._step_casts is None
+    assert casts._step_casts is None
 
 
 def test_each_micro_batchs_weight_gradient_is_cast_where_its_layer_is_differentiated():
@@ -224,7 +225,7 @@ def test_each_micro_batchs_weight_gradient_is_cast_where_its_layer_is_differenti
         torch.nn.init.normal_(p, std=0.2)
     counts, events = torch.tensor([3, 5]), []
     second.w_in.register_post_accumulate_grad_hook(lambda p: events.append("second layer's w_in gradient"))
-    with torch.autocast("cpu", dtype=torch.bfloat16), moe_module.expert_casts_once():
+    with torch.autocast("cpu", dtype=torch.bfloat16), casts.casts_once_per_step():
         for micro_batch in range(2):
             x = torch.randn(8, 16, requires_grad=True)
             x.register_hook(lambda g: events.append("first layer's input gradient"))
