@@ -208,15 +208,17 @@ def _runnable_gemm_points(opts, platform, device, name: str, result) -> list:
     points = compute_points("gemm", device.type, opts)
     if not any(p.dtype == "fp8" for p in points):
         return points
-    why = fp8_gemm_error(device) if "fp8" in platform.device.peak_flops else \
-        f"platform {platform.name} has no fp8 peak in device.peak_flops"
-    if why is None:
-        return points
+    if "fp8" not in platform.device.peak_flops:
+        why = f"platform {platform.name} has no fp8 peak in device.peak_flops"
+    else:
+        error = fp8_gemm_error(device)
+        if error is None:
+            return points
+        why = f"this torch runs no fp8 GEMM on it (torch._scaled_mm: {error})"
     if opts.dtypes is not None:
         others = dict.fromkeys(p.dtype for p in _device_points("gemm", device.type, opts.quick) if p.dtype != "fp8")
-        raise PiperError(f"--dtype fp8: {name} runs no fp8 GEMM with this torch (torch._scaled_mm: {why}); "
-                         f"allowed here: {', '.join(others)}")
-    result.messages.append(f"gemm: fp8 not measured, {name} runs no fp8 GEMM with this torch ({why})")
+        raise PiperError(f"--dtype fp8: not measurable on {name}: {why}; allowed here: {', '.join(others)}")
+    result.messages.append(f"gemm: fp8 not measured on {name}: {why}")
     return [p for p in points if p.dtype != "fp8"]
 
 

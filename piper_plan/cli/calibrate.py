@@ -22,7 +22,8 @@ from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 @click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all).")
 @click.option("--dtype", "dtypes", default=None,
               help="Comma list of the precisions the GEMM and attention sweeps measure (default: every one the "
-                   "device's sweep has: on a CPU GEMMs fp32,bf16 and attention fp32; on a GPU bf16 and, where the device has 8-bit GEMMs, fp8).")
+                   "device's sweep has: on a CPU GEMMs fp32,bf16 and attention fp32; on a GPU bf16, and GEMMs in "
+                   "fp8 where the device has 8-bit GEMMs).")
 @out_dir_option("out_dir", "Output directory (default calibration/<platform>/).", old=("--out",))
 @json_option(help="What the sweep wrote (directory, rows per CSV, skipped points, seconds) as JSON on stdout.")
 @click.pass_context

@@ -41,9 +41,9 @@ def test_fp8_points_leave_the_sweep_where_the_device_runs_no_fp8(tmp_path, platf
     default = SweepOptions(platform=platform_name, out_dir=tmp_path, quick=True, only=("gemm",))
     points = _runnable_gemm_points(default, platform, gpu, "GPU X", result)
     assert points and {p.dtype for p in points} == {"bf16"}
-    why = "has no fp8 peak in device.peak_flops" if platform_name == "frontier" else "no fp8 kernel for this device"
-    assert result.messages == [f"gemm: fp8 not measured, GPU X runs no fp8 GEMM with this torch "
-                               f"({'platform frontier ' if platform_name == 'frontier' else ''}{why})"]
+    why = "platform frontier has no fp8 peak in device.peak_flops" if platform_name == "frontier" else \
+        "this torch runs no fp8 GEMM on it (torch._scaled_mm: no fp8 kernel for this device)"
+    assert result.messages == [f"gemm: fp8 not measured on GPU X: {why}"]
     asked = SweepOptions(platform=platform_name, out_dir=tmp_path, quick=True, only=("gemm",), dtypes=("bf16", "fp8"))
-    with pytest.raises(PiperError, match=r"--dtype fp8: GPU X runs no fp8 GEMM .*; allowed here: bf16"):
+    with pytest.raises(PiperError, match=r"--dtype fp8: not measurable on GPU X: .*; allowed here: bf16$"):
         _runnable_gemm_points(asked, platform, gpu, "GPU X", SweepResult())
