@@ -59,9 +59,9 @@ def autocast_copy_seconds(rates, training, dense, expert, c, launch_device: str,
     micro-batch's weight gradient comes back in 16 bits and is cast to fp32 (16-bit read, fp32 written), and from the
     second micro-batch on it is added to the held fp32 gradient (AccumulateGrad: two fp32 reads, one write; the
     first micro-batch's is taken as it is). An untied embedding table is looked up, not cast, and is priced as the
-    rest (a bound by its share of the parameters). On an H200
-    these copies and adds took 38.7 of a 121 ms step (benchmarks/gpu_check.py --profile, docs/gpu-check.md).
-    Megatron-Core keeps 16-bit weights and fp32 main gradients instead: 0 outside piper's runtime."""
+    rest (a bound by its share of the parameters). On an H200 these copies and adds took 38.7 of a 121 ms step
+    (benchmarks/gpu_check.py --profile, docs/gpu-check.md). Megatron-Core keeps 16-bit weights and fp32 main
+    gradients instead: 0 outside piper's runtime."""
     from piper_plan.cost.memory import FSDP_GRAD_BYTES
 
     if not opts.unfused_kernels or launch_device != "cuda" or training.dtype not in ("bf16", "fp16"):
