@@ -53,23 +53,35 @@ def optimizer_seconds(rates, training, dense, expert, c) -> np.ndarray:
 
 
 def autocast_copy_seconds(rates, training, dense, expert, c, launch_device: str, opts) -> np.ndarray:
-    """Weight and gradient copies of piper's runtime under 16-bit autocast (zero 0 / 1 on a GPU: runtime/train.py
-    precision_path), memory-bound, for every parameter of the rank's stage. Its weights and gradients are fp32:
-    each weight is cast to the compute dtype once per step (runtime/casts.py casts_once_per_step), each
-    micro-batch's weight gradient comes back in 16 bits and is cast to fp32 (16-bit read, fp32 written), and from the
-    second micro-batch on it is added to the held fp32 gradient (AccumulateGrad: two fp32 reads, one write; the
-    first micro-batch's is taken as it is). An untied embedding table is looked up, not cast, and is priced as the
-    rest (a bound by its share of the parameters). On an H200 these copies and adds took 38.7 of a 121 ms step
-    (benchmarks/gpu_check.py --profile, docs/gpu-check.md). Megatron-Core keeps 16-bit weights and fp32 main
-    gradients instead: 0 outside piper's runtime."""
+    """Weight and gradient copies of piper's runtime in 16 bits on a GPU, memory-bound, per step, for every
+    parameter of the rank's stage (unsharded: the gradients are full size before any reduce-scatter); m
+    micro-batches, p the 16-bit bytes.
+
+    - zero 0 / 1, and zero 2 / 3 at dp = 1 (autocast; runtime/train.py precision_path): the fp32 weights are cast
+      once per step (runtime/casts.py casts_once_per_step: 4 + p bytes), each micro-batch's 16-bit weight gradient
+      is cast to fp32 (p + 4) and from the second micro-batch on added to the held fp32 gradient (AccumulateGrad:
+      4 + 4 + 4; the first is taken as it is): (4 + p)(1 + m) + 12 (m - 1).
+    - FSDP2 (zero 2 / 3, dp > 1), reduce dtype fp32 (torch 2.13, torch/distributed/fsdp/_fully_shard:
+      _fsdp_param_group.py post_backward, _fsdp_param.py to_accumulated_grad_if_needed /
+      accumulate_unsharded_grad_if_needed, _fsdp_collectives.py foreach_reduce's copy into a reduce-dtype buffer):
+      at pp = 1 each micro-batch's 16-bit gradient is copied into the fp32 reduce-scatter input, (p + 4) m; at
+      pp > 1 the reduce-scatter waits for the last micro-batch: the first gradient is cast to fp32 (p + 4), each
+      later one added to it (4 + p + 4) and the sum copied into the reduce-scatter input (4 + 4). The all-gathers'
+      casts of the 1/dp shard are left out.
+
+    An untied embedding table is looked up, not cast, and is priced as the rest (a bound by its share of the
+    parameters). On an H200 the zero 0 copies and adds took 38.7 of a 121 ms step (benchmarks/gpu_check.py
+    --profile, docs/gpu-check.md); the FSDP2 terms are not measured. Megatron-Core keeps 16-bit weights and fp32
+    main gradients instead: 0 outside piper's runtime."""
     from piper_plan.cost.memory import FSDP_GRAD_BYTES
 
     if not opts.unfused_kernels or launch_device != "cuda" or training.dtype not in ("bf16", "fp16"):
         return np.zeros(np.broadcast_shapes(np.shape(dense), np.shape(c.zero)))
-    m = c.num_microbatches
-    fp32, low = FSDP_GRAD_BYTES, training.weight_bytes
-    per_param = (fp32 + low) * (1 + m) + 3 * fp32 * (m - 1)
-    return np.where(c.zero <= 1, rates.memory_seconds((dense + expert) * per_param), 0.0)
+    m, fp32, low = c.num_microbatches, FSDP_GRAD_BYTES, training.weight_bytes
+    autocast = (fp32 + low) * (1 + m) + 3 * fp32 * (m - 1)
+    fsdp = np.where(c.pp > 1, (low + fp32) + (2 * fp32 + low) * (m - 1) + 2 * fp32, (low + fp32) * m)
+    per_param = np.where((c.zero >= 2) & (c.dp > 1), fsdp, autocast)
+    return rates.memory_seconds((dense + expert) * per_param)
 
 
 def training_totals(training, step_s, nodes: int) -> dict[str, np.ndarray]:

@@ -491,7 +491,16 @@ def test_the_runtimes_autocast_copies_are_priced_by_hand_and_only_where_it_makes
     whole = estimate(model, h200, training, 1, plan, options=PIPER_RUNTIME_OPTIONS)
     assert whole.step_time_s == pytest.approx(sum(whole.time.breakdown.values()), rel=1e-9)
     assert copies(options=CostOptions()) == 0.0                                # Megatron-Core's kernels
-    assert copies(plan=plan.model_copy(update={"zero": 2})) == 0.0           # FSDP2 casts per gather
+    fsdp = plan.model_copy(update={"zero": 2})                                # FSDP2, pp 1: a copy per micro-batch
+    (shard,) = rank_param_counts(model, fsdp)
+    assert copies(plan=fsdp) == pytest.approx((shard["dense"] + shard["expert"]) * (2 + 4) * 4 / 4800e9, rel=1e-12)
+    piped = ParallelPlan(dp=4, pp=2, ep=4, zero=3, num_microbatches=4)      # pp > 1: accumulated, then one copy
+    stage = max(rank_param_counts(model, piped), key=lambda r: r["dense"] + r["expert"])
+    per_param = (2 + 4) + (4 + 2 + 4) * 3 + (4 + 4)
+    assert copies(plan=piped) == pytest.approx((stage["dense"] + stage["expert"]) * per_param / 4800e9, rel=1e-12)
+    alone = plan.model_copy(update={"zero": 2, "dp": 1, "ep": 1})            # dp 1: no FSDP2, autocast as zero 0
+    (whole,) = rank_param_counts(model, alone)
+    assert copies(plan=alone) == pytest.approx((whole["dense"] + whole["expert"]) * 66 / 4800e9, rel=1e-12)
     assert copies(training=training.model_copy(update={"dtype": "fp16"})) == pytest.approx(by_hand, rel=1e-12)
     cpu = TrainingSpec.for_device("cpu", seq_len=64, global_batch=32)
     assert copies(platform=load_platform("local-cpu"), training=cpu, plan=plan.model_copy(update={"dp": 1,
