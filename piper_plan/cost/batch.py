@@ -31,7 +31,7 @@ from piper_plan.cost.pipeline import (CHUNK_SLOT, bubble_microbatches, chunk_in_
                                       explicit_stage_rows, rank_chunk_table, stage_layers, stage_rows,
                                       uneven_bubble_seconds, uneven_chunks)
 from piper_plan.cost.params import moe_prefix, rank_stage_params
-from piper_plan.cost.step import autocast_copy_seconds, dp_sync_seconds, optimizer_seconds
+from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds, runtime_copy_seconds
 from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
 
@@ -263,9 +263,8 @@ def memory_at(term, cols, flight, loss, last_rows) -> np.ndarray:
 
 
 def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
-    """Per KEY_SYNC row and split: dense / expert gradient sync, the optimizer step and the runtime's autocast
-    copies (step.autocast_copy_seconds), seconds [2, U]. What
-    does not depend on the micro-batch count (the stages' parameters, the optimizer's overhead, the groups'
+    """Per KEY_SYNC row and split: dense / expert gradient sync, the optimizer step and the runtime's weight and
+    gradient copies (step.runtime_copy_seconds), seconds [2, U]. What does not depend on the micro-batch count (the stages' parameters, the optimizer's overhead, the groups'
     spans) is computed once per KEY_PARAMS row."""
     rows_q, inv_q = keys.factorize(KEY_PARAMS)
     sub_q = c.take(rows_q)
@@ -288,7 +287,7 @@ def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
         out["dp/sync/expert"].append(sync_e * (1 - o.dp_overlap))
         out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub)
                                      + np.maximum(overhead[v], 0.0))
-        out["precision/copies"].append(autocast_copy_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub,
+        out["precision/copies"].append(runtime_copy_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub,
                                                              ctx.platform.launch.device, o))
     return {k: np.stack(v) for k, v in out.items()}
 

@@ -52,7 +52,7 @@ def optimizer_seconds(rates, training, dense, expert, c) -> np.ndarray:
     return rates.memory_seconds(local * per_param)
 
 
-def autocast_copy_seconds(rates, training, dense, expert, c, launch_device: str, opts) -> np.ndarray:
+def runtime_copy_seconds(rates, training, dense, expert, c, launch_device: str, opts) -> np.ndarray:
     """Weight and gradient copies of piper's runtime in 16 bits on a GPU, memory-bound, per step, for every
     parameter of the rank's stage (unsharded: the gradients are full size before any reduce-scatter); m
     micro-batches, p the 16-bit bytes.
