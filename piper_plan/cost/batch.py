@@ -264,8 +264,8 @@ def memory_at(term, cols, flight, loss, last_rows) -> np.ndarray:
 
 def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
     """Per KEY_SYNC row and split: dense / expert gradient sync, the optimizer step and the runtime's weight and
-    gradient copies (step.runtime_copy_seconds), seconds [2, U]. What does not depend on the micro-batch count (the stages' parameters, the optimizer's overhead, the groups'
-    spans) is computed once per KEY_PARAMS row."""
+    gradient copies (step.runtime_copy_seconds), seconds [2, U]. What does not depend on the micro-batch count (the
+    stages' parameters, the optimizer's overhead, the groups' spans) is computed once per KEY_PARAMS row."""
     rows_q, inv_q = keys.factorize(KEY_PARAMS)
     sub_q = c.take(rows_q)
     split, st, _, _ = stage_table(ctx, sub_q)
@@ -288,7 +288,7 @@ def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
         out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub)
                                      + np.maximum(overhead[v], 0.0))
         out["precision/copies"].append(runtime_copy_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub,
-                                                             ctx.platform.launch.device, o))
+                                                            ctx.platform.launch.device, o))
     return {k: np.stack(v) for k, v in out.items()}
 
 
