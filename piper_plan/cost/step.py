@@ -77,7 +77,7 @@ def runtime_copy_seconds(rates, training, dense, expert, c, launch_device: str, 
 
     if not opts.unfused_kernels or launch_device != "cuda" or training.dtype not in ("bf16", "fp16"):
         return np.zeros(np.broadcast_shapes(np.shape(dense), np.shape(c.zero)))
-    m, fp32, low = c.num_microbatches, FSDP_GRAD_BYTES, training.weight_bytes
+    m, fp32, low = c.num_microbatches, FSDP_GRAD_BYTES, 2        # low: the 16-bit compute copy the runtime makes
     autocast = (fp32 + low) * (1 + m) + 3 * fp32 * (m - 1)
     fsdp = np.where(c.pp > 1, (low + fp32) + (2 * fp32 + low) * (m - 1) + 2 * fp32, (low + fp32) * m)
     per_param = np.where((c.zero >= 2) & (c.dp > 1), fsdp, autocast)

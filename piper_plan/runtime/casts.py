@@ -60,7 +60,8 @@ class _FromStepCopy(torch.autograd.Function):
 
 def step_cast(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """``p`` in ``dtype``: inside ``casts_once_per_step``, from the step's copy (a new one once the parameter changed
-    in place); else (and for DTensor parameters) a fresh cast."""
+    in place); else (and for DTensor parameters) a fresh cast. A write through ``p.data`` does not move
+    ``p._version``: nothing may write a parameter that way inside a step (expert migration writes between steps)."""
     if p is None or p.dtype == dtype:
         return p
     if _step_casts is None or isinstance(p, DTensor):

@@ -356,10 +356,22 @@ class StageModel(nn.Module):
             x = self.final_norm(x)
         return x if self.return_hidden else self.logits(x)
 
-    def logits(self, h_BSD):
-        """fp32 logits [B, S, V] of final hidden states: the LM head, or the tied embedding."""
-        logits = self.lm_head(h_BSD) if self.lm_head is not None else \
-            F.linear(h_BSD, step_cast(self.embed.weight, compute_dtype(h_BSD)))
+    def head_weight(self, h_BSD):
+        """The LM head's weight (or the tied embedding's) as one micro-batch's loss calls share it: one use of its
+        16-bit step copy (casts.step_cast) for every loss chunk and MTP module, whose gradients autograd adds in 16
+        bits before its one cast to fp32; None where the weight is a DTensor (tp: the head module runs each time)."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight
+        return None if isinstance(weight, DTensor) else step_cast(weight, compute_dtype(h_BSD))
+
+    def logits(self, h_BSD, weight=None):
+        """fp32 logits [B, S, V] of final hidden states: the LM head, or the tied embedding; ``weight``: the head
+        weight a caller took once for several calls (head_weight)."""
+        if weight is not None:
+            logits = F.linear(h_BSD, weight)
+        elif self.lm_head is not None:
+            logits = self.lm_head(h_BSD)
+        else:
+            logits = F.linear(h_BSD, step_cast(self.embed.weight, compute_dtype(h_BSD)))
         return logits.float()
 
     def moe_layers(self) -> dict[int, MoE]:

@@ -122,10 +122,11 @@ class LocalExperts(nn.Module):
     def forward(self, x_XD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x_XD rows grouped by local expert, ``counts_E[e]`` (int64 [El], on x's device) rows for expert e."""
         dtype = compute_dtype(x_XD)
+        x_XD_cast = x_XD.to(dtype)
+        if not (self.use_grouped and grouped_mm_usable(x_XD_cast, self.w_in, self.w_gate, self.w_out)):
+            return self._loop(x_XD, counts_E.tolist())      # autocast casts each expert's weights, per use
         weights = [step_cast(p, dtype) for p in (self.w_in, self.w_gate, self.w_out, self.b_in, self.b_gate, self.b_out)]
-        if self.use_grouped and grouped_mm_usable(x_XD.to(dtype), *weights[:3]):
-            return self._grouped(x_XD.to(dtype), counts_E, *weights)
-        return self._loop(x_XD, counts_E.tolist())
+        return self._grouped(x_XD_cast, counts_E, *weights)
 
     def _grouped(self, x_XD, counts_E, w_in, w_gate, w_out, b_in, b_gate, b_out):
         offs = torch.cumsum(counts_E, 0).to(torch.int32)

@@ -31,21 +31,24 @@ class ChunkedLoss:
         """seq_shards: tp where the hidden states arrive sequence-sharded (an untied head under tp), else 1."""
         self.stage, self.chunk_rows, self.seq_shards = stage, chunk_rows, seq_shards
 
-    def __call__(self, h_BsD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h_BsD: torch.Tensor, targets_BS: torch.Tensor, weight=None) -> torch.Tensor:
+        """``weight``: the head weight the caller took for this micro-batch (StageModel.head_weight), else taken
+        here, once for every chunk."""
         from torch.utils.checkpoint import checkpoint
 
+        weight = self.stage.head_weight(h_BsD) if weight is None else weight
         B, s = h_BsD.shape[0], h_BsD.shape[1]                          # s: this rank's sequence positions
         step = max(1, self.chunk_rows // (B * self.seq_shards))
         y_BPs = targets_BS.reshape(B, self.seq_shards, s)
         total = 0.0
         for h_chunk, y_chunk in zip(h_BsD.split(step, dim=1), y_BPs.split(step, dim=2)):
-            total = total + checkpoint(self._chunk_sum, h_chunk, y_chunk.reshape(B, -1), use_reentrant=False)
+            total = total + checkpoint(self._chunk_sum, h_chunk, y_chunk.reshape(B, -1), weight, use_reentrant=False)
         return total / targets_BS.numel()
 
-    def _chunk_sum(self, h_BcD, y_Bc):
+    def _chunk_sum(self, h_BcD, y_Bc, weight):
         from piper_plan.runtime.tensor_parallel import local_tensor
 
-        logits = self.stage.logits(h_BcD)
+        logits = self.stage.logits(h_BcD, weight)
         return local_tensor(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y_Bc.reshape(-1), reduction="sum"))
 
 
@@ -55,8 +58,8 @@ class HeadLoss:
     def __init__(self, stage) -> None:
         self.stage = stage
 
-    def __call__(self, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        return lm_loss(self.stage.logits(h_BSD), targets_BS)
+    def __call__(self, h_BSD: torch.Tensor, targets_BS: torch.Tensor, weight=None) -> torch.Tensor:
+        return lm_loss(self.stage.logits(h_BSD, weight), targets_BS)
 
 
 class MTPLoss:
@@ -75,11 +78,12 @@ class MTPLoss:
     def __call__(self, h_BSD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         modules = list(self.stage.mtp.values())
         S = targets_BT.shape[1] - len(modules)
-        main = self.head_loss(h_BSD, targets_BT[:, :S])
+        weight = self.stage.head_weight(h_BSD)              # one 16-bit head weight for all 1 + D losses
+        main = self.head_loss(h_BSD, targets_BT[:, :S], weight)
         mtp = 0.0
         for k, module in enumerate(modules):
             h_BSD = module(h_BSD, self.stage.embed(targets_BT[:, k: S + k]))
-            mtp = mtp + self.head_loss(h_BSD, targets_BT[:, k + 1: S + k + 1])
+            mtp = mtp + self.head_loss(h_BSD, targets_BT[:, k + 1: S + k + 1], weight)
         mtp = mtp / len(modules)
         self.parts.append((main.detach(), mtp.detach()))
         return main + self.weight * mtp

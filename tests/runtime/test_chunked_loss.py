@@ -71,3 +71,26 @@ def test_chunk_rows_must_be_positive():
     plan["runtime"]["loss_chunk_rows"] = 0
     with pytest.raises(Exception, match="loss_chunk_rows"):
         parse_plan_dict(plan, "test plan")
+
+
+def test_the_chunks_share_one_16_bit_head_weight_per_micro_batch(world1, monkeypatch):
+    """Under 16-bit autocast each loss chunk took its own use of the head's step copy: each chunk's bf16 [V, D]
+    gradient was cast to fp32 and added in fp32 (chunks x the copies the cost model prices). Taken once per
+    micro-batch (StageModel.head_weight), the chunked loss makes as many weight-gradient casts as the whole-logits
+    one, and the gradients agree."""
+    from piper_plan.runtime import casts
+    from piper_plan.runtime.train import Trainer
+
+    monkeypatch.setattr(Trainer, "_autocast", lambda self: torch.autocast("cpu", dtype=torch.bfloat16))
+    real, calls = casts._FromStepCopy.backward, []
+    monkeypatch.setattr(casts._FromStepCopy, "backward", staticmethod(lambda ctx, g: calls.append(1) or real(ctx, g)))
+    counts, grads = [], []
+    for chunk_rows in (None, CHUNK_ROWS):
+        calls.clear()
+        trainer = _trainer(chunk_rows)
+        torch.manual_seed(0)
+        trainer.forward_backward(0)
+        counts.append(len(calls))
+        grads.append({n: q.grad.clone() for n, q in trainer.module.named_parameters()})
+    assert counts[0] == counts[1] > 0, counts
+    torch.testing.assert_close(grads[1]["lm_head.weight"], grads[0]["lm_head.weight"], rtol=2e-2, atol=2e-3)
