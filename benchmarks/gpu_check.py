@@ -144,13 +144,12 @@ def measured_peaks(cal_dir: Path, platform_name: str) -> dict:
     """Per precision, the best GEMM rate the fresh calibration measured, where it is above the platform's peak:
     local-cpu's peak is the best GEMM rate of the CPU it was measured on (platforms/local-cpu.yaml), and a faster
     CPU here would otherwise be refused as beating its datasheet."""
-    import pandas as pd
-
+    from piper_plan.calibration import load_calibration
     from piper_plan.catalog import load_platform
 
-    listed = load_platform(platform_name).device.peak_flops
-    best = pd.read_csv(cal_dir / "gemm.csv").groupby("dtype")["tflops"].max() * 1e12
-    return {d: float(v) for d, v in best.items() if d in listed and v > listed[d]}
+    listed, calibration = load_platform(platform_name).device.peak_flops, load_calibration(cal_dir)
+    best = {d: calibration.fastest_tflops("gemm", d) * 1e12 for d in listed}
+    return {d: v for d, v in best.items() if v > listed[d]}
 
 
 def model_gemm_points(spec, dtype: str, seq_len: int) -> list:

@@ -90,6 +90,7 @@ def fp8_gemm_error(device) -> str | None:
         fn, _how = _fp8_call(1, 16, 32, 32, device)
         fn()
     except (RuntimeError, TypeError, NotImplementedError, AttributeError) as err:
+        # a kernel missing for this device or dtype; AttributeError: a torch without _scaled_mm or float8 dtypes
         return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return None
 
