@@ -3,7 +3,8 @@
 What the FLOP / byte / collective model cannot see is the fixed cost of every operator (Python, autograd,
 dispatch). Each row times one piece of the runtime (piper_plan/runtime/model.py, moe.py, pipeline.py) forward +
 backward, under the runtime's saved-tensor accounting hooks as the runtime runs it, at hidden 16, 32 tokens, so that its GEMMs cost microseconds and what remains is overhead:
-attention_layer, dense_mlp, moe_block at 1, 2, 4, 8, 16 local experts, head_loss (vocab 32), optimizer_tensor (AdamW
+attention_layer, dense_mlp, moe_block at 1, 2, 4, 8, 16 local experts, the attention layer's and the 4-expert MoE
+block's forward alone (what full recompute runs again), head_loss (vocab 32), optimizer_tensor (AdamW
 over 8 and 32 tensors of 16 elements), autograd_op (one elementwise op, forward + backward: a reference figure),
 and concurrency: the moe_block workload (4 local experts) run by 1, 2 and 4 gloo ranks in lockstep, a tiny
 all_reduce after each call (mean seconds per iteration, the all_reduce's own cost subtracted), which says how much
@@ -30,13 +31,14 @@ import statistics
 import time
 from datetime import datetime, timedelta, timezone
 
-from piper_plan.calibration.timing import end_process_group
+from piper_plan.calibration.timing import device_name, end_process_group
 
 HIDDEN, TOKENS, VOCAB, FFN = 16, 32, 32, 16
 MOE_LOCAL_EXPERTS = (1, 2, 4, 8, 16)
 OPTIMIZER_TENSORS = (8, 32)
 CONCURRENCY_RANKS = (1, 2, 4)
 CONCURRENCY_WORKLOAD_EXPERTS = 4      # overhead.py reads the slowdown against this moe_block row
+FORWARD_EXPERTS = 4                   # the moe_block_forward row's local experts
 COARSE_CALLS = 3                       # workloads per collective in the concurrency_coarse rows
 
 
@@ -53,19 +55,45 @@ def probe_spec(num_experts: int = 4):
                 "expert": {"intermediate_size": FFN, "gated": True}}})
 
 
-def _fwd_bwd(module_fn, x, tracker):
-    """Forward + backward under the runtime's saved-tensor accounting, as train.Trainer.forward_backward runs
-    every micro-batch (its Python pack/unpack hooks roughly double a small layer's fixed cost on CPU)."""
+def _runtime_context(device, tracker):
+    """What train.Trainer.forward_backward wraps a micro-batch in on ``device``: on a CPU the saved-tensor
+    accounting (its Python pack/unpack hooks roughly double a small layer's fixed cost there); on a GPU bf16
+    autocast and the step's weight casts (runtime/casts.py: a probe call casts as a step's first micro-batch)."""
+    import contextlib
+
+    import torch
+
+    if device.type == "cpu":
+        return tracker.hooks()
+    from piper_plan.runtime.casts import casts_once_per_step
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+    stack.enter_context(casts_once_per_step())
+    return stack
+
+
+def _fwd_bwd(module_fn, x, tracker, device):
+    """Forward + backward as train.Trainer.forward_backward runs every micro-batch (``_runtime_context``)."""
     def call():
         x.grad = None
-        with tracker.hooks():
+        with _runtime_context(device, tracker):
             out = module_fn(x).float().sum()
         out.backward()
     return call
 
 
-def block_calls() -> dict[tuple[str, int], object]:
-    """(op, size) -> a zero-argument call running that piece forward + backward once."""
+def _fwd(module_fn, x, tracker, device):
+    """The forward of ``_fwd_bwd`` alone, recording its graph as a recomputed forward does."""
+    def call():
+        with _runtime_context(device, tracker):
+            module_fn(x)
+    return call
+
+
+def block_calls(device=None) -> dict[tuple[str, int], object]:
+    """(op, size) -> a zero-argument call running that piece forward + backward once on ``device`` (the CPU by
+    default)."""
     import torch
 
     from piper_plan.runtime.model import Attention, make_norm
@@ -74,46 +102,51 @@ def block_calls() -> dict[tuple[str, int], object]:
 
     from piper_plan.runtime.accounting import SavedTensorTracker
 
+    device = device or torch.device("cpu")
     spec = probe_spec()
-    x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)
-    norm, attn, mlp = make_norm(spec.norm, HIDDEN), Attention(spec), DenseFFN(HIDDEN, spec.dense_ffn)
+    x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True, device=device)
+    norm, attn, mlp = (m.to(device) for m in (make_norm(spec.norm, HIDDEN), Attention(spec),
+                                               DenseFFN(HIDDEN, spec.dense_ffn)))
     tracker = SavedTensorTracker(torch.nn.ModuleList([norm, attn, mlp]))
-    calls = {("attention_layer", 1): _fwd_bwd(lambda h: h + attn(norm(h)), x, tracker),
-             ("dense_mlp", 1): _fwd_bwd(lambda h: h + mlp(norm(h)), x, tracker)}
+    calls = {("attention_layer", 1): _fwd_bwd(lambda h: h + attn(norm(h)), x, tracker, device),
+             ("dense_mlp", 1): _fwd_bwd(lambda h: h + mlp(norm(h)), x, tracker, device)}
     for e in MOE_LOCAL_EXPERTS:
-        moe = MoE(HIDDEN, probe_spec(e).moe)
+        moe = MoE(HIDDEN, probe_spec(e).moe).to(device)
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.02)
-        calls[("moe_block", e)] = _fwd_bwd(lambda h, m=moe: h + m(norm(h)), x, tracker)
-    embed, head = torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-    tokens, targets = torch.randint(0, VOCAB, (1, TOKENS)), torch.randint(0, VOCAB, (1, TOKENS))
+        calls[("moe_block", e)] = _fwd_bwd(lambda h, m=moe: h + m(norm(h)), x, tracker, device)
+        if e == FORWARD_EXPERTS:                # the forward alone: what full recompute runs again
+            calls[("moe_block_forward", e)] = _fwd(lambda h, m=moe: h + m(norm(h)), x, tracker, device)
+    calls[("attention_layer_forward", 1)] = _fwd(lambda h: h + attn(norm(h)), x, tracker, device)
+    embed, head = torch.nn.Embedding(VOCAB, HIDDEN).to(device), torch.nn.Linear(HIDDEN, VOCAB, bias=False).to(device)
+    tokens, targets = (torch.randint(0, VOCAB, (1, TOKENS), device=device) for _ in range(2))
 
     def head_loss():
-        with tracker.hooks():
+        with _runtime_context(device, tracker):
             loss = lm_loss(head(norm(embed(tokens))).float(), targets)
         loss.backward()
     calls[("head_loss", 1)] = head_loss
     for n in OPTIMIZER_TENSORS:
-        calls[("optimizer_tensor", n)] = _optimizer_call(n)
-    calls[("autograd_op", 1)] = _autograd_op_call()
+        calls[("optimizer_tensor", n)] = _optimizer_call(n, device)
+    calls[("autograd_op", 1)] = _autograd_op_call(device=device)
     return calls
 
 
-def _optimizer_call(num_tensors: int):
+def _optimizer_call(num_tensors: int, device):
     import torch
 
-    params = [torch.nn.Parameter(torch.randn(HIDDEN)) for _ in range(num_tensors)]
+    params = [torch.nn.Parameter(torch.randn(HIDDEN, device=device)) for _ in range(num_tensors)]
     for p in params:
-        p.grad = torch.randn(HIDDEN)
-    opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)   # the runtime's optimizer (train.Optimizers)
-    return opt.step
+        p.grad = torch.randn(HIDDEN, device=device)
+    fused = {"fused": True} if device.type == "cuda" else {}      # the runtime's optimizer (optim.Optimizers)
+    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, **fused).step
 
 
-def _autograd_op_call(chain: int = 100):
+def _autograd_op_call(chain: int = 100, device=None):
     """One elementwise op forward + backward: a chain of ``chain`` multiplications, per op (divided later)."""
     import torch
 
-    a = torch.ones(4, requires_grad=True)
+    a = torch.ones(4, requires_grad=True, device=device)
 
     def call():
         z = a
@@ -124,32 +157,41 @@ def _autograd_op_call(chain: int = 100):
     return call
 
 
-def min_seconds(call, warmup: int = 3, repeats: int = 15, min_sample_s: float = 2e-3) -> float:
+def min_seconds(call, warmup: int = 3, repeats: int = 15, min_sample_s: float = 2e-3, device=None) -> float:
     """The fastest of ``repeats`` samples (each ``inner`` calls lasting >= min_sample_s), per call: the cost of the
     piece itself. On a shared machine a median mixes in other processes' load; that load is measured apart, by
-    the concurrency rows (a per-rank median while ranks run at once)."""
+    the concurrency rows (a per-rank median while ranks run at once). On a GPU a sample ends when the device has
+    run its calls (timing._sync): at this width its kernels take microseconds, and the time is the host's."""
+    from piper_plan.calibration.timing import _sync
+
+    def sync():
+        if device is not None:
+            _sync(device)
     for _ in range(warmup):
         call()
+    sync()
     t0 = time.perf_counter()
     call()
+    sync()
     inner = max(1, min(1000, int(min_sample_s / max(time.perf_counter() - t0, 1e-9)) + 1))
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(inner):
             call()
+        sync()
         samples.append((time.perf_counter() - t0) / inner)
     return min(samples)
 
 
-def measure_blocks(repeats: int = 15, warmup: int = 3) -> dict[tuple[str, int], float]:
-    """Seconds per call of every piece (min over samples), in this process (one thread)."""
+def measure_blocks(repeats: int = 15, warmup: int = 3, device=None) -> dict[tuple[str, int], float]:
+    """Seconds per call of every piece (min over samples), in this process (one thread) on ``device``."""
     import torch
 
     torch.set_num_threads(1)
     out = {}
-    for key, call in block_calls().items():
-        out[key] = min_seconds(call, warmup, repeats) / getattr(call, "per_call", 1)
+    for key, call in block_calls(device).items():
+        out[key] = min_seconds(call, warmup, repeats, device=device) / getattr(call, "per_call", 1)
     return out
 
 
@@ -287,12 +329,15 @@ def measure_concurrency(ranks=CONCURRENCY_RANKS, iterations: int = 1000) -> dict
     return out
 
 
-def overhead_rows(command: str, concurrency: bool = True) -> list[dict]:
-    """Measure everything; rows of overhead.csv."""
+def overhead_rows(command: str, concurrency: bool = True, device=None) -> list[dict]:
+    """Measure everything; rows of overhead.csv. On a GPU (``device`` cuda) the pieces only: the concurrency rows
+    time CPU ranks sharing a host's cores, which GPU ranks do not."""
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
-    source = f"measured: {command} on {socket.gethostname()} {when}"
-    rows = [{"op": op, "size": size, "seconds": s, "source": source} for (op, size), s in measure_blocks().items()]
-    if concurrency:   # one workload per collective, and three: separates the slowdown from the wait per sync
+    on = f" ({device_name(device)})" if device is not None and device.type != "cpu" else ""
+    source = f"measured: {command} on {socket.gethostname()}{on} {when}"
+    rows = [{"op": op, "size": size, "seconds": s, "source": source}
+            for (op, size), s in measure_blocks(device=device).items()]
+    if concurrency and (device is None or device.type == "cpu"):   # one workload per collective, and three: separates the slowdown from the wait per sync
         for n, by_calls in measure_concurrency().items():
             rows += [{"op": "concurrency", "size": n, "seconds": by_calls[1], "source": source},
                      {"op": "concurrency_coarse", "size": n, "seconds": by_calls[COARSE_CALLS], "source": source}]

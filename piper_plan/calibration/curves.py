@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from piper_plan.calibration.io import columns_if_present
-from piper_plan.calibration.schema import ATTENTION, COLLECTIVES, GEMM, Table, busbw_factor, source_kind
+from piper_plan.calibration.schema import ATTENTION, COLLECTIVES, GEMM, MEMORY, Table, busbw_factor, source_kind
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -267,11 +267,11 @@ class Calibration:
     The tables are held as numpy columns (``Rows``); ``gemm`` / ``attention`` / ``collectives`` give them as
     pandas DataFrames (for reports), so that pricing plans never imports pandas."""
 
-    def __init__(self, directory: Path, gemm=None, attention=None, collectives=None):
+    def __init__(self, directory: Path, gemm=None, attention=None, collectives=None, memory=None):
         """Each table: read_columns' dict of columns, a DataFrame, or None (no rows)."""
         self.directory = Path(directory)
         self.rows = {t.name: Rows.of(t, rows) for t, rows in ((GEMM, gemm), (ATTENTION, attention),
-                                                              (COLLECTIVES, collectives))}
+                                                              (COLLECTIVES, collectives), (MEMORY, memory))}
         self.sources: list[str] = _sources(self.directory, self.rows.values())
         """One line per table: how many rows, and how many are seed / measured / imported."""
         self.notes: list[str] = []
@@ -291,6 +291,10 @@ class Calibration:
     @property
     def collectives(self) -> "pd.DataFrame":
         return self.rows[COLLECTIVES.name].frame()
+
+    @property
+    def memory(self) -> "pd.DataFrame":
+        return self.rows[MEMORY.name].frame()
 
     # GEMM ------------------------------------------------------------------------------------------
     def gemm_flops_per_s(self, m, n, k, dtype: str, groups=1) -> tuple[np.ndarray, np.ndarray]:
@@ -347,6 +351,17 @@ class Calibration:
         """Whether gemm.csv measured ``dtype`` (another precision's rows would price it at the wrong rate)."""
         return (dtype,) in self._distinct(self.rows[GEMM.name], ("dtype",))
 
+    # memory-bound kernels --------------------------------------------------------------------------
+    def memory_Bps(self, kernel: str) -> float:
+        """The streaming rate (bytes / s) of a memory-bound ``kernel`` (schema.MEMORY_KERNELS): its fastest row in
+        memory.csv, the largest tensors' as a rule (smaller ones pay the launch); 0 where none was measured."""
+        cache_key = ("memory", kernel)
+        if cache_key not in self._cache:
+            rows = self.rows[MEMORY.name]
+            mine = rows.where(rows["kernel"] == kernel) if not rows.empty else rows
+            self._cache[cache_key] = float(mine.floats(["GBps"])[:, 0].max()) * 1e9 if not mine.empty else 0.0
+        return self._cache[cache_key]
+
     # collectives -----------------------------------------------------------------------------------
     def has_collective(self, op: str, scope: str) -> bool:
         return (op, scope) in self._distinct(self.rows[COLLECTIVES.name], ("op", "scope"))
@@ -400,11 +415,11 @@ def _sources(directory: Path, tables) -> list[str]:
             continue
         kinds = Counter(source_kind(s) for s in rows["source"].tolist())
         parts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-        lines.append(f"{_shown(directory / rows.table.filename)}: {len(rows)} rows ({parts})")
+        lines.append(f"{shown_path(directory / rows.table.filename)}: {len(rows)} rows ({parts})")
     return lines
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: Path) -> str:
     """A path as people (and the committed reports) should see it: relative to the project when inside it."""
     from piper_plan.catalog import project_root
 
@@ -424,8 +439,9 @@ def load_calibration(platform: str | Path) -> Calibration | None:
     from piper_plan.calibration.io import read_metadata
 
     read_metadata(directory)                          # a malformed metadata.json is reported, not skipped
-    frames = [columns_if_present(directory, t) for t in (GEMM, ATTENTION, COLLECTIVES)]
-    if all(f is None or not f[t.columns[0].name] for f, t in zip(frames, (GEMM, ATTENTION, COLLECTIVES))):
+    tables = (GEMM, ATTENTION, COLLECTIVES, MEMORY)
+    frames = [columns_if_present(directory, t) for t in tables]
+    if all(f is None or not f[t.columns[0].name] for f, t in zip(frames, tables)):
         return None
     calibration = Calibration(directory, *frames)
     from piper_plan.calibration.overhead import load_overhead

@@ -1,7 +1,8 @@
 """``overhead.csv``: the framework-overhead rows ``piper calibrate --only overhead`` measures (bench_overhead.py),
 and their loading into the cost model's :class:`piper_plan.cost.overhead.FrameworkOverhead`. No torch.
 
-Columns: ``op`` (attention_layer, dense_mlp, moe_block, head_loss, optimizer_tensor, concurrency, autograd_op),
+Columns: ``op`` (attention_layer, dense_mlp, moe_block, head_loss, optimizer_tensor, concurrency, autograd_op;
+attention_layer_forward and moe_block_forward: the forward alone, what full recompute runs again),
 ``size`` (moe_block: local experts; optimizer_tensor: parameter tensors stepped; concurrency: ranks running at
 once on the host; otherwise 1), ``seconds`` (median of one call: forward + backward of the block for one
 micro-batch; one optimizer step; concurrency: per-rank seconds of the reference workload), ``source``.
@@ -22,7 +23,8 @@ from piper_plan.calibration.schema import MIN_MEASURED, SOURCE, Column, Table, _
 
 CONCURRENCY_WORKLOAD_EXPERTS = 4      # bench_overhead.measure_concurrency runs moe_block with 4 local experts
 OVERHEAD_OPS = ("autograd_op", "attention_layer", "dense_mlp", "moe_block", "head_loss", "optimizer_tensor",
-                "concurrency", "concurrency_coarse", "lockstep_outside", "lockstep_wait")
+                "concurrency", "concurrency_coarse", "lockstep_outside", "lockstep_wait", "attention_layer_forward",
+                "moe_block_forward")
 COARSE_CALLS = 3       # bench_overhead.COARSE_CALLS: workloads per collective in the concurrency_coarse rows
 MAX_CALL_SECONDS = 600.0
 """Longest one call an overhead row may hold: the benchmark times small runtime modules, its whole run about 40 s
@@ -73,7 +75,23 @@ def overhead_from_rows(frame):
                                     float(alone.iloc[0]))
     sources = sorted(set(frame["source"]))
     return FrameworkOverhead(single("attention_layer"), single("dense_mlp"), moe_a, moe_b, single("head_loss"),
-                             opt_a, opt_b, ranks, factor, "; ".join(sources), wait)
+                             opt_a, opt_b, ranks, factor, "; ".join(sources), wait, _forward_share(rows))
+
+
+def _forward_share(rows) -> float:
+    """The forward's share of a layer's forward + backward: (attention_layer_forward + moe_block_forward) over
+    (attention_layer + moe_block) at the forward row's expert count; 0 without forward rows."""
+    fwd_attn, fwd_moe, attn, moe = (rows(op) for op in ("attention_layer_forward", "moe_block_forward",
+                                                        "attention_layer", "moe_block"))
+    if not (len(fwd_attn) and len(fwd_moe) and len(attn)):
+        return 0.0
+    experts = int(fwd_moe["size"].iloc[0])
+    both = moe[moe["size"] == experts]["seconds"]
+    if not len(both):
+        return 0.0
+    share = (float(fwd_attn["seconds"].iloc[0]) + float(fwd_moe["seconds"].iloc[0])) / \
+        (float(attn["seconds"].iloc[0]) + float(both.iloc[0]))
+    return min(share, 1.0)
 
 
 def _slowdown_and_wait(fine, coarse, workload_s: float):

@@ -21,7 +21,8 @@ def _kinds(frame: pd.DataFrame) -> dict:
 
 def summary(cal) -> dict:
     """Per curve: the measured ranges (outside them queries are flagged extrapolated) and seed/measured counts."""
-    out = {"directory": str(cal.directory), "sources": cal.sources, "gemm": [], "attention": [], "collectives": []}
+    out = {"directory": str(cal.directory), "sources": cal.sources, "gemm": [], "attention": [], "collectives": [],
+           "memory": []}
     for dtype, f in cal.gemm.groupby("dtype"):
         out["gemm"].append({"dtype": dtype, "rows": len(f), "kinds": _kinds(f), "range": _ranges(f, ["m", "n", "k", "groups"]),
                             "tflops": [float(f.tflops.min()), float(f.tflops.max())]})
@@ -34,6 +35,10 @@ def summary(cal) -> dict:
         out["collectives"].append({"op": op, "scope": scope, "rows": len(f), "kinds": _kinds(f), "num_ranks": ranks,
                                    "bytes_per_rank": [int(f.bytes_per_rank.min()), int(f.bytes_per_rank.max())],
                                    "busbw_GBps": [float(f.busbw_GBps.min()), float(f.busbw_GBps.max())]})
+    for kernel, f in cal.memory.groupby("kernel"):     # the cost model takes each kernel's fastest row
+        out["memory"].append({"kernel": kernel, "rows": len(f), "kinds": _kinds(f),
+                              "elements": [int(f.elements.min()), int(f.elements.max())],
+                              "GBps": [float(f.GBps.min()), float(f.GBps.max())]})
     return out
 
 
@@ -45,6 +50,8 @@ def render_tables(cal, data: dict, console) -> None:
     console.print(_gemm_table(cal, Table))
     console.print(_attention_table(cal, Table))
     console.print(_collectives_table(cal, Table))
+    if data["memory"]:
+        console.print(_memory_table(data["memory"], Table))
     ranges = Table(title="extrapolation: queries outside these measured ranges are flagged")
     for col in ("curve", "measured range"):
         ranges.add_column(col)
@@ -82,6 +89,16 @@ def _collectives_table(cal, Table):
     for r in cal.collectives.itertuples(index=False):
         t.add_row(r.op, r.scope, f"{r.num_nodes} x {r.ranks_per_node}", str(r.bytes_per_rank), f"{r.seconds * 1e6:.4g}",
                   f"{r.busbw_GBps:.3g}", source_kind(r.source))
+    return t
+
+
+def _memory_table(memory: list[dict], Table):
+    t = Table(title="memory-bound kernels (the cost model streams each at its fastest row)")
+    for col in ("kernel", "rows", "elements", "GB/s"):
+        t.add_column(col, justify="right")
+    for m in memory:
+        t.add_row(m["kernel"], str(m["rows"]), " .. ".join(f"{e:,}" for e in m["elements"]),
+                  " .. ".join(f"{g:.4g}" for g in m["GBps"]))
     return t
 
 

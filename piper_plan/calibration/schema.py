@@ -1,6 +1,6 @@
 """The calibration CSV schema (DESIGN.md, "Shared file formats"): columns, units, allowed values and ranges.
 
-One table per file: ``gemm.csv``, ``attention.csv``, ``collectives.csv``. Every row carries a ``source``:
+One table per file: ``gemm.csv``, ``attention.csv``, ``collectives.csv``, ``memory.csv``. Every row carries a ``source``:
 ``measured: <command> on <host> <date>`` for rows ``piper calibrate`` wrote, ``seed: <citation>; <derivation>``
 for rows derived from published numbers, ``imported: <file>`` for nccl-tests / rccl-tests output.
 Units live in the column names where they are not SI (``algbw_GBps``); ``seconds`` and ``bytes_per_rank`` are SI.
@@ -77,14 +77,18 @@ RATE_TOLERANCE = 0.01
 rounds to 6 significant digits); further off, the row contradicts itself."""
 
 
+def rate_problem(row: dict, column: str, derived: float, formula: str) -> str | None:
+    """What is wrong with a row whose rate ``column`` is not ``derived`` (``formula``: how it follows from the row's
+    other columns) within RATE_TOLERANCE, else None."""
+    if abs(row[column] - derived) <= RATE_TOLERANCE * derived:
+        return None
+    return f"column {column}: {row[column]:g}, but {formula} = {derived:.6g}; allowed within {RATE_TOLERANCE:.0%} of it"
+
+
 def tflops_problem(row: dict, flops: float, formula: str) -> str | None:
     """What is wrong with a row whose ``tflops`` column is not ``flops`` / seconds / 1e12 (``formula``: how the FLOPs
     follow from the row), else None."""
-    derived = flops / row["seconds"] / 1e12
-    if abs(row["tflops"] - derived) <= RATE_TOLERANCE * derived:
-        return None
-    return (f"column tflops: {row['tflops']:g}, but {formula} / seconds / 1e12 = {derived:.6g}; allowed within "
-            f"{RATE_TOLERANCE:.0%} of it")
+    return rate_problem(row, "tflops", flops / row["seconds"] / 1e12, f"{formula} / seconds / 1e12")
 
 
 SOURCE = Column("source", "str", "what measured the row (measured: command + host) or the citation + derivation (seed:)")
@@ -191,7 +195,26 @@ COLLECTIVES = Table(
     row_check=_collective_row_problem,
 )
 
-TABLES: dict[str, Table] = {t.name: t for t in (GEMM, ATTENTION, COLLECTIVES)}
+MEMORY_KERNELS = ("copy", "cast", "accumulate", "optimizer", "clip")
+"""The memory-bound kernels ``memory.csv`` measures (calibration/bench_memory.py says what each moves)."""
+
+
+MEMORY = Table(
+    "memory",
+    (
+        Column("device", "str", "device name"),
+        Column("kernel", "str", "the memory-bound kernel timed (bench_memory.py)", choices=MEMORY_KERNELS),
+        _pos_int("elements", "elements of each tensor the kernel streams"),
+        _pos_int("bytes", "bytes the call reads and writes in device memory"),
+        _pos_float("seconds", "time of one call, median over repeats"),
+        _pos_float("GBps", "bytes / seconds / 1e9"),
+        SOURCE,
+    ),
+    key=("device", "kernel", "elements"),
+    row_check=lambda row: rate_problem(row, "GBps", row["bytes"] / row["seconds"] / 1e9, "bytes / seconds / 1e9"),
+)
+
+TABLES: dict[str, Table] = {t.name: t for t in (GEMM, ATTENTION, COLLECTIVES, MEMORY)}
 
 
 def gemm_flops(m, n, k, groups=1):

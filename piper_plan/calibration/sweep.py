@@ -21,7 +21,9 @@ from pathlib import Path
 
 from piper_plan.errors import PiperError
 
-KINDS = ("gemm", "attention", "collectives")
+KINDS = ("gemm", "attention", "collectives", "memory")
+DEVICE_KINDS = ("gemm", "attention", "memory")
+"""The sweeps one process runs on its device (the collectives need a group of ranks)."""
 LOCAL_NODES = 2
 """Emulated nodes of the local gloo group (ranks = LOCAL_NODES x the platform's devices_per_node)."""
 _FLUSH_EVERY = 5
@@ -141,7 +143,7 @@ def run_calibration(opts: SweepOptions, reporter: Reporter | None = None) -> Swe
     check_existing_files(opts.out_dir, opts.only)
     result = SweepResult(messages=skipped)
     source = f"measured: {opts.command} on {socket.gethostname()} {_today()}"
-    if "gemm" in opts.only or "attention" in opts.only:
+    if any(k in opts.only for k in DEVICE_KINDS):
         _compute_sweeps(opts, platform, source, reporter, result)
     if "collectives" in opts.only:
         _collective_sweep(opts, platform, source, reporter, result)
@@ -167,6 +169,8 @@ def _compute_sweeps(opts, platform, source, reporter, result) -> None:
         _sweep_gemm(opts, platform, device, name, source, reporter, result)
     if "attention" in opts.only:
         _sweep_attention(opts, device, name, source, reporter, result)
+    if "memory" in opts.only:
+        _sweep_memory(opts, device, name, source, reporter, result)
     _device_metadata(opts.out_dir, device, name, platform)
 
 
@@ -237,6 +241,21 @@ def _sweep_attention(opts, device, name, source, reporter, result) -> None:
                 "seconds": seconds, "tflops": flops / seconds / 1e12, "source": source}
 
     _measure_all("attention", ATTENTION, todo, measure, opts, reporter, result)
+
+
+def _sweep_memory(opts, device, name, source, reporter, result) -> None:
+    from piper_plan.calibration.bench_memory import bytes_moved, measure_memory, memory_points
+    from piper_plan.calibration.schema import MEMORY
+
+    todo = _pending("memory", MEMORY, memory_points(device.type, opts.quick), name, opts, result)
+    repeats, warmup = _repeats(opts.quick)
+
+    def measure(p):
+        seconds, nbytes = measure_memory(p, device, repeats, warmup), bytes_moved(p, device.type)
+        return {"device": name, "kernel": p.kernel, "elements": p.elements, "bytes": nbytes, "seconds": seconds,
+                "GBps": nbytes / seconds / 1e9, "source": source}
+
+    _measure_all("memory", MEMORY, todo, measure, opts, reporter, result)
 
 
 def _measure_all(task, table, todo, measure, opts, reporter, result) -> None:

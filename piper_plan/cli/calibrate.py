@@ -19,7 +19,7 @@ from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 @click.option("--platform", "platform_name", default=None, help="Platform catalog name or YAML path (local-cpu, frontier).")
 @click.option("--quick", is_flag=True, help="A small sweep (well under 2 minutes on a 2-core machine).")
 @click.option("--resume", is_flag=True, help="Skip points already in the CSVs.")
-@click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all).")
+@click.option("--only", default=None, help="Comma list of gemm,attention,collectives,memory (default: all).")
 @click.option("--dtype", "dtypes", default=None,
               help="Comma list of the precisions the GEMM and attention sweeps measure (default: every one the "
                    "device's sweep has: on a CPU GEMMs fp32,bf16 and attention fp32; on a GPU bf16, and GEMMs in "
@@ -28,7 +28,7 @@ from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 @json_option(help="What the sweep wrote (directory, rows per CSV, skipped points, seconds) as JSON on stdout.")
 @click.pass_context
 def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtypes, out_dir, as_json) -> None:
-    """Measure GEMM, attention and collectives on this machine; write calibration/<platform>/*.csv."""
+    """Measure GEMM, attention, collectives and memory-bound kernels on this machine; write calibration/<platform>/*.csv."""
     if ctx.invoked_subcommand is not None:
         _check_no_sweep_options(ctx)
         return
@@ -181,7 +181,7 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
 @click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
 @click.option("--nodes", "num_nodes", type=click.IntRange(1, MAX_NODES), required=True, help="Nodes to sweep over.")
 @click.option("--quick", is_flag=True, help="The small sweep.")
-@click.option("--only", default=None, help="Comma list of gemm,attention,collectives (default: all; GEMM and attention "
+@click.option("--only", default=None, help="Comma list of gemm,attention,collectives,memory (default: all; GEMM, attention and memory "
               "run on one device of the first node).")
 @click.option("--dtype", "dtypes", default=None,
               help="Comma list of the precisions the GEMM and attention sweeps measure (default: every one the "
@@ -291,16 +291,13 @@ def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
     from piper_plan.catalog import load_platform
 
     platform = load_platform(platform_name)
-    if platform.launch.device != "cpu":
-        raise PiperError(f"platform {platform.name} runs on launch.device={platform.launch.device}, but the overhead "
-                         "benchmark times the runtime's modules on this machine's CPU; measure it for a CPU platform "
-                         "(local-cpu)", field="--platform")
+    device = _overhead_device(platform)
     out = _out_dir(platform_name, out_dir)
     read_if_present(out, OVERHEAD)              # a malformed overhead.csv is named before the measurement, not after
     args = ["piper", "calibrate", "overhead", "--platform", platform_name] + (["--out-dir", out_dir] if out_dir else [])
     t0 = time.perf_counter()
     with diagnostics().status("measuring the runtime's overhead (about 40 s on 2 cores)"):
-        rows = overhead_rows(shlex.join(args), concurrency=not no_concurrency)
+        rows = overhead_rows(shlex.join(args), concurrency=not no_concurrency, device=device)
     path = merge_rows(out, OVERHEAD, rows)
     note(f"wrote {len(rows)} rows to {path} in {time.perf_counter() - t0:.1f} s")
     if as_json:
@@ -308,6 +305,20 @@ def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
         return
     for r in rows:
         console().print(f"{r['op']:18s} size {r['size']:3d}  {r['seconds'] * 1e6:10.1f} us", markup=False)
+
+
+def _overhead_device(platform):
+    """The device the overhead benchmark times the runtime's modules on: this machine's CPU for a CPU platform, its
+    first GPU for a GPU platform (one line where torch sees none)."""
+    import torch
+
+    if platform.launch.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise PiperError(f"platform {platform.name} runs on launch.device={platform.launch.device}, but torch sees no "
+                         "GPU here: the overhead benchmark times the runtime's modules on the platform's device; run it "
+                         "on one of its nodes", field="--platform")
+    return torch.device("cuda", 0)
 
 
 def check_distinct_runs(run_dirs) -> None:

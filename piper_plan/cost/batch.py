@@ -32,7 +32,7 @@ from piper_plan.cost.pipeline import (CHUNK_SLOT, bubble_microbatches, chunk_in_
                                       uneven_bubble_seconds, uneven_chunks)
 from piper_plan.cost.params import moe_prefix, rank_stage_params
 from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds, runtime_copy_seconds
-from piper_plan.cost.terms import layer_terms, p2p_seconds, spans
+from piper_plan.cost.terms import HOST_ISSUE, layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
 
 KEY_TIME = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
@@ -190,17 +190,30 @@ def stage_time_parts(model, per_layer: dict, head, st: stg.StageShape) -> dict[s
 
 def time_by_key(ctx, alloc, sub):
     """Per KEY_TIME row and split: seconds per micro-batch of the slowest stage (without p2p) [2, U], the
-    breakdown of that stage {name: [2, U]}, and the slowest unequal interleaved chunk [U] (-inf: none)."""
-    per_layer, head = layer_terms(ctx, alloc, sub, stg.layer_activations(ctx, sub))
+    breakdown of that stage {name: [2, U]} (with the host's issue seconds per micro-batch, HOST_ISSUE, where
+    layer_terms prices them), and the slowest unequal interleaved chunk [U] (-inf: none)."""
+    per_layer, head, host = layer_terms(ctx, alloc, sub, stg.layer_activations(ctx, sub))
     split, st, _, _ = stage_table(ctx, sub)
     parts = stage_time_parts(ctx.model, per_layer, head, st)
     total = sum(parts.values())
+    if host is not None:
+        parts[HOST_ISSUE] = sum(stage_time_parts(ctx.model, *host, st).values())
     chunk = np.where(split == CHUNK_SLOT, total, _NONE).max(0)
     slow = per_split_argmax(total, split)
     cols = np.arange(total.shape[1])
     seconds = np.stack([np.where(split[slow[v], cols] == v, total[slow[v], cols], _NONE) for v in SPLITS])
     at_slow = lambda p: np.stack([np.broadcast_to(p, total.shape)[slow[v], cols] for v in SPLITS])   # noqa: E731
     return seconds, {k: at_slow(p) for k, p in parts.items()}, chunk
+
+
+def host_floor(breakdown: dict, step) -> np.ndarray:
+    """A GPU step's wait on its host: the host's issue seconds of the step (HOST_ISSUE, popped from ``breakdown``)
+    beyond the device's ``step``, 0 where none is priced. piper's runtime reads nothing back from the device
+    inside a layer at ep 1 (runtime/moe.py keeps counts and offsets on the device), so its host runs ahead and
+    the step takes the longer of the two: on an H200 the host issued the Mixtral-shaped step of
+    benchmarks/gpu_check.py in 77 of its 123 ms, and tiny-moe's in all of it (docs/gpu-check.md)."""
+    host = breakdown.pop(HOST_ISSUE, None)
+    return np.zeros_like(step) if host is None else np.maximum(host - step, 0.0)
 
 
 def memory_by_key(ctx, c, keys, rows_m, detail: bool):
@@ -285,7 +298,8 @@ def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
                                          *(group_spans[k] for k in SYNC_GROUPS))
         out["dp/sync/dense"].append(sync_d * (1 - o.dp_overlap))
         out["dp/sync/expert"].append(sync_e * (1 - o.dp_overlap))
-        out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub)
+        out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub,
+                                                       o.unfused_kernels)
                                      + np.maximum(overhead[v], 0.0))
         out["precision/copies"].append(runtime_copy_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub,
                                                             ctx.platform.launch.device, o))
@@ -345,6 +359,8 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     breakdown.update(_gather_split(sync, split, inv_s))
     step = t_mb * m + breakdown["pipeline/bubble"] + breakdown["dp/sync/dense"] + breakdown["dp/sync/expert"] \
         + breakdown["optimizer/step"] + breakdown["precision/copies"]
+    breakdown["host/framework"] = host_floor(breakdown, step)
+    step = step + breakdown["host/framework"]
     breakdown["migration"] = step * ctx.opts.migration_fraction
     step = step + breakdown["migration"]
     return breakdown, step, _gather_split(memory_m, split, inv_m), split
@@ -378,7 +394,7 @@ def stage_detail(ctx, alloc, c, layers_per_stage: list[int]):
     acts = stg.layer_activations(ctx, c)
     loss = loss_in_flight(c.schedule, c.num_microbatches)
     memory = {k: np.broadcast_to(v, stages.shape) for k, v in stg.stage_memory(ctx, c, st, flight, acts, loss).items()}
-    per_layer, head = layer_terms(ctx, alloc, c, acts)
+    per_layer, head, _host = layer_terms(ctx, alloc, c, acts)
     times = stage_time_parts(ctx.model, per_layer, head, st)
     times["pipeline/p2p"] = np.broadcast_to(p2p_seconds(ctx, c, spans(alloc, c)), stages.shape)
     return st, memory, times

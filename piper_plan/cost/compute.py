@@ -9,7 +9,8 @@ platform's roofline fallback is used and the output says so:
 
 (Williams et al. 2009, roofline), bytes moved = (m k + k n + m n) x dtype bytes; tall-and-skinny GEMMs (an
 expert that sees few tokens) have low intensity and come out memory-bound, as the Piper paper observes.
-Elementwise kernels (norms, activations, residual adds, permutes) are memory-bound: bytes / bandwidth.
+Elementwise kernels (norms, activations, residual adds, permutes) are memory-bound: bytes / bandwidth, at the
+rate the calibration measured for the kind of kernel (memory.csv: calibration/bench_memory.py) where it has one.
 """
 
 from __future__ import annotations
@@ -147,6 +148,13 @@ class Rates:
             return np.asarray(rate, float)
         return self.platform.efficiency.attention * self.attention_peak * np.ones_like(np.asarray(num_heads, float))
 
-    def memory_seconds(self, nbytes):
-        """Seconds to stream ``nbytes`` through device memory (elementwise kernels, optimizer step)."""
-        return nbytes / self.bandwidth_Bps
+    def memory_seconds(self, nbytes, kernel: str = "copy"):
+        """Seconds to stream ``nbytes`` through device memory with a memory-bound ``kernel`` (schema.MEMORY_KERNELS:
+        copy for elementwise work, cast / accumulate for the runtime's gradient copies, optimizer, clip): at the
+        kernel's rate measured in the calibration's memory.csv, else at the platform's memory bandwidth."""
+        return nbytes / self.memory_Bps(kernel)
+
+    def memory_Bps(self, kernel: str) -> float:
+        """The rate ``memory_seconds`` streams ``kernel`` at (bytes / s)."""
+        measured = self.calibration.memory_Bps(kernel) if self.calibration is not None else 0.0
+        return measured if measured > 0 else self.bandwidth_Bps

@@ -140,19 +140,32 @@ def estimate(model, platform, training, nodes, plan: ParallelPlan, calibration=N
     return _estimate(ctx, plan, c, nodes, placement, alloc, ev, per_stage, layers, saved_per_rank)
 
 
-def pricing_sources(platform, training, calibration=None) -> dict[str, str]:
+def pricing_sources(platform, training, calibration=None, opts=None) -> dict[str, str]:
     """Where a search's or an estimate's compute rates and host time come from (Estimate.sources' two lines)."""
     from piper_plan.cost.compute import Rates
 
     rates = Rates(platform, training.dtype, calibration, training.fp8_recipe)
-    return {"compute": rates.source, "host": host_source(platform)}
+    return {"compute": rates.source, "host": host_source(platform, calibration, opts)}
 
 
-def host_source(platform) -> str:
-    """How the host's work per GEMM call is priced (cost/overhead.py host_floor_terms), or that it is not."""
+def host_source(platform, calibration=None, opts=None) -> str:
+    """How the host's work is priced: piper's runtime's overhead measured into the calibration (overhead.csv, where
+    cost/overhead.py priced_overhead takes it: on a GPU a floor under the step, cost/batch.py host_floor; on a CPU
+    added to the compute), and per GEMM call (cost/overhead.py host_floor_terms), or that it is not."""
+    from piper_plan.calibration.curves import shown_path
+    from piper_plan.cost.options import CostOptions
+    from piper_plan.cost.overhead import priced_overhead
+
+    parts = []
+    if priced_overhead(calibration, platform, opts or CostOptions()) is not None:
+        how = "added to the compute" if platform.launch.device == "cpu" else "the step waits for the longer of host " \
+            "and device"
+        parts.append(f"the runtime's overhead measured in {shown_path(calibration.directory / 'overhead.csv')} ({how})")
     per_call_s = platform.efficiency.host_s_per_gemm_call
     if per_call_s > 0:
-        return f"{per_call_s * 1e6:.1f} us per GEMM call (efficiency.host_s_per_gemm_call)"
+        parts.append(f"{per_call_s * 1e6:.1f} us per GEMM call (efficiency.host_s_per_gemm_call)")
+    if parts:
+        return "; ".join(parts)
     return f"not priced: {platform.name} has no efficiency.host_s_per_gemm_call (host work assumed hidden)"
 
 
@@ -199,7 +212,7 @@ def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, 
         "placement": placement,
         "nodes": nodes,
         "layers_per_stage": layers,
-        "sources": {"compute": ctx.rates.source, "host": host_source(ctx.platform),
+        "sources": {"compute": ctx.rates.source, "host": host_source(ctx.platform, ctx.rates.calibration, ctx.opts),
                     "extrapolated": bool(ctx.rates.extrapolated or ctx.net.extrapolated),
                     "collectives_calibrated": sorted(ctx.net.calibrated_ops),
                     "collectives_fallback": "alpha-beta from platform network.scopes",

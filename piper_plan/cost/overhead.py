@@ -47,6 +47,9 @@ class FrameworkOverhead:
     sync_wait_s: tuple[float, ...] = (0.0,)
     """Seconds a rank waits at each blocking collective for a peer (one preempted while computing), per entry of
     ``concurrency_ranks``; 0 when not measured."""
+    forward_share: float = 0.0
+    """The forward's share of a layer's forward + backward overhead (the *_forward rows): full recompute runs the
+    forward again; 0 when not measured (recompute then adds no overhead)."""
 
     def wait_seconds(self, ranks_per_host):
         """Wait per blocking collective with ``ranks_per_host`` ranks, linear between the measured points."""
@@ -68,6 +71,14 @@ class FrameworkOverhead:
 
 
 NO_OVERHEAD = FrameworkOverhead()
+
+
+def priced_overhead(calibration, platform, opts) -> FrameworkOverhead | None:
+    """The calibration's measured framework overhead where it prices this step: on a CPU platform always (the only
+    runtime there is piper's), on a GPU for piper's runtime only (CostOptions.unfused_kernels): the rows time its
+    modules, not Megatron-Core's (whose host work efficiency.host_s_per_gemm_call prices)."""
+    ov = getattr(calibration, "overhead", None)
+    return ov if platform.launch.device == "cpu" or opts.unfused_kernels else None
 
 
 def linear_fit(counts, seconds) -> tuple[float, float]:
@@ -101,7 +112,7 @@ def optimizer_step_overhead(ctx, st, world):
     """Framework seconds of one optimizer step on stages ``st`` ([S, N]): the dense and the expert gradient
     group each one optimizer call over its tensors (embedding on the first stage; final norm and LM head on
     the last), times the slowdown of the ranks sharing a host. 0 without measured overhead."""
-    ov = getattr(ctx.rates.calibration, "overhead", None)
+    ov = priced_overhead(ctx.rates.calibration, ctx.platform, ctx.opts)
     if ov is None:
         return 0.0 * st.layers
     model = ctx.model
@@ -175,7 +186,8 @@ def overhead_terms(ctx, c, spans, ov: FrameworkOverhead):
     compute_scale = share / ov.slowdown(1)
     local = local_experts(model, c.ep)
     dense, moe = layer_overhead_seconds(ov, local, model.moe is not None, model.dense_ffn is not None)
-    terms = {"framework/layer": (dense * share, moe * share)}
+    layer = share * (1 + ov.forward_share * (c.recompute == Recompute.FULL.code))   # full recompute: forward again
+    terms = {"framework/layer": (dense * layer, moe * layer)}
     if model.moe is not None:
         count_bytes = c.ep * local * INDEX_BYTES
         one = ctx.net.seconds("all_to_all", c.ep, count_bytes, spans["ep"][0])
@@ -184,7 +196,19 @@ def overhead_terms(ctx, c, spans, ov: FrameworkOverhead):
         # every blocking exchange of a MoE layer (layout, dispatch + combine forward, their two backward) waits
         calls = np.where(c.ep > 1, exchanges + 4, 0.0)
         terms["moe/sync_wait"] = (0.0 * one, calls * ov.wait_seconds(ranks_per_host(ctx.platform, c.world)))
-    return terms, ov.head_loss_s * share, compute_scale
+    return terms, ov.head_loss_s * share * loss_chunks(ctx, c), compute_scale
+
+
+def loss_chunks(ctx, c):
+    """LM head + loss calls per micro-batch: 1, or under piper's chunked loss (CostOptions.loss_chunk_rows, a
+    micro-batch of more rows) one per chunk of ``chunk_rows // mbs`` positions, as runtime/pipeline.py ChunkedLoss
+    splits it (its sequence shards under tp / cp not counted). Each chunk's head and loss is priced at the
+    head_loss row's overhead (which holds the embedding and final norm once: a bound)."""
+    chunk = ctx.opts.loss_chunk_rows
+    if not ctx.opts.unfused_kernels or chunk is None:
+        return np.ones_like(c.mbs, dtype=float)
+    seq = ctx.training.seq_len
+    return np.where(c.mbs * seq <= chunk, 1.0, np.ceil(seq / np.maximum(chunk // c.mbs, 1)))
 
 
 # ---- the host floor of a GPU layer ----------------------------------------------------------------------------

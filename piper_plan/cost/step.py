@@ -43,13 +43,21 @@ def dp_sync_seconds(net, training, dense, expert, c, dp_span, edp_span, shard_sp
     return out[0], out[1]
 
 
-def optimizer_seconds(rates, training, dense, expert, c) -> np.ndarray:
+def optimizer_seconds(rates, training, dense, expert, c, piper_runtime: bool = False) -> np.ndarray:
     """Adam step, memory-bound: read + write master and optimizer state, read gradients, write weights,
-    for the parameters this rank updates (its ZeRO-1 shard)."""
+    for the parameters this rank updates (its ZeRO-1 shard), at the calibration's measured ``optimizer`` rate.
+    Before it the gradients are read again: Megatron-Core's clipping and loss-scale unscaling, 2 x their bytes;
+    piper's runtime (``piper_runtime``) reads them for the global norm and rewrites them for the clip
+    (runtime/optim.py: 3 x, at the ``clip`` rate) and divides them by the micro-batch count after the last
+    backward (runtime/pipeline.py scale_grads, as torch's pipelining schedules do: 2 x, at the ``accumulate``
+    rate); Megatron-Core folds that mean into the loss."""
     local = dense / np.where(c.zero >= 1, c.dense_shard, 1) + expert / np.where(c.zero >= 1, c.edp, 1)
     per_param = 2 * (training.master_bytes + training.optimizer_bytes) + training.grad_bytes + training.weight_bytes
-    per_param += 2 * training.grad_bytes          # gradient-norm clipping and loss-scale unscaling read them again
-    return rates.memory_seconds(local * per_param)
+    g = training.grad_bytes
+    step = rates.memory_seconds(local * per_param, "optimizer")
+    if not piper_runtime:
+        return step + rates.memory_seconds(local * 2 * g, "clip")
+    return step + rates.memory_seconds(local * 3 * g, "clip") + rates.memory_seconds(local * 2 * g, "accumulate")
 
 
 def runtime_copy_seconds(rates, training, dense, expert, c, launch_device: str, opts) -> np.ndarray:
@@ -70,18 +78,22 @@ def runtime_copy_seconds(rates, training, dense, expert, c, launch_device: str, 
       casts of the 1/dp shard are left out.
 
     An untied embedding table is looked up, not cast, and is priced as the rest (a bound by its share of the
-    parameters). On an H200 the zero 0 copies and adds took 38.7 of a 121 ms step (benchmarks/gpu_check.py
-    --profile, docs/gpu-check.md); the FSDP2 terms are not measured. Megatron-Core keeps 16-bit weights and fp32
+    parameters). Casts at the calibration's measured ``cast`` rate, additions at ``accumulate``'s, the FSDP2 copy
+    at ``copy``'s (memory.csv; the memory bandwidth without it). On an H200 the zero 0 copies and adds took 38.7 of
+    a 121 ms step (benchmarks/gpu_check.py --profile, docs/gpu-check.md); the FSDP2 terms are not measured. Megatron-Core keeps 16-bit weights and fp32
     main gradients instead: 0 outside piper's runtime."""
     from piper_plan.cost.memory import FSDP_GRAD_BYTES
 
     if not opts.unfused_kernels or launch_device != "cuda" or training.dtype not in ("bf16", "fp16"):
         return np.zeros(np.broadcast_shapes(np.shape(dense), np.shape(c.zero)))
     m, fp32, low = c.num_microbatches, FSDP_GRAD_BYTES, 2        # low: the 16-bit compute copy the runtime makes
-    autocast = (fp32 + low) * (1 + m) + 3 * fp32 * (m - 1)
-    fsdp = np.where(c.pp > 1, (low + fp32) + (2 * fp32 + low) * (m - 1) + 2 * fp32, (low + fp32) * m)
-    per_param = np.where((c.zero >= 2) & (c.dp > 1), fsdp, autocast)
-    return rates.memory_seconds((dense + expert) * per_param)
+    fsdp, piped = (c.zero >= 2) & (c.dp > 1), c.pp > 1
+    casts = np.where(fsdp, np.where(piped, 1, m), 1 + m) * (fp32 + low)
+    adds = np.where(fsdp, np.where(piped, (2 * fp32 + low) * (m - 1), 0), 3 * fp32 * (m - 1))
+    copies = np.where(fsdp & piped, 2 * fp32, 0)                  # FSDP2's sum into the reduce-scatter input
+    params = dense + expert
+    return rates.memory_seconds(params * casts, "cast") + rates.memory_seconds(params * adds, "accumulate") \
+        + rates.memory_seconds(params * copies, "copy")
 
 
 def training_totals(training, step_s, nodes: int) -> dict[str, np.ndarray]:

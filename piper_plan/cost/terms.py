@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from piper_plan.cost import stage as stg
-from piper_plan.cost.overhead import host_floor_terms, moe_block_rerun
+from piper_plan.cost.overhead import host_floor_terms, moe_block_rerun, priced_overhead
 from piper_plan.placement.layout import span_arrays, stage_pair_scope
 from piper_plan.plans import PlanBatch
 from piper_plan.specs.vocab import A2A, Recompute
@@ -121,18 +121,39 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
     head_f, head_b = stg.gemm_16bit(ctx, c.seq_share * ctx.training.seq_len, (ctx.model.vocab_size or 0) / c.tp,
                                     ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms
-    overhead = getattr(ctx.rates.calibration, "overhead", None)
+    overhead = priced_overhead(ctx.rates.calibration, ctx.platform, o)
     if overhead is not None:                                     # measured framework overhead (cost/overhead.py)
-        from piper_plan.cost.overhead import overhead_terms
+        per_layer = _with_overhead(ctx, c, group_spans, overhead, per_layer)
+    # the host floor last, against every device term of the layer as priced (scaled compute, framework overhead);
+    # the LM head is per stage, not per layer
+    per_layer.update(host_floor_terms(ctx, c, {k: v for k, v in per_layer.items() if k != "compute/lm_head"}))
+    return per_layer
 
-        extra, head_s, scale = overhead_terms(ctx, c, group_spans, overhead)
+
+HOST_ISSUE = "host/issue"
+"""Not a time term: on a GPU, the host's seconds to issue a layer (and, ``HOST_ISSUE_HEAD``, the LM head and loss)
+per micro-batch, which layer_terms hands out apart (cost/batch.py prices the step's host floor from them)."""
+HOST_ISSUE_HEAD = "host/issue_head"
+
+
+def _with_overhead(ctx, c, group_spans, overhead, per_layer: dict) -> dict:
+    """The per-layer terms with the measured framework overhead (cost/overhead.py overhead_terms). On a CPU the host
+    runs the layer's work itself: its fixed costs add to the FLOP-priced compute (scaled by the ranks sharing its
+    cores). On a GPU the host issues work while the device runs what it issued before: its seconds go out apart
+    (``HOST_ISSUE``), and the step takes the longer of the two (cost/batch.py ``host_floor``)."""
+    from piper_plan.cost.overhead import overhead_terms
+
+    extra, head_s, scale = overhead_terms(ctx, c, group_spans, overhead)
+    zero = 0.0 * c.ep
+    if ctx.platform.launch.device == "cpu":
         per_layer = {k: ((d * scale, m * scale) if k.startswith("compute/") else (d, m))
                      for k, (d, m) in per_layer.items()}
         per_layer.update(extra)
         per_layer["compute/lm_head"] = (per_layer["compute/lm_head"][0] + head_s, zero)
-    # the host floor last, against every device term of the layer as priced (scaled compute, framework overhead);
-    # the LM head is per stage, not per layer
-    per_layer.update(host_floor_terms(ctx, c, {k: v for k, v in per_layer.items() if k != "compute/lm_head"}))
+        return per_layer
+    per_layer[HOST_ISSUE] = extra.pop("framework/layer")
+    per_layer[HOST_ISSUE_HEAD] = (head_s + zero, zero)
+    per_layer.update(extra)
     return per_layer
 
 
@@ -148,7 +169,10 @@ def p2p_seconds(ctx, c: PlanBatch, group_spans) -> np.ndarray:
 
 
 def layer_terms(ctx, alloc, sub: PlanBatch, acts):
-    """Per-layer time coefficients {name: (per dense layer, per MoE layer)} and the LM head's seconds, for
-    candidates ``sub`` (one row per distinct cost/batch.py's KEY_TIME)."""
+    """Per-layer time coefficients {name: (per dense layer, per MoE layer)}, the LM head's seconds, and on a GPU with
+    measured framework overhead the host's issue seconds ({HOST_ISSUE: (per dense, per MoE layer)}, the head's),
+    else None, for candidates ``sub`` (one row per distinct cost/batch.py's KEY_TIME)."""
     terms = _time_terms(ctx, sub, spans(alloc, sub), acts)
-    return terms, terms.pop("compute/lm_head")[0]
+    host = terms.pop(HOST_ISSUE, None)
+    head_host = terms.pop(HOST_ISSUE_HEAD, (0.0, 0.0))[0]
+    return terms, terms.pop("compute/lm_head")[0], (None if host is None else ({HOST_ISSUE: host}, head_host))

@@ -123,7 +123,7 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     return SearchResult(nodes=nodes, world=world_size(platform, nodes), fields=space.fields, evaluation=ev,
                         candidates_total=space.total, reasons=merged, order=order, pareto=pareto,
                         memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features,
-                        sources=pricing_sources(platform, training, calibration), options=cost_options,
+                        sources=pricing_sources(platform, training, calibration, priced), options=cost_options,
                         runtime_peak_bytes=runtime_peak, device_bytes=float(platform.device.memory_bytes))
 
 

@@ -47,7 +47,7 @@ def test_the_slurm_sweep_passes_dtype_on_and_checks_it_before_writing(tmp_path):
     ok = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--dtype", "bf16",
                                   "--out-dir", str(tmp_path), "-o", str(tmp_path / "job.sbatch")])
     assert ok.exit_code == 0, ok.output
-    assert "--only gemm,attention --out-dir" in (tmp_path / "job.sbatch").read_text()
+    assert "--only gemm,attention,memory --out-dir" in (tmp_path / "job.sbatch").read_text()
     assert "--resume --dtype bf16" in (tmp_path / "job.sbatch").read_text()
     bad = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--dtype", "fp32",
                                    "--out-dir", str(tmp_path), "-o", str(tmp_path / "bad.sbatch")])

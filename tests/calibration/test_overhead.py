@@ -103,7 +103,7 @@ def test_bench_pieces_run_on_the_runtime_modules():
     torch.set_num_threads(1)
     calls = block_calls()
     assert {op for op, _ in calls} == {"attention_layer", "dense_mlp", "moe_block", "head_loss", "optimizer_tensor",
-                                       "autograd_op"}
+                                       "autograd_op", "attention_layer_forward", "moe_block_forward"}
     for call in calls.values():
         call()
 
@@ -177,3 +177,55 @@ def test_launched_ranks_write_the_rows_timed_apart(tmp_path):
     rows = pd.concat([_rows()[lambda f: ~f["op"].str.startswith("concurrency")], frame], ignore_index=True)
     ov = overhead_from_rows(rows)
     assert ov.concurrency_ranks == (2,) and ov.concurrency_factor[0] >= 1.0 and ov.sync_wait_s[0] >= 0.0
+
+
+def test_the_forward_rows_give_the_share_full_recompute_runs_again():
+    """(attention forward + 4-expert MoE forward) / (their forward + backward): 150 + 100 of 300 + 300 us."""
+    rows = pd.concat([_rows(), pd.DataFrame([
+        {"op": "attention_layer_forward", "size": 1, "seconds": 150e-6, "source": "measured: test"},
+        {"op": "moe_block_forward", "size": 4, "seconds": 100e-6, "source": "measured: test"}])])
+    assert overhead_from_rows(rows).forward_share == pytest.approx(250 / 600)
+    assert overhead_from_rows(_rows()).forward_share == 0.0        # not measured: recompute adds no overhead
+
+
+def _gpu_overhead_calibration(tmp_path, scale: float):
+    """calibration/h200 with overhead.csv rows of the test's size (``scale`` x _rows(), no concurrency rows)."""
+    import shutil
+
+    from piper_plan.calibration import load_calibration
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.catalog import calibration_dir
+
+    directory = tmp_path / f"h200-{scale:g}"
+    shutil.copytree(calibration_dir("h200"), directory)
+    (directory / "overhead.csv").unlink(missing_ok=True)        # the rows measured on the H200
+    rows = _rows()
+    rows = rows[~rows["op"].str.startswith("concurrency")].assign(seconds=lambda f: f["seconds"] * scale)
+    merge_rows(directory, OVERHEAD, rows.to_dict("records"))
+    return load_calibration(directory)
+
+
+def test_on_a_gpu_the_host_is_a_floor_under_the_step_not_an_addition(tmp_path):
+    """piper's runtime on a GPU: the host issues while the device runs, so a step takes the longer of the two
+    (cost/batch.py host_floor): a small host overhead adds nothing, a large one sets the step (host/framework)."""
+    from piper_plan.catalog import load_platform
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+    from piper_plan.specs import ParallelPlan, TrainingSpec
+
+    model, h200 = load_model("tiny-moe"), load_platform("h200")
+    plan, training = ParallelPlan(dp=8, ep=8, num_microbatches=4), TrainingSpec(seq_len=64, global_batch=32)
+
+    def run(calibration):
+        return estimate(model, h200, training, 1, plan, calibration=calibration, options=PIPER_RUNTIME_OPTIONS)
+
+    small, large = run(_gpu_overhead_calibration(tmp_path, 1e-3)), run(_gpu_overhead_calibration(tmp_path, 100.0))
+    assert small.time.breakdown.get("host/framework", 0.0) == 0.0 and "framework/layer" not in small.time.breakdown
+    assert large.time.breakdown["host/framework"] > 0
+    assert large.step_time_s == pytest.approx(sum(large.time.breakdown.values()), rel=1e-9)
+    # the host's issue time of the step: per micro-batch each MoE layer 300 (attention) + 100 + 50 us per local
+    # expert, each dense one 300 + 120 us, the head 80 us; x 100, x 4 micro-batches: the step takes it
+    local = model.moe.num_experts / 8
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    per_mb = (moe_layers * (400e-6 + 50e-6 * local) + (model.num_layers - moe_layers) * 420e-6 + 80e-6) * 100
+    assert large.step_time_s == pytest.approx(4 * per_mb, rel=1e-9)

@@ -752,11 +752,15 @@ def test_a_plan_file_that_contradicts_itself_or_types_a_boolean(tmp_path, plan_j
     assert_one_line_error(run("export", plan, "--engine", "megatron"), needle)
 
 
-def test_the_overhead_benchmark_is_refused_for_a_gpu_platform():
-    """It times the runtime's modules on this machine's CPU; recorded for frontier, its rows priced every GPU
-    layer at CPU speed (and without concurrency rows, 8 ranks per node 8x slower)."""
+def test_the_overhead_benchmark_for_a_gpu_platform_is_refused_without_a_gpu():
+    """It times the runtime's modules on the platform's device; recorded on this machine's CPU for frontier, its
+    rows priced every GPU layer at CPU speed (and without concurrency rows, 8 ranks per node 8x slower)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmark runs on it")
     assert_one_line_error(run("calibrate", "overhead", "--platform", "frontier", "--no-concurrency"),
-                          "--platform", "frontier runs on launch.device=cuda", "(local-cpu)")
+                          "--platform", "frontier runs on launch.device=cuda", "torch sees no GPU here")
 
 
 WITHOUT = """import sys
