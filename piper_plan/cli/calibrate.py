@@ -284,7 +284,8 @@ def fit_cmd(run_dirs, params, no_calibration, dry_run, as_json) -> None:
 @click.option("--no-concurrency", is_flag=True, help="Skip the rows that run 1, 2 and 4 processes at once.")
 @json_option(help="The measured rows and the file they went to as JSON on stdout.")
 def overhead_cmd(platform_name, out_dir, no_concurrency, as_json) -> None:
-    """Measure the runtime's fixed per-layer / per-micro-batch / optimizer overhead; write overhead.csv."""
+    """Measure the runtime's fixed per-layer / per-micro-batch / optimizer overhead on the platform's device (this
+    machine's CPU, or its first GPU); write overhead.csv."""
     from piper_plan.calibration.bench_overhead import overhead_rows
     from piper_plan.calibration.io import merge_rows, read_if_present
     from piper_plan.calibration.overhead import OVERHEAD

@@ -94,15 +94,11 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
     when = read_metadata(folder).get("date") if folder.is_dir() else None
     ref = shlex.quote(name) if name in catalog_names(platforms_dir()) else "PLATFORM.yaml"
     measure = f"`piper calibrate --platform {ref} --quick`, then `piper calibrate overhead --platform {ref}`"
-    unpriced = ""
-    if plan_file.platform.launch.device != "cpu":      # the overhead benchmark times the runtime on a CPU only
-        measure = f"`piper calibrate --platform {ref} --quick`"
-        unpriced = ("; the runtime's fixed cost per layer and micro-batch on the host is measured for CPU platforms "
-                    "only (`piper calibrate overhead`): on a GPU a step that waits on the host is not priced")
+    where = "" if plan_file.platform.launch.device == "cpu" else " on one of its GPUs"
     return (f"the step time is {step_error:+.0%} off; the plan was priced from {folder} when it was saved"
             + (f" (its metadata.json now says measured {when})" if when else "")
-            + f". If that calibration is another machine's, measure this one ({measure}), re-plan, and run again"
-            + unpriced)
+            + f". If that calibration is another machine's, measure this one ({measure}{where}), re-plan, and run "
+            "again")
 
 
 def _plot(path, result: dict, records: list[dict]):
