@@ -3,8 +3,8 @@
 One process, offline, torch >= 2.6; each section of the report is written as soon as it is measured (a cut-off
 run still reports), to ``docs/gpu-check.md`` unless ``--out`` says otherwise:
 
-1. calibration: ``piper calibrate --quick``'s GEMM (plain and grouped) and attention sweeps on this device (no
-   collectives), plus the exact GEMM shapes of the two models below, into OUT's calibration directory;
+1. calibration: ``piper calibrate --quick``'s GEMM (plain and grouped), attention and memory-bound kernel sweeps on
+   this device (no collectives), plus the exact GEMM shapes of the two models below, into OUT's calibration directory;
 2. for two shrunk MoE models with catalog shapes (Mixtral 8x7B's hidden and expert sizes with 2 layers and
    4 experts; one DeepSeek-V3 MoE layer: its hidden size, MLA and 2048-wide experts, 32 of them, top-8, one
    shared expert), the cost model's prediction with that calibration, then ~20 training steps of piper's runtime
@@ -12,7 +12,8 @@ run still reports), to ``docs/gpu-check.md`` unless ``--out`` says otherwise:
    (``torch.cuda.max_memory_allocated`` on GPUs, the runtime's tensor accounting on CPU), tokens/s and MFU,
    predicted vs measured;
 3. the runtime's grouped-expert GEMM rate (``LocalExperts`` forward at the step's tokens per expert) vs the
-   calibrated grouped-GEMM rate of the same shape.
+   calibrated grouped-GEMM rate of the same shape; on a GPU, how long the host takes to issue a step against the
+   step (a step the host cannot issue faster than the device runs it waits on the host).
 
 ``--device cpu`` uses smaller shapes (hidden 128) and finishes in well under a minute here. Targets on a GPU
 (benchmark figures, not tests): step time within 15% of the prediction, peak memory within 5%, grouped GEMMs at
@@ -121,9 +122,9 @@ def calibrate(device, platform_name: str, out_dir: Path, models, seq_len: int) -
 
     start = time.perf_counter()
     dtype = "bf16" if device.type == "cuda" else "fp32"     # the precision the runs below train in
-    opts = SweepOptions(platform=platform_name, out_dir=out_dir, quick=True, only=("gemm", "attention"),
+    opts = SweepOptions(platform=platform_name, out_dir=out_dir, quick=True, only=("gemm", "attention", "memory"),
                         dtypes=(dtype,),
-                        command=f"piper calibrate --platform {platform_name} --quick --only gemm,attention "
+                        command=f"piper calibrate --platform {platform_name} --quick --only gemm,attention,memory "
                                 f"--dtype {dtype}")
     result = run_calibration(opts)
     name, rows = device_name(device), []
@@ -266,6 +267,47 @@ def model_section(index: int, label: str, spec, pred: dict, run: dict, rates: di
     return "\n".join(text)
 
 
+def host_section(trainer, device, first_step: int, steps: int = 3) -> str:
+    """GPU: how long the host takes to issue a step (from its start to the step's closing
+    ``torch.cuda.synchronize``) against the step, and how many of one more step's calls wait for the device
+    (``torch.cuda.set_sync_debug_mode``'s warnings): a step whose issue time is its whole time waits on the host."""
+    import warnings
+
+    import torch
+
+    if device.type != "cuda":
+        return ""
+    real, marks = torch.cuda.synchronize, []
+
+    def marked(*args, **kwargs):
+        marks.append(time.perf_counter())
+        return real(*args, **kwargs)
+    issue, whole = [], []
+    torch.cuda.synchronize = marked
+    try:
+        for step in range(first_step, first_step + steps):
+            real()
+            marks.clear()
+            start = time.perf_counter()
+            trainer.train_step(step)
+            end = time.perf_counter()
+            issue.append((marks[0] if marks else end) - start)
+            whole.append(end - start)
+    finally:
+        torch.cuda.synchronize = real
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step(first_step + steps)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    waits = sum("synchroniz" in str(w.message) for w in caught)
+    return (f"Host: {steps} more steps took {statistics.median(whole):.4g} s (median); the host issued each in "
+            f"{statistics.median(issue):.4g} s (until the step's closing synchronize). One more step had {waits} "
+            "calls that waited for the device (torch.cuda.set_sync_debug_mode).")
+
+
 def profile_section(trainer, device, first_step: int, steps: int = 2, rows: int = 25) -> str:
     """torch.profiler's table of ``steps`` more training steps: the operators and kernels that took the most
     device time (GPU) or CPU time (CPU), self time first."""
@@ -343,6 +385,8 @@ def main(argv=None) -> int:
         platform_name = "h200" if device.type == "cuda" else "local-cpu"
         report.add(calibrate(device, platform_name, cal_dir, models, seq_len))
         cpu_peaks = None
+        if device.type == "cuda":
+            report.add(_measure_overhead(device, cal_dir))
         if device.type == "cpu":
             _copy_overhead(cal_dir)
             cpu_peaks = measured_peaks(cal_dir, platform_name)
@@ -360,13 +404,33 @@ def main(argv=None) -> int:
             rates = grouped_rates(run["trainer"], spec, device, seq_len)
             report.add(model_section(index, label, spec, pred, run, rates, platform, training,
                                      seq_len * microbatches))
+            if device.type == "cuda":
+                report.add(host_section(run["trainer"], device, first_step=args.steps))
             if args.profile:
-                report.add(profile_section(run["trainer"], device, first_step=args.steps))
+                report.add(profile_section(run["trainer"], device, first_step=args.steps + 4))
             del run
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     report.add(f"Total {time.perf_counter() - t0:.1f} s.")
     return 0
+
+
+def _measure_overhead(device, cal_dir: Path) -> str:
+    """GPU: the runtime's host overhead measured on this device (`piper calibrate overhead`'s rows) joins the
+    calibration, so the prediction prices the step's wait on its host (cost/batch.py host_floor)."""
+    from piper_plan.calibration.bench_overhead import overhead_rows
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.calibration.overhead import OVERHEAD
+
+    start = time.perf_counter()
+    rows = overhead_rows("piper calibrate overhead --platform h200", device=device)
+    merge_rows(cal_dir, OVERHEAD, rows)
+    shown = {f"{r['op']}" + (f" ({r['size']})" if r["size"] > 1 else ""): r["seconds"] * 1e3 for r in rows
+             if r["op"] in ("attention_layer", "attention_layer_forward", "head_loss")
+             or (r["op"].startswith("moe_block") and r["size"] == 4)}
+    return (f"The runtime's host overhead on this device (`piper calibrate overhead --platform h200`, "
+            f"{len(rows)} rows, {time.perf_counter() - start:.1f} s), ms per micro-batch: "
+            + ", ".join(f"{k} {v:.3g}" for k, v in shown.items()) + ".")
 
 
 def _copy_overhead(cal_dir: Path) -> None:
