@@ -32,7 +32,7 @@ from piper_plan.cost.pipeline import (CHUNK_SLOT, bubble_microbatches, chunk_in_
                                       uneven_bubble_seconds, uneven_chunks)
 from piper_plan.cost.params import moe_prefix, rank_stage_params
 from piper_plan.cost.step import dp_sync_seconds, optimizer_seconds, runtime_copy_seconds
-from piper_plan.cost.terms import HOST_ISSUE, layer_terms, p2p_seconds, spans
+from piper_plan.cost.terms import HOST_ISSUE, HOST_ISSUE_STEP, layer_terms, p2p_seconds, spans
 from piper_plan.specs.vocab import LayerSplit
 
 KEY_TIME = ("pp", "tp", "cp", "ep", "etp", "mbs", "recompute", "a2a", "virtual_stages", "sequence_parallel")
@@ -196,24 +196,32 @@ def time_by_key(ctx, alloc, sub):
     split, st, _, _ = stage_table(ctx, sub)
     parts = stage_time_parts(ctx.model, per_layer, head, st)
     total = sum(parts.values())
-    if host is not None:
-        parts[HOST_ISSUE] = sum(stage_time_parts(ctx.model, *host, st).values())
     chunk = np.where(split == CHUNK_SLOT, total, _NONE).max(0)
     slow = per_split_argmax(total, split)
     cols = np.arange(total.shape[1])
     seconds = np.stack([np.where(split[slow[v], cols] == v, total[slow[v], cols], _NONE) for v in SPLITS])
     at_slow = lambda p: np.stack([np.broadcast_to(p, total.shape)[slow[v], cols] for v in SPLITS])   # noqa: E731
-    return seconds, {k: at_slow(p) for k, p in parts.items()}, chunk
+    parts = {k: at_slow(p) for k, p in parts.items()}
+    if host is not None:               # the stage whose host is slowest, which need not be the device's slowest
+        host_s = sum(stage_time_parts(ctx.model, *host, st).values())
+        parts[HOST_ISSUE] = per_split_max(np.broadcast_to(host_s, total.shape), split)
+    return seconds, parts, chunk
 
 
-def host_floor(breakdown: dict, step) -> np.ndarray:
-    """A GPU step's wait on its host: the host's issue seconds of the step (HOST_ISSUE, popped from ``breakdown``)
-    beyond the device's ``step``, 0 where none is priced. piper's runtime reads nothing back from the device
-    inside a layer at ep 1 (runtime/moe.py keeps counts and offsets on the device), so its host runs ahead and
-    the step takes the longer of the two: on an H200 the host issued the Mixtral-shaped step of
-    benchmarks/gpu_check.py in 77 of its 123 ms, and tiny-moe's in all of it (docs/gpu-check.md)."""
-    host = breakdown.pop(HOST_ISSUE, None)
-    return np.zeros_like(step) if host is None else np.maximum(host - step, 0.0)
+def host_floor(breakdown: dict, c, step) -> np.ndarray:
+    """A GPU step's wait on its host: the host's issue seconds of the step beyond the device's ``step``, 0 where
+    none is priced. ``breakdown`` holds (popped here) HOST_ISSUE, the slowest host's seconds per micro-batch, and
+    HOST_ISSUE_STEP, its optimizer's. A host-paced schedule idles as the device-paced one does: M micro-batches
+    plus the schedule's bubble (pipeline.bubble_microbatches). piper's runtime reads nothing back from the device
+    inside a layer at ep 1 (runtime/moe.py keeps counts and offsets on the device), so its host runs ahead and the
+    step takes the longer of the two: on an H200 the host issued the Mixtral-shaped step of benchmarks/gpu_check.py
+    in 0.077 of its 0.123 s (docs/gpu-check.md). At ep > 1 the dispatch reads its counts in every MoE layer
+    (runtime/dispatch.py), the host cannot run ahead across layers, and this is a lower bound (not measured)."""
+    per_mb, optimizer = breakdown.pop(HOST_ISSUE, None), breakdown.pop(HOST_ISSUE_STEP, 0.0)
+    if per_mb is None:
+        return np.zeros_like(step)
+    host = per_mb * (c.num_microbatches + bubble_microbatches(c.schedule, c.pp, c.virtual_stages)) + optimizer
+    return np.maximum(host - step, 0.0)
 
 
 def memory_by_key(ctx, c, keys, rows_m, detail: bool):
@@ -291,8 +299,9 @@ def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
     dense, expert, overhead = dense[:, q], expert[:, q], overhead[:, q]
     group_spans = {k: spans_q[0][q] for k, spans_q in spans(alloc, sub_q).items() if k in SYNC_GROUPS}
     sub = c.take(rows_y)
-    o = ctx.opts
+    o, on_cpu = ctx.opts, ctx.platform.launch.device == "cpu"
     out = {"dp/sync/dense": [], "dp/sync/expert": [], "optimizer/step": [], "precision/copies": []}
+    out.update({} if on_cpu else {HOST_ISSUE_STEP: []})
     for v in SPLITS:
         sync_d, sync_e = dp_sync_seconds(ctx.net, ctx.training, dense[v], expert[v], sub,
                                          *(group_spans[k] for k in SYNC_GROUPS))
@@ -300,7 +309,9 @@ def sync_by_key(ctx, alloc, c, keys, rows_y) -> dict[str, np.ndarray]:
         out["dp/sync/expert"].append(sync_e * (1 - o.dp_overlap))
         out["optimizer/step"].append(optimizer_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub,
                                                        o.unfused_kernels)
-                                     + np.maximum(overhead[v], 0.0))
+                                     + (np.maximum(overhead[v], 0.0) if on_cpu else 0.0))
+        if not on_cpu:                  # a GPU's host issues the optimizer as it issues the layers (host_floor)
+            out[HOST_ISSUE_STEP].append(np.maximum(overhead[v], 0.0))
         out["precision/copies"].append(runtime_copy_seconds(ctx.rates, ctx.training, dense[v], expert[v], sub,
                                                             ctx.platform.launch.device, o))
     return {k: np.stack(v) for k, v in out.items()}
@@ -347,7 +358,10 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     sub_p = c.take(rows_p)
     p2p = p2p_seconds(ctx, sub_p, spans(alloc, sub_p))[inv_p]
     m = c.num_microbatches
+    host_mb = parts_t.pop(HOST_ISSUE, None)
     breakdown = _gather_split(parts_t, split, inv_t, m)
+    if host_mb is not None:
+        breakdown.update(_gather_split({HOST_ISSUE: host_mb}, split, inv_t))
     breakdown["pipeline/p2p"] = p2p * m
     t_mb = seconds_t.ravel()[split * seconds_t.shape[1] + inv_t] + p2p
     breakdown["pipeline/bubble"] = t_mb * bubble_microbatches(c.schedule, c.pp, c.virtual_stages)
@@ -359,7 +373,7 @@ def evaluate_batch(ctx, alloc, c, memory_detail=False):
     breakdown.update(_gather_split(sync, split, inv_s))
     step = t_mb * m + breakdown["pipeline/bubble"] + breakdown["dp/sync/dense"] + breakdown["dp/sync/expert"] \
         + breakdown["optimizer/step"] + breakdown["precision/copies"]
-    breakdown["host/framework"] = host_floor(breakdown, step)
+    breakdown["host/framework"] = host_floor(breakdown, c, step)
     step = step + breakdown["host/framework"]
     breakdown["migration"] = step * ctx.opts.migration_fraction
     step = step + breakdown["migration"]

@@ -67,7 +67,7 @@ class Rates:
 
     def _check_below_peak(self, calibration) -> None:
         """A calibration row faster than the device's datasheet peak is a broken measurement (it priced MFU at
-        199%): one error line naming the file."""
+        199%): one error line naming the file. So is a memory-bound kernel faster than a GPU's memory bandwidth."""
         from piper_plan.errors import PiperError
 
         for table, dtype, peak in (("gemm", self.gemm_dtype, self.peak), ("attention", self.attention_dtype,
@@ -78,6 +78,17 @@ class Rates:
                                  f"{peak / 1e12:.4g} (platform {self.platform.name}, device.peak_flops): no kernel "
                                  "beats its datasheet; measure the row again", path=str(calibration.directory /
                                                                                         f"{table}.csv"))
+        if self.platform.launch.device == "cpu":    # a CPU's bandwidth is itself a measured copy, which caches beat
+            return
+        from piper_plan.calibration.schema import MEMORY_KERNELS
+
+        for kernel in MEMORY_KERNELS:
+            rate = calibration.memory_Bps(kernel)
+            if rate > PEAK_MARGIN * self.bandwidth_Bps:
+                raise PiperError(f"a {kernel} row measures {rate / 1e9:.6g} GB/s, above the device's memory "
+                                 f"bandwidth of {self.bandwidth_Bps / 1e9:.6g} (platform {self.platform.name}, "
+                                 "device.memory_bandwidth_GBps): no kernel beats its datasheet; measure the row again",
+                                 path=str(calibration.directory / "memory.csv"))
 
     @property
     def source(self) -> str:

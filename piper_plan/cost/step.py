@@ -47,17 +47,22 @@ def optimizer_seconds(rates, training, dense, expert, c, piper_runtime: bool = F
     """Adam step, memory-bound: read + write master and optimizer state, read gradients, write weights,
     for the parameters this rank updates (its ZeRO-1 shard), at the calibration's measured ``optimizer`` rate.
     Before it the gradients are read again: Megatron-Core's clipping and loss-scale unscaling, 2 x their bytes;
-    piper's runtime (``piper_runtime``) reads them for the global norm and rewrites them for the clip
+    piper's runtime (``piper_runtime``) reads its fp32 gradients for the global norm and rewrites them for the clip
     (runtime/optim.py: 3 x, at the ``clip`` rate) and divides them by the micro-batch count after the last
     backward (runtime/pipeline.py scale_grads, as torch's pipelining schedules do: 2 x, at the ``accumulate``
-    rate); Megatron-Core folds that mean into the loss."""
+    rate), all of the rank's gradients but FSDP2's shards; Megatron-Core folds that mean into the loss."""
+    from piper_plan.cost.memory import FSDP_GRAD_BYTES
+
     local = dense / np.where(c.zero >= 1, c.dense_shard, 1) + expert / np.where(c.zero >= 1, c.edp, 1)
     per_param = 2 * (training.master_bytes + training.optimizer_bytes) + training.grad_bytes + training.weight_bytes
-    g = training.grad_bytes
     step = rates.memory_seconds(local * per_param, "optimizer")
     if not piper_runtime:
-        return step + rates.memory_seconds(local * 2 * g, "clip")
-    return step + rates.memory_seconds(local * 3 * g, "clip") + rates.memory_seconds(local * 2 * g, "accumulate")
+        return step + rates.memory_seconds(local * 2 * training.grad_bytes, "clip")
+    # the runtime's gradients are fp32 (its parameters' dtype) and whole on each rank but under FSDP2 (zero 2 / 3,
+    # dp > 1), whose gradients are shards: zero 1 shards the optimizer's state, not the norm, clip and mean
+    fsdp = (c.zero >= 2) & (c.dp > 1)
+    grads = np.where(fsdp, local, dense + expert) * FSDP_GRAD_BYTES
+    return step + rates.memory_seconds(3 * grads, "clip") + rates.memory_seconds(2 * grads, "accumulate")
 
 
 def runtime_copy_seconds(rates, training, dense, expert, c, launch_device: str, opts) -> np.ndarray:

@@ -126,7 +126,8 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
         per_layer = _with_overhead(ctx, c, group_spans, overhead, per_layer)
     # the host floor last, against every device term of the layer as priced (scaled compute, framework overhead);
     # the LM head is per stage, not per layer
-    per_layer.update(host_floor_terms(ctx, c, {k: v for k, v in per_layer.items() if k != "compute/lm_head"}))
+    per_layer.update(host_floor_terms(ctx, c, {k: v for k, v in per_layer.items()
+                                              if k not in ("compute/lm_head", HOST_ISSUE, HOST_ISSUE_HEAD)}))
     return per_layer
 
 
@@ -134,6 +135,8 @@ HOST_ISSUE = "host/issue"
 """Not a time term: on a GPU, the host's seconds to issue a layer (and, ``HOST_ISSUE_HEAD``, the LM head and loss)
 per micro-batch, which layer_terms hands out apart (cost/batch.py prices the step's host floor from them)."""
 HOST_ISSUE_HEAD = "host/issue_head"
+HOST_ISSUE_STEP = "host/issue_step"
+"""Not a time term either: on a GPU, the host's seconds to issue the optimizer step (cost/batch.py sync_by_key)."""
 
 
 def _with_overhead(ctx, c, group_spans, overhead, per_layer: dict) -> dict:

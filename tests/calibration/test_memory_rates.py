@@ -97,10 +97,10 @@ def test_the_optimizer_and_the_runtimes_copies_take_their_measured_rates(h200_wi
 
 
 def test_pipers_runtime_passes_over_its_gradients_three_more_times_than_megatron(h200_with_memory):
-    """Before the optimizer, piper's runtime reads its gradients for the global norm, rewrites them for the clip
+    """Before the optimizer, piper's runtime reads its fp32 gradients for the global norm, rewrites them for the clip
     (runtime/optim.py) and divides them by the micro-batch count (runtime/pipeline.py scale_grads): 3 + 2 passes
-    of their bytes, against Megatron-Core's 2 (clip and unscale; the mean folded into its loss). On an H200 the
-    division alone took 3.3 ms of a 123 ms step (docs/gpu-check.md)."""
+    of 4 bytes, against Megatron-Core's 2 of its gradient bytes (clip and unscale; the mean folded into its loss).
+    On an H200 the division alone took 3.3 ms of a 123 ms step (docs/gpu-check.md)."""
     from piper_plan.cost.options import CostOptions
     from piper_plan.cost.memory import rank_param_counts
 
@@ -113,5 +113,24 @@ def test_pipers_runtime_passes_over_its_gradients_three_more_times_than_megatron
                         options=options).time.breakdown["optimizer/step"]
 
     (rank,) = rank_param_counts(model, plan)
-    extra = (rank["dense"] + rank["expert"]) * 3 * training.grad_bytes / 4800e9
+    params = rank["dense"] + rank["expert"]
+    extra = params * ((3 + 2) * 4 - 2 * training.grad_bytes) / 4800e9       # the runtime's gradients are fp32
     assert optimizer(PIPER_RUNTIME_OPTIONS) - optimizer(CostOptions()) == pytest.approx(extra, rel=1e-9)
+    # zero 1 shards the optimizer's state, not the gradients the norm, the clip and the mean pass over
+    sharded = plan.model_copy(update={"zero": 1})
+    (shard,) = rank_param_counts(model, sharded)
+    adam = 2 * (training.master_bytes + training.optimizer_bytes) + training.grad_bytes + training.weight_bytes
+    local = shard["dense"] / 8 + shard["expert"]                      # dense over dp 8; each expert on one rank
+    assert estimate(model, h200, training, 1, sharded, calibration=calibration, options=PIPER_RUNTIME_OPTIONS) \
+        .time.breakdown["optimizer/step"] == pytest.approx((local * adam + params * 5 * 4) / 4800e9, rel=1e-9)
+
+
+def test_a_kernel_faster_than_a_gpus_memory_bandwidth_is_refused(h200_with_memory):
+    """A self-consistent row above the H200's 4,800 GB/s is a broken measurement, as a GEMM above its peak is."""
+    from piper_plan.errors import PiperError
+
+    model, h200 = load_model("tiny-moe"), load_platform("h200")
+    calibration = h200_with_memory({"accumulate": 100_000.0})
+    with pytest.raises(PiperError, match="accumulate row measures 100000 GB/s, above the device's memory bandwidth"):
+        estimate(model, h200, TrainingSpec(seq_len=64, global_batch=32), 1, ParallelPlan(dp=8, ep=8),
+                 calibration=calibration, options=PIPER_RUNTIME_OPTIONS)

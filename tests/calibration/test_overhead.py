@@ -228,4 +228,64 @@ def test_on_a_gpu_the_host_is_a_floor_under_the_step_not_an_addition(tmp_path):
     local = model.moe.num_experts / 8
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
     per_mb = (moe_layers * (400e-6 + 50e-6 * local) + (model.num_layers - moe_layers) * 420e-6 + 80e-6) * 100
-    assert large.step_time_s == pytest.approx(4 * per_mb, rel=1e-9)
+    # and the optimizer's: one call per gradient group, 20 us + 5 us per tensor, x 100
+    from piper_plan.cost.overhead import expert_tensors_per_layer
+
+    dense_t, moe_t = param_tensors_per_layer(model)
+    expert_t = expert_tensors_per_layer(model)
+    dense_tensors = (model.num_layers - moe_layers) * dense_t + moe_layers * (moe_t - expert_t) \
+        + 2 + (0 if model.tie_embeddings else 1)                      # embedding; final norm and LM head
+    optimizer = (20e-6 + 5e-6 * dense_tensors + 20e-6 + 5e-6 * moe_layers * expert_t) * 100
+    assert large.step_time_s == pytest.approx(4 * per_mb + optimizer, rel=1e-9)
+
+
+def test_the_host_floor_takes_the_slowest_host_over_the_schedule(tmp_path):
+    """pp 2 with 3 layers and 1 layer + the LM head: the device's slowest stage is the first, the host's the last
+    (its loss runs 32 chunks); a host-paced 1F1B schedule takes M + pp - 1 of the slowest host's micro-batches."""
+    from piper_plan.catalog import load_platform
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+    from piper_plan.specs import ParallelPlan, TrainingSpec
+
+    model, h200 = load_model("tiny-moe"), load_platform("h200")
+    training = TrainingSpec(seq_len=32768, global_batch=4)
+    plan = ParallelPlan(pp=2, num_microbatches=4, layers_per_stage=[3, 1])
+    est = estimate(model, h200, training, 1, plan, calibration=_gpu_overhead_calibration(tmp_path, 100.0),
+                   options=PIPER_RUNTIME_OPTIONS)
+    host = {True: (400e-6 + 50e-6 * model.moe.num_experts) * 100, False: 420e-6 * 100}    # per layer, ep 1
+    first = sum(host[model.is_moe_layer(i)] for i in range(3))
+    last = host[model.is_moe_layer(3)] + 80e-6 * 100 * 32768 / 1024                      # 32 loss chunks
+    assert last > first
+    optimizer = est.time.breakdown["optimizer/step"]
+    assert est.step_time_s >= last * (4 + 1) + optimizer
+    assert est.step_time_s == pytest.approx(last * (4 + 1), rel=0.05)
+
+
+def test_measured_overhead_never_lowers_a_step_the_gemm_call_floor_prices(tmp_path):
+    """dgx-h100 prices Megatron-Core's host work per GEMM call (efficiency.host_s_per_gemm_call): the runtime's
+    measured overhead must not count as device time in that floor (it once lowered the step by 17%)."""
+    import shutil
+
+    from piper_plan.calibration import load_calibration
+    from piper_plan.catalog import calibration_dir, load_platform
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+    from piper_plan.specs import ParallelPlan, TrainingSpec
+
+    bare, measured = tmp_path / "bare", tmp_path / "measured"
+    for directory in (bare, measured):          # the H200's GEMMs; its memory rates are beyond an H100's bandwidth
+        shutil.copytree(calibration_dir("h200"), directory)
+        (directory / "memory.csv").unlink()
+    (bare / "overhead.csv").unlink()
+    model, h100 = load_model("qwen3-30b-a3b"), load_platform("dgx-h100")
+    plan, training = ParallelPlan(dp=8, ep=8, num_microbatches=4), TrainingSpec(seq_len=4096, global_batch=32)
+
+    def step(directory):
+        return estimate(model, h100, training, 1, plan, calibration=load_calibration(directory),
+                        options=PIPER_RUNTIME_OPTIONS)
+    without, with_overhead = step(bare), step(measured)
+    assert without.time.breakdown["host/launch"] > 0
+    # within the count exchange the overhead adds as device time (moe/layout), not by the runtime's host seconds
+    assert with_overhead.time.breakdown["host/launch"] == pytest.approx(without.time.breakdown["host/launch"],
+                                                                       rel=0.01)
+    assert with_overhead.step_time_s >= without.step_time_s * (1 - 1e-12)
