@@ -219,7 +219,8 @@ def render(result, model, platform, plan, training, cited_at: str) -> None:
               + (" | some points EXTRAPOLATED beyond calibration" if result.sources.extrapolated else ""),
               markup=False)
     out.print(f"host time: {result.sources.host}", markup=False)
-    warning = host_warning(platform, result.time.breakdown.get("host/launch", 0.0), result.step_time_s)
+    warning = host_warning(platform, result.time.breakdown.get("host/launch", 0.0), result.step_time_s,
+                           framework_s=result.time.breakdown.get("host/framework", 0.0))
     if warning:
         note(warning)
     out.print(f"expert all-to-all ({result.sources.a2a_algorithm}): {result.sources.a2a}", markup=False)

@@ -281,8 +281,9 @@ def _note_host_bound(result, platform) -> None:
 
     if len(result.order):
         best, ev = int(result.order[0]), result.evaluation
-        host = ev.breakdown["host/launch"][best] if "host/launch" in ev.breakdown else 0.0
-        warning = host_warning(platform, float(host), float(ev.step_time_s[best]), "the top plan's step")
+        host, framework = (float(ev.breakdown[k][best]) if k in ev.breakdown else 0.0
+                           for k in ("host/launch", "host/framework"))
+        warning = host_warning(platform, host, float(ev.step_time_s[best]), "the top plan's step", framework)
         if warning:
             note(warning)
 

@@ -173,15 +173,25 @@ HOST_DOMINATES = 0.5
 """Share of a step above which host time, not the devices, sets it (host_warning)."""
 
 
-def host_warning(platform, host_s: float, step_s: float, subject: str = "this step") -> str | None:
-    """A line when host time (cost/overhead.py host_floor_terms) is most of a step: the figure then rests on one
-    per-call constant (host_source), which a plan with many more GEMM calls per step (local experts, layers,
-    micro-batches) than the run it came from extrapolates; None otherwise."""
-    if step_s <= 0 or host_s / step_s < HOST_DOMINATES:
+def host_warning(platform, host_s: float, step_s: float, subject: str = "this step",
+                 framework_s: float = 0.0) -> str | None:
+    """A line when host time is most of a step: priced per GEMM call (``host_s``, cost/overhead.py
+    host_floor_terms), the figure rests on one per-call constant (host_source), which a plan with many more GEMM
+    calls per step (local experts, layers, micro-batches) than the run it came from extrapolates; measured
+    (``framework_s``, the runtime's overhead.csv on a GPU: cost/batch.py host_floor), it rests on the host that
+    measured it, which moved by 40% between two leases of one H200 (docs/gpu-check.md). None otherwise."""
+    if step_s <= 0:
         return None
-    return (f"warning: host time is {host_s / step_s:.0%} of {subject}, priced at {host_source(platform)}, whose "
-            f"origin {platform.name}'s efficiency.source gives: the step rests on that one constant; fewer GEMM calls "
-            "per step (fewer local experts, more tokens per micro-batch) or CUDA graphs shrink it")
+    if host_s / step_s >= HOST_DOMINATES:
+        return (f"warning: host time is {host_s / step_s:.0%} of {subject}, priced at {host_source(platform)}, "
+                f"whose origin {platform.name}'s efficiency.source gives: the step rests on that one constant; fewer "
+                "GEMM calls per step (fewer local experts, more tokens per micro-batch) or CUDA graphs shrink it")
+    if framework_s / step_s >= HOST_DOMINATES:
+        return (f"warning: {subject} waits on its host for {framework_s / step_s:.0%} of it (host/framework: the "
+                "runtime's host overhead measured in the calibration's overhead.csv): the figure is that host's, "
+                "which moves with the machine and its load; measure it where the job runs (`piper calibrate "
+                "overhead`), or give each micro-batch more tokens")
+    return None
 
 
 def _estimate(ctx, plan, c: PlanBatch, nodes, placement, alloc, ev: Evaluation, per_stage, layers,

@@ -273,3 +273,19 @@ def test_a_saved_plan_is_priced_again_from_the_file_alone(tmp_path):
                          (["--nodes", "8", "--platform", "frontier"], "Missing option '--model'")):
         bad = CliRunner().invoke(cli, ["estimate", *args])
         assert bad.exit_code == 2 and needle in bad.stderr and bad.stderr.count("\n") == 1, bad.output
+
+
+def test_a_gpu_step_that_waits_on_its_measured_host_says_so():
+    """tiny-moe on one H200: the runtime's host overhead measured there (calibration/h200/overhead.csv) is most of
+    the step (host/framework), which the output flags with what the figure rests on; Mixtral's step waits on the
+    device, and says nothing."""
+    tiny = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "h200", "--nodes", "1", "--runnable",
+                                    "--global-batch", "64", "--top", "1"])
+    assert tiny.exit_code == 0, tiny.output
+    assert "warning: the top plan's step waits on its host for " in tiny.stderr and "`piper calibrate overhead`" \
+        in tiny.stderr
+    mixtral = CliRunner().invoke(cli, ["estimate", "--model", "mixtral-8x7b", "--platform", "h200", "--nodes", "2",
+                                       "--dp", "8", "--pp", "2", "--ep", "8", "--zero", "2", "--piper-runtime"])
+    assert mixtral.exit_code == 0, mixtral.output
+    assert "waits on its host" not in mixtral.stderr and "host time: the runtime's overhead measured in " \
+        "calibration/h200/overhead.csv" in mixtral.output
