@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from piper_plan.calibration.schema import MIN_MEASURED, SOURCE, Column, Table, _pos_int
 
 CONCURRENCY_WORKLOAD_EXPERTS = 4      # bench_overhead.measure_concurrency runs moe_block with 4 local experts
@@ -43,64 +45,76 @@ OVERHEAD = Table(
 )
 
 
-def read_overhead(directory: str | Path):
-    """The validated rows of ``directory/overhead.csv`` (pandas), or None when absent."""
-    from piper_plan.calibration.io import read_if_present
+def read_overhead(directory: str | Path) -> dict | None:
+    """The validated columns of ``directory/overhead.csv`` (io.read_columns: no pandas, which pricing a plan never
+    imports), or None when absent."""
+    from piper_plan.calibration.io import columns_if_present
 
-    return read_if_present(directory, OVERHEAD)
+    return columns_if_present(directory, OVERHEAD)
 
 
-def overhead_from_rows(frame):
-    """rows -> FrameworkOverhead (linear fits over local experts and tensors; concurrency relative to 1 rank)."""
+class _ByOp:
+    """overhead.csv's rows by op: (sizes, seconds) as float arrays sorted by size."""
+
+    def __init__(self, columns) -> None:
+        self.op = np.asarray(columns["op"], dtype=str)
+        self.size = np.asarray(columns["size"], dtype=float)
+        self.seconds = np.asarray(columns["seconds"], dtype=float)
+        self.sources = sorted(set(np.asarray(columns["source"], dtype=str).tolist()))
+
+    def __call__(self, op: str) -> tuple[np.ndarray, np.ndarray]:
+        mine = self.op == op
+        order = np.argsort(self.size[mine], kind="stable")
+        return self.size[mine][order], self.seconds[mine][order]
+
+    def at(self, op: str, size: float) -> float | None:
+        sizes, seconds = self(op)
+        hit = seconds[sizes == size]
+        return float(hit[0]) if hit.size else None
+
+
+def overhead_from_rows(columns):
+    """rows (a mapping of column -> values: read_columns' dict or a DataFrame) -> FrameworkOverhead (linear fits over
+    local experts and tensors; concurrency relative to 1 rank)."""
     from piper_plan.cost.overhead import FrameworkOverhead, linear_fit
 
-    def rows(op):
-        return frame[frame["op"] == op].sort_values("size")
+    rows = _ByOp(columns)
 
     def single(op):
-        r = rows(op)
-        return float(r["seconds"].iloc[0] / r["size"].iloc[0]) if len(r) else 0.0
+        sizes, seconds = rows(op)
+        return float(seconds[0] / sizes[0]) if sizes.size else 0.0
 
     moe = rows("moe_block")
-    moe_a, moe_b = linear_fit(moe["size"], moe["seconds"]) if len(moe) else (0.0, 0.0)
+    moe_a, moe_b = linear_fit(*moe) if moe[0].size else (0.0, 0.0)
     opt = rows("optimizer_tensor")
-    opt_a, opt_b = linear_fit(opt["size"], opt["seconds"]) if len(opt) else (0.0, 0.0)
+    opt_a, opt_b = linear_fit(*opt) if opt[0].size else (0.0, 0.0)
     conc = rows("concurrency")
-    ranks, factor = (1,), (1.0,)
-    alone = moe[moe["size"] == CONCURRENCY_WORKLOAD_EXPERTS]["seconds"]
-    wait = (0.0,)
-    if len(conc) and len(alone):
-        ranks, factor, wait = _slowdown_and_wait(conc, rows("concurrency_coarse"), float(alone.iloc[0]))
-        factor, wait = _timed_apart(ranks, factor, wait, rows("lockstep_outside"), rows("lockstep_wait"),
-                                    float(alone.iloc[0]))
-    sources = sorted(set(frame["source"]))
+    ranks, factor, wait = (1,), (1.0,), (0.0,)
+    alone = rows.at("moe_block", CONCURRENCY_WORKLOAD_EXPERTS)
+    if conc[0].size and alone is not None:
+        ranks, factor, wait = _slowdown_and_wait(conc, rows("concurrency_coarse"), alone)
+        factor, wait = _timed_apart(ranks, factor, wait, rows("lockstep_outside"), rows("lockstep_wait"), alone)
     return FrameworkOverhead(single("attention_layer"), single("dense_mlp"), moe_a, moe_b, single("head_loss"),
-                             opt_a, opt_b, ranks, factor, "; ".join(sources), wait, _forward_share(rows))
+                             opt_a, opt_b, ranks, factor, "; ".join(rows.sources), wait, _forward_share(rows))
 
 
-def _forward_share(rows) -> float:
+def _forward_share(rows: _ByOp) -> float:
     """The forward's share of a layer's forward + backward: (attention_layer_forward + moe_block_forward) over
     (attention_layer + moe_block) at the forward row's expert count; 0 without forward rows."""
-    fwd_attn, fwd_moe, attn, moe = (rows(op) for op in ("attention_layer_forward", "moe_block_forward",
-                                                        "attention_layer", "moe_block"))
-    if not (len(fwd_attn) and len(fwd_moe) and len(attn)):
+    fwd_attn, attn = rows.at("attention_layer_forward", 1), rows.at("attention_layer", 1)
+    sizes, fwd_moe = rows("moe_block_forward")
+    both = rows.at("moe_block", sizes[0]) if sizes.size else None
+    if fwd_attn is None or attn is None or both is None:
         return 0.0
-    experts = int(fwd_moe["size"].iloc[0])
-    both = moe[moe["size"] == experts]["seconds"]
-    if not len(both):
-        return 0.0
-    share = (float(fwd_attn["seconds"].iloc[0]) + float(fwd_moe["seconds"].iloc[0])) / \
-        (float(attn["seconds"].iloc[0]) + float(both.iloc[0]))
-    return min(share, 1.0)
+    return min((fwd_attn + float(fwd_moe[0])) / (attn + both), 1.0)
 
 
 def _slowdown_and_wait(fine, coarse, workload_s: float):
-    """(ranks, slowdown, wait seconds per collective) from the lockstep rows: an iteration of g workloads and one
-    collective takes g x workload x slowdown + wait (g = 1 fine, COARSE_CALLS coarse); without coarse rows the
-    whole excess is slowdown (wait 0)."""
-    ranks = tuple(int(v) for v in fine["size"])
-    t1 = dict(zip(fine["size"], fine["seconds"].astype(float)))
-    tg = dict(zip(coarse["size"], coarse["seconds"].astype(float)))
+    """(ranks, slowdown, wait seconds per collective) from the lockstep rows ((sizes, seconds) each): an iteration
+    of g workloads and one collective takes g x workload x slowdown + wait (g = 1 fine, COARSE_CALLS coarse);
+    without coarse rows the whole excess is slowdown (wait 0)."""
+    ranks = tuple(int(v) for v in fine[0])
+    t1, tg = dict(zip(ranks, fine[1].tolist())), dict(zip((int(v) for v in coarse[0]), coarse[1].tolist()))
     factor, wait = [], []
     for n in ranks:
         if n in tg:
@@ -114,12 +128,12 @@ def _slowdown_and_wait(fine, coarse, workload_s: float):
 
 
 def _timed_apart(ranks, factor, wait, outside, waited, workload_s: float):
-    """(slowdown, wait) per entry of ``ranks``, replaced where the lockstep_outside / lockstep_wait rows timed the
-    workload and the exchange apart (bench_overhead --launched-ranks): slowdown = the workload's time outside
-    the exchange over its time alone, wait = the time inside the exchange beyond the exchange alone. As the
-    runtime's timers split a step, so the wait lands on the exchanges, not on the compute."""
-    out_s = dict(zip(outside["size"], outside["seconds"].astype(float)))
-    wait_s = dict(zip(waited["size"], waited["seconds"].astype(float)))
+    """(slowdown, wait) per entry of ``ranks``, replaced where the lockstep_outside / lockstep_wait rows ((sizes,
+    seconds) each) timed the workload and the exchange apart (bench_overhead --launched-ranks): slowdown = the
+    workload's time outside the exchange over its time alone, wait = the time inside the exchange beyond the
+    exchange alone. As the runtime's timers split a step, so the wait lands on the exchanges, not on the compute."""
+    out_s = dict(zip((int(v) for v in outside[0]), outside[1].tolist()))
+    wait_s = dict(zip((int(v) for v in waited[0]), waited[1].tolist()))
     both = [n in out_s and n in wait_s for n in ranks]
     factor = tuple(max(out_s[n] / workload_s, 1.0) if ok else f for n, f, ok in zip(ranks, factor, both))
     wait = tuple(wait_s[n] if ok else w for n, w, ok in zip(ranks, wait, both))
@@ -128,5 +142,5 @@ def _timed_apart(ranks, factor, wait, outside, waited, workload_s: float):
 
 def load_overhead(directory: str | Path):
     """FrameworkOverhead of a calibration directory, or None when it has no overhead.csv."""
-    frame = read_overhead(directory)
-    return None if frame is None or frame.empty else overhead_from_rows(frame)
+    columns = read_overhead(directory)
+    return None if columns is None or not len(columns["op"]) else overhead_from_rows(columns)
