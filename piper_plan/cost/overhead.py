@@ -196,14 +196,17 @@ def overhead_terms(ctx, c, spans, ov: FrameworkOverhead):
         # every blocking exchange of a MoE layer (layout, dispatch + combine forward, their two backward) waits
         calls = np.where(c.ep > 1, exchanges + 4, 0.0)
         terms["moe/sync_wait"] = (0.0 * one, calls * ov.wait_seconds(ranks_per_host(ctx.platform, c.world)))
-    return terms, ov.head_loss_s * share * loss_chunks(ctx, c), compute_scale
+    chunks = loss_chunks(ctx, c)
+    recomputed = np.where(chunks > 1, 1 + ov.forward_share, 1.0)     # ChunkedLoss checkpoints each chunk
+    return terms, ov.head_loss_s * share * chunks * recomputed, compute_scale
 
 
 def loss_chunks(ctx, c):
     """LM head + loss calls per micro-batch: 1, or under piper's chunked loss (CostOptions.loss_chunk_rows, a
     micro-batch of more rows) one per chunk of ``chunk_rows // mbs`` positions, as runtime/pipeline.py ChunkedLoss
     splits it (its sequence shards under tp / cp not counted). Each chunk's head and loss is priced at the
-    head_loss row's overhead (which holds the embedding and final norm once: a bound)."""
+    head_loss row's overhead (which holds the embedding and final norm once: a bound), and its forward again at the
+    forward's measured share (overhead_terms: each chunk is checkpointed and recomputed in backward)."""
     chunk = ctx.opts.loss_chunk_rows
     if not ctx.opts.unfused_kernels or chunk is None:
         return np.ones_like(c.mbs, dtype=float)

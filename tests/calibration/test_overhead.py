@@ -289,3 +289,29 @@ def test_measured_overhead_never_lowers_a_step_the_gemm_call_floor_prices(tmp_pa
     assert with_overhead.time.breakdown["host/launch"] == pytest.approx(without.time.breakdown["host/launch"],
                                                                        rel=0.01)
     assert with_overhead.step_time_s >= without.step_time_s * (1 - 1e-12)
+
+
+def test_each_chunk_of_the_chunked_loss_is_issued_again_in_backward(tmp_path):
+    """ChunkedLoss checkpoints each chunk: its head and loss forward runs again in backward, priced at the
+    forward's measured share (250 of 600 us here); a micro-batch of 4,096 rows is 4 chunks of 1,024."""
+    from piper_plan.calibration import load_calibration
+    from piper_plan.calibration.io import merge_rows
+    from piper_plan.catalog import load_platform
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+    from piper_plan.specs import ParallelPlan, TrainingSpec
+
+    plain = _gpu_overhead_calibration(tmp_path, 100.0)
+    forward = [{"op": "attention_layer_forward", "size": 1, "seconds": 150e-6 * 100, "source": "measured: test"},
+               {"op": "moe_block_forward", "size": 4, "seconds": 100e-6 * 100, "source": "measured: test"}]
+    merge_rows(plain.directory, OVERHEAD, forward)
+    with_forward = load_calibration(plain.directory)
+    assert with_forward.overhead.forward_share == pytest.approx(250 / 600)
+    model, h200 = load_model("tiny-moe"), load_platform("h200")
+    plan, training = ParallelPlan(num_microbatches=4), TrainingSpec(seq_len=4096, global_batch=4)
+
+    def step(calibration):
+        return estimate(model, h200, training, 1, plan, calibration=calibration, options=PIPER_RUNTIME_OPTIONS)
+    before, after = step(plain), step(with_forward)
+    assert before.time.breakdown["host/framework"] > 0
+    assert after.step_time_s - before.step_time_s == pytest.approx(4 * 80e-6 * 100 * 4 * 250 / 600, rel=1e-9)
