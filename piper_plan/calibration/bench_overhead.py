@@ -337,7 +337,8 @@ def overhead_rows(command: str, concurrency: bool = True, device=None) -> list[d
     source = f"measured: {command} on {socket.gethostname()}{on} {when}"
     rows = [{"op": op, "size": size, "seconds": s, "source": source}
             for (op, size), s in measure_blocks(device=device).items()]
-    if concurrency and (device is None or device.type == "cpu"):   # one workload per collective, and three: separates the slowdown from the wait per sync
+    # one workload per collective, and three: separates the slowdown from the wait per sync
+    if concurrency and (device is None or device.type == "cpu"):
         for n, by_calls in measure_concurrency().items():
             rows += [{"op": "concurrency", "size": n, "seconds": by_calls[1], "source": source},
                      {"op": "concurrency_coarse", "size": n, "seconds": by_calls[COARSE_CALLS], "source": source}]

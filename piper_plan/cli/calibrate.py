@@ -28,7 +28,8 @@ from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 @json_option(help="What the sweep wrote (directory, rows per CSV, skipped points, seconds) as JSON on stdout.")
 @click.pass_context
 def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtypes, out_dir, as_json) -> None:
-    """Measure GEMM, attention, collectives and memory-bound kernels on this machine; write calibration/<platform>/*.csv."""
+    """Measure GEMM, attention, collectives and memory-bound kernels on this machine; write
+    calibration/<platform>/*.csv."""
     if ctx.invoked_subcommand is not None:
         _check_no_sweep_options(ctx)
         return
@@ -181,8 +182,8 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
 @click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
 @click.option("--nodes", "num_nodes", type=click.IntRange(1, MAX_NODES), required=True, help="Nodes to sweep over.")
 @click.option("--quick", is_flag=True, help="The small sweep.")
-@click.option("--only", default=None, help="Comma list of gemm,attention,collectives,memory (default: all; GEMM, attention and memory "
-              "run on one device of the first node).")
+@click.option("--only", default=None, help="Comma list of gemm,attention,collectives,memory (default: all; GEMM, "
+              "attention and memory run on one device of the first node).")
 @click.option("--dtype", "dtypes", default=None,
               help="Comma list of the precisions the GEMM and attention sweeps measure (default: every one the "
                    "device's sweep has).")

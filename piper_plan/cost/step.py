@@ -85,8 +85,8 @@ def runtime_copy_seconds(rates, training, dense, expert, c, launch_device: str, 
     An untied embedding table is looked up, not cast, and is priced as the rest (a bound by its share of the
     parameters). Casts at the calibration's measured ``cast`` rate, additions at ``accumulate``'s, the FSDP2 copy
     at ``copy``'s (memory.csv; the memory bandwidth without it). On an H200 the zero 0 copies and adds took 38.7 of
-    a 121 ms step (benchmarks/gpu_check.py --profile, docs/gpu-check.md); the FSDP2 terms are not measured. Megatron-Core keeps 16-bit weights and fp32
-    main gradients instead: 0 outside piper's runtime."""
+    a 121 ms step (benchmarks/gpu_check.py --profile, docs/gpu-check.md); the FSDP2 terms are not measured.
+    Megatron-Core keeps 16-bit weights and fp32 main gradients instead: 0 outside piper's runtime."""
     from piper_plan.cost.memory import FSDP_GRAD_BYTES
 
     if not opts.unfused_kernels or launch_device != "cuda" or training.dtype not in ("bf16", "fp16"):
