@@ -4,7 +4,8 @@ One process, offline, torch >= 2.6; each section of the report is written as soo
 run still reports), to ``docs/gpu-check.md`` unless ``--out`` says otherwise:
 
 1. calibration: ``piper calibrate --quick``'s GEMM (plain and grouped), attention and memory-bound kernel sweeps on
-   this device (no collectives), on a GPU ``piper calibrate overhead``'s rows (the runtime's host time), plus the exact GEMM shapes of the two models below, into OUT's calibration directory;
+   this device (no collectives), on a GPU ``piper calibrate overhead``'s rows (the runtime's host time), plus the
+   exact GEMM shapes of the two models below, into OUT's calibration directory;
 2. for two shrunk MoE models with catalog shapes (Mixtral 8x7B's hidden and expert sizes with 2 layers and
    4 experts; one DeepSeek-V3 MoE layer: its hidden size, MLA and 2048-wide experts, 32 of them, top-8, one
    shared expert), the cost model's prediction with that calibration, then ~20 training steps of piper's runtime
