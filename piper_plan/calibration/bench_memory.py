@@ -104,5 +104,7 @@ def _kernel_call(point: MemoryPoint, device):
             norm = torch.nn.utils.get_total_norm(grads)
             torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
         return clip
-    optimizer = torch.optim.AdamW(params, lr=1e-6, **({"fused": True} if device.type == "cuda" else {}))
+    from piper_plan.runtime.optim import adamw_options
+
+    optimizer = torch.optim.AdamW(params, lr=1e-6, **adamw_options(device))
     return optimizer.step

@@ -138,8 +138,9 @@ def _optimizer_call(num_tensors: int, device):
     params = [torch.nn.Parameter(torch.randn(HIDDEN, device=device)) for _ in range(num_tensors)]
     for p in params:
         p.grad = torch.randn(HIDDEN, device=device)
-    fused = {"fused": True} if device.type == "cuda" else {}      # the runtime's optimizer (optim.Optimizers)
-    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, **fused).step
+    from piper_plan.runtime.optim import adamw_options
+
+    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, **adamw_options(device)).step   # the runtime's
 
 
 def _autograd_op_call(chain: int = 100, device=None):

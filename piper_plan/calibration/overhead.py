@@ -54,7 +54,8 @@ def read_overhead(directory: str | Path) -> dict | None:
 
 
 class _ByOp:
-    """overhead.csv's rows by op: (sizes, seconds) as float arrays sorted by size."""
+    """overhead.csv's rows by op: (sizes, seconds) as float arrays sorted by size. (Its own few lines, not
+    curves.Rows: curves loads this module, and the layering admits no cycle.)"""
 
     def __init__(self, columns) -> None:
         self.op = np.asarray(columns["op"], dtype=str)

@@ -35,6 +35,12 @@ def lr_at(step: int, total_steps: int, rt) -> float:
     return floor + (rt.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw_options(device) -> dict:
+    """The runtime's AdamW settings on ``device`` beyond lr and weight decay: fused on GPUs (the calibration's
+    optimizer rows time the same, calibration/bench_memory.py and bench_overhead.py)."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
 def decays(name: str, param: torch.Tensor) -> bool:
     """Weight decay on matrices only: not on norms, biases (``bias``, the experts' ``b_*``) or 1-D parameters."""
     leaf = name.rsplit(".", 1)[-1]
@@ -68,7 +74,7 @@ class Optimizers:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         if training.optimizer == "adam":
-            cls, kw = torch.optim.AdamW, ({"fused": True} if device.type == "cuda" else {})
+            cls, kw = torch.optim.AdamW, adamw_options(device)
         else:
             cls, kw = torch.optim.SGD, {}
         self.optims, self.dtensor_of = [], []
