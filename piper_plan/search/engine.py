@@ -19,6 +19,7 @@ from piper_plan.fileio import ascii_int
 from piper_plan.plans import PlanBatch
 from piper_plan.search import rank
 from piper_plan.search.space import SearchOptions, describe, enumerate_space, world_size
+from piper_plan.specs.vocab import LayerSplit
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
     merged = {k: v for k, v in rank.merge_reasons(*reasons).items() if v}
     priced = DEFAULT_OPTIONS if cost_options is None else cost_options
     runtime_peak = None if runnable or priced.unfused_kernels or not fits.any() else \
-        _runtime_peaks(model, platform, training, nodes, space.fields, fits, calibration, placement, priced)
+        _runtime_peaks(model, platform, training, nodes, space.fields, ev.layers_split, fits, calibration,
+                       placement, priced)
     return SearchResult(nodes=nodes, world=world_size(platform, nodes), fields=space.fields, evaluation=ev,
                         candidates_total=space.total, reasons=merged, order=order, pareto=pareto,
                         memory_limit_bytes=limit, search_seconds=time.perf_counter() - start, unsupported=features,
@@ -127,13 +129,18 @@ def search(model, platform, training, nodes: int, options: SearchOptions = Searc
                         runtime_peak_bytes=runtime_peak, device_bytes=float(platform.device.memory_bytes))
 
 
-def _runtime_peaks(model, platform, training, nodes, fields, fits, calibration, placement, priced) -> np.ndarray:
-    """Peak memory per device of the fitting candidates as piper's runtime runs them (NaN for the others)."""
+def _runtime_peaks(model, platform, training, nodes, fields, split_slots, fits, calibration, placement,
+                   priced) -> np.ndarray:
+    """Peak memory per device of the fitting candidates as piper's runtime runs them (NaN for the others), each
+    with the layer split it was ranked with (``split_slots``: Evaluation.layers_split), the one ``-o`` saves and
+    ``launch`` checks: left to ``auto``, the runtime's figures could take the other split."""
     from piper_plan.cost.evaluate import evaluate
     from piper_plan.cost.options import as_the_runtime_runs
 
     out = np.full(len(fits), np.nan)
-    ev = evaluate(model, platform, training, nodes, PlanBatch.from_arrays(rank_subset(fields, fits)),
+    subset = rank_subset(fields, fits)
+    subset["layers_split"] = np.where(split_slots[fits] == 1, LayerSplit.BALANCED.code, LayerSplit.EVEN.code)
+    ev = evaluate(model, platform, training, nodes, PlanBatch.from_arrays(subset),
                   calibration=calibration, placement=placement, options=as_the_runtime_runs(priced))
     out[fits] = np.asarray(ev.peak_memory_bytes, float)
     return out

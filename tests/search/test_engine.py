@@ -153,3 +153,21 @@ def test_paper_search_fits_the_weak_batch_on_the_fit_row_only():
     assert mod.pick_sequences_per_gcd({1: 40.0, 2: 50.0, 4: None}, 45.0) == 2
     with pytest.raises(ValueError):
         mod.pick_sequences_per_gcd({1: None}, 45.0)
+
+
+def test_runtime_peak_is_priced_on_the_split_the_plan_was_ranked_with():
+    """`fits_piper_runtime` is what `launch` checks on the saved plan: its runtime peak must be that of the layer
+    split it was ranked with (and saves), not of the split `auto` would pick under the runtime's options
+    (gpt-oss-120b on 4 MI300X nodes: ranked on the FLOP-balanced split, which the runtime does not fit, while the
+    even one does)."""
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.cost.options import DEFAULT_OPTIONS, as_the_runtime_runs
+
+    model, platform = load_model("gpt-oss-120b"), load_platform("mi300x")
+    r = engine.search(model, platform, TrainingSpec(), 4)
+    balanced = [int(i) for i in r.order[:12] if r.evaluation.layers_split[i] == 1]
+    assert balanced
+    for i in balanced:
+        runtime = estimate(model, platform, TrainingSpec(), 4, r.plan(model, TrainingSpec(), i),
+                           options=as_the_runtime_runs(DEFAULT_OPTIONS))
+        assert r.row(i)["peak_memory_bytes_piper_runtime"] == round(runtime.memory.peak_bytes)
