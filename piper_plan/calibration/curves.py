@@ -44,30 +44,30 @@ row's bytes as one value (in order of first appearance)."""
 
 
 class LogInterpolator:
-    """log(value) linear in log(coordinates). points: [P, D] > 0, values: [P] > 0."""
+    """log(value) linear in log(coordinates). points: [P, D] > 0, values: [P] > 0.
+
+    Where the points are a full product of a lattice in some coordinates and point sets ("families") in the others
+    (a calibration sweep: every GEMM shape (n, k) at every m and group count; attention on a seq x heads x width
+    grid), the value is multilinear over the lattice and piecewise linear over the families' simplices. A Delaunay
+    triangulation of the whole product is degenerate (cospherical lattice cells), and Qhull's triangulated output
+    of it need not conform: two simplices holding one query could answer 12% apart, and which one scipy's walk
+    found depended on the other queries of the call (``piper plan`` and ``piper estimate`` priced one plan
+    differently). Without such a lattice, one triangulation of all coordinates, as before."""
 
     def __init__(self, points: np.ndarray, values: np.ndarray, nearest_weights=None):
         x, y = _mean_duplicates(np.log(np.asarray(points, float)), np.log(np.asarray(values, float)))
-        self.nearest_weights = None if nearest_weights is None else np.asarray(nearest_weights, float)
-        self.center = x.mean(axis=0)
-        self.x = x - self.center
-        self.basis = _principal_axes(self.x)
-        self.z = self.x @ self.basis
-        self.y = y
-        self._build()
-
-    def _build(self) -> None:
-        from scipy.spatial import Delaunay, QhullError
-
-        self.tri = None
-        if self.basis.shape[1] == 1:
-            order = np.argsort(self.z[:, 0])
-            self.z, self.y = self.z[order], self.y[order]
-        elif self.basis.shape[1] >= 2:
-            try:
-                self.tri = Delaunay(self.z)
-            except QhullError:  # a layout scipy cannot triangulate: nearest point only, flagged
-                self.tri = None
+        weights = None if nearest_weights is None else np.asarray(nearest_weights, float)
+        self.lattice, self.scattered = _lattice_axes(x)
+        if self.lattice:
+            self.grid = [np.unique(x[:, j]) for j in self.lattice]
+            families, family = np.unique(x[:, self.scattered], axis=0, return_inverse=True)
+            self.y = np.empty((len(families), *(len(g) for g in self.grid)))
+            cell = tuple(np.searchsorted(g, x[:, j]) for g, j in zip(self.grid, self.lattice))
+            self.y[(family.ravel(), *cell)] = y
+            self.simplices = _Simplices(families, None if weights is None else weights[self.scattered])
+        else:
+            self.grid, self.y = [], y
+            self.simplices = _Simplices(x, weights)
 
     def __call__(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """query [N, D] > 0 -> (values [N], extrapolated [N] bool). Repeated query rows are computed once."""
@@ -81,47 +81,124 @@ class LogInterpolator:
         return values[codes], extrapolated[codes]
 
     def _evaluate(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        xq = np.log(query) - self.center
+        xq = np.log(query)
+        vertex, weight, flagged = self.simplices(xq[:, self.scattered])
+        if self.lattice:
+            per_family, outside = self._multilinear(xq[:, self.lattice])           # [N, F]
+            log_v = (weight * np.take_along_axis(per_family, vertex, axis=1)).sum(axis=1)
+            flagged = flagged | outside
+        else:
+            log_v = (weight * self.y[vertex]).sum(axis=1)
+        return np.exp(log_v), flagged
+
+    def _multilinear(self, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every family's value at each query's lattice coordinates [N, F], clamped to the lattice (flagged)."""
+        lower, frac, outside = [], [], np.zeros(len(xq), bool)
+        for g, q in zip(self.grid, xq.T):
+            outside |= (q < g[0] - _OFF_TOL) | (q > g[-1] + _OFF_TOL)
+            q = np.clip(q, g[0], g[-1])
+            i = np.clip(np.searchsorted(g, q, side="right") - 1, 0, len(g) - 2)
+            lower.append(i)
+            frac.append((q - g[i]) / (g[i + 1] - g[i]))
+        out = np.zeros((len(xq), self.y.shape[0]))
+        for corner in np.ndindex(*(2,) * len(self.grid)):
+            w = np.prod([f if c else 1 - f for c, f in zip(corner, frac)], axis=0)
+            out += w[:, None] * self.y[(slice(None), *(i + c for c, i in zip(corner, lower)))].T
+        return out, outside
+
+
+class _Simplices:
+    """Piecewise-linear interpolation weights over scattered points (in log coordinates) on the subspace they span:
+    per query the points whose values to blend and their weights, and a flag where the query lies off that subspace
+    or outside the points' hull (the nearest point answers there; ``nearest_weights`` scales each coordinate's
+    distance for that choice)."""
+
+    def __init__(self, x: np.ndarray, nearest_weights=None):
+        self.nearest_weights = nearest_weights
+        self.center = x.mean(axis=0)
+        self.x = x - self.center
+        self.basis = _principal_axes(self.x)
+        self.z = self.x @ self.basis
+        self.order = np.argsort(self.z[:, 0]) if self.basis.shape[1] == 1 else None
+        self.tri = None
+        if self.basis.shape[1] >= 2:
+            from scipy.spatial import Delaunay, QhullError
+
+            try:
+                self.tri = Delaunay(self.z)
+            except QhullError:  # a layout scipy cannot triangulate: nearest point only, flagged
+                self.tri = None
+
+    def __call__(self, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """xq [N, d] log coordinates -> (point indices [N, r+1], weights [N, r+1], extrapolated [N])."""
+        xq = xq - self.center
         zq = xq @ self.basis
         off = np.linalg.norm(xq - zq @ self.basis.T, axis=1) > _OFF_TOL
-        log_v, outside = self._interpolate(zq, xq)
-        return np.exp(log_v), off | outside
-
-    def _interpolate(self, zq: np.ndarray, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rank = self.basis.shape[1]
         if rank == 0:
-            return np.full(len(zq), self.y[0]), np.zeros(len(zq), bool)
+            return np.zeros((len(xq), 1), np.int64), np.ones((len(xq), 1)), off
         if rank == 1:
-            z = zq[:, 0]
-            lo, hi = self.z[0, 0], self.z[-1, 0]
-            outside = (z < lo - _OFF_TOL) | (z > hi + _OFF_TOL)
-            return np.interp(z, self.z[:, 0], self.y), outside
-        return self._barycentric(zq, xq)
+            vertex, weight, outside = self._on_line(zq[:, 0])
+        else:
+            vertex, weight, outside = self._barycentric(zq, xq)
+        return vertex, weight, off | outside
 
-    def _barycentric(self, zq: np.ndarray, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Linear interpolation on the Delaunay simplices (tolerant on the hull's faces); nearest point outside."""
+    def _on_line(self, z: np.ndarray):
+        """Linear between the two neighbouring points, the end point beyond them (flagged)."""
+        line = self.z[self.order, 0]
+        outside = (z < line[0] - _OFF_TOL) | (z > line[-1] + _OFF_TOL)
+        z = np.clip(z, line[0], line[-1])
+        i = np.clip(np.searchsorted(line, z, side="right") - 1, 0, len(line) - 2)
+        t = (z - line[i]) / (line[i + 1] - line[i])
+        return self.order[np.stack([i, i + 1], axis=1)], np.stack([1 - t, t], axis=1), outside
+
+    def _barycentric(self, zq: np.ndarray, xq: np.ndarray):
+        """The Delaunay simplex's vertices and barycentric weights (tolerant on the hull's faces); the nearest point
+        outside."""
+        rank = zq.shape[1]
         simplex = self.tri.find_simplex(zq, tol=_OFF_TOL) if self.tri is not None else np.full(len(zq), -1)
         inside = simplex >= 0
-        v = np.empty(len(zq))
+        vertex = np.zeros((len(zq), rank + 1), np.int64)
+        weight = np.zeros((len(zq), rank + 1))
         if inside.any():
             s = simplex[inside]
             t = self.tri.transform[s]  # [N, r+1, r]: affine map to barycentric coordinates
             b = np.einsum("nij,nj->ni", t[:, :-1], zq[inside] - t[:, -1])
-            weights = np.concatenate([b, 1 - b.sum(axis=1, keepdims=True)], axis=1)
-            v[inside] = (weights * self.y[self.tri.simplices[s]]).sum(axis=1)
+            weight[inside] = np.concatenate([b, 1 - b.sum(axis=1, keepdims=True)], axis=1)
+            vertex[inside] = self.tri.simplices[s]
         if (~inside).any():
-            v[~inside] = self.y[self._nearest(zq[~inside], xq[~inside])]
-        return v, ~inside
+            vertex[~inside, 0] = self._nearest(zq[~inside], xq[~inside])
+            weight[~inside, 0] = 1.0
+        return vertex, weight, ~inside
 
     def _nearest(self, zq: np.ndarray, xq: np.ndarray) -> np.ndarray:
-        """Index of the measured point nearest to each query: in the data's subspace, or, with
-        ``nearest_weights``, in every log coordinate scaled by its weight."""
+        """Index of the point nearest to each query: in the points' subspace, or, with ``nearest_weights``, in every
+        log coordinate scaled by its weight."""
         if self.nearest_weights is None:
             from scipy.spatial import cKDTree
 
             return cKDTree(self.z).query(zq)[1]
         d2 = (((xq[:, None, :] - self.x[None, :, :]) * self.nearest_weights) ** 2).sum(axis=2)
         return np.argmin(d2, axis=1)
+
+
+def _lattice_axes(x: np.ndarray) -> tuple[list[int], list[int]]:
+    """(lattice coordinates, the others) of points x [P, D]: a coordinate with two or more values is a lattice axis
+    where the points are every one of its values times the same set of the other coordinates, found one by one."""
+    x = np.round(x, 12)
+    lattice, rest = [], list(range(x.shape[1]))
+    found = True
+    while found:
+        found = False
+        for j in rest:
+            others = [c for c in rest if c != j]
+            values = np.unique(x[:, j])
+            if len(values) > 1 and len(np.unique(x[:, rest], axis=0)) == len(values) * len(np.unique(x[:, others], axis=0)):
+                lattice.append(j)
+                rest = others
+                found = True
+                break
+    return sorted(lattice), rest
 
 
 def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -168,3 +168,40 @@ def test_a_row_faster_than_the_device_peak_is_refused_naming_the_file(tmp_path, 
     assert Rates(platform, "fp32", load_calibration("local-cpu")).peak > 0      # the real rows pass
     with pytest.raises(PiperError, match=rf"{table}\.csv: a fp32 row measures .* above the device's peak"):
         Rates(platform, "fp32", load_calibration(folder))
+
+
+def test_a_sweep_grid_is_multilinear_over_its_lattice_and_linear_over_its_families():
+    """GEMM sweep rows: every (n, k) family at every m and group count. m and groups are the lattice (bilinear in
+    log there), the (n, k) families are blended on their own triangles."""
+    pts, vals = [], []
+    for n, k, base in ((256, 256, 1.0), (512, 512, 4.0), (256, 1024, 2.0)):
+        for m in (10, 1000):
+            for g in (1, 4):
+                pts.append((m, n, k, g))
+                vals.append(base * (m / 10) ** 0.5 * g)
+    f = LogInterpolator(np.array(pts, float), np.array(vals))
+    assert f.lattice == [0, 3] and f.scattered == [1, 2]
+    v, ext = f(np.array([[100, 256, 256, 2], [10, 2**8.5, 2**8.5, 1], [20000, 512, 512, 4]], float))
+    assert v[0] == pytest.approx(10**0.5 * 2) and v[1] == pytest.approx(2.0)
+    assert v[2] == pytest.approx(4.0 * 10 * 4) and ext.tolist() == [False, False, True]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_a_query_gets_one_value_whatever_else_the_call_asks(seed):
+    """The measured H200 sweep (a product of m, groups and ten (n, k) shapes): a query's rate must not depend on
+    the other queries of the call (`piper plan` prices a batch, `piper estimate` one plan) nor jump between
+    neighbouring points. Qhull's triangulation of the whole product once answered one GEMM 601.6 or 612.8 TFLOPS
+    as scipy's walk happened to reach it (DeepSeek-V3 on 32 H200 nodes: plan 12.2445 s, estimate 12.2572 s)."""
+    cal = load_calibration("h200")
+    rng = np.random.default_rng(seed)
+    m = np.exp(rng.uniform(np.log(4), np.log(16384), 200))
+    n = np.exp(rng.uniform(np.log(1408), np.log(14336), 200))
+    k = np.exp(rng.uniform(np.log(1408), np.log(14336), 200))
+    g = rng.choice([1.0, 2.0, 4.0, 16.0], 200)
+    batch, _ = cal.gemm_flops_per_s(m, n, k, "bf16", groups=g)
+    for i in rng.choice(200, 8, replace=False):
+        one, _ = cal.gemm_flops_per_s(m[i], n[i], k[i], "bf16", groups=g[i])
+        nudged, _ = cal.gemm_flops_per_s(m[i] * (1 + 1e-9), n[i], k[i] * (1 - 1e-9), "bf16", groups=g[i])
+        assert float(one) == pytest.approx(batch[i], rel=1e-12)
+        assert float(nudged) == pytest.approx(batch[i], rel=1e-6)
