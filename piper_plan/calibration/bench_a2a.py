@@ -154,6 +154,25 @@ def message_shape(bytes_per_rank: int, num_ranks: int) -> tuple[int, int]:
     return max(per_peer_floats // row_floats, 1), row_floats
 
 
+def carried_bytes(bytes_per_rank: int, num_ranks: int) -> int:
+    """The bytes per rank ``message_shape`` really sends for a requested size (whole float32 rows per peer)."""
+    rows, width = message_shape(bytes_per_rank, num_ranks)
+    return rows * width * 4 * num_ranks
+
+
+def check_sizes_differ(sizes_bytes: tuple[int, ...], num_ranks: int) -> None:
+    """Refuse, before any rank starts, two requested sizes that carry the same message on ``num_ranks`` ranks
+    (they would time one point twice and write one calibration row twice)."""
+    seen: dict[int, int] = {}
+    for size in sizes_bytes:
+        carried = carried_bytes(size, num_ranks)
+        if carried in seen:
+            raise PiperError(f"{seen[carried]} and {size} bytes both carry {carried} bytes per rank on "
+                             f"{num_ranks} ranks (whole float32 rows of at most {ROW_FLOATS} per peer); give sizes "
+                             "that differ after that rounding", field="--sizes")
+        seen[carried] = size
+
+
 def random_counts(num_ranks: int, rng: np.random.Generator, max_rows: int = 5) -> np.ndarray:
     """A skewed [P, P] count matrix with zeros, one rank that sends nothing and one that receives nothing."""
     counts = rng.integers(0, max_rows + 1, size=(num_ranks, num_ranks))
@@ -249,7 +268,7 @@ def bench_one_size(halo, config: BenchConfig, bytes_per_rank: int, device, size_
         rng = np.random.default_rng(config.seed * 1000 + size_index)
         errors += verify_exchange(halo, random_counts(num_ranks, rng), dim=3, seed=config.seed + size_index)
         checks += 4
-    return SizeResult(rows * width * 4 * num_ranks, seconds, checks, tuple(errors), host_load_average())
+    return SizeResult(carried_bytes(bytes_per_rank, num_ranks), seconds, checks, tuple(errors), host_load_average())
 
 
 def host_load_average() -> float | None:

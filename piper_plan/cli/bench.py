@@ -66,7 +66,9 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
         ranks_per_node=ranks_per_node, repeats=repeats, warmup=warmup, verify=verify,
         devices_per_node=platform.node.devices_per_node if platform else None,
         device_nic=tuple(platform.node.nic_of_device) if platform else None)
-    launched = read_launch_env().launched
+    launch = read_launch_env()
+    launched = launch.launched
+    bench.check_sizes_differ(config.sizes_bytes, launch.world_size if launched else nodes * ranks_per_node)
     if launched:
         rank, result = bench.run_launched(config, _backend(platform))
     else:

@@ -214,6 +214,9 @@ def test_bench_a2a_never_picks_a_platform_to_write_into():
     (["--nodes", "2", "--ranks-per-node", "4", "--sizes", "4G"], "needs ~"),
     (["--nodes", "1", "--ranks-per-node", "1"], "1 x 1: an all-to-all needs 2 ranks or more"),   # rows divided by 0
     (["--sizes", "4K,4096"], "'4096' is 4096 bytes again; give each size once"),    # "wrote 4 rows" for 2
+    # whole float32 rows per peer: 3 and 1 bytes both sent 8; refused after the whole run, or two equal rows printed
+    (["--nodes", "1", "--ranks-per-node", "2", "--sizes", "3,1"], "3 and 1 bytes both carry 8 bytes per rank on 2"),
+    (["--nodes", "1", "--ranks-per-node", "2", "--sizes", "4K,4100"], "4096 and 4100 bytes both carry 4096"),
 ])
 def test_bench_a2a_refuses_a_local_spawn_the_machine_cannot_hold(args, needle):
     res = CliRunner().invoke(cli, ["bench", "a2a", "--no-save", *args])
