@@ -382,7 +382,15 @@ def migration_inputs(spec: DatasetSpec, row: RowSpec) -> tuple[MigrationFacts, d
         facts = {"num_experts": m.moe.num_experts, "hidden_size": m.hidden_size,
                  "d_ffn": m.moe.expert.intermediate_size, **facts} if m.moe is not None else facts
     args = parse_spec(MigrationArgs, {**spec.migration, **(row.migration or {})}, "", field="migration")
-    return parse_spec(MigrationFacts, facts, "", field="facts"), args.model_dump(exclude_none=True)
+    layer = parse_spec(MigrationFacts, facts, "", field="facts")
+    from piper_plan.cost.step import TABLE_IV_GPUS
+
+    gpus = args.gpus if args.gpus is not None else TABLE_IV_GPUS
+    if layer.num_experts % gpus:
+        raise PiperError(f"{layer.num_experts} experts do not divide over {gpus} GPUs (migration.gpus); a layer's "
+                         "experts are reassigned in equal shares (as `piper migrate simulate` requires)",
+                         field="facts.num_experts")
+    return layer, args.model_dump(exclude_none=True)
 
 
 # ---- prediction --------------------------------------------------------------------------------------

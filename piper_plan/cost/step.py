@@ -115,8 +115,12 @@ def checkpoint_bytes(model, training, zero: int, fp32_replicas: bool = False) ->
     return {"total_bytes": float(model.total_params * per_param), "bytes_per_param": per_param}
 
 
+TABLE_IV_GPUS = 8
+"""GPUs the Piper paper's Table IV reassigns a layer's experts over (expert_migration's default)."""
+
+
 def expert_migration(num_experts: int, hidden: int, d_ffn: int, bytes_per_param: int = 16, matrices: int = 3,
-                     gpus: int = 8, bandwidth_Bps: float = 50e9) -> tuple[float, float]:
+                     gpus: int = TABLE_IV_GPUS, bandwidth_Bps: float = 50e9) -> tuple[float, float]:
     """(bytes sent per GPU, seconds) when one MoE layer's experts are fully reassigned over ``gpus`` GPUs:
     ``bytes_per_param x matrices x E d d_ffn / gpus`` (Piper paper, Table IV: 48 E d d_ffn / 8 at 50 GB/s).
     At a step boundary the gradients need not move (bytes_per_param 14 of 16); a 2-matrix expert has 2/3."""

@@ -411,6 +411,8 @@ def changed_dataset(tmp_path: Path, name: str, change) -> Path:
     (lambda d: d["rows"][0].update(facts={}), "rows[switch-base].facts: num_experts: Field required"),
     (lambda d: d["rows"][0]["facts"].update(hidden_size="big"), "facts: hidden_size: Input should be a valid integer"),
     (lambda d: d["rows"][0].update(facts={}, model="no-such-model"), "rows[switch-base].model: unknown model"),
+    # before: priced (0.066 GB per GPU), exit 1 on the tolerance; `migrate simulate` refuses the same layer
+    (lambda d: d["rows"][0]["facts"].update(num_experts=7), "facts.num_experts: 7 experts do not divide over 8 GPUs"),
 ])
 def test_a_migration_row_is_checked_too(tmp_path, change, needle):
     path = changed_dataset(tmp_path, "piper-migration-table4", change)
