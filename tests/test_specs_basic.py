@@ -86,3 +86,17 @@ def test_attention_fields_of_another_kind_are_refused(name, update, needle):
     data = {**load_model(name).attention.model_dump(mode="json"), **update}
     with pytest.raises(ValidationError, match=needle):
         AttentionSpec.model_validate(data)
+
+
+@pytest.mark.parametrize("model, attention, needle", [
+    ("qwen3-30b-a3b", {"head_dim": 3}, "head_dim=3 is odd"),
+    ("deepseek-v3", {"qk_rope_head_dim": 63}, "attention.qk_rope_head_dim=63 is odd"),
+])
+def test_an_odd_rotary_width_is_refused(model, attention, needle):
+    """The runtime's rotary embedding turns pairs of features (found accepted by a fuzzing pass: head_dim 3 in a
+    Hugging Face import, qk_rope_head_dim 3 in a model YAML)."""
+    spec = load_model(model)
+    data = spec.model_dump()
+    data["attention"].update(attention)
+    with pytest.raises(ValidationError, match=needle):
+        type(spec).model_validate(data)

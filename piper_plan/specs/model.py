@@ -288,6 +288,11 @@ class ModelSpec(Spec):
     def _check(self) -> "ModelSpec":
         if self.attention.kind != "mla" and self.attention.head_dim is None and self.hidden_size % self.attention.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.attention.num_heads}; set attention.head_dim")
+        a = self.attention
+        rotary, name = (a.qk_rope_head_dim, "attention.qk_rope_head_dim") if a.kind == "mla" else (self.head_dim, "head_dim")
+        if rotary % 2:
+            raise ValueError(f"{name}={rotary} is odd: rotary position embeddings turn pairs of a head's features "
+                             "(the runtime's half-split layout, runtime/model.py rotary), so the rotary width is even")
         if self.moe is not None and self.moe.layers.explicit is not None:
             bad = [i for i in self.moe.layers.explicit if not 0 <= i < self.num_layers]
             if bad:

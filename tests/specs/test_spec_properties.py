@@ -17,7 +17,7 @@ def moe_specs(draw):
     data = {
         "name": "prop", "source": "hypothesis",
         "vocab_size": draw(st.none() | st.integers(1, 1000)),
-        "hidden_size": heads * draw(st.integers(1, 16)),
+        "hidden_size": heads * 2 * draw(st.integers(1, 8)),       # an even head width (rotary embeddings)
         "num_layers": draw(st.integers(1, 6)),
         "attention": {"kind": "gqa", "num_heads": heads, "num_kv_heads": kv, "qkv_bias": draw(st.booleans())},
         "dense_ffn": {"intermediate_size": draw(st.integers(1, 64)), "gated": draw(st.booleans())},
@@ -77,7 +77,7 @@ def test_counts_grow_with_dense_width_and_hidden_size(data, steps):
     assert wider.total_params >= spec.total_params
     assert (wider.total_params > spec.total_params) == (spec.num_dense_layers > 0)
     # hidden size grows by whole heads (head_dim = hidden / heads grows too): every matrix grows
-    bigger = build(bumped(data, ("hidden_size",), steps * data["attention"]["num_heads"]))
+    bigger = build(bumped(data, ("hidden_size",), 2 * steps * data["attention"]["num_heads"]))
     assert bigger.total_params > spec.total_params and bigger.active_params > spec.active_params
 
 
