@@ -480,7 +480,10 @@ def _no_rows(directory: Path, filename: str, what: str = ""):
     path = directory / filename
     if not path.is_file():        # a calibration folder without the file: not a file without rows
         return PiperError(f"no such file in the calibration folder{what} (piper calibrate measures it)", path=str(path))
-    return PiperError(f"no calibration rows{what}", path=str(path))
+    if what:
+        return PiperError(f"no calibration rows{what}", path=str(path))
+    return PiperError("no calibration rows: the file holds its header only (piper calibrate measures them; "
+                      "--no-calibration prices with the platform's roofline instead)", path=str(path))
 
 
 def _sources(directory: Path, tables) -> list[str]:

@@ -278,3 +278,21 @@ def test_a_calibration_folder_without_attention_csv_says_the_file_is_missing(tmp
                                       "--dp", "2", "--ep", "2"])
     assert _one_error_line(result).endswith("local-cpu/attention.csv: no such file in the calibration folder "
                                             "(piper calibrate measures it)")
+
+
+def test_an_attention_csv_with_its_header_only_says_what_to_do(tmp_path, monkeypatch):
+    """A fuzzing pass: the line named the file but not what would help."""
+    import shutil
+
+    root = Path(__file__).parents[2]
+    for folder in ("models", "platforms"):
+        shutil.copytree(root / folder, tmp_path / folder)
+    shutil.copytree(root / "calibration" / "local-cpu", tmp_path / "calibration" / "local-cpu")
+    attention = tmp_path / "calibration" / "local-cpu" / "attention.csv"
+    attention.write_text(attention.read_text().splitlines()[0] + "\n")
+    monkeypatch.setenv("PIPER_HOME", str(tmp_path))
+    result = CliRunner().invoke(cli, ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                                      "--dp", "2", "--ep", "2"])
+    assert _one_error_line(result).endswith("local-cpu/attention.csv: no calibration rows: the file holds its header "
+                                            "only (piper calibrate measures them; --no-calibration prices with the "
+                                            "platform's roofline instead)")
