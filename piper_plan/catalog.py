@@ -77,6 +77,8 @@ def validation_message(exc: ValidationError) -> str:
             msg = "unknown field"
         elif isinstance(got, bool) and err["type"] in ("int_type", "float_type", "int_from_float"):
             msg = "a boolean is not a number"
+        elif err["type"] == "model_type":       # "... or instance of StageMemory": a class name the user never wrote
+            msg = "Input should be an object (a mapping of field names to values)"
         shown = "" if isinstance(got, (dict, list)) or unknown or err["type"] == "missing" else f" (got {got!r})"
         parts.append(f"{loc}: {msg}{shown}" if err["loc"] else f"{msg}{shown}")
     return "; ".join(parts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from piper_plan.errors import PiperError
 from piper_plan.fileio import json_lines
@@ -56,9 +56,18 @@ class StepRecord(BaseModel):
     """Tokens of the step: the run's global batch x sequence length (runtime/metrics.py); at least 1."""
     tokens_per_s: float | None = Field(default=None, ge=0, le=1e18)
     time_s: dict[str, Seconds] | None = None
-    memory_bytes: list[StageMemory | Bytes] | None = None
+    memory_bytes: list[StageMemory] | None = None
+    """One entry per stage: an object (StageMemory) or, from older runs, its total as a plain number."""
     expert_tokens: Any = None
     migrations: Any = None
+
+    @field_validator("memory_bytes", mode="before")
+    @classmethod
+    def _totals_as_entries(cls, value):
+        """A plain number is a stage's total_bytes, checked as one (one message, not one per form of an entry)."""
+        if not isinstance(value, list):
+            return value
+        return [{"total_bytes": v} if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
 
 
 def read_metrics(path: str | Path) -> list[dict]:

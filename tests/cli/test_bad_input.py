@@ -168,11 +168,17 @@ RECORD = {"schema_version": 1, "step": 1, "step_time_s": 2.0, "tokens_per_s": 4.
     ([{**RECORD, "time_s": "x"}], ["line 1", "time_s"]),
     ([{**RECORD, "step_time_s": "slow"}], ["step_time_s"]),
     ([{k: v for k, v in RECORD.items() if k != "step"}], ["line 1", "step: Field required"]),
+    # before: "memory_bytes.0.StageMemory.total_bytes: ...; memory_bytes.0.constrained-float: ..." (both union forms)
+    ([{**RECORD, "memory_bytes": [{"total_bytes": -1}]}], ["memory_bytes.0.total_bytes: Input should be greater"]),
+    ([{**RECORD, "memory_bytes": [-1]}], ["memory_bytes.0.total_bytes: Input should be greater than or equal to 0"]),
+    ([{**RECORD, "memory_bytes": ["x"]}], ["memory_bytes.0: Input should be an object (a mapping of field names"]),
 ])
 def test_compare_bad_metrics_lines(tmp_path, plan_json, lines, needles):
     write(tmp_path / "plan.json", plan_json)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert_one_line_error(run("compare", tmp_path), "metrics.jsonl", *needles)
+    result = run("compare", tmp_path)
+    assert_one_line_error(result, "metrics.jsonl", *needles)
+    assert "StageMemory" not in result.stderr and "constrained-float" not in result.stderr
 
 
 def test_compare_bad_plan_and_happy_json(tmp_path, plan_json):
