@@ -68,6 +68,8 @@ class JobSpec:
     plan_file: str
     python: str
     plan_summary: str
+    platform_description: str = ""
+    """The plan's platform as its spec describes it (name: description), one line: a shared template's header."""
     modules: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     srun_extra: tuple[str, ...] = ()
@@ -183,6 +185,7 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
         segment_warning=segment_warning(nodes, segment_nodes),
         out_dir=out_dir, run_dir=run_dir, plan_file=plan_path, python=python,
         plan_summary=plan_summary(plan_file),
+        platform_description=" ".join(f"{platform.name}: {platform.description}".split()),
         modules=settings["modules"], env=settings["env"], srun_extra=settings["srun_extra"],
         sbatch_extra=settings["sbatch_extra"],
         command=command or (python, "-m", "piper_plan.runtime.train", "--plan", plan_path,
@@ -236,7 +239,7 @@ def template_values(job: JobSpec) -> dict[str, str]:
         "module_lines": "\n".join(f"module load {q(m)}" for m in job.modules),
         "env_lines": "\n".join(f'export {k}="{val}"' for k, val in job.env),
         "master_port_base": str(MASTER_PORT_BASE), "run_dir": q(job.run_dir), "plan_file": q(job.plan_file),
-        "plan_summary": job.plan_summary, "srun_extra": " ".join(q(o) for o in job.srun_extra),
+        "plan_summary": job.plan_summary, "platform_description": job.platform_description, "srun_extra": " ".join(q(o) for o in job.srun_extra),
         "command": " ".join(q(a) for a in job.command), "requeue_exit_code": str(REQUEUE_EXIT_CODE),
         "steps": str(job.steps), "python": q(job.python),
     }

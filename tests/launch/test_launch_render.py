@@ -147,3 +147,13 @@ def test_default_job_name_is_a_valid_job_name(model_name, nodes, expected):
     name = validate.default_job_name(model_name, nodes)
     assert validate.job_name(name) == name and name.endswith(f"-{nodes}n")
     assert expected is None or name == expected
+
+
+@pytest.mark.parametrize("platform, shown, absent", [("h200", "# Platform: h200: NVIDIA H200 SXM nodes", "H100 SXM5"),
+                                                     ("mi355x", "# Platform: mi355x: ", None)])
+def test_a_shared_template_names_the_plans_own_platform(tmp_path, platform, shown, absent):
+    """h200 renders the DGX H100 template, whose header once said '8 x H100 SXM5 per node' (a second consistency
+    pass); its first lines now carry the platform's own name and description."""
+    prepared = render_for(tmp_path, platform, 1, {"dp": 8, "ep": 8})
+    header = prepared.script.split("#SBATCH")[0]
+    assert shown in header and (absent is None or absent not in header)
