@@ -49,9 +49,10 @@ INSTEAD = {
 }
 
 
-NOT_COMPARED = ("source", "notes", "mtp_layers")
-"""ModelSpec fields a plan may change under the catalog name: its description, and the MTP modules torchtitan's
-registered configurations do not have (setting_notes says they are not carried over)."""
+NOT_COMPARED = {"source": True, "notes": True, "mtp_layers": True, "moe": {"capacity_factor": True}}
+"""ModelSpec fields a plan may change under the catalog name (a pydantic ``exclude``): its description, the MTP
+modules torchtitan's registered configurations do not have, and the capacity factor (`piper plan --capacity-factor`
+sets it: routing, not architecture); setting_notes says neither is carried over."""
 
 
 def config_names(model) -> tuple[str, str]:
@@ -63,8 +64,8 @@ def config_names(model) -> tuple[str, str]:
     if model.name not in MODELS:
         raise PiperError(f"torchtitan 0.3 has no registered configuration for model {model.name!r}; "
                          f"exportable: {', '.join(MODELS)}", field="model")
-    changed = _first_difference(model.model_dump(mode="json", exclude=set(NOT_COMPARED)),
-                                load_model(model.name).model_dump(mode="json", exclude=set(NOT_COMPARED)))
+    changed = _first_difference(model.model_dump(mode="json", exclude=NOT_COMPARED),
+                                load_model(model.name).model_dump(mode="json", exclude=NOT_COMPARED))
     if changed:
         field, planned, catalog = changed
         raise PiperError(f"{planned!r}, but the catalog's {model.name} (torchtitan's registered {MODELS[model.name][1]}) "

@@ -139,6 +139,16 @@ def test_unwritten_settings_are_noted(plans, tmp_path):
     assert not any("shared_expert_overlap" in n for n in notes_of(megatron.script(read_plan_file(plans["qwen3-hsdp"]))))
 
 
+def test_a_capacity_factor_plan_from_the_cli_exports_with_a_note(tmp_path):
+    """`--capacity-factor` writes the factor into the plan's model block as well: torchtitan's export refused it as
+    a changed architecture, so its 'not carried over' note never ran (a second consistency pass)."""
+    path = saved_plan(tmp_path, "cf", *PLANS["qwen3-hsdp"], "--capacity-factor", "1.25")
+    pf = read_plan_file(path)
+    assert pf.model.moe.capacity_factor == 1.25
+    for text in (megatron.script(pf), torchtitan.script(pf)):
+        assert any(n.startswith("not carried over: capacity factor 1.25") for n in notes_of(text))
+
+
 def test_gradient_precision_is_carried_or_noted(plans, tmp_path):
     """The plan's gradient bytes reach both scripts: torchtitan's float32 FSDP reduction for fp32 gradients, a
     'not carried over' note naming the plan's value otherwise (plans differing only in it export differently)."""
