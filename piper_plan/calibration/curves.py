@@ -193,7 +193,8 @@ def _lattice_axes(x: np.ndarray) -> tuple[list[int], list[int]]:
         for j in rest:
             others = [c for c in rest if c != j]
             values = np.unique(x[:, j])
-            if len(values) > 1 and len(np.unique(x[:, rest], axis=0)) == len(values) * len(np.unique(x[:, others], axis=0)):
+            product = len(values) * len(np.unique(x[:, others], axis=0))
+            if len(values) > 1 and len(np.unique(x[:, rest], axis=0)) == product:
                 lattice.append(j)
                 rest = others
                 found = True

@@ -239,7 +239,8 @@ def template_values(job: JobSpec) -> dict[str, str]:
         "module_lines": "\n".join(f"module load {q(m)}" for m in job.modules),
         "env_lines": "\n".join(f'export {k}="{val}"' for k, val in job.env),
         "master_port_base": str(MASTER_PORT_BASE), "run_dir": q(job.run_dir), "plan_file": q(job.plan_file),
-        "plan_summary": job.plan_summary, "platform_description": job.platform_description, "srun_extra": " ".join(q(o) for o in job.srun_extra),
+        "plan_summary": job.plan_summary, "platform_description": job.platform_description,
+        "srun_extra": " ".join(q(o) for o in job.srun_extra),
         "command": " ".join(q(a) for a in job.command), "requeue_exit_code": str(REQUEUE_EXIT_CODE),
         "steps": str(job.steps), "python": q(job.python),
     }
