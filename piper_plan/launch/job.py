@@ -32,7 +32,8 @@ class PreparedJob:
 def check_runnable(plan_file: PlanFile, path: Path) -> None:
     """Refuse a plan the runtime cannot run (invalid, outside its capability list, or with cost options that
     change the training the runtime does not do: each problem named), a plan whose own prediction says it does not
-    fit, and one priced for another engine's kernels that does not fit as piper's runtime runs it."""
+    fit, and one priced for another engine's kernels that does not fit as piper's runtime runs it: every reason
+    that holds, in one line."""
     from piper_plan.capability import options_problems, runnable_problems
     from piper_plan.cost.options import cost_options
 
@@ -40,16 +41,17 @@ def check_runnable(plan_file: PlanFile, path: Path) -> None:
     problems = runnable_problems(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel)
     if pf.prediction is not None:
         problems = problems + options_problems(cost_options(dict(pf.prediction.options)), pf.parallel)
-    if problems:
-        raise PiperError(f"the runtime cannot run this plan: {'; '.join(problems)} "
-                         f"(re-plan with `piper plan --runnable`)", path=str(path))
     overflow = does_not_fit(pf.prediction)
-    if overflow:
-        raise PiperError(f"{overflow} (re-plan with `piper plan`)", path=str(path), field="prediction.fits")
-    overflow = does_not_fit(_as_the_runtime_runs_it(pf), "priced as piper's runtime runs it (its unfused kernels, "
-                            "as `estimate --piper-runtime` prices it), the plan")
-    if overflow:
-        raise PiperError(f"{overflow} (re-plan with `piper plan --runnable`)", path=str(path), field="prediction.fits")
+    runtime_overflow = None if overflow else does_not_fit(
+        _as_the_runtime_runs_it(pf), "priced as piper's runtime runs it (its unfused kernels, as `estimate "
+        "--piper-runtime` prices it), the plan")
+    reasons = ([f"the runtime cannot run this plan: {'; '.join(problems)}"] if problems else []) + \
+        [why for why in (overflow, runtime_overflow) if why]
+    if not reasons:
+        return
+    replan = "piper plan" if overflow and not problems else "piper plan --runnable"
+    raise PiperError(f"{'; and '.join(reasons)} (re-plan with `{replan}`)", path=str(path),
+                     field=None if problems else "prediction.fits")
 
 
 def _as_the_runtime_runs_it(pf: PlanFile):

@@ -116,7 +116,7 @@ def test_runnable_and_explain_json():
 
 def test_each_ranked_plan_says_whether_piper_runs_it_and_launch_agrees(tmp_path):
     """Context parallelism is an axis the runtime does not run: with --cp 2 every ranked plan is marked (JSON,
-    table) and `launch` refuses the saved one naming it. DeepSeek-V3 with its MTP module (the runtime builds it)
+    table) and `launch` refuses the saved one naming it, and its memory misfit. DeepSeek-V3 with its MTP module (the runtime builds it)
     is runnable where it fits as the runtime runs it: the plans ranked with Megatron's fused kernels do not (marked,
     and `launch` refuses the saved one); `launch` writes the job of the one `--runnable` ranked."""
     args = ("--model", "deepseek-v3", "--platform", "dgx-h100", "--nodes", "32", "--top", "3")
@@ -128,7 +128,9 @@ def test_each_ranked_plan_says_whether_piper_runs_it_and_launch_agrees(tmp_path)
     saved = tmp_path / "plan.json"
     assert _run(*args, "--cp", "2", "-o", str(saved)).exit_code == 0
     refused = CliRunner().invoke(cli, ["launch", "--plan", str(saved), "--out-dir", str(tmp_path / "job"), "--dry-run"])
-    assert refused.exit_code == 2 and "parallel.cp=2" in refused.stderr
+    assert refused.exit_code == 2 and "parallel.cp=2" in refused.stderr and refused.stderr.count("\n") == 1
+    assert RUNTIME_MEMORY in with_cp[0]["runtime_missing"]      # both reasons in launch's one line, as in the plan's
+    assert "priced as piper's runtime runs it" in refused.stderr     # (before: the missing feature only)
     with_mtp = json.loads(_run(*args, "--runnable", "--json").stdout)["plans"]
     assert all(p["runnable_by_piper"] and p["runtime_missing"] == [] for p in with_mtp)
     fused_rows = json.loads(_run(*args, "--json").stdout)["plans"]   # ranked with Megatron's fused kernels
