@@ -184,9 +184,9 @@ def _block(cls, value):
     return value if isinstance(value, cls) else cls.model_validate(value)
 
 
-def plan_file_dict(model, platform, training, nodes, plan: ParallelPlan, placement, prediction: Estimate | None,
-                   moe=None, migration=None, runtime=None) -> dict:
-    """The JSON object of a plan.json (no I/O)."""
+def parallel_block(model, plan: ParallelPlan, prediction: Estimate | None) -> dict:
+    """A plan.json's ``parallel`` object (also `estimate --json`'s): the plan with its layer split resolved into
+    the explicit list its prediction priced, and the derived ``edp``."""
     parallel = plan.model_dump(mode="json")
     if prediction is not None and prediction.layers_per_stage:     # the split the prediction priced
         parallel.update(layers_per_stage=prediction.layers_per_stage, layers_split="explicit")
@@ -194,6 +194,13 @@ def plan_file_dict(model, platform, training, nodes, plan: ParallelPlan, placeme
         # not priced: the split is fixed to the even one, which the runtime would use for this plan anyway
         parallel.update(layers_per_stage=plan.stage_layers(model.num_layers), layers_split="explicit")
     parallel["edp"] = plan.edp
+    return parallel
+
+
+def plan_file_dict(model, platform, training, nodes, plan: ParallelPlan, placement, prediction: Estimate | None,
+                   moe=None, migration=None, runtime=None) -> dict:
+    """The JSON object of a plan.json (no I/O)."""
+    parallel = parallel_block(model, plan, prediction)
     moe_block = _block(MoEBlock, moe if moe is not None else {
         "capacity_factor": model.moe.capacity_factor if model.moe else None,
         "routing_skew": training.routing_skew})

@@ -91,7 +91,9 @@ def _show(result, model, platform, training, plan, save_path, plot_path, as_json
     if plot_path:
         note(f"wrote {_plot(plot_path, result, model, platform, plan)}")
     if as_json:
-        print_json({**result.to_json(), "parallel": plan.model_dump(mode="json", exclude_none=True),
+        from piper_plan.planfile import parallel_block
+
+        print_json({**result.to_json(), "parallel": parallel_block(model, plan, result),
                     "dtype": training.dtype, "fp8_recipe": training.fp8_recipe})
         return
     render(result, model, platform, plan, training, cited_at)

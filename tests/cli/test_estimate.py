@@ -48,6 +48,17 @@ def test_estimate_save_writes_a_readable_plan(tmp_path):
     assert json.loads(path.read_text())["migration"]["enabled"] is True
 
 
+def test_json_states_the_plan_as_the_saved_file_does(tmp_path):
+    """`estimate --json`'s parallel block is the saved plan's, its split resolved into the list it priced (before:
+    the split as asked, 'balanced', beside a file saying 'explicit' with the same list)."""
+    path = tmp_path / "plan.json"
+    shown = json.loads(_run(ARGS + ["--layers-split", "balanced", "--json", "-o", str(path)]).stdout)["parallel"]
+    saved = json.loads(path.read_text())["parallel"]
+    assert shown == saved and shown["layers_split"] == "explicit" and shown["layers_per_stage"] == [2, 2]
+    again = json.loads(_run(["estimate", "--plan", str(path), "--json"]).stdout)["parallel"]
+    assert again == saved
+
+
 def test_plan_that_does_not_fit_is_shown_with_its_overflow():
     args = ["estimate", "--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "1", "--dp", "8",
             "--ep", "8", "--seq", "4096", "--global-batch", "64", "--mbs", "8", "--json", "--no-calibration"]
