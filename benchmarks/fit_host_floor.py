@@ -10,8 +10,12 @@ With --rule it prints, for every row, the quantity the fit rows were chosen by (
 GEMM calls of one MoE layer per millisecond of its device time (3 x linears outside CUDA graphs / the device time
 per layer and micro-batch of the busiest stage, host constant 0).
 
+With --instead ROW it fits the constant on ROW (a row that is not its platform's fit row: for the record, never
+written to a platform) and prints every other row of that platform as priced with it.
+
 Run: .venv/bin/python benchmarks/fit_host_floor.py 25.11-qwen3-30b-h100 25.11-qwen3-235b-b200 25.11-qwen3-30b-gb200
      .venv/bin/python benchmarks/fit_host_floor.py --rule
+     .venv/bin/python benchmarks/fit_host_floor.py --instead 25.09-qwen3-30b-h100-drop
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ def main(row_ids: list[str]) -> None:
             rate = host_calls_per_device_ms(inputs, row)
             print(f"{row.id:28s} {platform.name:12s} host calls per device-ms {rate:6.2f}")
         return
+    instead = row_ids[:1] == ["--instead"]
+    row_ids = row_ids[1:] if instead else row_ids
     unknown = [r for r in row_ids if r not in rows]
     if unknown:
         print(f"error: fit_host_floor.py: row {unknown[0]!r} is not in validation/{DATASET}.yaml; rows: "
@@ -84,6 +90,17 @@ def main(row_ids: list[str]) -> None:
         seconds = fit_row(inputs, row)
         value = "no value in 0 .. 1 ms reaches the published number" if seconds is None else f"{seconds * 1e6:.1f} us"
         print(f"{row_id} ({row.split or 'held_out'}): {platform.name} efficiency.host_s_per_gemm_call = {value}")
+        if instead and seconds is not None:
+            _print_priced_with(inputs, spec.rows, row, platform.name, seconds)
+
+
+def _print_priced_with(inputs: _Inputs, rows, fitted, platform_name: str, seconds: float) -> None:
+    """Every other row of ``platform_name``, priced with the constant fitted on ``fitted``."""
+    for row in rows:
+        if row.id != fitted.id and inputs.platform_of(row)[0].name == platform_name:
+            predicted = predicted_at(inputs, row, seconds)
+            print(f"  {row.id:28s} published {row.published:8.0f}  predicted {predicted:8.0f}  "
+                  f"error {100 * (predicted / row.published - 1):+.2f}%")
 
 
 if __name__ == "__main__":
