@@ -31,16 +31,17 @@ from pathlib import Path
 
 
 def plan_dict(args) -> dict:
-    """plan.json's format (DESIGN.md) for a CPU run of a widened tiny-moe on ``args.world`` ranks (pp = 1)."""
+    """plan.json's format (piper_plan/planfile.py) for a CPU run of a widened tiny-moe on ``args.world`` ranks (pp = 1)."""
     from piper_plan.catalog import load_model, load_platform
 
     model = load_model("tiny-moe").model_dump(mode="json")
     model.update(hidden_size=args.hidden, num_layers=args.layers)
     model["moe"].update(num_experts=args.experts, router_bias=True)
     model["moe"]["expert"]["intermediate_size"] = args.ffn
-    platform = load_platform("frontier").model_dump(mode="json")
+    platform = load_platform("local-cpu").model_dump(mode="json")
     platform["name"] = "cpu-bench"
     platform["launch"] = {**platform["launch"], "device": "cpu", "backend": "gloo", "gpus_per_task": 0}
+    platform["node"].update(devices_per_node=args.world, device_nic=None)    # one node of --world CPU ranks
     dp = args.world
     parallel = {"dp": dp, "tp": 1, "pp": 1, "ep": args.ep, "etp": 1, "edp": dp // args.ep, "mbs": 1,
                 "num_microbatches": 2, "schedule": "1f1b", "virtual_stages": 1, "recompute": "none", "zero": 0,
@@ -52,7 +53,7 @@ def plan_dict(args) -> dict:
             "moe": {"capacity_factor": None},
             "migration": {"enabled": True, "threshold": args.threshold, "interval": args.interval,
                           "max_iters": args.max_iters},
-            "runtime": {"data": None, "steps": args.steps, "checkpoint_interval": 0, "seed": 0}, "prediction": {}}
+            "runtime": {"data": None, "steps": args.steps, "checkpoint_interval": args.steps, "seed": 0}, "prediction": {}}
 
 
 def zipf_bias(num_experts: int, skew: float) -> list[float]:

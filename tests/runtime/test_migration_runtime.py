@@ -240,3 +240,22 @@ def test_runtime_logs_migrations(results):
             assert 0 <= e["bytes_moved"] - e["experts_moved"] * 4 * 3 * 64 * 128 * 4 <= 2 * 2 * 24
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["migration"]["events"] == 4 and 0 < summary["migration"]["share"] < 1
+
+
+@pytest.mark.parametrize("world,ep", [(4, 4), (4, 2), (2, 2)])
+def test_the_migration_benchmarks_plan_is_one_the_runtime_reads(world, ep):
+    """benchmarks/migration_runtime.py builds its plan.json by hand; every rank parses it first. Before: the
+    plan said checkpoint_interval 0 and Frontier's 8 devices per node for 4 ranks, and every rank died on it, so
+    docs/migration-runtime.md could not be made again."""
+    import importlib.util
+
+    from piper_plan.catalog import project_root
+    from piper_plan.planfile import parse_plan_dict
+
+    spec = importlib.util.spec_from_file_location("migration_runtime",
+                                                  project_root() / "benchmarks" / "migration_runtime.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--world", str(world), "--ep", str(ep)])
+    cfg = parse_plan_dict(bench.plan_dict(args), "migration benchmark plan")
+    assert cfg.parallel.dp == world and cfg.parallel.ep == ep and cfg.migration.enabled
