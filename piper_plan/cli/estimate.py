@@ -37,7 +37,7 @@ GiB = 2**30
               help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
 @cost_knobs
 @json_option
-@output_option("save_path", "Write the plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
+@output_option("save_path", "Write the plan to FILE as plan.json (what launch, run, export and estimate --plan read).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
 @click.pass_context
 def estimate_cmd(ctx, plan_path, model_name, platform_name, mtp_layers, capacity_factor, nodes, seq_len, global_batch,

@@ -132,7 +132,8 @@ EPILOG = ("Output: a command's result (table, report) on stdout; progress and di
           "Exit codes: 0 ok; 1 a check failed (validate: a row outside its tolerance; bench a2a --verify; run: the loss "
           "went nan / inf); "
           "2 bad input or a path or output the system refuses (one 'error:' line on stderr); 3 nothing fits "
-          "(plan); 75 run checkpointed on SIGTERM / SIGUSR1 (requeue); 130 interrupted (Ctrl-C); 141 stdout closed "
+          "(plan); 75 run checkpointed on SIGTERM / SIGUSR1 / SIGINT (requeue); 130 interrupted (Ctrl-C, other "
+          "commands); 141 stdout closed "
           "early (| head).")
 
 

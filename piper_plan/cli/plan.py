@@ -47,7 +47,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
 @json_option
 @click.option("--csv", "as_csv", is_flag=True, help="The ranked plans as CSV on stdout.")
-@output_option("save_path", "Write the best plan to FILE as plan.json (DESIGN.md format).", old=("--save",))
+@output_option("save_path", "Write the best plan to FILE as plan.json (what launch, run, export and estimate --plan read).", old=("--save",))
 @click.option("--explain", is_flag=True, help="The winner's time breakdown vs the runner-up.")
 @plot_option("Write tokens/s vs peak memory of every evaluated plan (Pareto set and chosen plan marked, rejected "
              "ones coloured by reason) as a PNG")
