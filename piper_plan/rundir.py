@@ -5,6 +5,7 @@ the same answer on every rank."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -42,6 +43,34 @@ def check_run_dir(run_dir: Path) -> None:
             reason = exc.message.removeprefix("cannot write: ").removesuffix("; give a file name")
             raise PiperError(f"cannot write the run there ({reason}); use another --out-dir", path=str(run_dir)) \
                 from None
+
+
+LOCK_FILE = ".piper-run.lock"
+"""Held (flock) by `piper run`'s launcher and by each of its ranks while they write the run directory."""
+LAUNCHER_PID_ENV = "PIPER_LAUNCHER_PID"
+"""Set by `piper run`'s launcher for the ranks it starts: their parent, whose end stops them (runtime/train.py)."""
+
+
+def hold_run_dir(run_dir: Path, launcher: bool) -> int:
+    """Hold ``run_dir`` for this process until it exits (an flock on LOCK_FILE; returns its descriptor). The
+    launcher (``launcher=True``) first makes sure nothing else holds it: another `piper run` in the same
+    directory, or the ranks of one whose launcher is gone (they stop within a step), is one PiperError. Its ranks
+    share the hold, so the directory stays held until the last of them ends. Local runs only: torchrun / srun
+    ranks on several nodes take none (flock does not span a cluster's file system)."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if launcher else fcntl.LOCK_SH)   # a rank: its launcher's
+    except BlockingIOError:
+        os.close(fd)
+        raise PiperError("another `piper run` is writing this run directory (its launcher, or its ranks, which "
+                         "stop within a step once their launcher is gone); wait for it to end, or use another "
+                         "--out-dir", path=str(run_dir)) from None
+    if launcher:
+        fcntl.flock(fd, fcntl.LOCK_SH)           # the ranks it starts share the hold
+    return fd
 
 
 def check_replaces_no_run(run_dir: Path, resume: bool) -> None:

@@ -21,8 +21,10 @@ from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.planfile import MAX_STEPS
 
 EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' line naming the step, the lr, weight "
-                                        "decay and aux-loss coeff; every rank stops)",
-                     EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 / SIGINT (the batch script requeues)"}) + (
+                                        "decay and aux-loss coeff; every rank stops), or a rank's peer is gone",
+                     EXIT_REQUEUE: "checkpointed on SIGTERM / SIGUSR1 / SIGINT (the batch script requeues), also when "
+                                   "the launcher itself is killed: its ranks then stop",
+                     128: "+ N: a rank was killed by signal N (the launcher names it)"}) + (
     " A plan that needs more than this machine is not run: the torchrun and srun lines to run it are the result"
     " (exit 0).")
 
@@ -69,9 +71,15 @@ def run_cmd(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_jso
         return
     _check_run_dir(out, plan, resume, force)
     _check_devices(cfg, layout)
+    from piper_plan.rundir import hold_run_dir
+
+    held = hold_run_dir(Path(out), launcher=True)      # its ranks share the hold; they keep it until they end
     note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
                                                      if layout.emulated_topology else "") + f", run directory {out}")
-    code = launch_local(layout, args, Path(out))
+    try:
+        code = launch_local(layout, args, Path(out))
+    finally:
+        os.close(held)
     if as_json:
         print_run_summary(Path(out), code)
     sys.exit(code)
@@ -134,7 +142,10 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
 
     from piper_plan.launch.render import SIGNAL_LEAD_S
 
+    from piper_plan.rundir import LAUNCHER_PID_ENV
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())     # the ranks stop (checkpointed) if this process is gone
     if layout.emulated_topology:
         os.environ["PIPER_EMULATE_TOPOLOGY"] = layout.emulated_topology
     # shutdown_timeout: how long the agent waits, after forwarding a stop signal, for the ranks to finish the step
@@ -162,11 +173,19 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "piper_plan.runtime.train", *args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        # the cause: a rank killed from outside, not a peer that lost it (an error line, exit 1) nor one the
+        # launcher itself ended with SIGTERM once another had failed
+        killed = sorted((r, f) for r, f in exc.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM)
+        rank, failure = killed[0] if killed else exc.get_first_failure()
         if failure.exitcode < 0:         # killed by a signal: the rank could say nothing itself
             name = _signal_name(-failure.exitcode)
             note(f"piper run: rank {rank} (pid {failure.pid}) was killed by {name}")
             return 128 - failure.exitcode
+        if failure.exitcode == EXIT_REQUEUE:   # a stop signal sent to a rank, not to this launcher
+            step = _latest_checkpoint(run_dir)
+            at = f" at step {step}" if step is not None else ""
+            note(f"piper run: rank {rank} (pid {failure.pid}) was sent a stop signal; checkpointed{at} in "
+                 f"{run_dir / 'checkpoints'}, resume with --resume")
         return failure.exitcode          # the rank said why on its stderr (an 'error:' line or its traceback)
     except SignalException as exc:
         return _stopped(int(exc.sigval), run_dir, before)

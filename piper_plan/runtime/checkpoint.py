@@ -302,8 +302,29 @@ def load(run_dir: Path, state: RankState) -> int:
     if first:
         raise PiperError(first, path=str(path))
     _dcp_load(flat, path)
+    gathered = [None] * state.world
+    dist.all_gather_object(gathered, _damaged_value(flat))     # every rank refuses, or none does
+    first = next((p for p in gathered if p), None)
+    if first:
+        raise PiperError(f"{first}; piper saves finite weights and optimizer state only (a run whose loss went nan "
+                         "stops before its checkpoint), so the files are damaged: point checkpoints/latest at an "
+                         "earlier step_<N>, or start over with --force", path=str(path))
     _restore(state, model_sd, optim_sds, flat, step, same_layout)
     return step
+
+
+def _damaged_value(flat: dict) -> str | None:
+    """The first loaded value no run of piper saves: a non-finite weight or optimizer state, or a negative second
+    moment (AdamW's exp_avg_sq is a mean of squares); None if every value of this rank could have been saved."""
+    for key, value in flat.items():
+        if not torch.is_tensor(value) or not value.is_floating_point():
+            continue
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if not bool(torch.isfinite(local).all()):
+            return f"{key!r} holds a non-finite value (nan or inf)"
+        if key.endswith(".exp_avg_sq") and bool((local < 0).any()):
+            return f"{key!r} holds a negative second moment"
+    return None
 
 
 def _agreed_latest_step(run_dir: Path, world: int) -> int | None:

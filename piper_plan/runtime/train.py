@@ -31,7 +31,7 @@ from pathlib import Path
 
 from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import check_visible_devices, device_index, read_launch_env
-from piper_plan.rundir import check_run_dir, keep_plan, kept_records, plan_change
+from piper_plan.rundir import LAUNCHER_PID_ENV, check_run_dir, hold_run_dir, keep_plan, kept_records, plan_change
 
 EXIT_DIVERGED = EXIT_CHECK_FAILED
 """The loss went nan / inf: the run's check of its loss failed."""
@@ -503,6 +503,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+PEER_LOST_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+"""What gloo's TCP transport says when a rank at the other end of a collective has gone (gloo/transport/tcp/pair.cc)."""
+EXIT_PEER_LOST = EXIT_CHECK_FAILED
+
+
+def peer_lost(exc: BaseException) -> str | None:
+    """The short reason when ``exc`` says a peer rank is gone (its connection closed under a collective), else
+    None (any other error keeps its traceback)."""
+    text = str(exc)
+    found = next((m for m in PEER_LOST_MESSAGES if m in text), None)
+    return None if found is None else f"gloo: {found}"
+
+
+LAUNCHER_POLL_S = 0.5
+"""How often a rank of `piper run`'s own launcher checks that the launcher is still its parent."""
+
+
 class _StopFlag:
     """SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) set a flag; the loop checkpoints at the end of the step and exits 75.
     After the first SIGINT the default action is back, so a second Ctrl-C stops at once; a SIGINT ignored when the
@@ -524,6 +541,18 @@ class _StopFlag:
             # a second Ctrl-C stops this rank at once, the operating system's default way: not Python's
             # KeyboardInterrupt, which would wait until a rank blocked in a collective returns to Python
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    def watch_launcher(self, launcher_pid: int) -> None:
+        """Set the flag, as a stop signal would, once this process's parent is no longer ``launcher_pid``: the
+        ranks of a `piper run` whose launcher was killed checkpoint and stop rather than train on unwatched."""
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == launcher_pid:
+                time.sleep(LAUNCHER_POLL_S)
+            self.signum = self.signum or signal.SIGHUP
+
+        threading.Thread(target=watch, name="piper-launcher-watch", daemon=True).start()
 
     def release(self) -> None:
         """Default handlers again (a run that ends on bad input: torchrun's SIGTERM then ends a waiting rank)."""
@@ -667,8 +696,12 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     stop = _StopFlag()
-    trainer = Trainer(cfg, rank, world, device)
     run_dir = Path(args.out)
+    launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher_pid:                    # started by `piper run` on this machine: hold the directory with it
+        stop.watch_launcher(int(launcher_pid))
+        hold_run_dir(run_dir, launcher=False)
+    trainer = Trainer(cfg, rank, world, device)
     problem = None
     try:  # the same on every rank (checkpoint.load agrees on it; the rest reads files): nothing written yet
         start = trainer.resume(run_dir) if args.resume else 0
@@ -710,10 +743,18 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         try:
             with _profiler(args.profile, step - start, run_dir, rank) as _:
                 result = trainer.train_step(step)
+            gathered = trainer.gather_reports(result, step, stop=bool(stop.signum))
         except PiperError as exc:         # a token id out of range: every rank reads the whole batch, all stop here
             code, failure = EXIT_USER_ERROR, str(exc)
             break
-        gathered = trainer.gather_reports(result, step, stop=bool(stop.signum))
+        except RuntimeError as exc:       # a rank it exchanges with is gone: one line, not a traceback per rank
+            reason = peer_lost(exc)
+            if reason is None:
+                raise
+            print(f"error: rank {rank}, step {step + 1}: a rank it exchanges with is gone ({reason}); the run "
+                  "stops (the launcher names the rank that ended first; --resume continues from the last "
+                  "checkpoint)", file=sys.stderr, flush=True)
+            return EXIT_PEER_LOST
         failure = divergence(gathered, step + 1, cfg)
         if failure:                       # every rank reads the same reports: every rank stops here
             code = EXIT_DIVERGED

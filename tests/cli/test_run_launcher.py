@@ -155,6 +155,28 @@ def test_older_torch_without_the_signal_fields_still_forwards_sigusr1():
                                                                  "shutdown_timeout": 180}
 
 
+def test_a_run_directory_another_piper_run_holds_is_refused_before_any_rank_starts(tmp_path):
+    """Two `piper run`s in one directory wrote the same metrics.jsonl and checkpoints (before: both ran). While a
+    launcher or its ranks hold the directory (rundir.hold_run_dir), another launcher is one line, exit 2."""
+    from piper_plan.rundir import LOCK_FILE, hold_run_dir
+
+    plan = two_rank_plan(tmp_path)
+    held = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                             "from piper_plan.rundir import hold_run_dir; hold_run_dir(Path(sys.argv[1]), False); "
+                             "print('held', flush=True); time.sleep(60)", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "held"           # a rank of another run holds it (shared)
+        line = one_error_line(run_here(plan, str(tmp_path / "run")))
+        assert "another `piper run` is writing this run directory" in line and str(tmp_path / "run") in line
+    finally:
+        held.kill()
+        held.wait()
+    fd = hold_run_dir(tmp_path / "run", launcher=True)             # free again: held by the first who asks
+    os.close(fd)
+    assert (tmp_path / "run" / LOCK_FILE).is_file()
+
+
 # ---- real runs: ranks started by the elastic launcher -------------------------------------------------------
 def _ranks_of(run_dir: Path) -> list[int]:
     """Processes whose command line names this run's directory (the ranks: --out RUN_DIR), from /proc."""
@@ -271,3 +293,79 @@ def test_a_short_run_resumes_where_it_ended_under_another_layout(tmp_path):
                             str(tmp_path / "new"), "--resume"], cwd=tmp_path, capture_output=True, text=True,
                            env=CLEAN_ENV, timeout=180)
     assert fresh.returncode == 0 and "note: --resume: no checkpoint in" in fresh.stderr, fresh.stderr[-3000:]
+
+
+def _start(plan: Path, run_dir: Path, err_path: Path) -> subprocess.Popen:
+    """`piper run` in its own session, writing stderr to ``err_path``; returns once the first step is recorded."""
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([str(PIPER), "run", "--plan", str(plan), "--out-dir", str(run_dir)],
+                                cwd=run_dir.parent, stdout=subprocess.DEVNULL, stderr=err, env=CLEAN_ENV,
+                                start_new_session=True)
+    deadline = time.monotonic() + 180
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+        time.sleep(0.2)
+    return proc
+
+
+def _wait_gone(run_dir: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _ranks_of(run_dir):
+        assert time.monotonic() < deadline, "ranks still running"
+        time.sleep(0.2)
+
+
+@pytest.mark.distributed
+def test_the_ranks_of_a_killed_launcher_checkpoint_and_stop(tmp_path):
+    """The launcher killed outright (the OOM killer, `kill -9`): before, its ranks trained on unwatched to the last
+    step, and a `--resume` meanwhile ran a second set into the same files. Now they see their parent gone, finish
+    the step, checkpoint and exit 75; a resume then continues from that checkpoint."""
+    plan = two_rank_plan(tmp_path, steps=5000, checkpoint_interval=5000)
+    run_dir = tmp_path / "run"
+    proc = _start(plan, run_dir, tmp_path / "stderr")
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _wait_gone(run_dir, 120)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        step = int((run_dir / "checkpoints" / "latest").read_text())
+        assert summary["exit_code"] == EXIT_REQUEUE and 0 < step == summary["steps"] < 5000
+        resumed = run_here(plan, str(run_dir), "--resume")        # the directory is free again
+        assert resumed.exit_code == 0, resumed.output
+    finally:
+        _end(_ranks_of(run_dir))
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_or_stopped_alone_is_one_line_each(tmp_path):
+    """One rank killed (SIGKILL): the others say in one line each that a peer is gone and the launcher names the
+    rank and signal (before: a full traceback from every other rank). One rank sent SIGTERM: every rank
+    checkpoints, and the launcher says so (before: exit 75 and nothing said)."""
+    from piper_plan.runtime.train import EXIT_PEER_LOST
+
+    plan = two_rank_plan(tmp_path, steps=5000, checkpoint_interval=5000)
+    for sig, run_dir in ((signal.SIGKILL, tmp_path / "killed"), (signal.SIGTERM, tmp_path / "stopped")):
+        err_path = tmp_path / f"{sig.name}.stderr"
+        proc = _start(plan, run_dir, err_path)
+        try:
+            os.kill(max(_ranks_of(run_dir)), sig)
+            code = proc.wait(timeout=120)
+            stderr = err_path.read_text()
+            assert "Traceback" not in stderr, stderr[-3000:]
+            said = [line for line in stderr.splitlines() if not line.startswith("step ")]
+            if sig == signal.SIGKILL:
+                assert code == 128 + signal.SIGKILL, stderr[-3000:]
+                assert said[-1].startswith("piper run: rank ") and said[-1].endswith("was killed by SIGKILL")
+                assert all("a rank it exchanges with is gone" in line for line in said[1:-1]), stderr[-3000:]
+                assert EXIT_PEER_LOST != 0
+            else:
+                step = int((run_dir / "checkpoints" / "latest").read_text())
+                assert code == EXIT_REQUEUE, stderr[-3000:]
+                assert said[-1].endswith(f"was sent a stop signal; checkpointed at step {step} in "
+                                         f"{run_dir / 'checkpoints'}, resume with --resume"), stderr[-3000:]
+            _wait_gone(run_dir, 30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            _end(_ranks_of(run_dir))

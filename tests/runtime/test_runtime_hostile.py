@@ -268,6 +268,26 @@ def test_damaged_run_directory_every_rank_exits_2_with_one_line(tmp_path, damage
 
 
 @pytest.mark.distributed
+def test_a_checkpoint_with_damaged_values_is_one_line_not_a_diverged_run(tmp_path):
+    """Bytes overwritten inside a shard file (not truncated: DCP reads it whole) loaded silently, and the run
+    failed one step later as 'the loss is nan ... lower --lr'. Now every rank refuses the checkpoint in one line."""
+    plan = plan_dict(pp=1, dp=2, ep=2, steps=2)
+    codes, err = _finish(_ranks(2, plan, tmp_path))
+    assert codes == [0, 0], err[-3000:]
+    shard = max((tmp_path / "run" / "checkpoints" / "step_2").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = b"\xff" * 4096          # float32 0xffffffff: nan
+    shard.write_bytes(bytes(data))
+    plan["runtime"]["steps"] = 3
+    codes, err = _finish(_ranks(2, plan, tmp_path, "--resume"))
+    assert codes == [2, 2], err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "step_2: " in lines[0] and "so the files are damaged" in lines[0], err[-3000:]
+    assert "Traceback" not in err and "the loss is nan" not in err
+
+
+@pytest.mark.distributed
 def test_a_rank_that_never_comes_is_one_line_not_a_hang(tmp_path):
     start = time.time()
     codes, err = _finish(_ranks(2, plan_dict(pp=2, dp=1, ep=1), tmp_path, ranks=[0],
