@@ -6,8 +6,8 @@ the earlier layout's steps in its metrics.jsonl).
 Every quantity is ``{"predicted", "measured", "rel_error"}`` with ``rel_error = (predicted - measured) / measured``
 (DESIGN.md, compare format); a quantity missing on either side has ``rel_error = None``.
 Measured values are steady-state: the first step (warm-up: allocation, gloo/NCCL connection set-up) is left out
-when there is more than one step; times are medians over steps (robust to a stray slow step), memory is the
-maximum over steps (a peak).
+when there is more than one step; times are medians over steps (robust to a stray slow step; a migration, paid on
+some steps only, is the mean), memory is the maximum over steps (a peak).
 """
 
 from __future__ import annotations
@@ -72,13 +72,21 @@ def predicted_term_s(prediction: dict, parts: tuple[str, ...]) -> float | None:
     return sum(matched) if matched else None
 
 
+AMORTISED_TERMS = ("migration",)
+"""Time terms paid on some steps only (a migration every ``interval`` steps): their per-step cost is the mean over
+the steady steps, which the median (0 unless most steps migrate) would hide."""
+
+
 def time_terms(prediction: dict, records: list[dict]) -> dict[str, dict]:
-    """Per measured time term: predicted seconds per step vs the median over the steady steps."""
+    """Per measured time term: predicted seconds per step vs the median over the steady steps (the mean for
+    AMORTISED_TERMS)."""
     steady = steady_steps(records)
     out = {}
     for term, parts in TIME_TERMS.items():
         measured = [r["time_s"][term] for r in steady if isinstance((r.get("time_s") or {}).get(term), (int, float))]
-        out[term] = quantity(predicted_term_s(prediction, parts), median(measured) if measured else None)
+        per_step = (sum(measured) / len(measured) if term in AMORTISED_TERMS else median(measured)) if measured \
+            else None
+        out[term] = quantity(predicted_term_s(prediction, parts), per_step)
     return out
 
 

@@ -73,6 +73,16 @@ def hold_run_dir(run_dir: Path, launcher: bool) -> int:
     return fd
 
 
+def clear_run(run_dir: Path) -> None:
+    """`piper run --force`: the run ``run_dir`` holds is gone before the new one starts: its checkpoints (a later
+    --resume would otherwise continue the old run under the new one's metrics) and its summary. metrics.jsonl and
+    plan.json are rewritten by the new run."""
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)
+
+
 def check_replaces_no_run(run_dir: Path, resume: bool) -> None:
     """A run that starts from step 0 replaces the metrics and checkpoints ``run_dir`` holds: refused unless asked
     (``piper run --force``), as ``piper launch`` refuses a non-empty --out-dir. With --resume it starts from step 0

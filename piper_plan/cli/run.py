@@ -71,9 +71,11 @@ def run_cmd(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_jso
         return
     _check_run_dir(out, plan, resume, force)
     _check_devices(cfg, layout)
-    from piper_plan.rundir import hold_run_dir
+    from piper_plan.rundir import clear_run, hold_run_dir
 
     held = hold_run_dir(Path(out), launcher=True)      # its ranks share the hold; they keep it until they end
+    if force:
+        clear_run(Path(out))
     note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
                                                      if layout.emulated_topology else "") + f", run directory {out}")
     try:
@@ -188,8 +190,29 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
                  f"{run_dir / 'checkpoints'}, resume with --resume")
         return failure.exitcode          # the rank said why on its stderr (an 'error:' line or its traceback)
     except SignalException as exc:
+        _end_ranks_left()
         return _stopped(int(exc.sigval), run_dir, before)
     return 0
+
+
+def _end_ranks_left() -> None:
+    """SIGKILL and reap the ranks still alive once the launcher's own stop is over: after one stop signal torch's
+    agent waits for them (they checkpoint and exit), but a second one (Ctrl-C twice: 'stop at once') ends its
+    wait, and they went on saving after the launcher had said no checkpoint was made (Linux /proc: children
+    whose command line runs piper's runtime)."""
+    me = os.getpid()
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"piper_plan.runtime.train" in cmdline:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                os.waitpid(int(proc.name), 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
 
 
 def signal_options(launch_config_class, shutdown_timeout_s: int) -> dict:

@@ -243,24 +243,63 @@ def save(run_dir: Path, step: int, state: RankState, keep: int) -> Path:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     maps: list = [None] * state.world
     dist.all_gather_object(maps, state.slot_maps())  # every stage's layers, for piper.json
+    problem = None
     if state.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)      # a save interrupted before
-        tmp.mkdir(parents=True)
-        atomic_write_json(tmp / META, state.meta(step, {k: v for m in maps for k, v in m.items()}))
-    dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)      # a save interrupted before
+            tmp.mkdir(parents=True)
+            atomic_write_json(tmp / META, state.meta(step, {k: v for m in maps for k, v in m.items()}))
+        except (OSError, PiperError) as exc:
+            problem = _write_problem(exc)
+    _agree(problem, state.world, step, tmp)          # also the barrier before the other ranks write into tmp
     model_sd, optim_sds = state.torch_state()
-    dcp.save(flat_state(model_sd, optim_sds, state.held(), state.rank), checkpoint_id=str(tmp))
+    try:
+        dcp.save(flat_state(model_sd, optim_sds, state.held(), state.rank), checkpoint_id=str(tmp))
+    except CheckpointException as exc:                # DCP gathers every rank's failure: the same on each
+        rank, (error, _) = min(exc.failures.items())
+        raise PiperError(_cannot_write(step, f"rank {rank}: {_write_problem(error)}"), path=str(tmp)) from None
     dist.barrier()
     if state.rank == 0:
-        _install(tmp, final)
-        mark_latest(run_dir, step)
-        rotate(run_dir, step, keep)
-    dist.barrier()
+        try:
+            _install(tmp, final)
+            mark_latest(run_dir, step)
+            rotate(run_dir, step, keep)
+        except (OSError, PiperError) as exc:
+            problem = _write_problem(exc)
+    _agree(problem, state.world, step, final)        # and the barrier after which ``latest`` names it
     return final
+
+
+def _write_problem(exc: BaseException) -> str:
+    """One line for a checkpoint write that failed (a full disk, a permission, an entry in the way)."""
+    if isinstance(exc, PiperError):
+        return exc.message
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    line = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {line[0] if line else ''}"
+
+
+def _agree(problem: str | None, world: int, step: int, path: Path) -> None:
+    """Collective: one PiperError on every rank where any rank has a ``problem`` writing the checkpoint."""
+    import torch.distributed as dist
+
+    problems: list = [None] * world
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise PiperError(_cannot_write(step, first), path=str(path))
+
+
+def _cannot_write(step: int, problem: str) -> str:
+    return (f"cannot write the checkpoint of step {step}: {problem}; free the space or the entry in the way, then "
+            "--resume continues from the last checkpoint")
 
 
 def _install(tmp: Path, final: Path) -> None:

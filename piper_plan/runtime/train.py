@@ -516,6 +516,14 @@ def peer_lost(exc: BaseException) -> str | None:
     return None if found is None else f"gloo: {found}"
 
 
+def _lost_peer(rank: int, step: int, reason: str) -> int:
+    """One line for a rank whose peer is gone; the exit code (no collective after it: the group is broken)."""
+    print(f"error: rank {rank}, step {step + 1}: a rank it exchanges with is gone ({reason}); the run stops (the "
+          "launcher names the rank that ended first; --resume continues from the last checkpoint)",
+          file=sys.stderr, flush=True)
+    return EXIT_PEER_LOST
+
+
 LAUNCHER_POLL_S = 0.5
 """How often a rank of `piper run`'s own launcher checks that the launcher is still its parent."""
 
@@ -748,13 +756,9 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             code, failure = EXIT_USER_ERROR, str(exc)
             break
         except RuntimeError as exc:       # a rank it exchanges with is gone: one line, not a traceback per rank
-            reason = peer_lost(exc)
-            if reason is None:
+            if peer_lost(exc) is None:
                 raise
-            print(f"error: rank {rank}, step {step + 1}: a rank it exchanges with is gone ({reason}); the run "
-                  "stops (the launcher names the rank that ended first; --resume continues from the last "
-                  "checkpoint)", file=sys.stderr, flush=True)
-            return EXIT_PEER_LOST
+            return _lost_peer(rank, step, peer_lost(exc))
         failure = divergence(gathered, step + 1, cfg)
         if failure:                       # every rank reads the same reports: every rank stops here
             code = EXIT_DIVERGED
@@ -764,11 +768,18 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             writer.write(records[-1])
             progress.update(records[-1])
         saved = (step + 1) % interval == 0 or step + 1 == steps    # and the last step's: --resume continues it
-        if saved:
-            trainer.save(run_dir, step + 1)
-        if any(r["stop"] for r in gathered):
-            if not saved:
+        stopping = any(r["stop"] for r in gathered)
+        try:
+            if saved or stopping:
                 trainer.save(run_dir, step + 1)
+        except PiperError as exc:         # a write every rank was told of (checkpoint.save agrees on it)
+            code, failure = EXIT_USER_ERROR, str(exc)
+            break
+        except RuntimeError as exc:
+            if peer_lost(exc) is None:
+                raise
+            return _lost_peer(rank, step, peer_lost(exc))
+        if stopping:
             code = EXIT_REQUEUE if step + 1 < steps else 0      # the last step done: nothing left to requeue for
             break
     if rank == 0:

@@ -104,3 +104,12 @@ def test_on_a_gpu_platform_the_note_names_the_overhead_benchmark_on_its_gpus(tmp
     note = _calibration_hint(read_plan_file(out), -0.98)
     assert "`piper calibrate --platform h200 --quick`, then `piper calibrate overhead --platform h200` on one of " \
            "its GPUs), re-plan" in note
+
+
+def test_a_migration_every_few_steps_is_its_mean_cost_per_step():
+    """Migration is paid on some steps only: its per-step cost is the mean over the steady steps (before: the
+    median, 0 for any run migrating less often than every other step)."""
+    records = [{"step": s, "step_time_s": 1.0, "tokens_per_s": 10.0,
+                "time_s": {"migration": 0.4 if s % 4 == 0 else 0.0}, "memory_bytes": []} for s in range(1, 10)]
+    migration = compare(dict(PREDICTION, time={"breakdown": {"migration": 0.1}}), records)["time_s"]["migration"]
+    assert migration["measured"] == 0.1 and migration["predicted"] == 0.1      # steps 2..9: 2 of 8 migrate

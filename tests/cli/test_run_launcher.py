@@ -83,7 +83,9 @@ def test_a_run_directory_that_holds_a_run_needs_resume_or_force(tmp_path, monkey
     for flag in ("--resume", "--force"):
         assert run_here(plan, str(run), flag).exit_code == 0
     assert [args[-1] for args in started] == ["--resume", "1"]       # --force is not a rank option: args end "--steps 1"
-    (run / "checkpoints" / "latest").unlink()
+    # --force removed the old run's checkpoints before the new one started (before: a later --resume continued
+    # the old run's weights under the new run's metrics)
+    assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").is_file()
     for extra in ((), ("--resume",)):
         line = one_error_line(run_here(plan, str(run), *extra))
         assert "holds a run's metrics.jsonl and no checkpoint to continue from" in line, line
@@ -175,6 +177,21 @@ def test_a_run_directory_another_piper_run_holds_is_refused_before_any_rank_star
     fd = hold_run_dir(tmp_path / "run", launcher=True)             # free again: held by the first who asks
     os.close(fd)
     assert (tmp_path / "run" / LOCK_FILE).is_file()
+
+
+def test_ranks_left_after_a_second_stop_signal_are_ended():
+    """Ctrl-C twice ends torch's wait for the ranks; they went on saving after the launcher had said no checkpoint
+    was made. The launcher's children that run piper's runtime are ended and reaped; other children are not."""
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "piper_plan.runtime.train"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run_module._end_ranks_left()
+        assert not Path(f"/proc/{rank.pid}").exists()           # killed and reaped (no zombie left)
+        assert other.poll() is None
+    finally:
+        for proc in (rank, other):
+            proc.kill()
+            proc.wait()
 
 
 # ---- real runs: ranks started by the elastic launcher -------------------------------------------------------

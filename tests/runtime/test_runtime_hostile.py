@@ -288,6 +288,21 @@ def test_a_checkpoint_with_damaged_values_is_one_line_not_a_diverged_run(tmp_pat
 
 
 @pytest.mark.distributed
+def test_a_checkpoint_that_cannot_be_written_is_one_line_on_every_rank(tmp_path):
+    """A file where the save's temporary folder goes (as a full disk or a permission would fail it): before, rank
+    0's traceback and the other ranks' lost-connection tracebacks, exit 1. Now one line, exit 2, the steps before
+    it kept in metrics.jsonl and summary.json."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_2.tmp").write_text("in the way")
+    codes, err = _finish(_ranks(2, plan_dict(pp=1, dp=2, ep=2, steps=2), tmp_path))
+    assert codes == [2, 2], err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "cannot write the checkpoint of step 2: File exists" in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["exit_code"] == 2
+
+
+@pytest.mark.distributed
 def test_a_rank_that_never_comes_is_one_line_not_a_hang(tmp_path):
     start = time.time()
     codes, err = _finish(_ranks(2, plan_dict(pp=2, dp=1, ep=1), tmp_path, ranks=[0],
