@@ -126,4 +126,6 @@ def _table(result: dict) -> None:
     rows += [(f"memory stage {i} (GiB)", q, 1 / 2**30) for i, q in enumerate(result["memory_bytes_per_stage"])]
     for name, q, scale in rows:
         table.add_row(name, _fmt(q["predicted"], scale), _fmt(q["measured"], scale), _fmt(q["rel_error"], 100.0, 3))
+    if result["memory_bytes_per_stage"]:     # CPU ranks report their tensors, not a process's resident memory
+        table.caption = f"memory: {result['memory_basis']}"
     console().print(table)
