@@ -104,12 +104,21 @@ def read_document(path: str | Path) -> dict:
     return data
 
 
-def json_lines(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) of each non-empty line of a JSON-lines file; each line is parsed by ``parse_json``."""
+def json_lines(path: str | Path, torn_tail: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-empty line of a JSON-lines file; each line is parsed by ``parse_json``.
+    ``torn_tail``: a last line without its newline that does not parse (a write its writer did not finish) is
+    skipped, not an error."""
     path = Path(path)
-    for number, raw in enumerate(read_text(path).splitlines(), start=1):
+    text = read_text(path)
+    lines = text.splitlines()
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
+        if torn_tail and number == len(lines) and not text.endswith("\n"):
+            try:
+                parse_json(raw, str(path), line=number)
+            except PiperError:
+                return
         obj = parse_json(raw, str(path), line=number)
         if not isinstance(obj, dict):
             raise PiperError(f"line {number}: expected a JSON object, got {_kind(obj)}", path=str(path))

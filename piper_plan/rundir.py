@@ -163,13 +163,14 @@ def keep_plan(plan_path: Path, run_dir: Path) -> None:
 
 
 def kept_records(path: Path, start: int) -> list[dict]:
-    """metrics.jsonl lines of steps <= start (a run killed after its last checkpoint logged steps it will redo)."""
+    """metrics.jsonl lines of steps <= start (a run killed after its last checkpoint logged steps it will redo; a
+    last record cut short by the kill is one of them: a record is written before its step's checkpoint)."""
     from piper_plan.fileio import json_lines
 
     if not path.is_file():
         return []
     rows = []
-    for number, row in json_lines(path):
+    for number, row in json_lines(path, torn_tail=True):
         if not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
             raise PiperError(f"line {number}: no integer 'step'; allowed: the records piper run writes; move it "
                              "aside to resume without the earlier steps' records", path=str(path))

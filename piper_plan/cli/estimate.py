@@ -90,13 +90,30 @@ def _show(result, model, platform, training, plan, save_path, plot_path, as_json
                  f"{_gib(platform.device.memory_bytes)} GiB per device (`piper launch` will refuse it)")
     if plot_path:
         note(f"wrote {_plot(plot_path, result, model, platform, plan)}")
+    refusal = _runtime_refusal(result, model, platform, training, plan, blocks)
     if as_json:
         from piper_plan.planfile import parallel_block
 
         print_json({**result.to_json(), "parallel": parallel_block(model, plan, result),
-                    "dtype": training.dtype, "fp8_recipe": training.fp8_recipe})
+                    "dtype": training.dtype, "fp8_recipe": training.fp8_recipe,
+                    "runnable_by_piper": refusal is None, "runtime_refusal": refusal})
         return
     render(result, model, platform, plan, training, cited_at)
+    note("piper's runtime: runs this plan (`piper launch` / `piper run`)" if refusal is None
+         else f"piper's runtime: `piper launch` / `piper run` refuse this plan: {refusal}")
+
+
+def _runtime_refusal(result, model, platform, training, plan, blocks: dict) -> str | None:
+    """launch's and run's verdict on the plan as it would be saved (launch/job.py check_runnable), or None."""
+    from piper_plan.errors import PiperError
+    from piper_plan.launch.job import runtime_refusal
+    from piper_plan.planfile import parse_plan_dict, plan_file_dict
+
+    try:
+        return runtime_refusal(parse_plan_dict(plan_file_dict(model, platform, training, result.nodes, plan,
+                                                              result.placement, result, **blocks), "the estimate"))
+    except PiperError as exc:            # a plan no file can hold: launch cannot take it either
+        return exc.message
 
 
 SAVED_PLAN_OUTPUTS = ("plan_path", "as_json", "save_path", "plot_path")

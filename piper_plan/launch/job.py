@@ -54,6 +54,16 @@ def check_runnable(plan_file: PlanFile, path: Path) -> None:
                      field=None if problems else "prediction.fits")
 
 
+def runtime_refusal(plan_file: PlanFile) -> str | None:
+    """Why `piper launch` and `piper run` would refuse this plan (check_runnable's line, without a file name), or
+    None where they run it: what `piper estimate` says beside its figures."""
+    try:
+        check_runnable(plan_file, Path("plan.json"))
+    except PiperError as exc:
+        return exc.message
+    return None
+
+
 def _as_the_runtime_runs_it(pf: PlanFile):
     """The plan priced with piper's runtime's kernels (cost/options.PIPER_RUNTIME_OPTIONS, with the file's runtime
     block and migration share) where its prediction assumed another engine's; None where it already is, or is not

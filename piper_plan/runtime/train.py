@@ -31,7 +31,8 @@ from pathlib import Path
 
 from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import check_visible_devices, device_index, read_launch_env
-from piper_plan.rundir import LAUNCHER_PID_ENV, check_run_dir, hold_run_dir, keep_plan, kept_records, plan_change
+from piper_plan.rundir import (LAUNCHER_PID_ENV, check_run_dir, first_difference, hold_run_dir, keep_plan,
+                               kept_records, plan_change)
 
 EXIT_DIVERGED = EXIT_CHECK_FAILED
 """The loss went nan / inf: the run's check of its loss failed."""
@@ -624,6 +625,30 @@ def _report_user_error(exc: PiperError | None, rank: int, reporter: int = 0) -> 
     return EXIT_USER_ERROR
 
 
+def started_alike(cfg, args, world: int) -> str | None:
+    """Collective: where the ranks were started with different plans or options (torchrun / srun run one command
+    per node; a node given --steps 7 and another --steps 5 hung at the first's last step, and --lr differing per
+    node trained data-parallel copies apart), the first difference from rank 0's, as one line; None if alike.
+    One all-gather of a digest; the whole settings only where the digests differ."""
+    import hashlib
+    import json
+
+    import torch.distributed as dist
+
+    mine = {"plan": cfg.model_dump(mode="json"), "resume": bool(args.resume)}
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True, default=str).encode()).hexdigest()
+    digests: list = [None] * world
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return None
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    found = first_difference(every[0], every[other], labels=("rank 0", f"rank {other}"))
+    return (f"the ranks were started with different settings: {found}; allowed: the same plan.json and options on "
+            "every node")
+
+
 def first_failed_rank(failed: bool, rank: int, world: int, device) -> int | None:
     """The lowest rank that failed, known to every rank (one all-reduce, so also a barrier); None when none did."""
     import torch
@@ -703,6 +728,10 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     except RendezvousFailed as exc:  # rank 0 may be the missing one: every rank that waited in vain says so
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    mismatch = started_alike(cfg, args, world)
+    if mismatch:                        # before any collective that depends on them: they would hang or diverge
+        _end_process_group()
+        return _report_user_error(PiperError(mismatch), rank)
     stop = _StopFlag()
     run_dir = Path(args.out)
     launcher_pid = os.environ.get(LAUNCHER_PID_ENV)

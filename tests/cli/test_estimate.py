@@ -300,3 +300,18 @@ def test_a_gpu_step_that_waits_on_its_measured_host_says_so():
     assert mixtral.exit_code == 0, mixtral.output
     assert "waits on its host" not in mixtral.stderr and "host time: the runtime's overhead measured in " \
         "calibration/h200/overhead.csv" in mixtral.output
+
+
+def test_estimate_says_whether_launch_and_run_take_the_plan():
+    """`estimate` printed "fits" for plans `launch` and `run` then refused (cp 2, a capacity factor, ...); it now
+    gives their verdict (launch/job.py check_runnable), in the JSON and as a line on stderr."""
+    local = ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--seq", "128",
+             "--global-batch", "8"]
+    runnable = json.loads(_run(local + ["--dp", "2", "--ep", "2", "--json"]).stdout)
+    assert runnable["runnable_by_piper"] is True and runnable["runtime_refusal"] is None
+    with_cp = local + ["--dp", "1", "--cp", "2"]
+    shown = _run(with_cp + ["--json"])
+    refused = json.loads(shown.stdout)
+    assert refused["runnable_by_piper"] is False and "parallel.cp=2" in refused["runtime_refusal"]
+    table = _run(with_cp)
+    assert table.exit_code == 0 and "`piper launch` / `piper run` refuse this plan: " in table.stderr

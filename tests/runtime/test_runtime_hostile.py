@@ -112,6 +112,12 @@ def test_damaged_metrics_on_resume_is_one_line(tmp_path):
     path.write_text('{"loss": 1}\n')
     with pytest.raises(PiperError, match="line 1: no integer 'step'"):
         rundir.kept_records(path, 2)
+    # a last record cut short by a kill (no newline): a step past the checkpoint, dropped (before: resume refused)
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    assert [r["step"] for r in rundir.kept_records(path, 2)] == [1, 2]
+    path.write_text('{"step": 1}\n{"step": 2, "lo\n')          # with its newline: not torn, damaged
+    with pytest.raises(PiperError, match="line 2: malformed JSON"):
+        rundir.kept_records(path, 2)
 
 
 # ---- another plan in the run directory --------------------------------------------------------------------
@@ -300,6 +306,21 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_on_every_rank(tmp_path)
     assert len(lines) == 1 and "cannot write the checkpoint of step 2: File exists" in lines[0], err[-3000:]
     assert "Traceback" not in err
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["exit_code"] == 2
+
+
+@pytest.mark.distributed
+def test_ranks_started_with_other_settings_are_one_line_not_a_hang(tmp_path):
+    """torchrun / srun run one command per node: a node given --steps 3 and another --steps 2 hung at the shorter
+    run's end (gloo's 30-minute timeout), and --lr differing per node trained silently. Now one line, exit 2."""
+    plan = plan_dict(pp=1, dp=2, ep=2, steps=2)
+    port = {"MASTER_PORT": str(_port())}                     # one rendezvous for both "nodes"
+    procs = _ranks(2, plan, tmp_path, ranks=[0], env=port) + _ranks(2, plan, tmp_path, "--steps", "3", ranks=[1],
+                                                                     env=port)
+    codes, err = _finish(procs, timeout=120)
+    assert codes == [2, 2], err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert lines == ["error: the ranks were started with different settings: plan.runtime.steps: 2 (rank 0) vs 3 "
+                     "(rank 1); allowed: the same plan.json and options on every node"], err[-3000:]
 
 
 @pytest.mark.distributed
