@@ -147,6 +147,7 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
     from piper_plan.rundir import LAUNCHER_PID_ENV
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    launcher_before = os.environ.get(LAUNCHER_PID_ENV)  # restored below: for this launch's ranks only
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())     # the ranks stop (checkpointed) if this process is gone
     if layout.emulated_topology:
         os.environ["PIPER_EMULATE_TOPOLOGY"] = layout.emulated_topology
@@ -165,6 +166,10 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
         return _launch(config, args, run_dir, before)
     finally:
         signal.signal(signal.SIGUSR1, sigusr1)
+        if launcher_before is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = launcher_before
 
 
 def _launch(config, args: list[str], run_dir: Path, before) -> int:

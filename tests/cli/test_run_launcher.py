@@ -194,6 +194,21 @@ def test_ranks_left_after_a_second_stop_signal_are_ended():
             proc.wait()
 
 
+def test_the_launcher_pid_is_set_for_its_ranks_only(monkeypatch, tmp_path):
+    """PIPER_LAUNCHER_PID is for the ranks of this launch; left behind, a later rank started in-process (torchrun's
+    path of `piper run`) would watch a parent it does not have and stop after its first step."""
+    from types import SimpleNamespace
+
+    from piper_plan.rundir import LAUNCHER_PID_ENV
+
+    seen = []
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+    monkeypatch.setattr(run_module, "_launch", lambda *a: seen.append(os.environ[LAUNCHER_PID_ENV]) or 0)
+    layout = SimpleNamespace(world=2, emulated_topology=None)
+    assert run_module.launch_local(layout, [], tmp_path) == 0
+    assert seen == [str(os.getpid())] and LAUNCHER_PID_ENV not in os.environ
+
+
 # ---- real runs: ranks started by the elastic launcher -------------------------------------------------------
 def _ranks_of(run_dir: Path) -> list[int]:
     """Processes whose command line names this run's directory (the ranks: --out RUN_DIR), from /proc."""
