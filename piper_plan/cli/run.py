@@ -180,10 +180,7 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "piper_plan.runtime.train", *args)
     except ChildFailedError as exc:
-        # the cause: a rank killed from outside, not a peer that lost it (an error line, exit 1) nor one the
-        # launcher itself ended with SIGTERM once another had failed
-        killed = sorted((r, f) for r, f in exc.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM)
-        rank, failure = killed[0] if killed else exc.get_first_failure()
+        rank, failure = _cause(exc)
         if failure.exitcode < 0:         # killed by a signal: the rank could say nothing itself
             name = _signal_name(-failure.exitcode)
             note(f"piper run: rank {rank} (pid {failure.pid}) was killed by {name}")
@@ -198,6 +195,17 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
         _end_ranks_left()
         return _stopped(int(exc.sigval), run_dir, before)
     return 0
+
+
+def _cause(exc) -> tuple:
+    """(rank, failure) that ended the run: torch's first failure (its timestamps are whole seconds, ties go to the
+    lowest rank), unless a rank was killed from outside within a second of it: then that one, not a peer that lost
+    it (an 'error:' line, exit 1). A rank torch itself ended (SIGTERM at once, SIGKILL after its shutdown wait,
+    seconds later) is never the cause."""
+    first_rank, first = exc.get_first_failure()
+    killed = sorted((r, f) for r, f in exc.failures.items()
+                    if f.exitcode < 0 and f.exitcode != -signal.SIGTERM and f.timestamp - first.timestamp <= 1)
+    return killed[0] if killed else (first_rank, first)
 
 
 def _end_ranks_left() -> None:

@@ -401,3 +401,25 @@ def test_a_rank_killed_or_stopped_alone_is_one_line_each(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             _end(_ranks_of(run_dir))
+
+
+def test_the_cause_of_a_failed_run_is_the_rank_killed_from_outside():
+    """Its peers' 'gone' lines (exit 1) may be seen in the same second: the killed rank is the cause. A rank torch
+    killed after its shutdown wait, seconds after a rank's own error, is not."""
+    from types import SimpleNamespace
+
+    def failure(code, at):
+        return SimpleNamespace(exitcode=code, timestamp=at, pid=100)
+
+    class Failed:
+        def __init__(self, failures):
+            self.failures = failures
+
+        def get_first_failure(self):
+            rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
+            return rank, self.failures[rank]
+
+    peer_gone = Failed({0: failure(1, 50), 1: failure(-signal.SIGKILL, 50), 2: failure(1, 51)})
+    assert run_module._cause(peer_gone)[0] == 1
+    own_error = Failed({0: failure(2, 50), 1: failure(-signal.SIGTERM, 50), 2: failure(-signal.SIGKILL, 80)})
+    assert run_module._cause(own_error)[0] == 0
