@@ -16,6 +16,7 @@ import math
 from statistics import median
 
 from piper_plan.errors import PiperError
+from piper_plan.metricsfile import PROCESS_RSS_KEY
 from piper_plan.specs.vocab import A2A_TIME_PREFIX
 
 A2A_KEY_PARTS = (A2A_TIME_PREFIX, "dispatch", "combine", "a2a", "all_to_all")
@@ -131,14 +132,30 @@ def predicted_memory_per_stage(prediction: dict, tensors_only: bool = False) -> 
     return out
 
 
+def measured_rss_per_stage(records: list[dict]) -> list[float | None]:
+    """Per stage, the largest process peak RSS of its ranks over all steps (CPU runs); [] where none was measured."""
+    stages = max((len(r.get("memory_bytes") or []) for r in records), default=0)
+    out = []
+    for i in range(stages):
+        values = [r["memory_bytes"][i].get(PROCESS_RSS_KEY) for r in records
+                  if len(r.get("memory_bytes") or []) > i and isinstance(r["memory_bytes"][i], dict)]
+        values = [x for x in values if isinstance(x, (int, float))]
+        out.append(max(values) if values else None)
+    return out if any(v is not None for v in out) else []
+
+
 def compare(prediction: dict, records: list[dict]) -> dict:
-    """The comparison of one run: step time, tokens/s, all-to-all share, memory per stage."""
+    """The comparison of one run: step time, tokens/s, all-to-all share, memory per stage (and, on CPU ranks, the
+    processes' peak RSS against the whole per-device prediction, framework and fragmentation included)."""
     steady = steady_steps(records)
     tensors_only = measured_by_tensor_accounting(records)
     pred_mem = predicted_memory_per_stage(prediction, tensors_only)
     meas_mem = measured_memory_per_stage(records)
+    meas_rss = measured_rss_per_stage(records)
     stages = max(len(pred_mem), len(meas_mem))
     pad = lambda xs: xs + [None] * (stages - len(xs))  # noqa: E731
+    rss = [quantity(p, m) for p, m in zip(pad(predicted_memory_per_stage(prediction)), pad(meas_rss))] \
+        if meas_rss else []
     return {
         "steps_measured": len(steady),
         "step_time_s": quantity(prediction.get("step_time_s"), _median_of(steady, "step_time_s")),
@@ -148,6 +165,7 @@ def compare(prediction: dict, records: list[dict]) -> dict:
         "memory_bytes_per_stage": [quantity(p, m) for p, m in zip(pad(pred_mem), pad(meas_mem))],
         "memory_basis": ("tensor accounting (prediction without framework and fragmentation)" if tensors_only
                          else "allocator peak"),
+        "process_rss_bytes_per_stage": rss,
     }
 
 

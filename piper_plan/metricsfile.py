@@ -34,6 +34,11 @@ OUTSIDE_STEP = ("migration",)
 they may exceed step_time_s."""
 
 
+PROCESS_RSS_KEY = "process_peak_rss_bytes"
+"""A stage memory entry's extra field on CPU ranks: the largest peak resident set size of the stage's rank
+processes (getrusage), the whole process the plan's per-device peak stands for there (runtime/train.py)."""
+
+
 class StageMemory(BaseModel):
     """One stage's entry of ``memory_bytes`` (docs/design-notes.md); further byte counts may follow."""
 

@@ -124,8 +124,12 @@ def _table(result: dict) -> None:
             ("all-to-all share (%)", result["a2a_share"], 100.0)]
     rows += [(f"{term} time per step (s)", q, 1.0) for term, q in result["time_s"].items()]
     rows += [(f"memory stage {i} (GiB)", q, 1 / 2**30) for i, q in enumerate(result["memory_bytes_per_stage"])]
+    rows += [(f"process peak RSS stage {i} (GiB)", q, 1 / 2**30)
+             for i, q in enumerate(result.get("process_rss_bytes_per_stage") or [])]
     for name, q, scale in rows:
         table.add_row(name, _fmt(q["predicted"], scale), _fmt(q["measured"], scale), _fmt(q["rel_error"], 100.0, 3))
     if result["memory_bytes_per_stage"]:     # CPU ranks report their tensors, not a process's resident memory
-        table.caption = f"memory: {result['memory_basis']}"
+        table.caption = f"memory: {result['memory_basis']}" + (
+            "; process peak RSS: the ranks' resident memory (getrusage) against the whole per-device prediction"
+            if result.get("process_rss_bytes_per_stage") else "")
     console().print(table)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import check_visible_devices, device_index, read_launch_env
+from piper_plan.metricsfile import PROCESS_RSS_KEY
 from piper_plan.rundir import (LAUNCHER_PID_ENV, check_run_dir, first_difference, hold_run_dir, keep_plan,
                                kept_records, plan_change)
 
@@ -417,7 +418,7 @@ class Trainer:
             import torch
 
             return {**out, "total_bytes": int(torch.cuda.max_memory_allocated(self.device))}
-        return {**out, "total_bytes": params + grads + optim + acts}
+        return {**out, "total_bytes": params + grads + optim + acts, PROCESS_RSS_KEY: peak_rss_bytes()}
 
     # -- checkpoints (runtime/checkpoint.py: torch.distributed.checkpoint, layout-free keys)
     def checkpoint_state(self):
@@ -463,13 +464,30 @@ def divergence(reports: list[dict], step: int, cfg) -> str | None:
             "--aux-loss-coeff or the plan's runtime block")
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (getrusage ru_maxrss: KiB on Linux)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _stage_memory(memories: list[dict]) -> dict:
+    """A stage's memory entry: its ranks' largest tensor (or allocator) figure, with the largest process RSS of
+    any of them where the ranks measure one (CPU)."""
+    entry = dict(max(memories, key=lambda m: m["total_bytes"]))
+    rss = [m[PROCESS_RSS_KEY] for m in memories if PROCESS_RSS_KEY in m]
+    if rss:
+        entry[PROCESS_RSS_KEY] = max(rss)
+    return entry
+
+
 def merge_reports(reports: list[dict], step: int, tokens: int, parallel: dict | None = None):
     """All ranks' step reports -> one metrics.jsonl record (DESIGN.md)."""
     from piper_plan.runtime.metrics import step_record
 
     loss = next(r["loss"] for r in reports if r["loss"] is not None)
     stages = sorted({r["stage"] for r in reports})
-    memory = [max((r["memory"] for r in reports if r["stage"] == s), key=lambda m: m["total_bytes"]) for s in stages]
+    memory = [_stage_memory([r["memory"] for r in reports if r["stage"] == s]) for s in stages]
     experts: dict[str, list[int]] = {}
     for r in reports:
         for layer, counts in r["expert_tokens"].items():

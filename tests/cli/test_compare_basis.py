@@ -113,3 +113,14 @@ def test_a_migration_every_few_steps_is_its_mean_cost_per_step():
                 "time_s": {"migration": 0.4 if s % 4 == 0 else 0.0}, "memory_bytes": []} for s in range(1, 10)]
     migration = compare(dict(PREDICTION, time={"breakdown": {"migration": 0.1}}), records)["time_s"]["migration"]
     assert migration["measured"] == 0.1 and migration["predicted"] == 0.1      # steps 2..9: 2 of 8 migrate
+
+
+def test_cpu_ranks_peak_rss_is_compared_with_the_whole_prediction():
+    """CPU ranks report their processes' peak RSS beside their tensor accounting: compared with the prediction's
+    whole per-device peak (framework and fragmentation in), where the tensor row leaves both out."""
+    records = [dict(r, memory_bytes=[dict(r["memory_bytes"][0], process_peak_rss_bytes=2000)])
+               for r in _records("tensor accounting: parameters + ...")]
+    result = compare(PREDICTION, records)
+    assert result["memory_bytes_per_stage"][0]["predicted"] == 700
+    assert result["process_rss_bytes_per_stage"] == [{"predicted": 1000, "measured": 2000, "rel_error": -0.5}]
+    assert compare(PREDICTION, _records("torch.cuda.max_memory_allocated"))["process_rss_bytes_per_stage"] == []

@@ -116,4 +116,7 @@ def test_a_two_rank_local_plan_trains_without_torchrun(tmp_path):
     assert summary["world"] == 2 and summary["final_loss"] > 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    # CPU ranks: each stage's largest process peak RSS beside the tensor accounting (more than the tensors: the
+    # interpreter, torch and gloo live there too)
+    assert all(m["process_peak_rss_bytes"] > m["total_bytes"] > 0 for r in rows for m in r["memory_bytes"])
     assert done.stderr.startswith("piper run: 2 local ranks, run directory run")
