@@ -207,3 +207,24 @@ def test_unshardable_expert_width_is_one_line_before_any_collective():
     assert _fsdp_problems(odd, plan.model_copy(update={"zero": 1})) == []  # zero 1 shards no weights
     (line,) = _fsdp_problems(odd, plan)
     assert re.search(r"edp=2 .* divisible by edp \(got \[127\]\)", line)
+
+def test_the_view_output_warning_is_the_one_silenced():
+    """torch's FSDP2 warning about a view returned by a wrapped module (its text as torch 2.13 prints it) is
+    silenced when the runtime shards a stage; any other UserWarning still shows."""
+    import warnings
+
+    from piper_plan.runtime.sharding import _quiet_view_output_warning
+
+    torch_text = ("FSDP2-wrapped module (FSDPStageModel) returned a view tensor. An in-place op on this view (e.g., "
+                  "`x += y`) will silently drop the pre-backward hook and skip the all-gather")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _quiet_view_output_warning()
+        warnings.warn(torch_text, UserWarning)
+        warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning"]
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    assert "returned a view tensor" in inspect.getsource(_fsdp_state)     # the installed torch's own text
