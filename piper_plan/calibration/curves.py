@@ -425,6 +425,10 @@ class Calibration:
             self._cache[cache_key] = float(values.max()) if values.size else 0.0
         return self._cache[cache_key]
 
+    def gemm_dtypes(self) -> list[str]:
+        """The precisions gemm.csv measured."""
+        return sorted(d for (d,) in self._distinct(self.rows[GEMM.name], ("dtype",)))
+
     def has_gemm(self, dtype: str) -> bool:
         """Whether gemm.csv measured ``dtype`` (another precision's rows would price it at the wrong rate)."""
         return (dtype,) in self._distinct(self.rows[GEMM.name], ("dtype",))

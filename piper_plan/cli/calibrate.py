@@ -43,7 +43,7 @@ def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtyp
     t0 = time.perf_counter()
     with _RichReporter() as reporter:
         result = run_calibration(opts, reporter)
-    for message in result.messages:
+    for message in [*result.messages, *_planning_warnings(platform_name, opts.out_dir)]:
         note(message)
     seconds = time.perf_counter() - t0
     written = ", ".join(f"{k} {n} rows" for k, n in result.rows_written.items()) or "nothing"
@@ -55,6 +55,30 @@ def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtyp
                     "rows_written": result.rows_written,
                     "skipped": result.skipped, "seconds": seconds, "seconds_by_kind": result.seconds,
                     "messages": result.messages})
+
+
+def _planning_warnings(platform_name: str, out_dir: Path) -> list[str]:
+    """What keeps `plan` / `estimate` from pricing with what was just written, said at once (before: the first
+    planning command refused it, or silently used none of it): rows faster than the platform file's peak, and a
+    directory those commands do not read."""
+    from piper_plan.calibration import load_calibration
+    from piper_plan.catalog import calibration_dir, load_platform
+    from piper_plan.cost.compute import Rates
+
+    platform = load_platform(platform_name)
+    calibration = load_calibration(out_dir)
+    warnings = []
+    for dtype in calibration.gemm_dtypes() if calibration is not None else ():
+        try:
+            Rates(platform, dtype, calibration)
+        except PiperError as exc:
+            warnings.append(f"warning: {exc.message}; until the platform file says so, `piper plan` and `piper "
+                            "estimate` refuse this calibration")
+    home = calibration_dir(platform.name).resolve()
+    if out_dir != home:
+        warnings.append(f"note: `piper plan`, `estimate` and `launch` read {home}, not {out_dir}: copy the CSVs "
+                        "there to plan with them (`piper calibrate show --platform DIR` reads any directory)")
+    return warnings
 
 
 def _check_no_sweep_options(ctx: click.Context) -> None:
@@ -151,7 +175,8 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
 
 
 @calibrate_group.command("show", epilog=exit_codes())
-@click.option("--platform", "platform_name", required=True, help="Platform name or calibration directory.")
+@click.option("--platform", "platform_name", required=True,
+              help="Platform name, platform file or calibration directory.")
 @plot_option("Write a PNG of the curves")
 @json_option(help="Print the curve summary as JSON on stdout.")
 def show_cmd(platform_name, plot_path, as_json) -> None:
@@ -162,6 +187,10 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
     if plot_path:
         check_plot_path(plot_path)
     folder = Path(platform_name).is_dir()
+    if not folder and Path(platform_name).is_file():      # a platform file, as `piper calibrate --platform` takes
+        from piper_plan.catalog import load_platform
+
+        platform_name = load_platform(platform_name).name
     cal = load_calibration(Path(platform_name) if folder else platform_name)
     if cal is None:
         hint = (f"measure into it with `piper calibrate --platform P --out-dir {platform_name}`" if folder

@@ -74,10 +74,14 @@ class Rates:
                                                                       self.attention_peak)):
             fastest = calibration.fastest_tflops(table, dtype) * 1e12
             if fastest > PEAK_MARGIN * peak:
+                fix = ("for a CPU platform, whose peak is its best measured rate, set device.peak_flops to it (as "
+                       "platforms/local-cpu.yaml does)" if self.platform.launch.device == "cpu" else
+                       "measure the row again, or correct device.peak_flops if the platform file describes another "
+                       "device than the one measured")
                 raise PiperError(f"a {dtype} row measures {fastest / 1e12:.4g} TFLOP/s, above the device's peak of "
-                                 f"{peak / 1e12:.4g} (platform {self.platform.name}, device.peak_flops): no kernel "
-                                 "beats its datasheet; measure the row again", path=str(calibration.directory /
-                                                                                        f"{table}.csv"))
+                                 f"{peak / 1e12:.4g} (platform {self.platform.name}, device.peak_flops.{dtype}): no "
+                                 f"kernel beats its datasheet; {fix}", path=str(calibration.directory /
+                                                                               f"{table}.csv"))
         if self.platform.launch.device == "cpu":    # a CPU's bandwidth is itself a measured copy, which caches beat
             return
         from piper_plan.calibration.schema import MEMORY_KERNELS

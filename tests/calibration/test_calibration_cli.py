@@ -296,3 +296,26 @@ def test_an_attention_csv_with_its_header_only_says_what_to_do(tmp_path, monkeyp
     assert _one_error_line(result).endswith("local-cpu/attention.csv: no calibration rows: the file holds its header "
                                             "only (piper calibrate measures them; --no-calibration prices with the "
                                             "platform's roofline instead)")
+
+
+def test_what_keeps_plan_from_a_fresh_calibration_is_said_when_it_is_written(tmp_path):
+    """Rows faster than the platform file's peak (a CPU platform file describing another machine) and a directory
+    `plan` does not read: before, calibrate exited 0 without a word, and the first `piper plan` refused the rows or
+    priced with none of them."""
+    import shutil
+
+    from piper_plan.cli.calibrate import _planning_warnings
+
+    shutil.copytree(Path(__file__).resolve().parents[2] / "calibration" / "local-cpu", tmp_path / "cal")
+    gemm = tmp_path / "cal" / "gemm.csv"
+    lines = gemm.read_text().splitlines()
+    fields = lines[1].split(",")
+    fields[6] = repr(float(fields[6]) * 0.0943203 / 5.0)       # seconds for 5 TFLOP/s: above local-cpu's bf16 peak
+    fields[7] = "5.0"
+    gemm.write_text("\n".join([lines[0], ",".join(fields), *lines[2:]]) + "\n")
+    said = _planning_warnings("local-cpu", (tmp_path / "cal").resolve())
+    assert said[0].startswith("warning: a bf16 row measures 5 TFLOP/s, above the device's peak of 0.4866")
+    assert "set device.peak_flops to it" in said[0] and "refuse this calibration" in said[0]
+    assert said[1].startswith("note: `piper plan`, `estimate` and `launch` read ") and str(tmp_path) in said[1]
+    shown = CliRunner().invoke(cli, ["calibrate", "show", "--platform", "platforms/local-cpu.yaml", "--json"])
+    assert shown.exit_code == 0, shown.output                 # a platform file, as calibrate itself takes
