@@ -29,7 +29,8 @@ from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
 @click.pass_context
 def calibrate_group(ctx: click.Context, platform_name, quick, resume, only, dtypes, out_dir, as_json) -> None:
     """Measure GEMM, attention, collectives and memory-bound kernels on this machine; write
-    calibration/<platform>/*.csv."""
+    calibration/<platform>/*.csv. The runtime's own framework overhead, which a small model's step time on a CPU
+    is mostly made of, is a sweep of its own: `piper calibrate overhead`."""
     if ctx.invoked_subcommand is not None:
         _check_no_sweep_options(ctx)
         return

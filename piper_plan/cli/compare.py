@@ -67,10 +67,31 @@ def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     result["calibration_note"] = hint
     if hint:
         note(f"note: {hint}")
+    rss_note = _process_memory_note(plan_file, result.get("process_rss_bytes_per_stage") or [])
+    if rss_note:
+        note(f"note: {rss_note}")
     if as_json:
         print_json(result)
     else:
         _table(result)
+
+
+def _process_memory_note(plan_file, rss: list[dict]) -> str | None:
+    """Where a CPU rank's resident memory is well above the plan's per-device peak: by how much, and the platform
+    figure that falls short (its framework memory), so the plan's 'fits' is read with that margin."""
+    worst = min((q for q in rss if q.get("rel_error") is not None), key=lambda q: q["rel_error"], default=None)
+    if worst is None or worst["rel_error"] >= -PROCESS_MEMORY_ABOVE:
+        return None
+    framework = plan_file.platform.memory.framework_bytes
+    return (f"the ranks' resident memory peaked at {worst['measured'] / 2**30:.3g} GiB against the plan's "
+            f"{worst['predicted'] / 2**30:.3g} GiB per device ({worst['rel_error']:+.0%}): "
+            f"{plan_file.platform.name}'s memory.framework_bytes ({framework / 2**20:.0f} MiB) is less than a running "
+            "rank holds beside its tensors; read the plan's fits verdict with that margin")
+
+
+PROCESS_MEMORY_ABOVE = 0.15
+"""A CPU rank's resident memory this far above the predicted per-device peak (as compare's error, below -15%) is
+said in a note."""
 
 
 RECALIBRATE_ABOVE = 0.25
@@ -90,9 +111,14 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
     if step_error is None or abs(step_error) <= RECALIBRATE_ABOVE or not priced_from_calibration(plan_file):
         return None
     name = plan_file.platform.name
+    ref = shlex.quote(name) if name in catalog_names(platforms_dir()) else "PLATFORM.yaml"
+    host = (plan_file.prediction.sources.host or "") if plan_file.prediction is not None else ""
+    if host.startswith("not priced"):                 # the cause to name first: no host time in the prediction
+        return (f"the step time is {step_error:+.0%} off, and the plan priced no host time ({host}): a small "
+                f"model's step on this machine is mostly its framework's; measure it (`piper calibrate overhead "
+                f"--platform {ref}`), re-plan, and run again")
     folder = calibration_dir(name)
     when = read_metadata(folder).get("date") if folder.is_dir() else None
-    ref = shlex.quote(name) if name in catalog_names(platforms_dir()) else "PLATFORM.yaml"
     measure = f"`piper calibrate --platform {ref} --quick`, then `piper calibrate overhead --platform {ref}`"
     where = "" if plan_file.platform.launch.device == "cpu" else " on one of its GPUs"
     return (f"the step time is {step_error:+.0%} off; the plan was priced from {folder} when it was saved"
@@ -117,7 +143,8 @@ def _fmt(value, scale: float = 1.0, digits: int = 4) -> str:
 def _table(result: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{result['run_dir']}: predicted vs measured ({result['steps_measured']} steady steps)")
+    table = Table(title=f"{result['run_dir']}: predicted vs measured (medians of {result['steps_measured']} steady "
+                        "steps; migration: their mean)")
     for col in ("quantity", "predicted", "measured", "error %"):
         table.add_column(col, justify="left" if col == "quantity" else "right")
     rows = [("step time (s)", result["step_time_s"], 1.0), ("tokens/s", result["tokens_per_s"], 1.0),
@@ -128,8 +155,9 @@ def _table(result: dict) -> None:
              for i, q in enumerate(result.get("process_rss_bytes_per_stage") or [])]
     for name, q, scale in rows:
         table.add_row(name, _fmt(q["predicted"], scale), _fmt(q["measured"], scale), _fmt(q["rel_error"], 100.0, 3))
+    table.caption = "error % = (predicted - measured) / measured"
     if result["memory_bytes_per_stage"]:     # CPU ranks report their tensors, not a process's resident memory
-        table.caption = f"memory: {result['memory_basis']}" + (
+        table.caption += f"; memory: {result['memory_basis']}" + (
             "; process peak RSS: the ranks' resident memory (getrusage) against the whole per-device prediction"
             if result.get("process_rss_bytes_per_stage") else "")
     console().print(table)

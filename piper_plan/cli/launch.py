@@ -13,6 +13,10 @@ from piper_plan.errors import PiperError
 from piper_plan.planfile import MAX_STEPS
 
 
+DRY_RUN_DIR = "job"
+"""The job directory a `--dry-run` without --out-dir names in its script (nothing is written there)."""
+
+
 @click.command("launch", epilog=exit_codes())
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="plan.json from `piper plan -o` / `estimate -o`.")
 @click.option("--model", help="Model name or path (plan from options: runs the search).")
@@ -24,7 +28,8 @@ from piper_plan.planfile import MAX_STEPS
 @click.option("--a2a", type=click.Choice(["flat", "halo", "any"]), default="any", show_default=True,
               help="Plan from options: all-to-all algorithm.")
 @click.option("--migration", is_flag=True, help="Plan from options: enable expert migration.")
-@out_dir_option("out_dir", "Job directory to write.", old=("--out",), required=True)
+@out_dir_option("out_dir", "Job directory to write (required but with --dry-run, whose script then names ./job).",
+                old=("--out",))
 @click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
 @click.option("--check", is_flag=True, help="Ask Slurm whether it would accept the job (sbatch --test-only).")
 @click.option("--dry-run", is_flag=True,
@@ -46,6 +51,11 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, dtype, 
 
     if dry_run and (submit or check):
         raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --check", field="--dry-run")
+    if out_dir is None:
+        if not dry_run:
+            raise click.UsageError("Missing option '--out-dir' (the job directory to write; only --dry-run, which "
+                                   "writes nothing, goes without it).")
+        out_dir = DRY_RUN_DIR
     with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")

@@ -124,3 +124,24 @@ def test_cpu_ranks_peak_rss_is_compared_with_the_whole_prediction():
     assert result["memory_bytes_per_stage"][0]["predicted"] == 700
     assert result["process_rss_bytes_per_stage"] == [{"predicted": 1000, "measured": 2000, "rel_error": -0.5}]
     assert compare(PREDICTION, _records("torch.cuda.max_memory_allocated"))["process_rss_bytes_per_stage"] == []
+
+
+def test_compare_names_a_missing_host_price_and_a_resident_memory_gap(tmp_path):
+    """A plan priced without host time (no overhead.csv) and far off: the note names that first (before: 'if that
+    calibration is another machine's', after a calibration measured a minute earlier). A CPU rank's resident memory
+    well above the plan's per-device peak is a note too."""
+    from piper_plan.cli.compare import _calibration_hint, _process_memory_note
+
+    plan = tmp_path / "plan.json"
+    done = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                                    "--seq", "64", "--global-batch", "8", "--runnable", "-o", str(plan)])
+    assert done.exit_code == 0, done.output
+    plan_file = read_plan_file(plan)
+    unpriced = plan_file.model_copy(update={"prediction": plan_file.prediction.model_copy(update={
+        "sources": plan_file.prediction.sources.model_copy(update={"host": "not priced: local-cpu has none"})})})
+    hint = _calibration_hint(unpriced, -0.7)
+    assert hint.startswith("the step time is -70% off, and the plan priced no host time (not priced: local-cpu")
+    assert "`piper calibrate overhead --platform local-cpu`" in hint
+    note = _process_memory_note(plan_file, [{"predicted": 2**30, "measured": 2 * 2**30, "rel_error": -0.5}])
+    assert note.startswith("the ranks' resident memory peaked at 2 GiB against the plan's 1 GiB per device (-50%)")
+    assert _process_memory_note(plan_file, [{"predicted": 2**30, "measured": 1.1 * 2**30, "rel_error": -0.09}]) is None

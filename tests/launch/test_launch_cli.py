@@ -74,6 +74,10 @@ def test_dry_run_prints_and_writes_nothing(tmp_path, plan):
     assert report["script"] == result.stdout and (report["nodes"], report["world"]) == (2, 16)
     assert report["ranks_per_node"] == 8 and report["platform"] == "frontier"
     assert not out.exists()
+    bare = run("launch", "--plan", plan, "--dry-run")          # no --out-dir: the script names ./job (before: refused)
+    assert bare.exit_code == 0 and "/job" in bare.stdout, bare.output
+    needs = run("launch", "--plan", plan)
+    assert needs.exit_code == 2 and "Missing option '--out-dir'" in needs.output
 
 
 def test_plan_outside_runtime_capability_is_refused(tmp_path):
