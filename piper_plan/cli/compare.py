@@ -118,13 +118,27 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
                 f"model's step on this machine is mostly its framework's; measure it (`piper calibrate overhead "
                 f"--platform {ref}`), re-plan, and run again")
     folder = calibration_dir(name)
-    when = read_metadata(folder).get("date") if folder.is_dir() else None
+    metadata = read_metadata(folder) if folder.is_dir() else {}
+    when = metadata.get("date")
     measure = f"`piper calibrate --platform {ref} --quick`, then `piper calibrate overhead --platform {ref}`"
     where = "" if plan_file.platform.launch.device == "cpu" else " on one of its GPUs"
-    return (f"the step time is {step_error:+.0%} off; the plan was priced from {folder} when it was saved"
-            + (f" (its metadata.json now says measured {when})" if when else "")
-            + f". If that calibration is another machine's, measure this one ({measure}{where}), re-plan, and run "
-            "again")
+    said = (f"the step time is {step_error:+.0%} off; the plan was priced from {folder} when it was saved"
+            + (f" (its metadata.json now says measured {when})" if when else ""))
+    if _measured_on_this_cpu(plan_file, metadata):     # the advice to measure here would loop
+        return (f"{said}, on this machine's CPU ({metadata['device']['name']}): not another machine's rates; a "
+                "host busy with other work during the run, or the model itself, is what remains (docs/closed-loop.md)")
+    return (f"{said}. If that calibration is another machine's, measure this one ({measure}{where}), re-plan, and "
+            "run again")
+
+
+def _measured_on_this_cpu(plan_file, metadata: dict) -> bool:
+    """A CPU platform's calibration whose device is this machine's CPU model (timing.device_name)."""
+    from types import SimpleNamespace
+
+    from piper_plan.calibration.timing import device_name
+
+    recorded = (metadata.get("device") or {}).get("name")
+    return plan_file.platform.launch.device == "cpu" and recorded == device_name(SimpleNamespace(type="cpu"))
 
 
 def _plot(path, result: dict, records: list[dict]):

@@ -20,9 +20,12 @@ def piper_only(plan_file, instead: dict[str, str]) -> list[str]:
     p, m = plan_file.parallel, plan_file.migration
     halo = "this plan uses it" if p.a2a == "halo" else "this plan does not use it"
     migration = "enabled in this plan" if m.enabled else "not enabled in this plan"
+    launch = plan_file.platform.launch
+    device = ([f"not carried over: the plan's platform ({plan_file.platform.name}) runs CPU ranks over "
+               f"{launch.backend}; the engine's script runs on GPUs (CUDA, NCCL)"] if launch.device == "cpu" else [])
     return [f"only piper's runtime: the HALO hierarchical all-to-all ({halo}); here: {instead['halo']}",
             f"only piper's runtime: live expert migration ({migration}); here: {instead['migration']}",
-            f"not carried over: {instead['always']}", runtime_note(plan_file, instead.get("optimizer"))]
+            *device, f"not carried over: {instead['always']}", runtime_note(plan_file, instead.get("optimizer"))]
 
 
 def runtime_note(plan_file, written: str | None) -> str:

@@ -144,8 +144,13 @@ def _figures(prediction) -> str:
 
 
 def stale_note(stored, fresh) -> str:
-    return (f"its stored prediction ({_figures(stored)}) is not what its plan costs now ({_figures(fresh)}): the "
-            "file was edited or saved by another piper")
+    """Why a saved prediction differs from the plan priced now: the rates it is priced from changed (a calibration
+    measured since: its sources say so), else the file itself (edited, or saved by another piper)."""
+    moved = [f"{name}: {getattr(fresh.sources, name)}" for name in ("compute", "host")
+             if getattr(stored.sources, name) != getattr(fresh.sources, name)]
+    why = (f"the rates it is priced from changed since it was saved (now {'; '.join(moved)})" if moved
+           else "the file was edited or saved by another piper")
+    return f"its stored prediction ({_figures(stored)}) is not what its plan costs now ({_figures(fresh)}): {why}"
 
 
 def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,

@@ -537,3 +537,20 @@ def test_a_plan_saved_before_the_gate_was_in_the_spec_gets_the_catalogs(plans, t
     data["model"]["vocab_size"] += 1                                    # not the catalog's model any more
     old.write_text(json.dumps(data))
     assert read_plan_file(old).model.moe.expert.activation is None
+
+
+def test_a_cpu_plan_says_the_engine_runs_on_gpus(tmp_path):
+    """A plan for CPU ranks over gloo exported to Megatron: the script is a GPU job, and its notes now say the
+    platform's device was not carried over (before: nothing about it)."""
+    from click.testing import CliRunner
+
+    from piper_plan.cli.main import cli
+
+    path = tmp_path / "cpu.json"
+    done = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--seq",
+                                    "64", "--global-batch", "8", "--runnable", "-o", str(path)])
+    assert done.exit_code == 0, done.output
+    assert "not carried over: the plan's platform (local-cpu) runs CPU ranks over gloo; the engine's script runs on " \
+        "GPUs (CUDA, NCCL)" in notes_of(megatron.script(read_plan_file(path)))
+    gpu = read_plan_file(saved_plan(tmp_path, "gpu", *PLANS["qwen3-hsdp"]))
+    assert not any("CPU ranks" in n for n in notes_of(megatron.script(gpu)))
