@@ -179,3 +179,21 @@ def test_a_calibration_of_this_cpu_is_not_sent_back_to_be_measured_again(tmp_pat
                         ("Another CPU (1 rank)", "If that calibration is another machine's")):
         (tmp_path / "cal" / "metadata.json").write_text(json.dumps({"device": {"name": cpu}, "date": "2026-12-04"}))
         assert needle in _calibration_hint(plan_file, -0.5)
+
+
+def test_a_prediction_that_moved_with_its_rates_does_not_blame_the_file(tmp_path):
+    """After `piper calibrate overhead`, `estimate --plan` said the untouched file 'was edited or saved by another
+    piper'; where the rates' sources moved it says that instead."""
+    from piper_plan.launch.job import stale_note
+
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--seq",
+                                    "64", "--global-batch", "8", "--runnable", "-o", str(plan)]).exit_code == 0
+    stored = read_plan_file(plan).prediction
+    fresh = stored.model_copy(update={"step_time_s": 2 * stored.step_time_s, "sources": stored.sources.model_copy(
+        update={"host": "the runtime's overhead measured in calibration/x/overhead.csv (added to the compute)"})})
+    assert stale_note(stored, fresh).endswith("the rates it is priced from changed since it was saved (now host: the "
+                                              "runtime's overhead measured in calibration/x/overhead.csv (added to "
+                                              "the compute))")
+    edited = stored.model_copy(update={"step_time_s": 2 * stored.step_time_s})
+    assert stale_note(stored, edited).endswith("the file was edited or saved by another piper")
