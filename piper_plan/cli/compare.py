@@ -27,12 +27,18 @@ def find_metrics(run_dir: Path) -> Path:
 
 
 def prediction_of(plan_file, path: Path) -> dict:
-    """The prediction block of plan.json at ``path`` (``plan_file``: read and validated by read_plan_file)."""
-    prediction = plan_file.prediction
-    if prediction is None:
+    """The prediction of plan.json at ``path`` (``plan_file``: read and validated by read_plan_file), priced again
+    from the file as `launch`, `run` and `estimate --plan` price it (launch/job.py repriced): a hand-edited plan is
+    compared with what it costs, not with the figures written beside it (a note says where they differ)."""
+    from piper_plan.launch.job import repriced, stale_note
+
+    if plan_file.prediction is None:
         raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
                          path=str(path))
-    return prediction.to_json()
+    fresh, changed = repriced(plan_file)
+    if changed:
+        note(f"note: {path}: {stale_note(plan_file.prediction, fresh.prediction)}; compared with the new figures")
+    return fresh.prediction.to_json()
 
 
 @click.command("compare", epilog=exit_codes())

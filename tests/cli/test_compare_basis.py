@@ -67,9 +67,12 @@ def test_runnable_plans_are_priced_as_piper_runs_them(tmp_path):
     assert act(saved) > act(fused.memory.per_stage[0].components)
 
 
-def test_a_step_time_far_off_names_the_calibration_and_how_to_measure_this_machine(tmp_path):
+def test_a_step_time_far_off_names_the_calibration_and_how_to_measure_this_machine(tmp_path, monkeypatch):
     """The committed local-cpu calibration was measured on another machine: a run here came out 2.5-4x slower than
     predicted and nothing said why. Beyond 25% compare names the calibration folder, its date and the commands."""
+    import piper_plan.cli.compare as compare_cli
+
+    monkeypatch.setattr(compare_cli, "_measured_on_this_cpu", lambda *args: False)   # whatever CPU runs the test
     plan = tmp_path / "run" / "plan.json"
     plan.parent.mkdir()
     done = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
@@ -197,3 +200,27 @@ def test_a_prediction_that_moved_with_its_rates_does_not_blame_the_file(tmp_path
                                               "the compute))")
     edited = stored.model_copy(update={"step_time_s": 2 * stored.step_time_s})
     assert stale_note(stored, edited).endswith("the file was edited or saved by another piper")
+
+
+def test_a_hand_edited_plan_is_compared_as_it_costs(tmp_path):
+    """A plan whose batch was edited by hand (its stored prediction still the old batch's): `launch` sized it by what
+    it costs and `compare` by the figures written in it (before: -72% against half the batch). compare prices the
+    kept plan again, as launch, run and estimate --plan do, and says where the file's figures differ."""
+    plan = tmp_path / "run" / "plan.json"
+    plan.parent.mkdir()
+    assert CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--seq",
+                                    "64", "--global-batch", "8", "--runnable", "-o", str(plan)]).exit_code == 0
+    data = json.loads(plan.read_text())
+    stored = data["prediction"]["step_time_s"]
+    data["training"]["global_batch"] *= 2
+    data["parallel"]["num_microbatches"] *= 2
+    plan.write_text(json.dumps(data))
+    tokens = data["training"]["global_batch"] * 64
+    records = [{"schema_version": 1, "step": s, "loss": 6.0, "step_time_s": 2 * stored, "tokens": tokens,
+                "tokens_per_s": tokens / (2 * stored), "time_s": {}, "parallel": data["parallel"],
+                "memory_bytes": [{"stage": 0, "total_bytes": 1, "source": "tensor accounting"}]} for s in (1, 2, 3)]
+    (plan.parent / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    shown = CliRunner().invoke(cli, ["compare", str(plan.parent), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["step_time_s"]["predicted"] > 1.5 * stored      # the doubled batch's price
+    assert "is not what its plan costs now" in shown.stderr and "compared with the new figures" in shown.stderr
