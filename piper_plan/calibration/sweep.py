@@ -165,6 +165,7 @@ def _compute_sweeps(opts, platform, source, reporter, result) -> None:
                          f"node, or --only collectives / a CPU platform (local-cpu)")
     device = torch.device("cuda", 0) if platform.launch.device == "cuda" else torch.device("cpu")
     name = device_name(device)
+    check_same_device(opts.out_dir, name)
     if "gemm" in opts.only:
         _sweep_gemm(opts, platform, device, name, source, reporter, result)
     if "attention" in opts.only:
@@ -172,6 +173,19 @@ def _compute_sweeps(opts, platform, source, reporter, result) -> None:
     if "memory" in opts.only:
         _sweep_memory(opts, device, name, source, reporter, result)
     _device_metadata(opts.out_dir, device, name, platform)
+
+
+def check_same_device(out_dir: Path, name: str) -> None:
+    """Refuse, before anything is measured, to add this device's rows to a folder holding another device's (its
+    metadata.json): `piper calibrate --platform local-cpu` on another CPU mixed both machines' GEMM rows and
+    rewrote the folder's device as if all were this one's."""
+    from piper_plan.calibration.io import read_metadata
+
+    held = (read_metadata(out_dir).get("device") or {}).get("name") if out_dir.is_dir() else None
+    if held and held != name:
+        raise PiperError(f"holds the calibration of {held!r} and this machine's device is {name!r}: their rows would "
+                         "mix; measure into a folder of its own (--out-dir, or a copy of the platform file under "
+                         "another name), or move this one aside to replace it", path=str(out_dir))
 
 
 def _repeats(quick: bool) -> tuple[int, int]:

@@ -319,3 +319,14 @@ def test_what_keeps_plan_from_a_fresh_calibration_is_said_when_it_is_written(tmp
     assert said[1].startswith("note: `piper plan`, `estimate` and `launch` read ") and str(tmp_path) in said[1]
     shown = CliRunner().invoke(cli, ["calibrate", "show", "--platform", "platforms/local-cpu.yaml", "--json"])
     assert shown.exit_code == 0, shown.output                 # a platform file, as calibrate itself takes
+
+
+def test_a_folder_of_another_device_is_not_mixed_with_this_ones(tmp_path):
+    """`piper calibrate --platform local-cpu` on another CPU added its rows beside the folder's and rewrote its
+    device: one line, before anything is measured, and nothing written."""
+    (tmp_path / "metadata.json").write_text(json.dumps({"device": {"name": "Another CPU (1 rank)", "type": "cpu"}}))
+    done = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--quick", "--only", "gemm", "--dtype",
+                                    "fp32", "--out-dir", str(tmp_path)])
+    assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
+    assert "holds the calibration of 'Another CPU (1 rank)' and this machine's device is " in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metadata.json"]
