@@ -99,8 +99,9 @@ def _show(result, model, platform, training, plan, save_path, plot_path, as_json
                     "runnable_by_piper": refusal is None, "runtime_refusal": refusal})
         return
     render(result, model, platform, plan, training, cited_at)
-    note("piper's runtime: runs this plan (`piper launch` / `piper run`)" if refusal is None
-         else f"piper's runtime: `piper launch` / `piper run` refuse this plan: {refusal}")
+    console().print("piper's runtime: runs this plan (`piper launch` / `piper run`)" if refusal is None
+                    else f"piper's runtime: `piper launch` / `piper run` refuse this plan: {refusal}",
+                    markup=False, soft_wrap=True)        # part of the result, beside its 'fits' line: stdout
 
 
 def _runtime_refusal(result, model, platform, training, plan, blocks: dict) -> str | None:

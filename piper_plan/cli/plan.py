@@ -265,7 +265,8 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
         click.echo(_csv(plan_rows(result, model, training, top)), nl=False)
         return
     out = console()
-    print_table(_plans_table(result, platform, plan_rows(result, model, training, top)), width=_table_width(out))
+    print_table(_plans_table(result, platform, plan_rows(result, model, training, top), training.tokens_to_train),
+                width=_table_width(out))
     out.print(_counts_line(result.candidates_total, result.evaluated, result.feasible, result.search_seconds,
                            runnable), markup=False)
     out.print(_sources_line(result.sources, platform, cited_at), markup=False)
@@ -313,7 +314,8 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
         click.echo(_csv(precision_rows(searches, model, top)), nl=False)
     else:
         out = console()
-        print_table(_plans_table(winner[1], platform, precision_rows(searches, model, top)), width=_table_width(out))
+        print_table(_plans_table(winner[1], platform, precision_rows(searches, model, top),
+                                 winner[0].tokens_to_train), width=_table_width(out))
         for training, result in searches:
             counts = _counts_line(result.candidates_total, result.evaluated, result.feasible,
                                   result.search_seconds, runnable)
@@ -325,13 +327,14 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
         note(f"saved {path} ({precision_text(winner[0])}; layers per stage: {plan.layers_per_stage})")
 
 
-def _plans_table(result, platform, rows: list[dict]):
+def _plans_table(result, platform, rows: list[dict], tokens_to_train: float):
     """The ranked ``rows`` (plan_rows, or precision_rows with a dtype column) of a search at result.nodes."""
     from rich import box
     from rich.table import Table
 
     cap_GiB = platform.device.memory_bytes / 2**30
-    table = Table(title=f"top plans: {result.nodes} nodes, {result.world} devices", box=box.SIMPLE_HEAD,
+    nodes = f"{result.nodes} node" + ("s" if result.nodes != 1 else "")
+    table = Table(title=f"top plans: {nodes}, {result.world} devices", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_dtype = any("dtype" in row for row in rows)
     degrees = ("dp", *(("cp",) if any(row.get("cp", 1) > 1 for row in rows) else ()), "tp", "pp", "ep", "etp")
@@ -347,12 +350,13 @@ def _plans_table(result, platform, rows: list[dict]):
                       _short_schedule(row) + (" bal" if row.get("layers_split") == "balanced" else ""),
                       row["recompute"][:4],
                       str(row["zero"]), row["a2a"], f"{row['peak_memory_bytes'] / 2**30:.1f}",
-                      f"{row['step_time_s']:.2f}", f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.1f}",
+                      f"{row['step_time_s']:.3g}", f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.3g}",
                       f"{100 * row['mfu']:.1f}%", f"{100 * row['hfu']:.1f}%", f"{100 * row['a2a_share']:.0f}%",
                       f"{row['node_hours_to_train']:,.0f}")
     notes = ["MFU, HFU: PaLM's FLOP count (attention non-causal, no MTP), of the peak of "
              + ("each plan's dtype" if with_dtype else "the training dtype")
-             + "; --json and `piper estimate` add Megatron's (causal attention, MTP counted)"]
+             + "; --json and `piper estimate` add Megatron's (causal attention, MTP counted)",
+             f"node-h: node-hours to train on {tokens_to_train:.3g} tokens at that speed (training.tokens_to_train)"]
     if any(row.get("layers_split") == "balanced" for row in rows):
         notes.append("'bal' after the schedule: FLOP-balanced layers per stage (the split -o writes); else even")
     missing = sorted({m for row in rows for m in row["runtime_missing"]})

@@ -145,10 +145,12 @@ def _optional_name(value: str | None, field: str) -> str | None:
 
 
 def plan_summary(plan_file) -> str:
-    p = plan_file.parallel
+    p, t = plan_file.parallel, plan_file.training
+    virtual = f" virtual_stages={p.virtual_stages}" if p.virtual_stages > 1 else ""
     return (f"model={plan_file.model.name} platform={plan_file.platform.name} nodes={plan_file.nodes} "
-            f"pp={p.pp} dp={p.dp} tp={p.tp} ep={p.ep} etp={p.etp} edp={p.edp} mbs={p.mbs} "
-            f"num_microbatches={p.num_microbatches} schedule={p.schedule} a2a={p.a2a}")
+            f"pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp} ep={p.ep} etp={p.etp} edp={p.edp} mbs={p.mbs} "
+            f"num_microbatches={p.num_microbatches} schedule={p.schedule}{virtual} zero={p.zero} "
+            f"recompute={p.recompute} a2a={p.a2a} dtype={t.dtype}")
 
 
 def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: LaunchOptions,

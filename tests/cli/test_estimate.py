@@ -314,4 +314,4 @@ def test_estimate_says_whether_launch_and_run_take_the_plan():
     refused = json.loads(shown.stdout)
     assert refused["runnable_by_piper"] is False and "parallel.cp=2" in refused["runtime_refusal"]
     table = _run(with_cp)
-    assert table.exit_code == 0 and "`piper launch` / `piper run` refuse this plan: " in table.stderr
+    assert table.exit_code == 0 and "`piper launch` / `piper run` refuse this plan: " in table.stdout
