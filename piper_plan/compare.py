@@ -16,7 +16,7 @@ import math
 from statistics import median
 
 from piper_plan.errors import PiperError
-from piper_plan.metricsfile import PROCESS_RSS_KEY
+from piper_plan.metricsfile import PROCESS_RSS_KEY, steady_steps  # noqa: F401 (benchmarks read it here too)
 from piper_plan.specs.vocab import A2A_TIME_PREFIX
 
 A2A_KEY_PARTS = (A2A_TIME_PREFIX, "dispatch", "combine", "a2a", "all_to_all")
@@ -30,14 +30,6 @@ def quantity(predicted: float | None, measured: float | None) -> dict:
         rel = (predicted - measured) / measured
         rel = rel if math.isfinite(rel) else None      # a ratio beyond float range says nothing
     return {"predicted": predicted, "measured": measured, "rel_error": rel}
-
-
-def steady_steps(records: list[dict]) -> list[dict]:
-    """Records without the warm-up step (kept when it is the only one), by step; the last record per step wins
-    (read_metrics refuses a file whose steps do not increase; records built in code may repeat one)."""
-    by_step = {r["step"]: r for r in records}
-    ordered = [by_step[s] for s in sorted(by_step)]
-    return ordered[1:] if len(ordered) > 1 else ordered
 
 
 def _median_of(records: list[dict], key: str) -> float | None:

@@ -144,3 +144,13 @@ def _check_components(record: dict, where: str, path: str) -> None:
             raise PiperError(f"{where}: time_s.{name}={value:g} s is longer than its step (step_time_s={seconds:g} s); "
                              f"a component timed inside the step is at most the step (+{relative:.0%} + "
                              f"{absolute * 1e3:g} ms)", path=path)
+
+
+def steady_steps(records: list[dict]) -> list[dict]:
+    """Records without their warm-up steps (the run's first, and the first of each resume: ``warmup`` in the
+    record; all kept when nothing else is left), by step; the last record per step wins (read_metrics refuses a
+    file whose steps do not increase; records built in code may repeat one)."""
+    by_step = {r["step"]: r for r in records}
+    ordered = [by_step[s] for s in sorted(by_step)]
+    steady = [r for i, r in enumerate(ordered) if i > 0 and not r.get("warmup")]
+    return steady or ordered

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from piper_plan.metricsfile import SCHEMA_VERSION, records_of_layout
+from piper_plan.metricsfile import SCHEMA_VERSION, records_of_layout, steady_steps
 
 MEMORY_SOURCE_CPU = "tensor accounting: parameters + gradients + optimizer state + peak activations saved for backward"
 MEMORY_SOURCE_GPU = "torch.cuda.max_memory_allocated"
@@ -56,7 +56,7 @@ def summarise(records: list[dict]) -> dict:
         last = records[-1]
         records = [r for r in records_of_layout(records, last.get("parallel"))
                    if len(r["memory_bytes"]) == len(last["memory_bytes"])]
-    steady = records[1:] if len(records) > 1 else records
+    steady = steady_steps(records)
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     step_s = mean([r["step_time_s"] for r in steady])
     a2a = mean([r["time_s"].get("a2a", 0.0) for r in steady])

@@ -812,6 +812,8 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             break
         if rank == 0:
             records.append(merge_reports(gathered, step + 1, tokens, parallel))
+            if step == start:             # this invocation's first step: allocation, connections (compare skips it)
+                records[-1]["warmup"] = True
             writer.write(records[-1])
             progress.update(records[-1])
         saved = (step + 1) % interval == 0 or step + 1 == steps    # and the last step's: --resume continues it

@@ -4,6 +4,8 @@ runtime runs."""
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 
 from piper_plan.catalog import load_model, load_platform
@@ -224,3 +226,17 @@ def test_a_hand_edited_plan_is_compared_as_it_costs(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.stdout)["step_time_s"]["predicted"] > 1.5 * stored      # the doubled batch's price
     assert "is not what its plan costs now" in shown.stderr and "compared with the new figures" in shown.stderr
+
+
+def test_the_first_step_after_a_resume_is_warm_up_too():
+    """A resumed run's first step pays allocation and connections again (0.18 s against 0.08 steady): the runtime
+    marks every invocation's first step (``warmup``), and compare and the summary leave them out."""
+    from piper_plan.compare import steady_steps
+    from piper_plan.runtime.metrics import summarise
+
+    records = [{"step": s, "loss": 1.0, "step_time_s": 0.5 if s in (1, 4) else 0.1, "tokens": 8, "tokens_per_s": 1.0,
+                "time_s": {}, "memory_bytes": [{"total_bytes": 1}], "expert_tokens": {}, "migrations": [],
+                **({"warmup": True} if s in (1, 4) else {})} for s in range(1, 7)]
+    assert [r["step"] for r in steady_steps(records)] == [2, 3, 5, 6]
+    assert summarise(records)["step_time_s"] == pytest.approx(0.1)
+    assert [r["step"] for r in steady_steps(records[:1])] == [1]            # nothing else left: kept

@@ -119,4 +119,5 @@ def test_a_two_rank_local_plan_trains_without_torchrun(tmp_path):
     # CPU ranks: each stage's largest process peak RSS beside the tensor accounting (more than the tensors: the
     # interpreter, torch and gloo live there too)
     assert all(m["process_peak_rss_bytes"] > m["total_bytes"] > 0 for r in rows for m in r["memory_bytes"])
+    assert rows[0].get("warmup") is True and "warmup" not in rows[1]     # this invocation's first step
     assert done.stderr.startswith("piper run: 2 local ranks, run directory run")
