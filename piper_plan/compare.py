@@ -5,8 +5,8 @@ the earlier layout's steps in its metrics.jsonl).
 
 Every quantity is ``{"predicted", "measured", "rel_error"}`` with ``rel_error = (predicted - measured) / measured``
 (DESIGN.md, compare format); a quantity missing on either side has ``rel_error = None``.
-Measured values are steady-state: the first step (warm-up: allocation, gloo/NCCL connection set-up) is left out
-when there is more than one step; times are medians over steps (robust to a stray slow step; a migration, paid on
+Measured values are steady-state: the first step of each invocation (warm-up: allocation, gloo/NCCL connection
+set-up; metricsfile.steady_steps) is left out when other steps remain; times are medians over steps (robust to a stray slow step; a migration, paid on
 some steps only, is the mean), memory is the maximum over steps (a peak).
 """
 
@@ -16,7 +16,7 @@ import math
 from statistics import median
 
 from piper_plan.errors import PiperError
-from piper_plan.metricsfile import PROCESS_RSS_KEY, steady_steps  # noqa: F401 (benchmarks read it here too)
+from piper_plan.metricsfile import PROCESS_RSS_KEY, steady_steps
 from piper_plan.specs.vocab import A2A_TIME_PREFIX
 
 A2A_KEY_PARTS = (A2A_TIME_PREFIX, "dispatch", "combine", "a2a", "all_to_all")
