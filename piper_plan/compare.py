@@ -6,8 +6,8 @@ the earlier layout's steps in its metrics.jsonl).
 Every quantity is ``{"predicted", "measured", "rel_error"}`` with ``rel_error = (predicted - measured) / measured``
 (DESIGN.md, compare format); a quantity missing on either side has ``rel_error = None``.
 Measured values are steady-state: the first step of each invocation (warm-up: allocation, gloo/NCCL connection
-set-up; metricsfile.steady_steps) is left out when other steps remain; times are medians over steps (robust to a stray slow step; a migration, paid on
-some steps only, is the mean), memory is the maximum over steps (a peak).
+set-up; metricsfile.steady_steps) is left out when other steps remain; times are medians over steps (robust to a
+stray slow step; a migration, paid on some steps only, is the mean), memory is the maximum over steps (a peak).
 """
 
 from __future__ import annotations
