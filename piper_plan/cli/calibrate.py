@@ -67,7 +67,10 @@ def _planning_warnings(platform_name: str, out_dir: Path) -> list[str]:
     from piper_plan.cost.compute import Rates
 
     platform = load_platform(platform_name)
-    calibration = load_calibration(out_dir)
+    try:
+        calibration = load_calibration(out_dir)
+    except PiperError:               # a folder a planning command cannot read yet says so there, in its own line
+        calibration = None
     warnings = []
     for dtype in calibration.gemm_dtypes() if calibration is not None else ():
         try:
