@@ -104,10 +104,15 @@ def _stage_bytes(entry) -> float | None:
 
 def measured_memory_per_stage(records: list[dict]) -> list[float | None]:
     """Per stage, the maximum over all steps (warm-up included: a peak is a peak)."""
+    return _stage_maxima(records, _stage_bytes)
+
+
+def _stage_maxima(records: list[dict], value_of) -> list[float | None]:
+    """Per stage, the largest ``value_of(stage entry)`` over all steps (None where no step has one)."""
     stages = max((len(r.get("memory_bytes") or []) for r in records), default=0)
     out = []
     for i in range(stages):
-        values = [_stage_bytes(r["memory_bytes"][i]) for r in records if len(r.get("memory_bytes") or []) > i]
+        values = [value_of(r["memory_bytes"][i]) for r in records if len(r.get("memory_bytes") or []) > i]
         values = [x for x in values if x is not None]
         out.append(max(values) if values else None)
     return out
@@ -136,13 +141,8 @@ def predicted_memory_per_stage(prediction: dict, tensors_only: bool = False) -> 
 
 def measured_rss_per_stage(records: list[dict]) -> list[float | None]:
     """Per stage, the largest process peak RSS of its ranks over all steps (CPU runs); [] where none was measured."""
-    stages = max((len(r.get("memory_bytes") or []) for r in records), default=0)
-    out = []
-    for i in range(stages):
-        values = [r["memory_bytes"][i].get(PROCESS_RSS_KEY) for r in records
-                  if len(r.get("memory_bytes") or []) > i and isinstance(r["memory_bytes"][i], dict)]
-        values = [x for x in values if isinstance(x, (int, float))]
-        out.append(max(values) if values else None)
+    rss = lambda m: m.get(PROCESS_RSS_KEY) if isinstance(m, dict) else None  # noqa: E731
+    out = _stage_maxima(records, rss)
     return out if any(v is not None for v in out) else []
 
 

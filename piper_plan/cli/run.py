@@ -8,6 +8,7 @@ emulated nodes), or prints the exact torchrun and srun lines for the allocation 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -221,11 +222,9 @@ def _end_ranks_left() -> None:
         except OSError:
             continue
         if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"piper_plan.runtime.train" in cmdline:
-            try:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):    # it ended meanwhile
                 os.kill(int(proc.name), signal.SIGKILL)
                 os.waitpid(int(proc.name), 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
 
 
 def signal_options(launch_config_class, shutdown_timeout_s: int) -> dict:

@@ -16,7 +16,6 @@ from piper_plan.metricsfile import PROCESS_RSS_KEY
 
 FIELDS = ("loss", "mtp_loss", "seconds", "a2a", "p2p", "dp_sync", "parameters_bytes", "gradients_bytes",
           "optimizer_bytes", "activations_bytes", "total_bytes", PROCESS_RSS_KEY, "stage", "dp_index", "stop")
-_RSS = PROCESS_RSS_KEY            # 0 where it is not measured: GPU ranks report their allocator's peak
 _MEMORY = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
 _TIMES = ("a2a", "p2p", "dp_sync")
 
@@ -28,7 +27,8 @@ def encode(spec, values: dict, losses: dict, expert_tokens: dict, device) -> tor
     """This rank's report: ``values`` holds every field of FIELDS but the losses (host numbers); ``losses`` maps
     "loss" (and "mtp_loss" with MTP modules) to device tensors (none off the last stage); ``expert_tokens`` maps
     layer -> int64 [E] device counters."""
-    head = torch.tensor([math.nan] * len(_LOSSES) + [float(values.get(k, 0) if k == _RSS else values[k])
+    # the peak RSS is 0 where not measured: GPU ranks report their allocator's peak instead
+    head = torch.tensor([math.nan] * len(_LOSSES) + [float(values.get(k, 0) if k == PROCESS_RSS_KEY else values[k])
                                                       for k in FIELDS[len(_LOSSES):]],
                         dtype=torch.float64, device=device)
     for name, value in losses.items():
@@ -51,6 +51,6 @@ def decode(spec, row: list[float], rank: int, memory_source: str) -> dict:
     return {"rank": rank, "stage": stage, "dp_index": int(head["dp_index"]),
             **{k: None if math.isnan(head[k]) else head[k] for k in _LOSSES}, "seconds": head["seconds"],
             "memory": {"stage": stage, **{k: int(head[k]) for k in _MEMORY}, "source": memory_source,
-                       **({_RSS: int(head[_RSS])} if head[_RSS] > 0 else {})},
+                       **({PROCESS_RSS_KEY: int(head[PROCESS_RSS_KEY])} if head[PROCESS_RSS_KEY] > 0 else {})},
             "time_s": {k: head[k] for k in _TIMES}, "expert_tokens": tokens, "migration": None,
             "stop": bool(head["stop"])}
