@@ -5,7 +5,9 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
 1. shaping: one-way p2p between two nodes (one uplink) and inside a node (loopback), 16 MiB
    (piper_plan.calibration.bench_shaping), checked again after the rate's points (fastest_check);
 2. calibration on that network, 2 nodes x 4 ranks (piper_plan.calibration.bench_collectives --quick: p2p,
-   all_reduce, all_to_all); the all_to_all rows that span nodes are dropped, so no prediction reads back an
+   all_reduce, all_to_all; then all_to_all in full, whose node rows at 2 and 4 ranks up to 16 MiB replace the quick
+   ones; every node's intra-node rows of an exchange share this one host: node.nodes_share_host, priced
+   nodes x one node's time); the all_to_all rows that span nodes are dropped, so no prediction reads back an
    all-to-all measured across nodes; flat's NIC use (the share of a node's inter-node bytes on its busiest uplink)
    comes from the tc counters of a flat all-to-all at another rate (SHARE_RATE_GBps, not a test rate); how busy
    flat and HALO keep each node's busiest uplink (its bytes against what its rate allows, sampled in the exchange) is
@@ -17,15 +19,16 @@ Needs root and iproute2 (scripts/netemu.sh). Per uplink rate (2 uplinks per node
    SHARE_RATE_GBps (timed together; the median of rounds taken at the start and before each rate's points), the
    share of that step which runs under an inter-node transfer (node.host_step_hidden) from the flat 1 MiB exchange
    at SHARE_RATE_GBps, and from flat and HALO at 16 MiB on IN_EXCHANGE_SHAPE (3 x 2: no predicted point's shape)
-   at each test rate, timed before and after the rate's points (the faster kept): flat's link use on 3 or more
+   at each test rate, timed before, amid and after the rate's points (the median kept): flat's link use on 3 or more
    nodes (modelled / measured flat time there, priced on 4 x 2) and HALO's copy rate inside an exchange (HALO's time
    less its modelled phases).
 
 Every all-to-all figure (test point, tiny exchange, copies inside an exchange) is the fastest of its calls (the
 uncontended time on this shared host) of one call's time over all ranks, from the first rank's start to the last
 rank's end (one host, one clock), flat and HALO timed in alternation with a barrier before each call
-(calibration/bench_a2a.py); calibration rows are per rank the fastest of REPEATS calls, the slowest rank's. The
-host's load average is kept per point. ``--from FIRST`` measures flat and
+(calibration/bench_a2a.py); a test point is measured in POINT_ROUNDS rounds and its figure is the median of the
+rounds' figures; calibration rows are per rank the fastest of REPEATS calls, the slowest rank's. The host's load
+average is kept per point. ``--from FIRST`` measures flat and
 HALO again on FIRST's calibration; ``--repeat OTHER`` (with ``--reuse``) reports the spread between two sweeps.
 
 Then the closed loop with two plans (dp4 ep4 flat / halo, tiny-moe, 2 nodes x 2 ranks) on the slowest network:
@@ -64,6 +67,11 @@ SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB per rank
 BIG = 256 * 1024  # the sizes that matter for the 15% target
 RATIO_NO_COMMON_15 = 1.15 / 0.85  # two times further apart than this have no value within 15% of both
 REPEATS = 10  # timed calls per point, after one warm-up
+POINT_ROUNDS = 3  # every test point is measured this many times, each round of a rate's points after the whole round
+#                   before it (one bench run per shape and round), and its figure is the median of the rounds'
+#                   fastest calls, the statistic of the host-step rounds (TINY_ROUNDS): a slow spell on this shared
+#                   host that lasts a whole run of REPEATS calls moves one round, not the point (two single-round
+#                   sweeps, AD and AE, differed by up to 33% at 256 KiB)
 STATISTIC = "min"  # the fastest call: the uncontended time on this shared host (calibration.timing)
 OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat alone at SHARE_RATE_GBps, reported
 HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
@@ -77,7 +85,8 @@ PLATFORM_FILE = ROOT / "platforms" / "netemu.yaml"
 UPLINK_BYTES = re.compile(r"n(\d+)/up(\d+)=(\d+)")
 COPY_NODES, COPY_RANKS, COPY_BYTES = 2, 2, 16 * 2**20  # the relay-copy calibration (relay_copies)
 IN_EXCHANGE_SHAPE = (3, 2)  # nodes x ranks of the copy rate inside an exchange: no predicted point's shape
-IN_EXCHANGE_WHEN = ("", "-after")  # that exchange is timed before a rate's points and after them (in_exchange_seconds)
+IN_EXCHANGE_WHEN = ("", "-mid", "-after")  # that exchange is timed before a rate's points, between their first and
+#                                            second rounds, and after them; the median is kept (in_exchange_seconds)
 HALF_DUPLEX_BELOW = 0.75  # two ways on one connection below this share of one way: half duplex
 
 
@@ -178,7 +187,12 @@ def at_other_rate(out: Path, measure: bool = True) -> dict[str, dict]:
 
 
 def calibrate(spec: NetworkSpec, directory: Path) -> None:
-    """bench_collectives on 2 x 4 ranks of the network; keep no all_to_all row that spans nodes."""
+    """bench_collectives on 2 x 4 ranks of the network (--quick), then its all_to_all at every node group size (2
+    and 4 ranks) and message size up to 16 MiB, whose node rows replace the quick ones: HALO's phases I and III
+    are 2-rank exchanges of up to 16 MiB here, which the quick rows (4 ranks, <= 1 MiB) only extrapolate. Keep no
+    all_to_all row that spans nodes."""
+    import pandas as pd
+
     from piper_plan.calibration.io import read_table, render_csv
     from piper_plan.calibration.schema import COLLECTIVES
     from piper_plan.fileio import atomic_write_text
@@ -187,12 +201,14 @@ def calibrate(spec: NetworkSpec, directory: Path) -> None:
         return
     shutil.rmtree(directory, ignore_errors=True)
     source = f"measured: benchmarks/halo_network.py on the emulated network {spec.text} {time.strftime('%Y-%m-%d')}"
-    run_on_network(spec, 2, 4, module("piper_plan.calibration.bench_collectives", "--platform", str(PLATFORM_FILE),
-                                      "--out", str(directory), "--quick", "--ops", "p2p,all_reduce,all_to_all",
-                                      "--statistic", STATISTIC, "--repeats", str(REPEATS), "--source", source), 600)
+    node_dir = directory / "node-all-to-all"
+    for out, options in ((directory, ("--quick", "--ops", "p2p,all_reduce,all_to_all")), (node_dir, ("--ops", "all_to_all"))):
+        run_on_network(spec, 2, 4, module("piper_plan.calibration.bench_collectives", "--platform", str(PLATFORM_FILE),
+                                          "--out", str(out), *options, "--statistic", STATISTIC, "--repeats",
+                                          str(REPEATS), "--source", source), 900)
     path = directory / "collectives.csv"
-    frame = read_table(path, COLLECTIVES)
-    frame = frame[(frame["op"] != "all_to_all") | (frame["scope"] == "node")]
+    quick, full = read_table(path, COLLECTIVES), read_table(node_dir / "collectives.csv", COLLECTIVES)
+    frame = pd.concat([quick[quick["op"] != "all_to_all"], full[(full["op"] == "all_to_all") & (full["scope"] == "node")]])
     atomic_write_text(path, render_csv(frame, COLLECTIVES))
     (directory / "done").write_text("")
 
@@ -240,8 +256,10 @@ def relay_copies(out: Path, reuse: bool = False) -> dict:
 def in_exchange_seconds(out: Path, spec: NetworkSpec, when: str | None) -> dict[str, float]:
     """Flat's and HALO's seconds at COPY_BYTES per rank on IN_EXCHANGE_SHAPE at ``spec``'s rate (timed in alternation,
     as the test points are): measured into OUT/halo-copies-<rate>-<shape><when>.json where ``when`` is given ("" before
-    the rate's points, "-after" after them) and that file is missing; per algorithm the faster of the files OUT holds
-    (noise on a shared host only adds time; one slow spell once made HALO there 47% slower than in its repeat)."""
+    the rate's points, "-mid" between their first and second rounds, "-after" after them) and that file is missing;
+    per algorithm the median of the files OUT holds (of two, their mean), as a test point's rounds: one slow spell
+    once made HALO there 47% slower than in its repeat, and one fast call 31% faster than the two timings around it
+    and the repeat sweep's two (sweep AF at 0.2 GB/s: 119.0 ms against 173.1, 158.7 and 161.2)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
 
@@ -252,7 +270,7 @@ def in_exchange_seconds(out: Path, spec: NetworkSpec, when: str | None) -> dict[
         atomic_write_json(out / f"{stem}{when}.json", asdict(network_bench(config, spec, timeout_s=600)))
     figures = [json.loads(path.read_text())["sizes"][0]["seconds"]
                for path in (out / f"{stem}{suffix}.json" for suffix in IN_EXCHANGE_WHEN) if path.is_file()]
-    return {algo: min(f[algo] for f in figures if algo in f) for algo in ("flat", "halo")
+    return {algo: statistics.median(f[algo] for f in figures if algo in f) for algo in ("flat", "halo")
             if any(algo in f for f in figures)}
 
 
@@ -363,7 +381,8 @@ def platform_for(rate_GBps: float, nodes: int, ranks_per_node: int, figures: dic
     host_GBps = copies_beside_network_GBps(copies, check, nodes, g)
     data["node"].update(devices_per_node=g, num_nics=UPLINKS, nic_bandwidth_GBps=nic_GBps,
                         device_nic=[j % UPLINKS for j in range(g)], relay_copy_GBps=host_GBps / (nodes * g),
-                        serial_phases=nodes * g > copies["host_cores"])
+                        serial_phases=nodes * g > copies["host_cores"],
+                        nodes_share_host=copies.get("nodes_share_host", True))
     data["network"].update(a2a_posts_all=True, half_duplex_connections=half_duplex(check),
                            link_burst_bytes=NetworkSpec(rate_GBps, UPLINKS).burst_bytes)
     data["network"]["scopes"]["node"].update(bandwidth_GBps=figures["node_GBps"], latency_us=figures["node_latency_us"])
@@ -463,12 +482,13 @@ def predict(platform, calibration, nodes: int, g: int, nbytes: int) -> dict[str,
     return {algo: float(sum(net.a2a_seconds(code, nodes * g, nodes, nbytes, 1))) for code, algo in enumerate(("flat", "halo"))}
 
 
-def measure(spec: NetworkSpec, nodes: int, g: int, out: Path):
-    """flat and HALO at every size (kept in OUT: an interrupted run resumes where it stopped)."""
+def measure(spec: NetworkSpec, nodes: int, g: int, out: Path, round_no: int = 1):
+    """flat and HALO at every size, round ``round_no`` of POINT_ROUNDS (kept in OUT: an interrupted run resumes
+    where it stopped; round 1's file has the name a single-round sweep gave it)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench, result_from_dict
     from piper_plan.fileio import atomic_write_json
 
-    path = out / f"measured-{spec.uplink_GBps:g}-{nodes}x{g}.json"
+    path = out / f"measured-{spec.uplink_GBps:g}-{nodes}x{g}{'' if round_no == 1 else f'-r{round_no}'}.json"
     if path.is_file():
         return result_from_dict(json.loads(path.read_text()))
     config = BenchConfig(("flat", "halo"), SIZES, nodes, g, repeats=REPEATS, statistic=STATISTIC)
@@ -494,20 +514,45 @@ def sweep(out: Path, shares: dict, price_link_use: bool = True) -> tuple[list[di
         calibration = load_calibration(cal_dir)
         checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration,
                                                                 price_link_use, when="")
-        for nodes, g in SHAPES:
-            tiny_round(out, nodes, g, f"before-{rate:g}")    # the host-step calibration, spread over the run
-            result = measure(spec, nodes, g, out)
-            for size in result.sizes:
-                rows.append({"rate_GBps": rate, "nodes": nodes, "ranks_per_node": g, "bytes": size.bytes_per_rank,
-                             "flat_s": size.seconds["flat"], "halo_s": size.seconds["halo"], "load_avg": size.load_avg})
-                print(f"{rate:g} GB/s {nodes}x{g} {size.bytes_per_rank:>9} B: flat {size.seconds['flat'] * 1e3:8.2f} "
-                      f"ms  halo {size.seconds['halo'] * 1e3:8.2f} ms", flush=True)
+        rounds: dict[tuple[int, int], list] = {shape: [] for shape in SHAPES}
+        for round_no in range(1, POINT_ROUNDS + 1):
+            for nodes, g in SHAPES:
+                if round_no == 1:
+                    tiny_round(out, nodes, g, f"before-{rate:g}")    # the host-step calibration, spread over the run
+                rounds[(nodes, g)].append(measure(spec, nodes, g, out, round_no))
+            if round_no == 1:
+                in_exchange_seconds(out, spec, "-mid")   # the copies inside an exchange, timed once more
+        for (nodes, g), results in rounds.items():
+            for row in point_rows(rate, nodes, g, results):
+                rows.append(row)
+                print(f"{rate:g} GB/s {nodes}x{g} {row['bytes']:>9} B: flat {row['flat_s'] * 1e3:8.2f} ms  halo "
+                      f"{row['halo_s'] * 1e3:8.2f} ms (rounds: flat {rounds_ms(row['flat_rounds_s'])}, halo "
+                      f"{rounds_ms(row['halo_rounds_s'])})", flush=True)
         checks[rate] = {**fastest_check(checks[rate], shaping(spec, out, "after")), "figures": checks[rate]["figures"]}
         print(f"shaping {spec.text}, after its points: {checks[rate]['checks']['after']}", flush=True)
         checks[rate]["copies_in_exchange"] = copies_in_exchange(out, spec, checks[rate], shares, calibration,
                                                                 price_link_use, when="-after")
         print(f"copies inside an exchange: {checks[rate]['copies_in_exchange']}", flush=True)
     return rows, checks
+
+
+def point_rows(rate: float, nodes: int, g: int, results: list) -> list[dict]:
+    """One row per size of a shape: per algorithm the median of the rounds' figures (``results``: one bench result
+    per round), each round's figure kept beside it; the load average is the highest any round saw."""
+    rows = []
+    for sizes in zip(*(result.sizes for result in results)):
+        row = {"rate_GBps": rate, "nodes": nodes, "ranks_per_node": g, "bytes": sizes[0].bytes_per_rank}
+        for algo in ("flat", "halo"):
+            row[f"{algo}_rounds_s"] = [size.seconds[algo] for size in sizes]
+            row[f"{algo}_s"] = statistics.median(row[f"{algo}_rounds_s"])
+        loads = [size.load_avg for size in sizes if size.load_avg is not None]
+        row["load_avg"] = max(loads) if loads else None
+        rows.append(row)
+    return rows
+
+
+def rounds_ms(seconds: list[float]) -> str:
+    return " / ".join(f"{s * 1e3:.2f}" for s in seconds)
 
 
 def predict_row(row: dict, check: dict, shares: dict, copies: dict, calibration, tiny: dict, other: dict) -> dict:
@@ -753,8 +798,9 @@ def copies_inside_lines(checks: dict, copies: dict) -> list[str]:
                  f"({wide} here) is priced at that share of the switch figure. Between two nodes it is not."]
                 if uses else [])
     return ["", f"Inside an exchange the copies run slower than alone: HALO at {COPY_BYTES // 2**20} MiB per rank on "
-            f"{nodes} x {g} ranks (a shape no predicted point has; the faster of its timings before and after the "
-            "rate's points where both were taken), less the model's time for its phases without copies "
+            f"{nodes} x {g} ranks (a shape no predicted point has; the median of its timings before the rate's "
+            "points, between their first and second rounds and after them, of those the OUT holds), less the model's "
+            "time for its phases without copies "
             f"(no host step: none is calibrated for that shape), is its copies' time ({'; '.join(parts)} over the "
             "host). A job of n ranks gets 1/n of the host's rate per rank.", *network_work_line(checks, copies),
             *use_line]
@@ -807,6 +853,15 @@ def host_step_lines(rows: list[dict], other_rate: dict[str, dict], tiny: dict) -
     return lines
 
 
+def point_rounds_text(rows: list[dict]) -> str:
+    """How many rounds a test point's figure is the median of (an OUT measured before POINT_ROUNDS has one)."""
+    counts = sorted({len(r.get("flat_rounds_s", [None])) for r in rows})
+    if counts == [1]:
+        return "a test point measured once; "
+    return (f"a test point's figure is the median of {' or '.join(map(str, counts))} rounds' fastest calls (each "
+            "round a bench run of its own, every shape's round taken before the next round of any shape); ")
+
+
 def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None, tiny=None, uses=None) -> str:
     s = summary(rows)
     lines = ["# HALO vs flat all-to-all on an emulated multi-node network (measured)", "",
@@ -816,8 +871,9 @@ def report(rows, checks, shares, loop_rows, copies, again=None, other_rate=None,
              f"2-core machine shared with other work. An all-to-all figure is the fastest of {REPEATS} calls after one "
              "warm-up (noise on a shared host only adds time) of one call's time over all ranks, from the first "
              "rank's start to the last rank's end (one host, one clock), flat and HALO timed in alternation with a "
-             "barrier before each call (calibration/bench_a2a.py); calibration rows per rank the fastest call, the "
-             "slowest rank's; the host's 1-minute load average after each size in the table.",
+             "barrier before each call (calibration/bench_a2a.py); "
+             + point_rounds_text(rows) + "calibration rows per rank the fastest call, the slowest rank's; the "
+             "host's 1-minute load average after each size in the table (the highest of its rounds).",
              "", "## Shaping check", "", "| set GB/s per uplink | measured between nodes | within 10% | inside a node "
              "| both ways, one communicator | both ways, two communicators |", "|---|---|---|---|---|---|"]
     for rate, c in checks.items():
@@ -932,6 +988,9 @@ def main() -> int:
     ap.add_argument("--no-network-host-work", action="store_true",
                     help="price HALO's copies at the in-exchange rate on every shape, without the emulated network's "
                          "host work per byte (copies_beside_network_GBps; the with / without comparison)")
+    ap.add_argument("--no-shared-host", action="store_true",
+                    help="price the intra-node phases at one node's time, as if each emulated node had its own host "
+                         "(node.nodes_share_host off; the with / without comparison)")
     ap.add_argument("--no-hidden-step", action="store_true",
                     help="price without node.host_step_hidden (the with / without comparison of the analysis)")
     args = ap.parse_args()
@@ -941,7 +1000,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.first:
         reuse_calibration(Path(args.first), out)
-    copies = {**relay_copies(out, reuse=args.reuse), "network_host_work": not args.no_network_host_work}
+    copies = {**relay_copies(out, reuse=args.reuse), "network_host_work": not args.no_network_host_work,
+              "nodes_share_host": not args.no_shared_host}
     print(f"relay copies: {copies}", flush=True)
     if args.reuse:
         saved = json.loads((out / "results.json").read_text())

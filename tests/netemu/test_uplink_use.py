@@ -207,10 +207,11 @@ def test_flats_link_use_on_three_nodes_prices_flat_on_three_or_more_only(network
     assert network.with_link_use(platform, 4, None) is platform
 
 
-def test_the_exchange_on_three_nodes_keeps_the_faster_of_its_two_timings(network, tmp_path):
-    """HALO's copy rate and flat's link use come from flat and HALO on 3 x 2 timed before a rate's points and after
-    them: per algorithm the faster figure (a slow spell only adds time); an OUT with one timing, or with HALO
-    alone (the oldest sweeps), keeps what it has; nothing is measured when no timing is asked for."""
+def test_the_exchange_on_three_nodes_keeps_the_median_of_its_timings(network, tmp_path):
+    """HALO's copy rate and flat's link use come from flat and HALO on 3 x 2 timed before a rate's points, between
+    their first and second rounds, and after them: per algorithm the median figure (neither one slow spell nor one
+    fast call moves it; of two timings their mean); an OUT with one timing, or with HALO alone (the oldest sweeps),
+    keeps what it has; nothing is measured when no timing is asked for."""
     from piper_plan.calibration.netemu import NetworkSpec
 
     spec = NetworkSpec(0.2, 2)
@@ -222,10 +223,13 @@ def test_the_exchange_on_three_nodes_keeps_the_faster_of_its_two_timings(network
     timing(Path(f"{stem}.json"), flat=0.116, halo=0.219)
     assert network.in_exchange_seconds(tmp_path, spec, None) == {"flat": 0.116, "halo": 0.219}
     timing(Path(f"{stem}-after.json"), flat=0.120, halo=0.150)
-    assert network.in_exchange_seconds(tmp_path, spec, None) == {"flat": 0.116, "halo": 0.150}
+    assert network.in_exchange_seconds(tmp_path, spec, None) == pytest.approx({"flat": 0.118, "halo": 0.1845})
+    timing(Path(f"{stem}-mid.json"), flat=0.101, halo=0.210)   # one fast flat call, one slow spell's HALO: the middle
+    assert network.in_exchange_seconds(tmp_path, spec, None) == {"flat": 0.116, "halo": 0.210}
     timing(Path(f"{stem}-after.json"), halo=0.150)
+    timing(Path(f"{stem}-mid.json"), halo=0.160)
     timing(Path(f"{stem}.json"), halo=0.219)
-    assert network.in_exchange_seconds(tmp_path, spec, "-after") == {"halo": 0.150}   # present: not measured again
+    assert network.in_exchange_seconds(tmp_path, spec, "-after") == {"halo": 0.160}   # present: not measured again
 
 
 def test_the_copy_rate_prices_the_emulated_networks_host_work_per_shape(network):
@@ -240,3 +244,25 @@ def test_the_copy_rate_prices_the_emulated_networks_host_work_per_shape(network)
     assert rate(4, 2) < 5.0 < rate(2, 2) <= 13.0 and 5.0 < rate(2, 4) <= 13.0
     assert rate(4, 2, {**copies, "network_host_work": False}) == 5.0
     assert rate(4, 2, copies, {}) == 13.0                      # no in-exchange figure: the copies alone
+
+
+def test_a_test_point_is_the_median_of_its_rounds(network):
+    """point_rows: per size and algorithm the median of the rounds' figures (one slow round does not move the point),
+    every round kept beside it, the highest load any round saw; the report says how many rounds a point took."""
+    from piper_plan.calibration.bench_a2a import BenchResult, SizeResult
+
+    def result(flat_s: float, halo_s: float, load: float | None) -> BenchResult:
+        sizes = (SizeResult(4096, {"flat": 0.001, "halo": 0.002}, load_avg=load),
+                 SizeResult(262144, {"flat": flat_s, "halo": halo_s}, load_avg=load))
+        return BenchResult(2, 4, "gloo", True, sizes)
+
+    rows = network.point_rows(0.2, 2, 4, [result(0.0028, 0.0075, 4.1), result(0.0040, 0.0061, 5.2),
+                                          result(0.0027, 0.0066, None)])
+    assert [r["bytes"] for r in rows] == [4096, 262144]
+    big = rows[1]
+    assert big["flat_s"] == 0.0028 and big["halo_s"] == 0.0066          # the middle round, not the fastest or slowest
+    assert big["flat_rounds_s"] == [0.0028, 0.0040, 0.0027] and big["load_avg"] == 5.2
+    assert "median of 3 rounds" in network.point_rounds_text(rows)
+    one = network.point_rows(0.2, 2, 4, [result(0.0028, 0.0075, None)])
+    assert one[1]["flat_s"] == 0.0028 and one[1]["load_avg"] is None
+    assert network.point_rounds_text([{"flat_s": 1.0}]) == "a test point measured once; "   # an OUT from before rounds
