@@ -34,7 +34,9 @@ sending S bytes (S / n per peer); local bytes L = S (g-1)/n, remote R = S (n-g)/
   costs the row of b / 2 per relay, while flat's pairs pay the whole row); ``node.relay_copy_GBps`` (HALO's row
   gathers and final reorder on the rank, ``relay_copy_bytes``, in series with the phases:
   ``max(I, II + III) + copies``); ``node.serial_phases`` (CPU ranks on fewer cores than ranks: phase I does not
-  overlap II + III, ``I + II + III + copies``); ``node.host_step_us`` (each dependent step, a flat exchange or
+  overlap II + III, ``I + II + III + copies``); ``node.nodes_share_host`` (an emulated network whose nodes all
+  run on one host: the intra-node rows, phases I and III and flat's local part, take ``nodes`` x one node's time,
+  every node's at once on the same cores); ``node.host_step_us`` (each dependent step, a flat exchange or
   one HALO phase, waits that long for the host: flat pays it once, HALO three times in series and twice on its
   critical path when phase I overlaps (``max(I, II + III)``), at ``node.halo_step_us`` where that is set; of a
   step with an inter-node transfer, flat's exchange or HALO's phase II, ``node.host_step_hidden`` x the shorter of
@@ -159,6 +161,8 @@ class Network:
         if self._calibrated("all_to_all", "node"):
             t_local = self._curve("all_to_all", "node", g, nbytes * g / np.maximum(n, 1), t_local, "HALO phase I")
             t_redistribute = self._curve("all_to_all", "node", g, remote, t_redistribute, "HALO phase III")
+        if self.platform.node.nodes_share_host:   # every node's intra-node rows at once on one host
+            t_local, t_redistribute = t_local * nodes, t_redistribute * nodes
         for i, name in enumerate(SCOPES[1:], start=1):
             if self._calibrated("all_to_all", name):
                 at = np.broadcast_to(scope == i, np.shape(t_halo_remote))

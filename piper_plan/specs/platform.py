@@ -87,6 +87,11 @@ class NodeSpec(Spec):
     serial_phases: bool = False
     """HALO's phase I does not run beside phases II + III: CPU ranks on fewer cores than ranks, where concurrent
     phases share the same cores (measured: docs/halo-measured.md, phase probe). False: ``max(I, II + III)``."""
+    nodes_share_host: bool = False
+    """Every node of a job runs on one host (scripts/netemu.sh's emulated network): node-scope work that all nodes
+    do at once, the intra-node rows of a multi-node all-to-all (HALO's phases I and III, flat's local rows), shares
+    that host's cores, so it takes ``nodes`` x what one node takes alone, as the node-scope calibration measures it
+    (bench_collectives times node groups on node 0 only). Measured: docs/halo-measured.md, phase probe."""
     host_step_us: float = Field(default=0.0, ge=0, le=1e7)
     """Microseconds the host adds to every dependent step of an expert all-to-all (a flat exchange is one step,
     each HALO phase one), beyond the network's latency: CPU ranks that outnumber the host's cores wait to be

@@ -24,6 +24,7 @@ def netemu(**changes) -> PlatformSpec:
     data["node"]["halo_step_us"] = changes.get("halo_step_us")
     data["node"]["host_step_hidden"] = changes.get("hidden", 0.0)
     data["network"]["link_burst_bytes"] = changes.get("burst", 0.0)
+    data["node"]["nodes_share_host"] = changes.get("shared_host", False)
     return PlatformSpec.model_validate(data)
 
 
@@ -81,6 +82,20 @@ def test_serial_phases_add_phase_one():
     assert sum(overlapped.a2a_seconds(1, 8, 4, 16 * MiB, 1)) == pytest.approx(max(local, remote + redistribute))
     assert sum(serial.a2a_seconds(1, 8, 4, 16 * MiB, 1)) == pytest.approx(local + remote + redistribute)
     assert sum(serial.a2a_seconds(0, 8, 4, 16 * MiB, 1)) == sum(overlapped.a2a_seconds(0, 8, 4, 16 * MiB, 1))
+
+
+def test_nodes_sharing_one_host_take_nodes_times_the_intra_node_phases():
+    """Emulated nodes on one host (node.nodes_share_host): HALO's phases I and III and flat's local rows take nodes x
+    one node's time (every node's at once on the same cores); phase II and flat's remote rows, which cross the
+    emulated links, do not change, and neither does an exchange inside one node."""
+    alone, shared = Network(netemu()), Network(netemu(shared_host=True))
+    for nodes in (2, 4):
+        one, many = alone.a2a_phases(2 * nodes, nodes, 16 * MiB, 1), shared.a2a_phases(2 * nodes, nodes, 16 * MiB, 1)
+        assert many[0] == pytest.approx(nodes * one[0]) and many[3] == pytest.approx(nodes * one[3])
+        assert (many[1], many[2]) == pytest.approx((one[1], one[2]))
+        assert sum(shared.a2a_seconds(1, 2 * nodes, nodes, 16 * MiB, 1)) > sum(alone.a2a_seconds(1, 2 * nodes, nodes, 16 * MiB, 1))
+    assert sum(shared.a2a_seconds(0, 2, 1, 16 * MiB, 0)) == sum(alone.a2a_seconds(0, 2, 1, 16 * MiB, 0))
+    assert load_platform("netemu").node.nodes_share_host
 
 
 def test_host_step_is_paid_once_by_flat_and_per_phase_by_halo():
