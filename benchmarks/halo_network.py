@@ -71,7 +71,7 @@ POINT_ROUNDS = 3  # every test point is measured this many times, each round of 
 #                   before it (one bench run per shape and round), and its figure is the median of the rounds'
 #                   fastest calls, the statistic of the host-step rounds (TINY_ROUNDS): a slow spell on this shared
 #                   host that lasts a whole run of REPEATS calls moves one round, not the point (two single-round
-#                   sweeps, AD and AE, differed by up to 33% at 256 KiB)
+#                   sweeps, AD and AE, differed by up to 33% at >= 256 KiB)
 STATISTIC = "min"  # the fastest call: the uncontended time on this shared host (calibration.timing)
 OTHER_RATE_SIZES = (4096, 2**20, 4 * 2**20, 16 * 2**20)  # flat alone at SHARE_RATE_GBps, reported
 HOST_STEP_BYTES = 4096  # the tiny flat exchange whose time beyond the latency terms is the host's step cost
