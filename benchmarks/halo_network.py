@@ -258,8 +258,8 @@ def in_exchange_seconds(out: Path, spec: NetworkSpec, when: str | None) -> dict[
     as the test points are): measured into OUT/halo-copies-<rate>-<shape><when>.json where ``when`` is given ("" before
     the rate's points, "-mid" between their first and second rounds, "-after" after them) and that file is missing;
     per algorithm the median of the files OUT holds (of two, their mean), as a test point's rounds: one slow spell
-    once made HALO there 47% slower than in its repeat, and one fast call 31% faster than the two timings around it
-    and the repeat sweep's two (sweep AF at 0.2 GB/s: 119.0 ms against 173.1, 158.7 and 161.2)."""
+    once made HALO there 47% slower than in its repeat, and one fast call 31% faster than the timing before the
+    points (sweep AF at 0.2 GB/s: 119.0 ms after them against 173.1 before, and 158.7 and 161.2 in its repeat)."""
     from piper_plan.calibration.bench_a2a import BenchConfig, network_bench
     from piper_plan.fileio import atomic_write_json
 
