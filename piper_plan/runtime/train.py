@@ -803,9 +803,9 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             code, failure = EXIT_USER_ERROR, str(exc)
             break
         except RuntimeError as exc:       # a rank it exchanges with is gone: one line, not a traceback per rank
-            if peer_lost(exc) is None:
+            if (reason := peer_lost(exc)) is None:
                 raise
-            return _lost_peer(rank, step, peer_lost(exc))
+            return _lost_peer(rank, step, reason)
         failure = divergence(gathered, step + 1, cfg)
         if failure:                       # every rank reads the same reports: every rank stops here
             code = EXIT_DIVERGED
@@ -825,9 +825,9 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             code, failure = EXIT_USER_ERROR, str(exc)
             break
         except RuntimeError as exc:
-            if peer_lost(exc) is None:
+            if (reason := peer_lost(exc)) is None:
                 raise
-            return _lost_peer(rank, step, peer_lost(exc))
+            return _lost_peer(rank, step, reason)
         if stopping:
             code = EXIT_REQUEUE if step + 1 < steps else 0      # the last step done: nothing left to requeue for
             break
