@@ -27,8 +27,9 @@ from piper_plan.errors import PiperError
 MAX_DOCUMENT_BYTES = 8 * 2**20
 """Largest JSON document (plan.json, a Hugging Face config.json): 8 MiB."""
 MAX_YAML_BYTES = 256 * 2**10
-"""Largest YAML document (a model or platform spec, a validation dataset; the largest piper ships is 30 KB): 256 KiB.
-PyYAML's pure-Python parser (the strict loader needs it) reads a short-item list at about 15 s per MiB."""
+"""Largest YAML document (a model or platform spec, a validation dataset; the largest piper ships is 35 KB): 256 KiB.
+PyYAML's pure-Python parser (the strict loader's fallback where PyYAML lacks libyaml) reads a short-item list at
+about 15 s per MiB."""
 MAX_FILE_BYTES = 128 * 2**20
 """Largest line-oriented file (metrics.jsonl, an nccl-tests log, a calibration CSV): 128 MiB."""
 MAX_DEPTH = 32
@@ -220,8 +221,13 @@ def parse_yaml(text: str, where: str) -> Any:
     """Strict YAML (see the module docstring); errors name the line and column."""
     import yaml
 
-    loader = _strict_loader_class()(text)
+    c_loader, python_loader = _strict_loader_classes()
+    use_c = c_loader is not None and _utf8_encodable(text)
+    loader = None
     try:
+        if use_c:
+            _refuse_aliases_and_depth(c_loader(text))
+        loader = (c_loader if use_c else python_loader)(text)     # PyYAML's reader checks the characters here
         data = loader.get_single_data()
     except _Refused as exc:
         raise PiperError(str(exc), path=where) from None
@@ -229,11 +235,15 @@ def parse_yaml(text: str, where: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if problem == "exceeded maximum nesting depth":     # libyaml's scanner, at 1,000 flow levels
+            line = f"line {mark.line + 1}: " if mark else ""
+            raise PiperError(f"{line}nested deeper than {MAX_DEPTH} levels", path=where) from None
         raise PiperError(f"malformed YAML{at}: {problem}", path=where) from None
     except RecursionError:
         raise PiperError(f"nested deeper than {MAX_DEPTH} levels", path=where) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     check_tree(data, where)
     return data
 
@@ -253,29 +263,47 @@ _BOOLS = ("true", "false", "True", "False", "TRUE", "FALSE")
 """YAML 1.2's booleans; YAML 1.1 also reads yes / no / on / off as booleans (refused: write true or false)."""
 
 
-def _strict_loader_class():
-    """A SafeLoader subclass (built once) that refuses what the module docstring lists."""
-    global _STRICT_LOADER
-    if _STRICT_LOADER is not None:
-        return _STRICT_LOADER
+def _utf8_encodable(text: str) -> bool:
+    """Whether libyaml's parser can take ``text`` (it reads UTF-8; a lone surrogate is not encodable, and the
+    pure-Python reader refuses it in one line)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refuse_aliases_and_depth(events) -> None:
+    """The pure-Python loader's composer checks (no alias, no node deeper than ``MAX_DEPTH``), run over libyaml's
+    event stream before its composer (C recursion, which the checks keep shallow) builds the nodes."""
+    from yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, ScalarEvent
+
+    depth = 0
+    try:
+        while (event := events.get_event()) is not None:
+            if isinstance(event, AliasEvent):
+                raise _Refused(f"line {event.start_mark.line + 1}: YAML aliases (*name) are not accepted; "
+                               "write the value out")
+            if isinstance(event, (CollectionStartEvent, ScalarEvent)) and depth + 1 > MAX_DEPTH:
+                raise _Refused(f"line {event.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+            depth += isinstance(event, CollectionStartEvent) - isinstance(event, CollectionEndEvent)
+    finally:
+        events.dispose()
+
+
+def _strict_loader_classes():
+    """(libyaml-backed loader or None, pure-Python loader), built once: SafeLoader subclasses that refuse what the
+    module docstring lists. libyaml's parser and composer read about 7x faster than PyYAML's (platforms/frontier.yaml:
+    1.0 against 7.0 ms); its composer is C, so the alias and depth checks run over its events first
+    (``_refuse_aliases_and_depth``); where PyYAML was built without libyaml, the pure-Python loader reads alone."""
+    global _STRICT_LOADERS
+    if _STRICT_LOADERS is not None:
+        return _STRICT_LOADERS
     import yaml
     from yaml.events import AliasEvent
 
-    class StrictLoader(yaml.SafeLoader):
-        depth = 0
-
-        def compose_node(self, parent, index):
-            if self.check_event(AliasEvent):
-                mark = self.peek_event().start_mark
-                raise _Refused(f"line {mark.line + 1}: YAML aliases (*name) are not accepted; write the value out")
-            self.depth += 1
-            try:
-                if self.depth > MAX_DEPTH:
-                    mark = self.peek_event().start_mark
-                    raise _Refused(f"line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
-                return super().compose_node(parent, index)
-            finally:
-                self.depth -= 1
+    class StrictConstruction:
+        """The constructor and resolver rules both loaders share."""
 
         def construct_mapping(self, node, deep=False):
             seen = {}
@@ -317,21 +345,41 @@ def _strict_loader_class():
         def construct_undefined(self, node):
             raise _Refused(f"line {node.start_mark.line + 1}: YAML tag {node.tag} is not accepted")
 
-    StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
-    StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
-    StrictLoader.add_constructor("tag:yaml.org,2002:bool", StrictLoader.construct_yaml_bool)
-    for tag in ("timestamp", "binary", "set", "omap", "pairs"):      # not JSON types: refused, not converted
-        StrictLoader.add_constructor(f"tag:yaml.org,2002:{tag}", StrictLoader.construct_undefined)
-    StrictLoader.add_constructor(None, StrictLoader.construct_undefined)
-    StrictLoader.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
-    _STRICT_LOADER = StrictLoader
-    return StrictLoader
+    class StrictLoader(StrictConstruction, yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(AliasEvent):
+                mark = self.peek_event().start_mark
+                raise _Refused(f"line {mark.line + 1}: YAML aliases (*name) are not accepted; write the value out")
+            self.depth += 1
+            try:
+                if self.depth > MAX_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise _Refused(f"line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    loaders = [StrictLoader]
+    if yaml.__with_libyaml__:
+        loaders.insert(0, type("CStrictLoader", (StrictConstruction, yaml.CSafeLoader), {}))
+    for loader in loaders:
+        loader.add_constructor("tag:yaml.org,2002:int", StrictConstruction.construct_yaml_int)
+        loader.add_constructor("tag:yaml.org,2002:float", StrictConstruction.construct_yaml_float)
+        loader.add_constructor("tag:yaml.org,2002:bool", StrictConstruction.construct_yaml_bool)
+        for tag in ("timestamp", "binary", "set", "omap", "pairs"):      # not JSON types: refused, not converted
+            loader.add_constructor(f"tag:yaml.org,2002:{tag}", StrictConstruction.construct_undefined)
+        loader.add_constructor(None, StrictConstruction.construct_undefined)
+        loader.yaml_implicit_resolvers = {
+            first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+        loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+    _STRICT_LOADERS = (loaders[0] if len(loaders) == 2 else None, StrictLoader)
+    return _STRICT_LOADERS
 
 
-_STRICT_LOADER = None
+_STRICT_LOADERS = None
 
 
 def _kind(value: Any) -> str:

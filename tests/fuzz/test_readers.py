@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from piper_plan import fileio
 from piper_plan.cli.main import cli
 from piper_plan.errors import PiperError
 from piper_plan.fileio import MAX_DEPTH, parse_json, parse_yaml
@@ -33,6 +34,18 @@ def one_error(result, *needles) -> str:
 
 
 # ---- the strict readers ---------------------------------------------------------------------------------
+@pytest.fixture(params=["libyaml", "python"])
+def yaml_reader(request, monkeypatch):
+    """parse_yaml as it runs with libyaml's parser (where PyYAML has it: the wheels do) and with PyYAML's own."""
+    c_loader, python_loader = fileio._strict_loader_classes()
+    if request.param == "libyaml":
+        if c_loader is None:
+            pytest.skip("this PyYAML was built without libyaml")
+    else:
+        monkeypatch.setattr(fileio, "_strict_loader_classes", lambda: (None, python_loader))
+    return request.param
+
+
 @pytest.mark.parametrize("text, needle", [
     ("a: 1\nb: 2\na: 3\n", "line 3: duplicate key 'a' (first at line 1)"),
     ("a: &x [1]\nb: *x\n", "line 2: YAML aliases"),
@@ -49,13 +62,46 @@ def one_error(result, *needles) -> str:
     ("gated: yes\n", "yes is a YAML 1.1 boolean spelling; write true or false"),
     ("gated: off\n", "off is a YAML 1.1 boolean spelling"),
 ])
-def test_yaml_refusals(text, needle):
+def test_yaml_refusals(yaml_reader, text, needle):
     with pytest.raises(PiperError) as info:
         parse_yaml(text, "f.yaml")
     assert needle in str(info.value) and str(info.value).startswith("f.yaml: ")
 
 
-def test_yaml_plain_values_stay_plain():
+@pytest.mark.parametrize("text, needle", [
+    ("[" * 100_000, f"line 1: nested deeper than {MAX_DEPTH} levels"),   # libyaml: its scanner's limit (1,000)
+    ("a: \x00\n", "unacceptable character #x0000"),
+    ("a: \ud800\n", "unacceptable character #xd800"),  # not UTF-8 encodable: libyaml cannot take it, PyYAML reads it
+    ("a: [1, 2\n", "malformed YAML at line 2, column 1"),
+])
+def test_yaml_hostile_text_is_one_error(yaml_reader, text, needle):
+    with pytest.raises(PiperError) as info:
+        parse_yaml(text, "f.yaml")
+    assert needle in str(info.value) and len(str(info.value).splitlines()) == 1
+
+
+def test_both_yaml_readers_read_every_shipped_file_alike(monkeypatch):
+    """Every YAML document piper ships (catalog, validation datasets, the fuzz corpus) reads to the same data with
+    libyaml's parser as with PyYAML's, or is refused by both (the two word syntax errors differently; piper's own
+    refusals read the same: test_yaml_refusals)."""
+    c_loader, python_loader = fileio._strict_loader_classes()
+    if c_loader is None:
+        pytest.skip("this PyYAML was built without libyaml")
+    paths = sorted(p for folder in ("models", "platforms", "validation", "tests/fuzz/corpus")
+                   for p in (ROOT / folder).rglob("*.yaml"))
+    assert len(paths) > 40
+    read = {}
+    for loaders in ((c_loader, python_loader), (None, python_loader)):
+        monkeypatch.setattr(fileio, "_strict_loader_classes", lambda loaders=loaders: loaders)
+        for path in paths:
+            try:
+                read.setdefault(path, []).append(parse_yaml(path.read_text(errors="replace"), path.name))
+            except PiperError as exc:
+                read.setdefault(path, []).append(("refused", "malformed" in str(exc)))
+    assert all(c == py for c, py in read.values()), [p.name for p, (c, py) in read.items() if c != py]
+
+
+def test_yaml_plain_values_stay_plain(yaml_reader):
     assert parse_yaml("a: 1e12\nb: 2026-11-30\nc: -2.5E-3\nd: 12\ne: 0\nf: -7\ng: True\nh: '010'\n", "f") == {
         "a": 1e12, "b": "2026-11-30", "c": -2.5e-3, "d": 12, "e": 0, "f": -7, "g": True, "h": "010"}
 
