@@ -733,10 +733,12 @@ def test_import_nccl_tests_without_data_or_with_an_unreadable_exponent(tmp_path,
     ((*ESTIMATE, "--pp", "2", "--dp", "1", "--ep", "1", "--layers-per-stage", "\u0661,\u0661"), "--layers-per-stage"),
     ((*ESTIMATE, "--cost-option", "moe_saved_rows=100000000"), "moe_saved_rows: Input should be less than or equal to 2"),
     ((*ESTIMATE, "--cost-option", "migration_fraction=1"), "migration_fraction: Input should be less than 1"),
+    ((*ESTIMATE, "--cost-option", "moe_saved_rows=\x07"), "malformed YAML: unacceptable character #x0007"),
 ])
 def test_planner_options_of_round_seven(args, needle):
     """Before: a --min-nodes start beyond the platform said 'nothing fits' (exit 3); Unicode digits parsed as
-    counts; a million saved MoE buffers priced a 1e8 GiB plan; migration_fraction 1 doubled the step."""
+    counts; a million saved MoE buffers priced a 1e8 GiB plan; migration_fraction 1 doubled the step; a control
+    character in a --cost-option value was PyYAML's traceback (its reader refuses it as the loader is made)."""
     assert_one_line_error(run(*args), needle)
 
 
