@@ -7,6 +7,7 @@ Every load error becomes one PiperError line naming the file, the field and what
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -92,8 +93,6 @@ def parse_spec(cls: type[SpecT], data: dict, path: str, field: str | None = None
 
     ``data`` is what ``read_structured`` returns (plain JSON data); anything else (objects built in code) is
     validated as it is."""
-    from pydantic import BaseModel, TypeAdapter
-
     try:
         text = json.dumps(data, allow_nan=False)
     except (TypeError, ValueError):
@@ -101,10 +100,18 @@ def parse_spec(cls: type[SpecT], data: dict, path: str, field: str | None = None
     try:
         if isinstance(cls, type) and issubclass(cls, BaseModel):
             return cls.model_validate(data) if text is None else cls.model_validate_json(text, strict=True)
-        adapter = TypeAdapter(cls)
+        adapter = _type_adapter(cls)
         return adapter.validate_python(data) if text is None else adapter.validate_json(text, strict=True)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), path=path or None, field=field) from None
+
+
+@functools.cache
+def _type_adapter(cls):
+    """pydantic's validator of a dataclass, built once per class (building it takes milliseconds: CostOptions 3.6)."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(cls)
 
 
 def resolve(name_or_path: str, folder: Path, kind: str) -> Path:

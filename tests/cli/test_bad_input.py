@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from piper_plan.cli.main import cli
+from piper_plan.catalog import read_structured
 from piper_plan.cli.status import run_dir_summary
 
 TINY = ("--model", "tiny-moe", "--platform", "local-cpu", "--seq", "128", "--global-batch", "8")
@@ -402,7 +403,7 @@ def test_a_dataset_row_is_checked_before_any_row_is_priced(tmp_path, change, nee
 def changed_dataset(tmp_path: Path, name: str, change) -> Path:
     import yaml
 
-    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "validation" / f"{name}.yaml").read_text())
+    data = read_structured(Path(__file__).resolve().parents[2] / "validation" / f"{name}.yaml")
     change(data)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data))

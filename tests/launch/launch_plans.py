@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
 
-from piper_plan.catalog import load_model, platforms_dir
+from piper_plan.catalog import load_model, platforms_dir, read_structured
 from piper_plan.specs import ParallelPlan, PlatformSpec, TrainingSpec
 
 STAND_INS = {
@@ -27,8 +26,8 @@ STAND_INS = {
 def platform_dict(name: str) -> dict:
     path = platforms_dir() / f"{name}.yaml"
     if path.is_file():
-        return yaml.safe_load(path.read_text())
-    data = yaml.safe_load((platforms_dir() / "frontier.yaml").read_text())
+        return read_structured(path)
+    data = read_structured(platforms_dir() / "frontier.yaml")
     stand_in = STAND_INS[name]
     data["name"] = name
     data["node"] = stand_in.get("node", data["node"])

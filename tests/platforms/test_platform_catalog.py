@@ -9,7 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from piper_plan.catalog import catalog_names, load_platform, platforms_dir
+from piper_plan.catalog import catalog_names, load_platform, platforms_dir, read_structured
 from piper_plan.cli.main import cli
 
 PLATFORMS = catalog_names(platforms_dir())
@@ -20,7 +20,7 @@ PLAN_EXIT_CODES = (0, 3)
 
 
 def raw_platform(name: str) -> dict:
-    return yaml.safe_load((platforms_dir() / f"{name}.yaml").read_text())
+    return read_structured(platforms_dir() / f"{name}.yaml")
 
 
 def source_fields(data, path="") -> list[tuple[str, object]]:

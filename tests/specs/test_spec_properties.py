@@ -1,5 +1,7 @@
 """Tier 3 properties of parameter counting, and YAML <-> spec round trips of the whole catalog."""
 
+import copy
+
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,7 +42,7 @@ def build(data: dict) -> ModelSpec:
 
 def bumped(data: dict, path: tuple[str, ...], delta: int) -> dict:
     """A deep copy of ``data`` with data[path] += delta."""
-    out = yaml.safe_load(yaml.safe_dump(data))
+    out = copy.deepcopy(data)
     node = out
     for key in path[:-1]:
         node = node[key]
