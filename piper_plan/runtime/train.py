@@ -629,17 +629,32 @@ def rendezvous_timeout_s(environ=os.environ) -> float:
 
 
 # Every rank reads the same plan, so a bad one fails on every rank; only rank 0 says why. torchrun stops all ranks
-# when the first one exits, so the other ranks give rank 0 this long to print before they exit: else a fast rank 1
-# gets rank 0 killed before its one line is out (seen in CI). Under srun they exit this much later: bounded, no hang.
+# when the first one exits, so before the process group is up the other ranks give rank 0 this long to print before
+# they exit: else a fast rank 1 gets rank 0 killed before its one line is out (seen in CI). Under srun they exit this
+# much later: bounded, no hang. Once the group is up they wait for the line at a barrier instead
+# (_report_user_error_together; a damaged checkpoint's ranks exited 20 s after its line, now with it).
 RANK0_REPORT_GRACE_S = 20.0
 
 
 def _report_user_error(exc: PiperError | None, rank: int, reporter: int = 0) -> int:
-    """Exit code 2 with one line, printed by rank ``reporter`` (the others give it time to print first)."""
+    """Exit code 2 with one line, printed by rank ``reporter`` (the others give it time to print first: there is no
+    process group yet to wait on it with)."""
     if rank == reporter and exc is not None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
     else:
         time.sleep(RANK0_REPORT_GRACE_S)
+    return EXIT_USER_ERROR
+
+
+def _report_user_error_together(exc: PiperError | None, rank: int, reporter: int = 0) -> int:
+    """``_report_user_error`` once the process group is up (every rank alive and agreed that rank ``reporter`` says
+    why): it prints, then all leave one barrier, so no rank exits before the line is out and none waits longer."""
+    import torch.distributed as dist
+
+    if rank == reporter and exc is not None:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    dist.barrier()
+    _end_process_group()
     return EXIT_USER_ERROR
 
 
@@ -748,8 +763,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         return EXIT_USER_ERROR
     mismatch = started_alike(cfg, args, world)
     if mismatch:                        # before any collective that depends on them: they would hang or diverge
-        _end_process_group()
-        return _report_user_error(PiperError(mismatch), rank)
+        return _report_user_error_together(PiperError(mismatch), rank)
     stop = _StopFlag()
     run_dir = Path(args.out)
     launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
@@ -769,8 +783,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     first = first_failed_rank(problem is not None, rank, world, device)
     if first is not None:
         stop.release()
-        _end_process_group()
-        return _report_user_error(problem, rank, reporter=first)
+        return _report_user_error_together(problem, rank, reporter=first)
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
     parallel = cfg.parallel.model_dump(mode="json")
