@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from piper_plan.cli.main import cli
 from piper_plan.catalog import read_structured
+from piper_plan.cli.main import cli
 from piper_plan.cli.status import run_dir_summary
 
 TINY = ("--model", "tiny-moe", "--platform", "local-cpu", "--seq", "128", "--global-batch", "8")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from piper_plan.catalog import load_model, platforms_dir, read_structured
 from piper_plan.specs import ParallelPlan, PlatformSpec, TrainingSpec
 
