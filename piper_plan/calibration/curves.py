@@ -39,8 +39,10 @@ _OFF_TOL = 1e-6
 
 
 _SMALL_QUERY = 256
-"""Query rows up to which distinct rows are found by np.unique over rows (in value order), above by a sort of each
-row's bytes as one value (in order of first appearance)."""
+"""Query rows up to which each row's answer is remembered (LogInterpolator._remembered); above, the distinct rows
+are found by a sort of each row's bytes as one value and evaluated afresh."""
+_REMEMBERED_ROWS = 65_536
+"""Small-query answers an interpolator keeps (LogInterpolator._remembered); past it they are forgotten at once."""
 
 
 class LogInterpolator:
@@ -56,6 +58,7 @@ class LogInterpolator:
 
     def __init__(self, points: np.ndarray, values: np.ndarray, nearest_weights=None):
         x, y = _mean_duplicates(np.log(np.asarray(points, float)), np.log(np.asarray(values, float)))
+        self._answers: dict[tuple, tuple[float, bool]] = {}
         weights = None if nearest_weights is None else np.asarray(nearest_weights, float)
         self.lattice, self.scattered = _lattice_axes(x)
         if self.lattice:
@@ -72,13 +75,25 @@ class LogInterpolator:
     def __call__(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """query [N, D] > 0 -> (values [N], extrapolated [N] bool). Repeated query rows are computed once."""
         query = np.ascontiguousarray(query, float)
-        if len(query) <= _SMALL_QUERY:      # a few rows (an estimate)
-            distinct, codes = np.unique(query, axis=0, return_inverse=True)
-            codes = codes.ravel()
-        else:
-            distinct, codes = _distinct_rows(query)
+        if len(query) <= _SMALL_QUERY and np.isfinite(query).all():      # a few rows (an estimate)
+            return self._remembered(query)
+        distinct, codes = _distinct_rows(query)
         values, extrapolated = self._evaluate(distinct)
         return values[codes], extrapolated[codes]
+
+    def _remembered(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A few rows' answers, each row evaluated once per interpolator: an estimate asks for the same shapes again
+        and again (every stage, both passes, the plan priced a second time), and a row's answer does not depend on
+        the other rows of the call."""
+        rows = list(map(tuple, query.tolist()))
+        new = [row for row in dict.fromkeys(rows) if row not in self._answers]
+        if new:
+            if len(self._answers) + len(new) > _REMEMBERED_ROWS:
+                self._answers.clear()
+            values, extrapolated = self._evaluate(np.array(new, float))
+            self._answers.update(zip(new, zip(values.tolist(), extrapolated.tolist())))
+        answers = [self._answers[row] for row in rows]
+        return np.array([v for v, _ in answers], float), np.array([e for _, e in answers], bool)
 
     def _evaluate(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         xq = np.log(query)

@@ -145,10 +145,10 @@ def lookup_unique(keys: np.ndarray, fn, width: int) -> np.ndarray:
     """``fn(key) -> tuple of width ints`` for every distinct key, gathered back: int64 [..., width].
 
     Keys are small non-negative integers in a search, so the distinct ones are found with a presence
-    table (O(N), no sort); huge key ranges fall back to np.unique."""
+    table (O(N), no sort); key ranges much wider than the keys are many (one plan's) or huge fall back to np.unique."""
     flat = keys.ravel()
     top = int(flat.max()) + 1 if flat.size else 1
-    if top <= 1 << 22:
+    if top <= min(1 << 22, 64 * flat.size + 1024):
         present = np.zeros(top, bool)
         present[flat] = True
         distinct = np.flatnonzero(present)

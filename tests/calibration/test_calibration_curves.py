@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from piper_plan.calibration import Calibration, load_calibration
-from piper_plan.calibration.curves import LogInterpolator
+from piper_plan.calibration.curves import _SMALL_QUERY, LogInterpolator
 from piper_plan.calibration.io import merge_rows
 from piper_plan.calibration.schema import COLLECTIVES, GEMM, busbw_factor
 
@@ -195,13 +195,32 @@ def test_a_query_gets_one_value_whatever_else_the_call_asks(seed):
     as scipy's walk happened to reach it (DeepSeek-V3 on 32 H200 nodes: plan 12.2445 s, estimate 12.2572 s)."""
     cal = load_calibration("h200")
     rng = np.random.default_rng(seed)
-    m = np.exp(rng.uniform(np.log(4), np.log(16384), 200))
-    n = np.exp(rng.uniform(np.log(1408), np.log(14336), 200))
-    k = np.exp(rng.uniform(np.log(1408), np.log(14336), 200))
-    g = rng.choice([1.0, 2.0, 4.0, 16.0], 200)
+    size = _SMALL_QUERY + 100                                   # a search's batch: evaluated afresh, not remembered
+    m = np.exp(rng.uniform(np.log(4), np.log(16384), size))
+    n = np.exp(rng.uniform(np.log(1408), np.log(14336), size))
+    k = np.exp(rng.uniform(np.log(1408), np.log(14336), size))
+    g = rng.choice([1.0, 2.0, 4.0, 16.0], size)
     batch, _ = cal.gemm_flops_per_s(m, n, k, "bf16", groups=g)
-    for i in rng.choice(200, 8, replace=False):
-        one, _ = cal.gemm_flops_per_s(m[i], n[i], k[i], "bf16", groups=g[i])
+    few = rng.choice(size, 8, replace=False)
+    some, _ = load_calibration("h200").gemm_flops_per_s(m[few], n[few], k[few], "bf16", groups=g[few])
+    assert some.tolist() == pytest.approx(batch[few].tolist(), rel=1e-12)
+    for i in few:
+        one, _ = load_calibration("h200").gemm_flops_per_s(m[i], n[i], k[i], "bf16", groups=g[i])
         nudged, _ = cal.gemm_flops_per_s(m[i] * (1 + 1e-9), n[i], k[i] * (1 - 1e-9), "bf16", groups=g[i])
         assert float(one) == pytest.approx(batch[i], rel=1e-12)
         assert float(nudged) == pytest.approx(batch[i], rel=1e-6)
+
+
+def test_a_few_rows_asked_again_get_the_answers_of_a_fresh_interpolator():
+    """An estimate's few rows are remembered per interpolator (each asked again and again); what comes back the
+    second time, in any order and beside new rows, is what a fresh interpolator answers, extrapolated flags too."""
+    rng = np.random.default_rng(7)
+    points = np.exp(rng.uniform(0, 5, (40, 3)))
+    values = np.exp(rng.uniform(0, 3, 40))
+    queries = np.exp(rng.uniform(-1, 6, (30, 3)))                  # some outside the points' hull: flagged
+    remembered = LogInterpolator(points, values)
+    first = remembered(queries[:20])
+    again = remembered(queries[::-1])
+    fresh = LogInterpolator(points, values)(queries[::-1])
+    assert again[0].tolist() == fresh[0].tolist() and again[1].tolist() == fresh[1].tolist()
+    assert first[0].tolist() == fresh[0][::-1][:20].tolist() and fresh[1].any() and not fresh[1].all()
