@@ -887,10 +887,19 @@ def test_launch_names_the_platform_file_whose_launch_block_is_bad(tmp_path):
     assert "piper-launch-" not in line and not (tmp_path / "job").exists()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a running process has used (/proc/<pid>/stat fields 14 and 15)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_what_the_system_refuses_is_one_line_not_a_traceback(tmp_path):
     """A path component over 255 bytes (any command, any file argument), stdout on a full device and a closed stdout
     were tracebacks (OSError, AttributeError on sys.stdout None); Ctrl-C said "Aborted!" and exited 1, a failed
     check's code."""
+    import resource
     import signal
     import subprocess
     import sys
@@ -909,8 +918,14 @@ def test_what_the_system_refuses_is_one_line_not_a_traceback(tmp_path):
                                                    "device\n", done.stderr
     closed = subprocess.run(f"{piper} models >&-", shell=True, stderr=subprocess.PIPE, text=True, timeout=60)
     assert closed.returncode == 141 and closed.stderr == "", closed.stderr
-    slow = subprocess.Popen([str(piper), "migrate", "simulate", "--ep", "2", "--experts", "8", "--layers", "131072",
-                             "--max-iters", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+    simulate = [str(piper), "migrate", "simulate", "--ep", "2", "--experts", "8", "--max-iters", "0", "--layers"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([*simulate, "1"], stdout=subprocess.DEVNULL, check=True, timeout=60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    whole_small_run_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    slow = subprocess.Popen([*simulate, "131072"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while _cpu_seconds(slow.pid) < whole_small_run_s + 0.3:     # past its start-up: into the command's own work
+        assert slow.poll() is None, "the slow run ended before it could be interrupted"
+        time.sleep(0.05)
     slow.send_signal(signal.SIGINT)
     assert slow.wait(timeout=60) == 130 and "Traceback" not in slow.stderr.read()
