@@ -21,3 +21,21 @@ import sys
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+NOT_IN_THE_FAST_TIER = ("fuzz", "bench")
+"""Tiers a marker filter leaves out unless it names them: the fuzz sweep (minutes) and the micro-benchmarks of this
+machine (seconds of measuring each, which a parallel worker would disturb). The fast tier's filter (-m "not slurm
+and not distributed") names neither; no filter (the whole suite) runs them, and so does one naming them
+(scripts/test.sh's serial part: -m "slurm or distributed or fuzz or bench")."""
+
+
+def pytest_collection_modifyitems(config, items):
+    expr = config.getoption("markexpr") or ""
+    left_out = [name for name in NOT_IN_THE_FAST_TIER if name not in expr]
+    if not expr or not left_out:
+        return
+    out = [item for item in items if any(item.get_closest_marker(name) for name in left_out)]
+    if out:
+        config.hook.pytest_deselected(items=out)
+        dropped = set(map(id, out))
+        items[:] = [item for item in items if id(item) not in dropped]

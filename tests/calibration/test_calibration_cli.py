@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from piper_plan.cli.main import cli
@@ -18,6 +19,7 @@ def test_missing_platform_and_bad_only_exit_2(tmp_path):
     assert bad.exit_code == 2 and "unknown ['fft']" in bad.output
 
 
+@pytest.mark.bench
 def test_dtype_keeps_the_compute_sweeps_to_the_precisions_named(tmp_path):
     """``--dtype fp32`` on a CPU measures no bf16 GEMM (50x slower there without bf16 instructions) and says so in
     every row's source; a precision the device's sweep lacks, or ``--dtype`` without a compute sweep, is one line."""

@@ -40,6 +40,7 @@ def h200_with_memory(tmp_path):
     return write
 
 
+@pytest.mark.bench
 def test_the_cpu_sweep_measures_every_kernel_and_its_rows_hold_their_rates(tmp_path):
     result = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--quick", "--only", "memory",
                                       "--out-dir", str(tmp_path)])
