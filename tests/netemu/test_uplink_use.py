@@ -246,6 +246,18 @@ def test_the_copy_rate_prices_the_emulated_networks_host_work_per_shape(network)
     assert rate(4, 2, copies, {}) == 13.0                      # no in-exchange figure: the copies alone
 
 
+def test_copies_inside_an_exchange_are_never_priced_faster_than_alone(network):
+    """The in-exchange copy rate is the exchange's time less its modelled phases; where that comes out above the
+    copies alone (sweep AJ at 0.2 GB/s: 7.30 against 6.03 GB/s), the copies are priced at the rate alone, on every
+    shape."""
+    copies = {"host_GBps": 6.0, "host_cores": 2}
+    check = {"copies_in_exchange": {"host_GBps": 7.3}}
+    assert network.copy_host_GBps(copies, check) == 6.0
+    assert network.copy_host_GBps(copies, {"copies_in_exchange": {"host_GBps": 5.0}}) == 5.0
+    for shape in ((2, 2), (2, 4), (4, 2), network.IN_EXCHANGE_SHAPE):
+        assert network.copies_beside_network_GBps(copies, check, *shape) == 6.0
+
+
 def test_a_test_point_is_the_median_of_its_rounds(network):
     """point_rows: per size and algorithm the median of the rounds' figures (one slow round does not move the point),
     every round kept beside it, the highest load any round saw; the report says how many rounds a point took."""
