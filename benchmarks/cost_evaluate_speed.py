@@ -1,4 +1,5 @@
-"""Candidate evaluations per second of piper_plan.cost.evaluate (prints figures; not a timed assertion).
+"""Candidate evaluations per second of piper_plan.cost.evaluate, and the time to price one plan in full
+(cost.evaluate.estimate, what `piper estimate` calls three times) (prints figures; not a timed assertion).
 
     .venv/bin/python benchmarks/cost_evaluate_speed.py [model] [--calibrated]
 """
@@ -11,8 +12,8 @@ import time
 import numpy as np
 
 from piper_plan.catalog import load_model, load_platform
-from piper_plan.cost.evaluate import evaluate
-from piper_plan.plans import PlanBatch
+from piper_plan.cost.evaluate import estimate, evaluate
+from piper_plan.plans import ParallelPlan, PlanBatch
 from piper_plan.specs.vocab import LayerSplit
 from piper_plan.specs import TrainingSpec
 
@@ -49,6 +50,23 @@ def main() -> None:
     print(f"{name}: {len(cand)} candidates in {seconds:.3f} s wall, {cpu_seconds:.3f} s CPU (best of 5) = "
           f"{len(cand) / cpu_seconds:,.0f} evaluations per CPU-second "
           f"({'calibrated' if calibration else 'roofline fallback'})")
+    one_plan(name, model, platform, training, calibration)
+
+
+def one_plan(name, model, platform, training, calibration) -> None:
+    """One plan on 128 nodes (1,024 ranks) priced in full: the first call (the calibration's curves built) and the
+    median of 50 more, one core."""
+    plan = ParallelPlan(dp=64, pp=16, ep=64, mbs=1, num_microbatches=16)
+    start = time.process_time()
+    estimate(model, platform, training, 128, plan, calibration=calibration)
+    first = time.process_time() - start
+    runs = []
+    for _ in range(50):
+        start = time.process_time()
+        estimate(model, platform, training, 128, plan, calibration=calibration)
+        runs.append(time.process_time() - start)
+    print(f"{name}: one plan (dp 64, pp 16, ep 64 on 128 nodes) priced in full: first call {first * 1e3:.1f} ms CPU, "
+          f"then {np.median(runs) * 1e3:.1f} ms CPU (median of 50)")
 
 
 if __name__ == "__main__":
