@@ -211,7 +211,8 @@ def test_the_launcher_pid_is_set_for_its_ranks_only(monkeypatch, tmp_path):
 
 # ---- real runs: ranks started by the elastic launcher -------------------------------------------------------
 def _ranks_of(run_dir: Path) -> list[int]:
-    """Processes whose command line names this run's directory (the ranks: --out RUN_DIR), from /proc."""
+    """Processes whose command line names this run's directory, from /proc: the launcher (--out-dir RUN_DIR) and its
+    ranks (--out RUN_DIR)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
@@ -341,9 +342,20 @@ def _start(plan: Path, run_dir: Path, err_path: Path) -> subprocess.Popen:
     return proc
 
 
-def _wait_gone(run_dir: Path, timeout_s: float) -> None:
+def _exited(pid: int) -> bool:
+    """The process has released its files (its run-directory lock included): gone, or a zombie. Not its command
+    line read empty: /proc shows that from the start of its exit, before the kernel closes its files (CI once saw
+    a resume refused just after `_ranks_of` found no rank)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while _ranks_of(run_dir):
+    while not all(_exited(pid) for pid in pids):
         assert time.monotonic() < deadline, "ranks still running"
         time.sleep(0.2)
 
@@ -356,10 +368,12 @@ def test_the_ranks_of_a_killed_launcher_checkpoint_and_stop(tmp_path):
     plan = two_rank_plan(tmp_path, steps=5000, checkpoint_interval=5000)
     run_dir = tmp_path / "run"
     proc = _start(plan, run_dir, tmp_path / "stderr")
+    ranks = _ranks_of(run_dir)
     try:
+        assert len(ranks) == 3, ranks        # the launcher (its --out-dir) and its two ranks
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        _wait_gone(run_dir, 120)
+        _wait_gone(ranks, 120)
         summary = json.loads((run_dir / "summary.json").read_text())
         step = int((run_dir / "checkpoints" / "latest").read_text())
         assert summary["exit_code"] == EXIT_REQUEUE and 0 < step == summary["steps"] < 5000
@@ -380,8 +394,9 @@ def test_a_rank_killed_or_stopped_alone_is_one_line_each(tmp_path):
     for sig, run_dir in ((signal.SIGKILL, tmp_path / "killed"), (signal.SIGTERM, tmp_path / "stopped")):
         err_path = tmp_path / f"{sig.name}.stderr"
         proc = _start(plan, run_dir, err_path)
+        ranks = _ranks_of(run_dir)
         try:
-            os.kill(max(_ranks_of(run_dir)), sig)
+            os.kill(max(ranks), sig)
             code = proc.wait(timeout=120)
             stderr = err_path.read_text()
             assert "Traceback" not in stderr, stderr[-3000:]
@@ -396,7 +411,7 @@ def test_a_rank_killed_or_stopped_alone_is_one_line_each(tmp_path):
                 assert code == EXIT_REQUEUE, stderr[-3000:]
                 assert said[-1].endswith(f"was sent a stop signal; checkpointed at step {step} in "
                                          f"{run_dir / 'checkpoints'}, resume with --resume"), stderr[-3000:]
-            _wait_gone(run_dir, 30)
+            _wait_gone(ranks, 30)
         finally:
             if proc.poll() is None:
                 proc.kill()
