@@ -64,12 +64,26 @@ def run_cmd(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_jso
         if as_json and env.rank == 0:
             print_run_summary(Path(out), code)
         sys.exit(code)
+    with _stop_before_ranks_said():
+        code = _run_here_or_print(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_json, args)
+    if code is None:                     # the torchrun and srun lines were the result
+        return
+    if as_json:
+        print_run_summary(Path(out), code)
+    sys.exit(code)
+
+
+def _run_here_or_print(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_json, args) -> int | None:
+    """The plan run by this machine's own ranks (their exit code), or, when they do not fit here, the torchrun and
+    srun lines that run it printed (None)."""
+    from piper_plan.launch.local import runtime_args
+
     cfg, layout = _checked_plan(args, Path(plan))
     if not layout.runs_here:
         absolute = runtime_args(str(Path(plan).resolve()), str(Path(out).resolve()), steps, resume, profile, lr,
                                 aux_loss_coeff)            # the nodes need not share this working directory
         _print_commands(layout, absolute, as_json)
-        return
+        return None
     _check_run_dir(out, plan, resume, force)
     _check_devices(cfg, layout)
     from piper_plan.rundir import clear_run, hold_run_dir
@@ -80,12 +94,40 @@ def run_cmd(plan, steps, out, resume, force, profile, lr, aux_loss_coeff, as_jso
     note(f"piper run: {layout.world} local ranks" + (f" ({layout.emulated_topology} emulated nodes)"
                                                      if layout.emulated_topology else "") + f", run directory {out}")
     try:
-        code = launch_local(layout, args, Path(out))
+        return launch_local(layout, args, Path(out))
     finally:
         os.close(held)
-    if as_json:
-        print_run_summary(Path(out), code)
-    sys.exit(code)
+
+
+class _StoppedBeforeRanks(BaseException):
+    """A stop signal before any rank started. A BaseException, as KeyboardInterrupt is: no `except Exception` on
+    its way out (torch's rendezvous, an import under way) turns it into another error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise _StoppedBeforeRanks(signum)
+
+
+@contextlib.contextmanager
+def _stop_before_ranks_said():
+    """A stop signal (STOP_SIGNALS but SIGINT, which is Ctrl-C's exit 130) before torch's launcher takes the
+    signals over, which it does just before it starts the ranks: one line and 128 + N. Before, the default action
+    ended the launcher without a word while it imported torch (a second or more). The handlers in place before
+    are restored on the way out."""
+    signums = [getattr(signal, name) for name in STOP_SIGNALS.split(",") if name != "SIGINT"]
+    before = {signum: signal.signal(signum, _raise_stopped) for signum in signums}
+    try:
+        yield
+    except _StoppedBeforeRanks as exc:
+        note(f"piper run: stopped by {_signal_name(exc.signum)} before any rank started (nothing to checkpoint)")
+        sys.exit(128 + exc.signum)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def _check_file(plan: str) -> None:

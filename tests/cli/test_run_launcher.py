@@ -272,6 +272,40 @@ def test_a_stop_signal_checkpoints_exits_75_and_leaves_no_rank(tmp_path, sig):
         _end(_ranks_of(run_dir))
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """The process has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_stop_signal_before_any_rank_started_is_one_line(tmp_path, sig):
+    """A job cancelled as it starts: the launcher, still importing torch, got the batch system's signal and ended
+    without a word (its default action; SIGUSR1 alike). Now: one line and 128 + N, no rank started."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([str(PIPER), "run", "--plan", str(two_rank_plan(tmp_path)), "--out-dir", str(run_dir)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CLEAN_ENV,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, sig):       # once piper's handler is in place: Python's own has none for it
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.005)
+        os.kill(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + sig, stderr[-3000:]
+        assert stderr.splitlines() == [f"piper run: stopped by {sig.name} before any rank started (nothing to "
+                                       "checkpoint)"], stderr[-3000:]
+        assert _ranks_of(run_dir) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_another_models_run_directory_is_refused_before_any_rank_starts(tmp_path):
     """Before: the ranks started, then each refused it (design notes said "before any rank starts")."""
     run = tmp_path / "rx"
