@@ -218,6 +218,18 @@ def read_metadata(directory: str | Path) -> dict:
     return read_document(path) if path.exists() else {}
 
 
+def recorded_device(directory: str | Path) -> dict:
+    """The device section of a calibration folder's metadata.json (name, type, a CPU's isa_flags, ...): {} when
+    there is none; anything but a mapping there is an error naming the file."""
+    device = read_metadata(directory).get("device") if Path(directory).is_dir() else None
+    if device is None:
+        return {}
+    if not isinstance(device, dict):
+        raise PiperError(f"expected a mapping (name, type, ...) as piper calibrate writes it, found "
+                         f"{type(device).__name__}", path=str(Path(directory) / "metadata.json"), field="device")
+    return device
+
+
 def write_metadata(directory: str | Path, metadata: dict) -> Path:
     """metadata.json, merged into any existing one (a later sweep adds its section), atomically."""
     path = Path(directory) / "metadata.json"

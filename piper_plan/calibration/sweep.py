@@ -157,7 +157,7 @@ def run_calibration(opts: SweepOptions, reporter: Reporter | None = None) -> Swe
 def _compute_sweeps(opts, platform, source, reporter, result) -> None:
     import torch
 
-    from piper_plan.calibration.timing import device_name
+    from piper_plan.calibration.timing import cpu_isa_flags, device_name
 
     torch.set_num_threads(1)  # one CPU rank = one core of this machine (platforms/local-cpu.yaml)
     if platform.launch.device == "cuda" and not torch.cuda.is_available():
@@ -165,27 +165,33 @@ def _compute_sweeps(opts, platform, source, reporter, result) -> None:
                          f"node, or --only collectives / a CPU platform (local-cpu)")
     device = torch.device("cuda", 0) if platform.launch.device == "cuda" else torch.device("cpu")
     name = device_name(device)
-    check_same_device(opts.out_dir, name)
+    isa = cpu_isa_flags() if device.type == "cpu" else None
+    check_same_device(opts.out_dir, name, isa)
     if "gemm" in opts.only:
         _sweep_gemm(opts, platform, device, name, source, reporter, result)
     if "attention" in opts.only:
         _sweep_attention(opts, device, name, source, reporter, result)
     if "memory" in opts.only:
         _sweep_memory(opts, device, name, source, reporter, result)
-    _device_metadata(opts.out_dir, device, name, platform)
+    _device_metadata(opts.out_dir, device, name, isa, platform)
 
 
-def check_same_device(out_dir: Path, name: str) -> None:
+def check_same_device(out_dir: Path, name: str, isa_flags: str | None = None) -> None:
     """Refuse, before anything is measured, to add this device's rows to a folder holding another device's (its
     metadata.json): `piper calibrate --platform local-cpu` on another CPU mixed both machines' GEMM rows and
-    rewrote the folder's device as if all were this one's."""
-    from piper_plan.calibration.io import read_metadata
+    rewrote the folder's device as if all were this one's. A CPU of the same name with other instruction sets
+    (both recorded: ``isa_flags``) is another device too."""
+    from piper_plan.calibration.io import recorded_device
 
-    held = (read_metadata(out_dir).get("device") or {}).get("name") if out_dir.is_dir() else None
-    if held and held != name:
-        raise PiperError(f"holds the calibration of {held!r} and this machine's device is {name!r}: their rows would "
-                         "mix; measure into a folder of its own (--out-dir, or a copy of the platform file under "
-                         "another name), or move this one aside to replace it", path=str(out_dir))
+    held = recorded_device(out_dir)
+    advice = ("their rows would mix; measure into a folder of its own (--out-dir, or a copy of the platform file "
+              "under another name), or move this one aside to replace it")
+    if held.get("name") and held["name"] != name:
+        raise PiperError(f"holds the calibration of {held['name']!r} and this machine's device is {name!r}: {advice}",
+                         path=str(out_dir))
+    if held.get("isa_flags") and isa_flags and held["isa_flags"] != isa_flags:
+        raise PiperError(f"holds the calibration of a {name!r} with instruction sets {held['isa_flags']!r}, and this "
+                         f"machine's has {isa_flags!r}: another machine; {advice}", path=str(out_dir))
 
 
 def _repeats(quick: bool) -> tuple[int, int]:
@@ -293,12 +299,15 @@ def _measure_all(task, table, todo, measure, opts, reporter, result) -> None:
         result.seconds[task] = round(time.perf_counter() - t0, 2)
 
 
-def _device_metadata(out_dir: Path, device, name: str, platform) -> None:
-    """Facts for the platform file: memory per rank, copy bandwidth (measured here), device name."""
+def _device_metadata(out_dir: Path, device, name: str, isa_flags: str | None, platform) -> None:
+    """Facts for the platform file: memory per rank, copy bandwidth (measured here), device name (and a CPU's
+    instruction sets: ``compare`` and the next calibration tell this machine from others by them)."""
     from piper_plan.calibration.io import write_metadata
 
     facts = {"name": name, "type": device.type, "copy_bandwidth_GBps": round(_copy_bandwidth_GBps(device), 2)}
     if device.type == "cpu":
+        if isa_flags:
+            facts["isa_flags"] = isa_flags
         facts["memory_bytes_per_rank"] = _mem_total_bytes() // platform.node.devices_per_node
         facts["ranks_per_node"] = platform.node.devices_per_node
     else:

@@ -135,6 +135,27 @@ def device_name(device) -> str:
     return pyplatform.processor() or "cpu"
 
 
+ISA_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
+"""The /proc/cpuinfo flags that name a CPU's vector instruction sets (the GEMM kernels torch can use)."""
+
+
+def cpu_isa_flags() -> str | None:
+    """This CPU's vector instruction-set flags (ISA_FLAG_PREFIXES), sorted and space-separated; None where
+    /proc/cpuinfo is unreadable. Beside the model name they tell apart machines a VM names alike ('AMD EPYC'): on
+    one with avx2 and no avx512 flag, bf16 GEMMs ran 71-366x slower than the committed local-cpu calibration's
+    (2026-12-05)."""
+    from pathlib import Path
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith("flags")), None)
+    if line is None:
+        return None
+    return " ".join(sorted(f for f in line.split(":", 1)[1].split() if f.startswith(ISA_FLAG_PREFIXES)))
+
+
 def end_process_group() -> None:
     """Destroy the default process group safely: a gloo rank whose group is destroyed while unreachable objects
     still hold its work can abort at exit ("terminate called without an active exception", exit -6: 7 of 24 runs

@@ -74,7 +74,7 @@ def test_a_step_time_far_off_names_the_calibration_and_how_to_measure_this_machi
     predicted and nothing said why. Beyond 25% compare names the calibration folder, its date and the commands."""
     import piper_plan.cli.compare as compare_cli
 
-    monkeypatch.setattr(compare_cli, "_measured_on_this_cpu", lambda *args: False)   # whatever CPU runs the test
+    monkeypatch.setattr(compare_cli, "_cpu_against_this_one", lambda *args: None)    # whatever CPU runs the test
     plan = tmp_path / "run" / "plan.json"
     plan.parent.mkdir()
     done = CliRunner().invoke(cli, ["plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
@@ -95,6 +95,26 @@ def test_a_step_time_far_off_names_the_calibration_and_how_to_measure_this_machi
         assert said == hinted, result.stderr
         as_json = CliRunner().invoke(cli, ["compare", str(plan.parent), "--json"])
         assert (json.loads(as_json.stdout)["calibration_note"] is not None) == hinted
+
+
+def test_a_calibration_of_another_cpu_of_the_same_name_is_another_machines():
+    """A VM names different CPUs alike ('AMD EPYC'): compare called the committed local-cpu calibration "this
+    machine's CPU: not another machine's rates" on a host whose bf16 GEMMs ran 71-366x slower than it records (no
+    avx512 flag). The instruction sets calibrate now records tell them apart; with none recorded, compare cannot
+    tell and says how to measure this machine."""
+    from types import SimpleNamespace
+
+    from piper_plan.calibration.timing import cpu_isa_flags, device_name
+    from piper_plan.cli.compare import _cpu_against_this_one
+
+    cpu_plan = SimpleNamespace(platform=SimpleNamespace(launch=SimpleNamespace(device="cpu")))
+    name, flags = device_name(SimpleNamespace(type="cpu")), cpu_isa_flags()
+    assert _cpu_against_this_one(cpu_plan, {"name": name, "isa_flags": flags}) == "this"
+    assert _cpu_against_this_one(cpu_plan, {"name": name, "isa_flags": flags + " amx_bf16"}) == "another"
+    assert _cpu_against_this_one(cpu_plan, {"name": "Another CPU (1 rank)"}) == "another"
+    assert _cpu_against_this_one(cpu_plan, {"name": name}) is None            # nothing recorded to tell
+    gpu_plan = SimpleNamespace(platform=SimpleNamespace(launch=SimpleNamespace(device="cuda")))
+    assert _cpu_against_this_one(gpu_plan, {"name": name, "isa_flags": flags}) is None
 
 
 def test_on_a_gpu_platform_the_note_names_the_overhead_benchmark_on_its_gpus(tmp_path):
@@ -166,12 +186,14 @@ def test_under_fsdp_dp_sync_is_not_timed_and_the_memory_basis_says_what_it_leave
 
 
 def test_a_calibration_of_this_cpu_is_not_sent_back_to_be_measured_again(tmp_path, monkeypatch):
-    """Far off, but priced from a calibration of this very CPU model: the note no longer sends the user to measure
-    this machine (which they just did); it names what remains."""
+    """Far off, but priced from a calibration of this very CPU (its model name and instruction sets): the note no
+    longer sends the user to measure this machine (which they just did); it names what remains. Another CPU's is
+    named as such, and one that recorded no instruction sets (the committed local-cpu calibration) gets the advice
+    with an "if"."""
     from types import SimpleNamespace
 
     import piper_plan.catalog as catalog
-    from piper_plan.calibration.timing import device_name
+    from piper_plan.calibration.timing import cpu_isa_flags, device_name
     from piper_plan.cli.compare import _calibration_hint
 
     plan = tmp_path / "plan.json"
@@ -180,10 +202,14 @@ def test_a_calibration_of_this_cpu_is_not_sent_back_to_be_measured_again(tmp_pat
     plan_file = read_plan_file(plan)
     (tmp_path / "cal").mkdir()
     monkeypatch.setattr(catalog, "calibration_dir", lambda name: tmp_path / "cal")
-    for cpu, needle in ((device_name(SimpleNamespace(type="cpu")), "on this machine's CPU"),
-                        ("Another CPU (1 rank)", "If that calibration is another machine's")):
-        (tmp_path / "cal" / "metadata.json").write_text(json.dumps({"device": {"name": cpu}, "date": "2026-12-04"}))
-        assert needle in _calibration_hint(plan_file, -0.5)
+    this = device_name(SimpleNamespace(type="cpu"))
+    for device, needle in (({"name": this, "isa_flags": cpu_isa_flags()}, "on this machine's CPU"),
+                           ({"name": this, "isa_flags": "avx2"}, "on another machine's CPU"),
+                           ({"name": "Another CPU (1 rank)"}, "on another machine's CPU (Another CPU (1 rank); this "
+                                                              f"one is {this} with "),
+                           ({"name": this}, "If that calibration is another machine's")):    # the committed one's
+        (tmp_path / "cal" / "metadata.json").write_text(json.dumps({"device": device, "date": "2026-12-04"}))
+        assert needle in _calibration_hint(plan_file, -0.5), (device, _calibration_hint(plan_file, -0.5))
 
 
 def test_a_prediction_that_moved_with_its_rates_does_not_blame_the_file(tmp_path):
