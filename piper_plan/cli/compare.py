@@ -135,16 +135,20 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
     said = (f"the step time is {step_error:+.0%} off; the plan was priced from {folder} when it was saved"
             + (f" (its metadata.json now says measured {when})" if when else ""))
     cpu = _cpu_against_this_one(plan_file, device)
-    recorded = device.get("name", "") + (f" with {device['isa_flags']}" if device.get("isa_flags") else "")
+    recorded = _cpu_words(device.get("name", ""), device.get("isa_flags"))
     if cpu == "this":                       # the advice to measure here would loop
         return (f"{said}, on this machine's CPU ({recorded}): not another machine's rates; a host busy with other "
                 "work during the run, or the model itself, is what remains (docs/closed-loop.md)")
     if cpu == "another":
-        this = device_name(SimpleNamespace(type="cpu")) + f" with {cpu_isa_flags()}"
+        this = _cpu_words(device_name(SimpleNamespace(type="cpu")), cpu_isa_flags())
         return (f"{said}, on another machine's CPU ({recorded}; this one is {this}): measure this one ({measure}), "
                 "re-plan, and run again")
     return (f"{said}. If that calibration is another machine's, measure this one ({measure}{where}), re-plan, and "
             "run again")
+
+
+def _cpu_words(name: str, isa_flags: str | None) -> str:
+    return name + (f" with {isa_flags}" if isa_flags else "")
 
 
 def _cpu_against_this_one(plan_file, device: dict) -> str | None:
