@@ -13,14 +13,24 @@ Bytecode caching stays on even where the environment sets PYTHONDONTWRITEBYTECOD
 The suite starts hundreds of `piper` and rank processes; without cached bytecode each recompiles every module it
 imports, and pytest re-rewrites every test module's asserts on every run. Measured on the fast tier
 (`pytest -m "not slurm and not distributed"`, 3 paired whole-process runs with PYTHONDONTWRITEBYTECODE=1 set):
-CPU time 0.94x of the same suite without this file (median; range 0.84-0.96) on a machine shared with other work."""
+CPU time 0.94x of the same suite without this file (median; range 0.84-0.96) on a machine shared with other work.
+
+Ctrl-C reaches the tests' processes even where the suite was started with SIGINT ignored (a background job of a
+shell without job control, nohup): the processes they start inherit an ignored SIGINT, and Python then installs no
+KeyboardInterrupt handler, so the tests of Ctrl-C failed there (the Ctrl-C check of
+tests/cli/test_bad_input.py::test_what_the_system_refuses_is_one_line_not_a_traceback, run under
+`sh -c 'trap "" INT; exec pytest ...'`, 2026-12-05). Python's own handler is put back; a handler is not inherited
+across exec, so the processes the tests start get the default disposition."""
 
 import os
+import signal
 import sys
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 NOT_IN_THE_FAST_TIER = ("fuzz", "bench")
 """Tiers a marker filter leaves out unless it names them: the fuzz sweep (minutes) and the micro-benchmarks of this
