@@ -118,9 +118,11 @@ def _stop_before_ranks_said():
     signals over, which it does just before it starts the ranks: one line and 128 + N. Before, the default action
     ended the launcher without a word while it imported torch (a second or more). The handlers in place before
     are restored on the way out."""
-    signums = [getattr(signal, name) for name in STOP_SIGNALS.split(",") if name != "SIGINT"]
-    before = {signum: signal.signal(signum, _raise_stopped) for signum in signums}
+    before = {}
     try:
+        for name in STOP_SIGNALS.split(","):
+            if name != "SIGINT":        # one may come as the next is put in place: inside the try
+                before[getattr(signal, name)] = signal.signal(getattr(signal, name), _raise_stopped)
         yield
     except _StoppedBeforeRanks as exc:
         note(f"piper run: stopped by {_signal_name(exc.signum)} before any rank started (nothing to checkpoint)")
