@@ -218,10 +218,10 @@ def read_metadata(directory: str | Path) -> dict:
     return read_document(path) if path.exists() else {}
 
 
-def recorded_device(directory: str | Path) -> dict:
-    """The device section of a calibration folder's metadata.json (name, type, a CPU's isa_flags, ...): {} when
-    there is none; anything but a mapping there is an error naming the file."""
-    device = read_metadata(directory).get("device") if Path(directory).is_dir() else None
+def recorded_device(metadata: dict, directory: str | Path) -> dict:
+    """The device section of ``metadata`` (``directory``'s metadata.json: name, type, a CPU's isa_flags, ...): {}
+    when there is none; anything but a mapping there is an error naming the file."""
+    device = metadata.get("device")
     if device is None:
         return {}
     if not isinstance(device, dict):

@@ -124,6 +124,11 @@ def device_name(device) -> str:
         import torch
 
         return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def cpu_name() -> str:
+    """This machine's CPU as calibration names a CPU device: its model from /proc/cpuinfo, one rank per core."""
     import platform as pyplatform
     from pathlib import Path
 

@@ -110,10 +110,8 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
     machine (the committed local-cpu one, say) prices this one's GEMMs and framework overhead wrongly."""
     import shlex
 
-    from types import SimpleNamespace
-
     from piper_plan.calibration.io import read_metadata, recorded_device
-    from piper_plan.calibration.timing import cpu_isa_flags, device_name
+    from piper_plan.calibration.timing import cpu_isa_flags, cpu_name
     from piper_plan.catalog import calibration_dir, catalog_names, platforms_dir
     from piper_plan.planfile import priced_from_calibration
 
@@ -128,7 +126,7 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
                 f"--platform {ref}`), re-plan, and run again")
     folder = calibration_dir(name)
     metadata = read_metadata(folder) if folder.is_dir() else {}
-    device = recorded_device(folder)
+    device = recorded_device(metadata, folder)
     when = metadata.get("date")
     measure = f"`piper calibrate --platform {ref} --quick`, then `piper calibrate overhead --platform {ref}`"
     where = "" if plan_file.platform.launch.device == "cpu" else " on one of its GPUs"
@@ -140,7 +138,7 @@ def _calibration_hint(plan_file, step_error: float | None) -> str | None:
         return (f"{said}, on this machine's CPU ({recorded}): not another machine's rates; a host busy with other "
                 "work during the run, or the model itself, is what remains (docs/closed-loop.md)")
     if cpu == "another":
-        this = _cpu_words(device_name(SimpleNamespace(type="cpu")), cpu_isa_flags())
+        this = _cpu_words(cpu_name(), cpu_isa_flags())
         return (f"{said}, on another machine's CPU ({recorded}; this one is {this}): measure this one ({measure}), "
                 "re-plan, and run again")
     return (f"{said}. If that calibration is another machine's, measure this one ({measure}{where}), re-plan, and "
@@ -155,13 +153,11 @@ def _cpu_against_this_one(plan_file, device: dict) -> str | None:
     """Whether a CPU platform's calibration (its metadata.json device section) was measured on this machine's CPU:
     "this" (the model name and instruction sets it recorded are this CPU's), "another" (either differs), or None
     (not a CPU platform, or nothing recorded to tell: a VM may name different CPUs alike, 'AMD EPYC')."""
-    from types import SimpleNamespace
-
-    from piper_plan.calibration.timing import cpu_isa_flags, device_name
+    from piper_plan.calibration.timing import cpu_isa_flags, cpu_name
 
     if plan_file.platform.launch.device != "cpu" or not device.get("name"):
         return None
-    if device["name"] != device_name(SimpleNamespace(type="cpu")):
+    if device["name"] != cpu_name():
         return "another"
     if not device.get("isa_flags"):
         return None

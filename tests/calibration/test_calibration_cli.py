@@ -31,10 +31,10 @@ def test_dtype_keeps_the_compute_sweeps_to_the_precisions_named(tmp_path):
     rows = pd.read_csv(tmp_path / "gemm.csv")
     assert set(rows["dtype"]) == {"fp32"} and len(rows) == 13
     assert rows["source"].str.contains("--dtype fp32").all()
-    from piper_plan.calibration.timing import cpu_isa_flags
+    from piper_plan.calibration.timing import cpu_isa_flags, cpu_name
 
     device = json.loads((tmp_path / "metadata.json").read_text())["device"]
-    assert device["isa_flags"] == cpu_isa_flags() and device["name"] == _this_cpu()     # what compare tells apart
+    assert device["isa_flags"] == cpu_isa_flags() and device["name"] == cpu_name()     # what compare tells apart
     for args, needle in ((["--only", "gemm,attention", "--dtype", "fp32,fp16"],
                           "--dtype fp16: the gemm and attention sweep on a cpu device measures fp32, bf16"),
                          (["--only", "collectives", "--dtype", "bf16"], "--only collectives selects neither"),
@@ -327,14 +327,6 @@ def test_what_keeps_plan_from_a_fresh_calibration_is_said_when_it_is_written(tmp
     assert shown.exit_code == 0, shown.output                 # a platform file, as calibrate itself takes
 
 
-def _this_cpu() -> str:
-    from types import SimpleNamespace
-
-    from piper_plan.calibration.timing import device_name
-
-    return device_name(SimpleNamespace(type="cpu"))
-
-
 @pytest.mark.parametrize("device, needle", [
     ({"name": "Another CPU (1 rank)", "type": "cpu"}, "holds the calibration of 'Another CPU (1 rank)' and this "
                                                       "machine's device is "),
@@ -347,7 +339,9 @@ def test_a_folder_of_another_device_is_not_mixed_with_this_ones(tmp_path, device
     """`piper calibrate --platform local-cpu` on another CPU added its rows beside the folder's and rewrote its
     device: one line, before anything is measured, and nothing written."""
     if isinstance(device, dict) and device["name"] is None:
-        device["name"] = _this_cpu()
+        from piper_plan.calibration.timing import cpu_name
+
+        device["name"] = cpu_name()
     (tmp_path / "metadata.json").write_text(json.dumps({"device": device}))
     done = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", "--quick", "--only", "gemm", "--dtype",
                                     "fp32", "--out-dir", str(tmp_path)])

@@ -104,11 +104,11 @@ def test_a_calibration_of_another_cpu_of_the_same_name_is_another_machines():
     tell and says how to measure this machine."""
     from types import SimpleNamespace
 
-    from piper_plan.calibration.timing import cpu_isa_flags, device_name
+    from piper_plan.calibration.timing import cpu_isa_flags, cpu_name
     from piper_plan.cli.compare import _cpu_against_this_one
 
     cpu_plan = SimpleNamespace(platform=SimpleNamespace(launch=SimpleNamespace(device="cpu")))
-    name, flags = device_name(SimpleNamespace(type="cpu")), cpu_isa_flags()
+    name, flags = cpu_name(), cpu_isa_flags()
     assert _cpu_against_this_one(cpu_plan, {"name": name, "isa_flags": flags}) == "this"
     assert _cpu_against_this_one(cpu_plan, {"name": name, "isa_flags": flags + " amx_bf16"}) == "another"
     assert _cpu_against_this_one(cpu_plan, {"name": "Another CPU (1 rank)"}) == "another"
@@ -190,10 +190,8 @@ def test_a_calibration_of_this_cpu_is_not_sent_back_to_be_measured_again(tmp_pat
     longer sends the user to measure this machine (which they just did); it names what remains. Another CPU's is
     named as such, and one that recorded no instruction sets (the committed local-cpu calibration) gets the advice
     with an "if"."""
-    from types import SimpleNamespace
-
     import piper_plan.catalog as catalog
-    from piper_plan.calibration.timing import cpu_isa_flags, device_name
+    from piper_plan.calibration.timing import cpu_isa_flags, cpu_name
     from piper_plan.cli.compare import _calibration_hint
 
     plan = tmp_path / "plan.json"
@@ -202,7 +200,7 @@ def test_a_calibration_of_this_cpu_is_not_sent_back_to_be_measured_again(tmp_pat
     plan_file = read_plan_file(plan)
     (tmp_path / "cal").mkdir()
     monkeypatch.setattr(catalog, "calibration_dir", lambda name: tmp_path / "cal")
-    this = device_name(SimpleNamespace(type="cpu"))
+    this = cpu_name()
     for device, needle in (({"name": this, "isa_flags": cpu_isa_flags()}, "on this machine's CPU"),
                            ({"name": this, "isa_flags": "avx2"}, "on another machine's CPU"),
                            ({"name": "Another CPU (1 rank)"}, "on another machine's CPU (Another CPU (1 rank); this "
