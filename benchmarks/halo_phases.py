@@ -379,6 +379,7 @@ def rank_main(out: str, sizes: list[int], repeats: int, statistic: str, rate_GBp
     from piper_plan.fileio import atomic_write_json
     from piper_plan.launchenv import read_launch_env
     from piper_plan.runtime.halo import build_halo_dispatchers
+    from piper_plan.runtime.mesh import end_process_group
     from piper_plan.runtime.topology import topology_from_env
 
     torch.set_num_threads(1)
@@ -405,7 +406,7 @@ def rank_main(out: str, sizes: list[int], repeats: int, statistic: str, rate_GBp
         if dist.get_rank() == 0:
             atomic_write_json(out, {**table, "tbf": tbf_counters()})
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     return 0
 
 

@@ -40,6 +40,7 @@ def main() -> int:
 
     from host_syncs import count_moe_layer
     from piper_plan.catalog import load_model
+    from piper_plan.runtime.mesh import end_process_group
     from piper_plan.runtime.moe import MoE
 
     commit = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
@@ -55,7 +56,7 @@ def main() -> int:
             fwd, bwd = count_moe_layer(moe, spec.hidden_size)
             print(f"{name}: forward {fwd.total} ({dict(fwd.counts)}), backward {bwd.total} ({dict(bwd.counts)})")
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     return 0
 
 

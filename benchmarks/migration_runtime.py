@@ -68,6 +68,7 @@ def worker(rank: int, world: int, port: int, plan: dict, args, out_dir: str) -> 
     import torch.distributed as dist
 
     from piper_plan.planfile import parse_plan_dict
+    from piper_plan.runtime.mesh import end_process_group
     from piper_plan.runtime.train import Trainer, merge_reports
 
     torch.set_num_threads(1)
@@ -93,7 +94,7 @@ def worker(rank: int, world: int, port: int, plan: dict, args, out_dir: str) -> 
             loads.append([g["rows"] for g in gathered])
     if rank == 0:
         (Path(out_dir) / "records.json").write_text(json.dumps({"records": records, "rows": loads}))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def _row_counter(trainer) -> dict:

@@ -102,6 +102,7 @@ def train_worker(paths: list[str], out_json: str) -> None:
     from piper_plan.errors import PiperError
     from piper_plan.launchenv import read_launch_env
     from piper_plan.planfile import read_plan_file
+    from piper_plan.runtime.mesh import end_process_group
     from piper_plan.runtime.train import Trainer, _init, merge_reports, preflight
 
     env = read_launch_env()
@@ -125,7 +126,7 @@ def train_worker(paths: list[str], out_json: str) -> None:
     if env.rank == 0:
         Path(out_json).write_text(json.dumps(results))
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def train_layouts(files: dict[tuple, Path], out: Path) -> dict[str, dict]:

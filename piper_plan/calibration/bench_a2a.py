@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from piper_plan.calibration.schema import collective_bandwidths_GBps
-from piper_plan.calibration.timing import end_process_group
 from piper_plan.errors import PiperError
 from piper_plan.launchenv import MAX_LOCAL_RANKS, device_index, read_launch_env
+from piper_plan.runtime.mesh import end_process_group
 
 ALGOS = ("flat", "halo")
 ROW_FLOATS = 64
@@ -334,8 +334,6 @@ def init_gloo(rank: int, num_ranks: int, init_method: str, timeout_s: float) -> 
 
 def _spawned_bench(rank: int, num_ranks: int, init_method: str, timeout_s: float,
                    config: BenchConfig, result_path: str) -> None:
-    import torch.distributed as dist
-
     init_gloo(rank, num_ranks, init_method, timeout_s)
     try:
         result = run_bench(config)

@@ -21,8 +21,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from piper_plan.calibration.timing import STATISTICS, end_process_group
+from piper_plan.calibration.timing import STATISTICS
 from piper_plan.launchenv import LaunchEnv, device_index, read_launch_env
+from piper_plan.runtime.mesh import end_process_group
 
 PROGRESS_PREFIX = "PIPER_PROGRESS "
 

@@ -31,7 +31,8 @@ import statistics
 import time
 from datetime import datetime, timedelta, timezone
 
-from piper_plan.calibration.timing import device_name, end_process_group
+from piper_plan.calibration.timing import device_name
+from piper_plan.runtime.mesh import end_process_group
 
 HIDDEN, TOKENS, VOCAB, FFN = 16, 32, 32, 16
 MOE_LOCAL_EXPERTS = (1, 2, 4, 8, 16)

@@ -17,11 +17,10 @@ Rank 0 writes
 
 from __future__ import annotations
 
-import json
 import sys
 
-from piper_plan.calibration.timing import end_process_group
 from piper_plan.launchenv import read_launch_env
+from piper_plan.runtime.mesh import end_process_group
 
 FASTEST = "min"
 REPEATS = 5

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from piper_plan.calibration.timing import end_process_group
+from piper_plan.runtime.mesh import end_process_group
 
 STEPS = 20
 REPEATS = 10

@@ -159,15 +159,3 @@ def cpu_isa_flags() -> str | None:
     if line is None:
         return None
     return " ".join(sorted(f for f in line.split(":", 1)[1].split() if f.startswith(ISA_FLAG_PREFIXES)))
-
-
-def end_process_group() -> None:
-    """Destroy the default process group safely: a gloo rank whose group is destroyed while unreachable objects
-    still hold its work can abort at exit ("terminate called without an active exception", exit -6: 7 of 24 runs
-    of a minimal script, shared/reference/environment.md); collecting them first avoids it (0 of 18)."""
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    dist.destroy_process_group()

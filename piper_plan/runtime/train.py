@@ -32,6 +32,7 @@ from pathlib import Path
 from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import check_visible_devices, device_index, read_launch_env
 from piper_plan.metricsfile import PROCESS_RSS_KEY
+from piper_plan.runtime.mesh import end_process_group
 from piper_plan.rundir import (LAUNCHER_PID_ENV, check_run_dir, first_difference, hold_run_dir, keep_plan,
                                kept_records, plan_change)
 
@@ -654,7 +655,7 @@ def _report_user_error_together(exc: PiperError | None, rank: int, reporter: int
     if rank == reporter and exc is not None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
     dist.barrier()
-    _end_process_group()
+    end_process_group()
     return EXIT_USER_ERROR
 
 
@@ -852,7 +853,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
                                                      "world": world, "device": device.type})
     dist.barrier()
-    _end_process_group()
+    end_process_group()
     return code
 
 
@@ -867,18 +868,6 @@ def precision_path(cfg, device) -> str:
     if uses_fsdp(cfg.parallel):
         return "fsdp2"
     return "autocast" if device.type == "cuda" else "fp32 instead"
-
-
-def _end_process_group() -> None:
-    """Destroy the process group after a garbage collection (environment.md: processes that used DTensor / FSDP2 /
-    functional collectives may otherwise abort at interpreter exit, 'terminate called without an active
-    exception', turning an exit code into SIGABRT)."""
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -902,4 +891,5 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # every file is written and closed by now; skip the interpreter teardown that may abort (above)
+    # every file is written and closed by now: skip the interpreter teardown, which may abort (mesh.end_process_group)
+    os._exit(code)
