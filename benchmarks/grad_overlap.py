@@ -31,7 +31,7 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
 
     from piper_plan.planfile import parse_plan_dict
     from piper_plan.runtime.train import Trainer
-    from workers import init
+    from workers import finish, init
 
     init(rank, world, port)
     (_, _, kwargs), = jobs
@@ -48,8 +48,7 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             start = time.perf_counter()
             trainer.train_step(step)
             seconds[name].append(time.perf_counter() - start)
-    torch.save({"bench": seconds}, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    finish({"bench": seconds}, rank, out_dir)
 
 
 def main() -> None:
@@ -57,8 +56,10 @@ def main() -> None:
     from workers import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="steps per trainer, the first two warm-up (at least 3)")
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error(f"--steps {args.steps}: at least 3 (the first two steps warm up and are not counted)")
     plan = plan_dict(pp=1, dp=2, ep=2, mbs=1, num_microbatches=4, seq_len=128)
     with tempfile.TemporaryDirectory() as tmp:
         results = spawn(2, [("bench", "bench", {"plan": plan, "steps": args.steps})], Path(tmp), target=worker)

@@ -70,12 +70,11 @@ def build(cfg, rank: int, meta: bool):
 
 
 def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
-    import torch
     import torch.distributed as dist
 
     from piper_plan.planfile import parse_plan_dict
     from piper_plan.runtime.accounting import tensor_bytes
-    from workers import init
+    from workers import finish, init
 
     init(rank, world, port)
     (name, kind, kwargs), = jobs
@@ -88,11 +87,7 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     from piper_plan.runtime.sharding import local
 
     held = tensor_bytes(local(q) for q in module.parameters())
-    torch.save({name: {"rise": peak - max(before, peak_before), "held": held}}, Path(out_dir) / f"rank{rank}.pt")
-    import gc
-
-    gc.collect()
-    dist.destroy_process_group()
+    finish({name: {"rise": peak - max(before, peak_before), "held": held}}, rank, out_dir)
 
 
 def measure(layout: dict, meta: bool) -> list[dict]:

@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 
 def _trainer(plan: dict, rank: int, world: int, aux: float):
@@ -122,7 +121,7 @@ def measure_check(plan: dict, rank: int, world: int) -> dict:
 
 
 def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
-    from workers import init, resume_check
+    from workers import finish, init, resume_check
 
     os.environ["PIPER_EMULATE_TOPOLOGY"] = f"{world}x1"  # only plans with a2a="halo" read it: a node per rank
     init(rank, world, port)
@@ -130,11 +129,7 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     for name, kind, kwargs in jobs:
         fn = {"train": train_check, "measure": measure_check, "resume": resume_check}[kind]
         results[name] = fn(rank=rank, world=world, **kwargs)
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    import gc
-
-    gc.collect()  # environment.md: FSDP2 / DTensor scripts may abort at exit without it
-    dist.destroy_process_group()
+    finish(results, rank, out_dir)
 
 
 def spawn(world: int, jobs: list, out_dir) -> list[dict]:

@@ -20,11 +20,10 @@ def run_cases(rank: int, num_ranks: int, init_method: str, timeout_s: float,
     """
     import os
 
-    import torch.distributed as dist
-
     os.environ["PIPER_EMULATE_TOPOLOGY"] = f"{topo[0]}x{topo[1]}"  # what the trainer's topology_from_env reads
 
     from piper_plan.calibration.bench_a2a import init_gloo
+    from piper_plan.runtime.mesh import end_process_group
 
     init_gloo(rank, num_ranks, init_method, timeout_s)
     checks, errors = 0, []
@@ -40,7 +39,7 @@ def run_cases(rank: int, num_ranks: int, init_method: str, timeout_s: float,
         raise
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"checks": checks, "errors": errors}))
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def _topology(topo: tuple[int, int]):

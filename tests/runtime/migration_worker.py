@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from piper_plan.placement.migration import Swap
 from piper_plan.planfile import MigrationBlock
@@ -147,9 +146,7 @@ def _count_rows(trainer) -> dict:
 
 
 def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
-    from pathlib import Path
-
-    from workers import init
+    from workers import finish, init
 
     os.environ["PIPER_EMULATE_TOPOLOGY"] = f"2x{world // 2}"  # only plans with a2a="halo" read it
     init(rank, world, port)
@@ -157,9 +154,7 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     for name, kind, kwargs in jobs:
         fn = {"function": function_check, "train": train_check, "resume": resume_check, "cli": cli_check}[kind]
         results[name] = fn(rank=rank, world=world, **kwargs)
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(results, rank, out_dir)
 
 
 def spawn(world: int, jobs: list, out_dir) -> list[dict]:

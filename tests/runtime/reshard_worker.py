@@ -116,11 +116,10 @@ def _files(root: Path) -> dict:
 
 
 def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
-    from workers import init
+    from workers import finish, init
 
     init(rank, world, port)
     kinds = {"train": train, "resume": resume, "bad_copies": bad_copies, "bad_resume": bad_resume,
              "dcp_error": dcp_error, "failed_save": failed_save}
     results = {name: kinds[kind](rank=rank, world=world, **kwargs) for name, kind, kwargs in jobs}
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    finish(results, rank, out_dir)

@@ -9,7 +9,11 @@ import torch
 
 
 def init(rank: int, world: int, port: int) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)  # a rank that dies of a signal (SIGABRT, SIGSEGV) prints where it was
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -189,10 +193,26 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
 
             results[name] = [first_failed_rank(rank in failed, rank, world, torch.device("cpu"))
                              for failed in kwargs["cases"]]
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finish(results, rank, out_dir)
+
+
+def finish(results: dict, rank: int, out_dir) -> None:
+    """A spawned rank's last act: its results saved, its process group ended as `piper run`'s ranks end it
+    (runtime.mesh.end_process_group), and the process left at once, as they leave (os._exit: no interpreter
+    teardown, where a rank that used DTensor or FSDP2 may still abort; environment.md). Without either, a rank
+    of test_two_ranks_tp2 died of SIGABRT in CI ("malloc(): unaligned tcache chunk detected")."""
+    import sys
+
     import torch.distributed as dist
 
-    dist.destroy_process_group()
+    from piper_plan.runtime.mesh import end_process_group
+
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    if dist.is_initialized():                    # a job that ran `piper run`'s own code has ended it already
+        end_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(world: int, jobs: list, out_dir: Path, target=None) -> list[dict]:
