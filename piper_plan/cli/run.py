@@ -226,9 +226,12 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
         elastic_launch(config, sys.executable)("-m", "piper_plan.runtime.train", *args)
     except ChildFailedError as exc:
         rank, failure = _cause(exc)
-        if failure.exitcode < 0:         # killed by a signal: the rank could say nothing itself
+        if failure.exitcode < 0:         # killed by a signal: the rank could say nothing itself but its stack
+            from piper_plan.runtime.train import CRASH_SIGNALS
+
             name = _signal_name(-failure.exitcode)
-            note(f"piper run: rank {rank} (pid {failure.pid}) was killed by {name}")
+            stack = " (its Python stack is above, on its stderr)" if name in CRASH_SIGNALS else ""
+            note(f"piper run: rank {rank} (pid {failure.pid}) was killed by {name}{stack}")
             return 128 - failure.exitcode
         if failure.exitcode == EXIT_REQUEUE:   # a stop signal sent to a rank, not to this launcher
             step = _latest_checkpoint(run_dir)

@@ -590,7 +590,15 @@ class _StopFlag:
             signal.signal(signal.SIGINT, self._int_before)
 
 
+CRASH_SIGNALS = ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS", "SIGILL")
+"""The signals on which a rank prints every thread's Python stack to its stderr before it dies (faulthandler's
+fatal signals: a crash in native code, torch's or gloo's, or glibc's abort on a damaged heap)."""
+
+
 def main(argv=None) -> int:
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)        # CRASH_SIGNALS: where each thread was, before the rank dies
     args = parse_args(argv)
     env = read_launch_env()
     rank, world, local = env.rank, env.world_size, env.local_rank

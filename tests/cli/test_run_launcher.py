@@ -420,12 +420,15 @@ def test_the_ranks_of_a_killed_launcher_checkpoint_and_stop(tmp_path):
 @pytest.mark.distributed
 def test_a_rank_killed_or_stopped_alone_is_one_line_each(tmp_path):
     """One rank killed (SIGKILL): the others say in one line each that a peer is gone and the launcher names the
-    rank and signal (before: a full traceback from every other rank). One rank sent SIGTERM: every rank
-    checkpoints, and the launcher says so (before: exit 75 and nothing said)."""
+    rank and signal (before: a full traceback from every other rank). One rank crashed (SIGSEGV, as a fault in
+    native code raises it): the same, after the rank's own Python stack (faulthandler; before: nothing of where it
+    was). One rank sent SIGTERM: every rank checkpoints, and the launcher says so (before: exit 75 and nothing
+    said)."""
     from piper_plan.runtime.train import EXIT_PEER_LOST
 
     plan = two_rank_plan(tmp_path, steps=5000, checkpoint_interval=5000)
-    for sig, run_dir in ((signal.SIGKILL, tmp_path / "killed"), (signal.SIGTERM, tmp_path / "stopped")):
+    for sig, run_dir in ((signal.SIGKILL, tmp_path / "killed"), (signal.SIGSEGV, tmp_path / "crashed"),
+                         (signal.SIGTERM, tmp_path / "stopped")):
         err_path = tmp_path / f"{sig.name}.stderr"
         proc = _start(plan, run_dir, err_path)
         ranks = _ranks_of(run_dir)
@@ -435,7 +438,13 @@ def test_a_rank_killed_or_stopped_alone_is_one_line_each(tmp_path):
             stderr = err_path.read_text()
             assert "Traceback" not in stderr, stderr[-3000:]
             said = [line for line in stderr.splitlines() if not line.startswith("step ")]
-            if sig == signal.SIGKILL:
+            if sig == signal.SIGSEGV:                  # the rank's stack, then the same lines as for SIGKILL
+                stack = stderr.index("Fatal Python error: Segmentation fault")
+                assert 'piper_plan/runtime/' in stderr[stack:], stderr[-3000:]
+                assert code == 128 + signal.SIGSEGV, stderr[-3000:]
+                assert said[-1].startswith("piper run: rank ") and said[-1].endswith(
+                    "was killed by SIGSEGV (its Python stack is above, on its stderr)"), stderr[-3000:]
+            elif sig == signal.SIGKILL:
                 assert code == 128 + signal.SIGKILL, stderr[-3000:]
                 assert said[-1].startswith("piper run: rank ") and said[-1].endswith("was killed by SIGKILL")
                 assert all("a rank it exchanges with is gone" in line for line in said[1:-1]), stderr[-3000:]
