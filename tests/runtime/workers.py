@@ -199,8 +199,9 @@ def worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
 def finish(results: dict, rank: int, out_dir) -> None:
     """A spawned rank's last act: its results saved, its process group ended as `piper run`'s ranks end it
     (runtime.mesh.end_process_group), and the process left at once, as they leave (os._exit: no interpreter
-    teardown, where a rank that used DTensor or FSDP2 may still abort; environment.md). Without either, a rank
-    of test_two_ranks_tp2 died of SIGABRT in CI ("malloc(): unaligned tcache chunk detected")."""
+    teardown, where a rank that used DTensor or FSDP2 may still abort; environment.md). A rank of
+    test_two_ranks_tp2, which ended with neither, died once in CI of SIGABRT ("malloc(): unaligned tcache chunk
+    detected"; where in the rank is unknown: no stack was printed, as faulthandler now makes it)."""
     import sys
 
     import torch.distributed as dist
