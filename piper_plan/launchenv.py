@@ -12,6 +12,7 @@ process piper starts agrees on who it is.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,19 @@ from piper_plan.errors import PiperError
 
 MAX_LOCAL_RANKS = 64
 """Most processes piper starts on one machine itself (`piper bench a2a`, `piper run`; each pays a torch start-up)."""
+
+
+def signal_name(signum: int) -> str:
+    """SIGSEGV for 11; "signal N" for a number no signal has."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_text(returncode: int) -> str:
+    """A started process's exit status in words: "exit code 1", or "killed by SIGSEGV" (Popen's -11)."""
+    return f"killed by {signal_name(-returncode)}" if returncode < 0 else f"exit code {returncode}"
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,22 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from piper_plan.errors import PiperError
+from piper_plan.launchenv import exit_text
 
 KINDS = ("gemm", "attention", "collectives", "memory")
 DEVICE_KINDS = ("gemm", "attention", "memory")
 """The sweeps one process runs on its device (the collectives need a group of ranks)."""
 LOCAL_NODES = 2
 """Emulated nodes of the local gloo group (ranks = LOCAL_NODES x the platform's devices_per_node)."""
+RANK_POLL_S = 0.1
+"""How often the local collective sweep looks at its ranks (a rank that fails stops the others within this)."""
 _FLUSH_EVERY = 5
 
 
@@ -375,30 +379,63 @@ def spawn_local_sweep(opts, platform, source, reporter) -> int:
             "OMP_NUM_THREADS": "1", "PIPER_PROGRESS_PIPE": "1"}
     with tempfile.TemporaryDirectory(prefix="piper-calib-") as logs:
         procs = [_start_rank(args, base, r, per_node, Path(logs)) for r in range(world)]
+        counter = {"measured": 0}
+        follower = threading.Thread(target=_follow_progress, args=(procs[0], reporter, counter), daemon=True)
+        follower.start()
         try:
-            measured = _follow_progress(procs[0], reporter)
-            codes = [p.wait(timeout=opts.collective_timeout_s) for p in procs]
+            codes = _wait_ranks(procs, opts.collective_timeout_s)
         finally:
             for p in procs:
                 if p.poll() is None:
-                    p.terminate()
-        if any(codes):
-            tails = "; ".join(f"rank {r}: {_tail(Path(logs) / f'rank{r}.err')}" for r, c in enumerate(codes) if c)
-            raise PiperError(f"local collective sweep failed (exit codes {codes}): {tails}")
-    return measured
+                    p.kill()
+                    p.wait()
+        follower.join(timeout=5)
+        failed = [r for r, c in enumerate(codes) if c not in (0, None)]
+        if failed:
+            tails = "; ".join(f"rank {r}: {exit_text(codes[r])}: {_tail(Path(logs) / f'rank{r}.err')}" for r in failed)
+            raise PiperError(f"local collective sweep failed ({len(failed)} of {world} ranks; the others were "
+                             f"stopped): {tails}")
+        if any(c is None for c in codes):
+            raise PiperError(f"local collective sweep: no result after {opts.collective_timeout_s:.0f} s "
+                             f"its {world} ranks were stopped")
+    return counter["measured"]
+
+
+def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
+    """Every rank's exit code; as soon as one fails, or at the deadline, the others are stopped (they would wait
+    for it in a collective or the rendezvous until gloo's 30 minutes), and theirs are None."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes) or any(c not in (0, None) for c in codes):
+            return codes
+        time.sleep(RANK_POLL_S)
+    return [p.poll() for p in procs]
 
 
 def _start_rank(args, base, rank: int, per_node: int, logs: Path) -> subprocess.Popen:
     env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % per_node)}
     err = open(logs / f"rank{rank}.err", "w")
     out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
-    return subprocess.Popen(args, env=env, stdout=out, stderr=err, text=True, cwd=os.getcwd())
+    return subprocess.Popen(args, env=env, stdout=out, stderr=err, text=True, cwd=os.getcwd(),
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
 
-def _follow_progress(proc: subprocess.Popen, reporter: Reporter) -> int:
+def _die_with_parent() -> None:
+    """In a rank, before it runs: the kernel kills it when the `piper calibrate` that started it dies (killed, or
+    stopped by a signal its Python does not handle), rather than leaving it in gloo's rendezvous for 30 minutes."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1                                # linux/prctl.h
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _follow_progress(proc: subprocess.Popen, reporter: Reporter, counter: dict) -> None:
+    """Rank 0's progress lines -> the reporter, until its stdout closes (run in a thread beside _wait_ranks)."""
     from piper_plan.calibration.bench_collectives import PROGRESS_PREFIX
 
-    started, measured = False, 0
+    started = False
     for line in proc.stdout:
         if not line.startswith(PROGRESS_PREFIX):
             continue
@@ -407,8 +444,7 @@ def _follow_progress(proc: subprocess.Popen, reporter: Reporter) -> int:
             reporter.start("collectives", msg["total"])
             started = True
         reporter.advance("collectives", msg["label"], done=msg["done"])
-        measured += 1
-    return measured
+        counter["measured"] += 1
 
 
 def _tail(path: Path, lines: int = 3) -> str:

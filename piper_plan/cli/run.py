@@ -19,6 +19,7 @@ import click
 from piper_plan.cli.common import (EXIT_CHECK_FAILED, console, exit_codes, json_option, note, out_dir_option,
                                    print_json)
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
+from piper_plan.launchenv import signal_name
 from piper_plan.planfile import MAX_STEPS
 
 EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' line naming the step, the lr, weight "
@@ -125,7 +126,7 @@ def _stop_before_ranks_said():
                 before[getattr(signal, name)] = signal.signal(getattr(signal, name), _raise_stopped)
         yield
     except _StoppedBeforeRanks as exc:
-        note(f"piper run: stopped by {_signal_name(exc.signum)} before any rank started (nothing to checkpoint)")
+        note(f"piper run: stopped by {signal_name(exc.signum)} before any rank started (nothing to checkpoint)")
         sys.exit(128 + exc.signum)
     finally:
         for signum, handler in before.items():
@@ -229,7 +230,7 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
         if failure.exitcode < 0:         # killed by a signal: the rank could say nothing itself but its stack
             from piper_plan.runtime.train import CRASH_SIGNALS
 
-            name = _signal_name(-failure.exitcode)
+            name = signal_name(-failure.exitcode)
             stack = " (its Python stack is above, on its stderr)" if name in CRASH_SIGNALS else ""
             note(f"piper run: rank {rank} (pid {failure.pid}) was killed by {name}{stack}")
             return 128 - failure.exitcode
@@ -319,17 +320,10 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 def _stopped(signum: int, run_dir: Path, before: tuple[int, int] | None) -> int:
     """The outcome of a run stopped by a signal, as one line: the ranks' exit code from this run's summary.json
     (75: checkpointed), else 128 + the signal."""
-    name = _signal_name(signum)
+    name = signal_name(signum)
     summary = run_dir / "summary.json"
     code = None
     if _identity(summary) not in (None, before):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -175,3 +177,62 @@ def test_an_exchange_lasts_from_the_first_start_to_the_last_end_on_one_clock():
     per_rank = [[(10.000, 0.005), (20.000, 0.004)], [(10.003, 0.004), (20.000, 0.006)]]
     assert exchange_spans(per_rank, shared_clock=True) == pytest.approx([0.007, 0.006])
     assert exchange_spans(per_rank, shared_clock=False) == pytest.approx([0.005, 0.006])
+
+
+def _sweep_ranks(launcher_pid: int) -> list[int]:
+    """The pids of the collective sweep's ranks started by ``launcher_pid`` (their parent)."""
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid), "-f", "piper_plan.calibration.bench_collectives"],
+                         capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def _start_sweep(tmp_path):
+    """`piper calibrate --only collectives` as a user starts it, and its 4 ranks once they are up."""
+    import time
+
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "piper"), "calibrate", "--platform", "local-cpu", "--quick",
+                             "--only", "collectives", "--out-dir", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(ranks := _sweep_ranks(proc.pid)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(ranks) == 4, proc.communicate(timeout=60)
+    return proc, ranks
+
+
+def test_a_rank_that_crashes_stops_the_sweep_in_one_line_naming_its_signal(tmp_path):
+    """Before, the other ranks waited for it in gloo's rendezvous or a collective (30 minutes) and so did the
+    command; now it ends at once, exit 2, one line naming the rank and the signal."""
+    import signal
+
+    proc, ranks = _start_sweep(tmp_path)
+    os.kill(max(ranks), signal.SIGSEGV)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, err
+    assert len(lines) == 1 and "killed by SIGSEGV" in lines[0] and "1 of 4 ranks" in lines[0], err
+    assert "Traceback" not in err
+    assert _sweep_ranks(proc.pid) == [] and not any(_alive(pid) for pid in ranks)
+
+
+def test_killing_the_command_ends_its_ranks(tmp_path):
+    """A `piper calibrate` killed outright (SIGKILL: no handler runs) takes its ranks with it."""
+    import signal
+    import time
+
+    proc, ranks = _start_sweep(tmp_path)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in ranks)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
