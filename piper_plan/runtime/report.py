@@ -3,7 +3,8 @@
 
 Layout: the fields of ``FIELDS``, then the expert-token counts of every MoE layer of the model (layer order,
 E per layer; zero for the layers this rank does not hold; the MTP modules' MoE blocks last). Counts and byte figures are integers below 2^53,
-exact in float64. The stop flag (a signal asked the run to stop) rides along, so no second collective is needed.
+exact in float64. The stop flag (a signal asked the run to stop) and the write_failed flag (rank 0 could not write the
+run's records) ride along, so no second collective is needed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from piper_plan.metricsfile import PROCESS_RSS_KEY
 
 FIELDS = ("loss", "mtp_loss", "seconds", "a2a", "p2p", "dp_sync", "parameters_bytes", "gradients_bytes",
-          "optimizer_bytes", "activations_bytes", "total_bytes", PROCESS_RSS_KEY, "stage", "dp_index", "stop")
+          "optimizer_bytes", "activations_bytes", "total_bytes", PROCESS_RSS_KEY, "stage", "dp_index", "stop",
+          "write_failed")
 _MEMORY = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
 _TIMES = ("a2a", "p2p", "dp_sync")
 
@@ -53,4 +55,4 @@ def decode(spec, row: list[float], rank: int, memory_source: str) -> dict:
             "memory": {"stage": stage, **{k: int(head[k]) for k in _MEMORY}, "source": memory_source,
                        **({PROCESS_RSS_KEY: int(head[PROCESS_RSS_KEY])} if head[PROCESS_RSS_KEY] > 0 else {})},
             "time_s": {k: head[k] for k in _TIMES}, "expert_tokens": tokens, "migration": None,
-            "stop": bool(head["stop"])}
+            "stop": bool(head["stop"]), "write_failed": bool(head["write_failed"])}

@@ -311,7 +311,7 @@ class Trainer:
         migration = self._migrate(step)
         values = {**memory, "seconds": seconds, "a2a": self._a2a_seconds(), "p2p": self.p2p.seconds,
                   "dp_sync": self.dp_sync_s, "stage": self.mesh.me.pp_index, "dp_index": self.mesh.me.dp_index,
-                  "stop": 0}
+                  "stop": 0, "write_failed": 0}
         return StepResult(self._encode(values, self._mean_loss(losses)), migration, self)
 
     def _norm_dense(self) -> list:
@@ -352,7 +352,7 @@ class Trainer:
         source = MEMORY_SOURCE_GPU if self.device.type == "cuda" else MEMORY_SOURCE_CPU
         return decode(self.cfg.model, row, rank, source)
 
-    def gather_reports(self, result: "StepResult", step: int, stop: bool) -> list[dict]:
+    def gather_reports(self, result: "StepResult", step: int, stop: bool, write_failed: bool = False) -> list[dict]:
         """Every rank's report of step ``step``: one tensor all-gather and one host read; the migration events
         travel as objects only on the steps where migration ran (collective: every rank calls it)."""
         import torch
@@ -362,6 +362,7 @@ class Trainer:
 
         row = result.row.clone()
         row[FIELDS.index("stop")] = float(stop)
+        row[FIELDS.index("write_failed")] = float(write_failed)
         parts = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(parts, row)
         reports = [self.decode(r, rank) for rank, r in enumerate(torch.stack(parts).cpu().tolist())]
@@ -760,8 +761,6 @@ def _rendezvous(rank: int, world: int):
 
 def run(cfg, args, rank: int, world: int, local: int) -> int:
     """Train the plan (planfile.PlanFile, runtime settings already resolved: with_runtime)."""
-    import torch.distributed as dist
-
     from piper_plan.fileio import atomic_write_json
     from piper_plan.runtime.metrics import MetricsWriter, ProgressLine, summarise
 
@@ -797,12 +796,23 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     tokens = cfg.training.global_batch * cfg.training.seq_len
     parallel = cfg.parallel.model_dump(mode="json")
     records = records if rank == 0 else []
-    writer = MetricsWriter(run_dir / "metrics.jsonl", resume=False) if rank == 0 else None
+    writer = None
+    if rank == 0:
+        try:                            # the run directory's files, rewritten: a full disk stops every rank here
+            writer = MetricsWriter(run_dir / "metrics.jsonl", resume=False)
+            if plan_note is None or start < steps:   # no step left: plan.json stays that of the records
+                keep_plan(Path(args.plan), run_dir)
+            for r in records:
+                writer.write(r)
+        except (OSError, PiperError) as exc:
+            problem = PiperError(written_line(exc, run_dir / "metrics.jsonl"))
+    first = first_failed_rank(problem is not None, rank, world, device)
+    if first is not None:
+        stop.release()
+        return _report_user_error_together(problem, rank, reporter=first)
     progress = ProgressLine(steps) if rank == 0 else None
-    if rank == 0 and (plan_note is None or start < steps):   # no step left: plan.json stays that of the records
-        if plan_note:
-            print(f"note: {plan_note}", file=sys.stderr, flush=True)
-        keep_plan(Path(args.plan), run_dir)
+    if rank == 0 and plan_note and start < steps:
+        print(f"note: {plan_note}", file=sys.stderr, flush=True)
     if rank == 0 and start >= steps:
         print(f"note: resumed at step {start}, at or past the run's {steps} steps: no step to run (raise --steps "
               "to train on)", file=sys.stderr, flush=True)
@@ -813,14 +823,13 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if rank == 0 and args.resume and start == 0:
         print(f"note: --resume: no checkpoint in {run_dir / 'checkpoints'}: training from step 0",
               file=sys.stderr, flush=True)
-    for r in records:
-        writer.write(r)
-    code, failure = 0, None
+    code, failure, write_failure = 0, None, None
     for step in range(start, steps):
         try:
             with _profiler(args.profile, step - start, run_dir, rank) as _:
                 result = trainer.train_step(step)
-            gathered = trainer.gather_reports(result, step, stop=bool(stop.signum))
+            gathered = trainer.gather_reports(result, step, stop=bool(stop.signum),
+                                              write_failed=write_failure is not None)
         except PiperError as exc:         # a token id out of range: every rank reads the whole batch, all stop here
             code, failure = EXIT_USER_ERROR, str(exc)
             break
@@ -828,6 +837,9 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             if (reason := peer_lost(exc)) is None:
                 raise
             return _lost_peer(rank, step, reason)
+        if any(r["write_failed"] for r in gathered):    # rank 0 could not write the last step's record
+            code, failure = EXIT_USER_ERROR, write_failure
+            break
         failure = divergence(gathered, step + 1, cfg)
         if failure:                       # every rank reads the same reports: every rank stops here
             code = EXIT_DIVERGED
@@ -836,7 +848,10 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             records.append(merge_reports(gathered, step + 1, tokens, parallel))
             if step == start:             # this invocation's first step: allocation, connections (compare skips it)
                 records[-1]["warmup"] = True
-            writer.write(records[-1])
+            try:                          # the others learn of a failure with the next step's reports
+                writer.write(records[-1])
+            except OSError as exc:
+                write_failure = written_line(exc, writer.path)
             progress.update(records[-1])
         saved = (step + 1) % interval == 0 or step + 1 == steps    # and the last step's: --resume continues it
         stopping = any(r["stop"] for r in gathered)
@@ -855,14 +870,28 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             break
     if rank == 0:
         progress.close()
-        writer.close()
+        failure = failure or write_failure        # the last step's record: no step after it to stop at
+        code = EXIT_USER_ERROR if write_failure and code in (0, EXIT_REQUEUE) else code
+        try:
+            writer.close()
+            atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
+                                                         "world": world, "device": device.type})
+        except (OSError, PiperError) as exc:
+            failure, code = failure or written_line(exc, run_dir / "summary.json"), EXIT_USER_ERROR
         if failure:
             print(f"error: {failure}", file=sys.stderr, flush=True)
-        atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
-                                                     "world": world, "device": device.type})
-    dist.barrier()
+    if first_failed_rank(rank == 0 and code == EXIT_USER_ERROR, rank, world, device) is not None:
+        code = EXIT_USER_ERROR            # every rank leaves with rank 0's code (also the barrier before the end)
     end_process_group()
     return code
+
+
+def written_line(exc: OSError | PiperError, path: Path) -> str:
+    """A write of ``path`` in the run directory that failed (a full disk), as one line (PiperError's own line: a
+    write through fileio names its file)."""
+    if isinstance(exc, PiperError):
+        return str(exc)
+    return f"{exc.filename or path}: cannot write: {exc.strerror or exc}; allowed: a run directory with room"
 
 
 def precision_path(cfg, device) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -213,8 +214,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks(world: int, plan: dict, tmp: Path, *extra: str, ranks=None, env=None) -> list[subprocess.Popen]:
-    """Rank processes as srun starts them (SLURM_PROCID / SLURM_NTASKS), without a launcher."""
+def _ranks(world: int, plan: dict, tmp: Path, *extra: str, ranks=None, env=None,
+           file_limit_bytes: int | None = None) -> list[subprocess.Popen]:
+    """Rank processes as srun starts them (SLURM_PROCID / SLURM_NTASKS), without a launcher; ``file_limit_bytes``:
+    no file they write grows past it (RLIMIT_FSIZE: the write fails with EFBIG, as on a full disk)."""
     path = tmp / "plan.json"
     path.write_text(json.dumps(plan))
     port = str(_port())
@@ -224,7 +227,8 @@ def _ranks(world: int, plan: dict, tmp: Path, *extra: str, ranks=None, env=None)
                     "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
         cmd = [sys.executable, "-m", "piper_plan.runtime.train", "--plan", str(path), "--out", str(tmp / "run"), *extra]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+                                      text=True, preexec_fn=None if file_limit_bytes is None else
+                                      lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit_bytes,) * 2)))
     return procs
 
 
@@ -306,6 +310,27 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_on_every_rank(tmp_path)
     assert len(lines) == 1 and "cannot write the checkpoint of step 2: File exists" in lines[0], err[-3000:]
     assert "Traceback" not in err
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["exit_code"] == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("limit_bytes,steps_kept", [(3000, None), (20_000, 3)])
+def test_records_that_cannot_be_written_are_one_line_on_every_rank(tmp_path, limit_bytes, steps_kept):
+    """Rank 0's metrics.jsonl (or summary.json) growing past what the disk takes: before, rank 0's OSError traceback,
+    the others' lost-connection tracebacks, exit 1. Now one line naming the file, exit 2 on every rank: at start
+    (3,000 bytes: plan.json's copy does not fit) or at the step whose record does not fit, the steps before it kept."""
+    plan = plan_dict(pp=1, dp=2, ep=2, steps=40)
+    codes, err = _finish(_ranks(2, plan, tmp_path, file_limit_bytes=limit_bytes))
+    assert codes == [2, 2], err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "cannot write" in lines[0], err[-3000:]
+    assert "Traceback" not in err and "gone" not in err
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    if steps_kept is None:
+        assert "plan.json" in lines[0]
+    else:
+        assert "metrics.jsonl: cannot write: File too large" in lines[0], err[-3000:]
+        kept = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+        assert len(kept) >= steps_kept and kept[-1]["step"] < 40
 
 
 @pytest.mark.distributed
