@@ -29,8 +29,10 @@ def find_metrics(run_dir: Path) -> Path:
 def prediction_of(plan_file, path: Path) -> dict:
     """The prediction of plan.json at ``path`` (``plan_file``: read and validated by read_plan_file), priced again
     from the file as `launch`, `run` and `estimate --plan` price it (launch/job.py repriced): a hand-edited plan is
-    compared with what it costs, not with the figures written beside it (a note says where they differ)."""
-    from piper_plan.launch.job import repriced, stale_note
+    compared with what it costs, not with the figures written beside it (a note says where they differ); and as
+    piper's runtime, which made the measurements, runs it (for_the_runtime), where the file assumed another
+    engine's kernels (a note says so)."""
+    from piper_plan.launch.job import figures_differ, for_the_runtime, repriced, stale_note
 
     if plan_file.prediction is None:
         raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
@@ -38,7 +40,10 @@ def prediction_of(plan_file, path: Path) -> dict:
     fresh, changed = repriced(plan_file)
     if changed:
         note(f"note: {path}: {stale_note(plan_file.prediction, fresh.prediction)}; compared with the new figures")
-    return fresh.prediction.to_json()
+    ran, runtime_note = for_the_runtime(fresh)
+    if runtime_note and figures_differ(fresh.prediction, ran.prediction):
+        note(f"note: {path}: {runtime_note.replace('the job runs', 'the run ran')}; compared with these figures")
+    return ran.prediction.to_json()
 
 
 @click.command("compare", epilog=exit_codes())

@@ -105,9 +105,9 @@ def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partitio
     options = LaunchOptions(steps=steps, account=account, partition=partition, time=time_, job_name=job_name,
                             template_dir=template_dir)
     prepared = joblib.prepare(Path(plan_path), Path(out_dir), options, python=sys.executable)
+    joblib.check_out_dir(prepared.out_dir, force or dry_run)     # a dry run writes nothing: only the path matters
     if prepared.repriced_note:
         note(prepared.repriced_note)
-    joblib.check_out_dir(prepared.out_dir, force or dry_run)     # a dry run writes nothing: only the path matters
     if dry_run:
         if as_json:
             print_json({"script": prepared.script, **_job_facts(prepared)})

@@ -79,6 +79,20 @@ def _as_the_runtime_runs_it(pf: PlanFile):
     return _priced(pf, as_the_runtime_runs(options, pf.runtime.loss_chunk_rows, pf.runtime.shared_expert_overlap))
 
 
+def for_the_runtime(plan_file: PlanFile) -> tuple[PlanFile, str | None]:
+    """``plan_file`` with its prediction as piper's runtime runs the plan (its unfused kernels) where the file's
+    assumed another engine's, and a note that says so; the file as it is where its prediction already is (or it has
+    none). What a job of piper's runtime is sized by (`piper launch`) and a run of it is measured against
+    (`piper compare`)."""
+    fresh = _as_the_runtime_runs_it(plan_file)
+    if fresh is None:
+        return plan_file, None
+    note = (f"the job runs piper's runtime, priced as it runs the plan (its unfused kernels, as `estimate "
+            f"--piper-runtime` prices it): {_figures(fresh)}, against the file's {_figures(plan_file.prediction)} "
+            "(another engine's fused kernels)")
+    return plan_file.model_copy(update={"prediction": fresh}), note
+
+
 def saved_calibration(pf: PlanFile):
     """calibration/<platform>/ where the file's prediction was priced from a calibration, else None."""
     from piper_plan.calibration.curves import load_calibration
@@ -122,7 +136,7 @@ def repriced(plan_file: PlanFile) -> tuple[PlanFile, bool]:
     if stored is None:
         return pf, False
     fresh = _priced(pf, cost_options(dict(stored.options)))
-    return pf.model_copy(update={"prediction": fresh}), _differs(stored, fresh)
+    return pf.model_copy(update={"prediction": fresh}), figures_differ(stored, fresh)
 
 
 REPRICE_TOLERANCE = 0.005
@@ -132,7 +146,7 @@ and at 0.6079 s on this machine (numpy 2.4.6): the note called that file edited.
 more."""
 
 
-def _differs(stored, fresh) -> bool:
+def figures_differ(stored, fresh) -> bool:
     pairs = ((stored.step_time_s, fresh.step_time_s), (stored.memory.peak_bytes, fresh.memory.peak_bytes))
     beyond = any(abs(a - b) > REPRICE_TOLERANCE * max(abs(a), abs(b)) for a, b in pairs)
     return beyond and _figures(stored) != _figures(fresh)         # never a note that prints the same figures twice
@@ -158,14 +172,20 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
     """Read the plan, price it again (repriced), check it, render the script; nothing is written."""
     stored = read_plan_file(plan_path)
     plan_file, changed = checked_as_priced_now(stored, plan_path)
-    out_dir = out_dir.expanduser().absolute()
-    job = render.job_spec(plan_file, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
-                          python=python, options=options, command=command, source=str(plan_path))
-    script = render.render_sbatch(job, render.load_template(job.template, options.template_dir))
     repriced_note = f"{plan_path}: {stale_note(stored.prediction, plan_file.prediction)}; the job is sized and " \
         "checked by the new figures" if changed else None
+    sized = plan_file
+    if command is None:                 # piper's runtime: the job is sized by its own pricing
+        sized, runtime_note = for_the_runtime(plan_file)
+        if runtime_note and figures_differ(plan_file.prediction, sized.prediction):
+            repriced_note = "; ".join(filter(None, (repriced_note, f"{plan_path}: {runtime_note}; the job is "
+                                                    "sized by these figures (`piper compare` measures it by them)")))
+    out_dir = out_dir.expanduser().absolute()
+    job = render.job_spec(sized, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
+                          python=python, options=options, command=command, source=str(plan_path))
+    script = render.render_sbatch(job, render.load_template(job.template, options.template_dir))
     return PreparedJob(out_dir=out_dir, plan_text=job_plan_text(plan_path, plan_file), job=job, script=script,
-                       readme=readme_text(job, plan_file), repriced_note=repriced_note)
+                       readme=readme_text(job, sized), repriced_note=repriced_note)
 
 
 def job_plan_text(plan_path: Path, plan_file: PlanFile) -> str:
@@ -270,7 +290,8 @@ def readme_text(job: JobSpec, plan_file: PlanFile) -> str:
            "lies inside one NVLink domain"
            + (f". Warning: {job.segment_warning}." if job.segment_warning else ", as the plan was priced."), ""]
           if job.segment else []),
-        "Predicted (from plan.json):", *_prediction_lines(plan_file), "",
+        "Predicted (plan.json, priced as piper's runtime runs it: what `piper compare` measures the run against):",
+        *_prediction_lines(plan_file), "",
         "Submit and follow:", "```",
         f"sbatch {job.out_dir}/job.sbatch", "piper status JOB_ID", f"piper compare {job.run_dir}", "```", "",
         f"The runtime writes `{job.run_dir}/metrics.jsonl` and its checkpoints there. Near the time limit Slurm sends",

@@ -8,6 +8,8 @@ from click.testing import CliRunner
 from launch_plans import write_plan
 from piper_plan.cli.main import cli
 from piper_plan.compare import compare
+from piper_plan.launch.job import for_the_runtime
+from piper_plan.planfile import read_plan_file
 
 INJECTIONS = ["a;rm -rf /", "x\n#SBATCH --nodes=999", "$(id)", "`id`", "a b", "a'b", 'a"b', "a|b", "a&&b", "../x", ""]
 
@@ -141,11 +143,15 @@ def test_compare_cli_json(tmp_path):
     (job / "run").mkdir(parents=True)
     write_plan(job / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8},
                prediction={"memory": PREDICTION["memory"]})          # the estimate's own (coherent) figures
-    predicted = json.loads((job / "plan.json").read_text())["prediction"]["step_time_s"]
+    stored = json.loads((job / "plan.json").read_text())["prediction"]["step_time_s"]
     (job / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     result = run("compare", job / "run", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
+    # the run is piper's runtime's: measured against the plan as it runs it (unfused kernels), not the file's
+    # fused-kernel figure, and told so
+    predicted = for_the_runtime(read_plan_file(job / "plan.json"))[0].prediction.step_time_s
+    assert predicted > stored and "the run ran piper's runtime" in result.stderr
     assert data["step_time_s"]["rel_error"] == pytest.approx(predicted / 2.25 - 1)     # measured: median 2.25 s
     table = run("compare", job)
     assert table.exit_code == 0, table.output
@@ -170,7 +176,26 @@ def test_launch_prices_the_plan_again_not_the_figures_written_beside_it(tmp_path
     assert f"{edited}: its stored prediction (step {old_step:.4g} s" in res.stderr
     written = json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"]["step_time_s"]
     assert written > 10 * old_step
-    assert f"step_time_s: {written:.4g}" in (tmp_path / "job" / "README.md").read_text()
+    as_run = for_the_runtime(read_plan_file(tmp_path / "job" / "plan.json"))[0].prediction.step_time_s
+    assert f"step_time_s: {as_run:.4g}" in (tmp_path / "job" / "README.md").read_text()
+
+
+def test_a_job_of_piper_s_runtime_is_sized_by_its_pricing_not_another_engine_s(tmp_path):
+    """DeepSeek-V3 on 32 H200 nodes priced with Megatron's fused kernels (5.07 s a step): its job, which runs piper's
+    runtime (13.3 s a step as that prices it), got 1,000 steps' wall time from the 5.07 s (3:02 for 3.7 h of steps).
+    Now the wall time and the README take the runtime's figures, and the user is told."""
+    plan = tmp_path / "ds.json"
+    assert run("estimate", "--model", "deepseek-v3", "--platform", "h200", "--nodes", "32", "--dp", "4", "--tp", "4",
+               "--pp", "16", "--ep", "8", "--zero", "1", "--seq", "1024", "-o", plan).exit_code == 0
+    fused = json.loads(plan.read_text())["prediction"]["step_time_s"]
+    as_run = for_the_runtime(read_plan_file(plan))[0].prediction.step_time_s
+    assert as_run > 2 * fused
+    res = run("launch", "--plan", plan, "--out-dir", tmp_path / "job", "--steps", "1000", "--json")
+    assert res.exit_code == 0, res.stderr
+    hours, minutes, _ = map(int, json.loads(res.stdout)["time"].split(":"))
+    assert (hours * 60 + minutes) * 60 > 1000 * as_run
+    assert f"step_time_s: {as_run:.4g}" in (tmp_path / "job" / "README.md").read_text()
+    assert "the job runs piper's runtime" in res.stderr and f"step {as_run:.4g} s" in res.stderr
 
 
 def test_stale_note_only_when_its_figures_differ(tmp_path, plan):
