@@ -13,6 +13,7 @@ Version-1 files are still read: their fields mean what they wrote (a v1 ``parall
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -247,6 +248,12 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
         raise PiperError(f"{plan_file.moe.routing_skew!r}, but training.routing_skew is "
                          f"{plan_file.training.routing_skew!r}; allowed: the same skew (piper writes it in both)",
                          path=path, field="moe.routing_skew")
+    model_factor = plan_file.model.moe.capacity_factor if plan_file.model.moe else None
+    if plan_file.moe.capacity_factor != model_factor:     # an export reads one block, the cost model the other
+        raise PiperError(f"{json.dumps(plan_file.moe.capacity_factor)}, but model.moe.capacity_factor is "
+                         f"{json.dumps(model_factor)}; "
+                         "allowed: the same factor (piper writes it in both; null = dropless)", path=path,
+                         field="moe.capacity_factor")
     if plan_file.training.dtype in LOW_PRECISION_GEMM_DTYPES:  # an 8-bit recipe its own hardware has no rate for:
         try:                                                  # an export would ask the engine for it
             plan_file.platform.peak_flops(plan_file.training.dtype)

@@ -187,6 +187,7 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
 def with_capacity_factor(model, text: str | None):
     """``model`` with its MoE layers' capacity factor replaced (--capacity-factor: a number, or 'none' for
     dropless); None keeps the model's. A model without MoE layers or a value out of range is one error line."""
+    from piper_plan.catalog import parse_spec
     from piper_plan.fileio import ascii_float
     from piper_plan.specs.model import MoESpec
 
@@ -207,7 +208,7 @@ def with_capacity_factor(model, text: str | None):
                              field="--capacity-factor")
     data = model.model_dump()
     data["moe"] = {**data["moe"], "capacity_factor": factor}
-    return type(model).model_validate(data)
+    return parse_spec(type(model), data, "", field="--capacity-factor")
 
 
 def capacity_note(model) -> str | None:
@@ -222,13 +223,16 @@ def capacity_note(model) -> str | None:
 
 def with_mtp_layers(model, mtp_layers: int | None):
     """``model`` training ``mtp_layers`` of its MTP modules (None: all); more than it defines is one error line."""
+    from piper_plan.catalog import parse_spec
+
     if mtp_layers is None or mtp_layers == model.mtp_layers:
         return model
     if not 0 <= mtp_layers <= model.mtp_layers:
         have = f"defines {model.mtp_layers}" if model.mtp_layers else "has no multi-token-prediction module"
         raise PiperError(f"{mtp_layers}; {model.name} {have} (its mtp_layers; Hugging Face num_nextn_predict_layers): "
                          f"allowed 0 to {model.mtp_layers}", field="--mtp-layers")
-    return type(model).model_validate({**model.model_dump(), "mtp_layers": mtp_layers})   # no cached counts copied
+    return parse_spec(type(model), {**model.model_dump(), "mtp_layers": mtp_layers}, "",   # no cached counts copied
+                      field="--mtp-layers")
 
 
 def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: str | None = None,

@@ -221,6 +221,15 @@ class MoESpec(Spec):
                                    or self.top_k > chosen * self.num_experts // groups):
             raise ValueError(f"routing_groups={groups} must divide num_experts={self.num_experts} and "
                              f"routing_group_top_k={chosen} groups must hold top_k={self.top_k} experts")
+        if self.capacity_factor is not None and self.capacity_factor > self.num_experts / self.top_k:
+            raise ValueError(f"capacity_factor={self.capacity_factor:g} is above num_experts / top_k = "
+                             f"{self.num_experts / self.top_k:g}: there every expert already takes every token (its "
+                             "capacity would exceed the tokens routed; Megatron-Core drops none), so no larger "
+                             "factor exists; allowed: 0.01 to num_experts / top_k, or none (dropless)")
+        if self.num_shared_experts == 0 and (self.shared_expert_gate or self.shared_expert is not None):
+            given = "shared_expert_gate: true" if self.shared_expert_gate else "shared_expert"
+            raise ValueError(f"{given} with num_shared_experts=0: there is no shared expert to shape or gate; "
+                             "allowed: num_shared_experts >= 1 with it, or leave it out")
         if groups is not None and self.routing_group_score_top > self.num_experts // groups:
             raise ValueError(f"routing_group_score_top={self.routing_group_score_top} exceeds the "
                              f"{self.num_experts // groups} experts of a routing group")

@@ -752,6 +752,7 @@ def test_a_skew_beyond_the_ep_group_is_priced_at_its_most_and_said():
 @pytest.mark.parametrize("edit, needle", [
     ({"moe": {"routing_skew": 1e308}}, "moe.routing_skew: Input should be less than or equal to 65536"),
     ({"moe": {"routing_skew": 2.0}}, "moe.routing_skew: 2.0, but training.routing_skew is 1.0"),
+    ({"moe": {"capacity_factor": 1.25}}, "moe.capacity_factor: 1.25, but model.moe.capacity_factor is null"),
     ({"training": {"weight_bytes": True}}, "training.weight_bytes: a boolean is not a number"),
     ({"parallel": {"zero": True}}, "parallel.zero: a boolean is not a number"),
     ({"model": {"name": " "}}, "model.name: a name is one line, not blank"),

@@ -251,7 +251,8 @@ def test_capacity_factor_from_the_command_line():
     assert step["padded"] > step["dropless"] == step["none"]
     assert "moe capacity factor 2: each expert computes 2 x its balanced share" in padded.stderr
     for extra, said in ((["--capacity-factor", "0"], "allowed: a number from 0.01 to 1000, or 'none'"),
-                        (["--capacity-factor", "x"], "allowed: a number from 0.01 to 1000, or 'none'")):
+                        (["--capacity-factor", "x"], "allowed: a number from 0.01 to 1000, or 'none'"),
+                        (["--capacity-factor", "8"], "capacity_factor=8 is above num_experts / top_k = 4")):
         bad = runner.invoke(cli, base + extra)
         assert bad.exit_code == 2 and said in bad.stderr and bad.stderr.count("\n") == 1
     dense = runner.invoke(cli, ["estimate", "--model", "gpt-22b", "--platform", "dgx-h100", "--nodes", "8", "--dp",

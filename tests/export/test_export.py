@@ -128,7 +128,7 @@ def test_unwritten_settings_are_noted(plans, tmp_path):
 
     path = saved_plan(tmp_path, "opts", *PLANS["qwen3-hsdp"], "--cost-option", "shared_expert_overlap=true")
     data = json.loads(path.read_text())
-    data["moe"]["capacity_factor"] = 1.25
+    data["moe"]["capacity_factor"] = data["model"]["moe"]["capacity_factor"] = 1.25   # both: read_plan_file checks
     path.write_text(json.dumps(data))
     pf = read_plan_file(path)
     for text, where in ((megatron.script(pf), "--moe-shared-expert-overlap"), (torchtitan.script(pf), "torchtitan")):

@@ -105,3 +105,23 @@ def test_every_catalog_model_round_trips_through_yaml():
 def test_random_specs_round_trip(data):
     spec = build(data)
     assert parse_spec(ModelSpec, yaml.safe_load(spec_to_yaml(spec)), "rt") == spec
+
+
+def test_moe_fields_that_cannot_hold_together_are_one_line(tmp_path):
+    """Before: a capacity factor above num_experts / top_k priced padding no engine computes (Mixtral at 1000: 6,716 s
+    a step), and a shared-expert gate or shape with no shared expert was counted (256 gate parameters) or ignored."""
+    import pytest
+
+    from piper_plan.errors import PiperError
+
+    base = yaml.safe_load((models_dir() / "tiny-moe.yaml").read_text())
+    experts, top_k = base["moe"]["num_experts"], base["moe"]["top_k"]
+    assert parse_spec(ModelSpec, {**base, "moe": {**base["moe"], "capacity_factor": experts / top_k}}, "m.yaml")
+    for change, needle in (({"capacity_factor": experts / top_k + 0.5}, "is above num_experts / top_k"),
+                           ({"num_shared_experts": 0, "shared_expert_gate": True}, "shared_expert_gate: true with "
+                            "num_shared_experts=0"),
+                           ({"num_shared_experts": 0, "shared_expert": {"intermediate_size": 8}},
+                            "shared_expert with num_shared_experts=0")):
+        with pytest.raises(PiperError, match=needle) as exc:
+            parse_spec(ModelSpec, {**base, "moe": {**base["moe"], **change}}, "m.yaml")
+        assert "\n" not in str(exc.value) and "m.yaml" in str(exc.value)
