@@ -167,14 +167,19 @@ def unsupported_features(plan, model, training=None) -> list[str]:
             + _tp_problems(model, plan, training) + _fsdp_problems(model, plan))
 
 
-def options_problems(options, plan) -> list[str]:
+def options_problems(options, plan, model, training) -> list[str]:
     """What a plan's cost options ask of the training itself that the runtime does not do: dropout layers, and
-    selective recompute of modules other than its own (CostOptions; ``options`` a CostOptions)."""
-    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+    selective recompute of modules other than its own (CostOptions; ``options`` a CostOptions). Modules that act on
+    nothing in ``model`` (shared_experts without shared experts; core_attn under flash attention) are left out of
+    the comparison: they change nothing the runtime would do otherwise."""
+    from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS, acting_modules
+
+    def acting(modules) -> set[str]:
+        return set(acting_modules(model, modules)) - ({"core_attn"} if training.flash_attention else set())
 
     out = ["options.dropout=true (the runtime trains without dropout)"] if options.dropout else []
     own = PIPER_RUNTIME_OPTIONS.recompute_modules
-    if plan.recompute == "selective" and set(options.recompute_modules) != set(own):
+    if plan.recompute == "selective" and acting(options.recompute_modules) != acting(own):
         out.append(f"options.recompute_modules={','.join(options.recompute_modules)} with recompute=selective (the "
                    f"runtime recomputes {', '.join(own)} only)")
     return out

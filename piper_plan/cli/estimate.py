@@ -66,7 +66,7 @@ def estimate_cmd(ctx, plan_path, model_name, platform_name, mtp_layers, capacity
     result = estimate(model, platform, training, nodes, plan, calibration=calibration, placement=placement,
                       options=options)
     result = with_other_placement(result, model, platform, training, nodes, plan, calibration, options)
-    unused = unused_modules_note(options, recompute_modules, cost_option, parallel["recompute"])
+    unused = unused_modules_note(options, recompute_modules, cost_option, parallel["recompute"], model)
     _show(result, model, platform, training, plan, save_path, plot_path, as_json,
           platform_show_command(platform_name), [unused], {"migration": MigrationBlock(enabled=migration)})
 

@@ -264,13 +264,23 @@ def cost_options(piper_runtime: bool, dropout: bool = False, recompute_modules: 
 
 
 def unused_modules_note(options, recompute_modules: str | None, cost_option: tuple[str, ...],
-                        recompute: str | None) -> str | None:
+                        recompute: str | None, model) -> str | None:
     """A note where selective-recompute modules were given to a plan that does not recompute selectively (plan
-    ranks such plans beside selective ones, so estimate prices them alike rather than refusing), or None."""
-    if not modules_asked(recompute_modules, cost_option) or recompute in (None, Recompute.SELECTIVE.value):
+    ranks such plans beside selective ones, so estimate prices them alike rather than refusing), or where some act
+    on nothing in ``model`` (Megatron-Core skips them: cost/options.py check_modules_exist), or None."""
+    from piper_plan.cost.options import module_absent
+
+    if not modules_asked(recompute_modules, cost_option):
         return None
-    return (f"recompute modules {', '.join(options.recompute_modules)}: what --recompute selective re-runs; this plan "
-            f"has --recompute {recompute}, so they change nothing in it")
+    if recompute not in (None, Recompute.SELECTIVE.value):
+        return (f"recompute modules {', '.join(options.recompute_modules)}: what --recompute selective re-runs; this "
+                f"plan has --recompute {recompute}, so they change nothing in it")
+    absent = module_absent(model)
+    idle = [f"{m} ({absent[m]})" for m in options.recompute_modules if absent.get(m)]
+    if not idle:
+        return None
+    return (f"recompute modules {', '.join(idle)} act on nothing in {model.name}: priced as nothing, as Megatron-Core "
+            "skips them there")
 
 
 def modules_asked(recompute_modules: str | None, cost_option: tuple[str, ...]) -> bool:

@@ -114,7 +114,7 @@ class CostOptions:
 _ALLOWED = {"recompute_modules": RECOMPUTE_MODULES, "cuda_graph_scope": CUDA_GRAPH_SCOPES}
 
 
-def _module_absent(model) -> dict[str, str | None]:
+def module_absent(model) -> dict[str, str | None]:
     """Why each recompute module has nothing to act on in ``model`` (None: it acts; flash attention aside)."""
     moe = model.moe
     return {"core_attn": None, "layernorm": None,
@@ -127,7 +127,7 @@ def _module_absent(model) -> dict[str, str | None]:
 
 def acting_modules(model, modules) -> tuple[str, ...]:
     """The recompute ``modules`` that drop or re-run anything in ``model`` (the others price as nothing)."""
-    absent = _module_absent(model)
+    absent = module_absent(model)
     return tuple(m for m in modules if absent.get(m) is None)
 
 
@@ -139,7 +139,7 @@ def check_modules_exist(model, modules, field: str = "--recompute-modules / opti
     without MoE layers stay allowed: Megatron-Core skips them there (transformer_layer.py sets ``recompute_mlp``
     only where the layer is not MoE; only a MoELayer reads ``moe``), and piper prices them as nothing
     (acting_modules)."""
-    absent = _module_absent(model)
+    absent = module_absent(model)
     missing = [f"{name} ({absent[name]})" for name in ("mla_up_proj", "moe_act") if name in modules and absent[name]]
     if missing:
         raise PiperError(f"names {', '.join(missing)}, which {model.name} does not have; modules that act on it: "

@@ -40,7 +40,8 @@ def check_runnable(plan_file: PlanFile, path: Path) -> None:
     pf = plan_file
     problems = runnable_problems(pf.model, pf.platform, pf.training, pf.nodes, pf.parallel)
     if pf.prediction is not None:
-        problems = problems + options_problems(cost_options(dict(pf.prediction.options)), pf.parallel)
+        problems = problems + options_problems(cost_options(dict(pf.prediction.options)), pf.parallel,
+                                               pf.model, pf.training)
     overflow = does_not_fit(pf.prediction)
     runtime_overflow = None if overflow else does_not_fit(
         _as_the_runtime_runs_it(pf), "priced as piper's runtime runs it (its unfused kernels, as `estimate "

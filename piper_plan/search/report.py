@@ -39,7 +39,7 @@ def with_runtime_marks(row: dict, model, training, options=None) -> dict:
     from piper_plan.specs import ParallelPlan
 
     plan = ParallelPlan(**{k: row[k] for k in CANDIDATE_FIELDS})
-    missing = runtime_missing(plan, model, training) + ([] if options is None else options_problems(options, plan))
+    missing = runtime_missing(plan, model, training) + ([] if options is None else options_problems(options, plan, model, training))
     if not row.get("fits_piper_runtime", True):
         missing.append(RUNTIME_MEMORY)
     return {**row, "runtime_missing": missing, "runnable_by_piper": not missing}

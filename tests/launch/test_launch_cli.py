@@ -285,3 +285,20 @@ def test_options_that_change_the_training_are_refused(tmp_path, flags, said):
     result = run("launch", "--plan", saved, "--out", out, "--dry-run")
     assert result.exit_code == 2 and said in result.stderr and result.stderr.count("\n") == 1
     assert not out.exists()
+
+
+def test_recompute_modules_that_act_on_nothing_are_said_and_do_not_stop_a_launch(tmp_path):
+    """shared_experts on a model without shared experts recomputes nothing (Megatron-Core skips it; piper prices
+    nothing): estimate said nothing and launch refused the plan as recomputing other modules than the runtime's.
+    Now estimate notes it and launch takes the plan; a module that does act (moe) is still refused."""
+    saved = tmp_path / "plan.json"
+    common = ("estimate", "--model", "tiny-moe", "--platform", "frontier", "--nodes", "1", "--dp", "8", "--ep", "8",
+              "--recompute", "selective")
+    made = run(*common, "--recompute-modules", "shared_experts", "-o", saved)
+    assert made.exit_code == 0, made.output
+    assert "recompute modules shared_experts (it has no shared experts) act on nothing in tiny-moe" in made.stderr
+    assert run("launch", "--plan", saved, "--out", tmp_path / "job", "--dry-run").exit_code == 0
+    acting = tmp_path / "acting.json"
+    assert run(*common, "--recompute-modules", "shared_experts,moe", "-o", acting).exit_code == 0
+    refused = run("launch", "--plan", acting, "--out", tmp_path / "job2", "--dry-run")
+    assert refused.exit_code == 2 and "the runtime recomputes core_attn only" in refused.stderr
