@@ -315,6 +315,11 @@ RULES: tuple[Rule, ...] = (
          lambda s, p: f"tp={p.tp} with sequence_parallel off: an MoE model's tp > 1 runs with sequence parallelism "
                       "only (Megatron-Core's moe_layer.py refuses it without; piper's runtime always shards the "
                       "sequence; the experts' rows would otherwise be every token, tp times over)"),
+    Rule("sp_not_divisor_seq",
+         lambda s, c: (c.tp > 1) & (c.sequence_parallel != 0) & (s.training.seq_len % (c.cp * c.tp) != 0),
+         lambda s, p: f"tp={p.tp} with sequence parallelism needs each rank's sequence, seq_len / cp = "
+                      f"{s.training.seq_len} / {p.cp}, divisible by tp (the tp group splits it evenly: Megatron-Core's "
+                      "_split_along_first_dim asserts it)"),
     Rule("etp_not_divisor_tp", lambda s, c: c.tp % c.etp != 0,
          lambda s, p: f"etp={p.etp} must divide tp={p.tp} (expert tensor parallelism runs inside the tp group)"),
     Rule("etp_not_divisor_ffn", lambda s, c: (s.expert_ffn % c.etp != 0) if s.model.moe is not None else _none(c),
