@@ -40,9 +40,13 @@ processes (getrusage), the whole process the plan's per-device peak stands for t
 
 
 class StageMemory(BaseModel):
-    """One stage's entry of ``memory_bytes`` (docs/design-notes.md); further byte counts may follow."""
+    """One stage's entry of ``memory_bytes`` (docs/design-notes.md): the stage, where its figures come from, and
+    byte counts (the runtime's parameters_bytes ... total_bytes, process_peak_rss_bytes; further counts may follow,
+    each a number of bytes: ``__pydantic_extra__`` types them)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    __pydantic_extra__: dict[str, Bytes]
+    stage: int | None = Field(default=None, ge=0)
     total_bytes: Bytes | None = None
     peak_bytes: Bytes | None = None
     source: str | None = None
@@ -65,6 +69,9 @@ class StepRecord(BaseModel):
     """One entry per stage: an object (StageMemory) or, from older runs, its total as a plain number."""
     expert_tokens: Any = None
     migrations: Any = None
+
+    warmup: bool | None = None
+    """The first step of a run or of a resume (allocation, connections), which compare leaves out."""
 
     @field_validator("memory_bytes", mode="before")
     @classmethod

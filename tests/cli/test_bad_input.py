@@ -173,6 +173,16 @@ RECORD = {"schema_version": 1, "step": 1, "step_time_s": 2.0, "tokens_per_s": 4.
     ([{**RECORD, "memory_bytes": [{"total_bytes": -1}]}], ["memory_bytes.0.total_bytes: Input should be greater"]),
     ([{**RECORD, "memory_bytes": [-1]}], ["memory_bytes.0.total_bytes: Input should be greater than or equal to 0"]),
     ([{**RECORD, "memory_bytes": ["x"]}], ["memory_bytes.0: Input should be an object (a mapping of field names"]),
+    # before: a TypeError traceback in compare (a string or an object as the RSS), or a negative RSS shown
+    ([{**RECORD, "memory_bytes": [{"total_bytes": 1, "process_peak_rss_bytes": "big"}]}],
+     ["memory_bytes.0.process_peak_rss_bytes: Input should be a valid number"]),
+    ([{**RECORD, "memory_bytes": [{"total_bytes": 1, "process_peak_rss_bytes": {}}]}],
+     ["memory_bytes.0.process_peak_rss_bytes: Input should be a valid number"]),
+    ([{**RECORD, "memory_bytes": [{"total_bytes": 1, "process_peak_rss_bytes": -5}]}],
+     ["memory_bytes.0.process_peak_rss_bytes: Input should be greater than or equal to 0"]),
+    ([{**RECORD, "memory_bytes": [{"total_bytes": 1, "stage": "0"}]}], ["memory_bytes.0.stage"]),
+    # before: any truthy value marked the step warm-up (compare then kept the real warm-up step)
+    ([{**RECORD, "warmup": "false"}], ["warmup: Input should be a valid boolean"]),
 ])
 def test_compare_bad_metrics_lines(tmp_path, plan_json, lines, needles):
     write(tmp_path / "plan.json", plan_json)
