@@ -42,9 +42,30 @@ def calibration_dir(platform: str) -> Path:
     return project_root() / "calibration" / platform
 
 
+def has_calibration(platform: str) -> bool:
+    """Whether calibration/<platform>/ holds any CSV, looked at before pandas and scipy are imported; a folder that
+    cannot be listed (no permission) is an OSError, one line, not an empty calibration (before: its plans were
+    priced from the roofline fallback without a word)."""
+    directory = calibration_dir(platform)
+    return directory.is_dir() and any(name.endswith(".csv") for name in os.listdir(directory))
+
+
 def catalog_names(folder: Path) -> list[str]:
     """Names of the YAML specs in ``folder``, sorted."""
     return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def required_names(folder: Path, kind: str) -> list[str]:
+    """``catalog_names`` of a catalog folder that must hold some (models/, platforms/, validation/): one error line
+    where it holds none, naming the folder and where it comes from (PIPER_HOME, a typo there, reads as an empty
+    catalog, and `piper validate` passed with no dataset checked)."""
+    names = catalog_names(folder)
+    if names:
+        return names
+    where = f"PIPER_HOME={os.environ['PIPER_HOME']}" if os.environ.get("PIPER_HOME") else "beside the piper_plan package"
+    state = "holds no *.yaml" if folder.is_dir() else "does not exist"
+    raise PiperError(f"{folder} {state}: the {kind} catalog folder ({where}); allowed: a folder holding piper's "
+                     f"{kind} files (unset PIPER_HOME to use the ones piper ships)")
 
 
 def read_text(path: Path) -> str:
@@ -122,7 +143,7 @@ def resolve(name_or_path: str, folder: Path, kind: str) -> Path:
     path = folder / f"{name_or_path}.yaml"
     if path.is_file():
         return path
-    names = catalog_names(folder)
+    names = required_names(folder, kind)
     close = difflib.get_close_matches(name_or_path, names, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(names)}"
     raise PiperError(f"unknown {kind} {name_or_path!r}{hint}")
@@ -141,11 +162,11 @@ def load_platform(name_or_path: str) -> PlatformSpec:
 
 
 def list_models() -> list[ModelSpec]:
-    return [load_model(n) for n in catalog_names(models_dir())]
+    return [load_model(n) for n in required_names(models_dir(), "model")]
 
 
 def list_platforms() -> list[PlatformSpec]:
-    return [load_platform(n) for n in catalog_names(platforms_dir())]
+    return [load_platform(n) for n in required_names(platforms_dir(), "platform")]
 
 
 def spec_to_yaml(spec: BaseModel) -> str:

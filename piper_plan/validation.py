@@ -289,7 +289,10 @@ def validation_dir() -> Path:
 
 
 def dataset_names(folder: Path | None = None) -> list[str]:
-    return sorted(p.stem for p in (folder or validation_dir()).glob("*.yaml"))
+    """The datasets of ``folder`` (validation/); one error line where it holds none."""
+    from piper_plan.catalog import required_names
+
+    return required_names(folder or validation_dir(), "validation dataset")
 
 
 def dataset_path(name_or_path: str | Path) -> Path:
@@ -404,12 +407,12 @@ class _Inputs:
 
     def platform_of(self, row: RowSpec | None):
         """(platform, calibration or None) of a row: its own platform, else the dataset's."""
-        from piper_plan.catalog import calibration_dir, load_platform
+        from piper_plan.catalog import has_calibration, load_platform
 
         name = (row.platform if row is not None else None) or self.spec.platform
         if name not in self._platforms:
             platform, calibration = load_platform(name), None
-            if self.spec.use_calibration and any(calibration_dir(platform.name).glob("*.csv")):
+            if self.spec.use_calibration and has_calibration(platform.name):
                 from piper_plan.calibration import load_calibration
 
                 calibration = load_calibration(platform.name)

@@ -50,6 +50,10 @@ def _validated_columns(path: Path, table: Table, header: list[str], raw: list[li
     missing = [c for c in table.column_names if c not in header]
     if missing:
         raise PiperError(f"line 1: missing columns {missing}; a {table.filename} has {table.column_names}", path=str(path))
+    twice = sorted({c for c in header if header.count(c) > 1})
+    if twice:
+        raise PiperError(f"line 1: column {', '.join(map(repr, twice))} twice (which one holds the values?); a "
+                         f"{table.filename} has each of {table.column_names} once", path=str(path))
     at = {name: header.index(name) for name in table.column_names}
     lines = [i + 2 for i in range(len(raw))]
     if drop_keys:
@@ -63,6 +67,11 @@ def _validated_columns(path: Path, table: Table, header: list[str], raw: list[li
             if problem:
                 raise PiperError(f"line {line}: {problem}", path=str(path))
     _check_unique(path, out, table, lines)
+    devices = sorted(set(out.get("device", ())))
+    if len(devices) > 1:
+        raise PiperError(f"holds rows of {len(devices)} devices ({', '.join(map(repr, devices[:3]))}); a calibration "
+                         "folder is one machine's (the curves would mix their rates): measure each into a folder of "
+                         "its own", path=str(path))
     return out
 
 
@@ -153,17 +162,24 @@ def table_path(directory: str | Path, table: Table) -> Path:
     return Path(directory) / table.filename
 
 
+def present(path: Path) -> bool:
+    """Whether a calibration file is there to read: anything at ``path``, a symbolic link to nothing or a link loop
+    included (its read then says so in one line; before, such a link read as an absent file and the plan was priced
+    without it, e.g. without overhead.csv's host time, without a word)."""
+    return path.is_symlink() or path.exists()
+
+
 def read_if_present(directory: str | Path, table: Table) -> pd.DataFrame | None:
     """The validated table of ``directory``, or None if its file does not exist (a directory in its place is an
     error, not an absent file)."""
     path = table_path(directory, table)
-    return read_table(path, table) if path.exists() else None
+    return read_table(path, table) if present(path) else None
 
 
 def columns_if_present(directory: str | Path, table: Table) -> dict[str, list] | None:
     """``read_if_present`` without pandas (read_columns)."""
     path = table_path(directory, table)
-    return read_columns(path, table) if path.exists() else None
+    return read_columns(path, table) if present(path) else None
 
 
 def render_csv(frame: pd.DataFrame, table: Table) -> str:
@@ -193,7 +209,7 @@ def merge_rows(directory: str | Path, table: Table, rows: Iterable[dict]) -> Pat
     text = render_csv(new, table)           # the new rows pass the reader's checks, or nothing is written
     _validated_columns(Path(f"{path} (the rows to add)"), table, *_parse_raw(text, path))
     replaced = {tuple(_key_text(v) for v in key) for key in new[list(table.key)].itertuples(index=False, name=None)}
-    old = read_table(path, table, drop_keys=replaced) if path.exists() else None
+    old = read_table(path, table, drop_keys=replaced) if present(path) else None
     frame = new if old is None or old.empty else pd.concat([old, new], ignore_index=True)
     frame = frame.drop_duplicates(list(table.key), keep="last").sort_values(list(table.key), kind="stable")
     if len(frame) > MAX_ROWS:
@@ -215,7 +231,7 @@ def read_metadata(directory: str | Path) -> dict:
     from piper_plan.fileio import read_document
 
     path = Path(directory) / "metadata.json"
-    return read_document(path) if path.exists() else {}
+    return read_document(path) if present(path) else {}
 
 
 def recorded_device(metadata: dict, directory: str | Path) -> dict:

@@ -315,9 +315,9 @@ def platform_calibration(platform_name: str):
     """calibration/<platform>/ as a Calibration, or None when the folder holds no CSVs (then the cost model uses
     the platform's roofline fallback and says so). The folder is looked at first so that a platform without CSVs
     does not pay for importing pandas and scipy."""
-    from piper_plan.catalog import calibration_dir
+    from piper_plan.catalog import has_calibration
 
-    if not any(calibration_dir(platform_name).glob("*.csv")):
+    if not has_calibration(platform_name):
         return None
     from piper_plan.calibration import load_calibration
 

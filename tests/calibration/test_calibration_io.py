@@ -168,3 +168,15 @@ def test_a_merge_past_the_row_limit_or_of_a_bad_row_writes_nothing(tmp_path, mon
     with pytest.raises(PiperError, match=r"collectives.csv \(the rows to add\): line 2: .* needs 2 ranks or more"):
         merge_rows(tmp_path, COLLECTIVES, [one_rank])
     assert not (tmp_path / "collectives.csv").exists()
+
+
+def test_a_column_twice_or_two_devices_in_one_file_is_one_line(tmp_path):
+    """Before: a repeated column was read from its first copy, and the rows of two devices were averaged into one
+    curve (a folder's rates are one machine's: `piper calibrate` refuses to mix them when it writes)."""
+    path = tmp_path / "gemm.csv"
+    path.write_text(HEADER.rstrip("\n") + ",seconds\n" + GOOD.rstrip("\n") + ",999\n")
+    with pytest.raises(PiperError, match="line 1: column 'seconds' twice"):
+        read_table(path, GEMM)
+    other = GOOD.replace("cpu,", "Other CPU,", 1)
+    with pytest.raises(PiperError, match=r"holds rows of 2 devices \('Other CPU', 'cpu'\)"):
+        read_table(_gemm(tmp_path, GOOD, other), GEMM)

@@ -13,6 +13,7 @@ from piper_plan.catalog import read_structured
 from piper_plan.cli.main import cli
 from piper_plan.cli.status import run_dir_summary
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ("--model", "tiny-moe", "--platform", "local-cpu", "--seq", "128", "--global-batch", "8")
 ESTIMATE = ("estimate", *TINY, "--nodes", "1", "--dp", "2", "--ep", "2")
 
@@ -940,3 +941,28 @@ def test_what_the_system_refuses_is_one_line_not_a_traceback(tmp_path):
         time.sleep(0.05)
     slow.send_signal(signal.SIGINT)
     assert slow.wait(timeout=60) == 130 and "Traceback" not in slow.stderr.read()
+
+
+@pytest.mark.parametrize("args, folder", [(("validate",), "validation"), (("models",), "models"),
+                                          (("platforms",), "platforms"), (ESTIMATE, "models")])
+def test_a_piper_home_without_its_catalog_is_one_line(tmp_path, monkeypatch, args, folder):
+    """Before: `piper validate` passed with no dataset checked (exit 0, {"datasets": [], "ok": true}), `models` and
+    `platforms` printed empty tables, and an estimate said "unknown model 'tiny-moe'; known: " (nothing)."""
+    monkeypatch.setenv("PIPER_HOME", str(tmp_path / "typo"))
+    assert_one_line_error(run(*args), f"{tmp_path / 'typo' / folder} does not exist", "PIPER_HOME=")
+
+
+@pytest.mark.parametrize("name, target, said", [("overhead.csv", "/nowhere/overhead.csv", "a symbolic link to nothing"),
+                                                ("gemm.csv", "gemm.csv", "a symbolic link loop")])
+def test_a_calibration_file_that_is_a_broken_link_is_one_line(tmp_path, monkeypatch, name, target, said):
+    """Before: such a link read as an absent file, and the plan was priced without it (a dangling overhead.csv:
+    0.0877 s -> 0.0325 s a step, host time not priced) without a word."""
+    import shutil
+
+    for folder in ("models", "platforms"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    shutil.copytree(ROOT / "calibration" / "local-cpu", tmp_path / "calibration" / "local-cpu")
+    (tmp_path / "calibration" / "local-cpu" / name).unlink()
+    (tmp_path / "calibration" / "local-cpu" / name).symlink_to(target)
+    monkeypatch.setenv("PIPER_HOME", str(tmp_path))
+    assert_one_line_error(run(*ESTIMATE), f"calibration/local-cpu/{name}: {said}")
