@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import (EXIT_CHECK_FAILED, console, diagnostics, exit_codes, json_option, note,
+from piper_plan.cli.common import (AsciiInt, EXIT_CHECK_FAILED, console, diagnostics, exit_codes, json_option, note,
                                    out_dir_option, print_json)
 from piper_plan.calibration.timing import MAX_CALLS
 from piper_plan.errors import PiperError
@@ -28,17 +28,17 @@ def bench_group() -> None:
 
 @bench_group.command("a2a", epilog=exit_codes({EXIT_CHECK_FAILED: "--verify found HALO different from all_to_all_single"}))
 @click.option("--algo", default="flat,halo", show_default=True, help="Algorithms to time: flat, halo.")
-@click.option("--nodes", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--nodes", type=AsciiInt(min=1), default=2, show_default=True,
               help="Nodes to emulate on one machine (ignored under torchrun/srun: the job's own).")
-@click.option("--ranks-per-node", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--ranks-per-node", type=AsciiInt(min=1), default=4, show_default=True,
               help="Ranks per emulated node.")
 @click.option("--sizes", default="4K,64K,1M", show_default=True,
               help="bytes_per_rank (nccl-tests 'size'; K = 1024).")
 @click.option("--verify", is_flag=True, help="Check HALO == all_to_all_single exactly (outputs and gradients).")
 @click.option("--platform", "platform_name", default=None,
               help="Platform for the NIC map, scope and calibration folder (required unless --no-save).")
-@click.option("--repeats", type=click.IntRange(1, MAX_CALLS), default=5, show_default=True, help="Timed calls per size.")
-@click.option("--warmup", type=click.IntRange(0, MAX_CALLS), default=1, show_default=True, help="Untimed calls first.")
+@click.option("--repeats", type=AsciiInt(1, MAX_CALLS), default=5, show_default=True, help="Timed calls per size.")
+@click.option("--warmup", type=AsciiInt(0, MAX_CALLS), default=1, show_default=True, help="Untimed calls first.")
 @out_dir_option("output_dir", "Folder whose collectives.csv receives the rows [default: calibration/<platform>].",
                 old=("--output-dir",))
 @click.option("--no-save", is_flag=True, help="Do not write calibration rows.")

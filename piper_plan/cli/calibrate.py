@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import (console, diagnostics, exit_codes, json_option, note, options_given, out_dir_option,
+from piper_plan.cli.common import (AsciiInt, console, diagnostics, exit_codes, json_option, note, options_given, out_dir_option,
                                    output_option, plot_option, print_json)
 from piper_plan.errors import PiperError
 from piper_plan.plots import check_plot_path
@@ -150,8 +150,8 @@ class _RichReporter:
 @calibrate_group.command("import-nccl-tests", epilog=exit_codes())
 @click.argument("file", type=click.Path())
 @click.option("--op", required=True, help="all_to_all, all_reduce, all_gather, reduce_scatter, p2p, halo_all_to_all.")
-@click.option("--nodes", "num_nodes", type=click.IntRange(1, MAX_NODES), required=True, help="Nodes the test ran on.")
-@click.option("--ranks-per-node", type=click.IntRange(1, MAX_DEVICES_PER_NODE), required=True,
+@click.option("--nodes", "num_nodes", type=AsciiInt(1, MAX_NODES), required=True, help="Nodes the test ran on.")
+@click.option("--ranks-per-node", type=AsciiInt(1, MAX_DEVICES_PER_NODE), required=True,
               help="Ranks (GPUs) per node.")
 @click.option("--scope", required=True, help="Widest scope the ranks spanned: node, switch, group, system.")
 @click.option("--platform", "platform_name", required=True, help="Platform whose calibration to extend.")
@@ -213,7 +213,7 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
 
 @calibrate_group.command("slurm", epilog=exit_codes())
 @click.option("--platform", "platform_name", required=True, help="Platform catalog name or YAML path.")
-@click.option("--nodes", "num_nodes", type=click.IntRange(1, MAX_NODES), required=True, help="Nodes to sweep over.")
+@click.option("--nodes", "num_nodes", type=AsciiInt(1, MAX_NODES), required=True, help="Nodes to sweep over.")
 @click.option("--quick", is_flag=True, help="The small sweep.")
 @click.option("--only", default=None, help="Comma list of gemm,attention,collectives,memory (default: all; GEMM, "
               "attention and memory run on one device of the first node).")

@@ -291,6 +291,27 @@ class UserError(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+def _command_line_int(value) -> int:
+    """An int default as it is; a typed value of ASCII digits (up to 100 of them: a larger value meets the
+    option's range check, or the spec's, which says what is allowed), else ValueError."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if not re.fullmatch(r"[+-]?[0-9]{1,100}", text):
+        raise ValueError(f"not an integer: {text!r}")
+    return int(text)
+
+
+class AsciiInt(click.IntRange):
+    """click's IntRange (no bounds: any integer) read with ASCII digits only: click's own ``int()`` also takes
+    '1_0' (ten), '١٦' and '１６', which `plan --nodes`, the YAML and the CSV readers refuse."""
+
+    name = "integer"
+    _number_class = staticmethod(_command_line_int)
+
+
 class OneLineUsageError(click.UsageError):
     """A click usage error (bad option value, unknown option, missing argument) printed on one line."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import (console, exit_codes, json_option, note, options_given, output_option,
+from piper_plan.cli.common import (AsciiInt, console, exit_codes, json_option, note, options_given, output_option,
                                    platform_calibration, platform_show_command, plot_option, print_json,
                                    short_compute_source)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options_or_plan,
@@ -25,7 +25,7 @@ GiB = 2**30
                    "placement, cost options; the calibration where its prediction used one); takes no setting "
                    "option beside it. Says where the stored prediction differs.")
 @model_options_or_plan
-@click.option("--nodes", type=int, default=None, help="Nodes of the allocation (required without --plan).")
+@click.option("--nodes", type=AsciiInt(), default=None, help="Nodes of the allocation (required without --plan).")
 @parallel_options
 @training_options
 @click.option("--routing-skew", type=float, default=1.0, show_default=True,

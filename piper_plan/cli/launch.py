@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, diagnostics, exit_codes, json_option, note, out_dir_option, print_json
+from piper_plan.cli.common import AsciiInt, console, diagnostics, exit_codes, json_option, note, out_dir_option, print_json
 from piper_plan.cli.options import load_setting, training_options
 from piper_plan.errors import PiperError
 from piper_plan.planfile import MAX_STEPS
@@ -21,7 +21,7 @@ DRY_RUN_DIR = "job"
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="plan.json from `piper plan -o` / `estimate -o`.")
 @click.option("--model", help="Model name or path (plan from options: runs the search).")
 @click.option("--platform", help="Platform name or path (plan from options).")
-@click.option("--nodes", type=int, help="Nodes (plan from options).")
+@click.option("--nodes", type=AsciiInt(), help="Nodes (plan from options).")
 @training_options
 @click.option("--strategy", type=click.Choice(["general", "piper"]), default="general", show_default=True,
               help="Plan from options: search strategy (see piper plan).")
@@ -34,7 +34,7 @@ DRY_RUN_DIR = "job"
 @click.option("--check", is_flag=True, help="Ask Slurm whether it would accept the job (sbatch --test-only).")
 @click.option("--dry-run", is_flag=True,
               help="Print the script on stdout (with --json: the script and the job's facts); write nothing.")
-@click.option("--steps", type=click.IntRange(min=1, max=MAX_STEPS),
+@click.option("--steps", type=AsciiInt(min=1, max=MAX_STEPS),
               help="Training steps (default: the plan's runtime.steps).")
 @click.option("--account", help="Slurm account (#SBATCH --account).")
 @click.option("--partition", help="Slurm partition (default: the platform's).")

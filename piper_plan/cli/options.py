@@ -10,6 +10,7 @@ import typing
 
 import click
 
+from piper_plan.cli.common import AsciiInt
 from piper_plan.errors import PiperError
 from piper_plan.fileio import ascii_int
 from piper_plan.specs.parallel import ParallelPlan, check_layout_mtp
@@ -48,7 +49,7 @@ def _model_options(required: bool):
 
 
 _MODEL_KNOBS = (
-    click.option("--mtp-layers", type=int, default=None,
+    click.option("--mtp-layers", type=AsciiInt(), default=None,
                  help="Multi-token-prediction modules to train, 0 to the model's own count (default: all of them)."),
     click.option("--capacity-factor", default=None, metavar="FACTOR|none",
                  help="MoE token dropping: each expert takes at most FACTOR x its balanced share of tokens (padded to "
@@ -60,9 +61,9 @@ model_options_or_plan = _model_options(required=False)
 """`estimate`'s: --model and --platform are required unless a saved plan (--plan) states them."""
 
 training_options = _bundle(
-    click.option("--seq", "seq_len", type=int, default=None,
+    click.option("--seq", "seq_len", type=AsciiInt(), default=None,
                  help=f"Sequence length, tokens (default: {DEFAULT_SEQ_LEN}, or the model's max_seq_len if smaller)."),
-    click.option("--global-batch", type=int, default=TrainingSpec.model_fields["global_batch"].default,
+    click.option("--global-batch", type=AsciiInt(), default=TrainingSpec.model_fields["global_batch"].default,
                  show_default=True, help="Sequences per step."),
     click.option("--dtype", default=None, metavar="|".join(DTYPES),
                  help="Training precision (default: bf16 on GPUs, fp32 on CPU ranks). fp8 / mxfp8: bf16 training "
@@ -103,25 +104,25 @@ placement_option = click.option("--placement", type=click.Choice(Placement.value
                                 show_default=True, help="Allocation shape.")
 
 parallel_options = _bundle(
-    click.option("--dp", type=int, default=_plan_default("dp"), show_default=True,
+    click.option("--dp", type=AsciiInt(), default=_plan_default("dp"), show_default=True,
                  help="Data-parallel degree (dense weights)."),
-    click.option("--cp", type=int, default=_plan_default("cp"), show_default=True,
+    click.option("--cp", type=AsciiInt(), default=_plan_default("cp"), show_default=True,
                  help="Context-parallel degree (each sequence split over cp ranks)."),
-    click.option("--tp", type=int, default=_plan_default("tp"), show_default=True, help="Tensor-parallel degree."),
-    click.option("--pp", type=int, default=_plan_default("pp"), show_default=True, help="Pipeline stages."),
-    click.option("--ep", type=int, default=_plan_default("ep"), show_default=True, help="Expert-parallel degree."),
-    click.option("--etp", type=int, default=_plan_default("etp"), show_default=True,
+    click.option("--tp", type=AsciiInt(), default=_plan_default("tp"), show_default=True, help="Tensor-parallel degree."),
+    click.option("--pp", type=AsciiInt(), default=_plan_default("pp"), show_default=True, help="Pipeline stages."),
+    click.option("--ep", type=AsciiInt(), default=_plan_default("ep"), show_default=True, help="Expert-parallel degree."),
+    click.option("--etp", type=AsciiInt(), default=_plan_default("etp"), show_default=True,
                  help="Tensor-parallel degree inside an expert."),
-    click.option("--mbs", type=int, default=_plan_default("mbs"), show_default=True,
+    click.option("--mbs", type=AsciiInt(), default=_plan_default("mbs"), show_default=True,
                  help="Micro-batch size, sequences."),
     click.option("--schedule", type=click.Choice(Schedule.values()), default=_plan_default("schedule"),
                  show_default=True),
-    click.option("--virtual-stages", type=int, default=None, help="Model chunks per rank (interleaved; default 2)."),
+    click.option("--virtual-stages", type=AsciiInt(), default=None, help="Model chunks per rank (interleaved; default 2)."),
     click.option("--recompute", type=click.Choice(Recompute.values()), default=_plan_default("recompute"),
                  show_default=True),
     click.option("--zero", type=click.Choice(["0", "1", "2", "3"]), default=str(_plan_default("zero")),
                  show_default=True, help="ZeRO stage: 1 sharded optimizer, 2 / 3 FSDP2 (docs/design-notes.md)."),
-    click.option("--dp-replicate", type=int, default=_plan_default("dp_replicate"), show_default=True,
+    click.option("--dp-replicate", type=AsciiInt(), default=_plan_default("dp_replicate"), show_default=True,
                  help="HSDP with zero 2/3: replicas of the FSDP2 shard group among the dp ranks."),
     click.option("--a2a", type=click.Choice(A2A.values()), default=_plan_default("a2a"), show_default=True),
     click.option("--sequence-parallel/--no-sequence-parallel", default=_plan_default("sequence_parallel"),

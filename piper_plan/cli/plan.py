@@ -12,7 +12,7 @@ import io
 
 import click
 
-from piper_plan.cli.common import (EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
+from piper_plan.cli.common import (AsciiInt, EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
                                    platform_calibration, platform_show_command, plot_option, print_json,
                                    print_table, short_compute_source)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
@@ -44,7 +44,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
               help="Context-parallel degrees to search, e.g. 1,2,4 (default: 1, and 2, 4, 8 from 16k-token sequences).")
 @click.option("--expert-tp", is_flag=True,
               help="Also search expert tensor parallelism etp > 1 (piper's runtime runs etp = 1 only).")
-@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
+@click.option("--top", type=AsciiInt(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
 @json_option
 @click.option("--csv", "as_csv", is_flag=True, help="The ranked plans as CSV on stdout.")
 @output_option("save_path", "Write the best plan to FILE as plan.json (what launch, run, export and estimate --plan read).", old=("--save",))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import (EXIT_CHECK_FAILED, console, exit_codes, json_option, note, out_dir_option,
+from piper_plan.cli.common import (AsciiInt, EXIT_CHECK_FAILED, console, exit_codes, json_option, note, out_dir_option,
                                    print_json)
 from piper_plan.errors import EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import signal_name
@@ -33,14 +33,14 @@ EPILOG = exit_codes({EXIT_CHECK_FAILED: "the loss went nan / inf (one 'error:' l
 
 @click.command("run", epilog=EPILOG)
 @click.option("--plan", "plan", required=True, type=click.Path(), help="plan.json to run.")
-@click.option("--steps", type=click.IntRange(min=1, max=MAX_STEPS), default=None,
+@click.option("--steps", type=AsciiInt(min=1, max=MAX_STEPS), default=None,
               help="Optimizer steps (default: the plan's runtime.steps).")
 @out_dir_option("out", "Run directory (metrics.jsonl, summary.json, checkpoints/).", old=("--out",), default="run",
                 show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from RUN_DIR/checkpoints/latest.")
 @click.option("--force", is_flag=True, help="Start over in a run directory that holds a run (its metrics and "
               "checkpoints are replaced); without it, or --resume, such a directory is refused.")
-@click.option("--profile", type=click.IntRange(min=0), default=0, metavar="STEPS",
+@click.option("--profile", type=AsciiInt(min=0), default=0, metavar="STEPS",
               help="Chrome trace of STEPS steps after the first.")
 @click.option("--lr", type=float, default=None,
               help="Peak learning rate, above 0 and at most 1e4 (default: the plan's runtime.lr).")

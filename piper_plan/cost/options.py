@@ -10,7 +10,6 @@ from pydantic import Field
 from piper_plan.errors import PiperError
 
 Fraction = Annotated[float, Field(ge=0, le=1)]
-Count = Annotated[int, Field(ge=0)]
 
 
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "layernorm", "shared_experts", "moe")
@@ -54,7 +53,7 @@ class CostOptions:
     permute is an ``index_select`` and unpermute a ``scatter_add``, which save only indices:
     megatron/core/transformer/moe/moe_utils.py at commit 00611e6e); datasets of such runs set it. At most 2: no
     implementation cited here keeps more."""
-    loss_chunk_rows: Count | None = None
+    loss_chunk_rows: Annotated[int, Field(ge=1)] | None = None
     """With ``unfused_kernels``: the runtime's chunked LM loss (planfile.RuntimeBlock.loss_chunk_rows, runtime/
     pipeline.py ChunkedLoss): a micro-batch of more than this many tokens keeps no fp32 log-softmax of the whole
     vocabulary (its chunks are checkpointed); None = the whole micro-batch's (Megatron's loss, and the runtime's

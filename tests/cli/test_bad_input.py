@@ -743,8 +743,16 @@ def test_import_nccl_tests_without_data_or_with_an_unreadable_exponent(tmp_path,
      "--nodes: nodes=4096; local-cpu has 1 to"),
     (("plan", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "\uff11"), "is not a node count"),
     ((*ESTIMATE, "--pp", "2", "--dp", "1", "--ep", "1", "--layers-per-stage", "\u0661,\u0661"), "--layers-per-stage"),
+    # before: click's int() read '1_0' as ten and Arabic-Indic or full-width digits as numbers
+    ((*ESTIMATE, "--nodes", "1_0"), "'--nodes': '1_0' is not a valid integer"),
+    ((*ESTIMATE, "--dp", "\u0662"), "'--dp': '\u0662' is not a valid integer"),
+    (("launch", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1", "--steps", "\uff15"),
+     "'--steps': '\uff15' is not a valid integer"),
     ((*ESTIMATE, "--cost-option", "moe_saved_rows=100000000"), "moe_saved_rows: Input should be less than or equal to 2"),
     ((*ESTIMATE, "--cost-option", "migration_fraction=1"), "migration_fraction: Input should be less than 1"),
+    # before: accepted, and priced as one row per chunk (0.185 s against 0.067 s at 1024), where a plan file refuses 0
+    ((*ESTIMATE, "--cost-option", "unfused_kernels=true", "--cost-option", "loss_chunk_rows=0"),
+     "loss_chunk_rows: Input should be greater than or equal to 1"),
     ((*ESTIMATE, "--cost-option", "moe_saved_rows=\x07"), "malformed YAML: unacceptable character #x0007"),
 ])
 def test_planner_options_of_round_seven(args, needle):
