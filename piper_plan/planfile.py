@@ -21,7 +21,7 @@ from pydantic import AfterValidator, Field, PositiveInt
 
 from piper_plan import __version__
 from piper_plan.catalog import parse_spec, read_structured
-from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS
+from piper_plan.cost.options import PIPER_RUNTIME_OPTIONS, cost_options
 from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json
 from piper_plan.plans import check_plan
@@ -261,6 +261,11 @@ def parse_plan_dict(data: dict, path: str) -> PlanFile:
             raise PiperError(exc.message, path=path, field="training.dtype") from None
     check_plan(plan_file.model, plan_file.platform, plan_file.training, plan_file.nodes, plan_file.parallel, path)
     check_prediction(plan_file, path)
+    if plan_file.prediction is not None:                # every reader prices with them: checked once, here
+        try:
+            cost_options(dict(plan_file.prediction.options))
+        except PiperError as exc:
+            raise PiperError(exc.message, path=path, field=f"prediction.{exc.field or 'options'}") from None
     return plan_file
 
 

@@ -112,8 +112,8 @@ class RowSpec(Spec):
 class DatasetSpec(Spec):
     """One ``validation/<name>.yaml`` file."""
 
-    name: str
-    """Dataset name (the file stem)."""
+    name: Name
+    """Dataset name (the file stem; one line, not blank: tables and errors print it)."""
     description: str
     """What was measured, on what."""
     citation: str

@@ -776,6 +776,8 @@ def test_a_skew_beyond_the_ep_group_is_priced_at_its_most_and_said():
     ({"parallel": {"zero": True}}, "parallel.zero: a boolean is not a number"),
     ({"model": {"name": " "}}, "model.name: a name is one line, not blank"),
     ({"model": {"name": "m" * 300}}, "model.name: a name is at most 256 characters"),
+    # before: "error: options: bogus: unknown field", no file, and the field named without its block
+    ({"prediction": {"options": {"bogus": 1}}}, "p.json: prediction.options: bogus: unknown field"),
 ])
 def test_a_plan_file_that_contradicts_itself_or_types_a_boolean(tmp_path, plan_json, edit, needle):
     """Before: each was read (true as 1; a skew of 1e308 beside training's 1.0)."""
