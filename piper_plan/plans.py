@@ -335,8 +335,9 @@ RULES: tuple[Rule, ...] = (
          lambda s, p: f"dp_replicate={p.dp_replicate} needs zero 2 or 3 (HSDP shards with FSDP2; got zero={p.zero})"),
     Rule("batch_not_divisible", lambda s, c: s.training.global_batch % (c.dp * c.mbs) != 0,
          lambda s, p: f"global_batch={s.training.global_batch} must be divisible by dp x mbs = {p.dp} x {p.mbs}"),
-    Rule("microbatches_mismatch",
-         lambda s, c: c.num_microbatches * c.dp * c.mbs != s.training.global_batch, level="schedule",
+    Rule("microbatches_mismatch",                  # where dp x mbs divides the batch: else the rule above says it
+         lambda s, c: (s.training.global_batch % (c.dp * c.mbs) == 0)
+         & (c.num_microbatches * c.dp * c.mbs != s.training.global_batch), level="schedule",
          message=lambda s, p: f"num_microbatches={p.num_microbatches} must equal global_batch / (dp x mbs) = "
                               f"{s.training.global_batch} / ({p.dp} x {p.mbs})"),
     Rule("virtual_stages_not_interleaved", lambda s, c: ~_interleaved(c) & (c.virtual_stages != 1),
