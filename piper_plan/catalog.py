@@ -62,7 +62,8 @@ def required_names(folder: Path, kind: str) -> list[str]:
     names = catalog_names(folder)
     if names:
         return names
-    where = f"PIPER_HOME={os.environ['PIPER_HOME']}" if os.environ.get("PIPER_HOME") else "beside the piper_plan package"
+    home = os.environ.get("PIPER_HOME")
+    where = f"PIPER_HOME={home}" if home else "beside the piper_plan package"
     state = "holds no *.yaml" if folder.is_dir() else "does not exist"
     raise PiperError(f"{folder} {state}: the {kind} catalog folder ({where}); allowed: a folder holding piper's "
                      f"{kind} files (unset PIPER_HOME to use the ones piper ships)")

@@ -396,7 +396,7 @@ def spawn_local_sweep(opts, platform, source, reporter) -> int:
             raise PiperError(f"local collective sweep failed ({len(failed)} of {world} ranks; the others were "
                              f"stopped): {tails}")
         if any(c is None for c in codes):
-            raise PiperError(f"local collective sweep: no result after {opts.collective_timeout_s:.0f} s "
+            raise PiperError(f"local collective sweep: no result after {opts.collective_timeout_s:.0f} s; "
                              f"its {world} ranks were stopped")
     return counter["measured"]
 

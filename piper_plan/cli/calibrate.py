@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import (AsciiInt, console, diagnostics, exit_codes, json_option, note, options_given, out_dir_option,
-                                   output_option, plot_option, print_json)
+from piper_plan.cli.common import (AsciiInt, console, diagnostics, exit_codes, json_option, note, options_given,
+                                   out_dir_option, output_option, plot_option, print_json)
 from piper_plan.errors import PiperError
 from piper_plan.plots import check_plot_path
 from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES

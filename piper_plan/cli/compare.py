@@ -42,7 +42,7 @@ def prediction_of(plan_file, path: Path) -> dict:
         note(f"note: {path}: {stale_note(plan_file.prediction, fresh.prediction)}; compared with the new figures")
     ran, runtime_note = for_the_runtime(fresh)
     if runtime_note and figures_differ(fresh.prediction, ran.prediction):
-        note(f"note: {path}: {runtime_note.replace('the job runs', 'the run ran')}; compared with these figures")
+        note(f"note: {path}: the run ran piper's runtime, {runtime_note}; compared with these figures")
     return ran.prediction.to_json()
 
 

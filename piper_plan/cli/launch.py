@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import AsciiInt, console, diagnostics, exit_codes, json_option, note, out_dir_option, print_json
+from piper_plan.cli.common import (AsciiInt, console, diagnostics, exit_codes, json_option, note, out_dir_option,
+                                   print_json)
 from piper_plan.cli.options import load_setting, training_options
 from piper_plan.errors import PiperError
 from piper_plan.planfile import MAX_STEPS

@@ -30,13 +30,16 @@ def migrate_group() -> None:
 @migrate_group.command("simulate", epilog=exit_codes())
 @click.option("--experts", "num_experts", type=AsciiInt(min=1, max=MAX_EXPERTS),
               help="Experts per MoE layer (E); default: the model's.")
-@click.option("--ep", type=AsciiInt(min=1), required=True, help="Ranks in the expert-parallel group (G); must divide E.")
-@click.option("--layers", "num_layers", type=AsciiInt(min=1), help="MoE layers to simulate (default 1; a FILE sets its own).")
+@click.option("--ep", type=AsciiInt(min=1), required=True,
+              help="Ranks in the expert-parallel group (G); must divide E.")
+@click.option("--layers", "num_layers", type=AsciiInt(min=1),
+              help="MoE layers to simulate (default 1; a FILE sets its own).")
 @click.option("--skew", default="zipf:1.2", show_default=True,
               help="Loads: zipf:S, dirichlet:A, uniform, or a runtime metrics.jsonl (expert_tokens summed over steps).")
 @click.option("--threshold", type=click.FloatRange(min=1.0), default=1.1, show_default=True,
               help="Migrate a layer only when its max/mean rank load exceeds this.")
-@click.option("--max-iters", type=AsciiInt(min=0), default=16, show_default=True, help="Hill-climbing swaps per layer (T).")
+@click.option("--max-iters", type=AsciiInt(min=0), default=16, show_default=True,
+              help="Hill-climbing swaps per layer (T).")
 @click.option("--seed", type=AsciiInt(min=0), default=0, show_default=True, help="Seed of the synthetic loads.")
 @click.option("--model", help="Model (catalog name or file): prices bytes per expert.")
 @click.option("--platform", help="Platform (catalog name or file): prices the intra-group bandwidth.")

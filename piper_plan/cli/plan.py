@@ -12,8 +12,8 @@ import io
 
 import click
 
-from piper_plan.cli.common import (AsciiInt, EXIT_NOTHING_FITS, console, diagnostics, exit_codes, json_option, note, output_option,
-                                   platform_calibration, platform_show_command, plot_option, print_json,
+from piper_plan.cli.common import (EXIT_NOTHING_FITS, AsciiInt, console, diagnostics, exit_codes, json_option, note,
+                                   output_option, platform_calibration, platform_show_command, plot_option, print_json,
                                    print_table, short_compute_source)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
                                     placement_option, precision_text, training_options, capacity_note)

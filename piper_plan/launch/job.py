@@ -88,9 +88,9 @@ def for_the_runtime(plan_file: PlanFile) -> tuple[PlanFile, str | None]:
     fresh = _as_the_runtime_runs_it(plan_file)
     if fresh is None:
         return plan_file, None
-    note = (f"the job runs piper's runtime, priced as it runs the plan (its unfused kernels, as `estimate "
-            f"--piper-runtime` prices it): {_figures(fresh)}, against the file's {_figures(plan_file.prediction)} "
-            "(another engine's fused kernels)")
+    note = (f"priced as piper's runtime runs the plan (its unfused kernels, as `estimate --piper-runtime` prices "
+            f"it): {_figures(fresh)}, against the file's {_figures(plan_file.prediction)} (another engine's fused "
+            "kernels)")
     return plan_file.model_copy(update={"prediction": fresh}), note
 
 
@@ -179,8 +179,9 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
     if command is None:                 # piper's runtime: the job is sized by its own pricing
         sized, runtime_note = for_the_runtime(plan_file)
         if runtime_note and figures_differ(plan_file.prediction, sized.prediction):
-            repriced_note = "; ".join(filter(None, (repriced_note, f"{plan_path}: {runtime_note}; the job is "
-                                                    "sized by these figures (`piper compare` measures it by them)")))
+            repriced_note = "; ".join(filter(None, (repriced_note, f"{plan_path}: the job runs piper's runtime, "
+                                                    f"{runtime_note}; the job is sized by these figures (`piper "
+                                                    "compare` measures it by them)")))
     out_dir = out_dir.expanduser().absolute()
     job = render.job_spec(sized, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))
