@@ -159,7 +159,11 @@ def load_model(name_or_path: str) -> ModelSpec:
 def load_platform(name_or_path: str) -> PlatformSpec:
     """A PlatformSpec from a catalog name (frontier) or a YAML/JSON path."""
     path = resolve(name_or_path, platforms_dir(), "platform")
-    return parse_spec(PlatformSpec, read_structured(path), str(path))
+    data = read_structured(path)
+    if isinstance(data, dict) and {"schema_version", "platform", "parallel"} <= data.keys():
+        raise PiperError("a plan file, not a platform file; allowed: a platform name or a platform file (a plan's "
+                         "platform is its 'platform' block)", path=str(path))
+    return parse_spec(PlatformSpec, data, str(path))
 
 
 def list_models() -> list[ModelSpec]:

@@ -298,6 +298,9 @@ def check_prediction(plan_file: PlanFile, path: str) -> None:
     pred = plan_file.prediction
     if pred is None:
         return
+    if pred.nodes != plan_file.nodes:                 # before: blamed on tokens_per_s, which it derives
+        raise PiperError(f"{pred.nodes}, but nodes is {plan_file.nodes}; allowed: the plan's own node count (piper "
+                         "writes it in both)", path=path, field="prediction.nodes")
     for model_name, hardware_name, largest in UTILISATION_PAIRS:
         model_u, hardware_u = getattr(pred, model_name), getattr(pred, hardware_name)
         for name, value in ((model_name, model_u), (hardware_name, hardware_u)):

@@ -778,6 +778,8 @@ def test_a_skew_beyond_the_ep_group_is_priced_at_its_most_and_said():
     ({"model": {"name": "m" * 300}}, "model.name: a name is at most 256 characters"),
     # before: "error: options: bogus: unknown field", no file, and the field named without its block
     ({"prediction": {"options": {"bogus": 1}}}, "p.json: prediction.options: bogus: unknown field"),
+    # before: blamed on prediction.tokens_per_s, which piper derives from the node count
+    ({"prediction": {"nodes": 4096}}, "p.json: prediction.nodes: 4096, but nodes is"),
 ])
 def test_a_plan_file_that_contradicts_itself_or_types_a_boolean(tmp_path, plan_json, edit, needle):
     """Before: each was read (true as 1; a skew of 1e308 beside training's 1.0)."""
@@ -976,3 +978,11 @@ def test_a_calibration_file_that_is_a_broken_link_is_one_line(tmp_path, monkeypa
     (tmp_path / "calibration" / "local-cpu" / name).symlink_to(target)
     monkeypatch.setenv("PIPER_HOME", str(tmp_path))
     assert_one_line_error(run(*ESTIMATE), f"calibration/local-cpu/{name}: {said}")
+
+
+def test_a_plan_file_given_as_a_platform_is_named_so(tmp_path, plan_json):
+    """Before: one line listing 19 missing and unknown fields of a platform spec."""
+    plan = write(tmp_path / "p.json", plan_json)
+    for args in (("calibrate", "show", "--platform", plan), ("estimate", "--model", "tiny-moe", "--platform", plan,
+                                                             "--nodes", "1")):
+        assert_one_line_error(run(*args), "p.json: a plan file, not a platform file")
