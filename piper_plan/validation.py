@@ -354,8 +354,12 @@ def check_row(spec: DatasetSpec, row: RowSpec) -> None:
     and its facts, migration arguments); a bad one is a PiperError on the row's field."""
     row_options(spec, row)
     if row.quantity in MIGRATION_QUANTITIES:
+        _not_read(row, ("training", "search", "parallel", "nodes", "seq_len", "global_batch", "stage"),
+                  "a migration row (its layer's facts and migration arguments set it)")
         migration_inputs(spec, row)
         return
+    if not row.quantity.startswith("memory."):
+        _not_read(row, ("stage",), f"a {row.quantity} row (stage picks a memory row's stage)")
     if row.nodes is None:
         raise PiperError("needs nodes", field="nodes")
     training = row_training(spec, row)
@@ -368,6 +372,13 @@ def check_row(spec: DatasetSpec, row: RowSpec) -> None:
 
         check_plan(model, load_platform(row.platform or spec.platform), training, row.nodes, row_plan(row, training))
     check_layout_mtp((row.parallel or {}).get("virtual_stage_layers"), model.mtp_layers)
+
+
+def _not_read(row: RowSpec, fields: tuple[str, ...], what: str) -> None:
+    """One error line where ``row`` sets a field its quantity never reads (before, read as given and ignored)."""
+    given = [name for name in fields if getattr(row, name) is not None]
+    if given:
+        raise PiperError(f"{given[0]} does not apply to {what}; allowed: leave it out", field=given[0])
 
 
 def row_search(row: RowSpec):

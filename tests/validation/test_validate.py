@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -334,3 +335,29 @@ def test_the_h100_constant_moves_only_the_qwen3_30b_rows(capsys):
     for row_id in ("25.09-dsv3-h100", "25.11-qwen3-235b-h100"):       # as `piper validate` prices them
         assert errors[row_id] == f"{100 * _row_json('megatron-bridge-moe', row_id)['rel_error']:+.2f}%"
     assert float(errors["25.11-qwen3-30b-h100"].rstrip("%")) > 90
+
+
+@pytest.mark.parametrize("row_extra, needle", [
+    ("training: {seq_len: -5}, ", "rows[r].training: training does not apply to a migration row"),
+    ("search: {strategy: zzz}, ", "rows[r].search: search does not apply to a migration row"),
+    ("nodes: 4, ", "rows[r].nodes: nodes does not apply to a migration row"),
+])
+def test_a_migration_row_field_it_never_reads_is_one_line(tmp_path, row_extra, needle):
+    """Before: read as given and ignored (a strategy 'zzz', a sequence of -5 tokens), the dataset passing."""
+    path = tmp_path / "d.yaml"
+    path.write_text("name: d\ndescription: x\ncitation: x\nplatform: frontier\nused_for_fitting: false\n"
+                    "tolerance_pct: {row: 1, mean: 1}\nmigration: {bytes_per_param: 16, matrices: 3, gpus: 8, "
+                    "bandwidth_Bps: 50000000000}\nrows:\n  - {id: r, facts: {num_experts: 8, hidden_size: 64, "
+                    f"d_ffn: 64}}, {row_extra}quantity: migration.time_ms, published: 1.0}}\n")
+    result = CliRunner().invoke(cli, ["validate", "--dataset", str(path)])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
+
+
+def test_a_stage_on_a_row_that_reads_no_memory_is_one_line(tmp_path):
+    data = (Path(__file__).resolve().parents[2] / "validation" / "korthikanti-a100.yaml").read_text()
+    rows = data.index("rows:")
+    first = data.index("- {", rows)
+    path = tmp_path / "k.yaml"
+    path.write_text(data[:first] + "- {stage: 0, " + data[first + 3:])
+    result = CliRunner().invoke(cli, ["validate", "--dataset", str(path)])
+    assert result.exit_code == 2 and "stage does not apply to a" in result.stderr, result.stderr
