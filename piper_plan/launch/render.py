@@ -207,13 +207,9 @@ def launch_settings(launch, source: str) -> dict:
 
 
 def checked_launch_block(launch) -> dict:
-    """A platform's ``launch`` block, validated: modules, env, srun and sbatch options, partition (a bad value is
-    one PiperError naming its field, ``launch.env``...)."""
-    return {"modules": tuple(v.module_name(m) for m in launch.modules),
-            "env": tuple(v.env_pair(k, val) for k, val in launch.env.items()),
-            "srun_extra": tuple(v.option_token(o, "launch.srun") for o in launch.srun),
-            "sbatch_extra": tuple(v.sbatch_option(o) for o in launch.sbatch),
-            "partition": _optional_name(launch.partition, "launch.partition")}
+    """A platform's ``launch`` block, validated (launch/validate.py launch_block; a platform file's is checked when
+    it is read too)."""
+    return v.launch_block(launch)
 
 
 def _optional_sbatch(job: JobSpec) -> str:

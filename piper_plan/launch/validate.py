@@ -136,6 +136,16 @@ def sbatch_option(value: str) -> str:
     return token
 
 
+def launch_block(launch) -> dict:
+    """A platform's ``launch`` block (specs/platform.py LaunchSpec), validated for the job script: modules, env, srun
+    and sbatch options, partition (a bad value is one PiperError naming its field, ``launch.env``...)."""
+    return {"modules": tuple(module_name(m) for m in launch.modules),
+            "env": tuple(env_pair(k, val) for k, val in launch.env.items()),
+            "srun_extra": tuple(option_token(o, "launch.srun") for o in launch.srun),
+            "sbatch_extra": tuple(sbatch_option(o) for o in launch.sbatch),
+            "partition": None if launch.partition is None else slurm_name(launch.partition, "launch.partition")}
+
+
 def positive_int(value: object, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PiperError(f"{field}={value!r} is not allowed; allowed: a positive integer", field=field)

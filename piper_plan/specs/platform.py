@@ -252,6 +252,19 @@ class LaunchSpec(Spec):
         return value
     """Where these settings come from."""
 
+    @model_validator(mode="after")
+    def _job_script_values(self) -> "LaunchSpec":
+        """What `piper launch` writes into a job script is checked when the platform is read (before: `platform
+        show` and `estimate -o` took a module name, environment value or option that launch then refused)."""
+        from piper_plan.errors import PiperError
+        from piper_plan.launch.validate import launch_block
+
+        try:
+            launch_block(self)
+        except PiperError as exc:
+            raise ValueError(exc.message) from None
+        return self
+
 
 class EfficiencySpec(Spec):
     """Roofline fallback used when a platform has no calibration CSVs (the output says so)."""

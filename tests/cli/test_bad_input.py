@@ -654,14 +654,15 @@ def test_launch_refuses_unicode_digits_in_time_and_absurd_steps(tmp_path, plan_j
 
 
 def test_calibrate_slurm_checks_the_launch_block_as_launch_does(tmp_path):
-    """Before: `piper calibrate slurm` wrote a platform's env values as they were: export X="$(id)" ran id."""
+    """Before: `piper calibrate slurm` wrote a platform's env values as they were: export X="$(id)" ran id. (Since
+    refused when the platform file is read, as every command reads it.)"""
     import yaml
 
     root = Path(__file__).resolve().parents[2]
     data = yaml.safe_load((root / "platforms" / "local-cpu.yaml").read_text())
-    for launch, needle in (({"env": {"X": "$(id)"}}, "launch.env.X: platform local-cpu: launch.env.X="),
-                           ({"sbatch": ["-t5"]}, "launch.sbatch: platform local-cpu: launch.sbatch='-t5' is not "
-                                                 "allowed: the job script sets -t itself")):
+    for launch, needle in (({"env": {"X": "$(id)"}}, "p.yaml: launch: launch.env.X='$(id)' is not allowed"),
+                           ({"sbatch": ["-t5"]}, "p.yaml: launch: launch.sbatch='-t5' is not allowed: the job script "
+                                                 "sets -t itself")):
         data["launch"] = {**data["launch"], **launch}
         path = write(tmp_path / "p.yaml", yaml.safe_dump(data))
         out = tmp_path / "cal.sbatch"

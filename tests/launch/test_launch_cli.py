@@ -41,13 +41,13 @@ def test_out_path_injection_is_rejected(tmp_path, plan, bad):
 
 
 def test_env_injection_in_platform_is_rejected(tmp_path):
-    from launch_plans import platform_dict
-
-    data = platform_dict("frontier")
-    data["launch"]["env"]["EVIL"] = "$(touch /tmp/pwned)"
-    plan = write_plan(tmp_path / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8}, platform_data=data)
+    plan = write_plan(tmp_path / "plan.json", "frontier", 2, {"pp": 2, "dp": 8, "ep": 8})
+    data = json.loads(plan.read_text())
+    data["platform"]["launch"]["env"]["EVIL"] = "$(touch /tmp/pwned)"      # a hand-edited (or received) file
+    plan.write_text(json.dumps(data))
     result = run("launch", "--plan", plan, "--out", tmp_path / "job")
-    assert result.exit_code == 2 and result.stderr.startswith(f"error: {plan}: platform.launch.env.EVIL: ")
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {plan}: platform.launch: launch.env.EVIL=")
+    assert not (tmp_path / "job").exists()
 
 
 def test_writes_three_files_and_force(tmp_path, plan):
