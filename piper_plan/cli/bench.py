@@ -68,6 +68,8 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
         device_nic=tuple(platform.node.nic_of_device) if platform else None)
     launch = read_launch_env()
     launched = launch.launched
+    if platform is not None and not no_save:
+        _check_rows_are_the_platforms(platform, _backend(platform) if launched else "gloo")
     bench.check_sizes_differ(config.sizes_bytes, launch.world_size if launched else nodes * ranks_per_node)
     if launched:
         rank, result = bench.run_launched(config, _backend(platform))
@@ -82,6 +84,17 @@ def a2a_cmd(algo, nodes, ranks_per_node, sizes, verify, platform_name, repeats, 
     if result.passed and not no_save:
         _save(result, platform, Path(output_dir) if output_dir is not None else None, launched)
     sys.exit(0 if result.passed else EXIT_CHECK_FAILED)
+
+
+def _check_rows_are_the_platforms(platform, backend: str) -> None:
+    """Refuse, before measuring, rows that would price ``platform``'s all-to-all by another backend's timings: gloo
+    ranks on this host written into a GPU platform's calibration made its expert all-to-all thousands of times
+    slower (Qwen3-30B on 4 Frontier nodes: 100 s a step -> 444,100 s)."""
+    if backend != platform.launch.backend:
+        raise PiperError(f"{platform.name} runs {platform.launch.backend} on {platform.launch.device} devices and this "
+                         f"measurement would run {backend} here: its rows are not {platform.name}'s; allowed: "
+                         "--no-save, a platform of this backend (local-cpu, netemu), or a job on the platform's nodes",
+                         field="--platform")
 
 
 def _backend(platform) -> str:

@@ -227,6 +227,16 @@ def test_bench_a2a_never_picks_a_platform_to_write_into():
     assert_one_line_error(run("bench", "a2a", "--platform", "local-cpu", "--out-dir", ""), "--out-dir: '' names no directory")
 
 
+@pytest.mark.parametrize("platform", ["frontier", "h200"])
+def test_bench_a2a_writes_no_gloo_rows_into_a_gpu_platform(tmp_path, platform):
+    """Before: this host's gloo ranks wrote their timings into a GPU platform's collectives.csv (or --out-dir), and
+    its expert all-to-all was priced at them: Qwen3-30B on 4 Frontier nodes from 100 s a step to 444,100 s."""
+    assert_one_line_error(run("bench", "a2a", "--platform", platform, "--nodes", "2", "--ranks-per-node", "2",
+                              "--out-dir", tmp_path / "rows"), f"{platform} runs nccl on cuda devices",
+                          "would run gloo here")
+    assert not (tmp_path / "rows").exists()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--nodes", "20", "--ranks-per-node", "8"], "160 local processes"),
     (["--nodes", "2", "--ranks-per-node", "4", "--sizes", "4G"], "needs ~"),
