@@ -312,12 +312,32 @@ def free_port() -> int:
 
 
 def spawn_gloo(entry, num_ranks: int, *args, timeout_s: float = 300.0) -> None:
-    """Run ``entry(rank, num_ranks, init_method, timeout_s, *args)`` in ``num_ranks`` spawned processes."""
+    """Run ``entry(rank, num_ranks, init_method, timeout_s, *args)`` in ``num_ranks`` spawned processes.
+
+    A Ctrl-C (the terminal's SIGINT to the whole process group) ends the ranks from here: they start with SIGINT
+    ignored (inherited), and this process kills them on its KeyboardInterrupt. Before, each rank printed its own
+    KeyboardInterrupt traceback (from wherever it was: importing torch, in the rendezvous), 240 lines in all."""
+    import signal
+
     import torch.multiprocessing as mp
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    mp.start_processes(entry, args=(num_ranks, init_method, timeout_s) + args, nprocs=num_ranks,
-                       join=True, start_method="spawn")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ranks = mp.start_processes(entry, args=(num_ranks, init_method, timeout_s) + args, nprocs=num_ranks,
+                                   join=False, start_method="spawn")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        while not ranks.join():
+            pass
+    except KeyboardInterrupt:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+        for process in ranks.processes:
+            process.join()
+        raise
 
 
 def init_gloo(rank: int, num_ranks: int, init_method: str, timeout_s: float) -> None:

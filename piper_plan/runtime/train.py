@@ -600,6 +600,10 @@ def main(argv=None) -> int:
     import faulthandler
 
     faulthandler.enable(all_threads=True)        # CRASH_SIGNALS: where each thread was, before the rank dies
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # until the stop flag's handler is in (nothing to checkpoint before), a Ctrl-C ends this rank the operating
+        # system's way: before, each rank printed a KeyboardInterrupt traceback from `import torch`
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     args = parse_args(argv)
     env = read_launch_env()
     rank, world, local = env.rank, env.world_size, env.local_rank

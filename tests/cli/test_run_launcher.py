@@ -481,3 +481,59 @@ def test_the_cause_of_a_failed_run_is_the_rank_killed_from_outside():
     assert run_module._cause(peer_gone)[0] == 1
     own_error = Failed({0: failure(2, 50), 1: failure(-signal.SIGTERM, 50), 2: failure(-signal.SIGKILL, 80)})
     assert run_module._cause(own_error)[0] == 0
+
+
+def _rank_children(pid: int, module: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", module], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out if _descends_from(int(p), pid)]
+
+
+def _loading_torch(pid: int) -> bool:
+    """Whether torch's libraries are mapped in ``pid`` (it is importing torch, or has)."""
+    try:
+        return "torch/lib" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("command, module", [
+    (["run", "--plan", "{plan}", "--out-dir", "{tmp}/run", "--steps", "50"], "piper_plan.runtime.train"),
+    (["bench", "a2a", "--nodes", "2", "--ranks-per-node", "2", "--no-save"], "multiprocessing"),
+], ids=["run", "bench-a2a"])
+def test_ctrl_c_while_the_ranks_start_prints_no_rank_traceback(tmp_path, command, module):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) as the ranks import torch: each rank printed its own
+    KeyboardInterrupt traceback (bench a2a: 233-240 lines). Now the ranks end quietly, nothing is left running,
+    and the command exits 130 with at most its own lines."""
+    args = [a.replace("{plan}", str(two_rank_plan(tmp_path))).replace("{tmp}", str(tmp_path)) for a in command]
+    proc = subprocess.Popen([str(PIPER), *args], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=CLEAN_ENV, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 60
+        while sum(map(_loading_torch, _rank_children(proc.pid, module))) < 2:   # past the interpreter's start
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.01)
+        ranks = _rank_children(proc.pid, module)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 130, stderr[-3000:]
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+        time.sleep(0.5)
+        assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()
+                    and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
