@@ -183,10 +183,12 @@ def run(env: LaunchEnv, platform, out_dir: str, quick: bool, resume: bool, ops: 
         skip = _broadcast_skip(env, out_dir, resume)
         hosts = [None] * env.world_size
         dist.all_gather_object(hosts, socket.gethostname())
-        _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source, timing)
+        skipped = _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source, timing)
         dist.barrier()
+        if env.rank == 0 and os.environ.get("PIPER_PROGRESS_PIPE"):
+            print(PROGRESS_PREFIX + json.dumps({"skipped": skipped}), flush=True)
         return {"hosts": sorted(set(hosts)), "backend": platform.launch.backend, "world_size": env.world_size,
-                "ranks_per_node": env.ranks_per_node, "torch": torch.__version__}
+                "ranks_per_node": env.ranks_per_node, "torch": torch.__version__, "skipped": skipped}
     finally:
         end_process_group()
 
@@ -212,8 +214,9 @@ def _broadcast_skip(env: LaunchEnv, out_dir: str, resume: bool) -> set:
     return box[0]
 
 
-def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source, timing) -> None:
-    """Every block's rows; ``timing`` = (statistic, repeats or None for the default of --quick or not)."""
+def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source, timing) -> int:
+    """Every block's rows; ``timing`` = (statistic, repeats or None for the default of --quick or not). Returns the
+    points skipped as already measured (--resume)."""
     from piper_plan.calibration.io import merge_rows
     from piper_plan.calibration.schema import COLLECTIVES
     from piper_plan.calibration.timing import call_seconds, slowest_rank_seconds
@@ -221,13 +224,14 @@ def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source, timi
     warmup, repeats = (2, 5) if quick else (5, 10)
     statistic, repeats = timing[0], timing[1] or repeats
     total = sum(len(b.sizes) for b in blocks)
-    done = 0
+    done = skipped = 0
     for block in blocks:
         rows, g = [], block.group
         member = env.rank in g.ranks
         for size in block.sizes:
             done += 1
             if _row_key(block.op, g, size) in skip:
+                skipped += 1
                 continue
             seconds = 0.0
             if member:
@@ -240,6 +244,7 @@ def _run_blocks(env, blocks, handles, skip, device, quick, out_dir, source, timi
                 _progress(done, total, f"{block.op} {g.scope} {len(g.ranks)} ranks {size} B")
         if env.rank == 0 and rows:
             merge_rows(out_dir, COLLECTIVES, rows)
+    return skipped
 
 
 def main(argv: list[str] | None = None) -> int:

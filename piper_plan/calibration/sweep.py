@@ -151,7 +151,8 @@ def run_calibration(opts: SweepOptions, reporter: Reporter | None = None) -> Swe
         _compute_sweeps(opts, platform, source, reporter, result)
     if "collectives" in opts.only:
         _collective_sweep(opts, platform, source, reporter, result)
-    _write_run_metadata(opts, platform, result)
+    if any(result.rows_written.values()):   # a run that wrote nothing leaves the folder (and its seed record) as is
+        _write_run_metadata(opts, platform, result)
     return result
 
 
@@ -352,8 +353,10 @@ def _collective_sweep(opts, platform, source, reporter, result) -> None:
         meta = bc.run(env, platform, str(opts.out_dir), opts.quick, opts.resume, bc.OPS_MEASURED, source)
         if env.rank == 0:
             _merge_meta(opts.out_dir, {"collectives": meta})
+            result.skipped["collectives"] = meta["skipped"]
     elif platform.launch.backend == "gloo":
-        result.rows_written["collectives"] = spawn_local_sweep(opts, platform, source, reporter)
+        result.rows_written["collectives"], result.skipped["collectives"] = spawn_local_sweep(opts, platform, source,
+                                                                                               reporter)
     else:
         result.messages.append(launch_hint(platform.name))
         return
@@ -367,9 +370,9 @@ def launch_hint(platform: str) -> str:
             f"piper_plan.calibration.bench_collectives --platform {platform} --out calibration/{platform}`.")
 
 
-def spawn_local_sweep(opts, platform, source, reporter) -> int:
+def spawn_local_sweep(opts, platform, source, reporter) -> tuple[int, int]:
     """Run bench_collectives as LOCAL_NODES x devices_per_node local processes over gloo (emulated nodes);
-    returns the number of points measured."""
+    returns the number of points measured and of those skipped as already measured (--resume)."""
     per_node = platform.node.devices_per_node
     world = LOCAL_NODES * per_node
     args = [sys.executable, "-m", "piper_plan.calibration.bench_collectives", "--platform", opts.platform,
@@ -379,7 +382,7 @@ def spawn_local_sweep(opts, platform, source, reporter) -> int:
             "OMP_NUM_THREADS": "1", "PIPER_PROGRESS_PIPE": "1"}
     with tempfile.TemporaryDirectory(prefix="piper-calib-") as logs:
         procs = [_start_rank(args, base, r, per_node, Path(logs)) for r in range(world)]
-        counter = {"measured": 0}
+        counter = {"measured": 0, "skipped": 0}
         follower = threading.Thread(target=_follow_progress, args=(procs[0], reporter, counter), daemon=True)
         follower.start()
         try:
@@ -398,7 +401,7 @@ def spawn_local_sweep(opts, platform, source, reporter) -> int:
         if any(c is None for c in codes):
             raise PiperError(f"local collective sweep: no result after {opts.collective_timeout_s:.0f} s; "
                              f"its {world} ranks were stopped")
-    return counter["measured"]
+    return counter["measured"], counter["skipped"]
 
 
 def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
@@ -440,6 +443,9 @@ def _follow_progress(proc: subprocess.Popen, reporter: Reporter, counter: dict) 
         if not line.startswith(PROGRESS_PREFIX):
             continue
         msg = json.loads(line[len(PROGRESS_PREFIX):])
+        if "skipped" in msg:                      # the last line: points --resume kept
+            counter["skipped"] = msg["skipped"]
+            continue
         if not started:
             reporter.start("collectives", msg["total"])
             started = True

@@ -348,3 +348,18 @@ def test_a_folder_of_another_device_is_not_mixed_with_this_ones(tmp_path, device
     assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
     assert needle in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metadata.json"]
+
+
+def test_a_calibration_that_measures_nothing_leaves_the_folder_as_it_was(tmp_path):
+    """--only collectives on an nccl platform without a job measures nothing: it said "wrote nothing" and still
+    rewrote metadata.json (a seed's provenance replaced by this command), or made a folder holding only that."""
+    import shutil
+
+    kept = tmp_path / "frontier"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "calibration" / "frontier", kept)
+    before = (kept / "metadata.json").read_text()
+    for out in (kept, tmp_path / "new"):
+        result = CliRunner().invoke(cli, ["calibrate", "--platform", "frontier", "--quick", "--only", "collectives",
+                                          "--out-dir", str(out)])
+        assert result.exit_code == 0 and "wrote nothing" in result.stderr, result.output
+    assert (kept / "metadata.json").read_text() == before and not (tmp_path / "new").exists()

@@ -46,6 +46,7 @@ def swept(tmp_path_factory):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)              # --json: what was written, and nothing else on stdout
     assert report["out_dir"] == str(out.resolve()) and report["skipped"]["gemm"] == 1
+    assert report["skipped"]["collectives"] == 1          # before: the collective sweep's resume was not counted
     assert report["rows_written"]["gemm"] == len(gemm_points("cpu", quick=True)) - 1 and "wrote " in result.stderr
     return out
 
