@@ -107,11 +107,11 @@ def check_dtypes(opts: SweepOptions, device_type: str) -> list[str]:
     if not kinds:
         raise PiperError(f"--dtype {','.join(opts.dtypes)}: only the gemm and attention sweeps have a precision; "
                          f"--only {','.join(opts.only)} selects neither")
-    measured = {p.dtype: None for k in kinds for p in _device_points(k, device_type, opts.quick)}
-    bad = [d for d in opts.dtypes if d not in measured]
+    by_kind = {k: list(dict.fromkeys(p.dtype for p in _device_points(k, device_type, opts.quick))) for k in kinds}
+    bad = [d for d in opts.dtypes if not any(d in dtypes for dtypes in by_kind.values())]
     if bad:
-        raise PiperError(f"--dtype {','.join(bad)}: the {' and '.join(kinds)} sweep on a {device_type} device "
-                         f"measures {', '.join(measured)}")
+        each = "; ".join(f"{kind} {', '.join(dtypes)}" for kind, dtypes in by_kind.items())
+        raise PiperError(f"--dtype {','.join(bad)}: on a {device_type} device the sweeps measure: {each}")
     return [f"{kind}: nothing measured, its sweep on a {device_type} device has no {','.join(opts.dtypes)} point "
             f"(it measures {', '.join(dict.fromkeys(p.dtype for p in _device_points(kind, device_type, opts.quick)))})"
             for kind in kinds if not compute_points(kind, device_type, opts)]

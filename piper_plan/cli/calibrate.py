@@ -191,6 +191,7 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
     if plot_path:
         check_plot_path(plot_path)
     folder = Path(platform_name).is_dir()
+    given = platform_name                                   # what the user typed: the hint's --platform
     if not folder and Path(platform_name).is_file():      # a platform file, as `piper calibrate --platform` takes
         from piper_plan.catalog import load_platform
 
@@ -198,7 +199,7 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
     cal = load_calibration(Path(platform_name) if folder else platform_name)
     if cal is None:
         hint = (f"measure into it with `piper calibrate --platform P --out-dir {platform_name}`" if folder
-                else f"run `piper calibrate --platform {platform_name}`")
+                else f"run `piper calibrate --platform {shlex.quote(given)}`")
         raise PiperError(f"no calibration CSVs for {platform_name!r}; {hint}")
     data = summary(cal)
     if as_json:

@@ -87,11 +87,11 @@ def wall_time(value: str) -> str:
     """Slurm [D-]HH:MM:SS, more than zero and at most MAX_WALL_S (hours below 24 after a day count); returned
     unchanged."""
     allowed = "[D-]HH:MM:SS, e.g. 02:00:00, above 00:00:00 and at most 365 days (HH < 24 after D-)"
-    _check(value, TIME_RE, "time", allowed)
+    _check(value, TIME_RE, "--time", allowed)                      # a value of --time (launch, calibrate slurm)
     days, hours, minutes, seconds = (int(g or 0) for g in TIME_RE.fullmatch(str(value)).groups())
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if total == 0 or total > MAX_WALL_S or (TIME_RE.fullmatch(str(value)).group(1) is not None and hours > 23):
-        raise PiperError(f"time={str(value)!r} is not allowed; allowed: {allowed}", field="time")
+        raise PiperError(f"--time={str(value)!r} is not allowed; allowed: {allowed}", field="--time")
     return str(value)
 
 

@@ -36,7 +36,7 @@ def test_dtype_keeps_the_compute_sweeps_to_the_precisions_named(tmp_path):
     device = json.loads((tmp_path / "metadata.json").read_text())["device"]
     assert device["isa_flags"] == cpu_isa_flags() and device["name"] == cpu_name()     # what compare tells apart
     for args, needle in ((["--only", "gemm,attention", "--dtype", "fp32,fp16"],
-                          "--dtype fp16: the gemm and attention sweep on a cpu device measures fp32, bf16"),
+                          "--dtype fp16: on a cpu device the sweeps measure: gemm fp32, bf16; attention fp32"),
                          (["--only", "collectives", "--dtype", "bf16"], "--only collectives selects neither"),
                          (["--dtype", " , "], "names nothing")):
         bad = CliRunner().invoke(cli, ["calibrate", "--platform", "local-cpu", *args, "--out", str(tmp_path / "bad")])
@@ -57,7 +57,7 @@ def test_the_slurm_sweep_passes_dtype_on_and_checks_it_before_writing(tmp_path):
     assert "--resume --dtype bf16" in (tmp_path / "job.sbatch").read_text()
     bad = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--dtype", "fp32",
                                    "--out-dir", str(tmp_path), "-o", str(tmp_path / "bad.sbatch")])
-    assert bad.exit_code == 2 and "--dtype fp32: the gemm and attention sweep on a cuda device measures bf16, fp8" \
+    assert bad.exit_code == 2 and "--dtype fp32: on a cuda device the sweeps measure: gemm bf16, fp8; attention bf16" \
         in bad.stderr and not (tmp_path / "bad.sbatch").exists()
     no_fp8 = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "frontier", "--nodes", "2", "--dtype", "fp8",
                                       "--out-dir", str(tmp_path), "-o", str(tmp_path / "fp8.sbatch")])
