@@ -29,6 +29,18 @@ import sys
 import time
 from pathlib import Path
 
+
+def quiet_ctrl_c() -> None:
+    """Until the stop flag's handler is in (nothing to checkpoint before), a Ctrl-C ends this rank the operating
+    system's way: Python's KeyboardInterrupt printed a traceback per rank from wherever it was (importing pydantic,
+    torch). An ignored SIGINT (a background run, nohup) stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+if __name__ == "__main__":              # a rank (python -m): before this module's own imports
+    quiet_ctrl_c()
+
 from piper_plan.errors import EXIT_CHECK_FAILED, EXIT_REQUEUE, EXIT_USER_ERROR, PiperError
 from piper_plan.launchenv import check_visible_devices, device_index, read_launch_env
 from piper_plan.metricsfile import PROCESS_RSS_KEY
@@ -600,10 +612,7 @@ def main(argv=None) -> int:
     import faulthandler
 
     faulthandler.enable(all_threads=True)        # CRASH_SIGNALS: where each thread was, before the rank dies
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        # until the stop flag's handler is in (nothing to checkpoint before), a Ctrl-C ends this rank the operating
-        # system's way: before, each rank printed a KeyboardInterrupt traceback from `import torch`
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    quiet_ctrl_c()                               # a rank started as `piper run` under torchrun / srun
     args = parse_args(argv)
     env = read_launch_env()
     rank, world, local = env.rank, env.world_size, env.local_rank
