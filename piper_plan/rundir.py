@@ -51,6 +51,27 @@ LAUNCHER_PID_ENV = "PIPER_LAUNCHER_PID"
 """Set by `piper run`'s launcher for the ranks it starts: their parent, whose end stops them (runtime/train.py)."""
 
 
+def check_not_held(run_dir: Path) -> None:
+    """hold_run_dir's refusal, without taking the hold or making anything: a live run is named before any check of
+    the directory's contents (a second `piper run` there was first told to pass --force, then refused for this)."""
+    import fcntl
+
+    lock = run_dir / LOCK_FILE
+    if not lock.is_file():
+        return
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise PiperError(HELD, path=str(run_dir)) from None
+    finally:
+        os.close(fd)
+
+
+HELD = ("another `piper run` is writing this run directory (its launcher, or its ranks, which stop within a step "
+        "once their launcher is gone); wait for it to end, or use another --out-dir")
+
+
 def hold_run_dir(run_dir: Path, launcher: bool) -> int:
     """Hold ``run_dir`` for this process until it exits (an flock on LOCK_FILE; returns its descriptor). The
     launcher (``launcher=True``) first makes sure nothing else holds it: another `piper run` in the same
@@ -65,9 +86,7 @@ def hold_run_dir(run_dir: Path, launcher: bool) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if launcher else fcntl.LOCK_SH)   # a rank: its launcher's
     except BlockingIOError:
         os.close(fd)
-        raise PiperError("another `piper run` is writing this run directory (its launcher, or its ranks, which "
-                         "stop within a step once their launcher is gone); wait for it to end, or use another "
-                         "--out-dir", path=str(run_dir)) from None
+        raise PiperError(HELD, path=str(run_dir)) from None
     if launcher:
         fcntl.flock(fd, fcntl.LOCK_SH)           # the ranks it starts share the hold
     return fd

@@ -158,8 +158,8 @@ def _checked_plan(args: list[str], plan: Path):
         cfg = load_plan(parse_args(args))
     except ValidationError as exc:      # an option out of range (--lr nan): with_runtime validates the block
         raise PiperError(validation_message(exc), field="runtime options") from None
+    checked_as_priced_now(cfg, plan)        # `piper launch`'s check and line, on the plan priced again from the file
     preflight(cfg, cfg.parallel.world, cuda_available=True)
-    checked_as_priced_now(cfg, plan)        # `piper launch`'s check, on the plan priced again from the file
     return cfg, layout_of(cfg)
 
 
@@ -363,9 +363,10 @@ def _check_run_dir(out: str, plan: str, resume: bool, force: bool) -> None:
     """The run directory, before any rank starts (the ranks check it again: rundir.py): a path that cannot be a
     directory, an entry of the wrong kind, another model's or training's run, or (without --force) a run it would
     replace is one line, exit 2."""
-    from piper_plan.rundir import check_replaces_no_run, check_run_dir, plan_change
+    from piper_plan.rundir import check_not_held, check_replaces_no_run, check_run_dir, plan_change
 
     check_run_dir(Path(out))
+    check_not_held(Path(out))
     plan_change(Path(plan), Path(out))      # its note, where the layout changed, is the ranks' to print
     if not force:
         check_replaces_no_run(Path(out), resume)

@@ -121,3 +121,18 @@ def test_a_two_rank_local_plan_trains_without_torchrun(tmp_path):
     assert all(m["process_peak_rss_bytes"] > m["total_bytes"] > 0 for r in rows for m in r["memory_bytes"])
     assert rows[0].get("warmup") is True and "warmup" not in rows[1]     # this invocation's first step
     assert done.stderr.startswith("piper run: 2 local ranks, run directory run")
+
+
+@pytest.mark.parametrize("extra", [["--capacity-factor", "1.25"], ["--tp", "2", "--etp", "2", "--dp", "1", "--ep", "1"]])
+def test_run_refuses_outside_the_capability_list_in_launch_s_line(tmp_path, extra):
+    """A plan outside the runtime's capability list: `run` said "parallel: the runtime cannot run: ..." (no file, the
+    wrong field, no re-plan hint) where `launch` names the file; both now say launch's line."""
+    plan = tmp_path / "plan.json"
+    made = CliRunner().invoke(cli, ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                                    "--dp", "2", "--ep", "2", "--seq", "64", "--global-batch", "8", *extra, "-o",
+                                    str(plan)])
+    assert made.exit_code == 0, made.output
+    ran = CliRunner().invoke(cli, ["run", "--plan", str(plan), "--out-dir", str(tmp_path / "run")])
+    launched = CliRunner().invoke(cli, ["launch", "--plan", str(plan), "--out-dir", str(tmp_path / "job")])
+    assert ran.exit_code == launched.exit_code == 2 and ran.stderr == launched.stderr, (ran.stderr, launched.stderr)
+    assert f"{plan}: the runtime cannot run this plan" in ran.stderr and not (tmp_path / "run").exists()

@@ -163,6 +163,8 @@ def test_a_run_directory_another_piper_run_holds_is_refused_before_any_rank_star
     from piper_plan.rundir import LOCK_FILE, hold_run_dir
 
     plan = two_rank_plan(tmp_path)
+    (tmp_path / "run").mkdir()          # the live run has logged a step: said before "--force does so" (it was after)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"schema_version": 1, "step": 1}\n')
     held = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                              "from piper_plan.rundir import hold_run_dir; hold_run_dir(Path(sys.argv[1]), False); "
                              "print('held', flush=True); time.sleep(60)", str(tmp_path / "run")],
