@@ -160,6 +160,7 @@ def compare(prediction: dict, records: list[dict]) -> dict:
         if meas_rss else []
     return {
         "steps_measured": len(steady),
+        "warmup_only": all(r.get("warmup") for r in steady),      # no steady step yet: the figures are warm-up's
         "step_time_s": quantity(prediction.get("step_time_s"), _median_of(steady, "step_time_s")),
         "tokens_per_s": quantity(prediction.get("tokens_per_s"), _median_of(steady, "tokens_per_s")),
         "a2a_share": quantity(predicted_a2a_share(prediction), measured_a2a_share(steady)),

@@ -185,8 +185,10 @@ def _fmt(value, scale: float = 1.0, digits: int = 4) -> str:
 def _table(result: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{result['run_dir']}: predicted vs measured (medians of {result['steps_measured']} steady "
-                        "steps; migration: their mean)")
+    kind = "warm-up steps only (allocation, connections; no steady step yet)" if result.get("warmup_only") \
+        else "steady steps"
+    table = Table(title=f"{result['run_dir']}: predicted vs measured (medians of {result['steps_measured']} {kind}; "
+                        "migration: their mean)")
     for col in ("quantity", "predicted", "measured", "error %"):
         table.add_column(col, justify="left" if col == "quantity" else "right")
     rows = [("step time (s)", result["step_time_s"], 1.0), ("tokens/s", result["tokens_per_s"], 1.0),

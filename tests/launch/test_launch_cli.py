@@ -302,3 +302,10 @@ def test_recompute_modules_that_act_on_nothing_are_said_and_do_not_stop_a_launch
     assert run(*common, "--recompute-modules", "shared_experts,moe", "-o", acting).exit_code == 0
     refused = run("launch", "--plan", acting, "--out", tmp_path / "job2", "--dry-run")
     assert refused.exit_code == 2 and "the runtime recomputes core_attn only" in refused.stderr
+
+
+def test_a_run_of_its_warm_up_step_only_is_said_to_be_so():
+    """A run stopped after its first step: compare called that warm-up step "steady" (its figures allocation's and
+    connections', its optimizer state not yet made)."""
+    assert compare(PREDICTION, [dict(RECORDS[0], warmup=True)])["warmup_only"] is True
+    assert compare(PREDICTION, RECORDS)["warmup_only"] is False
