@@ -151,10 +151,11 @@ def _refuse_constant(name: str):
     raise _Refused(f"{name} is not a number piper accepts (finite numbers only)")
 
 
-def ascii_int(text: str) -> int:
-    """An integer typed on a command line: ASCII digits only (``int`` also takes '١٦' and '１６'); ValueError else."""
+def ascii_int(text: str, max_digits: int = 18) -> int:
+    """An integer typed on a command line: ASCII digits only (``int`` also takes '1_0', '١٦' and '１６'), at most
+    ``max_digits`` of them; ValueError else."""
     stripped = text.strip()
-    if not re.fullmatch(r"[+-]?[0-9]{1,18}", stripped):
+    if not re.fullmatch(rf"[+-]?[0-9]{{1,{max_digits}}}", stripped):
         raise ValueError(f"not an integer: {text!r}")
     return int(stripped)
 

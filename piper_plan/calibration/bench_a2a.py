@@ -329,7 +329,7 @@ def spawn_gloo(entry, num_ranks: int, *args, timeout_s: float = 300.0) -> None:
     finally:
         signal.signal(signal.SIGINT, previous)
     try:
-        while not ranks.join():
+        while not ranks.join():         # blocks until a rank ends (torch's idiom, as in mp.spawn): no busy loop
             pass
     except KeyboardInterrupt:
         for process in ranks.processes:

@@ -292,16 +292,13 @@ class UserError(click.ClickException):
 
 
 def _command_line_int(value) -> int:
-    """An int default as it is; a typed value of ASCII digits (up to 100 of them: a larger value meets the
-    option's range check, or the spec's, which says what is allowed), else ValueError."""
-    import re
+    """An int default as it is; a typed value through fileio.ascii_int, up to 100 digits (a larger value than
+    an option takes meets its range check, or the spec's, which says what is allowed), else ValueError."""
+    from piper_plan.fileio import ascii_int
 
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    text = str(value).strip()
-    if not re.fullmatch(r"[+-]?[0-9]{1,100}", text):
-        raise ValueError(f"not an integer: {text!r}")
-    return int(text)
+    return ascii_int(str(value), max_digits=100)
 
 
 class AsciiInt(click.IntRange):
