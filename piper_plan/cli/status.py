@@ -14,6 +14,14 @@ JOB_DIR_MARKS = ("job.sbatch", "plan.json")
 """What `piper launch` writes into a job directory (one of them marks it as a piper job's)."""
 
 
+def run_dir_of(base: Path) -> Path:
+    """The run directory a --dir names: a job directory's run/, or a run directory itself (`piper run --out-dir`
+    writes metrics.jsonl there; a job directory holds it under run/)."""
+    if not (base / "job.sbatch").is_file() and (base / "metrics.jsonl").is_file():
+        return base
+    return base / "run"
+
+
 def run_dir_summary(run_dir: Path) -> dict:
     """Last metrics line, step count and latest checkpoint of a run directory."""
     from piper_plan.rundir import latest_step
@@ -53,7 +61,8 @@ def _last_record(lines: list[str]) -> dict | None:
 
 @click.command("status", epilog=exit_codes())
 @click.argument("job_id")
-@click.option("--dir", "job_dir", type=click.Path(exists=True, file_okay=False), help="Job directory (default: the job's WorkDir).")
+@click.option("--dir", "job_dir", type=click.Path(exists=True, file_okay=False),
+              help="Job directory (`piper launch --out-dir`; default: the job's WorkDir), or a run directory.")
 @json_option(help="Machine output on stdout.")
 def status_cmd(job_id: str, job_dir: str | None, as_json: bool) -> None:
     """Slurm state (squeue / scontrol) and the run directory of a piper job."""
@@ -64,12 +73,12 @@ def status_cmd(job_id: str, job_dir: str | None, as_json: bool) -> None:
     if info is None and job_dir is None:
         raise PiperError(f"job {job_id}: Slurm does not know it (finished long ago?); pass --dir JOB_DIR")
     base = Path(job_dir) if job_dir else Path(info.get("WorkDir", "."))
-    if job_dir and not any((base / name).is_file() for name in JOB_DIR_MARKS):
+    if job_dir and not any((base / name).is_file() for name in (*JOB_DIR_MARKS, "metrics.jsonl")):
         raise PiperError(f"{job_dir!r} is not a piper job directory: it holds none of {', '.join(JOB_DIR_MARKS)} "
-                         "(`piper launch --out-dir` writes them)", field="--dir")
+                         "(`piper launch --out-dir` writes them) nor a run's metrics.jsonl", field="--dir")
     result = {"job_id": job_id, "state": state, "reason": (info or {}).get("Reason"),
               "nodes": (info or {}).get("NodeList"), "restarts": (info or {}).get("Restarts"),
-              "run": run_dir_summary(base / "run")}
+              "run": run_dir_summary(run_dir_of(base))}
     if as_json:
         print_json(result)
         return

@@ -268,3 +268,18 @@ def test_a_path_that_is_no_regular_file_says_what_it_is(tmp_path):
                          (loop, "a symbolic link loop"), (dangling, "a symbolic link to nothing"),
                          (tmp_path / "missing.yaml", "file not found")):
         assert_one_line_error(run("model", "show", path), f"{path}: {needle}")
+
+
+def test_status_dir_takes_a_run_directory_too(tmp_path, monkeypatch):
+    """Before: `status 1 --dir RUN` (a `piper run --out-dir` folder, which holds plan.json) looked for RUN/run and
+    printed '0 steps logged' beside the run's own metrics.jsonl."""
+    monkeypatch.setenv("PATH", _fake_slurm(tmp_path, "Invalid job id specified"))
+    run_dir = tmp_path / "myrun"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.5}\n{"step": 2, "loss": 9.25}\n')
+    result = run("status", "12345", "--dir", run_dir, "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)["run"]
+    assert summary["steps_logged"] == 2 and summary["last"]["loss"] == 9.25 and summary["run_dir"] == str(run_dir)
+    (run_dir / "job.sbatch").write_text("#!/bin/bash\n")      # a job directory keeps its run under run/
+    assert json.loads(run("status", "12345", "--dir", run_dir, "--json").stdout)["run"]["steps_logged"] == 0
