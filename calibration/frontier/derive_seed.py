@@ -91,7 +91,7 @@ def main() -> None:
         frame = pd.DataFrame(rows, columns=table.column_names).sort_values(list(table.key))
         atomic_write_text(here / table.filename, render_csv(frame, table))
     atomic_write_json(here / "metadata.json", {
-        "platform": "frontier", "kind": "seed", "device": DEVICE,
+        "platform": "frontier", "kind": "seed", "device": {"name": DEVICE, "kind": "seed"},
         "command": "python calibration/frontier/derive_seed.py",
         "sources": ["shared/reference/platforms.md, 'Measured on Frontier' (X-MoE lab planner cache: per-layer "
                     "expert GEMM TFLOPS, QKV / attention / out-projection and all-to-all forward times, one node)",

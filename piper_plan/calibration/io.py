@@ -210,12 +210,29 @@ def merge_rows(directory: str | Path, table: Table, rows: Iterable[dict]) -> Pat
     _validated_columns(Path(f"{path} (the rows to add)"), table, *_parse_raw(text, path))
     replaced = {tuple(_key_text(v) for v in key) for key in new[list(table.key)].itertuples(index=False, name=None)}
     old = read_table(path, table, drop_keys=replaced) if present(path) else None
+    if old is not None and "device" in table.column_names:
+        old = _same_device_rows(old, new, path)
     frame = new if old is None or old.empty else pd.concat([old, new], ignore_index=True)
     frame = frame.drop_duplicates(list(table.key), keep="last").sort_values(list(table.key), kind="stable")
     if len(frame) > MAX_ROWS:
         raise PiperError(f"adding {len(new):,} rows would make {len(frame):,}; a calibration table holds at most "
                          f"{MAX_ROWS:,} (nothing written)", path=str(path))
     return atomic_write_text(path, render_csv(frame, table))
+
+
+def _same_device_rows(old, new, path: Path):
+    """The old rows of the new rows' device. Another device's seed rows are dropped (a measurement replaces the seed:
+    calibration/frontier names its device as the platform file does, torch as the driver does); another device's
+    measured rows are an error, nothing written (before, the file was written and then refused when read)."""
+    devices = set(new["device"])
+    others = old[~old["device"].isin(devices)]
+    if others.empty:
+        return old
+    if others["source"].astype(str).str.startswith("seed:").all():
+        return old[old["device"].isin(devices)]
+    raise PiperError(f"holds rows of {others['device'].iloc[0]!r} and the new rows are of "
+                     f"{sorted(devices)[0]!r}; a calibration folder is one machine's (the curves would mix their "
+                     "rates): measure into a folder of its own (nothing written)", path=str(path))
 
 
 def measured_keys(directory: str | Path, table: Table) -> set[tuple]:

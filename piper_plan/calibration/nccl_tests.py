@@ -41,6 +41,9 @@ MOVING_OPS = ("all_to_all", "halo_all_to_all", "all_gather")
 """The ops whose table prints redop ``none``. sendrecv_perf (--op p2p) prints the ``-o`` reduction it ignores (``sum``
 by default), so p2p accepts any redop."""
 _NUMERIC_START = re.compile(r"[-+]?(?:\d|\.\d)")
+_RANK_LINE = re.compile(r"#\s*Rank\s+\d+\b.*?\bon\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(\S.*?)\s*$")
+"""A rank the log lists under ``# Using devices``: its host and device name (``#  Rank  0 Group  0 Pid 123 on gpu-a01
+device  0 [0x07] NVIDIA A100-SXM4-80GB``; v2.0 has no Group)."""
 """A line whose first token starts like a number is a data line (banners start with a word)."""
 
 
@@ -203,8 +206,10 @@ def check_op_scope(op: str, scope: str, num_nodes: int | None = None) -> None:
         raise PiperError(f"--scope {scope} --nodes {num_nodes}: {problem}")
 
 
-def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per_node: int) -> list[dict]:
-    """Parse one nccl-tests / rccl-tests log file into collectives.csv rows."""
+def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per_node: int,
+                devices: dict[str, str] | None = None) -> list[dict]:
+    """Parse one nccl-tests / rccl-tests log file into collectives.csv rows; ``devices`` (where -> device name) are
+    the names the log's device must match (check_log_ranks)."""
     from piper_plan.fileio import read_text
 
     check_op_scope(op, scope, num_nodes)
@@ -212,17 +217,58 @@ def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per
         raise PiperError(f"--nodes {num_nodes} --ranks-per-node {ranks_per_node}: one rank runs no collective; "
                          "allowed: 2 ranks or more")
     path = Path(path)
-    rows = parse_nccl_tests(read_text(path), str(path))
+    text = read_text(path)
+    rows = parse_nccl_tests(text, str(path))
     wrong = [r.line for r in rows if any(w not in _OK_CHECKS for w in r.wrong)]
     if wrong:
         raise PiperError(f"lines {wrong[:5]}: nccl-tests reports wrong results (#wrong != 0); not importing", path=str(path))
     check_redop(rows, op, str(path))
     check_busbw(rows, op, num_nodes * ranks_per_node, str(path))
+    check_log_ranks(log_ranks(text), num_nodes, ranks_per_node, devices or {}, str(path))
     if not any(r.size_bytes > 0 for r in rows):
         raise PiperError("every data row has size 0: nothing to calibrate; allowed: a log with sizes above 0 bytes "
                          "(nccl-tests -b / -e)", path=str(path))
     source = f"imported: nccl-tests output {path.name} ({op}, {num_nodes} nodes x {ranks_per_node} ranks, out-of-place)"
     return rows_to_collectives(rows, op, scope, num_nodes, ranks_per_node, source)
+
+
+def log_ranks(text: str) -> list[tuple[str, str]]:
+    """(host, device name) of each rank the log lists (none where it lists none: a table pasted alone)."""
+    return [m.groups() for m in map(_RANK_LINE.match, (line.strip() for line in text.splitlines())) if m]
+
+
+def same_device_name(a: str, b: str) -> bool:
+    """Whether two names are one chip's as different tools print them: the first word with a digit equal, case
+    apart, with '/', '-' and spaces between words. platforms/frontier.yaml's "AMD Instinct MI250X GCD", rccl-tests'
+    "AMD Instinct MI250X" and HIP's "AMD Instinct MI250X/MI250" are one; so are platforms/dgx-h100.yaml's "NVIDIA H100
+    SXM5 80GB" and nccl-tests' "NVIDIA H100 80GB HBM3"; "NVIDIA A100 80GB PCIe" and "NVIDIA H100 80GB HBM3" are not.
+    Names without such a word must have the same words."""
+    words_a, words_b = ([w for w in re.split(r"[\s/-]+", name.lower()) if w] for name in (a, b))
+    chip_a, chip_b = (next((w for w in words if any(c.isdigit() for c in w)), None) for words in (words_a, words_b))
+    if chip_a is None or chip_b is None:
+        return set(words_a) == set(words_b)
+    return chip_a == chip_b
+
+
+def check_log_ranks(ranks: list[tuple[str, str]], num_nodes: int, ranks_per_node: int, devices: dict[str, str],
+                    path: str) -> None:
+    """Where the log lists its ranks: --nodes x --ranks-per-node of them on --nodes hosts, all of one device, and that
+    device the one each of ``devices`` names (the platform's, the folder's). Before, an A100 run's log imported for
+    frontier priced MI250X collectives with A100 times."""
+    if not ranks:
+        return
+    hosts, names = {host for host, _ in ranks}, sorted({name for _, name in ranks})
+    if len(ranks) != num_nodes * ranks_per_node or len(hosts) != num_nodes:
+        raise PiperError(f"the log lists {len(ranks)} ranks on {len(hosts)} hosts; --nodes {num_nodes} "
+                         f"--ranks-per-node {ranks_per_node} say {num_nodes * ranks_per_node} on {num_nodes}: the "
+                         "log is of another run than they say", path=path)
+    if len(names) > 1:
+        raise PiperError(f"the log's ranks ran on {len(names)} devices ({', '.join(map(repr, names))}); a calibration "
+                         "is one machine's: import a run on one kind of device", path=path)
+    for where, expected in devices.items():
+        if expected and not same_device_name(names[0], expected):
+            raise PiperError(f"the log's ranks ran on {names[0]!r} and {where} is {expected!r}: its times are another "
+                             "machine's; import it for a platform of that device (--platform)", path=path)
 
 
 def check_redop(rows: list[NcclTestsRow], op: str, path: str) -> None:

@@ -159,7 +159,7 @@ class _RichReporter:
 @json_option(help="Print the imported rows as JSON on stdout.")
 def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_name, out_dir, as_json) -> None:
     """Parse nccl-tests / rccl-tests output into collectives.csv rows."""
-    from piper_plan.calibration.io import merge_rows
+    from piper_plan.calibration.io import merge_rows, read_metadata, recorded_device
     from piper_plan.calibration.nccl_tests import import_file
     from piper_plan.calibration.schema import COLLECTIVES
     from piper_plan.calibration.slurm import check_nodes
@@ -171,7 +171,11 @@ def import_nccl_tests_cmd(file, op, num_nodes, ranks_per_node, scope, platform_n
     if ranks_per_node > platform.devices_per_node:
         raise PiperError(f"ranks_per_node={ranks_per_node}; {platform.name} has {platform.devices_per_node} devices "
                          f"per node: allowed 1 to {platform.devices_per_node}", field="--ranks-per-node")
-    rows = import_file(file, op, scope, num_nodes, ranks_per_node)
+    held = recorded_device(read_metadata(directory) if directory.is_dir() else {}, directory)
+    devices = {f"platform {platform.name}'s device": platform.device.name}
+    if held.get("kind") != "seed":                      # a seed's device is the platform's, named as its file does
+        devices[f"{directory / 'metadata.json'}'s device"] = held.get("name")
+    rows = import_file(file, op, scope, num_nodes, ranks_per_node, devices)
     path = merge_rows(directory, COLLECTIVES, rows)
     if as_json:
         print_json(rows)

@@ -180,3 +180,27 @@ def test_a_column_twice_or_two_devices_in_one_file_is_one_line(tmp_path):
     other = GOOD.replace("cpu,", "Other CPU,", 1)
     with pytest.raises(PiperError, match=r"holds rows of 2 devices \('Other CPU', 'cpu'\)"):
         read_table(_gemm(tmp_path, GOOD, other), GEMM)
+
+
+def test_a_measurement_replaces_another_devices_seed_rows_and_never_mixes_measured_ones(tmp_path):
+    """Before: measured rows merged beside the seed rows of calibration/frontier (named "AMD Instinct MI250X GCD", as
+    the platform file names it; torch names the device otherwise), and the file written was one its reader refuses
+    (two devices). Now the seed's rows go; another machine's measured rows are refused, nothing written."""
+    seed = {**_row(16), "device": "AMD Instinct MI250X GCD", "source": "seed: a citation"}
+    merge_rows(tmp_path, GEMM, [seed, {**seed, "m": 32, "tflops": seed["tflops"] * 2}])
+    merge_rows(tmp_path, GEMM, [{**_row(64), "device": "AMD Instinct MI250X/MI250"}])
+    frame = read_table(tmp_path / "gemm.csv", GEMM)
+    assert list(frame.device) == ["AMD Instinct MI250X/MI250"] and list(frame.m) == [64]
+    before = (tmp_path / "gemm.csv").read_text()
+    with pytest.raises(PiperError, match="holds rows of 'AMD Instinct MI250X/MI250' and the new rows are of 'cpu'"):
+        merge_rows(tmp_path, GEMM, [_row(128)])
+    assert (tmp_path / "gemm.csv").read_text() == before
+
+
+def test_the_shipped_frontier_seed_takes_a_measurement_of_its_device():
+    """Before: calibration/frontier/metadata.json's device was a string, so `piper calibrate --platform frontier`
+    (docs/frontier.md's first job) stopped on 'device: expected a mapping' before measuring."""
+    from piper_plan.calibration.sweep import check_same_device
+    from piper_plan.catalog import calibration_dir
+
+    check_same_device(calibration_dir("frontier"), "AMD Instinct MI250X/MI250")

@@ -118,7 +118,7 @@ def test_cli_import_writes_rows(tmp_path):
     log.write_text(NCCL_TESTS)
     out = tmp_path / "cal"
     result = CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_to_all", "--nodes", "2",
-                                      "--ranks-per-node", "1", "--scope", "switch", "--platform", "frontier",
+                                      "--ranks-per-node", "1", "--scope", "switch", "--platform", "dgx-a100",
                                       "--out-dir", str(out)])
     assert result.exit_code == 0, result.output
     frame = read_table(out / "collectives.csv", COLLECTIVES)
@@ -130,7 +130,7 @@ def test_cli_import_writes_rows(tmp_path):
 def test_cli_import_errors_exit_2(tmp_path):
     log = tmp_path / "bad.log"
     log.write_text(NCCL_TESTS.replace("    8.72      0", "    8.72      3"))
-    args = ["calibrate", "import-nccl-tests", str(log), "--nodes", "2", "--ranks-per-node", "1", "--platform", "frontier",
+    args = ["calibrate", "import-nccl-tests", str(log), "--nodes", "2", "--ranks-per-node", "1", "--platform", "dgx-a100",
             "--out", str(tmp_path)]
     wrong = CliRunner().invoke(cli, args + ["--op", "all_to_all", "--scope", "switch"])
     assert wrong.exit_code == 2 and "#wrong" in wrong.output and "bad.log" in wrong.output
@@ -196,7 +196,7 @@ def _import(tmp_path, text: str, *extra: str, ranks_per_node="1", out=None):
     log = tmp_path / "a2a.log"
     log.write_text(text)
     return CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_to_all", "--nodes", "2",
-                                    "--ranks-per-node", ranks_per_node, "--scope", "switch", "--platform", "frontier",
+                                    "--ranks-per-node", ranks_per_node, "--scope", "switch", "--platform", "dgx-a100",
                                     "--out-dir", str(tmp_path / "cal") if out is None else out, *extra])
 
 
@@ -243,7 +243,53 @@ def test_one_rank_or_a_blank_out_dir_is_refused_before_anything_is_written(tmp_p
     log = tmp_path / "one.log"
     log.write_text(NCCL_TESTS)
     one = CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_to_all", "--nodes", "1",
-                                   "--ranks-per-node", "1", "--scope", "node", "--platform", "frontier",
+                                   "--ranks-per-node", "1", "--scope", "node", "--platform", "dgx-a100",
                                    "--out-dir", str(tmp_path / "cal")])
     assert one.exit_code == 2 and "one rank runs no collective" in one.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a2a.log", "one.log"]
+
+
+def test_a_log_of_another_device_or_run_shape_is_refused(tmp_path):
+    """The log lists its ranks ('#  Rank  0 ... device  0 [0x07] NVIDIA A100-SXM4-80GB'). Before, an A100 log imported
+    for frontier priced MI250X collectives with A100 times, and a 2-host log imported as one node's."""
+    for platform in ("frontier", "mi300x"):
+        result = _import(tmp_path, NCCL_TESTS, "--platform", platform)
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert "the log's ranks ran on 'NVIDIA A100-SXM4-80GB' and platform" in result.stderr
+    log = tmp_path / "one-node.log"
+    log.write_text(NCCL_TESTS)
+    one_node = CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_to_all", "--nodes", "1",
+                                        "--ranks-per-node", "2", "--scope", "node", "--platform", "dgx-a100",
+                                        "--out-dir", str(tmp_path / "cal")])
+    assert one_node.exit_code == 2 and "the log lists 2 ranks on 2 hosts; --nodes 1 --ranks-per-node 2 say 2 on 1" \
+        in one_node.stderr
+    mixed = NCCL_TESTS.replace("gpu-a02 device  0 [0x07] NVIDIA A100-SXM4-80GB", "gpu-a02 device  0 [0x07] NVIDIA H100")
+    assert "ran on 2 devices" in _import(tmp_path, mixed).stderr
+    assert not (tmp_path / "cal").exists()
+    assert _import(tmp_path, NCCL_TESTS.replace("A100-SXM4-80GB", "A100 80GB PCIe")).exit_code == 0  # one chip
+
+
+def test_a_log_must_be_of_the_folders_measured_device(tmp_path):
+    """The folder's metadata.json names the device its rows were measured on; a seed's (calibration/frontier) names
+    the platform's, which rccl-tests prints otherwise ("AMD Instinct MI250X")."""
+    import json
+
+    from piper_plan.catalog import calibration_dir
+
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    (cal / "metadata.json").write_text(json.dumps({"device": {"name": "NVIDIA H100 80GB HBM3", "type": "cuda"}}))
+    result = _import(tmp_path, NCCL_TESTS)
+    assert result.exit_code == 2 and "metadata.json's device is 'NVIDIA H100 80GB HBM3'" in result.stderr
+    seed = tmp_path / "frontier"
+    seed.mkdir()
+    (seed / "metadata.json").write_text((calibration_dir("frontier") / "metadata.json").read_text())
+    two = "".join(line for line in RCCL_TESTS.splitlines(keepends=True) if "Rank  1" not in line)
+    eight = "".join(f"#  Rank  {r} Group  0 Pid  4673{r} on frontier00001 device  {r} [0000:c1:00] AMD Instinct MI250X\n"
+                    for r in range(1, 8))
+    log = tmp_path / "rccl.log"
+    log.write_text(two.replace("MI250X\n", "MI250X\n" + eight, 1))        # busbw 1.75 x algbw: 8 ranks
+    result = CliRunner().invoke(cli, ["calibrate", "import-nccl-tests", str(log), "--op", "all_reduce", "--nodes", "1",
+                                      "--ranks-per-node", "8", "--scope", "node", "--platform", "frontier",
+                                      "--out-dir", str(seed)])
+    assert result.exit_code == 0, result.output
