@@ -147,15 +147,28 @@ and at 0.6079 s on this machine (numpy 2.4.6): the note called that file edited.
 more."""
 
 
+VERDICTS = ("fits", "placement", "scopes")
+"""What a prediction says besides its figures, compared exactly: a hand edit of any is noted as the figures' are."""
+
+
 def figures_differ(stored, fresh) -> bool:
     pairs = ((stored.step_time_s, fresh.step_time_s), (stored.memory.peak_bytes, fresh.memory.peak_bytes))
     beyond = any(abs(a - b) > REPRICE_TOLERANCE * max(abs(a), abs(b)) for a, b in pairs)
-    return beyond and _figures(stored) != _figures(fresh)         # never a note that prints the same figures twice
+    moved = beyond and _figures(stored) != _figures(fresh)        # never a note that prints the same figures twice
+    return moved or bool(_verdicts_differ(stored, fresh))
 
 
-def _figures(prediction) -> str:
-    """Step time and peak memory as the launch note prints them."""
-    return f"step {prediction.step_time_s:.4g} s, peak {prediction.memory.peak_bytes / 2**30:.2f} GiB"
+def _verdicts_differ(stored, fresh) -> list[str]:
+    return [name for name in VERDICTS if getattr(stored, name) != getattr(fresh, name)]
+
+
+def _figures(prediction, also: list[str] | tuple = ()) -> str:
+    """Step time and peak memory as the launch note prints them, and the VERDICTS named in ``also``."""
+    def shown(value) -> str:
+        return " ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
+
+    figures = [f"step {prediction.step_time_s:.4g} s", f"peak {prediction.memory.peak_bytes / 2**30:.2f} GiB"]
+    return ", ".join(figures + [f"{name} {shown(getattr(prediction, name))}" for name in also])
 
 
 def stale_note(stored, fresh) -> str:
@@ -165,7 +178,9 @@ def stale_note(stored, fresh) -> str:
              if getattr(stored.sources, name) != getattr(fresh.sources, name)]
     why = (f"the rates it is priced from changed since it was saved (now {'; '.join(moved)})" if moved
            else "the file was edited or saved by another piper")
-    return f"its stored prediction ({_figures(stored)}) is not what its plan costs now ({_figures(fresh)}): {why}"
+    also = _verdicts_differ(stored, fresh)
+    return (f"its stored prediction ({_figures(stored, also)}) is not what its plan costs now "
+            f"({_figures(fresh, also)}): {why}")
 
 
 def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,

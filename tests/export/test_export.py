@@ -363,11 +363,13 @@ def test_export_warns_when_the_plan_does_not_fit(plans, tmp_path):
     import json
 
     edited = json.loads(plans["qwen3-hsdp"].read_text())   # a fitting plan whose stored verdict was edited: export
-    edited["prediction"]["fits"] = False                    # judges it as `piper launch` does, priced again
-    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    edited["prediction"]["fits"] = False                    # judges it as `piper launch` does, priced again, and
+    (tmp_path / "edited.json").write_text(json.dumps(edited))   # says the stored verdict is not the plan's
     res = run("export", "--engine", "torchtitan", tmp_path / "edited.json", "-o", tmp_path / "edited.sh")
-    assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
-    assert "# warning" not in (tmp_path / "edited.sh").read_text()
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert res.exit_code == 0 and len(warnings) == 1 and "does not fit" not in warnings[0], res.stderr
+    assert "fits False) is not what its plan costs now (" in warnings[0] and "fits True): the file was edited" \
+        in warnings[0]
 
 
 def test_export_cli_writes_an_executable_script(plans, tmp_path):

@@ -212,6 +212,23 @@ def test_stale_note_only_when_its_figures_differ(tmp_path, plan):
     assert json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"]["step_time_s"] == fresh_step
 
 
+@pytest.mark.parametrize("field, value, shown", [("fits", False, "fits False"), ("placement", "somewhere", "placement "
+                                                 "somewhere"), ("scopes", {"dp": "system"}, "scopes dp system")])
+def test_an_edited_verdict_is_noted_as_an_edited_figure_is(tmp_path, plan, field, value, shown):
+    """Before: a stored prediction's fit verdict, placement or scopes edited by hand went unnoted (estimate --plan
+    and launch noted step time, peak memory and node count only)."""
+    data = json.loads(plan.read_text())
+    fresh = data["prediction"][field]
+    data["prediction"][field] = value
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    for command in (("estimate", "--plan", edited), ("launch", "--plan", edited, "--out-dir", tmp_path / "job")):
+        res = run(*command)
+        assert res.exit_code == 0, res.stderr
+        assert f"{shown}) is not what its plan costs now (" in res.stderr and "the file was edited" in res.stderr
+    assert json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"][field] == fresh
+
+
 def test_the_job_carries_the_prediction_piper_computes_not_the_files(tmp_path, plan):
     """Figures a prediction may hold but this plan's does not (mfu, hfu doubled) are not copied into the job."""
     data = json.loads(plan.read_text())
