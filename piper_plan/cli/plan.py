@@ -304,6 +304,9 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
     from piper_plan.search.report import best_search, precision_rows, precisions_json
 
     winner = best_search(searches)
+    mixed = mixed_rate_sources(searches, platform.name)
+    if mixed:
+        note(mixed)
     if winner is None:
         training, result = searches[0]
         _emit_nothing_fits(model, platform, training, result, options, kwargs, as_json)
@@ -325,6 +328,20 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
     if save_path:
         path, plan = save_best(save_path, model, platform, winner[0], winner[1], kwargs, migration)
         note(f"saved {path} ({precision_text(winner[0])}; layers per stage: {plan.layers_per_stage})")
+
+
+def mixed_rate_sources(searches, platform_name: str) -> str | None:
+    """A warning where the searched precisions' GEMMs are priced from different kinds of rates, measured rows for one
+    and the roofline fallback for another (h200: bf16 measured, fp16 not): their ranking then compares a
+    measurement with a peak, and the fallback's precision leads by that alone."""
+    fallback = [precision_text(t) for t, r in searches if "roofline fallback" in r.sources.get("compute", "")]
+    measured = [precision_text(t) for t, _ in searches if precision_text(t) not in fallback]
+    if not fallback or not measured:
+        return None
+    return (f"warning: {', '.join(measured)} GEMMs are priced from {platform_name}'s measured rows and "
+            f"{', '.join(fallback)} from the roofline fallback: ranked together, a measurement meets a peak rate "
+            f"(measure the others: `piper calibrate --platform {platform_name} --only gemm --dtype "
+            f"{','.join(fallback)}`)")
 
 
 def _plans_table(result, platform, rows: list[dict], tokens_to_train: float):

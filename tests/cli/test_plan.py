@@ -236,6 +236,19 @@ def test_any_is_the_default_and_the_platforms_8_bit_recipes(tmp_path):
     assert "precisions" not in json.loads(frontier.stdout)  # one precision: the plain document
 
 
+def test_precisions_priced_from_different_kinds_of_rates_are_said_to_be():
+    """h200's calibration measures bf16 GEMMs and no fp16 ones: fp16 was priced from the roofline's 0.8 and ranked
+    ahead of bf16 without a word (the footnote named each source; the ranking did not say it mixed them)."""
+    mixed = _run("--model", "mixtral-8x7b", "--platform", "h200", "--nodes", "4", "--dtype", "bf16,fp16", "--top", "2")
+    assert mixed.exit_code == 0, mixed.output
+    warnings = [line for line in mixed.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: bf16 GEMMs are priced from h200's measured rows and fp16 from the roofline fallback: "
+                        "ranked together, a measurement meets a peak rate (measure the others: `piper calibrate "
+                        "--platform h200 --only gemm --dtype fp16`)"]
+    same = _run(*QWEN_H100, "--dtype", "bf16,fp8", "--top", "1")        # no calibration: one kind of rate
+    assert same.exit_code == 0 and "warning" not in same.stderr
+
+
 @pytest.mark.parametrize("args, needle", [
     (("--dtype", "bf16,fp9"), "--dtype: 'fp9'; allowed: bf16, fp16, fp32, fp8, mxfp8"),
     (("--dtype", "bf16,fp8", "--explain"), "several precisions are searched at one node count"),
