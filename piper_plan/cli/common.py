@@ -308,6 +308,10 @@ class AsciiInt(click.IntRange):
     name = "integer"
     _number_class = staticmethod(_command_line_int)
 
+    def _describe_range(self) -> str:
+        """The range --help shows: none without bounds (click's own wrote 'x<=None'; the spec says what is allowed)."""
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
 
 class OneLineUsageError(click.UsageError):
     """A click usage error (bad option value, unknown option, missing argument) printed on one line."""

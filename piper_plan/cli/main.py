@@ -130,11 +130,11 @@ def _module_exists(module: str) -> bool:
 EPILOG = ("Output: a command's result (table, report) on stdout; progress and diagnostics (\"wrote X\") on stderr; "
           "--json (every command) replaces the result on stdout with one JSON document. "
           "Exit codes: 0 ok; 1 a check failed (validate: a row outside its tolerance; bench a2a --verify; run: the loss "
-          "went nan / inf); "
+          "went nan / inf, or a rank's peer is gone); "
           "2 bad input or a path or output the system refuses (one 'error:' line on stderr); 3 nothing fits "
           "(plan); 75 run checkpointed on SIGTERM / SIGUSR1 / SIGINT (requeue); 130 interrupted (Ctrl-C, other "
           "commands); 141 stdout closed "
-          "early (| head).")
+          "early (| head); 128 + N run: a rank was killed by signal N.")
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)

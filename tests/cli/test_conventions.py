@@ -43,11 +43,13 @@ def test_every_command_takes_json_and_documents_its_exit_codes(path):
     shown = CliRunner().invoke(cli, [*path.split(), "--help"])
     text = " ".join(shown.stdout.split())           # click wraps the epilog
     assert shown.exit_code == 0 and "Exit codes: 0 ok" in text and "2 bad input" in text, path
+    assert "None]" not in text and "=None" not in text, path      # click's range of an unbounded int: 'x<=None'
 
 
 def test_group_help_lists_every_exit_code():
     text = " ".join(CliRunner().invoke(cli, ["--help"]).stdout.split())
-    for code in ("0 ok", "1 a check failed", "2 bad input", "3 nothing fits", "75 run checkpointed"):
+    for code in ("0 ok", "1 a check failed", "a rank's peer is gone", "2 bad input", "3 nothing fits",
+                 "75 run checkpointed", "128 + N run: a rank was killed by signal N"):
         assert code in text
 
 
