@@ -41,10 +41,10 @@ MOVING_OPS = ("all_to_all", "halo_all_to_all", "all_gather")
 """The ops whose table prints redop ``none``. sendrecv_perf (--op p2p) prints the ``-o`` reduction it ignores (``sum``
 by default), so p2p accepts any redop."""
 _NUMERIC_START = re.compile(r"[-+]?(?:\d|\.\d)")
+"""A line whose first token starts like a number is a data line (banners start with a word)."""
 _RANK_LINE = re.compile(r"#\s*Rank\s+\d+\b.*?\bon\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(\S.*?)\s*$")
 """A rank the log lists under ``# Using devices``: its host and device name (``#  Rank  0 Group  0 Pid 123 on gpu-a01
 device  0 [0x07] NVIDIA A100-SXM4-80GB``; v2.0 has no Group)."""
-"""A line whose first token starts like a number is a data line (banners start with a word)."""
 
 
 @dataclass(frozen=True)
