@@ -34,10 +34,7 @@ def prediction_of(plan_file, path: Path) -> dict:
     engine's kernels (a note says so)."""
     from piper_plan.launch.job import figures_differ, for_the_runtime, repriced, stale_note
 
-    if plan_file.prediction is None:
-        raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
-                         path=str(path))
-    fresh, changed = repriced(plan_file)
+    fresh, changed = repriced(plan_file)          # a file without a prediction is priced now
     if changed:
         note(f"note: {path}: {stale_note(plan_file.prediction, fresh.prediction)}; compared with the new figures")
     ran, runtime_note = for_the_runtime(fresh)

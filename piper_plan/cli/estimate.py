@@ -136,14 +136,13 @@ def _estimate_saved(ctx, plan_path: str, as_json: bool, save_path: str | None, p
     if not plan_path.strip():
         raise PiperError("--plan names no file; give a plan.json (`piper plan -o` / `estimate -o` write one)")
     stored = read_plan_file(plan_path)
-    if stored.prediction is None:
-        raise PiperError("field prediction: missing (save the plan with `piper plan -o` / `estimate -o`)",
-                         path=plan_path)
     pf, changed = repriced(stored)
+    if stored.prediction is None:
+        note(f"note: {plan_path}: holds no prediction; priced now with the default cost options")
     if changed:
         note(f"note: {plan_path}: {stale_note(stored.prediction, pf.prediction)}")
     result = with_other_placement(pf.prediction, pf.model, pf.platform, pf.training, pf.nodes, pf.parallel,
-                                  saved_calibration(pf), saved_cost_options(dict(stored.prediction.options)))
+                                  saved_calibration(pf), saved_cost_options(dict(pf.prediction.options)))
     _show(result, pf.model, pf.platform, pf.training, pf.parallel, save_path, plot_path, as_json,
           f"the plan file's platform.efficiency.source ({plan_path})", [],
           {"moe": pf.moe, "migration": pf.migration, "runtime": pf.runtime})

@@ -109,6 +109,8 @@ def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partitio
     joblib.check_out_dir(prepared.out_dir, force or dry_run)     # a dry run writes nothing: only the path matters
     if prepared.repriced_note:
         note(prepared.repriced_note)
+    if prepared.job.segment_warning:              # every mode: a dry run is where a script checks first
+        note(f"warning: {prepared.job.segment_warning}")
     if dry_run:
         if as_json:
             print_json({"script": prepared.script, **_job_facts(prepared)})
@@ -138,7 +140,8 @@ def _job_facts(prepared) -> dict:
     job = prepared.job
     return {"nodes": job.nodes, "ranks_per_node": job.ranks_per_node, "world": job.world, "steps": job.steps,
             "time": job.time, "partition": job.partition, "account": job.account, "job_name": job.job_name,
-            "platform": job.platform, "run_dir": job.run_dir, "segment": job.segment}
+            "platform": job.platform, "run_dir": job.run_dir, "segment": job.segment,
+            "segment_warning": job.segment_warning}
 
 
 def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) -> None:
@@ -148,8 +151,6 @@ def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) ->
                     **_job_facts(prepared)})
         return
     note(f"wrote {prepared.script_path}, {prepared.out_dir / 'plan.json'}, {prepared.out_dir / 'README.md'}")
-    if prepared.job.segment_warning:
-        note(f"warning: {prepared.job.segment_warning}")
     facts = (f"{prepared.job.nodes} nodes x {prepared.job.ranks_per_node} ranks = {prepared.job.world}, "
              f"{prepared.job.steps} steps, time {prepared.job.time}")
     if job_id:                  # stdout is the job id alone, for JOB=$(piper launch --submit ...)

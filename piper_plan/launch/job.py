@@ -95,9 +95,13 @@ def for_the_runtime(plan_file: PlanFile) -> tuple[PlanFile, str | None]:
 
 
 def saved_calibration(pf: PlanFile):
-    """calibration/<platform>/ where the file's prediction was priced from a calibration, else None."""
+    """calibration/<platform>/ where the file's prediction was priced from a calibration (a file without a
+    prediction: where the folder holds one, as `piper estimate` prices by default), else None."""
     from piper_plan.calibration.curves import load_calibration
+    from piper_plan.catalog import has_calibration
 
+    if pf.prediction is None:
+        return load_calibration(pf.platform.name) if has_calibration(pf.platform.name) else None
     return load_calibration(pf.platform.name) if priced_from_calibration(pf) else None
 
 
@@ -119,6 +123,8 @@ def checked_as_priced_now(stored: PlanFile, plan_path: Path) -> tuple[PlanFile, 
     try:
         check_runnable(plan_file, plan_path)
     except PiperError as exc:         # one line: why, and that the file's own figures said otherwise
+        if stored.prediction is None:       # priced now: the verdict is not the file's field
+            raise PiperError(exc.message, path=exc.path) from None
         if not changed:
             raise
         raise PiperError(f"{exc.message} ({stale_note(stored.prediction, plan_file.prediction)})", path=exc.path,
@@ -130,12 +136,13 @@ def repriced(plan_file: PlanFile) -> tuple[PlanFile, bool]:
     """``plan_file`` with its prediction priced again from what the file holds (model, platform, training, plan,
     placement, the stored cost options and calibration use), and whether its step time or peak memory changed by
     more than REPRICE_TOLERANCE: a hand-edited file, or one saved by another piper, is sized
-    by what its plan costs now, not by the figures written beside it."""
+    by what its plan costs now, not by the figures written beside it. A file without a prediction is priced with
+    the default cost options (and is not "changed"): before, launch and run checked no memory of it at all."""
     from piper_plan.cost.options import cost_options
 
     pf, stored = plan_file, plan_file.prediction
-    if stored is None:
-        return pf, False
+    if stored is None:      # a file written before its plan was priced: priced now, as `piper estimate` does by
+        return pf.model_copy(update={"prediction": _priced(pf, cost_options({}))}), False      # default
     fresh = _priced(pf, cost_options(dict(stored.options)))
     return pf.model_copy(update={"prediction": fresh}), figures_differ(stored, fresh)
 
@@ -201,8 +208,9 @@ def prepare(plan_path: Path, out_dir: Path, options: LaunchOptions, python: str,
     job = render.job_spec(sized, plan_path=str(out_dir / "plan.json"), out_dir=str(out_dir),
                           python=python, options=options, command=command, source=str(plan_path))
     script = render.render_sbatch(job, render.load_template(job.template, options.template_dir))
+    others = None if sized is plan_file else _figures(plan_file.prediction)     # what the job's plan.json holds
     return PreparedJob(out_dir=out_dir, plan_text=job_plan_text(plan_path, plan_file), job=job, script=script,
-                       readme=readme_text(job, sized), repriced_note=repriced_note)
+                       readme=readme_text(job, sized, others), repriced_note=repriced_note)
 
 
 def job_plan_text(plan_path: Path, plan_file: PlanFile) -> str:
@@ -297,7 +305,9 @@ def _prediction_lines(plan_file: PlanFile) -> list[str]:
     return lines + [f"- peak memory per rank: {pred.memory.peak_bytes / 2**30:.2f} GiB"]
 
 
-def readme_text(job: JobSpec, plan_file: PlanFile) -> str:
+def readme_text(job: JobSpec, plan_file: PlanFile, file_figures: str | None = None) -> str:
+    """The job's README; ``file_figures``: the job's plan.json's own prediction where it assumed another engine's
+    kernels (the README's figures are then not the file's)."""
     return "\n".join([
         f"# piper job `{job.job_name}`", "",
         f"Platform `{job.platform}`: {job.nodes} nodes x {job.ranks_per_node} ranks = {job.world} ranks, "
@@ -307,8 +317,11 @@ def readme_text(job: JobSpec, plan_file: PlanFile) -> str:
            "lies inside one NVLink domain"
            + (f". Warning: {job.segment_warning}." if job.segment_warning else ", as the plan was priced."), ""]
           if job.segment else []),
-        "Predicted (plan.json, priced as piper's runtime runs it: what `piper compare` measures the run against):",
+        "Predicted (plan.json's plan, priced as piper's runtime runs it: what `piper compare` measures the run "
+        "against):",
         *_prediction_lines(plan_file), "",
+        *([f"plan.json's own prediction assumed another engine's fused kernels ({file_figures}); the job is sized "
+           "by the figures above.", ""] if file_figures else []),
         "Submit and follow:", "```",
         f"sbatch {job.out_dir}/job.sbatch", "piper status JOB_ID", f"piper compare {job.run_dir}", "```", "",
         f"The runtime writes `{job.run_dir}/metrics.jsonl` and its checkpoints there. Near the time limit Slurm sends",

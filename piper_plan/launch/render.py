@@ -147,9 +147,10 @@ def _optional_name(value: str | None, field: str) -> str | None:
 def plan_summary(plan_file) -> str:
     p, t = plan_file.parallel, plan_file.training
     virtual = f" virtual_stages={p.virtual_stages}" if p.virtual_stages > 1 else ""
+    replicas = f" dp_replicate={p.dp_replicate}" if p.dp_replicate > 1 else ""          # HSDP
     return (f"model={plan_file.model.name} platform={plan_file.platform.name} nodes={plan_file.nodes} "
             f"pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp} ep={p.ep} etp={p.etp} edp={p.edp} mbs={p.mbs} "
-            f"num_microbatches={p.num_microbatches} schedule={p.schedule}{virtual} zero={p.zero} "
+            f"num_microbatches={p.num_microbatches} schedule={p.schedule}{virtual} zero={p.zero}{replicas} "
             f"recompute={p.recompute} a2a={p.a2a} dtype={t.dtype}")
 
 

@@ -326,3 +326,45 @@ def test_a_run_of_its_warm_up_step_only_is_said_to_be_so():
     connections', its optimizer state not yet made)."""
     assert compare(PREDICTION, [dict(RECORDS[0], warmup=True)])["warmup_only"] is True
     assert compare(PREDICTION, RECORDS)["warmup_only"] is False
+
+
+def test_a_plan_file_without_a_prediction_is_priced_and_checked_as_any_other(tmp_path):
+    """Before: without `prediction` (or with `{}`) launch and run checked no memory (Mixtral on 8 Frontier nodes,
+    85.81 GiB of 64 as piper's runtime runs it, got a 13-minute job), while estimate --plan and compare refused it."""
+    saved = tmp_path / "plan.json"
+    done = run("estimate", "--model", "mixtral-8x7b", "--platform", "frontier", "--nodes", "8", "--dp", "32", "--pp",
+               "2", "--ep", "8", "--zero", "1", "-o", saved)
+    assert done.exit_code == 0, done.output
+    data = json.loads(saved.read_text())
+    refusal = run("launch", "--plan", saved, "--dry-run").stderr.split("prediction.fits: ", 1)[-1]
+    for prediction in (None, {}):
+        if prediction is None:
+            data.pop("prediction", None)
+        else:
+            data["prediction"] = prediction
+        bare = tmp_path / "bare.json"
+        bare.write_text(json.dumps(data))
+        for command in (("launch", "--plan", bare, "--dry-run"), ("run", "--plan", bare, "--out-dir", tmp_path / "r")):
+            res = run(*command)
+            assert res.exit_code == 2 and res.stderr == f"error: {bare}: {refusal}", res.stderr
+        priced = run("estimate", "--plan", bare, "--json")
+        assert priced.exit_code == 0 and "holds no prediction; priced now" in priced.stderr
+        assert json.loads(priced.stdout)["step_time_s"] == pytest.approx(json.loads(saved.read_text())["prediction"]
+                                                                         ["step_time_s"], rel=5e-3)
+
+
+def test_a_dry_run_warns_of_a_partial_segment_and_the_readme_says_whose_figures_it_shows(tmp_path):
+    """Before: the segment warning was printed only by a launch that wrote the job without --json; the job README
+    called the runtime-priced figures plan.json's, which holds the fused engine's."""
+    saved = tmp_path / "gb.json"
+    assert run("estimate", "--model", "qwen3-30b-a3b", "--platform", "gb200-nvl72", "--nodes", "18", "--dp", "72",
+               "--ep", "8", "--global-batch", "1152", "-o", saved).exit_code == 0
+    for extra in (("--dry-run", "--json"), ("--dry-run",), ("--json",)):
+        res = run("launch", "--plan", saved, "--out-dir", tmp_path / "job", "--force", *extra)
+        assert res.exit_code == 0 and "warning: 18 nodes is not a multiple of the platform's 16-node segment" \
+            in res.stderr, (extra, res.stderr)
+        if "--json" in extra:
+            assert "Slurm keeps only 2 nodes together" in json.loads(res.stdout)["segment_warning"]
+    readme = (tmp_path / "job" / "README.md").read_text()
+    stored = json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"]["step_time_s"]
+    assert f"plan.json's own prediction assumed another engine's fused kernels (step {stored:.4g} s" in readme
