@@ -6,7 +6,8 @@ On disk (RUN_DIR/checkpoints/)::
     step_<N>/            one complete checkpoint (N = completed optimizer steps)
       .metadata          DCP's index: every key, its shape and the shard file / offset holding it
       __<r>_0.distcp     what rank r wrote (DCP writes each replicated key once, on one rank)
-      piper.json         step, world, the saving layout (plan ``parallel``), the model spec, every MoE layer's slot map
+      piper.json         step, world, the saving layout (plan ``parallel``), the model spec, every MoE layer's slot map,
+                         the training block and the learning-rate schedule's total steps
     latest               "N\\n": the newest complete checkpoint
 
 Keys (one flat DCP state dict):
@@ -234,7 +235,8 @@ class RankState:
 
     def meta(self, step: int, slot_maps: dict) -> dict:
         return {"step": step, "world": self.world, "parallel": self.cfg.parallel.model_dump(mode="json"),
-                "model": self.cfg.model.model_dump(mode="json"), "slot_of_expert": slot_maps}
+                "model": self.cfg.model.model_dump(mode="json"), "slot_of_expert": slot_maps,
+                "training": self.cfg.training.model_dump(mode="json"), "steps": self.cfg.runtime.steps}
 
 
 # ---- save --------------------------------------------------------------------------------------------
@@ -407,7 +409,22 @@ def _read_meta(path: Path, state: RankState) -> tuple[dict | None, str | None]:
     diff = first_difference(meta.get("model"), state.cfg.model.model_dump(mode="json"))
     if diff:
         return meta, f"the checkpoint is of another model: model.{diff}"
+    if isinstance(meta.get("training"), dict):      # kept since 2026-12-05: earlier checkpoints do not say
+        diff = first_difference(meta["training"], state.cfg.training.model_dump(mode="json"))
+        if diff:
+            return meta, f"the checkpoint is of another training: training.{diff}"
     return meta, None
+
+
+def schedule_steps(run_dir: Path, step: int) -> int | None:
+    """The total steps the run that saved ``step_<step>`` scheduled its learning rate over (piper.json ``steps``);
+    None where the checkpoint does not say (written before it was kept). Read after load agreed on the step: the
+    same file on every rank."""
+    try:
+        saved = read_document(step_dir(run_dir, step) / META).get("steps")
+    except PiperError:
+        return None
+    return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
 
 
 _META_FIELDS = {"model": dict, "parallel": dict, "world": int, "step": int, "slot_of_expert": dict}

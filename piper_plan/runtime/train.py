@@ -452,6 +452,21 @@ class Trainer:
         return load(run_dir, self.checkpoint_state())
 
 
+def resumed_schedule(cfg, steps_given: int | None, saved: int | None, start: int):
+    """The run's learning-rate schedule on --resume: without --steps, over the total steps the checkpoint's run was
+    started with (before, the plan's runtime.steps replaced it: a run of 30 steps stopped and resumed as its stop line
+    says went on to the plan's 100, on another cosine); with --steps of another total, the new one and a note.
+    Returns the config and the note (None where nothing changes)."""
+    if saved is None or saved == cfg.runtime.steps:
+        return cfg, None
+    if steps_given is None:
+        kept = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"steps": saved})})
+        return kept, (f"--resume: the run continues to its own {saved} steps (plan.json's runtime.steps: "
+                      f"{cfg.runtime.steps}; --steps sets another total)")
+    return cfg, (f"--steps {steps_given}: the checkpoint's run scheduled its learning rate over {saved} steps; "
+                 f"from step {start} it follows the cosine of {steps_given} steps")
+
+
 # ---- rank-0 reporting ---------------------------------------------------------------------------
 def non_finite_loss(reports: list[dict], last_stage: int, names=("loss",)) -> tuple[str, float] | None:
     """(name, value) of the first loss among ``names`` that a last-stage rank reports as nan or +-inf, else None.
@@ -805,6 +820,12 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if first is not None:
         stop.release()
         return _report_user_error_together(problem, rank, reporter=first)
+    schedule_note = None
+    if start:
+        from piper_plan.runtime.checkpoint import schedule_steps
+
+        cfg, schedule_note = resumed_schedule(cfg, args.steps, schedule_steps(run_dir, start), start)
+        trainer.cfg = cfg
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
     parallel = cfg.parallel.model_dump(mode="json")
@@ -826,6 +847,8 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     progress = ProgressLine(steps) if rank == 0 else None
     if rank == 0 and plan_note and start < steps:
         print(f"note: {plan_note}", file=sys.stderr, flush=True)
+    if rank == 0 and schedule_note:
+        print(f"note: {schedule_note}", file=sys.stderr, flush=True)
     if rank == 0 and start >= steps:
         print(f"note: resumed at step {start}, at or past the run's {steps} steps: no step to run (raise --steps "
               "to train on)", file=sys.stderr, flush=True)

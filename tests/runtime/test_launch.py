@@ -130,7 +130,7 @@ def test_bad_resume_one_line_exit_2_nothing_overwritten(tmp_path):
     (run / "checkpoints" / "step_2" / "__1_0.distcp").unlink()
     other = load_model("tiny-moe").model_dump(mode="json")
     other["moe"]["num_experts"] = 4
-    cases = {"missing shard": (plan_dict(pp=1, dp=2, ep=2, steps=4), "shard file __1_0.distcp is missing"),
+    cases = {"missing shard": (plan_dict(pp=1, dp=2, ep=2, steps=4, num_microbatches=1), "shard file __1_0.distcp is missing"),
              "another model": (plan_dict(pp=2, dp=1, ep=1, steps=4, model_dict=other),
                                "another model: model.moe.num_experts: 8 (checkpoint) vs 4 (plan)"),
              "cannot hold": (plan_dict(pp=2, dp=1, ep=1, steps=4, layers_per_stage=[4, 0]), "layers_per_stage")}
@@ -141,3 +141,33 @@ def test_bad_resume_one_line_exit_2_nothing_overwritten(tmp_path):
         assert re.search(r"exitcode\s*:\s*2 ", proc.stderr), (name, proc.stderr[-2000:])
         assert needle in proc.stderr and proc.stderr.count("error: ") == 1, (name, proc.stderr[-2000:])
         assert _tree(run) == before, name
+
+
+@pytest.mark.distributed
+def test_resume_keeps_the_runs_own_schedule_and_refuses_another_training(tmp_path):
+    """Before: the learning rate's cosine took --steps (else the plan's runtime.steps) afresh on every --resume, so a
+    run resumed as its stop line says went on to the plan's total on another schedule, without a word; and a
+    checkpoint without the run's plan.json beside it took another global batch silently."""
+    first = _torchrun(2, plan_dict(pp=2, dp=1, ep=1, steps=4, checkpoint_interval=2), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "run"
+    whole = [r["loss"] for r in _records(tmp_path)]
+    (run / "checkpoints" / "latest").write_text("2\n")                # as if stopped after step 2
+    (run / "plan.json").unlink()                                       # the checkpoint alone says what it holds
+    other = plan_dict(pp=2, dp=1, ep=1, steps=4, checkpoint_interval=2)
+    other["training"]["global_batch"] *= 2
+    other["parallel"]["num_microbatches"] *= 2
+    refused = _torchrun(2, other, tmp_path, "--resume", timeout=90)
+    assert "the checkpoint is of another training: training.global_batch: 2 (checkpoint) vs 4 (plan)" \
+        in refused.stderr and refused.stderr.count("error: ") == 1, refused.stderr[-2000:]
+    again = _torchrun(2, plan_dict(pp=2, dp=1, ep=1, steps=100, checkpoint_interval=2), tmp_path, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "--resume: the run continues to its own 4 steps (plan.json's runtime.steps: 100" in again.stderr
+    assert [r["loss"] for r in _records(tmp_path)] == whole              # steps 3 and 4 on the run's own cosine
+    (run / "checkpoints" / "latest").write_text("2\n")
+    longer = _torchrun(2, plan_dict(pp=2, dp=1, ep=1, steps=4, checkpoint_interval=2), tmp_path, "--resume",
+                       "--steps", "6")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "--steps 6: the checkpoint's run scheduled its learning rate over 4 steps; from step 2 it follows the " \
+        "cosine of 6 steps" in longer.stderr
+    assert [r["step"] for r in _records(tmp_path)] == list(range(1, 7))
