@@ -237,7 +237,11 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
         if failure.exitcode == EXIT_REQUEUE:   # a stop signal sent to a rank, not to this launcher
             step = _latest_checkpoint(run_dir)
             at = f" at step {step}" if step is not None else ""
-            note(f"piper run: rank {rank} (pid {failure.pid}) was sent a stop signal; checkpointed{at} in "
+            summary = run_dir / "summary.json"      # this run's (not one left by an earlier run): its signalled ranks
+            fresh = _identity(summary) not in (None, before)
+            sent = [r for r in (fresh and _summary_field(summary, "stop_ranks")) or () if r in exc.failures]
+            whom = ", ".join(f"rank {r} (pid {exc.failures[r].pid})" for r in sent or [rank])   # every rank exits 75
+            note(f"piper run: {whom} {'was' if len(sent) < 2 else 'were'} sent a stop signal; checkpointed{at} in "
                  f"{run_dir / 'checkpoints'}, resume with --resume")
         return failure.exitcode          # the rank said why on its stderr (an 'error:' line or its traceback)
     except SignalException as exc:
@@ -341,13 +345,18 @@ def _stopped(signum: int, run_dir: Path, before: tuple[int, int] | None) -> int:
 
 
 def _summary_exit_code(summary: Path) -> int | None:
+    code = _summary_field(summary, "exit_code")
+    return code if isinstance(code, int) and not isinstance(code, bool) and 0 <= code <= 255 else None
+
+
+def _summary_field(summary: Path, name: str):
+    """A field of the ranks' summary.json, or None (absent, unreadable)."""
     from piper_plan.fileio import parse_json, read_text
 
     try:
-        code = parse_json(read_text(summary), str(summary)).get("exit_code")
-    except (PiperError, AttributeError):
+        return parse_json(read_text(summary), str(summary)).get(name)
+    except (PiperError, AttributeError, OSError):
         return None
-    return code if isinstance(code, int) and not isinstance(code, bool) and 0 <= code <= 255 else None
 
 
 def _latest_checkpoint(run_dir: Path) -> int | None:

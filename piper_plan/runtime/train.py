@@ -859,7 +859,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if rank == 0 and args.resume and start == 0:
         print(f"note: --resume: no checkpoint in {run_dir / 'checkpoints'}: training from step 0",
               file=sys.stderr, flush=True)
-    code, failure, write_failure = 0, None, None
+    code, failure, write_failure, stop_ranks = 0, None, None, []
     for step in range(start, steps):
         try:
             with _profiler(args.profile, step - start, run_dir, rank) as _:
@@ -903,6 +903,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
             return _lost_peer(rank, step, reason)
         if stopping:
             code = EXIT_REQUEUE if step + 1 < steps else 0      # the last step done: nothing left to requeue for
+            stop_ranks = [i for i, r in enumerate(gathered) if r["stop"]]     # the signalled ones: piper run names
             break
     if rank == 0:
         progress.close()
@@ -911,7 +912,8 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
         try:
             writer.close()
             atomic_write_json(run_dir / "summary.json", {**summarise(records), "exit_code": code,
-                                                         "world": world, "device": device.type})
+                                                         "world": world, "device": device.type,
+                                                         **({"stop_ranks": stop_ranks} if stop_ranks else {})})
         except (OSError, PiperError) as exc:
             failure, code = failure or written_line(exc, run_dir / "summary.json"), EXIT_USER_ERROR
         if failure:

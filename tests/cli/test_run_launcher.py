@@ -435,7 +435,10 @@ def test_a_rank_killed_or_stopped_alone_is_one_line_each(tmp_path):
         proc = _start(plan, run_dir, err_path)
         ranks = _ranks_of(run_dir)
         try:
-            os.kill(max(pid for pid in ranks if pid != proc.pid), sig)     # a rank, never the launcher
+            target = max(pid for pid in ranks if pid != proc.pid)          # a rank, never the launcher
+            rank = next(int(v[5:]) for v in Path(f"/proc/{target}/environ").read_bytes().decode().split("\0")
+                        if v.startswith("RANK="))
+            os.kill(target, sig)
             code = proc.wait(timeout=120)
             stderr = err_path.read_text()
             assert "Traceback" not in stderr, stderr[-3000:]
@@ -454,8 +457,8 @@ def test_a_rank_killed_or_stopped_alone_is_one_line_each(tmp_path):
             else:
                 step = int((run_dir / "checkpoints" / "latest").read_text())
                 assert code == EXIT_REQUEUE, stderr[-3000:]
-                assert said[-1].endswith(f"was sent a stop signal; checkpointed at step {step} in "
-                                         f"{run_dir / 'checkpoints'}, resume with --resume"), stderr[-3000:]
+                assert said[-1] == (f"piper run: rank {rank} (pid {target}) was sent a stop signal; checkpointed at "
+                                    f"step {step} in {run_dir / 'checkpoints'}, resume with --resume"), stderr[-3000:]
             _wait_gone(ranks, 30)
         finally:
             if proc.poll() is None:
