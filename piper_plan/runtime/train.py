@@ -564,9 +564,11 @@ def peer_lost(exc: BaseException) -> str | None:
     return None if found is None else f"gloo: {found}"
 
 
-def _lost_peer(rank: int, step: int, reason: str) -> int:
-    """One line for a rank whose peer is gone; the exit code (no collective after it: the group is broken)."""
-    print(f"error: rank {rank}, step {step + 1}: a rank it exchanges with is gone ({reason}); the run stops (the "
+def _lost_peer(rank: int, step: int | None, reason: str) -> int:
+    """One line for a rank whose peer is gone (at step ``step``, else outside the steps); the exit code (no
+    collective after it: the group is broken)."""
+    where = f"step {step + 1}" if step is not None else "outside a step"
+    print(f"error: rank {rank}, {where}: a rank it exchanges with is gone ({reason}); the run stops (the "
           "launcher names the rank that ended first; --resume continues from the last checkpoint)",
           file=sys.stderr, flush=True)
     return EXIT_PEER_LOST
@@ -642,7 +644,12 @@ def main(argv=None) -> int:
         rendezvous_timeout_s()
     except PiperError as exc:
         return _report_user_error(exc, rank)
-    return run(cfg, args, rank, world, local)
+    try:
+        return run(cfg, args, rank, world, local)
+    except RuntimeError as exc:      # a peer gone outside a step (the start's agreements, a checkpoint's load): before,
+        if (reason := peer_lost(exc)) is None:                      # a traceback on every rank left
+            raise
+        return _lost_peer(rank, None, reason)
 
 
 RENDEZVOUS_TIMEOUT_ENV = "PIPER_RENDEZVOUS_TIMEOUT_S"

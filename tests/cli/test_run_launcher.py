@@ -542,3 +542,40 @@ def test_ctrl_c_while_the_ranks_start_prints_no_rank_traceback(tmp_path, command
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_while_the_run_starts_is_one_line_too(tmp_path):
+    """Rank 0 killed between the ranks' start and their first step (the agreements before it, a checkpoint's load):
+    before, rank 1 printed a traceback out of first_failed_rank's all_reduce (5 of 5 tries at 3-4.5 s). Now the
+    same lines as in a step, whenever the kill lands: rank 1's one 'error:' line (none where torch's agent ended it
+    before it met rank 0 in a collective) and the launcher's."""
+    plan = two_rank_plan(tmp_path, steps=5000, checkpoint_interval=5000)
+    for delay_s in (1.0, 2.5, 4.0):
+        run_dir = tmp_path / f"run{delay_s:g}"
+        err_path = tmp_path / f"{delay_s:g}.stderr"
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen([str(PIPER), "run", "--plan", str(plan), "--out-dir", str(run_dir)],
+                                    cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err, env=CLEAN_ENV,
+                                    start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while len(ranks := _ranks_of(run_dir)) < 3:             # the launcher and its two ranks
+                assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+                time.sleep(0.05)
+            time.sleep(delay_s)
+            rank0 = next(pid for pid in ranks if pid != proc.pid and b"RANK=0" in
+                         Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+            os.kill(rank0, signal.SIGKILL)
+            code = proc.wait(timeout=120)
+            stderr = err_path.read_text()
+            said = [line for line in stderr.splitlines() if not line.startswith(("step ", "piper run: 2 local"))]
+            assert "Traceback" not in stderr and code == 128 + signal.SIGKILL, (delay_s, stderr[-3000:])
+            assert said[-1] == f"piper run: rank 0 (pid {rank0}) was killed by SIGKILL", (delay_s, said)
+            assert all(line.startswith("error: rank 1, ") and "a rank it exchanges with is gone" in line
+                       for line in said[:-1]) and len(said) <= 2, (delay_s, said)     # none: ended before it met one
+            _wait_gone(ranks, 30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            _end(_ranks_of(run_dir))
