@@ -110,9 +110,9 @@ def training_totals(training, step_s, nodes: int) -> dict[str, np.ndarray]:
 
 def checkpoint_bytes(model, training, zero: int, fp32_replicas: bool = False) -> dict[str, float]:
     """Checkpoint size: the saved weights + master + optimizer state of every parameter (memory.
-    saved_bytes_per_param; gradients and rebuilt copies are not saved)."""
+    saved_bytes_per_param; gradients and rebuilt copies are not saved), the MTP module's trained weights included."""
     per_param = float(sum(saved_bytes_per_param(training, zero, fp32_replicas)))
-    return {"total_bytes": float(model.total_params * per_param), "bytes_per_param": per_param}
+    return {"total_bytes": float(model.params.total_with_mtp * per_param), "bytes_per_param": per_param}
 
 
 TABLE_IV_GPUS = 8
