@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from piper_plan.cost.memory import moe_saved_rows
 from piper_plan.errors import PiperError
-from piper_plan.export.script import (capacity_note, job_script, option_notes, piper_only, prediction_options,
+from piper_plan.export.script import (job_script, option_notes, piper_only, prediction_options,
                                       recompute_modules, torchrun_launcher)
 from piper_plan.specs.parallel import layout_string
 
@@ -207,6 +207,8 @@ def moe_arguments(model) -> list[list[str]]:
     if m.num_shared_experts:
         width = (m.shared_expert or m.expert).intermediate_size
         lines.append(["--moe-shared-expert-intermediate-size", str(m.num_shared_experts * width)])
+    if m.capacity_factor is not None:           # token dropping, each expert padded to its capacity: as priced
+        lines += [["--moe-expert-capacity-factor", f"{m.capacity_factor:g}"], ["--moe-pad-expert-input-to-capacity"]]
     return lines
 
 
@@ -314,7 +316,7 @@ def setting_notes(pf) -> list[str]:
     if pf.training.optimizer == "sgd":
         notes.append("SGD as piper's runtime runs it: no momentum (torch.optim.SGD's default; Megatron's is 0.9) and "
                      "no weight decay (RuntimeBlock.weight_decay_for)")
-    return notes + capacity_note(pf, "not written: Megatron's --moe-expert-capacity-factor")
+    return notes
 
 
 def split_arguments(layers: list[int], mtp_layers: int) -> list[list[str]]:

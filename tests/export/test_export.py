@@ -134,19 +134,21 @@ def test_unwritten_settings_are_noted(plans, tmp_path):
     for text, where in ((megatron.script(pf), "--moe-shared-expert-overlap"), (torchtitan.script(pf), "torchtitan")):
         notes = [n for n in notes_of(text) if n.startswith("not carried over:")]
         assert any("shared_expert_overlap=True" in n and where in n for n in notes), notes
-        assert any("capacity factor 1.25" in n for n in notes)
+        assert any("capacity factor 1.25" in n for n in notes) == (where == "torchtitan")   # Megatron writes it
     assert any("lr 0.001" in n for n in notes_of(torchtitan.script(pf)) if n.startswith("not carried over:"))
     assert not any("shared_expert_overlap" in n for n in notes_of(megatron.script(read_plan_file(plans["qwen3-hsdp"]))))
 
 
-def test_a_capacity_factor_plan_from_the_cli_exports_with_a_note(tmp_path):
+def test_a_capacity_factor_plan_from_the_cli_exports_as_flags_or_a_note(tmp_path):
     """`--capacity-factor` writes the factor into the plan's model block as well: torchtitan's export refused it as
     a changed architecture, so its 'not carried over' note never ran (a second consistency pass)."""
     path = saved_plan(tmp_path, "cf", *PLANS["qwen3-hsdp"], "--capacity-factor", "1.25")
     pf = read_plan_file(path)
     assert pf.model.moe.capacity_factor == 1.25
-    for text in (megatron.script(pf), torchtitan.script(pf)):
-        assert any(n.startswith("not carried over: capacity factor 1.25") for n in notes_of(text))
+    assert any(n.startswith("not carried over: capacity factor 1.25") for n in notes_of(torchtitan.script(pf)))
+    text = megatron.script(pf)                  # Megatron-Core drops and pads as priced: the flags, no note
+    assert words_of(text, "--moe-expert-capacity-factor") == ["1.25"] and "--moe-pad-expert-input-to-capacity" in text
+    assert not any("capacity factor" in n for n in notes_of(text))
 
 
 def test_gradient_precision_is_carried_or_noted(plans, tmp_path):
