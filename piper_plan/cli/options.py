@@ -173,6 +173,15 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
     if fp8_recipe is not None and dtype != "fp8":
         raise PiperError(f"{fp8_recipe}: an fp8 recipe needs --dtype fp8 (given: {dtype or 'the device default'}; "
                          "mxfp8 is a block recipe of its own)", field="--fp8-recipe")
+    def check_peak(precision: str) -> None:
+        try:
+            platform.peak_flops(precision)
+        except PiperError as exc:   # the asked precision has no rate there: --dtype is the input to change
+            where = resolve(platform_name, platforms_dir(), "platform")
+            raise PiperError(f"{exc.message} ({where}, device.peak_flops)", field="--dtype") from None
+
+    if dtype is not None:           # first: what the other training options are checked against follows from it
+        check_peak(dtype)
     try:
         given = {k: v for k, v in (("dtype", dtype), ("grad_bytes", None if grad_bytes is None else int(grad_bytes)),
                                    ("fp8_recipe", fp8_recipe)) if v is not None}
@@ -180,11 +189,7 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
                                            routing_skew=routing_skew, **given)
     except ValidationError as exc:
         raise PiperError(validation_message(exc), field="training options") from None
-    try:
-        platform.peak_flops(training.dtype)
-    except PiperError as exc:   # the asked precision has no rate there: --dtype is the input to change
-        where = resolve(platform_name, platforms_dir(), "platform")
-        raise PiperError(f"{exc.message} ({where}, device.peak_flops)", field="--dtype") from None
+    check_peak(training.dtype)
     return model, platform, training
 
 

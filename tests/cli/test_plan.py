@@ -261,6 +261,15 @@ def test_precision_search_bad_input_is_one_line(args, needle):
     assert res.exit_code == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
 
 
+def test_a_precision_the_platform_has_no_rate_for_is_named_before_what_follows_from_it():
+    """Before: `--dtype mxfp8 --grad-bytes 2` on a CPU platform said 'grad_bytes=2 is narrower than the weights'
+    weight_bytes=4 (dtype mxfp8)', a check of a precision the platform cannot run at all."""
+    res = _run("--model", "deepseek-v3", "--platform", "netemu", "--nodes", "1", "--dtype", "mxfp8", "--grad-bytes",
+               "2", "--global-batch", "8", "--seq", "64")
+    assert res.exit_code == 2 and res.stderr.startswith("error: --dtype: platform netemu has no peak for "
+                                                        "dtype=mxfp8") and res.stderr.count("\n") == 1, res.stderr
+
+
 def test_the_fp8_recipe_prices_the_fp8_plans_only_and_is_saved_with_them(tmp_path):
     args = (*QWEN_H100, "--dtype", "bf16,fp8", "--json", "--top", "0")
     docs = {r: json.loads(_run(*args, "--fp8-recipe", r).stdout) for r in ("delayed", "blockwise")}
