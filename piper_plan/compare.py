@@ -93,6 +93,20 @@ def time_terms(prediction: dict, records: list[dict]) -> dict[str, dict]:
     return out
 
 
+def term_notes(time_s: dict, records: list[dict]) -> list[str]:
+    """Why a time term's row reads as it does where the numbers alone mislead: a migration the plan priced none of
+    (its error would read -100%), and dp_sync under FSDP2 (measured '-')."""
+    notes = []
+    migration = time_s.get("migration") or {}
+    if (migration.get("measured") or 0) > 0 and not migration.get("predicted"):
+        notes.append("migration: the plan priced none: the cost model prices live migration as a share of the step "
+                     "(`--cost-option migration_fraction=F`, 0 by default; the Piper paper bounds it below 5%)")
+    if "dp_sync" in time_s and sharded_by_fsdp(steady_steps(records)):
+        notes.append("dp_sync: not measured under zero 2 / 3: FSDP2 reduce-scatters the gradients inside the "
+                     "backward pass, outside the runtime's dp_sync timer")
+    return notes
+
+
 def _stage_bytes(entry) -> float | None:
     if isinstance(entry, (int, float)):
         return entry
@@ -158,13 +172,15 @@ def compare(prediction: dict, records: list[dict]) -> dict:
     pad = lambda xs: xs + [None] * (stages - len(xs))  # noqa: E731
     rss = [quantity(p, m) for p, m in zip(pad(predicted_memory_per_stage(prediction)), pad(meas_rss))] \
         if meas_rss else []
+    times = time_terms(prediction, records)
     return {
         "steps_measured": len(steady),
         "warmup_only": all(r.get("warmup") for r in steady),      # no steady step yet: the figures are warm-up's
         "step_time_s": quantity(prediction.get("step_time_s"), _median_of(steady, "step_time_s")),
         "tokens_per_s": quantity(prediction.get("tokens_per_s"), _median_of(steady, "tokens_per_s")),
         "a2a_share": quantity(predicted_a2a_share(prediction), measured_a2a_share(steady)),
-        "time_s": time_terms(prediction, records),
+        "time_s": times,
+        "time_notes": term_notes(times, records),
         "memory_bytes_per_stage": [quantity(p, m) for p, m in zip(pad(pred_mem), pad(meas_mem))],
         "memory_basis": ("tensor accounting (prediction without framework and fragmentation)" if tensors_only
                          else "allocator peak") + ("; under zero 2 / 3 the accounting holds the parameters' local "

@@ -75,6 +75,8 @@ def compare_cmd(run_dir: str, as_json: bool, plot_path: str | None) -> None:
     result["calibration_note"] = hint
     if hint:
         note(f"note: {hint}")
+    for said in result["time_notes"]:
+        note(f"note: {said}")
     rss_note = _process_memory_note(plan_file, result.get("process_rss_bytes_per_stage") or [])
     if rss_note:
         note(f"note: {rss_note}")

@@ -136,8 +136,20 @@ def test_a_migration_every_few_steps_is_its_mean_cost_per_step():
     median, 0 for any run migrating less often than every other step)."""
     records = [{"step": s, "step_time_s": 1.0, "tokens_per_s": 10.0,
                 "time_s": {"migration": 0.4 if s % 4 == 0 else 0.0}, "memory_bytes": []} for s in range(1, 10)]
-    migration = compare(dict(PREDICTION, time={"breakdown": {"migration": 0.1}}), records)["time_s"]["migration"]
+    result = compare(dict(PREDICTION, time={"breakdown": {"migration": 0.1}}), records)
+    migration = result["time_s"]["migration"]
     assert migration["measured"] == 0.1 and migration["predicted"] == 0.1      # steps 2..9: 2 of 8 migrate
+    assert result["time_notes"] == []
+
+
+def test_rows_whose_numbers_alone_mislead_are_explained():
+    """Before: a run with live migration against a plan that priced none read 'migration ... -100' with no word of
+    why, and under zero 2 / 3 the dp_sync row read '-' unexplained."""
+    records = [{"step": s, "step_time_s": 1.0, "tokens_per_s": 10.0, "parallel": {"zero": 3},
+                "time_s": {"migration": 0.4 if s % 4 == 0 else 0.0}, "memory_bytes": []} for s in range(1, 10)]
+    notes = compare(dict(PREDICTION, time={"breakdown": {"dp/sync": 0.2}}), records)["time_notes"]
+    assert [n.split(":")[0] for n in notes] == ["migration", "dp_sync"]
+    assert "--cost-option migration_fraction=F" in notes[0] and "outside the runtime's dp_sync timer" in notes[1]
 
 
 def test_cpu_ranks_peak_rss_is_compared_with_the_whole_prediction():
