@@ -138,6 +138,7 @@ def compare_plot(path, steps: list[int], step_time_s: list[float], predicted_ste
         left.axhline(predicted_step_s, color="tab:orange", ls="--", label=f"predicted {predicted_step_s:.4g} s")
     left.set_xlabel("step")
     left.set_ylabel("step time (s)")
+    left.xaxis.get_major_locator().set_params(integer=True)      # steps are whole (a resumed run's few steps too)
     left.legend(fontsize=8)
     names = list(terms)
     x = list(range(len(names)))
@@ -145,7 +146,8 @@ def compare_plot(path, steps: list[int], step_time_s: list[float], predicted_ste
         values = [terms[n][side] or 0.0 for n in names]
         right.bar([i + offset for i in x], values, width=0.4, color=colour, label=side)
     right.set_xticks(x, names)
-    right.set_ylabel("seconds per step (measured: median of steady steps)")
+    right.set_ylabel("seconds per step")
+    right.set_title("measured: median of steady steps (migration: mean)", fontsize=8)
     right.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
