@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
@@ -221,18 +222,41 @@ def merge_rows(directory: str | Path, table: Table, rows: Iterable[dict]) -> Pat
 
 
 def _same_device_rows(old, new, path: Path):
-    """The old rows of the new rows' device. Another device's seed rows are dropped (a measurement replaces the seed:
-    calibration/frontier names its device as the platform file does, torch as the driver does); another device's
-    measured rows are an error, nothing written (before, the file was written and then refused when read)."""
+    """The old rows of the new rows' device. Seed rows of the same chip under another name are dropped (a measurement
+    replaces the seed: calibration/frontier names its device as the platform file does, torch as the driver does);
+    any other device's rows are an error, nothing written (before, the file was written and then refused when
+    read)."""
     devices = set(new["device"])
     others = old[~old["device"].isin(devices)]
     if others.empty:
         return old
-    if others["source"].astype(str).str.startswith("seed:").all():
+    seed = others["source"].astype(str).str.startswith("seed:").all()
+    if seed and all(same_device_name(o, d) for o in set(others["device"]) for d in devices):
         return old[old["device"].isin(devices)]
     raise PiperError(f"holds rows of {others['device'].iloc[0]!r} and the new rows are of "
                      f"{sorted(devices)[0]!r}; a calibration folder is one machine's (the curves would mix their "
                      "rates): measure into a folder of its own (nothing written)", path=str(path))
+
+
+FORM_FACTORS = ("pcie", "sxm", "nvl", "oam")
+"""How a GPU is attached, as vendors' names say it: the same chip on PCIe and on SXM / NVL / OAM boards has other
+links between its devices."""
+
+
+def same_device_name(a: str, b: str) -> bool:
+    """Whether two names are one device's as different tools print them: the chip (the first word with a digit)
+    equal, case apart, with '/', '-' and spaces between words, and the form factor where both names give one.
+    platforms/frontier.yaml's "AMD Instinct MI250X GCD", rccl-tests' "AMD Instinct MI250X" and HIP's "AMD Instinct
+    MI250X/MI250" are one; so are platforms/dgx-h100.yaml's "NVIDIA H100 SXM5 80GB" and nccl-tests' "NVIDIA H100 80GB
+    HBM3"; "NVIDIA H100 PCIe" is not the SXM5 board, and "NVIDIA A100 80GB PCIe" not "NVIDIA H100 80GB HBM3". Names
+    without such a word must have the same words."""
+    words_a, words_b = ([w for w in re.split(r"[\s/-]+", name.lower()) if w] for name in (a, b))
+    chip_a, chip_b = (next((w for w in words if any(c.isdigit() for c in w)), None) for words in (words_a, words_b))
+    if chip_a is None or chip_b is None:
+        return set(words_a) == set(words_b)
+    form_a, form_b = (next((f for w in words for f in FORM_FACTORS if w.startswith(f)), None)
+                      for words in (words_a, words_b))
+    return chip_a == chip_b and (form_a is None or form_b is None or form_a == form_b)
 
 
 def measured_keys(directory: str | Path, table: Table) -> set[tuple]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
+from piper_plan.calibration.io import same_device_name
 from piper_plan.calibration.schema import (MAX_MEASURED, MIN_MEASURED, OPS, SCOPES, busbw_factor,
                                            collective_bandwidths_GBps, scope_problem)
 from piper_plan.errors import PiperError
@@ -237,31 +238,21 @@ def log_ranks(text: str) -> list[tuple[str, str]]:
     return [m.groups() for m in map(_RANK_LINE.match, (line.strip() for line in text.splitlines())) if m]
 
 
-def same_device_name(a: str, b: str) -> bool:
-    """Whether two names are one chip's as different tools print them: the first word with a digit equal, case
-    apart, with '/', '-' and spaces between words. platforms/frontier.yaml's "AMD Instinct MI250X GCD", rccl-tests'
-    "AMD Instinct MI250X" and HIP's "AMD Instinct MI250X/MI250" are one; so are platforms/dgx-h100.yaml's "NVIDIA H100
-    SXM5 80GB" and nccl-tests' "NVIDIA H100 80GB HBM3"; "NVIDIA A100 80GB PCIe" and "NVIDIA H100 80GB HBM3" are not.
-    Names without such a word must have the same words."""
-    words_a, words_b = ([w for w in re.split(r"[\s/-]+", name.lower()) if w] for name in (a, b))
-    chip_a, chip_b = (next((w for w in words if any(c.isdigit() for c in w)), None) for words in (words_a, words_b))
-    if chip_a is None or chip_b is None:
-        return set(words_a) == set(words_b)
-    return chip_a == chip_b
-
-
 def check_log_ranks(ranks: list[tuple[str, str]], num_nodes: int, ranks_per_node: int, devices: dict[str, str],
                     path: str) -> None:
-    """Where the log lists its ranks: --nodes x --ranks-per-node of them on --nodes hosts, all of one device, and that
+    """Where the log lists its ranks: --nodes x --ranks-per-node of them on --nodes hosts (a 2-node log is not one
+    node's: its scope would be wrong), all of one device, and that
     device the one each of ``devices`` names (the platform's, the folder's). Before, an A100 run's log imported for
     frontier priced MI250X collectives with A100 times."""
     if not ranks:
         return
     hosts, names = {host for host, _ in ranks}, sorted({name for _, name in ranks})
     if len(ranks) != num_nodes * ranks_per_node or len(hosts) != num_nodes:
+        more = (" (where each rank ran in a container of its own name, put the node's name in its 'Rank' line)"
+                if len(hosts) > num_nodes else "")
         raise PiperError(f"the log lists {len(ranks)} ranks on {len(hosts)} hosts; --nodes {num_nodes} "
                          f"--ranks-per-node {ranks_per_node} say {num_nodes * ranks_per_node} on {num_nodes}: the "
-                         "log is of another run than they say", path=path)
+                         f"log is of another run than they say{more}", path=path)
     if len(names) > 1:
         raise PiperError(f"the log's ranks ran on {len(names)} devices ({', '.join(map(repr, names))}); a calibration "
                          "is one machine's: import a run on one kind of device", path=path)

@@ -186,14 +186,18 @@ def check_same_device(out_dir: Path, name: str, isa_flags: str | None = None) ->
     metadata.json): `piper calibrate --platform local-cpu` on another CPU mixed both machines' GEMM rows and
     rewrote the folder's device as if all were this one's. A CPU of the same name with other instruction sets
     (both recorded: ``isa_flags``) is another device too. A seed's device (``kind: seed``: calibration/frontier,
-    named as its platform file names it, not as torch does) is what the measurement replaces."""
-    from piper_plan.calibration.io import read_metadata, recorded_device
+    named as its platform file names it, not as torch does) is replaced by a measurement of the same chip
+    (io.same_device_name), and refused for another."""
+    from piper_plan.calibration.io import read_metadata, recorded_device, same_device_name
 
     held = recorded_device(read_metadata(out_dir) if out_dir.is_dir() else {}, out_dir)
-    if held.get("kind") == "seed":      # published numbers, which a measurement replaces (io.merge_rows)
-        return
     advice = ("their rows would mix; measure into a folder of its own (--out-dir, or a copy of the platform file "
               "under another name), or move this one aside to replace it")
+    if held.get("kind") == "seed":      # published numbers, which a measurement of that device replaces (merge_rows)
+        if held.get("name") and not same_device_name(held["name"], name):
+            raise PiperError(f"holds seed rows of {held['name']!r} and this machine's device is {name!r}: {advice}",
+                             path=str(out_dir))
+        return
     if held.get("name") and held["name"] != name:
         raise PiperError(f"holds the calibration of {held['name']!r} and this machine's device is {name!r}: {advice}",
                          path=str(out_dir))

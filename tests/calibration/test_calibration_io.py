@@ -195,6 +195,10 @@ def test_a_measurement_replaces_another_devices_seed_rows_and_never_mixes_measur
     with pytest.raises(PiperError, match="holds rows of 'AMD Instinct MI250X/MI250' and the new rows are of 'cpu'"):
         merge_rows(tmp_path, GEMM, [_row(128)])
     assert (tmp_path / "gemm.csv").read_text() == before
+    other = tmp_path / "other"                  # another chip's seed is not what this measurement replaces
+    merge_rows(other, GEMM, [seed])
+    with pytest.raises(PiperError, match="holds rows of 'AMD Instinct MI250X GCD' and the new rows are of 'NVIDIA"):
+        merge_rows(other, GEMM, [{**_row(64), "device": "NVIDIA A100-SXM4-80GB"}])
 
 
 def test_the_shipped_frontier_seed_takes_a_measurement_of_its_device():
@@ -204,3 +208,6 @@ def test_the_shipped_frontier_seed_takes_a_measurement_of_its_device():
     from piper_plan.catalog import calibration_dir
 
     check_same_device(calibration_dir("frontier"), "AMD Instinct MI250X/MI250")
+    with pytest.raises(PiperError, match="holds seed rows of 'AMD Instinct MI250X GCD' and this machine's device is "
+                                         "'NVIDIA A100-SXM4-80GB'"):
+        check_same_device(calibration_dir("frontier"), "NVIDIA A100-SXM4-80GB")

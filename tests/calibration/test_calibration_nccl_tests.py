@@ -262,11 +262,13 @@ def test_a_log_of_another_device_or_run_shape_is_refused(tmp_path):
                                         "--ranks-per-node", "2", "--scope", "node", "--platform", "dgx-a100",
                                         "--out-dir", str(tmp_path / "cal")])
     assert one_node.exit_code == 2 and "the log lists 2 ranks on 2 hosts; --nodes 1 --ranks-per-node 2 say 2 on 1" \
-        in one_node.stderr
+        in one_node.stderr and "a container of its own name" in one_node.stderr
     mixed = NCCL_TESTS.replace("gpu-a02 device  0 [0x07] NVIDIA A100-SXM4-80GB", "gpu-a02 device  0 [0x07] NVIDIA H100")
     assert "ran on 2 devices" in _import(tmp_path, mixed).stderr
     assert not (tmp_path / "cal").exists()
-    assert _import(tmp_path, NCCL_TESTS.replace("A100-SXM4-80GB", "A100 80GB PCIe")).exit_code == 0  # one chip
+    pcie = _import(tmp_path, NCCL_TESTS.replace("A100-SXM4-80GB", "A100 80GB PCIe"))   # the chip on another board
+    assert pcie.exit_code == 2 and "ran on 'NVIDIA A100 80GB PCIe' and platform dgx-a100's device" in pcie.stderr
+    assert _import(tmp_path, NCCL_TESTS.replace("A100-SXM4-80GB", "A100-SXM4-40GB")).exit_code == 0     # one board
 
 
 def test_a_log_must_be_of_the_folders_measured_device(tmp_path):
