@@ -304,7 +304,7 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
     from piper_plan.search.report import best_search, precision_rows, precisions_json
 
     winner = best_search(searches)
-    mixed = mixed_rate_sources(searches, platform.name)
+    mixed = mixed_rate_sources(searches, platform)
     if mixed:
         note(mixed)
     if winner is None:
@@ -330,18 +330,26 @@ def _emit_precisions(ctx, searches, model, platform, options, kwargs, top, as_js
         note(f"saved {path} ({precision_text(winner[0])}; layers per stage: {plan.layers_per_stage})")
 
 
-def mixed_rate_sources(searches, platform_name: str) -> str | None:
+def mixed_rate_sources(searches, platform) -> str | None:
     """A warning where the searched precisions' GEMMs are priced from different kinds of rates, measured rows for one
     and the roofline fallback for another (h200: bf16 measured, fp16 not): their ranking then compares a
-    measurement with a peak, and the fallback's precision leads by that alone."""
-    fallback = [precision_text(t) for t, r in searches if "roofline fallback" in r.sources.get("compute", "")]
-    measured = [precision_text(t) for t, _ in searches if precision_text(t) not in fallback]
+    measurement with a peak, and the fallback's precision leads by that alone. The advice: measure those the
+    calibration sweep measures on this device, else compare within one precision or from the roofline alone."""
+    from piper_plan.calibration.bench_gemm import gemm_points
+
+    fallback = [t.dtype for t, r in searches if "roofline fallback" in r.sources.get("compute", "")]
+    measured = [t.dtype for t, _ in searches if t.dtype not in fallback]
     if not fallback or not measured:
         return None
-    return (f"warning: {', '.join(measured)} GEMMs are priced from {platform_name}'s measured rows and "
+    sweeps = {p.dtype for p in gemm_points(platform.launch.device, False)}
+    can = [d for d in fallback if d in sweeps]
+    advice = (f"measure them: `piper calibrate --platform {platform.name} --only gemm --dtype {','.join(can)}`" if can
+              else f"piper calibrate measures no {', '.join(fallback)} GEMM on a {platform.launch.device} device: "
+                   "rank one precision at a time, or price a plan of each from the roofline alone with `piper "
+                   "estimate ... --no-calibration`")
+    return (f"warning: {', '.join(measured)} GEMMs are priced from {platform.name}'s measured rows and "
             f"{', '.join(fallback)} from the roofline fallback: ranked together, a measurement meets a peak rate "
-            f"(measure the others: `piper calibrate --platform {platform_name} --only gemm --dtype "
-            f"{','.join(fallback)}`)")
+            f"({advice})")
 
 
 def _plans_table(result, platform, rows: list[dict], tokens_to_train: float):

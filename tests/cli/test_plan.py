@@ -243,10 +243,20 @@ def test_precisions_priced_from_different_kinds_of_rates_are_said_to_be():
     assert mixed.exit_code == 0, mixed.output
     warnings = [line for line in mixed.stderr.splitlines() if line.startswith("warning:")]
     assert warnings == ["warning: bf16 GEMMs are priced from h200's measured rows and fp16 from the roofline fallback: "
-                        "ranked together, a measurement meets a peak rate (measure the others: `piper calibrate "
-                        "--platform h200 --only gemm --dtype fp16`)"]
+                        "ranked together, a measurement meets a peak rate (piper calibrate measures no fp16 GEMM on a "
+                        "cuda device: rank one precision at a time, or price a plan of each from the roofline alone "
+                        "with `piper estimate ... --no-calibration`)"]
     same = _run(*QWEN_H100, "--dtype", "bf16,fp8", "--top", "1")        # no calibration: one kind of rate
     assert same.exit_code == 0 and "warning" not in same.stderr
+    from types import SimpleNamespace
+
+    from piper_plan.catalog import load_platform
+    from piper_plan.cli.plan import mixed_rate_sources
+
+    searches = [(SimpleNamespace(dtype=d), SimpleNamespace(sources={"compute": c})) for d, c in
+                (("bf16", "calibration: gemm.csv"), ("fp8", "calibration: ...; GEMMs in fp8: roofline fallback"))]
+    assert mixed_rate_sources(searches, load_platform("h200")).endswith(
+        "(measure them: `piper calibrate --platform h200 --only gemm --dtype fp8`)")     # the GPU sweep has fp8
 
 
 @pytest.mark.parametrize("args, needle", [
