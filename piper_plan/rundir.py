@@ -14,6 +14,16 @@ from piper_plan.errors import PiperError
 RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints/latest")
 """The files a run writes in its directory (besides checkpoints/step_<N>/ and profiler traces)."""
 IDENTITY_BLOCKS = ("model", "training")
+PLANNER_ONLY = {"training": ("tokens_to_train", "routing_skew")}
+"""Fields of an identity block only the planner reads (the tokens a whole training takes, the routing skew it
+prices): a run resumed with another value is the same run."""
+
+
+def run_identity(block: str, value):
+    """``value`` (a plan's or a checkpoint's ``block``) less its PLANNER_ONLY fields."""
+    if not isinstance(value, dict):
+        return value
+    return {k: v for k, v in value.items() if k not in PLANNER_ONLY.get(block, ())}
 """plan.json blocks that make a run directory another job's (compare.check_same_job: tokens per step; a
 checkpoint holds one model). The rest (parallel, platform, runtime, migration, the prediction) may change between
 runs in one directory: a resume under another layout reshards the checkpoint."""
@@ -159,7 +169,7 @@ def plan_change(plan_path: Path, run_dir: Path) -> str | None:
         return None
     labels = ("run directory", "plan")
     for block in IDENTITY_BLOCKS:
-        old, new = kept.get(block), mine.get(block)
+        old, new = run_identity(block, kept.get(block)), run_identity(block, mine.get(block))
         named = isinstance(old, dict) and isinstance(new, dict) and old.get("name") != new.get("name")
         diff = (first_difference(old.get("name"), new.get("name"), f"{block}.name", labels) if named
                 else first_difference(old, new, block, labels))

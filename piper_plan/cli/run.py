@@ -239,7 +239,8 @@ def _launch(config, args: list[str], run_dir: Path, before) -> int:
             at = f" at step {step}" if step is not None else ""
             summary = run_dir / "summary.json"      # this run's (not one left by an earlier run): its signalled ranks
             fresh = _identity(summary) not in (None, before)
-            sent = [r for r in (fresh and _summary_field(summary, "stop_ranks")) or () if r in exc.failures]
+            listed = _summary_field(summary, "stop_ranks") if fresh else None
+            sent = [r for r in listed if type(r) is int and r in exc.failures] if isinstance(listed, list) else []
             whom = ", ".join(f"rank {r} (pid {exc.failures[r].pid})" for r in sent or [rank])   # every rank exits 75
             note(f"piper run: {whom} {'was' if len(sent) < 2 else 'were'} sent a stop signal; checkpointed{at} in "
                  f"{run_dir / 'checkpoints'}, resume with --resume")

@@ -74,7 +74,8 @@ def _shown(value) -> str:
 
 
 def capacity_note(plan_file, instead: str) -> list[str]:
-    """A note on a plan that drops tokens (a capacity factor), which no export writes."""
+    """A note on a plan that drops tokens (a capacity factor), for an engine whose export cannot write it
+    (torchtitan's MoE is dropless; Megatron's export writes the flags)."""
     factor = plan_file.moe.capacity_factor
     return [] if factor is None else [f"not carried over: capacity factor {factor:g} (tokens beyond it dropped); "
                                       f"{instead}"]

@@ -59,7 +59,7 @@ import torch
 
 from piper_plan.errors import PiperError
 from piper_plan.fileio import atomic_write_json, atomic_write_text, read_document
-from piper_plan.rundir import first_difference, latest_step, short_repr
+from piper_plan.rundir import first_difference, latest_step, run_identity, short_repr
 
 META = "piper.json"
 MODEL, OPTIM, RNG = "model.", "optim.", "rng.rank"
@@ -315,14 +315,16 @@ def _install(tmp: Path, final: Path) -> None:
 
 
 # ---- load ---------------------------------------------------------------------------------------------
-def load(run_dir: Path, state: RankState) -> int:
+def load(run_dir: Path, state: RankState) -> tuple[int, int | None]:
     """Collective: restore the ``latest`` checkpoint into this rank's module / optimizers / RNG under the current
-    layout; return the step to continue from (0 without a checkpoint). Bad checkpoints: PiperError on every rank."""
+    layout; return the step to continue from (0 without a checkpoint) and the total steps the saving run scheduled
+    its learning rate over (None where piper.json does not say: written before it was kept). Both come from the one
+    piper.json every rank read, its problems agreed on. Bad checkpoints: PiperError on every rank."""
     import torch.distributed as dist
 
     step = _agreed_latest_step(run_dir, state.world)
     if step is None:
-        return 0
+        return 0, None
     path = step_dir(run_dir, step)
     meta, problem = _read_meta(path, state)
     flat = None
@@ -351,7 +353,8 @@ def load(run_dir: Path, state: RankState) -> int:
                          "stops before its checkpoint), so the files are damaged: point checkpoints/latest at an "
                          "earlier step_<N>, or start over with --force", path=str(path))
     _restore(state, model_sd, optim_sds, flat, step, same_layout)
-    return step
+    saved = meta.get("steps")
+    return step, saved if type(saved) is int and saved >= 1 else None
 
 
 def _damaged_value(flat: dict) -> str | None:
@@ -410,25 +413,16 @@ def _read_meta(path: Path, state: RankState) -> tuple[dict | None, str | None]:
     if diff:
         return meta, f"the checkpoint is of another model: model.{diff}"
     if isinstance(meta.get("training"), dict):      # kept since 2026-12-05: earlier checkpoints do not say
-        diff = first_difference(meta["training"], state.cfg.training.model_dump(mode="json"))
+        diff = first_difference(run_identity("training", meta["training"]),
+                                run_identity("training", state.cfg.training.model_dump(mode="json")))
         if diff:
             return meta, f"the checkpoint is of another training: training.{diff}"
     return meta, None
 
 
-def schedule_steps(run_dir: Path, step: int) -> int | None:
-    """The total steps the run that saved ``step_<step>`` scheduled its learning rate over (piper.json ``steps``);
-    None where the checkpoint does not say (written before it was kept). Read after load agreed on the step: the
-    same file on every rank."""
-    try:
-        saved = read_document(step_dir(run_dir, step) / META).get("steps")
-    except PiperError:
-        return None
-    return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
-
-
 _META_FIELDS = {"model": dict, "parallel": dict, "world": int, "step": int, "slot_of_expert": dict}
-"""What load reads from piper.json, and its type."""
+"""What load needs of piper.json, and its type (``training`` and ``steps``, kept since 2026-12-05, are read where
+present)."""
 
 
 def _install_slot_maps(state: RankState, saved: dict | None) -> str | None:

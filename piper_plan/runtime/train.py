@@ -445,8 +445,9 @@ class Trainer:
 
         save(run_dir, step, self.checkpoint_state(), self.cfg.runtime.keep_checkpoints)
 
-    def resume(self, run_dir: Path) -> int:
-        """The step to continue from; PiperError (the same on every rank) for a checkpoint it cannot load."""
+    def resume(self, run_dir: Path) -> tuple[int, int | None]:
+        """The step to continue from and the saving run's schedule total (checkpoint.load); PiperError (the same on
+        every rank) for a checkpoint it cannot load."""
         from piper_plan.runtime.checkpoint import load
 
         return load(run_dir, self.checkpoint_state())
@@ -816,7 +817,7 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     trainer = Trainer(cfg, rank, world, device)
     problem = None
     try:  # the same on every rank (checkpoint.load agrees on it; the rest reads files): nothing written yet
-        start = trainer.resume(run_dir) if args.resume else 0
+        start, saved_steps = trainer.resume(run_dir) if args.resume else (0, None)
         records = kept_records(run_dir / "metrics.jsonl", start) if args.resume else []
         plan_note = plan_change(Path(args.plan), run_dir)
     except PiperError as exc:
@@ -827,12 +828,8 @@ def run(cfg, args, rank: int, world: int, local: int) -> int:
     if first is not None:
         stop.release()
         return _report_user_error_together(problem, rank, reporter=first)
-    schedule_note = None
-    if start:
-        from piper_plan.runtime.checkpoint import schedule_steps
-
-        cfg, schedule_note = resumed_schedule(cfg, args.steps, schedule_steps(run_dir, start), start)
-        trainer.cfg = cfg
+    cfg, schedule_note = resumed_schedule(cfg, args.steps, saved_steps, start)
+    trainer.cfg = cfg
     steps, interval = cfg.runtime.steps, cfg.runtime.checkpoint_interval
     tokens = cfg.training.global_batch * cfg.training.seq_len
     parallel = cfg.parallel.model_dump(mode="json")

@@ -229,6 +229,16 @@ def test_an_edited_verdict_is_noted_as_an_edited_figure_is(tmp_path, plan, field
     assert json.loads((tmp_path / "job" / "plan.json").read_text())["prediction"][field] == fresh
 
 
+def test_a_file_saved_before_a_group_was_named_is_not_called_edited(tmp_path, plan):
+    """Plan files saved before cp's scope was named (2026-12-01) lack scopes.cp: not an edit."""
+    data = json.loads(plan.read_text())
+    del data["prediction"]["scopes"]["cp"]
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(data))
+    res = run("estimate", "--plan", older)
+    assert res.exit_code == 0 and "stored prediction" not in res.stderr, res.stderr
+
+
 def test_the_job_carries_the_prediction_piper_computes_not_the_files(tmp_path, plan):
     """Figures a prediction may hold but this plan's does not (mfu, hfu doubled) are not copied into the job."""
     data = json.loads(plan.read_text())

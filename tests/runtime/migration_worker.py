@@ -118,7 +118,7 @@ def resume_check(plan: dict, rank: int, world: int, run_dir: str) -> dict:
     part = [first.train_step(s).report()["loss"] for s in range(2)]
     first.save(Path(run_dir), 2)
     second = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2)
-    start = second.resume(Path(run_dir))
+    start, _ = second.resume(Path(run_dir))
     part += [second.train_step(s).report()["loss"] for s in range(start, 4)]
     return {"full": [r["loss"] for r in reports], "resumed": part, "events": [r["migration"] for r in reports],
             "slots_full": straight.migrator.slot_maps(), "slots_resumed": second.migrator.slot_maps()}

@@ -39,7 +39,7 @@ def resume(plan: dict, rank: int, world: int, run_dir: str, steps: int = 4) -> d
     torch RNG state right after the resume."""
     torch.manual_seed(1234 + rank)  # disturb the RNG: resume must set it
     trainer = _trainer(plan, rank, world)
-    start = trainer.resume(Path(run_dir))
+    start, _ = trainer.resume(Path(run_dir))
     slots = {i: m.slot_of_expert.tolist() for i, m in trainer.module.moe_layers().items()}
     rng = torch.get_rng_state()
     losses = [trainer.train_step(step).report()["loss"] for step in range(start, steps)]
@@ -63,7 +63,7 @@ def failed_save(plan: dict, rank: int, world: int, run_dir: str) -> dict:
     import piper_plan.runtime.checkpoint as ck
 
     trainer = _trainer(plan, rank, world)
-    for step in range(trainer.resume(Path(run_dir)), 4):
+    for step in range(trainer.resume(Path(run_dir))[0], 4):
         trainer.train_step(step)
     real = ck._rng_bytes
     if rank == 1:

@@ -243,7 +243,7 @@ def test_world_2_to_1_in_process(runs, world1, tmp_path):
     shutil.copytree(runs["tmp"] / "pp2_dp1_ep1", tmp_path / "run")
     trainer = Trainer(parse_plan_dict(PLANS["pp1_dp1_ep1"], "test plan"), 0, 1, torch.device("cpu"), lr=1e-2,
                       aux_loss_coeff=0.0)
-    start = trainer.resume(tmp_path / "run")
+    start, _ = trainer.resume(tmp_path / "run")
     got = [trainer.train_step(s).report()["loss"] for s in range(start, 4)]
     assert start == 2 and got == pytest.approx(want, rel=RTOL)
     trainer.save(tmp_path / "run", 4)  # keep_checkpoints = 2: steps 2 and 4

@@ -165,6 +165,18 @@ def test_another_model_or_training_is_refused(tmp_path, change, needle):
     assert (run / "plan.json").read_bytes() == kept
 
 
+def test_a_training_field_only_the_planner_reads_is_the_same_run(tmp_path):
+    """tokens_to_train and routing_skew price a plan, the runtime never reads them: before, editing one in plan.json
+    refused the resume as another plan's run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.keep_plan(_write(tmp_path / "a.json", plan_dict(pp=2, dp=1, ep=1)), run)
+    other = plan_dict(pp=2, dp=1, ep=1)
+    other["training"].update(tokens_to_train=2e12, routing_skew=1.5)
+    note = rundir.plan_change(_write(tmp_path / "b.json", other), run)
+    assert note is not None and "first difference: training." in note       # replaced, with a note
+
+
 def test_a_damaged_kept_plan_is_refused(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

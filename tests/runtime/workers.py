@@ -109,7 +109,7 @@ def resume_check(plan: dict, rank: int, world: int, run_dir: str) -> dict:
     first.save(Path(run_dir), 2)
     torch.manual_seed(1234)  # disturb the RNG: resume must restore it
     second = Trainer(cfg, rank, world, torch.device("cpu"), lr=1e-2, aux_loss_coeff=0.01)
-    start = second.resume(Path(run_dir))
+    start, _ = second.resume(Path(run_dir))
     part += [second.train_step(s).report()["loss"] for s in range(start, 4)]
     return {"full": full, "resumed": part, "start": start}
 
