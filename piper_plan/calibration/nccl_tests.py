@@ -43,7 +43,7 @@ MOVING_OPS = ("all_to_all", "halo_all_to_all", "all_gather")
 by default), so p2p accepts any redop."""
 _NUMERIC_START = re.compile(r"[-+]?(?:\d|\.\d)")
 """A line whose first token starts like a number is a data line (banners start with a word)."""
-_RANK_LINE = re.compile(r"#\s*Rank\s+\d+\b.*?\bon\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(\S.*?)\s*$")
+_RANK_LINE = re.compile(r"#\s*Rank\s+(\d+)\b.*?\bon\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(\S.*?)\s*$")
 """A rank the log lists under ``# Using devices``: its host and device name (``#  Rank  0 Group  0 Pid 123 on gpu-a01
 device  0 [0x07] NVIDIA A100-SXM4-80GB``; v2.0 has no Group)."""
 
@@ -234,8 +234,13 @@ def import_file(path: str | Path, op: str, scope: str, num_nodes: int, ranks_per
 
 
 def log_ranks(text: str) -> list[tuple[str, str]]:
-    """(host, device name) of each rank the log lists (none where it lists none: a table pasted alone)."""
-    return [m.groups() for m in map(_RANK_LINE.match, (line.strip() for line in text.splitlines())) if m]
+    """(host, device name) of each rank the log lists, once per rank number (a log that prints its header twice
+    lists them twice); none where it lists none: a table pasted alone."""
+    found = {}
+    for m in map(_RANK_LINE.match, (line.strip() for line in text.splitlines())):
+        if m:
+            found.setdefault(int(m.group(1)), (m.group(2), m.group(3)))
+    return [found[r] for r in sorted(found)]
 
 
 def check_log_ranks(ranks: list[tuple[str, str]], num_nodes: int, ranks_per_node: int, devices: dict[str, str],

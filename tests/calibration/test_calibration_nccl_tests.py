@@ -266,6 +266,8 @@ def test_a_log_of_another_device_or_run_shape_is_refused(tmp_path):
     mixed = NCCL_TESTS.replace("gpu-a02 device  0 [0x07] NVIDIA A100-SXM4-80GB", "gpu-a02 device  0 [0x07] NVIDIA H100")
     assert "ran on 2 devices" in _import(tmp_path, mixed).stderr
     assert not (tmp_path / "cal").exists()
+    header = "".join(NCCL_TESTS.splitlines(keepends=True)[:6])       # the ranks listed twice: each rank counts once
+    assert _import(tmp_path, header + NCCL_TESTS).exit_code == 0
     pcie = _import(tmp_path, NCCL_TESTS.replace("A100-SXM4-80GB", "A100 80GB PCIe"))   # the chip on another board
     assert pcie.exit_code == 2 and "ran on 'NVIDIA A100 80GB PCIe' and platform dgx-a100's device" in pcie.stderr
     assert _import(tmp_path, NCCL_TESTS.replace("A100-SXM4-80GB", "A100-SXM4-40GB")).exit_code == 0     # one board
