@@ -762,7 +762,21 @@ def _init(cfg, rank: int, world: int, local: int):
     if not dist.is_initialized():
         backend = cfg.platform.launch.backend if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=_rendezvous(rank, world), rank=rank, world_size=world)
+    if device.type == "cpu":
+        quiet_gloo_notices()
     return device
+
+
+GLOO_NOTICES = ("torch.distributed.tensor._collective_utils",)
+"""torch loggers whose warnings on gloo say only that torch works around a collective gloo lacks (DTensor's
+all-to-all as all-gather + chunk, once per rank): nothing a user of piper's runtime can act on."""
+
+
+def quiet_gloo_notices() -> None:
+    import logging
+
+    for name in GLOO_NOTICES:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class RendezvousFailed(Exception):

@@ -383,3 +383,20 @@ def test_a_slot_map_of_other_types_is_the_damaged_line(row):
     state = SimpleNamespace(module=SimpleNamespace(moe_layers=lambda: {0: layer}))
     assert "this checkpoint is damaged" in _install_slot_maps(state, {"0": row})
     assert _install_slot_maps(state, {"0": [3, 2, 1, 0]}) is None and layer.slot_of_expert.tolist() == [3, 2, 1, 0]
+
+
+def test_torchs_gloo_workaround_notice_is_quiet_in_a_cpu_rank():
+    """DTensor's 'CPU process group does not support alltoall yet' warning showed once per rank when a gloo run's
+    tp group resharded (a resume under another layout): torch's own workaround, nothing the user can act on."""
+    import logging
+
+    from torch.distributed.tensor import _collective_utils
+
+    from piper_plan.runtime.train import quiet_gloo_notices
+
+    before = _collective_utils.logger.level
+    try:
+        quiet_gloo_notices()
+        assert not _collective_utils.logger.isEnabledFor(logging.WARNING)
+    finally:
+        _collective_utils.logger.setLevel(before)
