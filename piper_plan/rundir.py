@@ -14,6 +14,9 @@ from piper_plan.errors import PiperError
 RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "checkpoints/latest")
 """The files a run writes in its directory (besides checkpoints/step_<N>/ and profiler traces)."""
 IDENTITY_BLOCKS = ("model", "training")
+"""plan.json blocks that make a run directory another job's (compare.check_same_job: tokens per step; a
+checkpoint holds one model). The rest (parallel, platform, runtime, migration, the prediction) may change between
+runs in one directory: a resume under another layout reshards the checkpoint."""
 PLANNER_ONLY = {"training": ("tokens_to_train", "routing_skew")}
 """Fields of an identity block only the planner reads (the tokens a whole training takes, the routing skew it
 prices): a run resumed with another value is the same run."""
@@ -24,9 +27,6 @@ def run_identity(block: str, value):
     if not isinstance(value, dict):
         return value
     return {k: v for k, v in value.items() if k not in PLANNER_ONLY.get(block, ())}
-"""plan.json blocks that make a run directory another job's (compare.check_same_job: tokens per step; a
-checkpoint holds one model). The rest (parallel, platform, runtime, migration, the prediction) may change between
-runs in one directory: a resume under another layout reshards the checkpoint."""
 
 
 def check_run_dir(run_dir: Path) -> None:
