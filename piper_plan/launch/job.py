@@ -155,7 +155,8 @@ more."""
 
 
 VERDICTS = ("fits", "placement", "scopes")
-"""What a prediction says besides its figures, compared exactly: a hand edit of any is noted as the figures' are."""
+"""What a prediction says besides its figures, compared as they are (scopes on the groups both name): a hand edit of
+any is noted as the figures' are."""
 
 
 def figures_differ(stored, fresh) -> bool:
