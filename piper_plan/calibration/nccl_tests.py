@@ -246,9 +246,9 @@ def log_ranks(text: str) -> list[tuple[str, str]]:
 def check_log_ranks(ranks: list[tuple[str, str]], num_nodes: int, ranks_per_node: int, devices: dict[str, str],
                     path: str) -> None:
     """Where the log lists its ranks: --nodes x --ranks-per-node of them on --nodes hosts (a 2-node log is not one
-    node's: its scope would be wrong), all of one device, and that
-    device the one each of ``devices`` names (the platform's, the folder's). Before, an A100 run's log imported for
-    frontier priced MI250X collectives with A100 times."""
+    node's: its scope would be wrong), all of one device, and that device the one each of ``devices`` names (the
+    platform's, the folder's). Before, an A100 run's log imported for frontier priced MI250X collectives with A100
+    times."""
     if not ranks:
         return
     hosts, names = {host for host, _ in ranks}, sorted({name for _, name in ranks})
