@@ -336,8 +336,9 @@ def mixed_rate_sources(searches, platform) -> str | None:
     measurement with a peak, and the fallback's precision leads by that alone. The advice: measure those the
     calibration sweep measures on this device, else compare within one precision or from the roofline alone."""
     from piper_plan.calibration.bench_gemm import gemm_points
+    from piper_plan.cost.compute import ROOFLINE_FALLBACK
 
-    fallback = [t.dtype for t, r in searches if "roofline fallback" in r.sources.get("compute", "")]
+    fallback = [t.dtype for t, r in searches if ROOFLINE_FALLBACK in r.sources.get("compute", "")]
     measured = [t.dtype for t, _ in searches if t.dtype not in fallback]
     if not fallback or not measured:
         return None

@@ -24,6 +24,11 @@ PEAK_MARGIN = 1.02
 """A measured rate may exceed the datasheet peak by this factor (rounding of the rows' tflops column) and no more."""
 
 
+ROOFLINE_FALLBACK = "roofline fallback"
+"""How Rates.source names GEMMs priced from the platform's efficiency, not measured rows (`plan --dtype LIST` looks
+for it: cli/plan.mixed_rate_sources)."""
+
+
 class Rates:
     """Achieved FLOP/s lookups for one platform, dtype and (optional) calibration."""
 
@@ -109,11 +114,11 @@ class Rates:
             f"efficiency.gemm is taken for {self.gemm_dtype}" \
             if self.gemm_dtype in LOW_PRECISION_GEMM_DTYPES and self.gemm_dtype not in eff.gemm_by_dtype else ""
         if self.calibration is None:
-            return f"roofline fallback (efficiency.gemm={self.gemm_efficiency} for {self.gemm_dtype}, " \
+            return f"{ROOFLINE_FALLBACK} (efficiency.gemm={self.gemm_efficiency} for {self.gemm_dtype}, " \
                    f"attention={eff.attention}: {eff.source}){peaks}{borrowed}" + self.recipe_source
         listed = getattr(self.calibration, "sources", []) or ["(no sources listed)"]
         gemm = "" if self.gemm_calibration is not None else \
-            f"; GEMMs in {self.gemm_dtype}: roofline fallback (efficiency.gemm={self.gemm_efficiency}: gemm.csv " \
+            f"; GEMMs in {self.gemm_dtype}: {ROOFLINE_FALLBACK} (efficiency.gemm={self.gemm_efficiency}: gemm.csv " \
             f"has no {self.gemm_dtype} rows){borrowed}"
         return "calibration: " + "; ".join(listed) + gemm + peaks + self.recipe_source
 

@@ -98,11 +98,8 @@ def saved_calibration(pf: PlanFile):
     """calibration/<platform>/ where the file's prediction was priced from a calibration (a file without a
     prediction: where the folder holds one, as `piper estimate` prices by default), else None."""
     from piper_plan.calibration.curves import load_calibration
-    from piper_plan.catalog import has_calibration
 
-    if pf.prediction is None:
-        return load_calibration(pf.platform.name) if has_calibration(pf.platform.name) else None
-    return load_calibration(pf.platform.name) if priced_from_calibration(pf) else None
+    return load_calibration(pf.platform.name) if pf.prediction is None or priced_from_calibration(pf) else None
 
 
 def _priced(pf: PlanFile, options):
