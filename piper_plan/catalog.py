@@ -1,6 +1,7 @@
 """Find and load specs by catalog name or by path: models/*.yaml, platforms/*.yaml.
 
-The catalog folders sit at the project root (beside ``piper_plan/``); ``PIPER_HOME`` points elsewhere.
+The catalog folders sit at the project root (beside ``piper_plan/`` in a source checkout; inside it, as
+``piper_plan/_home/``, where a wheel installed it: setup.py); ``PIPER_HOME`` points elsewhere.
 Every load error becomes one PiperError line naming the file, the field and what is allowed.
 """
 
@@ -24,10 +25,25 @@ from piper_plan.specs import ModelSpec, PlatformSpec
 SpecT = TypeVar("SpecT", bound=BaseModel)
 
 
+SHIPPED_HOME = "_home"
+"""The folder inside the package where a wheel's build put the catalog folders (setup.py)."""
+
+
 def project_root() -> Path:
-    """The folder holding models/, platforms/ and calibration/ (PIPER_HOME, else beside the package)."""
+    """The folder holding models/, platforms/, calibration/ and validation/: PIPER_HOME where set, else the one
+    piper was installed with (``shipped_root``)."""
     env = os.environ.get("PIPER_HOME")
-    return Path(env) if env else Path(__file__).resolve().parent.parent
+    return Path(env) if env else shipped_root()
+
+
+@functools.cache
+def shipped_root() -> Path:
+    """The source checkout beside the package (an editable install) where it holds models/, else the copy a wheel
+    installed inside the package (piper_plan/_home/), else the checkout (whose missing folder is then named)."""
+    package = Path(__file__).resolve().parent
+    if (package.parent / "models").is_dir() or not (package / SHIPPED_HOME).is_dir():
+        return package.parent
+    return package / SHIPPED_HOME
 
 
 def models_dir() -> Path:
@@ -63,10 +79,13 @@ def required_names(folder: Path, kind: str) -> list[str]:
     if names:
         return names
     home = os.environ.get("PIPER_HOME")
-    where = f"PIPER_HOME={home}" if home else "beside the piper_plan package"
     state = "holds no *.yaml" if folder.is_dir() else "does not exist"
-    raise PiperError(f"{folder} {state}: the {kind} catalog folder ({where}); allowed: a folder holding piper's "
-                     f"{kind} files (unset PIPER_HOME to use the ones piper ships)")
+    if home:
+        raise PiperError(f"{folder} {state}: the {kind} catalog folder (PIPER_HOME={home}); allowed: a folder "
+                         f"holding piper's {kind} files (unset PIPER_HOME to use the ones piper ships)")
+    raise PiperError(f"{folder} {state}: the {kind} catalog folder piper was installed with; allowed: a source "
+                     f"checkout's {kind} files, or a wheel built from one (pip install . copies them into the "
+                     f"package), or PIPER_HOME naming a folder that holds them")
 
 
 def read_text(path: Path) -> str:

@@ -32,11 +32,12 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-NOT_IN_THE_FAST_TIER = ("fuzz", "bench")
-"""Tiers a marker filter leaves out unless it names them: the fuzz sweep (minutes) and the micro-benchmarks of this
-machine (seconds of measuring each, which a parallel worker would disturb). The fast tier's filter (-m "not slurm
-and not distributed") names neither; no filter (the whole suite) runs them, and so does one naming them
-(scripts/test.sh's serial part: -m "slurm or distributed or fuzz or bench")."""
+NOT_IN_THE_FAST_TIER = ("fuzz", "bench", "install")
+"""Tiers a marker filter leaves out unless it names them: the fuzz sweep (minutes), the micro-benchmarks of this
+machine (seconds of measuring each, which a parallel worker would disturb) and the wheel's build and install
+(seconds of pip). The fast tier's filter (-m "not slurm and not distributed") names none; no filter (the whole
+suite) runs them, and so does one naming them (scripts/test.sh's serial part: -m "slurm or distributed or fuzz or
+bench or install")."""
 
 
 def pytest_collection_modifyitems(config, items):
