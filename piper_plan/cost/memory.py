@@ -25,6 +25,7 @@ from piper_plan.specs.parallel import ParallelPlan
 from piper_plan.specs.training import LOW_PRECISION_GEMM_DTYPES, TrainingSpec
 
 LSE_BYTES = 4          # flash attention keeps one fp32 log-sum-exp per query row and head (Dao 2022)
+RSTD_BYTES = 4         # an RMSNorm keeps one fp32 reciprocal RMS per normalised row for backward
 ROUTER_BYTES = 4       # router logits and probabilities in fp32 (Megatron-Core router, fp32 for stability)
 INDEX_BYTES = 8        # int64 indices (token ids, top-k expert ids) that PyTorch's gather / embedding backward keep
 
@@ -137,6 +138,7 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     else:
         kv_heads = a.kv_heads / tp
         kept = kept + tokens * (heads_local + 2 * kv_heads) * model.head_dim * ab
+        kept = kept + qk_norm_bytes(a.qk_norm, tokens, heads_local, kv_heads, model.head_dim, ab, opts)
         v_dim = model.head_dim
         if opts.unfused_kernels:
             kept = kept + 4 * s * model.head_dim * ab        # RoPE cos + sin [s, hd], once for q, once for k
@@ -153,6 +155,27 @@ def attention_activation_bytes(model: ModelSpec, training: TrainingSpec, opts: C
     per_score = 5 if opts.dropout else 4                     # softmax out 2 + mask 1 + dropout out 2 | scores 2 + probs 2
     core = mbs * heads_local * s * s * per_score
     return kept, core
+
+
+def qk_norm_bytes(qk_norm: str, tokens, heads_local, kv_local, head_dim: int, ab: int, opts: CostOptions):
+    """Bytes the q and k norms of one attention block keep (AttentionSpec.qk_norm: Qwen3's per_head, OLMoE's full,
+    Llama 4's weightless): their q- and k-sized inputs and one fp32 rstd per normalised row (a head's values per
+    token; under "full" a token's whole q or k). Transformer Engine's RMSNorm, Megatron-Core's q_layernorm /
+    k_layernorm, saves its input and rstd (transformer_engine/pytorch/ops/basic/rmsnorm.py ``op_forward``:
+    ``ctx.save_for_backward(x, rstdevs)``). Piper's runtime (``unfused_kernels``) keeps the normalised output too
+    where the norm has a weight (PyTorch's composite rms_norm), and where it normalises the [B, H, S, hd] head layout
+    (per_head, weightless) the attention output reaches the output projection through a copy, one q more (measured
+    with the runtime's saved-tensor accounting: tests/runtime/test_analytic_vs_real.py). Before, none of it was
+    counted (Qwen3-30B-A3B at sequence 4096: 38 MB per layer)."""
+    if qk_norm == "none":
+        return 0.0
+    qk = tokens * (heads_local + kv_local) * head_dim * ab
+    rows = tokens * 2 if qk_norm == "full" else tokens * (heads_local + kv_local)
+    kept = qk + rows * RSTD_BYTES
+    if opts.unfused_kernels:
+        kept = kept + (qk if qk_norm != "weightless" else 0.0) \
+            + (tokens * heads_local * head_dim * ab if qk_norm != "full" else 0.0)
+    return kept
 
 
 def runtime_masked_core_bytes(model: ModelSpec, training: TrainingSpec, opts: CostOptions, tp, mbs):

@@ -173,9 +173,12 @@ def _selective_working(st: StageShape, acts, core):
 
 
 def end_bytes(ctx: Context, c):
-    """(first stage, last stage) activation bytes per micro-batch in flight outside the layers: the embedding
-    output; the loss's fp32 softmax of the logits (Megatron-Core's vocab-parallel cross entropy upcasts the logits
-    and saves exp(logits - max) in fp32, in place; the head's own bf16 output is saved by nobody:
+    """(first stage, last stage) activation bytes per micro-batch in flight outside the layers: what the embedding
+    saves, its int64 token ids and, with dropout, the 1-byte mask of the dropout on its output (as the layers'
+    dropouts keep theirs: memory.py); its output is layer 0's norm input, which that layer's activations hold
+    (before, it was counted here once more: 6.25 GiB on gpt-1t's first stage at tp 8, pp 64); the loss's fp32
+    softmax of the logits (Megatron-Core's vocab-parallel cross entropy upcasts the logits and saves
+    exp(logits - max) in fp32, in place; the head's own bf16 output is saved by nobody:
     megatron/core/fusions/fused_cross_entropy.py ``_VocabParallelCrossEntropy.forward``, and the unfused
     tensor_parallel/cross_entropy.py on ``logits.float()``), or under ``cross_entropy_fusion_impl="te"`` the
     logits themselves, which Transformer Engine's loss overwrites with their gradient (CostOptions), once more
@@ -198,7 +201,8 @@ def end_bytes(ctx: Context, c):
         return tokens * mem.INDEX_BYTES + 0.0 * d_bytes, logits
     per_logit = LOSS_SOFTMAX_BYTES if ctx.opts.cross_entropy_fusion_impl == "native" else t.activation_bytes
     logits = tokens * (m.vocab_size or 0) / c.tp * per_logit
-    return d_bytes, logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
+    embedding = tokens * mem.INDEX_BYTES + (tokens * m.hidden_size / sp if ctx.opts.dropout else 0.0 * tokens)
+    return embedding, logits * (1 + m.mtp_layers) + m.mtp_layers * 4 * d_bytes
 
 
 def loss_memory_per_micro_batch(ctx: Context, c, st: StageShape) -> dict:

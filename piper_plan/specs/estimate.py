@@ -80,8 +80,8 @@ class OtherPlacement(Spec):
 
 
 FLOPS_CONVENTIONS = {
-    "mfu, hfu, tflops_per_device": "PaLM (Chowdhery et al. 2022, appendix B): 6 N (an untied LM head in N) + 12 L H Q T "
-                                   "per token, attention non-causal, no MTP layer",
+    "mfu, hfu, tflops_per_device": "PaLM (Chowdhery et al. 2022, appendix B): 6 N (the LM head in N, tied or not) + "
+                                   "12 L H Q T per token, attention non-causal, no MTP layer",
     "mfu_megatron, hfu_megatron": "Megatron (Megatron-LM num_floating_point_operations, as NVIDIA's published TFLOPS): "
                                   "the same GEMMs, attention causal, MTP layers counted",
 }

@@ -73,8 +73,28 @@ def _with_gpt_oss_gate(name: str):
     return ModelSpec.model_validate(data)
 
 
+def _with_qk_norm(name: str, kind: str):
+    """``name`` with its q and k normalised as AttentionSpec.qk_norm ``kind`` says (Qwen3 per_head, OLMoE full,
+    Llama 4 weightless): the norms keep their inputs and rstd (memory.qk_norm_bytes)."""
+    from piper_plan.specs import ModelSpec
+
+    data = load_model(name).model_dump()
+    data["attention"]["qk_norm"] = kind
+    return ModelSpec.model_validate(data)
+
+
+def _variant(name: str):
+    base, _, change = name.partition("+")
+    if change == "gpt-oss-gate":
+        return _with_gpt_oss_gate(base)
+    if change.startswith("qk_norm="):
+        return _with_qk_norm(base, change.partition("=")[2])
+    return load_model(name)
+
+
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-plain", "tiny-dense", "tiny-moe+gpt-oss-gate",
-                                  "tiny-dense+gpt-oss-gate"])
+                                  "tiny-dense+gpt-oss-gate", "tiny-moe+qk_norm=per_head", "tiny-moe+qk_norm=full",
+                                  "tiny-dense+qk_norm=weightless"])
 def test_activation_bytes_within_10_percent(name):
     evaluate = importlib.import_module("piper_plan.cost.evaluate")
     from plans import cpu_platform
@@ -85,7 +105,7 @@ def test_activation_bytes_within_10_percent(name):
     data = cpu_platform()
     data["device"]["peak_flops"]["fp32"] = 1e12  # only for the time terms; memory does not read it
     platform = PlatformSpec.model_validate(data)
-    model = _with_gpt_oss_gate(name.partition("+")[0]) if name.endswith("+gpt-oss-gate") else load_model(name)
+    model = _variant(name)
     training = TrainingSpec(seq_len=256, global_batch=1, dtype="fp32", weight_bytes=4, grad_bytes=4, master_bytes=0)
     plan = ParallelPlan(pp=1, dp=1, ep=1, mbs=1, num_microbatches=1, schedule="gpipe")
     # unfused_kernels: what piper's own runtime saves (separate RoPE, SwiGLU and GQA-expansion tensors), not the

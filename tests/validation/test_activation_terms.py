@@ -92,9 +92,10 @@ def test_fused_default_is_unchanged_and_smaller():
     for opts in (CostOptions(), CostOptions(unfused_kernels=True)):
         comps = estimate(model, load_platform("local-cpu"), training, 1, plan, options=opts).memory.per_stage[0]
         acts.append(sum(v for k, v in comps.components.items() if k.startswith("activations/")))
-    # per layer, fused: attention 165,888 + MoE 664,576 B; 4 layers + embedding 32,768 + logits 262,144 (hand
-    # count: 128 tokens x 512 vocabulary x the loss's 4-byte fp32 softmax)
-    assert acts[0] == pytest.approx(4 * (165_888 + 65_536 + 9_216 + 131_072 + 458_752) + 32_768 + 262_144)
+    # per layer, fused: attention 165,888 + MoE 664,576 B; 4 layers + the embedding's int64 token ids 1,024 (128 x 8
+    # B; its output is layer 0's norm input, counted there) + logits 262,144 (hand count: 128 tokens x 512
+    # vocabulary x the loss's 4-byte fp32 softmax)
+    assert acts[0] == pytest.approx(4 * (165_888 + 65_536 + 9_216 + 131_072 + 458_752) + 1_024 + 262_144)
     assert acts[1] > acts[0]
 
 
