@@ -97,6 +97,8 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
             results = engine.sweep(model, platform, training, counts, options, **kwargs)
         _notes_once_searched(model, platform, training, options, None)
         _emit_sweep(results, model, training, as_json)
+        if not any(r.feasible for r in results):    # every count's row says so; the exit code too
+            ctx.exit(EXIT_NOTHING_FITS)
         return
     if min_nodes:
         from piper_plan.plans import check_setting

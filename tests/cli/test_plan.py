@@ -84,6 +84,13 @@ def test_sweep_json_has_efficiency_per_node_count():
     assert first["efficiency"] == pytest.approx(1.0)
 
 
+def test_a_sweep_where_nothing_fits_at_any_count_exits_3():
+    """As one count where nothing fits does (before: 0, every row saying "nothing fits")."""
+    for extra in ((), ("--json",)):
+        res = _run("--model", "deepseek-v3", "--platform", "h200", "--nodes", "1..2", *extra)
+        assert res.exit_code == 3 and ("nothing fits" in res.stdout or '"feasible": 0' in res.stdout), res.output
+
+
 def test_min_nodes_json():
     res = _run("--model", "mixtral-8x22b", "--platform", "frontier", "--min-nodes", "--json")
     assert res.exit_code == 0, res.output
