@@ -42,6 +42,9 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
               help="Fraction of device memory to keep free (0.1 = plans must fit in 90%).")
 @click.option("--cp", "cp_text", default=None,
               help="Context-parallel degrees to search, e.g. 1,2,4 (default: 1, and 2, 4, 8 from 16k-token sequences).")
+@click.option("--virtual-stages", "vp_text", default=None,
+              help="Model chunks per rank to try with the interleaved schedule, e.g. 2,4,6 (default: 2,3,4; 2 under "
+                   "--strategy piper).")
 @click.option("--expert-tp", is_flag=True,
               help="Also search expert tensor parallelism etp > 1 (piper's runtime runs etp = 1 only).")
 @click.option("--top", type=AsciiInt(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
@@ -54,7 +57,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_text, min_nodes, seq_len, global_batch,
              dtype, fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option,
-             placement, memory_headroom, cp_text, expert_tp, top, as_json, as_csv, save_path, explain, plot_path):
+             placement, memory_headroom, cp_text, vp_text, expert_tp, top, as_json, as_csv, save_path, explain,
+             plot_path):
     """Search and rank every valid parallel configuration."""
     from piper_plan.search import engine
 
@@ -72,7 +76,8 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
                                              dtype=dtypes[0], grad_bytes=grad_bytes, fp8_recipe=recipe.get(dtypes[0]),
                                              capacity_factor=capacity_factor)
-    options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_cp(cp_text))
+    options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_degrees(cp_text, "--cp"),
+                             parse_degrees(vp_text, "--virtual-stages"))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
@@ -188,16 +193,20 @@ def check_fp8_recipe(fp8_recipe: str | None, dtypes: list[str | None]) -> None:
 
 
 def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: bool = False,
-                   cp: tuple[int, ...] | None = None):
+                   cp: tuple[int, ...] | None = None, virtual_stages: tuple[int, ...] | None = None):
     from piper_plan.search.space import SearchOptions
 
     if not 0.0 <= memory_headroom < 1.0:
         raise PiperError(f"memory headroom {memory_headroom}; allowed 0 <= h < 1", field="--memory-headroom")
-    return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom, expert_tp=expert_tp, cp=cp)
+    if virtual_stages is not None and min(virtual_stages) < 2:
+        raise PiperError(f"{','.join(map(str, virtual_stages))}; allowed: chunk counts >= 2 (one chunk per rank is "
+                         "1F1B, searched as its own schedule)", field="--virtual-stages")
+    return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom, expert_tp=expert_tp, cp=cp,
+                         virtual_stages=virtual_stages)
 
 
-def parse_cp(text: str | None) -> tuple[int, ...] | None:
-    """'1,2,4' -> (1, 2, 4); None keeps the default space."""
+def parse_degrees(text: str | None, field: str) -> tuple[int, ...] | None:
+    """'1,2,4' -> (1, 2, 4) for the list option ``field``; None keeps the default space."""
     if text is None:
         return None
     try:
@@ -205,7 +214,7 @@ def parse_cp(text: str | None) -> tuple[int, ...] | None:
     except ValueError:
         values = ()
     if not values or min(values) < 1:
-        raise PiperError(f"{text!r}; allowed: comma-separated degrees >= 1, e.g. 1,2,4", field="--cp")
+        raise PiperError(f"{text!r}; allowed: comma-separated degrees >= 1, e.g. 1,2,4", field=field)
     return values
 
 

@@ -49,7 +49,7 @@ DUPLICATE_REASONS: tuple[str, ...] = (
     "duplicate_pp1_schedule",                   # pp = 1: GPipe and 1F1B are the same run (1F1B kept)
     "duplicate_one_microbatch_schedule",        # one micro-batch: GPipe and 1F1B are the same run (1F1B kept)
     "duplicate_no_all_to_all",                  # ep = 1: no expert all-to-all, halo = flat (flat kept)
-    "duplicate_zero_no_replicas",               # dp x cp = edp = 1: ZeRO 1-3 shard nothing (zero=0 kept)
+    "duplicate_zero_no_replicas",               # dp x cp = 1, edp = 1 or dense: ZeRO 1-3 shard nothing (zero=0 kept)
     "duplicate_halo_one_node",                  # every expert group inside one node: HALO is its phase I = flat
     "duplicate_selective_flash",                # flash attention keeps no scores: selective = none (none kept)
 )
@@ -76,8 +76,9 @@ class SearchOptions:
     """Micro-batch sizes (sequences) to consider."""
     cp: tuple[Degree, ...] | None = None
     """Context-parallel degrees to consider; None = ``default_cp(seq_len)``."""
-    virtual_stages: Degree = 2
-    """Model chunks per rank for the interleaved schedule."""
+    virtual_stages: tuple[Degree, ...] | None = None
+    """Model chunks per rank the interleaved schedule is tried with, each a plan of its own (a count whose chunks
+    Megatron-Core's rule cannot lay out is dropped by the schedule rules); None: ``chunk_counts``' default."""
     expert_tp: bool = False
     """Also search expert tensor parallelism (etp > 1). Off by default: piper's runtime never tensor-splits experts,
     and in piper's own cost model etp > 1 is the best plan in 1 of 9 catalog cases, by 1.4%
@@ -87,6 +88,16 @@ class SearchOptions:
 
     def a2a_names(self) -> tuple[str, ...]:
         return A2A.values() if self.a2a == "any" else (self.a2a,)
+
+    def chunk_counts(self) -> tuple[int, ...]:
+        """``virtual_stages`` as given, else 2, 3 and 4 for the general strategy and 2 for the paper's mesh (the
+        space its reproduction and the piper-frontier-moe rows were searched in, weak-110b's fit included). The
+        general space searched 2 only until 2026-12-05: the published vp 3 and 4 runs (Korthikanti et al.'s 175B and
+        530B, NVIDIA's DeepSeek-V3 and Qwen3-235B rows) were outside it, and its best plan could be slower than
+        they are as priced (530B on 35 DGX A100: 38.9 s against the published vp 3's 36.6)."""
+        if self.virtual_stages is not None:
+            return tuple(sorted(set(self.virtual_stages)))
+        return (2,) if self.strategy == "piper" else (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -141,7 +152,7 @@ def enumerate_space(model, platform, training, nodes: int, options: SearchOption
     grid = structural_grid(model, platform, training, world, options)
     masks = problem_masks(model, platform, training, nodes, grid, STRUCTURAL_RULES)
     _check_batch_admits_some_dp(training, grid, masks, world)
-    n_expand = len(options.schedules) * len(options.recompute) * len(options.zero) * len(options.a2a_names())
+    n_expand = schedule_variants(options) * len(options.recompute) * len(options.zero) * len(options.a2a_names())
     names = tuple(r.name for r in STRUCTURAL_RULES)
     reasons = {name: count * n_expand for name, count in reason_counts(masks, names).items()}
     expanded = expand(grid.take(~masks.any(axis=0)), training, options)
@@ -242,9 +253,27 @@ def expand(valid: PlanBatch, training, options: SearchOptions) -> PlanBatch:
     f = valid.take(row).arrays()
     f.update(schedule=s, recompute=r, zero=z, a2a=a)
     f["num_microbatches"] = training.global_batch // (f["dp"] * f["mbs"])
-    interleaved = s == Schedule.INTERLEAVED.code
-    f["virtual_stages"] = np.where(interleaved, options.virtual_stages, 1).astype(np.int64)
-    return PlanBatch.from_arrays(f)
+    return PlanBatch.from_arrays(_with_virtual_stages(f, options))
+
+
+def schedule_variants(options: SearchOptions) -> int:
+    """Schedules x chunk counts one structural candidate expands to: the interleaved schedule once per
+    ``virtual_stages`` value, the others once."""
+    interleaved = Schedule.INTERLEAVED.value in options.schedules
+    return len(options.schedules) - interleaved + interleaved * len(options.chunk_counts())
+
+
+def _with_virtual_stages(f: dict[str, np.ndarray], options: SearchOptions) -> dict[str, np.ndarray]:
+    """Candidate arrays with each interleaved row repeated once per ``virtual_stages`` value (consecutively, in
+    ascending order) and every other row kept once at virtual_stages 1."""
+    interleaved = f["schedule"] == Schedule.INTERLEAVED.code
+    values = np.array(options.chunk_counts(), dtype=np.int64)
+    rows = np.repeat(np.arange(len(interleaved)), np.where(interleaved, len(values), 1))
+    out = {k: v[rows] for k, v in f.items()}
+    vp = np.ones(len(rows), dtype=np.int64)
+    vp[interleaved[rows]] = np.tile(values, int(interleaved.sum()))
+    out["virtual_stages"] = vp
+    return out
 
 
 def search_masks(model, platform, training, c: PlanBatch, options: SearchOptions,
@@ -258,6 +287,7 @@ def search_masks(model, platform, training, c: PlanBatch, options: SearchOptions
     gpipe, halo = c.schedule == Schedule.GPIPE.code, c.a2a == A2A.HALO.code
     groups_in_one_node = dpn % (c.ep * c.etp) == 0       # expert groups: ep x etp consecutive, aligned ranks
     halo_twin = "flat" in options.a2a_names()
+    zero_twin = 0 in options.zero       # nothing to shard: zero >= 1 is zero 0 (a dense model has no expert replicas)
     acting = acting_modules(model, recompute_modules)
     selective_twin = "none" in options.recompute and training.flash_attention and set(acting) <= {"core_attn"}
     return np.stack([
@@ -265,7 +295,7 @@ def search_masks(model, platform, training, c: PlanBatch, options: SearchOptions
         (c.pp == 1) & gpipe,
         (c.num_microbatches == 1) & gpipe,
         (c.ep == 1) & halo,
-        (c.dp_cp == 1) & (c.edp == 1) & (c.zero >= 1),
+        zero_twin & (c.dp_cp == 1) & ((c.edp == 1) | (model.moe is None)) & (c.zero >= 1),
         halo_twin & (c.ep > 1) & groups_in_one_node & halo,
         selective_twin & (c.recompute == Recompute.SELECTIVE.code),
     ])

@@ -407,3 +407,15 @@ def test_options_that_change_the_training_mark_every_plan_and_the_table_names_hf
     assert all(p["runnable_by_piper"] for p in json.loads(_run(*args, "--json").stdout)["plans"])
     table = _run(*args).stdout
     assert "HFU" in table and "PaLM's FLOP count" in table
+
+
+def test_virtual_stages_names_the_chunk_counts_the_search_tries():
+    args = ("--model", "gpt-530b", "--platform", "dgx-a100", "--nodes", "35", "--seq", "2048", "--global-batch", "280",
+            "--dtype", "fp16", "--top", "0", "--json")
+    tried = {p["virtual_stages"] for p in json.loads(_run(*args).stdout)["plans"] if p["schedule"] == "interleaved"}
+    assert tried == {3}                         # 2 and 4 chunks cannot lay out 3 layers per stage
+    only = _run(*args, "--virtual-stages", "2,4")
+    assert only.exit_code == 0 and "interleaved" not in {p["schedule"] for p in json.loads(only.stdout)["plans"]}
+    for value, needle in (("1,3", "allowed: chunk counts >= 2"), ("x", "allowed: comma-separated degrees")):
+        bad = _run(*args, "--virtual-stages", value)
+        assert bad.exit_code == 2 and "--virtual-stages: " in bad.stderr and needle in bad.stderr, bad.stderr

@@ -171,3 +171,22 @@ def test_runtime_peak_is_priced_on_the_split_the_plan_was_ranked_with():
         runtime = estimate(model, platform, TrainingSpec(), 4, r.plan(model, TrainingSpec(), i),
                            options=as_the_runtime_runs(DEFAULT_OPTIONS))
         assert r.row(i)["peak_memory_bytes_piper_runtime"] == round(runtime.memory.peak_bytes)
+
+
+def test_the_search_reaches_a_published_three_chunk_schedule_and_ranks_no_zero_twins():
+    """Korthikanti et al.'s 530B on 35 DGX A100 nodes ran interleaved with 3 chunks per rank (105 layers, 3 per
+    stage: 2 chunks cannot lay them out). The search tried 2 only and ranked 1F1B first, slower than the published
+    schedule as piper prices it; and a dense model's dp = 1 plans came once per ZeRO stage (nothing to shard)."""
+    from piper_plan.cost.evaluate import estimate
+    from piper_plan.specs import ParallelPlan
+
+    model, platform = load_model("gpt-530b"), load_platform("dgx-a100")
+    training = TrainingSpec(seq_len=2048, global_batch=280, dtype="fp16", grad_bytes=4)
+    result = engine.search(model, platform, training, 35)
+    best = result.row(result.best)
+    published = ParallelPlan(tp=8, pp=35, mbs=1, num_microbatches=280, schedule="interleaved", virtual_stages=3)
+    assert best["virtual_stages"] == 3
+    assert best["step_time_s"] <= estimate(model, platform, training, 35, published).step_time_s
+    dp1 = [i for i in result.order if result.fields["dp"][i] * result.fields["cp"][i] == 1]
+    keys = [tuple(v[i] for k, v in result.fields.items() if k != "zero") for i in dp1]
+    assert len(keys) == len(set(keys)) > 0

@@ -32,7 +32,7 @@ def _whole_space(model, platform, training, nodes, options) -> PlanBatch:
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(["tiny-moe", "tiny-dense", "mixtral-8x7b", "deepseek-v3"]),
        nodes=st.sampled_from([1, 2, 3, 4, 6, 8]), batch=st.sampled_from([8, 12, 16, 48, 64]),
-       strategy=st.sampled_from(["general", "piper"]), vs=st.sampled_from([2, 3]))
+       strategy=st.sampled_from(["general", "piper"]), vs=st.sampled_from([(2,), (3,), (2, 3, 4), None]))
 def test_search_valid_set_and_counts_are_problems_over_the_space(name, nodes, batch, strategy, vs):
     model = load_model(name)
     training = TrainingSpec(seq_len=min(1024, model.max_seq_len or 1024), global_batch=batch)
