@@ -75,8 +75,29 @@ def _console(stderr: bool):
         if not stderr:
             stdout_closed()
         return PiperConsole(file=open(os.devnull, "w"), highlight=False)
-    piped = not stream.isatty() and "COLUMNS" not in os.environ
-    return PiperConsole(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped)
+    environ = _environ_with_sane_columns()
+    piped = not stream.isatty() and "COLUMNS" not in environ
+    return PiperConsole(stderr=stderr, highlight=False, width=160 if piped else None, soft_wrap=piped,
+                        _environ=environ)
+
+
+MIN_COLUMNS = 20
+"""The narrowest COLUMNS piper believes. Below it rich has no room for a table's borders and a character a column:
+COLUMNS=0 drew nothing at all (every command's output lost, exit 0) and COLUMNS=1 one character a line. No terminal
+is that narrow, so such a value is a broken setting, read as if COLUMNS were unset (the terminal's own width, or
+the piped width). At 20 a line still holds a few words, and a long line wraps."""
+
+
+def _environ_with_sane_columns() -> dict[str, str]:
+    """os.environ as the consoles read it (rich's ``_environ``): COLUMNS left out unless it is a whole number of at
+    least MIN_COLUMNS (rich itself took any isdigit() text, so '0', and crashed on '²')."""
+    import os
+
+    environ = dict(os.environ)
+    columns = environ.get("COLUMNS", "")
+    if not (columns.isascii() and columns.isdigit() and int(columns) >= MIN_COLUMNS):
+        environ.pop("COLUMNS", None)
+    return environ
 
 
 def platform_show_command(platform_ref: str) -> str:
