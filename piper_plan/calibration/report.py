@@ -42,16 +42,17 @@ def summary(cal) -> dict:
     return out
 
 
-def render_tables(cal, data: dict, console) -> None:
+def render_tables(cal, data: dict, console, print_table) -> None:
+    """The sources' lines on ``console``, the tables through ``print_table`` (the CLI's: whole at any width)."""
     from rich.table import Table
 
     for line in data["sources"]:
         console.print(line, markup=False)
-    console.print(_gemm_table(cal, Table))
-    console.print(_attention_table(cal, Table))
-    console.print(_collectives_table(cal, Table))
+    print_table(_gemm_table(cal, Table))
+    print_table(_attention_table(cal, Table))
+    print_table(_collectives_table(cal, Table))
     if data["memory"]:
-        console.print(_memory_table(data["memory"], Table))
+        print_table(_memory_table(data["memory"], Table))
     ranges = Table(title="extrapolation: queries outside these measured ranges are flagged")
     for col in ("curve", "measured range"):
         ranges.add_column(col)
@@ -60,7 +61,7 @@ def render_tables(cal, data: dict, console) -> None:
             name = " ".join(str(c[k]) for k in ("dtype", "pass", "causal", "op", "scope") if k in c)
             span = c.get("range") or {"num_ranks": c["num_ranks"], "bytes_per_rank": c["bytes_per_rank"]}
             ranges.add_row(f"{kind} {name}", "; ".join(f"{k} {v}" for k, v in span.items()))
-    console.print(ranges)
+    print_table(ranges)
 
 
 def _gemm_table(cal, Table):

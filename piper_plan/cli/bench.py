@@ -16,8 +16,8 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import (AsciiInt, EXIT_CHECK_FAILED, console, diagnostics, exit_codes, json_option, note,
-                                   out_dir_option, print_json)
+from piper_plan.cli.common import (AsciiInt, EXIT_CHECK_FAILED, diagnostics, exit_codes, json_option, note,
+                                   out_dir_option, print_json, print_table)
 from piper_plan.calibration.timing import MAX_CALLS
 from piper_plan.errors import PiperError
 
@@ -131,7 +131,7 @@ def _report(result, verify: bool, as_json: bool) -> None:
             f"{collective_bandwidths_GBps('all_to_all', result.num_ranks, size.bytes_per_rank, halo)[1]:.3f}"
         checked = ("yes" if not size.errors else "FAILED") if verify else "-"
         table.add_row(f"{size.bytes_per_rank:,}", _ms(flat), _ms(halo), ratio, busbw, checked)
-    console().print(table)
+    print_table(table)
 
 
 def _ms(seconds: float | None) -> str:

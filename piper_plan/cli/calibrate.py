@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from piper_plan.cli.common import (AsciiInt, console, diagnostics, exit_codes, json_option, note, options_given,
-                                   out_dir_option, output_option, plot_option, print_json)
+                                   out_dir_option, output_option, plot_option, print_json, print_table)
 from piper_plan.errors import PiperError
 from piper_plan.plots import check_plot_path
 from piper_plan.specs.platform import MAX_DEVICES_PER_NODE, MAX_NODES
@@ -209,7 +209,7 @@ def show_cmd(platform_name, plot_path, as_json) -> None:
     if as_json:
         print_json(data)
     else:
-        render_tables(cal, data, console())
+        render_tables(cal, data, console(), print_table)
     if plot_path:
         from piper_plan.calibration.report import plot_curves
 

@@ -130,29 +130,47 @@ rows) spent 9 of its 10 s drawing."""
 
 
 def print_table(table, width: int | None = None) -> None:
-    """A rich Table of plain-string cells on the result console; over PLAIN_TABLE_ROWS rows as plain aligned text
-    with the same title, columns, justification and caption (no colour, no box)."""
-    if table.row_count <= PLAIN_TABLE_ROWS:
-        console().print(table, width=width)
+    """A rich Table of plain-string cells on the result console, every cell whole at any width: drawn by rich where
+    it fits the width (``width``, else the console's) with no cell wrapped, else as plain aligned text with the same
+    title, columns, justification and caption (no colour, no box; a terminal wraps its long lines). Rich squeezed a
+    table wider than the terminal by cutting cells: `piper models` at 40 columns showed 'de…' for both
+    deepseek-v2 and deepseek-v3. Over PLAIN_TABLE_ROWS rows the table is plain text too (rich's layout is slow)."""
+    out = console()
+    if table.row_count <= PLAIN_TABLE_ROWS and _unwrapped_width(out, table) <= (width or out.width):
+        out.print(table, width=width)
         return
     click.echo(plain_table_text(table))
 
 
+def _unwrapped_width(out, table) -> int:
+    """The width rich draws ``table`` at with no cell wrapped or cut."""
+    from rich.measure import Measurement
+
+    return Measurement.get(out, out.options.update_width(1 << 20), table).maximum
+
+
 def plain_table_text(table) -> str:
-    """``table`` (a rich Table whose cells are str) as aligned text: title, header, a rule, rows, caption."""
+    """``table`` (a rich Table whose cells are str) as aligned text: title, header, a rule (ASCII on a stream that
+    is not UTF-8), rows, caption. A cell reads as rich shows it (its markup applied: an escaped '\\[' is a '[')."""
     from rich.cells import cell_len
 
-    columns = [(str(c.header), [str(cell) for cell in c.cells], c.justify) for c in table.columns]
+    out = console()
+    rule = "─" if out.encoding.startswith("utf") else "-"     # rich's own test for a box it may draw
+
+    def text(value) -> str:
+        return out.render_str(value).plain if isinstance(value, str) else str(value)
+
+    columns = [(text(c.header), [text(cell) for cell in c.cells], c.justify) for c in table.columns]
     widths = [max(cell_len(header), *map(cell_len, cells)) for header, cells, _ in columns]
 
     def line(values) -> str:
         return "  ".join(v.ljust(w) if justify == "left" else v.rjust(w)
                          for v, w, (_, _, justify) in zip(values, widths, columns)).rstrip()
 
-    lines = [str(table.title)] if table.title else []
-    lines += [line([header for header, _, _ in columns]), "  ".join("─" * w for w in widths)]
+    lines = [text(table.title)] if table.title else []
+    lines += [line([header for header, _, _ in columns]), "  ".join(rule * w for w in widths)]
     lines += [line(row) for row in zip(*(cells for _, cells, _ in columns))]
-    return "\n".join(lines + ([str(table.caption)] if table.caption else []))
+    return "\n".join(lines + ([text(table.caption)] if table.caption else []))
 
 
 def print_json(obj: Any) -> None:

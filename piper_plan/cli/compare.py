@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, json_option, note, plot_option, print_json
+from piper_plan.cli.common import exit_codes, json_option, note, plot_option, print_json, print_table
 from piper_plan.errors import PiperError
 from piper_plan.metricsfile import read_metrics
 
@@ -203,4 +203,4 @@ def _table(result: dict) -> None:
         table.caption += f"; memory: {result['memory_basis']}" + (
             "; process peak RSS: the ranks' resident memory (getrusage) against the whole per-device prediction"
             if result.get("process_rss_bytes_per_stage") else "")
-    console().print(table)
+    print_table(table)

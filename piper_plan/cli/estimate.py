@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from piper_plan.cli.common import (AsciiInt, console, exit_codes, json_option, note, options_given, output_option,
-                                   platform_calibration, platform_show_command, plot_option, print_json,
+                                   platform_calibration, platform_show_command, plot_option, print_json, print_table,
                                    short_compute_source)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options_or_plan,
                                     migration_option, parallel_options, placement_option, precision_text,
@@ -217,8 +217,8 @@ def render(result, model, platform, plan, training, cited_at: str) -> None:
     out.print(f"{model.name} on {result.nodes} x {platform.name} nodes ({result.placement}), "
               f"{precision_text(training)}: "
               f"{plan.settings_text()} layers per stage {result.layers_per_stage}", markup=False)
-    out.print(memory_table(result, device))
-    out.print(time_table(result))
+    print_table(memory_table(result, device))
+    print_table(time_table(result))
     mem = result.memory
     verdict = "fits" if result.fits else f"does NOT fit: overflows by {_gib(mem.overflow_bytes)} GiB"
     out.print(f"peak memory {_gib(mem.peak_bytes)} of {_gib(device)} GiB per device: {verdict}", markup=False)

@@ -6,7 +6,7 @@ import math
 
 import click
 
-from piper_plan.cli.common import AsciiInt, console, exit_codes, json_option, print_json
+from piper_plan.cli.common import AsciiInt, console, exit_codes, json_option, print_json, print_table
 from piper_plan.errors import PiperError
 
 MAX_EXPERTS = 16_384
@@ -183,4 +183,4 @@ def _render(report: dict) -> None:
         table.add_row(name, f"{r['before']['max_over_mean']:.3f}", f"{r['after']['max_over_mean']:.3f}",
                       str(r["num_swaps"]), str(r["experts_moved"]), gb, ms)
     table.add_row("bound", "", f"{report['bound']['max_over_mean']:.3f}", "", "", "", "")
-    out.print(table)
+    print_table(table)

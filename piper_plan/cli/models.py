@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, json_option, note, output_option, print_json
+from piper_plan.cli.common import console, exit_codes, json_option, note, output_option, print_json, print_table
 
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
 
@@ -75,7 +75,7 @@ def render_models_table(rows: list[dict]) -> None:
         table.add_row(escape(r["name"]), format_count(r["total_params"]), format_count(r["active_params"]),
                       str(r["num_layers"]), str(r["num_moe_layers"]),
                       _experts_text(r), str(r["top_k"] or "-"))
-    console().print(table)
+    print_table(table)
 
 
 def _experts_text(row: dict) -> str:
@@ -105,7 +105,7 @@ def render_model_summary(s: dict) -> None:
         for label, key in ((f"MTP modules ({s['mtp_layers']}, not in total)", "mtp_params"),
                            ("MTP active", "mtp_active_params"), ("total with MTP", "total_params_with_mtp")):
             table.add_row(label, format_count(s[key]), f"{s[key]:,}")
-    out.print(table)
+    print_table(table)
     out.print(f"layers: {s['num_layers']}; MoE: {layer_ranges(s['moe_layers'])}; "
               f"dense: {layer_ranges(s['dense_layers'])}", markup=False)
     out.print(f"source: {s['source']}", markup=False)

@@ -282,9 +282,9 @@ def _emit_result(result, model, platform, training, top, as_json, as_csv, explai
                            runnable), markup=False)
     out.print(_sources_line(result.sources, platform, cited_at), markup=False)
     _note_host_bound(result, platform)
-    out.print(_reasons_table(result.reasons))
+    print_table(_reasons_table(result.reasons))
     if explain:
-        out.print(_explain_table(result))
+        print_table(_explain_table(result))
 
 
 def _note_host_bound(result, platform) -> None:
@@ -462,7 +462,7 @@ def _emit_nothing_fits(model, platform, training, result, options, kwargs, as_js
     out = console()
     out.print(f"nothing fits: {model.name} on {result.nodes} {platform.name} nodes "
               f"({result.candidates_total:,} candidates)", markup=False)
-    out.print(_reasons_table(result.reasons))
+    print_table(_reasons_table(result.reasons))
     if info["fit_but_not_runnable"]:
         missing = ", ".join(f"{name} ({count:,})" for name, count in info["runtime_missing"].items())
         out.print(f"{info['fit_but_not_runnable']:,} candidates fit in memory, but piper's runtime cannot run them "
@@ -480,7 +480,7 @@ def _emit_nothing_fits(model, platform, training, result, options, kwargs, as_js
     for r in info["closest"]:
         table.add_row(*(str(r[k]) for k in keys),
                       f"{r['peak_memory_bytes'] / 2**30:.1f}", f"{r['overflow_bytes'] / 2**30:.1f}")
-    out.print(table)
+    print_table(table)
     if info["nodes_needed"]:
         out.print(f"it fits on {info['nodes_needed']} nodes (piper plan --min-nodes)", markup=False)
     elif not info["all_closest_use_full_recompute"]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, json_option, print_json
+from piper_plan.cli.common import console, exit_codes, json_option, print_json, print_table
 
 GiB = 2**30
 
@@ -39,7 +39,7 @@ def render_platforms_table(rows: list[dict]) -> None:
         table.add_row(escape(r["name"]), escape(r["device"]), str(r["devices_per_node"]),
                       f"{r['memory_bytes'] / GiB:.0f}",
                       _tflops(r["peak_bf16_flops"]), f"{r['node_injection_GBps']:g}", str(r["max_nodes"]))
-    console().print(table)
+    print_table(table)
 
 
 def efficiency_lines(eff: dict, has_fp8: bool) -> list[str]:

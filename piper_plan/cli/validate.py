@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from piper_plan.cli.common import EXIT_CHECK_FAILED, console, exit_codes, json_option, note, output_option, print_json
+from piper_plan.cli.common import EXIT_CHECK_FAILED, console, exit_codes, json_option, note, output_option, print_json, print_table
 
 
 @click.command("validate", epilog=exit_codes({EXIT_CHECK_FAILED: "a gated row or a dataset's mean error is outside its tolerance (on this version's own checkout: piper-frontier-moe/xmoe-small, see docs/validation.md)"}))
@@ -68,7 +68,7 @@ def dataset_table(r):
 
 def render_dataset(r) -> None:
     out = console()
-    out.print(dataset_table(r))
+    print_table(dataset_table(r))
     s = r.spec
     goal = f", goal {s.goal_mean_pct:g}%" if s.goal_mean_pct is not None else ""
     out.print(f"{s.name}: mean |error| {_pct(r.mean_abs_pct_error)} (tolerance {s.tolerance_pct.mean:g}%{goal}), "

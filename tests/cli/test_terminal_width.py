@@ -1,4 +1,5 @@
-"""Output whole at any terminal width: a COLUMNS too small to believe is read as unset (COLUMNS=0 printed nothing)."""
+"""Output whole at any terminal width: a COLUMNS too small to believe is read as unset (COLUMNS=0 printed nothing),
+and a table wider than the terminal prints as plain text rather than with its cells cut ('de…', '926,679,0…')."""
 
 from __future__ import annotations
 
@@ -70,3 +71,52 @@ def test_a_diagnostic_survives_a_zero_width(at_columns, run_dir, tmp_path):
     out = tmp_path / "e.json"
     done = at_columns(0, "estimate", "--plan", run_dir / "plan.json", "-o", out)
     assert done.exit_code == 0 and f"wrote {out}" in done.stderr, done.output
+
+
+def whole_values(name: str, run_dir) -> list[str]:
+    """What a reader must find whole in ``name``'s table: row names, ids and numbers, from its --json."""
+    from piper_plan.cli.estimate import _gib
+    from piper_plan.cli.models import format_count
+
+    got = json.loads(CliRunner().invoke(cli, [str(a) for a in commands(run_dir)[name]] + ["--json"]).stdout)
+    if name == "models":
+        return [v for r in got for v in (r["name"], format_count(r["total_params"]), format_count(r["active_params"]))]
+    if name == "model show":
+        return [*got["params_by_component"], *(f"{n:,}" for n in got["params_by_component"].values())]
+    if name == "platforms":
+        return [v for r in got for v in (r["name"], r["device"])]
+    if name == "validate":
+        return [v for r in got["datasets"][0]["rows"] for v in (r["id"], r["quantity"], r["split"])]
+    if name == "estimate":
+        return [_gib(s["total_bytes"]) for s in got["memory"]["per_stage"]] + [
+            term for term, seconds in got["time"]["breakdown"].items() if seconds > 0]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("columns", [40, 80])
+@pytest.mark.parametrize("name", ["models", "model show", "platforms", "validate", "estimate"])
+def test_every_table_cell_is_whole_in_a_narrow_terminal(at_columns, run_dir, name, columns):
+    """At 80 columns validate showed '22b-ful…' and 'step_ti…' (which row failed?), platforms cut device names; at
+    40 models showed 'de…' for deepseek-v2 and v3 alike, and model show cut its exact counts to '926,679,0…'."""
+    done = at_columns(columns, *commands(run_dir)[name])
+    assert done.exit_code in (0, 1), done.output
+    assert "…" not in done.stdout, done.stdout
+    words = done.stdout.replace("\n", "  ")
+    missing = [v for v in whole_values(name, run_dir) if f" {v} " not in f" {words} "]
+    assert not missing, (missing, done.stdout)
+
+
+def test_a_table_that_fits_is_still_drawn_by_rich(at_columns):
+    done = at_columns(200, "models")
+    assert done.exit_code == 0 and "┃ name" in done.stdout, done.stdout
+
+
+def test_a_plain_table_shows_its_cells_as_rich_does():
+    """A cell's markup applies in plain text too: an escaped '[' (a model named 'a[b]') is a '[', no backslash."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="t")
+    table.add_column("name")
+    table.add_row(escape("a[b]"))
+    assert common.plain_table_text(table).splitlines() == ["t", "name", "────", "a[b]"]
