@@ -145,7 +145,19 @@ def cli() -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    escape_what_the_streams_cannot_encode()
     cli(prog_name="piper")
+
+
+def escape_what_the_streams_cannot_encode() -> None:
+    """stdout and stderr write a character their encoding lacks as a backslash escape ('qw\\xe9n'), never a
+    UnicodeEncodeError: a model named 'qwén' shown to an ASCII stdout (PYTHONIOENCODING=ascii, LC_ALL=C with
+    PYTHONUTF8=0) ended `piper model show` in a traceback, exit 1."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):         # None where closed (`piper models >&-`)
+            stream.reconfigure(errors="backslashreplace")
 
 
 if __name__ == "__main__":          # python -m piper_plan.cli.main: the calibration job's compute step (no venv bin/)

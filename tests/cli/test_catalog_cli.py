@@ -112,6 +112,29 @@ def test_import_without_output_prints_yaml():
     assert yaml.safe_load(result.stdout)["hidden_size"] == 4096
 
 
+def piper_under(env: dict, *args, cwd: Path):
+    """piper in a process of its own under this environment plus ``env`` (no locale or stream encoding inherited):
+    for what the streams' encoding or the locale changes. Arguments and output are bytes."""
+    import os
+    import subprocess
+    import sys
+
+    inherited = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "PYTHONUTF8", "LC_ALL", "LANG")}
+    return subprocess.run([sys.executable, "-m", "piper_plan.cli.main", *map(os.fsencode, args)],
+                          env={**inherited, **env}, cwd=cwd, capture_output=True, timeout=60)
+
+
+def test_a_character_the_output_stream_cannot_encode_is_escaped(tmp_path):
+    """`model show` of a model named 'qwén' on an ASCII stdout ended in a UnicodeEncodeError traceback, exit 1."""
+    assert run("model", "import", str(FIXTURES / "qwen3-30b-a3b.json"), "--name", "qwén", "-o",
+               str(tmp_path / "q.yaml")).exit_code == 0
+    for env in ({"PYTHONIOENCODING": "ascii", "COLUMNS": "40"}, {"LC_ALL": "C", "PYTHONUTF8": "0"}):
+        done = piper_under(env, "model", "show", "q.yaml", cwd=tmp_path)
+        assert (done.returncode, done.stderr) == (0, b""), (env, done.stderr.decode())
+        assert done.stdout.startswith(b"qw\\xe9n: 30.5B total") and b"311,164,928" in done.stdout, done.stdout
+        assert done.stdout.isascii() and b"\\u2" not in done.stdout, done.stdout      # boxes and rules in ASCII
+
+
 def test_formatting_is_decimal():
     assert format_count(46_702_792_704) == "46.7B"
     assert format_count(1_026_408_209_408) == "1.03T"
