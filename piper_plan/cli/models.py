@@ -126,6 +126,27 @@ def models_cmd(as_json: bool) -> None:
         render_models_table(rows)
 
 
+def _name_option(name: str | None) -> str | None:
+    """``--name`` as given, or one error line naming --name: a name the spec refuses (the spec's check blamed the
+    config file), or one holding bytes this locale cannot decode (LC_ALL=C with PYTHONUTF8=0 reads a UTF-8 'é' as
+    two lone surrogates, which the spec's JSON check called the config file's invalid JSON)."""
+    import sys
+
+    from piper_plan.errors import PiperError
+    from piper_plan.specs.base import plain_name
+
+    if name is None:
+        return None
+    if any("\ud800" <= c <= "\udfff" for c in name):
+        raise PiperError(f"{ascii(name)} is not text in this locale's encoding ({sys.getfilesystemencoding()}): "
+                         "give the name in ASCII, or run piper under a UTF-8 locale (LC_ALL=C.UTF-8) or with "
+                         "PYTHONUTF8=1", field="--name")
+    try:
+        return plain_name(name)
+    except ValueError as exc:
+        raise PiperError(f"{exc} (got {ascii(name)})", field="--name") from None
+
+
 @click.group("model")
 def model_group() -> None:
     """Show or import one model spec."""
@@ -158,7 +179,7 @@ def import_cmd(config: Path, output: str | None, name: str | None, force: bool, 
     from piper_plan.fileio import atomic_write_text, check_writable
     from piper_plan.hf_import import import_hf_file
 
-    spec = import_hf_file(config, name)
+    spec = import_hf_file(config, _name_option(name))
     output = Path(output) if output is not None else None
     text = spec_text(spec, output)
     if output is not None:

@@ -18,7 +18,8 @@ MAX_NAME_CHARS = 256
 """The longest name: a model's or platform's name is printed in tables, comments and job names."""
 
 
-def _plain_name(text: str) -> str:
+def plain_name(text: str) -> str:
+    """``text`` if it is a Name (one printable line, at most MAX_NAME_CHARS), else ValueError saying what is allowed."""
     import unicodedata
 
     if not text.strip() or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text):
@@ -54,7 +55,7 @@ NotBool = BeforeValidator(_not_a_bool)
 """For a Literal of numbers, which even strict validation matches by equality (True == 1)."""
 Citation = Annotated[str, AfterValidator(_cited)]
 """Where a spec's figures come from: not blank, and never 'from memory'."""
-Name = Annotated[str, AfterValidator(_plain_name)]
+Name = Annotated[str, AfterValidator(plain_name)]
 """A name that launch scripts and exported scripts print into comments and job names: one printable line."""
-FolderName = Annotated[str, AfterValidator(_plain_name), AfterValidator(_folder_name)]
+FolderName = Annotated[str, AfterValidator(plain_name), AfterValidator(_folder_name)]
 """A Name that is also a folder's (a platform's: calibration/<platform>/): no path separator, not '.' or '..'."""

@@ -135,6 +135,19 @@ def test_a_character_the_output_stream_cannot_encode_is_escaped(tmp_path):
         assert done.stdout.isascii() and b"\\u2" not in done.stdout, done.stdout      # boxes and rules in ASCII
 
 
+def test_import_blames_a_bad_name_on_the_name_option(tmp_path):
+    """Under LC_ALL=C (PYTHONUTF8=0) --name qwén arrives as lone surrogates: the error blamed the config file
+    ('Invalid JSON: lone leading surrogate') and dumped the whole spec. A name on two lines blamed the file too."""
+    done = piper_under({"LC_ALL": "C", "PYTHONUTF8": "0"}, "model", "import", FIXTURES / "qwen3-30b-a3b.json",
+                       "--name", b"qw\xc3\xa9n", "-o", "q.yaml", cwd=tmp_path)
+    lines = done.stderr.decode("ascii").splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and list(tmp_path.iterdir()) == [], done.stderr
+    assert lines[0].startswith("error: --name: ") and "UTF-8 locale" in lines[0] and ".json" not in lines[0]
+    two_lines = run("model", "import", str(FIXTURES / "qwen3-30b-a3b.json"), "--name", "a\nb")
+    assert_user_error(two_lines, "error: --name: a name is one line")
+    assert ".json" not in two_lines.stderr
+
+
 def test_formatting_is_decimal():
     assert format_count(46_702_792_704) == "46.7B"
     assert format_count(1_026_408_209_408) == "1.03T"
