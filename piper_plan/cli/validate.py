@@ -50,11 +50,12 @@ def _pct(value: float | None) -> str:
 
 
 def dataset_table(r):
+    from rich.markup import escape
     from rich.table import Table
 
     s = r.spec
     fit = " [USED FOR FITTING]" if s.used_for_fitting else " [held out]"
-    table = Table(title=f"{s.name}{fit}: {s.description}", title_justify="left")
+    table = Table(title=escape(f"{s.name}{fit}: {s.description}"), title_justify="left")   # '[held out]' is no style
     for col in ("row", "quantity", "published", "predicted", "error", "tolerance", "split", "ok"):
         table.add_column(col, justify="left" if col in ("row", "quantity", "split") else "right")
     for row in r.rows:

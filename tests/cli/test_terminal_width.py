@@ -120,3 +120,10 @@ def test_a_plain_table_shows_its_cells_as_rich_does():
     table.add_column("name")
     table.add_row(escape("a[b]"))
     assert common.plain_table_text(table).splitlines() == ["t", "name", "────", "a[b]"]
+
+
+def test_a_dataset_title_keeps_its_brackets(at_columns):
+    """rich read ' [held out]' in validate's table title as a style and dropped it: 'korthikanti-a100 : Dense GPT'."""
+    for columns in (40, 200):                               # plain text and rich's table alike
+        done = at_columns(columns, "validate", "--dataset", "korthikanti-a100")
+        assert "korthikanti-a100 [held out]: Dense GPT" in done.stdout, done.stdout
