@@ -14,7 +14,7 @@ from piper_plan.cli.common import (AsciiInt, console, exit_codes, json_option, n
                                    short_compute_source)
 from piper_plan.cli.options import (build_plan, cost_options, cost_knobs, load_setting, model_options_or_plan,
                                     migration_option, parallel_options, placement_option, precision_text,
-                                    training_options, unused_modules_note, capacity_note)
+                                    state_knobs, training_options, unused_modules_note, capacity_note)
 
 GiB = 2**30
 
@@ -35,15 +35,16 @@ GiB = 2**30
 @click.option("--no-calibration", is_flag=True, help="Ignore calibration/<platform>/ (roofline fallback).")
 @click.option("--piper-runtime", is_flag=True,
               help="Price activations as piper's own runtime saves them (unfused kernels), not Megatron's fused ones.")
+@state_knobs
 @cost_knobs
 @json_option
 @output_option("save_path", "Write the plan to FILE as plan.json (what launch, run, export and estimate --plan read).", old=("--save",))
 @plot_option("Write memory per pipeline stage, stacked by component, against the device limit as a PNG")
 @click.pass_context
 def estimate_cmd(ctx, plan_path, model_name, platform_name, mtp_layers, capacity_factor, nodes, seq_len, global_batch,
-                 dtype, fp8_recipe, grad_bytes, routing_skew,
-                 placement, migration, no_calibration, piper_runtime, dropout, recompute_modules, cost_option, as_json, save_path, plot_path,
-                 **parallel):
+                 dtype, fp8_recipe, grad_bytes, routing_skew, placement, migration, no_calibration, piper_runtime,
+                 flash_attention, master_bytes, dropout, recompute_modules, cost_option, as_json, save_path,
+                 plot_path, **parallel):
     """Predict memory and step time of one parallel plan (the same numbers `piper plan` ranks it by)."""
     from piper_plan.cost.evaluate import estimate
     from piper_plan.planfile import MigrationBlock
@@ -59,7 +60,8 @@ def estimate_cmd(ctx, plan_path, model_name, platform_name, mtp_layers, capacity
             raise click.UsageError(f"Missing option '{flag}' (or give a saved plan: --plan plan.json).")
 
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, routing_skew,
-                                             mtp_layers, dtype, grad_bytes, fp8_recipe, capacity_factor)
+                                             mtp_layers, dtype, grad_bytes, fp8_recipe, capacity_factor, master_bytes,
+                                             flash_attention)
     plan = build_plan(model, platform, training, nodes, **parallel)
     calibration = None if no_calibration else platform_calibration(platform.name)
     options = cost_options(piper_runtime, dropout, recompute_modules, cost_option)

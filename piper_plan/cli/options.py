@@ -80,6 +80,17 @@ training_options = _bundle(
 )
 
 
+def state_knobs(fn):
+    """--master-bytes and --flash-attention/--no-flash-attention: training settings a published run states (a
+    validation dataset's ``training``) that plan and estimate price; launch keeps the runtime's own."""
+    fn = click.option("--master-bytes", type=click.Choice(["0", "2", "4"]), default=None,
+                      help="Bytes per parameter of the optimizer's master copy (default 4, fp32; 2: Megatron-Core's "
+                           "precision-aware optimizer keeps only the 16 bits bf16 weights lack; 0: none).")(fn)
+    return click.option("--flash-attention/--no-flash-attention", "flash_attention", default=None,
+                        help="Whether attention keeps the s x s scores (--no-flash-attention: Megatron GPT of "
+                             "2022, Korthikanti et al.; default: flash attention, which keeps none).")(fn)
+
+
 def cost_knobs(fn):
     """--dropout and --recompute-modules: what plan and estimate price beyond the plan's degrees."""
     from piper_plan.cost.options import RECOMPUTE_MODULES
@@ -157,9 +168,11 @@ def check_dtype(dtype: str | None) -> str | None:
 
 def load_setting(model_name: str, platform_name: str, seq_len: int | None, global_batch: int,
                  routing_skew: float = 1.0, mtp_layers: int | None = None, dtype: str | None = None,
-                 grad_bytes: str | None = None, fp8_recipe: str | None = None, capacity_factor: str | None = None):
+                 grad_bytes: str | None = None, fp8_recipe: str | None = None, capacity_factor: str | None = None,
+                 master_bytes: str | None = None, flash_attention: bool | None = None):
     """(model, platform, training) from the shared options; --seq defaults to min(4096, max_seq_len); --dtype,
-    --grad-bytes and --fp8-recipe replace the device's defaults (TrainingSpec.for_device) when given."""
+    --grad-bytes, --fp8-recipe, --master-bytes and --[no-]flash-attention replace the device's defaults
+    (TrainingSpec.for_device) when given."""
     from pydantic import ValidationError
 
     from piper_plan.catalog import load_model, load_platform, platforms_dir, resolve, validation_message
@@ -184,7 +197,9 @@ def load_setting(model_name: str, platform_name: str, seq_len: int | None, globa
         check_peak(dtype)
     try:
         given = {k: v for k, v in (("dtype", dtype), ("grad_bytes", None if grad_bytes is None else int(grad_bytes)),
-                                   ("fp8_recipe", fp8_recipe)) if v is not None}
+                                   ("fp8_recipe", fp8_recipe), ("flash_attention", flash_attention),
+                                   ("master_bytes", None if master_bytes is None else int(master_bytes)))
+                 if v is not None}
         training = TrainingSpec.for_device(platform.launch.device, seq_len=seq_len, global_batch=global_batch,
                                            routing_skew=routing_skew, **given)
     except ValidationError as exc:

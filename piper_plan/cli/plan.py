@@ -16,7 +16,7 @@ from piper_plan.cli.common import (EXIT_NOTHING_FITS, AsciiInt, console, diagnos
                                    output_option, platform_calibration, platform_show_command, plot_option, print_json,
                                    print_table, short_compute_source)
 from piper_plan.cli.options import (cost_options, cost_knobs, load_setting, migration_option, model_options,
-                                    placement_option, precision_text, training_options, capacity_note)
+                                    placement_option, precision_text, state_knobs, training_options, capacity_note)
 from piper_plan.errors import PiperError
 from piper_plan.fileio import ascii_int, check_writable
 from piper_plan.plots import check_plot_path
@@ -36,6 +36,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
               help="Keep only plans the piper runtime can execute, priced as it runs them (unfused PyTorch kernels, "
                    "its chunked loss and shared-expert overlap: step times and memory differ from the default "
                    "Megatron-style pricing).")
+@state_knobs
 @cost_knobs
 @placement_option
 @click.option("--memory-headroom", type=float, default=0.0, show_default=True,
@@ -56,7 +57,8 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
              "ones coloured by reason) as a PNG")
 @click.pass_context
 def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_text, min_nodes, seq_len, global_batch,
-             dtype, fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, dropout, recompute_modules, cost_option,
+             dtype, fp8_recipe, grad_bytes, strategy, a2a, migration, runnable, flash_attention, master_bytes, dropout,
+             recompute_modules, cost_option,
              placement, memory_headroom, cp_text, vp_text, expert_tp, top, as_json, as_csv, save_path, explain,
              plot_path):
     """Search and rank every valid parallel configuration."""
@@ -73,9 +75,10 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
         note(f"--dtype any: {platform_name} has no peak for fp8 or mxfp8 (device.peak_flops): {dtypes[0]} only")
     check_fp8_recipe(fp8_recipe, dtypes)
     recipe = {"fp8": fp8_recipe}                  # the recipe of each searched precision (fp8's only)
+    state = {"grad_bytes": grad_bytes, "master_bytes": master_bytes, "flash_attention": flash_attention}
     model, platform, training = load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
-                                             dtype=dtypes[0], grad_bytes=grad_bytes, fp8_recipe=recipe.get(dtypes[0]),
-                                             capacity_factor=capacity_factor)
+                                             dtype=dtypes[0], fp8_recipe=recipe.get(dtypes[0]),
+                                             capacity_factor=capacity_factor, **state)
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_degrees(cp_text, "--cp"),
                              parse_degrees(vp_text, "--virtual-stages"))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
@@ -86,7 +89,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
             raise PiperError(f"{dtype!r}: several precisions are searched at one node count (--nodes N), without "
                              "--min-nodes, --plot and --explain", field="--dtype")
         trainings = [training] + [load_setting(model_name, platform_name, seq_len, global_batch, mtp_layers=mtp_layers,
-                                               dtype=d, grad_bytes=grad_bytes, fp8_recipe=recipe.get(d))[2]
+                                               dtype=d, fp8_recipe=recipe.get(d), **state)[2]
                                   for d in dtypes[1:]]
         with searching:
             searches = [(t, engine.search(model, platform, t, counts[0], options, **kwargs)) for t in trainings]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from piper_plan.cli.main import cli
@@ -316,3 +317,26 @@ def test_estimate_says_whether_launch_and_run_take_the_plan():
     assert refused["runnable_by_piper"] is False and "parallel.cp=2" in refused["runtime_refusal"]
     table = _run(with_cp)
     assert table.exit_code == 0 and "`piper launch` / `piper run` refuse this plan: " in table.stdout
+
+
+def test_a_published_runs_training_block_can_be_stated_on_the_command_line(tmp_path):
+    """--master-bytes and --no-flash-attention (a dataset's training block): the command line prices Korthikanti et
+    al.'s 22B full-recompute row as `piper validate` does (before: 1.21 s against the dataset's 1.38 s, flash
+    attention assumed), and the plan file keeps both settings."""
+    from piper_plan.validation import validate
+
+    (result,) = validate(["korthikanti-a100"])
+    row = next(r for r in result.rows if r.id == "22b-full-step")
+    args = ["estimate", "--model", "gpt-22b", "--platform", "dgx-a100", "--nodes", "1", "--tp", "8", "--mbs", "4",
+            "--global-batch", "4", "--seq", "2048", "--dtype", "fp16", "--grad-bytes", "4", "--recompute", "full",
+            "--no-sequence-parallel", "--dropout", "--no-flash-attention", "--master-bytes", "4", "--json",
+            "-o", str(tmp_path / "p.json")]
+    done = CliRunner().invoke(cli, args)
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["step_time_s"] == pytest.approx(row.predicted, rel=1e-12)
+    saved = json.loads((tmp_path / "p.json").read_text())["training"]
+    assert saved["flash_attention"] is False and saved["master_bytes"] == 4
+    two = CliRunner().invoke(cli, ["plan", "--model", "qwen3-30b-a3b", "--platform", "gb200-nvl72", "--nodes", "2",
+                                   "--dtype", "bf16", "--master-bytes", "2", "-o", str(tmp_path / "q.json")])
+    assert two.exit_code == 0, two.output
+    assert json.loads((tmp_path / "q.json").read_text())["training"]["master_bytes"] == 2
