@@ -262,7 +262,8 @@ def host_floor_terms(ctx, c, per_layer: dict) -> dict:
     the tokens per expert information)"), so the floor holds layer by layer:
     ``max(device, host) = device + max(host - device, 0)``. Full recompute adds its forward calls, and so does
     the ``moe`` module for the MoE block's linears; the other selective modules' few re-run linears are not
-    counted. Empty when the platform prices no host time."""
+    counted. Empty when the platform prices no host time; not applied where piper's runtime's measured overhead
+    prices the step (priced_overhead: the runtime's host work, its GEMM calls' included, is what it measured)."""
     per_call = ctx.platform.efficiency.host_s_per_gemm_call
     if per_call <= 0:
         return {}

@@ -135,10 +135,10 @@ def _time_terms(ctx, c: PlanBatch, group_spans, acts) -> dict:
                                     ctx.model.hidden_size)
     per_layer["compute/lm_head"] = (head_f + head_b, zero)       # per stage, not per layer: see layer_terms
     overhead = priced_overhead(ctx.rates.calibration, ctx.platform, o)
-    if overhead is not None:                                     # measured framework overhead (cost/overhead.py)
-        per_layer = _with_overhead(ctx, c, group_spans, overhead, per_layer)
-    # the host floor last, against every device term of the layer as priced (scaled compute, framework overhead);
-    # the LM head is per stage, not per layer
+    if overhead is not None:     # piper's runtime's own host work, measured (cost/overhead.py): it alone prices it
+        return _with_overhead(ctx, c, group_spans, overhead, per_layer)
+    # else Megatron-Core's host work per GEMM call, last, against every device term of the layer as priced (the
+    # LM head is per stage, not per layer); before, a platform with both would have priced a runtime's host twice
     per_layer.update(host_floor_terms(ctx, c, {k: v for k, v in per_layer.items()
                                               if k not in ("compute/lm_head", HOST_ISSUE, HOST_ISSUE_HEAD)}))
     return per_layer

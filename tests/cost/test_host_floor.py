@@ -71,3 +71,20 @@ def test_a_parallel_dense_mlp_is_two_more_linears_unless_graphed():
     routed = 2 * 1
     assert linears_per_layer(arctic, 1, ())[1] == 2 + 1 + 2 + routed      # attention, router, parallel MLP, experts
     assert linears_per_layer(arctic, 1, ("attn", "moe_router", "mlp"))[1] == routed
+
+
+def test_the_runtimes_measured_host_replaces_megatrons_per_call_constant():
+    """h200 has both: dgx-h100's per-GEMM-call constant (Megatron-Core's host work) and piper's runtime's own host
+    overhead measured on an H200 (calibration/h200/overhead.csv). Priced as the runtime runs a plan, the measured
+    overhead alone prices its host (here under its device time); as Megatron-Core runs it, the constant does."""
+    from piper_plan.cli.common import platform_calibration
+
+    model, platform = load_model("deepseek-v3"), load_platform("h200")
+    plan = ParallelPlan(dp=4, tp=4, pp=16, ep=8, zero=1, num_microbatches=256)
+    training = TrainingSpec(seq_len=1024, global_batch=1024)
+    calibration = platform_calibration("h200")
+    runtime = estimate(model, platform, training, 32, plan, calibration=calibration,
+                       options=CostOptions(unfused_kernels=True)).time.breakdown
+    megatron = estimate(model, platform, training, 32, plan, calibration=calibration).time.breakdown
+    assert "host/framework" in runtime and runtime.get("host/launch", 0) == 0     # before: 58.5 s of host/launch
+    assert megatron["host/launch"] > 0 and megatron.get("host/framework", 0) == 0

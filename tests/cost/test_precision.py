@@ -114,9 +114,9 @@ def test_the_output_says_whether_host_time_is_priced():
 
     assert pricing_sources(load_platform("dgx-h100"), TrainingSpec())["host"].endswith("us per GEMM call "
                                                                               "(efficiency.host_s_per_gemm_call)")
-    assert pricing_sources(load_platform("h200"), TrainingSpec())["host"] == (
-        "not priced: h200 has no efficiency.host_s_per_gemm_call (host work assumed hidden)")
-    assert _estimate("bf16", load_platform("h200")).sources.host.startswith("not priced: h200")
+    assert pricing_sources(load_platform("mi300x"), TrainingSpec())["host"] == (
+        "not priced: mi300x has no efficiency.host_s_per_gemm_call (host work assumed hidden)")
+    assert _estimate("bf16", load_platform("mi300x")).sources.host.startswith("not priced: mi300x")
 
 
 def test_a_peak_borrowed_from_the_other_16_bit_format_is_named():

@@ -173,3 +173,10 @@ def test_a_link_class_named_twice_is_refused():
     data["node"]["link_classes"].append(dict(data["node"]["link_classes"][0]))
     with pytest.raises(ValidationError, match="is named twice"):
         type(load_platform("frontier")).model_validate(data)
+
+
+def test_h200_takes_dgx_h100s_host_constant():
+    """The host time of a GEMM call is the host's: a DGX H200 has the DGX H100's CPUs and the same SM90 GPU, so it
+    takes dgx-h100's fitted constant (platforms/h200.yaml says so); a refit of dgx-h100 must carry to h200."""
+    h100, h200 = (load_platform(n).efficiency.host_s_per_gemm_call for n in ("dgx-h100", "h200"))
+    assert h200 == h100 is not None
