@@ -30,7 +30,7 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     check_dtypes(opts, platform.launch.device)
     check_fp8_peak(opts, platform)
     check_python(python_cmd)
-    v.abs_path(str(out_dir), "--out-dir")       # it is the job's #SBATCH --output folder, which sbatch reads unquoted
+    v.sbatch_path(str(out_dir), "--out-dir")       # it is the job's #SBATCH --output folder, which sbatch reads
     v.wall_time(time_limit)
     if account is not None:
         v.slurm_name(account, "account")
@@ -44,7 +44,7 @@ def render_sweep_script(platform, num_nodes: int, out_dir: Path, *, quick: bool 
     tag = "piper-calibrate-" + v.name_token(platform.name, "platform")[:100]
     lines = ["#!/bin/bash", f"#SBATCH --job-name={tag}", f"#SBATCH --nodes={num_nodes}",
              f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --time={time_limit}",
-             f"#SBATCH --output={out_dir}/{tag}-%j.out"]    # beside its rows, not in the cwd
+             f"#SBATCH --output={v.sbatch_word(f'{out_dir}/{tag}-%j.out')}"]    # beside its rows, not in the cwd
     lines += [f"#SBATCH --partition={settings['partition']}"] if settings["partition"] else []
     lines += [f"#SBATCH --account={account}"] if account else []
     lines += [f"#SBATCH {opt}" for opt in settings["sbatch_extra"]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from piper_plan.planfile import MAX_STEPS
 
 DRY_RUN_DIR = "job"
 """The job directory a `--dry-run` without --out-dir names in its script (nothing is written there)."""
+DRY_RUN_SOURCE = "--dry-run's default job directory ./job, as no --out-dir was given"
+"""How errors name that directory (the user gave no --out-dir)."""
 
 
 @click.command("launch", epilog=exit_codes())
@@ -50,21 +53,25 @@ def launch_cmd(plan_path, model, platform, nodes, seq_len, global_batch, dtype, 
     The plan is --plan plan.json, or the best runnable plan `piper plan` finds for --model/--platform/--nodes."""
     import tempfile
 
+    from piper_plan.launch.render import LaunchOptions
+
     if dry_run and (submit or check):
         raise PiperError("--dry-run prints the script and writes nothing; drop --submit / --check", field="--dry-run")
+    out_dir_source = None
     if out_dir is None:
         if not dry_run:
             raise click.UsageError("Missing option '--out-dir' (the job directory to write; only --dry-run, which "
                                    "writes nothing, goes without it).")
-        out_dir = DRY_RUN_DIR
+        out_dir, out_dir_source = DRY_RUN_DIR, DRY_RUN_SOURCE
     with tempfile.TemporaryDirectory(prefix="piper-launch-") as tmp:
         if _plan_source(plan_path, model, platform, nodes) is None:
             plan_path = str(Path(tmp) / "plan.json")
             _search_plan(plan_path, model, platform, nodes, (seq_len, global_batch, dtype, grad_bytes, fp8_recipe),
                          strategy, a2a, migration)
         template_dir = str(Path(platform).parent) if platform and Path(platform).is_file() else None
-        _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force,
-                as_json, template_dir)
+        options = LaunchOptions(steps=steps, account=account, partition=partition, time=time_, job_name=job_name,
+                                template_dir=template_dir, out_dir_source=out_dir_source)
+        _launch(plan_path, out_dir, options, submit, check, dry_run, force, as_json)
 
 
 def _search_plan(save_path, model, platform, nodes, training_args, strategy, a2a, migration) -> None:
@@ -98,15 +105,12 @@ def _search_plan(save_path, model, platform, nodes, training_args, strategy, a2a
     note(f"plan: the best runnable of {result.feasible:,} that fit: dp={plan.dp} tp={plan.tp} pp={plan.pp} ep={plan.ep}")
 
 
-def _launch(plan_path, out_dir, submit, check, dry_run, steps, account, partition, time_, job_name, force, as_json,
-            template_dir=None):
+def _launch(plan_path, out_dir, options, submit, check, dry_run, force, as_json):
     from piper_plan.launch import job as joblib
-    from piper_plan.launch.render import LaunchOptions
 
-    options = LaunchOptions(steps=steps, account=account, partition=partition, time=time_, job_name=job_name,
-                            template_dir=template_dir)
     prepared = joblib.prepare(Path(plan_path), Path(out_dir), options, python=sys.executable)
-    joblib.check_out_dir(prepared.out_dir, force or dry_run)     # a dry run writes nothing: only the path matters
+    joblib.check_out_dir(prepared.out_dir, force or dry_run,     # a dry run writes nothing: only the path matters
+                         options.out_dir_source)
     if prepared.repriced_note:
         note(prepared.repriced_note)
     if prepared.job.segment_warning:              # every mode: a dry run is where a script checks first
@@ -162,4 +166,4 @@ def _report(prepared, job_id: str | None, blocked: str | None, as_json: bool) ->
     else:
         c = console()
         c.print(facts, markup=False)
-        c.print(f"submit with: sbatch {prepared.script_path}", markup=False)
+        c.print(f"submit with: sbatch {shlex.quote(str(prepared.script_path))}", markup=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,13 +234,15 @@ def job_plan_text(plan_path: Path, plan_file: PlanFile) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def check_out_dir(out_dir: Path, force: bool) -> None:
-    """The job's folder can be made or is empty (or --force); --dry-run checks it as the real launch does."""
+def check_out_dir(out_dir: Path, force: bool, source: str | None = None) -> None:
+    """The job's folder can be made or is empty (or --force); --dry-run checks it as the real launch does.
+    ``source``: where the folder came from when the user gave no --out-dir (LaunchOptions.out_dir_source)."""
     from piper_plan.fileio import check_folder_path
 
+    named = "--out-dir" if source is None else f"the job directory ({source})"
     if out_dir.exists() and not out_dir.is_dir():
-        raise PiperError("--out-dir exists and is not a directory", path=str(out_dir))
-    check_folder_path(out_dir, "--out-dir")
+        raise PiperError(f"{named} exists and is not a directory", path=str(out_dir))
+    check_folder_path(out_dir, named)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise PiperError("--out-dir is not empty; pass --force to overwrite job.sbatch, plan.json and README.md there",
                          path=str(out_dir))
@@ -329,7 +332,8 @@ def readme_text(job: JobSpec, plan_file: PlanFile, file_figures: str | None = No
         *([f"plan.json's own prediction assumed another engine's fused kernels ({file_figures}); the job is sized "
            "by the figures above.", ""] if file_figures else []),
         "Submit and follow:", "```",
-        f"sbatch {job.out_dir}/job.sbatch", "piper status JOB_ID", f"piper compare {job.run_dir}", "```", "",
+        f"sbatch {shlex.quote(job.out_dir + '/job.sbatch')}", "piper status JOB_ID",
+        f"piper compare {shlex.quote(job.run_dir)}", "```", "",
         f"The runtime writes `{job.run_dir}/metrics.jsonl` and its checkpoints there. Near the time limit Slurm sends",
         f"USR1 ({render.SIGNAL_LEAD_S} s ahead); the runtime checkpoints and exits {render.REQUEUE_EXIT_CODE}, the "
         "script requeues the job, and the restarted job resumes (`--resume`).", "",

@@ -30,6 +30,10 @@ TIME_MARGIN = 2.0
 """Predicted training time is multiplied by this for the default --time (predictions are estimates)."""
 
 PLACEHOLDER_RE = re.compile(r"\{\{([a-z_]+)\}\}")
+SBATCH_ONLY = ("out_dir",)
+"""Placeholders written as sbatch reads a word (validate.sbatch_word: double quotes, in which bash would expand
+'$'), not shell-quoted: a template may use them on #SBATCH lines only (the body has {{run_dir}}, {{plan_file}})."""
+PYTHON_SOURCE = "the Python running piper, which the job's command runs"
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class LaunchOptions:
     template_dir: str | None = None
     """The folder of a platform file the user named on the command line: its template may sit there. A plan.json
     alone never chooses a folder (its template is a name from platforms/templates/)."""
+    out_dir_source: str | None = None
+    """Where the job directory came from when the user did not give it (--dry-run's default): errors name that, not
+    --out-dir."""
 
 
 @dataclass(frozen=True)
@@ -167,9 +174,10 @@ def job_spec(plan_file, *, plan_path: str, out_dir: str, python: str, options: L
                          f"{nodes} x {dpn} = {nodes * dpn}; the plan must fill its nodes", path=source or plan_path)
     launch = platform.launch
     steps = v.positive_int(_given(options.steps, plan_file.runtime.steps), "steps")
-    out_dir, plan_path = v.abs_path(out_dir, "--out-dir"), v.abs_path(plan_path, "--plan")
+    out_dir = v.sbatch_path(out_dir, "--out-dir", options.out_dir_source)      # #SBATCH --chdir, --output
+    plan_path = v.body_path(plan_path, "plan_path", "where the job reads its plan")
     run_dir = f"{out_dir}/run"
-    python = v.abs_path(python, "python")
+    python = v.body_path(python, "python", PYTHON_SOURCE)         # only in the command, shell-quoted
     settings = launch_settings(launch, source or plan_path)
     span = nodes > 1 and platform.network.nodes_per_switch > 1 and expert_groups_span_nodes(plan, dpn)
     segment_nodes = platform.network.segment_nodes
@@ -228,12 +236,13 @@ def _optional_sbatch(job: JobSpec) -> str:
 
 
 def template_values(job: JobSpec) -> dict[str, str]:
-    """Placeholder -> text. Values in ``#SBATCH`` lines are validated tokens; body values are shell-quoted."""
+    """Placeholder -> text. Values in ``#SBATCH`` lines are validated tokens, the job directory an sbatch word
+    (SBATCH_ONLY); body values are shell-quoted."""
     q = v.shell_quote
     return {
         "job_name": job.job_name, "nodes": str(job.nodes), "ranks_per_node": str(job.ranks_per_node),
         "world": str(job.world), "cpus_per_task": str(job.cpus_per_task), "gpus_per_task": str(job.gpus_per_task),
-        "gpu_sbatch": "", "time": job.time, "out_dir": job.out_dir, "signal_lead_s": str(SIGNAL_LEAD_S),
+        "gpu_sbatch": "", "time": job.time, "out_dir": v.sbatch_word(job.out_dir), "signal_lead_s": str(SIGNAL_LEAD_S),
         "optional_sbatch": _optional_sbatch(job),
         "module_lines": "\n".join(f"module load {q(m)}" for m in job.modules),
         "env_lines": "\n".join(f'export {k}="{val}"' for k, val in job.env),
@@ -278,4 +287,16 @@ def load_template(template: str, template_dir: str | None = None) -> str:
     path = template_path(template, template_dir)
     if not path.is_file():
         raise PiperError(f"launch.template={template!r}: no such file {path}", field="launch.template")
-    return read_text(path)
+    text = read_text(path)
+    check_sbatch_only(text, path)
+    return text
+
+
+def check_sbatch_only(template: str, path: Path) -> None:
+    """Refuse a template that writes a SBATCH_ONLY placeholder into a line bash runs."""
+    for number, line in enumerate(template.splitlines(), 1):
+        misplaced = sorted(set(PLACEHOLDER_RE.findall(line)) & set(SBATCH_ONLY))
+        if misplaced and not line.startswith("#SBATCH"):
+            raise PiperError(f"line {number} uses {{{{{misplaced[0]}}}}} outside an #SBATCH line; it is written for "
+                             "sbatch, not shell-quoted: use {{run_dir}} or {{plan_file}} in the script's body",
+                             path=str(path), field="launch.template")

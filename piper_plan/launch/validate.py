@@ -2,10 +2,14 @@
 
 Two kinds of places take values in a job script:
 
-- ``#SBATCH`` lines are parsed by sbatch itself, not by a shell: quoting does not work there, so values
-  must be plain tokens (allow-lists below; whitespace, newlines and shell metacharacters are refused).
-- the script body is bash: every value is a validated token *and* passed through ``shlex.quote``;
-  environment values may reference other variables (``$USER``, ``${SLURM_JOB_ID}``) and nothing else.
+- ``#SBATCH`` lines are parsed by sbatch itself, not by a shell (src/sbatch/opt.c ``_get_argument``): it splits a
+  line at whitespace outside quotes, takes ``"..."`` and ``'...'`` as quotes and a backslash as an escape, ends the line
+  at an unescaped ``#``, and reads a line holding ``hetjob`` or ``packjob`` anywhere as a heterogeneous-job separator.
+  Names and options there are plain tokens (allow-lists below); a path (the job directory, in ``--chdir`` and
+  ``--output``) is checked by ``sbatch_path`` and written by ``sbatch_word``, double-quoted where it needs quoting.
+- the script body is bash: every value is passed through ``shlex.quote`` (names and options are validated tokens
+  too; a path there may be any absolute path without NUL or newline, ``body_path``); environment values may
+  reference other variables (``$USER``, ``${SLURM_JOB_ID}``) and nothing else.
 
 Every failure is a PiperError naming the field, the value (repr, so a newline shows) and what is allowed.
 """
@@ -14,13 +18,18 @@ from __future__ import annotations
 
 import re
 import shlex
+import unicodedata
 
 from piper_plan.errors import PiperError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """Job names, partitions, accounts: letters, digits, '.', '_', '-' (first a letter or digit)."""
-PATH_RE = re.compile(r"/[A-Za-z0-9._/+@,=~-]*")
-"""Absolute paths without whitespace, quotes, '$', '%', '*', ';', '&', '|', '<', '>', '(', ')', '`' or '\\'."""
+SBATCH_PATH_ALLOWED = ("an absolute path without '%', a backslash, control characters or the words hetjob / packjob "
+                       "(letters of any script, spaces, quotes and other punctuation are fine)")
+SBATCH_PLAIN_RE = re.compile(r"[^\s\"'#\\]*")
+"""An #SBATCH argument sbatch reads as it is: no whitespace, quote, '#' or backslash (sbatch_word quotes others)."""
+BODY_PATH_ALLOWED = "an absolute path without NUL or newline"
+HET_JOB_RE = re.compile(r"hetjob|packjob", re.IGNORECASE)
 TIME_RE = re.compile(r"(?:([0-9]{1,3})-)?([0-9]{1,4}):([0-5][0-9]):([0-5][0-9])")
 """Slurm wall time [D-]HH:MM:SS (ASCII digits: ``\\d`` would take '٠٢')."""
 MAX_WALL_S = 365 * 86400
@@ -78,9 +87,67 @@ def slurm_name(value: str, field: str) -> str:
     return _check(value, NAME_RE, field, "letters, digits, '.', '_', '-' (no spaces or shell characters)")
 
 
-def abs_path(value: str, field: str) -> str:
-    return _check(value, PATH_RE, field, "an absolute path of letters, digits and . _ / + @ , = ~ - "
-                  "(no spaces, quotes, '$', '%' or shell metacharacters)")
+def _named(text: str, field: str | None, source: str | None) -> str:
+    """How an error names a value: ``--out-dir='/x'``, or the value and where it came from (one the user never
+    gave, e.g. a default)."""
+    return f"{field}={text!r}" if source is None else f"{text!r} ({source})"
+
+
+def body_path(value: object, field: str, source: str | None = None) -> str:
+    """A path written only into the script's bash body (shell-quoted there): absolute, without NUL or newline (bash
+    cannot hold a NUL; a newline would end the comment lines that name it) and encodable as UTF-8."""
+    text = str(value)
+    _refuse(text, field, source, _body_path_problem(text), BODY_PATH_ALLOWED)
+    return text
+
+
+def sbatch_path(value: object, field: str, source: str | None = None) -> str:
+    """A path sbatch reads from an ``#SBATCH`` line (the job directory: ``--chdir``, ``--output``): what sbatch
+    cannot read back as written is refused, each with its reason; anything else is written by ``sbatch_word``."""
+    text = str(value)
+    _refuse(text, field, source, _body_path_problem(text) or _sbatch_path_problem(text), SBATCH_PATH_ALLOWED)
+    return text
+
+
+def _refuse(text: str, field: str, source: str | None, why: str | None, allowed: str) -> None:
+    """One PiperError line when ``why`` (naming the value by ``_named``), else nothing."""
+    if why:
+        raise PiperError(f"{_named(text, field, source)} is not allowed: {why}; allowed: {allowed}",
+                         field=None if source else field)
+
+
+def _body_path_problem(text: str) -> str | None:
+    if not text.startswith("/"):
+        return "it is not an absolute path"
+    if "\0" in text or "\n" in text:
+        return "it holds a NUL or a newline"
+    return "it is not valid UTF-8 (the script is written as UTF-8)" if _surrogates(text) else None
+
+
+def _sbatch_path_problem(text: str) -> str | None:
+    """Why sbatch would not read ``text`` back from an #SBATCH line as written, or None."""
+    het = HET_JOB_RE.search(text)
+    control = next((c for c in text if unicodedata.category(c) == "Cc"), None)
+    problems = (("%" in text, "sbatch reads '%' as a file-name pattern (--output's %j)"),
+                ("\\" in text, "a backslash is sbatch's escape and turns off --output's file-name patterns"),
+                (het, f"sbatch reads a line holding {het and het.group(0)!r} as the start of another "
+                      "heterogeneous-job component"),
+                (control, f"the control character {control!r} cannot be written"))
+    why = next((why for found, why in problems if found), None)
+    return why and f"it goes into the script's #SBATCH lines, where {why}"
+
+
+def _surrogates(text: str) -> bool:
+    return any(unicodedata.category(c) == "Cs" for c in text)
+
+
+def sbatch_word(text: str) -> str:
+    """``text`` as one argument of an #SBATCH line: as it is where sbatch reads it so, else in double quotes with
+    '"' and '#' escaped (sbatch's own quoting, src/sbatch/opt.c; older releases ended the line at a '#' even inside
+    quotes, an escaped one never). ``text`` must have passed ``sbatch_path`` (no backslash, newline or NUL)."""
+    if SBATCH_PLAIN_RE.fullmatch(text):
+        return text
+    return '"' + re.sub(r'(["#])', r"\\\1", text) + '"'
 
 
 def wall_time(value: str) -> str:

@@ -245,7 +245,12 @@ def test_slurm_only_and_out_dir(tmp_path):
     assert rows.is_dir()                                  # sbatch opens the job's log there and creates no folder
     spaced = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--out-dir",
                                       str(tmp_path / "a b"), "--output", str(tmp_path / "d.sbatch")])
-    assert "--out-dir" in _one_error_line(spaced) and not (tmp_path / "a b").exists()
+    assert spaced.exit_code == 0, spaced.output                  # sbatch reads it quoted (before: refused)
+    assert f'#SBATCH --output="{tmp_path / "a b"}/piper-calibrate-local-cpu-%j.out"' in \
+        (tmp_path / "d.sbatch").read_text().splitlines()
+    pattern = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--out-dir",
+                                       str(tmp_path / "a%b"), "--output", str(tmp_path / "g.sbatch")])
+    assert "--out-dir" in _one_error_line(pattern) and not (tmp_path / "a%b").exists()
     bad = CliRunner().invoke(cli, ["calibrate", "slurm", "--platform", "local-cpu", "--nodes", "2", "--only", "gemm,x",
                                    "--output", str(tmp_path / "e.sbatch")])
     assert "--only" in _one_error_line(bad) and not (tmp_path / "e.sbatch").exists()

@@ -1,6 +1,7 @@
 """`piper launch` / `piper compare` through the CLI: injection, --force, --dry-run, refusals, compare numbers."""
 
 import json
+import shlex
 
 import pytest
 from click.testing import CliRunner
@@ -33,11 +34,32 @@ def test_injection_is_rejected_and_nothing_written(tmp_path, plan, option, value
     assert not out.exists()
 
 
-@pytest.mark.parametrize("bad", ["job dir", "job$HOME", "job;x", "job\nx", "job%j", "job`x`"])
-def test_out_path_injection_is_rejected(tmp_path, plan, bad):
+@pytest.mark.parametrize("bad", ["job\nx", "job%j", "job\\x", "a-hetjob"])
+def test_out_path_sbatch_cannot_read_is_rejected(tmp_path, plan, bad):
     result = run("launch", "--plan", plan, "--out", tmp_path / bad)
-    assert result.exit_code == 2 and "--out" in result.output
+    assert result.exit_code == 2 and "--out-dir=" in result.output and "not allowed: it " in result.output
     assert not (tmp_path / bad).exists()
+
+
+@pytest.mark.parametrize("folder", ["job dir", "ünï", "job$HOME;x`id`"])
+def test_any_job_directory_sbatch_reads_is_written(tmp_path, plan, folder):
+    """Spaces, letters of any script and shell characters were refused; sbatch reads them quoted, bash shell-quoted."""
+    out = tmp_path / folder
+    result = run("launch", "--plan", plan, "--out-dir", out)
+    assert result.exit_code == 0, result.output
+    assert (out / "job.sbatch").is_file() and f"--plan {shlex.quote(str(out / 'plan.json'))}" in result.output + \
+        (out / "job.sbatch").read_text()
+
+
+def test_the_dry_run_default_directory_is_named_as_a_default_not_as_out_dir(tmp_path, plan, monkeypatch):
+    """Without --out-dir, a refusal named --out-dir='.../job', an option never given."""
+    (tmp_path / "a%b").mkdir()
+    monkeypatch.chdir(tmp_path / "a%b")
+    result = run("launch", "--plan", plan, "--dry-run")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: {str(tmp_path / 'a%b' / 'job')!r} (--dry-run's default job directory "
+                                    "./job, as no --out-dir was given) is not allowed: "), result.stderr
+    assert "--out-dir=" not in result.stderr
 
 
 def test_env_injection_in_platform_is_rejected(tmp_path):

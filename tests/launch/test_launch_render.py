@@ -30,7 +30,7 @@ def srun_words(script: str) -> list[str]:
     """The words of the training srun command (continuation lines joined)."""
     text = script.replace("\\\n", " ")
     line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("srun -N") and "piper_plan" in ln)
-    return shlex.split(line.split("&")[0])
+    return shlex.split(line.rsplit("&", 1)[0])          # the trailing " &" (a path may hold one)
 
 
 def render_for(tmp_path, platform, nodes, parallel, model="tiny-moe", **opts):
@@ -157,3 +157,76 @@ def test_a_shared_template_names_the_plans_own_platform(tmp_path, platform, show
     prepared = render_for(tmp_path, platform, 1, {"dp": 8, "ep": 8})
     header = prepared.script.split("#SBATCH")[0]
     assert shown in header and (absent is None or absent not in header)
+
+
+def sbatch_arguments(line: str) -> list[str]:
+    """The arguments sbatch reads from one '#SBATCH ...' line, as src/sbatch/opt.c's _get_argument reads them
+    (Slurm >= 17.11): whitespace splits outside quotes, '"' and "'" quote, a backslash escapes the next character,
+    an unescaped '#' outside quotes ends the line."""
+    args, word, quote, escape, started = [], [], None, False, False
+    for char in line[len("#SBATCH"):] + " ":
+        if escape:
+            word.append(char)
+            escape = False
+        elif char == "\\":
+            escape = started = True
+        elif quote:
+            word += [] if char == quote else [char]
+            quote = None if char == quote else quote
+        elif char in "\"'":
+            quote, started = char, True
+        elif char == "#" or char.isspace():
+            if started:
+                args.append("".join(word))
+            word, started = [], False
+            if char == "#":
+                break
+        else:
+            word.append(char)
+            started = True
+    assert quote is None, f"sbatch: unmatched {quote} in {line!r}"
+    return args
+
+
+@pytest.mark.parametrize("folder", ["my runs", "ünï", "jöb$HOME;x`id`", "a\"b#c", "it's", "(x) & y"])
+def test_a_job_directory_sbatch_and_bash_read_back_as_written(tmp_path, folder):
+    """`piper launch` refused every job directory outside [A-Za-z0-9._/+@,=~-] ('ü' is a letter); the path now
+    reaches #SBATCH --chdir / --output as sbatch reads a word (quoted where needed) and the body shell-quoted."""
+    out = tmp_path / folder / "job"
+    plan = write_plan(tmp_path / "src.json", "local-cpu", 1, {"dp": 2})
+    prepared = prepare(plan, out, LaunchOptions(), python="/opt/my venv/bin/python")
+    read = {}
+    for line in prepared.script.splitlines():
+        if line.startswith("#SBATCH"):
+            for arg in sbatch_arguments(line):
+                key, _, value = arg.lstrip("-").partition("=")
+                read[key] = value
+    assert read["chdir"] == str(out) and read["output"] == f"{out}/slurm-%j.out"
+    assert subprocess.run(["bash", "-n"], input=prepared.script, text=True).returncode == 0
+    words = srun_words(prepared.script)
+    assert words[words.index("--plan") + 1] == f"{out}/plan.json" and words[words.index("--out") + 1] == f"{out}/run"
+    assert "/opt/my venv/bin/python" in words
+    assert f"sbatch {shlex.quote(str(out / 'job.sbatch'))}" in prepared.readme
+
+
+@pytest.mark.parametrize("folder, why", [("a%j", "file-name pattern"), ("a\\b", "backslash"),
+                                          ("my-HetJob", "heterogeneous-job"), ("packjob", "heterogeneous-job"),
+                                          ("a\tb", "control character"), ("a\nb", "newline")])
+def test_a_job_directory_sbatch_cannot_read_is_refused_with_the_reason(tmp_path, folder, why):
+    plan = write_plan(tmp_path / "src.json", "local-cpu", 1, {"dp": 2})
+    with pytest.raises(PiperError, match=why) as info:
+        prepare(plan, tmp_path / folder, LaunchOptions(), python=sys.executable)
+    assert str(info.value).startswith("--out-dir: --out-dir=") and "allowed: an absolute path" in str(info.value)
+
+
+def test_the_interpreter_is_refused_only_where_bash_cannot_hold_it(tmp_path):
+    plan = write_plan(tmp_path / "src.json", "local-cpu", 1, {"dp": 2})
+    with pytest.raises(PiperError, match="the Python running piper.*newline"):
+        prepare(plan, tmp_path / "job", LaunchOptions(), python="/opt/a\nb/python")
+
+
+def test_a_template_may_not_write_the_job_directory_into_its_body(tmp_path):
+    """out_dir is written for sbatch (double quotes, in which bash expands '$'): a template's body uses run_dir."""
+    (tmp_path / "t.sbatch").write_text("#!/bin/bash\n#SBATCH --chdir={{out_dir}}\ncd {{out_dir}}\n")
+    with pytest.raises(PiperError, match=r"line 3 uses \{\{out_dir\}\} outside an #SBATCH line"):
+        render.load_template("t.sbatch", str(tmp_path))
