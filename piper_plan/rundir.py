@@ -64,18 +64,25 @@ LAUNCHER_PID_ENV = "PIPER_LAUNCHER_PID"
 def check_not_held(run_dir: Path) -> None:
     """hold_run_dir's refusal, without taking the hold or making anything: a live run is named before any check of
     the directory's contents (a second `piper run` there was first told to pass --force, then refused for this)."""
+    if is_held(run_dir):
+        raise PiperError(HELD, path=str(run_dir))
+
+
+def is_held(run_dir: Path) -> bool:
+    """Whether a local `piper run` (its launcher or ranks) holds ``run_dir`` now; takes no hold."""
     import fcntl
 
     lock = run_dir / LOCK_FILE
     if not lock.is_file():
-        return
+        return False
     fd = os.open(lock, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise PiperError(HELD, path=str(run_dir)) from None
+        return True
     finally:
         os.close(fd)
+    return False
 
 
 HELD = ("another `piper run` is writing this run directory (its launcher, or its ranks, which stop within a step "

@@ -18,8 +18,9 @@ UNKNOWN_JOB = "Invalid job id specified"
 def _slurm(tool: str, args: list[str], cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     exe = shutil.which(tool)
     if exe is None:
-        raise PiperError(f"{tool} not found on PATH: this machine has no Slurm client; copy the job directory "
-                         f"to a login node of the cluster and run `sbatch job.sbatch` there")
+        raise PiperError(f"{tool} not found on PATH: this machine has no Slurm client; " + NO_CLIENT_ADVICE.get(
+            tool, "ask about the job on a login node of the cluster (`piper status --dir DIR` shows what a job or "
+                  "run directory holds without Slurm)"))
     _check_controller(tool)
     return _run(exe, args, cwd)
 
@@ -29,6 +30,12 @@ def _run(exe: str, args: list[str], cwd: str | Path | None = None) -> subprocess
         return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise PiperError(f"{Path(exe).name} did not answer in {TIMEOUT_S:g} s: is the Slurm controller up?") from None
+
+
+NO_CLIENT_ADVICE = {"sbatch": "copy the job directory to a login node of the cluster and run `sbatch job.sbatch` "
+                               "there"}
+"""What to do where a Slurm tool is missing: submit advice for sbatch alone (squeue and scontrol ask about a job,
+which may be a local run that was never submitted)."""
 
 
 def _check_controller(tool: str) -> None:

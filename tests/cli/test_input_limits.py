@@ -283,3 +283,65 @@ def test_status_dir_takes_a_run_directory_too(tmp_path, monkeypatch):
     assert summary["steps_logged"] == 2 and summary["last"]["loss"] == 9.25 and summary["run_dir"] == str(run_dir)
     (run_dir / "job.sbatch").write_text("#!/bin/bash\n")      # a job directory keeps its run under run/
     assert json.loads(run("status", "12345", "--dir", run_dir, "--json").stdout)["run"]["steps_logged"] == 0
+
+
+def _asking_slurm(tmp_path: Path) -> tuple[str, Path]:
+    """A PATH whose squeue, scontrol and sbatch note each call in the returned file (and fail)."""
+    bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
+    bin_dir.mkdir()
+    for tool in ("squeue", "scontrol", "sbatch"):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} >> {asked}\nexit 1\n")
+        (bin_dir / tool).chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}", asked
+
+
+def test_status_of_a_local_run_needs_no_job_id_and_asks_no_slurm(tmp_path, monkeypatch):
+    """Before: `piper status --dir RUN` was click's "Missing argument 'JOB_ID'": a local `piper run` has none."""
+    path, asked = _asking_slurm(tmp_path)
+    monkeypatch.setenv("PATH", path)
+    run_dir = tmp_path / "myrun"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.5}\n{"step": 2, "loss": 9.25}\n')
+    shown = run("status", "--dir", run_dir)
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.startswith(f"{run_dir}: run stopped before its summary (a run directory; no Slurm job id")
+    assert "2 steps logged" in shown.stdout and "sbatch" not in shown.output
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 2, "final_loss": 9.25, "exit_code": 0}))
+    result = run("status", "--dir", run_dir, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["job_id"] is None and report["state"] is None and report["run"]["state"] == "finished"
+    assert report["run"]["summary"]["final_loss"] == 9.25 and report["run"]["steps_logged"] == 2
+    assert "summary: exit_code 0, steps 2, final_loss 9.25" in run("status", "--dir", run_dir).stdout
+    assert not asked.exists()
+
+
+def test_status_without_a_job_id_says_each_state_of_a_run(tmp_path, monkeypatch):
+    from piper_plan.rundir import hold_run_dir
+
+    monkeypatch.setenv("PATH", _asking_slurm(tmp_path)[0])
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.5}\n')
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 1, "exit_code": 75}))
+    assert "run checkpointed" in run("status", "--dir", run_dir).stdout
+    fd = hold_run_dir(run_dir, launcher=True)           # as `piper run`'s launcher holds it
+    try:
+        assert json.loads(run("status", "--dir", run_dir, "--json").stdout)["run"]["state"] == "running"
+    finally:
+        os.close(fd)
+    job = tmp_path / "job"                             # as `piper launch` leaves it, before a run
+    job.mkdir()
+    (job / "job.sbatch").write_text("#!/bin/bash\n")
+    line = run("status", "--dir", job).stdout.splitlines()[0]
+    assert line.startswith(f"{job}: a `piper launch` job directory, its run not started (no job id given")
+    assert_one_line_error(run("status"), "give JOB_ID", "--dir RUN_DIR")
+
+
+def test_status_where_slurm_is_missing_gives_no_submit_advice(tmp_path, monkeypatch):
+    """scontrol missing said 'copy the job directory to a login node and run `sbatch job.sbatch`' for any job."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    line = assert_one_line_error(run("status", "5", "--dir", tmp_path), "scontrol not found on PATH",
+                                 "piper status --dir DIR")
+    assert "sbatch" not in line
