@@ -186,6 +186,7 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
     """The plan's ranks as local processes (torch.distributed's elastic launcher, as torchrun --standalone);
     the first failed rank's exit code, else 0. A stop signal (STOP_SIGNALS) is forwarded to the ranks, which
     checkpoint and exit 75; the result is then the ranks' own (summary.json of this run), else 128 + the signal."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     from piper_plan.launch.render import SIGNAL_LEAD_S
@@ -203,9 +204,11 @@ def launch_local(layout, args: list[str], run_dir: Path) -> int:
     # limit (launch/render.py SIGNAL_LEAD_S, 180 s): a step plus a checkpoint must fit that bound there too. A rank
     # that hangs is still ended after it: bounded, never orphaned.
     sigusr1 = signal.getsignal(signal.SIGUSR1)      # signal_options may replace it (older torch): restored below
+    # logs_specs: no log folder. torch's default made $TMPDIR/torchelastic_*/<run_id>/attempt_0/<rank>/ for each run
+    # and never removed it; the ranks write to this terminal (no redirects) and no rank writes an error.json there.
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=layout.world, run_id=f"piper-run-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          **signal_options(LaunchConfig, SIGNAL_LEAD_S))
+                          logs_specs=DefaultLogsSpecs(log_dir=os.devnull), **signal_options(LaunchConfig, SIGNAL_LEAD_S))
     _quiet_elastic_logs()
     before = _identity(run_dir / "summary.json")
     try:

@@ -339,6 +339,19 @@ def test_a_rank_side_user_error_is_its_one_line(tmp_path):
 
 
 @pytest.mark.distributed
+def test_a_run_leaves_nothing_in_the_temp_folder(tmp_path):
+    """torch's elastic launcher made an empty $TMPDIR/torchelastic_*/piper-run-PID_*/attempt_0/{0,1} for every local
+    run and never removed it (1,547 of them in /tmp)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    done = subprocess.run([str(PIPER), "run", "--plan", str(two_rank_plan(tmp_path)), "--steps", "1", "--out-dir",
+                           str(tmp_path / "r")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**CLEAN_ENV, "TMPDIR": str(temp)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in temp.iterdir() if p.name.startswith("torchelastic_")] == [], list(temp.rglob("*"))
+
+
+@pytest.mark.distributed
 def test_a_short_run_resumes_where_it_ended_under_another_layout(tmp_path):
     """A run of 2 steps (checkpoint_interval 50) wrote no checkpoint: `--resume` with another layout trained from
     step 0 again, silently, and metrics.jsonl held step 1 twice. The last step is checkpointed now; a resume that
