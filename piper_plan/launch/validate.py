@@ -24,8 +24,9 @@ from piper_plan.errors import PiperError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """Job names, partitions, accounts: letters, digits, '.', '_', '-' (first a letter or digit)."""
-SBATCH_PATH_ALLOWED = ("an absolute path without '%', a backslash, control characters or the words hetjob / packjob "
-                       "(letters of any script, spaces, quotes and other punctuation are fine)")
+SBATCH_PATH_ALLOWED = ("an absolute path without '%', a double quote, '#', a backslash, control characters or the "
+                       "words hetjob / packjob (letters of any script, spaces, single quotes and other punctuation "
+                       "are fine)")
 SBATCH_PLAIN_RE = re.compile(r"[^\s\"'#\\]*")
 """An #SBATCH argument sbatch reads as it is: no whitespace, quote, '#' or backslash (sbatch_word quotes others)."""
 BODY_PATH_ALLOWED = "an absolute path without NUL or newline"
@@ -130,6 +131,8 @@ def _sbatch_path_problem(text: str) -> str | None:
     control = next((c for c in text if unicodedata.category(c) == "Cc"), None)
     problems = (("%" in text, "sbatch reads '%' as a file-name pattern (--output's %j)"),
                 ("\\" in text, "a backslash is sbatch's escape and turns off --output's file-name patterns"),
+                ('"' in text or "#" in text, "a double quote or '#' needs a backslash escape there, which turns off "
+                                             "--output's file-name patterns (its %j)"),
                 (het, f"sbatch reads a line holding {het and het.group(0)!r} as the start of another "
                       "heterogeneous-job component"),
                 (control, f"the control character {control!r} cannot be written"))
@@ -142,12 +145,12 @@ def _surrogates(text: str) -> bool:
 
 
 def sbatch_word(text: str) -> str:
-    """``text`` as one argument of an #SBATCH line: as it is where sbatch reads it so, else in double quotes with
-    '"' and '#' escaped (sbatch's own quoting, src/sbatch/opt.c; older releases ended the line at a '#' even inside
-    quotes, an escaped one never). ``text`` must have passed ``sbatch_path`` (no backslash, newline or NUL)."""
+    """``text`` as one argument of an #SBATCH line: as it is where sbatch reads it so, else in double quotes (sbatch's
+    own quoting, src/sbatch/opt.c). ``text`` must have passed ``sbatch_path``: no backslash, double quote, '#',
+    newline or NUL, so nothing inside the quotes needs an escape (a backslash would turn off --output's %j)."""
     if SBATCH_PLAIN_RE.fullmatch(text):
         return text
-    return '"' + re.sub(r'(["#])', r"\\\1", text) + '"'
+    return f'"{text}"'
 
 
 def wall_time(value: str) -> str:
