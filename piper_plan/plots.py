@@ -40,7 +40,8 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PiperError("--plot needs matplotlib: pip install 'piper-plan[plot]'") from None
+        raise PiperError("--plot needs matplotlib: pip install -e '.[plot]' in piper's checkout (its extra plot)") \
+            from None
     return plt
 
 

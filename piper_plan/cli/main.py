@@ -117,8 +117,9 @@ def _missing_extra(exc: ModuleNotFoundError):
     package = (exc.name or "").split(".")[0]
     if package not in EXTRAS or _module_exists(package):
         return None
-    return UserError(f"this command needs {package}, which is not installed: pip install "
-                     f"'piper-plan[{EXTRAS[package]}]' (scripts/install.sh --test installs every extra)")
+    return UserError(f"this command needs {package}, which is not installed: pip install -e "
+                     f"'.[{EXTRAS[package]}]' in piper's checkout (its extra {EXTRAS[package]}; scripts/install.sh "
+                     "--test installs every extra)")
 
 
 def _module_exists(module: str) -> bool:

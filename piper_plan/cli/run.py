@@ -390,7 +390,8 @@ def _print_commands(layout, args: list[str], as_json: bool) -> None:
 
     torchrun = str(Path(sys.executable).parent / "torchrun")
     commands = {"torchrun": torchrun_command(layout, args, torchrun), "srun": srun_command(layout, args, sys.executable)}
-    why = (f"the plan needs {layout.nodes} nodes x {layout.ranks_per_node} {layout.device} ranks = {layout.world}; "
+    kind = "GPU" if layout.device == "cuda" else layout.device.upper()      # torch's "cuda" is ROCm's GPUs too
+    why = (f"the plan needs {layout.nodes} nodes x {layout.ranks_per_node} {kind} ranks = {layout.world}; "
            "this machine runs one node (or CPU ranks standing in for nodes)")
     if as_json:
         print_json({"launched": False, "reason": why, "nodes": layout.nodes, "ranks_per_node": layout.ranks_per_node,

@@ -838,7 +838,7 @@ def test_a_command_needing_an_extra_not_installed_says_which_in_one_line(tmp_pat
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert f"'piper-plan[{extra}]'" in lines[0] and blocked[0] in lines[0]
+    assert f"pip install -e '.[{extra}]' in piper's checkout" in lines[0] and blocked[0] in lines[0]
     assert list(tmp_path.iterdir()) == []
 
 

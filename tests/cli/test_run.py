@@ -58,7 +58,7 @@ def test_a_multi_node_plan_prints_the_torchrun_and_srun_lines(tmp_path):
                         "--gpus-per-task=1"]
     human = CliRunner().invoke(cli, ["run", "--plan", str(plan)])
     assert human.exit_code == 0 and "torchrun --nnodes=2" in human.stdout and "srun --nodes=2" in human.stdout
-    assert human.stderr.startswith("piper run: not started here: the plan needs 2 nodes x 8 cuda ranks")
+    assert human.stderr.startswith("piper run: not started here: the plan needs 2 nodes x 8 GPU ranks")
 
 
 def test_run_refuses_what_launch_refuses_instead_of_printing_its_commands(tmp_path):
