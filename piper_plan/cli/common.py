@@ -262,8 +262,17 @@ def _refuse_overwriting_inputs(params: dict, dest: str, flag: str) -> None:
         return
     for name, value in params.items():
         if name != dest and any(os.path.samefile(path, out) for path in _input_files(name, value)):
-            raise PiperError(f"is also this command's {name} input: writing would replace it; give another file",
-                             path=str(out), field=flag)
+            raise PiperError(f"is also this command's {_shown(name)} input: writing would replace it; give another "
+                             "file", path=str(out), field=flag)
+
+
+def _shown(param: str) -> str:
+    """A parameter of the running command as its user typed it: an option's flag (--plan), an argument's name."""
+    ctx = click.get_current_context(silent=True)
+    found = next((p for p in (ctx.command.params if ctx else ()) if p.name == param), None)
+    if found is None:
+        return param
+    return found.opts[0] if isinstance(found, click.Option) else found.human_readable_name
 
 
 def _input_files(name: str, value) -> list:

@@ -314,8 +314,8 @@ def test_an_output_that_is_one_of_the_inputs_is_refused(tmp_path):
     model.write_text((Path(__file__).parents[2] / "models" / "tiny-moe.yaml").read_text())
     before = model.read_text()
     args = ("estimate", "--model", model, "--platform", "local-cpu", "--nodes", 1, "--dp", 2, "--ep", 2)
-    assert_one_line_error(run(*args, "-o", model), f"{model}: -o: is also this command's model_name input")
-    assert_one_line_error(run(*args, "--plot", model), f"{model}: --plot: is also this command's model_name input")
+    assert_one_line_error(run(*args, "-o", model), f"{model}: -o: is also this command's --model input")
+    assert_one_line_error(run(*args, "--plot", model), f"{model}: --plot: is also this command's --model input")
     assert model.read_text() == before
 
 
@@ -331,9 +331,9 @@ def test_an_output_that_is_a_catalog_input_or_another_output_is_refused(tmp_path
     model, dataset = tmp_path / "models" / "tiny-moe.yaml", tmp_path / "validation" / "piper-migration-table4.yaml"
     before = model.read_text(), dataset.read_text()
     args = ("estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", 1, "--dp", 2, "--ep", 2)
-    assert_one_line_error(run(*args, "-o", model), f"{model}: -o: is also this command's model_name input")
+    assert_one_line_error(run(*args, "-o", model), f"{model}: -o: is also this command's --model input")
     assert_one_line_error(run("validate", "--dataset", "korthikanti-a100", "--dataset", "piper-migration-table4",
-                              "-o", dataset), f"{dataset}: -o: is also this command's datasets input")
+                              "-o", dataset), f"{dataset}: -o: is also this command's --dataset input")
     assert (model.read_text(), dataset.read_text()) == before
     both = tmp_path / "both.png"
     assert_one_line_error(run(*args, "-o", both, "--plot", both),
