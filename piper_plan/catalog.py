@@ -38,12 +38,26 @@ def project_root() -> Path:
 
 @functools.cache
 def shipped_root() -> Path:
-    """The source checkout beside the package (an editable install) where it holds models/, else the copy a wheel
-    installed inside the package (piper_plan/_home/), else the checkout (whose missing folder is then named)."""
+    """The source checkout beside the package (an editable install: its pyproject.toml and models/ are there),
+    else the copy a wheel installed inside the package (piper_plan/_home/), else the checkout (whose missing folder
+    is then named). Not models/ alone: site-packages may hold another project's top-level models/."""
     package = Path(__file__).resolve().parent
-    if (package.parent / "models").is_dir() or not (package / SHIPPED_HOME).is_dir():
+    if in_checkout() or not (package / SHIPPED_HOME).is_dir():
         return package.parent
     return package / SHIPPED_HOME
+
+
+@functools.cache
+def in_checkout() -> bool:
+    """Whether piper runs from its source checkout (pyproject.toml and models/ beside the package), not a wheel."""
+    root = Path(__file__).resolve().parent.parent
+    return (root / "pyproject.toml").is_file() and (root / "models").is_dir()
+
+
+def report_root() -> Path:
+    """Where a report's default path (docs/...) is: the checkout's root, else the working directory (a wheel's
+    package is no place for a user's reports)."""
+    return project_root() if os.environ.get("PIPER_HOME") or in_checkout() else Path.cwd()
 
 
 def models_dir() -> Path:

@@ -75,3 +75,18 @@ def test_an_installed_wheel_plans_from_another_directory_with_its_calibration(in
     checked = piper(site, tmp_path, "validate", "--dataset", "korthikanti-a100")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert not list(tmp_path.iterdir()), "piper wrote into the directory it ran in"
+
+
+def test_an_installed_wheel_keeps_to_its_catalog_and_writes_reports_where_it_runs(installed, tmp_path):
+    """Another project's top-level models/ in site-packages is not piper's checkout (the catalog stayed the wheel's
+    own); a report's default path is the working directory's docs/, not the installed package."""
+    _, site = installed
+    (site / "models").mkdir(exist_ok=True)
+    try:
+        shown = piper(site, tmp_path, "platforms", "--json")
+        assert shown.returncode == 0 and "frontier" in shown.stdout, shown.stderr
+    finally:
+        (site / "models").rmdir()
+    halo = piper(site, tmp_path, "reproduce", "halo")
+    assert halo.returncode == 0, halo.stderr
+    assert (tmp_path / "docs" / "halo.md").is_file() and not (site / "piper_plan" / "_home" / "docs").exists()

@@ -45,7 +45,7 @@ from piper_plan.search.report import explain_json, nothing_fits_json, plan_rows,
               help="Context-parallel degrees to search, e.g. 1,2,4 (default: 1, and 2, 4, 8 from 16k-token sequences).")
 @click.option("--virtual-stages", "vp_text", default=None,
               help="Model chunks per rank to try with the interleaved schedule, e.g. 2,4,6 (default: 2,3,4; 2 under "
-                   "--strategy piper).")
+                   "--strategy piper; one chunk per rank is 1F1B, searched as its own schedule).")
 @click.option("--expert-tp", is_flag=True,
               help="Also search expert tensor parallelism etp > 1 (piper's runtime runs etp = 1 only).")
 @click.option("--top", type=AsciiInt(min=0), default=10, show_default=True, help="Plans to show (0 = all).")
@@ -80,7 +80,7 @@ def plan_cmd(ctx, model_name, platform_name, mtp_layers, capacity_factor, nodes_
                                              dtype=dtypes[0], fp8_recipe=recipe.get(dtypes[0]),
                                              capacity_factor=capacity_factor, **state)
     options = search_options(strategy, a2a, memory_headroom, expert_tp, parse_degrees(cp_text, "--cp"),
-                             parse_degrees(vp_text, "--virtual-stages"))
+                             parse_degrees(vp_text, "--virtual-stages", least=2))
     kwargs = search_kwargs(platform, placement, runnable, dropout, recompute_modules, cost_option)
     counts = within_platform(_node_counts(nodes_text, min_nodes), nodes_text, platform)
     searching = diagnostics().status(f"searching {model.name} on {platform.name}")
@@ -201,23 +201,21 @@ def search_options(strategy: str, a2a: str, memory_headroom: float, expert_tp: b
 
     if not 0.0 <= memory_headroom < 1.0:
         raise PiperError(f"memory headroom {memory_headroom}; allowed 0 <= h < 1", field="--memory-headroom")
-    if virtual_stages is not None and min(virtual_stages) < 2:
-        raise PiperError(f"{','.join(map(str, virtual_stages))}; allowed: chunk counts >= 2 (one chunk per rank is "
-                         "1F1B, searched as its own schedule)", field="--virtual-stages")
     return SearchOptions(strategy=strategy, a2a=a2a, memory_headroom=memory_headroom, expert_tp=expert_tp, cp=cp,
                          virtual_stages=virtual_stages)
 
 
-def parse_degrees(text: str | None, field: str) -> tuple[int, ...] | None:
-    """'1,2,4' -> (1, 2, 4) for the list option ``field``; None keeps the default space."""
+def parse_degrees(text: str | None, field: str, least: int = 1) -> tuple[int, ...] | None:
+    """'1,2,4' -> (1, 2, 4) for the list option ``field``, each at least ``least``; None keeps the default space."""
     if text is None:
         return None
     try:
         values = tuple(ascii_int(part) for part in text.split(","))
     except ValueError:
         values = ()
-    if not values or min(values) < 1:
-        raise PiperError(f"{text!r}; allowed: comma-separated degrees >= 1, e.g. 1,2,4", field=field)
+    if not values or min(values) < least:
+        example = ",".join(str(least * k) for k in (1, 2, 4))
+        raise PiperError(f"{text!r}; allowed: comma-separated whole numbers >= {least}, e.g. {example}", field=field)
     return values
 
 

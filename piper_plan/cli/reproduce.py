@@ -48,16 +48,17 @@ def _written_by_us(readme: Path) -> bool:
 @reproduce_group.command("paper", epilog=exit_codes())
 @click.option("--platform", "platform_name", default="frontier", show_default=True,
               help="The paper's own platform unless you name another.")
-@out_dir_option("out_dir", "Output directory (default docs/paper/ of the project).", old=("--out",))
+@out_dir_option("out_dir", "Output directory (default docs/paper/ of the project; of the working directory where "
+                "piper was installed from a wheel).", old=("--out",))
 @click.option("--no-calibration", is_flag=True, help="Ignore calibration/<platform>/ (roofline fallback).")
 @json_option(help="Machine-readable rows on stdout.")
 def paper_cmd(platform_name, out_dir, no_calibration, as_json) -> None:
     """Every table of the paper the model can speak to, beside the paper's numbers."""
     from piper_plan import reproduce as rp
-    from piper_plan.catalog import load_platform, project_root
+    from piper_plan.catalog import load_platform, report_root
     from piper_plan.fileio import atomic_write_text, check_folder_path
 
-    out = Path(out_dir) if out_dir is not None else project_root() / "docs" / "paper"
+    out = Path(out_dir) if out_dir is not None else report_root() / "docs" / "paper"
     check_folder_path(out, "--out-dir")                 # before seconds of computing, not after
     _check_targets([out / "README.md"] + ([out / "halo.png"] if rp.have_matplotlib() else []))
     readme = out / "README.md"
@@ -77,7 +78,8 @@ def paper_cmd(platform_name, out_dir, no_calibration, as_json) -> None:
 @reproduce_group.command("halo", epilog=exit_codes())
 @click.option("--platform", "platform_name", default="frontier", show_default=True,
               help="The paper's own platform unless you name another.")
-@output_option("out_file", "Markdown file (default docs/halo.md of the project; the PNG goes beside it).",
+@output_option("out_file", "Markdown file (default docs/halo.md of the project, or of the working directory where "
+               "piper was installed from a wheel; the PNG goes beside it).",
                old=("--out",))
 @click.option("--calibration/--no-calibration", "use_calibration", default=False, show_default=True,
               help="Use calibration/<platform>/ collective rows (off: alpha-beta per scope, consistent across sizes).")
@@ -85,10 +87,10 @@ def paper_cmd(platform_name, out_dir, no_calibration, as_json) -> None:
 def halo_cmd(platform_name, out_file, use_calibration, as_json) -> None:
     """Modelled flat vs HALO all-to-all time and speedup for 1..512 nodes."""
     from piper_plan import reproduce as rp
-    from piper_plan.catalog import load_platform, project_root
+    from piper_plan.catalog import load_platform, report_root
     from piper_plan.fileio import atomic_write_text
 
-    path = Path(out_file) if out_file else project_root() / "docs" / "halo.md"
+    path = Path(out_file) if out_file else report_root() / "docs" / "halo.md"
     if path.suffix.lower() == ".png":   # the Markdown and its plot would be one file
         raise PiperError("give the Markdown report's name (report.md); its PNG goes beside it with the suffix .png",
                          path=str(path), field="-o")

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from piper_plan.cli.common import console, exit_codes, json_option, print_json
+from piper_plan.cli.common import exit_codes, json_option, print_json
 from piper_plan.errors import PiperError
+from piper_plan.rundir import LOCK_FILE
 
 
 JOB_DIR_MARKS = ("job.sbatch", "plan.json")
@@ -18,8 +19,8 @@ JOB_DIR_MARKS = ("job.sbatch", "plan.json")
 
 def run_dir_of(base: Path) -> Path:
     """The run directory a --dir names: a job directory's run/, or a run directory itself (`piper run --out-dir`
-    writes metrics.jsonl there; a job directory holds it under run/)."""
-    if not (base / "job.sbatch").is_file() and (base / "metrics.jsonl").is_file():
+    writes metrics.jsonl there, and holds its lock file from its start; a job directory holds it under run/)."""
+    if not (base / "job.sbatch").is_file() and any((base / name).is_file() for name in ("metrics.jsonl", LOCK_FILE)):
         return base
     return base / "run"
 
@@ -67,7 +68,8 @@ def _summary(path: Path) -> dict | str | None:
 
 def _run_state(run_dir: Path, run: dict) -> str:
     """running (a local `piper run` holds the directory), finished / checkpointed / failed (its summary's exit
-    code), stopped (steps but no summary: killed before its end), or not started."""
+    code), without a summary yet (steps but no summary: a Slurm job's ranks, which take no lock, still running, or
+    a run killed before its end), or not started."""
     from piper_plan.errors import EXIT_REQUEUE
     from piper_plan.rundir import is_held
 
@@ -77,7 +79,9 @@ def _run_state(run_dir: Path, run: dict) -> str:
     if isinstance(summary, dict):
         code = summary.get("exit_code")
         return "finished" if code == 0 else "checkpointed" if code == EXIT_REQUEUE else f"failed (exit {code})"
-    return "stopped before its summary" if run["steps_logged"] or run["checkpoint"] else "not started"
+    if run["steps_logged"] or run["checkpoint"]:   # a Slurm job's ranks hold no lock: running there, or stopped
+        return "without a summary yet (still running under Slurm, or stopped before its end)"
+    return "not started"
 
 
 def _last_record(lines: list[str]) -> dict | None:
@@ -122,7 +126,7 @@ def status_cmd(job_id: str | None, job_dir: str | None, as_json: bool) -> None:
 
 def _checked_dir(job_dir: str) -> Path:
     base = Path(job_dir)
-    if not any((base / name).is_file() for name in (*JOB_DIR_MARKS, "metrics.jsonl")):
+    if not any((base / name).is_file() for name in (*JOB_DIR_MARKS, "metrics.jsonl", LOCK_FILE)):
         raise PiperError(f"{job_dir!r} is not a piper job directory: it holds none of {', '.join(JOB_DIR_MARKS)} "
                          "(`piper launch --out-dir` writes them) nor a run's metrics.jsonl", field="--dir")
     return base
@@ -137,18 +141,18 @@ def _show(job_id: str | None, base: Path, info: dict | None, as_json: bool) -> N
     if as_json:
         print_json(result)
         return
-    c, run = console(), result["run"]
+    run = result["run"]          # plain lines, never wrapped at the terminal's width: a path stays one to copy
     if job_id is None:
-        c.print(_without_job_line(base, run["state"]), markup=False)
+        click.echo(_without_job_line(base, run["state"]))
     elif result["state"] is None:
-        c.print(f"job {job_id}: not known to Slurm (finished long ago?)", markup=False)
+        click.echo(f"job {job_id}: not known to Slurm (finished long ago?)")
     else:
-        c.print(f"job {job_id}: {result['state']} (reason {result['reason']}, nodes {result['nodes']}, "
-                f"restarts {result['restarts']})", markup=False)
-    c.print(f"run {run['run_dir']}: {run['steps_logged']} steps logged, last {run['last']}, "
-            f"checkpoint {run['checkpoint']}", markup=False)
+        click.echo(f"job {job_id}: {result['state']} (reason {result['reason']}, nodes {result['nodes']}, "
+                   f"restarts {result['restarts']})")
+    click.echo(f"run {run['run_dir']}: {run['steps_logged']} steps logged, last {run['last']}, "
+               f"checkpoint {run['checkpoint']}")
     if run["summary"] is not None:
-        c.print(f"summary: {_summary_line(run['summary'])}", markup=False)
+        click.echo(f"summary: {_summary_line(run['summary'])}")
 
 
 def _without_job_line(base: Path, state: str) -> str:

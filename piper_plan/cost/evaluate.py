@@ -151,21 +151,18 @@ def pricing_sources(platform, training, calibration=None, opts=None) -> dict[str
 def host_source(platform, calibration=None, opts=None) -> str:
     """How the host's work is priced: piper's runtime's overhead measured into the calibration (overhead.csv, where
     cost/overhead.py priced_overhead takes it: on a GPU a floor under the step, cost/batch.py host_floor; on a CPU
-    added to the compute), and per GEMM call (cost/overhead.py host_floor_terms), or that it is not."""
+    added to the compute), else per GEMM call (cost/overhead.py host_floor_terms), or that it is not."""
     from piper_plan.calibration.curves import shown_path
     from piper_plan.cost.options import CostOptions
     from piper_plan.cost.overhead import priced_overhead
 
-    parts = []
-    if priced_overhead(calibration, platform, opts or CostOptions()) is not None:
+    if priced_overhead(calibration, platform, opts or CostOptions()) is not None:    # it alone (cost/terms.py)
         how = "added to the compute" if platform.launch.device == "cpu" else "the step waits for the longer of host " \
             "and device"
-        parts.append(f"the runtime's overhead measured in {shown_path(calibration.directory / 'overhead.csv')} ({how})")
+        return f"the runtime's overhead measured in {shown_path(calibration.directory / 'overhead.csv')} ({how})"
     per_call_s = platform.efficiency.host_s_per_gemm_call
     if per_call_s > 0:
-        parts.append(f"{per_call_s * 1e6:.1f} us per GEMM call (efficiency.host_s_per_gemm_call)")
-    if parts:
-        return "; ".join(parts)
+        return f"{per_call_s * 1e6:.1f} us per GEMM call (efficiency.host_s_per_gemm_call)"
     return f"not priced: {platform.name} has no efficiency.host_s_per_gemm_call (host work assumed hidden)"
 
 

@@ -102,7 +102,7 @@ def test_import_writes_json_to_a_json_file_and_never_over_its_input(tmp_path):
     config.write_bytes((FIXTURES / "qwen3-30b-a3b.json").read_bytes())
     before = config.read_bytes()
     result = run("model", "import", str(config), "-o", str(config), "--force")
-    assert_user_error(result, str(config), "is also this command's config input")
+    assert_user_error(result, str(config), "is also this command's CONFIG input")
     assert config.read_bytes() == before
 
 

@@ -304,7 +304,8 @@ def test_status_of_a_local_run_needs_no_job_id_and_asks_no_slurm(tmp_path, monke
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.5}\n{"step": 2, "loss": 9.25}\n')
     shown = run("status", "--dir", run_dir)
     assert shown.exit_code == 0, shown.output
-    assert shown.stdout.startswith(f"{run_dir}: run stopped before its summary (a run directory; no Slurm job id")
+    assert shown.stdout.startswith(f"{run_dir}: run without a summary yet (still running under Slurm, or stopped "
+                                   "before its end) (a run directory; no Slurm job id")
     assert "2 steps logged" in shown.stdout and "sbatch" not in shown.output
     (run_dir / "summary.json").write_text(json.dumps({"steps": 2, "final_loss": 9.25, "exit_code": 0}))
     result = run("status", "--dir", run_dir, "--json")
@@ -314,6 +315,23 @@ def test_status_of_a_local_run_needs_no_job_id_and_asks_no_slurm(tmp_path, monke
     assert report["run"]["summary"]["final_loss"] == 9.25 and report["run"]["steps_logged"] == 2
     assert "summary: exit_code 0, steps 2, final_loss 9.25" in run("status", "--dir", run_dir).stdout
     assert not asked.exists()
+
+
+def test_status_of_a_run_that_holds_only_its_lock_yet(tmp_path, monkeypatch):
+    """A local `piper run` writes its lock file first and metrics.jsonl at its first step (seconds later): status
+    said "is not a piper job directory" in between."""
+    from piper_plan.rundir import hold_run_dir
+
+    monkeypatch.setenv("PATH", _asking_slurm(tmp_path)[0])
+    run_dir = tmp_path / "starting"
+    run_dir.mkdir()
+    fd = hold_run_dir(run_dir, launcher=True)
+    try:
+        shown = run("status", "--dir", run_dir, "--json")
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.stdout)["run"]["state"] == "running"
+    finally:
+        os.close(fd)
 
 
 def test_status_without_a_job_id_says_each_state_of_a_run(tmp_path, monkeypatch):

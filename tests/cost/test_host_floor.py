@@ -83,8 +83,11 @@ def test_the_runtimes_measured_host_replaces_megatrons_per_call_constant():
     plan = ParallelPlan(dp=4, tp=4, pp=16, ep=8, zero=1, num_microbatches=256)
     training = TrainingSpec(seq_len=1024, global_batch=1024)
     calibration = platform_calibration("h200")
-    runtime = estimate(model, platform, training, 32, plan, calibration=calibration,
-                       options=CostOptions(unfused_kernels=True)).time.breakdown
-    megatron = estimate(model, platform, training, 32, plan, calibration=calibration).time.breakdown
+    as_run = estimate(model, platform, training, 32, plan, calibration=calibration,
+                      options=CostOptions(unfused_kernels=True))
+    as_megatron = estimate(model, platform, training, 32, plan, calibration=calibration)
+    runtime, megatron = as_run.time.breakdown, as_megatron.time.breakdown
     assert "host/framework" in runtime and runtime.get("host/launch", 0) == 0     # before: 58.5 s of host/launch
     assert megatron["host/launch"] > 0 and megatron.get("host/framework", 0) == 0
+    assert "overhead.csv" in as_run.sources.host and "per GEMM call" not in as_run.sources.host    # what it says
+    assert as_megatron.sources.host.endswith("us per GEMM call (efficiency.host_s_per_gemm_call)")
