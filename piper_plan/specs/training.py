@@ -81,6 +81,13 @@ class TrainingSpec(Spec):
                              "wider (fp32 main gradients)")
         return self
 
+    @model_validator(mode="after")
+    def _master_copy_only_under_narrower_weights(self) -> "TrainingSpec":
+        if self.master_bytes and self.weight_bytes >= 4:
+            raise ValueError(f"master_bytes={self.master_bytes} with 4-byte weights (weight_bytes={self.weight_bytes}, "
+                             f"dtype {self.dtype}): fp32 weights are their own master copy; allowed: master_bytes 0")
+        return self
+
     @classmethod
     def for_device(cls, device: str, **fields) -> "TrainingSpec":
         """Defaults for the platform's device type: mixed precision on GPUs (bf16 weights and gradients, fp32

@@ -340,3 +340,11 @@ def test_a_published_runs_training_block_can_be_stated_on_the_command_line(tmp_p
                                    "--dtype", "bf16", "--master-bytes", "2", "-o", str(tmp_path / "q.json")])
     assert two.exit_code == 0, two.output
     assert json.loads((tmp_path / "q.json").read_text())["training"]["master_bytes"] == 2
+
+
+def test_a_master_copy_of_fp32_weights_is_refused():
+    """local-cpu trains in fp32 (4-byte weights, no master copy): --master-bytes 2 there was accepted and priced."""
+    done = CliRunner().invoke(cli, ["estimate", "--model", "tiny-moe", "--platform", "local-cpu", "--nodes", "1",
+                                    "--dp", "2", "--master-bytes", "2"])
+    assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
+    assert "master_bytes=2 with 4-byte weights" in done.stderr and "allowed: master_bytes 0" in done.stderr
