@@ -252,6 +252,9 @@ def _refuse_overwriting_inputs(params: dict, dest: str, flag: str) -> None:
     if out is not None and (not str(out).strip() or str(out).endswith(("/", "\\"))):
         raise PiperError(f"{out!r} names no file (empty, or a folder's path ending in a separator); give a file name",
                          field=flag)
+    if out is not None and str(out) == "-":     # not stdout: that is the command's result (--json puts it there)
+        raise PiperError("'-' names no file here (stdout carries the command's result; --json prints it there); give "
+                         "a file name", field=flag)
     if not out:
         return
     for name, other in OUTPUT_FLAGS.items():
