@@ -115,8 +115,8 @@ def lm_head_params(model: ModelSpec) -> int:
     (an untied head is among those parameters already). PaLM counts it so (its embedding is shared; its reported
     46.2% MFU, 540B at 238.3K tokens/s on 6,144 TPU v4, needs the shared matrix in N: Chowdhery et al. 2022,
     appendix B), and Megatron-LM's num_floating_point_operations adds the logits' 6 V d for every model. Before,
-    a tied model's MFU left it out (gpt-22b -1.3%, switch-base -13%)."""
-    return (model.vocab_size or 0) * model.hidden_size if model.tie_embeddings else 0
+    a tied model's MFU left it out (gpt-22b -1.3%, switch-base -13%). The count is cost/params.py's tied_head."""
+    return layer_params(model).tied_head
 
 
 def mtp_forward_flops(model: ModelSpec, seq_len: int) -> float:

@@ -47,7 +47,7 @@ def gemm_input_bytes(training: TrainingSpec, opts: CostOptions) -> float:
 def unfused_norm_bytes(tokens, d, ab, sp, opts):
     """What an unfused RMSNorm keeps beyond its input: the normalised input and one fp32 rstd per token
     (PyTorch's composite rms_norm backward); 0 with fused kernels."""
-    return (tokens * d * ab + tokens * 4) / sp if opts.unfused_kernels else 0.0
+    return (tokens * d * ab + tokens * RSTD_BYTES) / sp if opts.unfused_kernels else 0.0
 
 
 def gathered_input_bytes(tokens, d, ab, sp, opts):
